@@ -1,0 +1,47 @@
+"""idemmail-celery: side-effecting Celery tasks, above all email sends, exactly once per intent.
+
+::
+
+    from idemmail_celery import IdempotentTask
+
+    @app.task(base=IdempotentTask, idempotency_key=("to", "order_id"))
+    def send_confirmation(to, order_id):
+        ...
+"""
+
+from __future__ import annotations
+
+from .config import Settings
+from .errors import (
+    AmbiguousSendError,
+    ConfigurationError,
+    IdemmailError,
+    IdempotencyInFlightError,
+    IdempotencyKeyError,
+    IdempotencyKeyReuseError,
+    IllegalTransitionError,
+    LedgerError,
+    LedgerUnavailableError,
+    PermanentSendError,
+    RecordNotFoundError,
+    SendError,
+    SendNeedsReview,
+    StaleTokenError,
+    TransientSendError,
+    UnknownLedgerSchemeError,
+    UnsafeLedgerError,
+    UnserializableArgumentsError,
+)
+from .ledger import ClaimStatus, Ledger, Record, State, from_url
+from .task import IdempotentTask
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AmbiguousSendError", "ClaimStatus", "ConfigurationError", "IdemmailError",
+    "IdempotencyInFlightError", "IdempotencyKeyError", "IdempotencyKeyReuseError",
+    "IdempotentTask", "IllegalTransitionError", "Ledger", "LedgerError", "LedgerUnavailableError",
+    "PermanentSendError", "Record", "RecordNotFoundError", "SendError", "SendNeedsReview",
+    "Settings", "StaleTokenError", "State", "TransientSendError", "UnknownLedgerSchemeError",
+    "UnsafeLedgerError", "UnserializableArgumentsError", "from_url", "__version__",
+]

@@ -1,0 +1,157 @@
+"""The exception tree of idemmail-celery.
+
+Every error the library raises derives from :class:`IdemmailError`, so a caller
+can catch at the level it cares about. Names say what happened; docstrings say
+what the caller should do about it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IdemmailError(Exception):
+    """Base class of every error raised by idemmail-celery."""
+
+
+# -- configuration and input: raised in the caller's process, before enqueueing --
+
+
+class ConfigurationError(IdemmailError):
+    """A setting or task option is wrong. Fix the configuration; nothing was enqueued."""
+
+
+class UnknownLedgerSchemeError(ConfigurationError):
+    """The ledger URL names a scheme no ledger backend registers."""
+
+
+class UnsafeLedgerError(ConfigurationError):
+    """The ledger store is configured in a way that could silently reopen keys.
+
+    For example a Redis server whose ``maxmemory-policy`` evicts keys: an evicted
+    ``sent`` record turns the next duplicate into a second send.
+    """
+
+
+class IdempotencyKeyError(IdemmailError):
+    """The intent key cannot be derived from the task call (missing field, bad value).
+
+    Raised at ``delay()``/``apply_async()`` time, before anything is enqueued.
+    """
+
+
+class UnserializableArgumentsError(IdempotencyKeyError):
+    """The task arguments do not survive the task serializer's round trip."""
+
+
+class IdempotencyKeyReuseError(IdemmailError):
+    """A key was reused with different values in fields the task marks as must-match.
+
+    Like an API that rejects a reused idempotency key with other parameters: the
+    first payload stays the one that counts, and this duplicate is refused.
+    """
+
+    def __init__(self, message: str, *, key: str = "", fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.key = key
+        self.fields = fields
+
+
+# -- ledger --
+
+
+class LedgerError(IdemmailError):
+    """Base class of ledger errors."""
+
+
+class LedgerUnavailableError(LedgerError):
+    """The ledger store cannot be reached. Tasks fail closed: they retry, nothing is sent."""
+
+
+class StaleTokenError(LedgerError):
+    """A transition was attempted with a fencing token that no longer holds the claim.
+
+    The caller's lease expired and another worker reclaimed the intent; the
+    newer holder's record wins.
+    """
+
+
+class RecordNotFoundError(LedgerError, KeyError):
+    """No ledger record exists for the key."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class IllegalTransitionError(LedgerError):
+    """An operator asked for a state change the state machine does not allow."""
+
+
+# -- outcomes of a send, raised by task bodies and replayed to duplicates --
+
+
+class SendError(IdemmailError):
+    """Base class of outcomes a task body reports about its side effect.
+
+    ``reason`` is a short machine-readable word (``"invalid_recipient"``,
+    ``"auth"``, ``"retries_exhausted"``...) stored in the ledger and replayed.
+    """
+
+    def __init__(self, message: str = "", *, reason: str = "", key: str = "", **details: Any) -> None:
+        super().__init__(message or reason or type(self).__name__)
+        self.reason = reason or "unspecified"
+        self.key = key
+        self.details = details
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Celery pickles or JSON-encodes task exceptions; keep the keyword arguments.
+        return (_rebuild_send_error, (type(self), str(self), self.reason, self.key, self.details))
+
+
+def _rebuild_send_error(cls: type[SendError], message: str, reason: str, key: str, details: dict[str, Any]) -> SendError:
+    return cls(message, reason=reason, key=key, **details)
+
+
+class PermanentSendError(SendError):
+    """The side effect failed for good (a rejected recipient, a malformed message).
+
+    Recorded as ``failed``; every duplicate gets this same error back; never retried.
+    """
+
+
+class TransientSendError(SendError):
+    """The side effect failed and it is known that nothing left the process.
+
+    The claim is released and the task retried with backoff, within the task's
+    ``max_retries``; when they run out the intent is parked as ``failed`` with
+    reason ``retries_exhausted`` and its stored payload, ready to re-enqueue.
+    """
+
+
+class AmbiguousSendError(SendError):
+    """The side effect may or may not have happened (a timeout after the request was written).
+
+    If the task carries the key downstream (``idempotency_carries_key=True``) it is
+    retried with the same key; otherwise the intent is parked for review.
+    """
+
+
+class SendNeedsReview(SendError):
+    """The intent's outcome cannot be known; it is parked as ``review`` for a person.
+
+    Never retried automatically: resolve it with the ledger API or the CLI.
+    """
+
+
+class IdempotencyInFlightError(IdemmailError):
+    """Another worker still holds a live claim on this intent after the in-flight budget ran out.
+
+    The holder's own delivery (``acks_late``) still carries the intent, so
+    nothing is lost; this copy gives up.
+    """
+
+
+SEND_ERRORS: dict[str, type[SendError]] = {
+    cls.__name__: cls
+    for cls in (SendError, PermanentSendError, TransientSendError, AmbiguousSendError, SendNeedsReview)
+}

@@ -1,0 +1,287 @@
+"""Intent keys and payload fingerprints.
+
+An *intent* is what a task call means ("send the confirmation for order 4821 to
+ann@example.com"), as opposed to a message or a task id, of which one intent may
+have many. The intent key is a digest of that meaning:
+
+1. the arguments are bound to the task's signature (so positional and keyword
+   calls, and defaults, agree) and passed through the task serializer's round
+   trip (so tuples become lists in the caller exactly as they do in the worker);
+2. the declared fields are picked (all bound arguments when none are declared),
+   email addresses are normalised (display names dropped, domain lower-cased,
+   recipient lists de-duplicated and sorted);
+3. the values are written as canonical JSON (sorted keys, no whitespace) inside
+   a namespace of task name, tenant and version;
+4. that text is digested with HMAC-SHA256 under ``idemmail_key_secret``, or
+   plain SHA-256 when no secret is set (then a key can be brute-forced back to
+   a guessable address and order id: set a secret in production).
+
+The key is 64 lower-case hex characters and carries no raw argument values.
+Changing anything in this module changes keys, which would re-send everything
+in flight after an upgrade: ``tests/test_keys.py`` pins golden vectors.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import decimal
+import hashlib
+import hmac
+import inspect
+import json
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from email.utils import getaddresses
+from typing import Any
+
+from kombu.exceptions import KombuError
+from kombu.serialization import dumps as kombu_dumps
+from kombu.serialization import loads as kombu_loads
+from kombu.utils.json import dumps as json_dumps
+from kombu.utils.json import loads as json_loads
+
+from .errors import IdempotencyKeyError, UnserializableArgumentsError
+
+#: What a task may declare as ``idempotency_key``: nothing (all bound arguments),
+#: argument names, or a function of ``(args, kwargs)`` returning a string.
+KeySpec = Sequence[str] | Callable[[tuple[Any, ...], dict[str, Any]], str] | None
+
+#: Names of arguments treated as email addresses when a task declares none.
+DEFAULT_ADDRESS_FIELDS: tuple[str, ...] = ("to", "cc", "bcc", "reply_to", "from_", "sender")
+
+_NAMESPACE = "idemmail/1"
+
+
+def round_trip(value: Any, serializer: str) -> Any:
+    """Return ``value`` as the worker will see it after the task serializer's round trip."""
+    try:
+        content_type, encoding, data = kombu_dumps(value, serializer=serializer)
+        return kombu_loads(data, content_type, encoding, accept={content_type})
+    except (KombuError, TypeError, ValueError) as exc:
+        raise UnserializableArgumentsError(
+            f"task arguments cannot be serialized with {serializer!r}: {exc}"
+        ) from exc
+
+
+def _json_default(value: Any) -> Any:
+    # Types kombu's JSON serializer carries natively; written in one stable textual form.
+    if isinstance(value, (_dt.datetime, _dt.date, _dt.time)):
+        return value.isoformat()
+    if isinstance(value, (decimal.Decimal, uuid.UUID)):
+        return str(value)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).hex()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=canonical_json)
+    raise TypeError(f"{type(value).__name__} has no canonical JSON form")
+
+
+def canonical_json(value: Any) -> str:
+    """Canonical JSON text of ``value``: sorted keys, no whitespace, UTF-8, no NaN."""
+    try:
+        return json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+            allow_nan=False, default=_json_default,
+        )
+    except (TypeError, ValueError) as exc:
+        raise UnserializableArgumentsError(f"value has no canonical JSON form: {exc}") from exc
+
+
+def normalize_address(text: str) -> str:
+    """``"Ann <Ann@Example.COM>"`` -> ``"Ann@example.com"`` (the local part is case-sensitive)."""
+    pairs = getaddresses([text])
+    addr = pairs[0][1] if len(pairs) == 1 and pairs[0][1] else text
+    addr = addr.strip()
+    local, at, domain = addr.rpartition("@")
+    return f"{local}@{domain.lower()}" if at else addr
+
+
+def normalize_addresses(value: Any) -> Any:
+    """Normalise one address or a list of them into a de-duplicated, sorted list.
+
+    Values that are not strings or lists of strings are returned unchanged.
+    """
+    if isinstance(value, str):
+        items: list[str] = [value]
+    elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+        items = value
+    else:
+        return value
+    found = {
+        normalize_address(addr if not name else f"{name} <{addr}>")
+        for name, addr in getaddresses(items)
+        if addr
+    }
+    return sorted(found)
+
+
+def digest(material: str, secret: bytes | None) -> str:
+    """HMAC-SHA256 of ``material`` under ``secret``; plain SHA-256 when there is none."""
+    data = material.encode("utf-8")
+    if secret:
+        return hmac.new(secret, data, hashlib.sha256).hexdigest()
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Payload:
+    """The arguments of one task call, after the serializer round trip."""
+
+    args: list[Any]
+    kwargs: dict[str, Any]
+
+    def to_json(self) -> str:
+        """JSON text for the ledger; kombu's encoder keeps datetimes, decimals and UUIDs typed."""
+        try:
+            return str(json_dumps({"args": self.args, "kwargs": self.kwargs}))
+        except (TypeError, ValueError) as exc:
+            raise UnserializableArgumentsError(
+                f"task arguments cannot be stored as JSON in the ledger: {exc}"
+            ) from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> Payload:
+        data = json_loads(text)
+        return cls(list(data["args"]), dict(data["kwargs"]))
+
+
+@dataclass(frozen=True)
+class IntentKeyBuilder:
+    """Derives intent keys and fingerprints for one task.
+
+    Built once per task from its options (see :class:`~idemmail_celery.IdempotentTask`);
+    ``derive()`` is what ``apply_async`` calls in the caller and the worker calls
+    when a message arrives without a key.
+    """
+
+    task_name: str
+    signature: inspect.Signature
+    spec: KeySpec = None
+    tenant_field: str | None = None
+    version: int = 1
+    address_fields: frozenset[str] = field(default_factory=frozenset)
+    must_match: tuple[str, ...] = ()
+    serializer: str = "json"
+    secret: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 1:
+            raise IdempotencyKeyError(f"{self.task_name}: idempotency_version must be an int >= 1")
+        params = self.signature.parameters
+        has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        declared = list(self.must_match)
+        if self.tenant_field:
+            declared.append(self.tenant_field)
+        if self.spec is not None and not callable(self.spec):
+            if isinstance(self.spec, str):
+                raise IdempotencyKeyError(
+                    f"{self.task_name}: idempotency_key must be a tuple of argument names, "
+                    f"not the string {self.spec!r} (did you mean ({self.spec!r},)?)"
+                )
+            if not self.spec:
+                raise IdempotencyKeyError(f"{self.task_name}: idempotency_key names no argument")
+            declared.extend(self.spec)
+        for name in declared:
+            if name not in params and not has_var_kw:
+                raise IdempotencyKeyError(
+                    f"{self.task_name}: idempotency option names {name!r}, which is not an "
+                    f"argument of the task (arguments: {', '.join(params) or 'none'})"
+                )
+
+    def payload(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> Payload:
+        """The call's arguments as the worker will receive them."""
+        rt = round_trip([list(args or ()), dict(kwargs or {})], self.serializer)
+        return Payload(list(rt[0]), dict(rt[1]))
+
+    def bound(self, payload: Payload) -> dict[str, Any]:
+        """Arguments by name, defaults applied, as the worker will see them."""
+        try:
+            ba = self.signature.bind(*payload.args, **payload.kwargs)
+        except TypeError as exc:
+            raise IdempotencyKeyError(
+                f"{self.task_name}: arguments do not match the task signature: {exc}"
+            ) from exc
+        ba.apply_defaults()
+        values = dict(ba.arguments)
+        for p in self.signature.parameters.values():
+            if p.kind is p.VAR_KEYWORD:  # **extra: flatten, so f(a=1) and f(**{"a": 1}) agree
+                values.update(values.pop(p.name, {}))
+        # Defaults never went through the serializer: send them through too.
+        return dict(round_trip(values, self.serializer))
+
+    def intent_values(self, payload: Payload) -> dict[str, Any]:
+        """The normalised values that make up the intent (everything except the namespace)."""
+        values = self.bound(payload)
+        if self.spec is None:
+            chosen = values
+        else:
+            missing = [n for n in self.spec if n not in values]  # type: ignore[union-attr]
+            if missing:
+                raise IdempotencyKeyError(
+                    f"{self.task_name}: key field(s) {', '.join(missing)} missing from the call"
+                )
+            chosen = {n: values[n] for n in self.spec}  # type: ignore[union-attr]
+        return {
+            name: normalize_addresses(v) if name in self.address_fields else v
+            for name, v in chosen.items()
+        }
+
+    def tenant_of(self, payload: Payload, header_tenant: str | None) -> str | None:
+        if header_tenant is not None:
+            return str(header_tenant)
+        if self.tenant_field:
+            value = self.bound(payload).get(self.tenant_field)
+            return None if value is None else str(value)
+        return None
+
+    def derive(
+        self,
+        payload: Payload,
+        *,
+        explicit: str | None = None,
+        tenant: str | None = None,
+    ) -> str:
+        """The intent key for one call.
+
+        ``explicit`` is a caller-chosen key (``apply_async(idempotency_key=...)``),
+        namespaced and digested like a derived one. ``tenant`` overrides the
+        task's tenant argument (the ``idempotency_tenant`` option/header).
+        """
+        tenant = self.tenant_of(payload, tenant)
+        body: dict[str, Any] = {"ns": _NAMESPACE, "task": self.task_name, "tenant": tenant, "v": self.version}
+        if explicit is not None:
+            if not isinstance(explicit, str) or not explicit:
+                raise IdempotencyKeyError(f"{self.task_name}: idempotency_key must be a non-empty str")
+            body["explicit"] = explicit
+        elif callable(self.spec):
+            made = self.spec(tuple(payload.args), dict(payload.kwargs))
+            if not isinstance(made, str) or not made:
+                raise IdempotencyKeyError(
+                    f"{self.task_name}: the idempotency_key function returned {type(made).__name__}, "
+                    "expected a non-empty str"
+                )
+            body["explicit"] = made
+        else:
+            body["intent"] = self.intent_values(payload)
+        return digest(canonical_json(body), self.secret)
+
+    def fingerprint(self, payload: Payload) -> str:
+        """Digest of the whole call, to tell a replayed payload from a rewritten one."""
+        return digest(canonical_json({"args": payload.args, "kwargs": payload.kwargs}), self.secret)
+
+    def mismatched_fields(self, first: Payload, later: Payload) -> tuple[str, ...]:
+        """Must-match fields whose values differ between the first call and a later one."""
+        if not self.must_match:
+            return ()
+        a, b = self.bound(first), self.bound(later)
+        return tuple(
+            n for n in self.must_match if canonical_json(a.get(n)) != canonical_json(b.get(n))
+        )
+
+
+def address_fields_for(signature: inspect.Signature, declared: Iterable[str] | None) -> frozenset[str]:
+    """The argument names to normalise as addresses: as declared, or the usual names present."""
+    if declared is not None:
+        return frozenset(declared)
+    return frozenset(n for n in DEFAULT_ADDRESS_FIELDS if n in signature.parameters)

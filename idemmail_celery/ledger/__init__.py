@@ -1,0 +1,67 @@
+"""Ledgers: where intent keys are claimed and outcomes recorded.
+
+Pick a backend by URL, as kombu picks a transport::
+
+    from idemmail_celery.ledger import from_url
+    ledger = from_url("redis://127.0.0.1:6379/0")
+    ledger = from_url("postgresql+psycopg://app@db/app", table="idemmail_ledger")
+    ledger = from_url("sqlite:///idemmail.sqlite3")
+
+A new backend subclasses :class:`Ledger` in its own module and registers its
+schemes with :func:`register_backend`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ..errors import ConfigurationError, UnknownLedgerSchemeError
+from .base import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
+
+__all__ = [
+    "Claim", "ClaimRequest", "ClaimStatus", "Ledger", "Record", "State",
+    "backend_for", "from_url", "register_backend",
+]
+
+_BACKENDS: dict[str, str] = {
+    "redis": "idemmail_celery.ledger.redis:RedisLedger",
+    "rediss": "idemmail_celery.ledger.redis:RedisLedger",
+    "sqlite": "idemmail_celery.ledger.sql:SQLLedger",
+    "postgresql": "idemmail_celery.ledger.sql:SQLLedger",
+    "postgres": "idemmail_celery.ledger.sql:SQLLedger",
+    "mysql": "idemmail_celery.ledger.sql:SQLLedger",
+    "mariadb": "idemmail_celery.ledger.sql:SQLLedger",
+}
+
+
+def register_backend(scheme: str, target: str) -> None:
+    """Serve URLs starting ``scheme://`` (or ``scheme+driver://``) with ``"module:Class"``."""
+    _BACKENDS[scheme.lower()] = target
+
+
+def _scheme(url: str) -> str:
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigurationError(f"ledger URL must look like scheme://...; got {url!r}")
+    return url.split("://", 1)[0].split("+", 1)[0].lower()
+
+
+def backend_for(url: str) -> type[Ledger]:
+    """The backend class for ``url``, without connecting. Raises on an unknown scheme."""
+    scheme = _scheme(url)
+    target = _BACKENDS.get(scheme)
+    if target is None:
+        known = ", ".join(sorted(_BACKENDS))
+        raise UnknownLedgerSchemeError(f"no ledger backend for {scheme!r}:// (known: {known})")
+    module, _, name = target.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    if not (isinstance(cls, type) and issubclass(cls, Ledger)):
+        raise ConfigurationError(f"{target} is not a Ledger subclass")
+    return cls
+
+
+def from_url(url: str, **options: Any) -> Ledger:
+    """Build the ledger for ``url``. Connects lazily, on first use."""
+    if url.startswith("postgres://"):
+        url = "postgresql" + url[len("postgres"):]
+    return backend_for(url)(url, **options)  # type: ignore[call-arg]

@@ -1,0 +1,286 @@
+"""The ledger contract: records, states, and the transitions every backend implements.
+
+A ledger maps an intent key to one :class:`Record`. Its states::
+
+                claim (new key)
+                     |
+                     v
+    released --> claimed --(complete)--> sent     (final; result replayed)
+        ^          |  |  \\--(fail)-----> failed   (final; error replayed)
+        |          |  |   \\-(park)-----> review   (final until a person resolves it)
+        +-(release)+  |
+                      +-- lease expired: reclaimed by the next claimer (new token)
+
+``sent`` and ``failed`` records expire after the retention period; ``claimed``,
+``released`` and ``review`` never expire by time, because an expiring record
+would silently reopen its key.
+
+Every transition out of ``claimed`` names the fencing token the caller got from
+its claim; a caller whose lease was taken over gets :class:`StaleTokenError`,
+with one exception that loses nothing: a late holder that did complete its side
+effect may still record ``sent`` over a ``review`` record, a ``released`` one, or
+a newer claim that has not finished, because that is the truth. It never
+overwrites another ``sent``.
+
+Backends implement the abstract methods with one atomic operation per
+transition; everything else lives here.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import secrets
+import socket
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..errors import IllegalTransitionError, RecordNotFoundError
+
+DEFAULT_LEASE_SECONDS = 300.0
+DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
+
+
+class State(str, enum.Enum):
+    """Where an intent stands. The only place state names are defined."""
+
+    CLAIMED = "claimed"
+    RELEASED = "released"
+    SENT = "sent"
+    FAILED = "failed"
+    REVIEW = "review"
+
+    @property
+    def is_final(self) -> bool:
+        """``sent``, ``failed`` and ``review`` end an attempt; duplicates replay them."""
+        return self in (State.SENT, State.FAILED, State.REVIEW)
+
+    @property
+    def expires(self) -> bool:
+        """Only ``sent`` and ``failed`` records get the retention TTL."""
+        return self in (State.SENT, State.FAILED)
+
+
+class ClaimStatus(str, enum.Enum):
+    """What a call to :meth:`Ledger.claim` found and did."""
+
+    ACQUIRED = "acquired"    # no record (or an expired final one): the caller holds a new claim
+    REOPENED = "reopened"    # a released claim: the caller holds it; run the stored payload
+    RECLAIMED = "reclaimed"  # a claim whose lease expired: the caller holds it with a new token
+    BUSY = "busy"            # another holder's lease is live: try later
+    DONE = "done"            # a final record: replay it
+
+    @property
+    def holds(self) -> bool:
+        return self in (ClaimStatus.ACQUIRED, ClaimStatus.REOPENED, ClaimStatus.RECLAIMED)
+
+
+@dataclass(frozen=True)
+class Record:
+    """One intent's ledger entry. Times are Unix epoch seconds (floats)."""
+
+    key: str
+    task_name: str
+    state: State
+    token: int
+    owner: str
+    lease_expires_at: float | None
+    attempts: int
+    reclaims: int
+    payload: str | None
+    fingerprint: str
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    expires_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly view (for the CLI and logs); ``payload`` is left out."""
+        return {
+            "key": self.key, "task_name": self.task_name, "state": self.state.value,
+            "token": self.token, "owner": self.owner, "lease_expires_at": self.lease_expires_at,
+            "attempts": self.attempts, "reclaims": self.reclaims, "fingerprint": self.fingerprint,
+            "result": self.result, "error": self.error, "created_at": self.created_at,
+            "updated_at": self.updated_at, "expires_at": self.expires_at,
+        }
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The answer to :meth:`Ledger.claim`: what happened, and the record as it now is."""
+
+    status: ClaimStatus
+    record: Record
+
+    @property
+    def token(self) -> int:
+        return self.record.token
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """What a claimer brings: who it is, what it would run, and for how long."""
+
+    key: str
+    task_name: str
+    payload: str
+    fingerprint: str
+    owner: str = field(default_factory=lambda: new_owner())
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+
+
+def default_owner() -> str:
+    """``host:pid`` of this process."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def new_owner(detail: str = "") -> str:
+    """A unique owner string for one claim: ``host:pid[:detail]:nonce``.
+
+    The nonce makes every claim's owner distinct, even two deliveries of the
+    same task id in one process, so a store can tell "my row" from "a row".
+    """
+    parts = [default_owner(), detail, secrets.token_hex(4)]
+    return ":".join(p for p in parts if p)
+
+
+def dumps_json(value: dict[str, Any] | None) -> str | None:
+    return None if value is None else json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def loads_json(text: str | bytes | None) -> dict[str, Any] | None:
+    if text is None or text == "" or text == b"":
+        return None
+    out = json.loads(text)
+    return out if isinstance(out, dict) else {"value": out}
+
+
+class Ledger(ABC):
+    """Base class of every ledger backend.
+
+    Construct one with :func:`idemmail_celery.ledger.from_url`. Instances are
+    safe to share between threads; after ``fork()`` a backend reconnects.
+    """
+
+    def __init__(self, *, retention_seconds: float = DEFAULT_RETENTION_SECONDS) -> None:
+        self.retention_seconds = float(retention_seconds)
+
+    # -- the hot path: one atomic operation each --
+
+    @abstractmethod
+    def claim(self, request: ClaimRequest) -> Claim:
+        """Claim ``request.key``, or report what holds it. Never blocks on another holder."""
+
+    @abstractmethod
+    def _finish(
+        self,
+        key: str,
+        token: int,
+        state: State,
+        *,
+        result: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> None:
+        """Move the claim held with ``token`` to ``state`` (sent/failed/review/released).
+
+        Implements the fencing rule in the module docstring atomically; raises
+        :class:`StaleTokenError` when it refuses, :class:`RecordNotFoundError`
+        when there is no record.
+        """
+
+    @abstractmethod
+    def renew(self, key: str, token: int, lease_seconds: float) -> bool:
+        """Extend the lease of a claim still held with ``token``. False if it is not."""
+
+    # -- reads and operator actions --
+
+    @abstractmethod
+    def get(self, key: str) -> Record | None:
+        """The record for ``key``, or None (an expired ``sent``/``failed`` record is None)."""
+
+    @abstractmethod
+    def iter_records(self, state: State | None = None) -> Iterator[Record]:
+        """All records, or those in ``state``, in no particular order."""
+
+    @abstractmethod
+    def _force(self, key: str, expected_token: int, new: Record) -> bool:
+        """Replace the record if its token is still ``expected_token`` (operator changes)."""
+
+    @abstractmethod
+    def purge_expired(self, now: float | None = None) -> int:
+        """Delete ``sent``/``failed`` records past retention; return how many went."""
+
+    @abstractmethod
+    def ping(self) -> None:
+        """Raise :class:`LedgerUnavailableError` if the store cannot be reached."""
+
+    def close(self) -> None:
+        """Release connections. The ledger reconnects if used again."""
+
+    # -- transitions, in words --
+
+    def complete(self, key: str, token: int, result: dict[str, Any]) -> None:
+        """``claimed`` -> ``sent`` with the side effect's result."""
+        self._finish(key, token, State.SENT, result=result)
+
+    def fail(self, key: str, token: int, error: dict[str, Any]) -> None:
+        """``claimed`` -> ``failed``: nothing was or will be sent; the error is replayed."""
+        self._finish(key, token, State.FAILED, error=error)
+
+    def park(self, key: str, token: int, error: dict[str, Any]) -> None:
+        """``claimed`` -> ``review``: the outcome cannot be known; a person decides."""
+        self._finish(key, token, State.REVIEW, error=error)
+
+    def release(self, key: str, token: int, error: dict[str, Any] | None = None) -> None:
+        """``claimed`` -> ``released``: nothing left the process; the next claim runs the stored payload."""
+        self._finish(key, token, State.RELEASED, error=error)
+
+    def resolve(
+        self,
+        key: str,
+        state: State | str,
+        *,
+        result: dict[str, Any] | None = None,
+        note: str = "",
+        actor: str = "",
+    ) -> Record:
+        """Operator decision on a record that is not live: ``review``/``failed``/``released``/expired claim.
+
+        ``state`` is ``sent`` (it did go out; ``result`` may carry the message id),
+        ``failed`` (it did not and must not), or ``released`` (it did not; let the
+        next claim send the stored payload). Who, when and why are kept in
+        ``error["resolution"]``. A live claim or a ``sent`` record cannot be changed.
+        """
+        target = State(state)
+        if target not in (State.SENT, State.FAILED, State.RELEASED):
+            raise IllegalTransitionError(f"cannot resolve to {target.value!r}")
+        record = self.get(key)
+        if record is None:
+            raise RecordNotFoundError(f"no ledger record for key {key}")
+        now = time.time()
+        live = record.state is State.CLAIMED and (record.lease_expires_at or 0) > now
+        if record.state is State.SENT or live:
+            raise IllegalTransitionError(
+                f"record {key} is {record.state.value}{' with a live lease' if live else ''}; "
+                "it cannot be resolved"
+            )
+        resolution = {"from": record.state.value, "to": target.value, "at": now,
+                      "by": actor or default_owner(), "note": note}
+        new = replace(
+            record,
+            state=target,
+            token=record.token + 1,
+            lease_expires_at=None,
+            result=result if target is State.SENT else record.result,
+            error={**(record.error or {}), "resolution": resolution},
+            updated_at=now,
+            expires_at=now + self.retention_seconds if target.expires else None,
+        )
+        if not self._force(key, record.token, new):
+            raise IllegalTransitionError(f"record {key} changed while resolving; look again")
+        return new

@@ -1,0 +1,469 @@
+"""``IdempotentTask``: the state machine that makes a task run once per intent.
+
+Read top to bottom, this module is the guarantee:
+
+* ``apply_async`` (caller's process) derives the intent key before anything is
+  enqueued and sends it as the ``idempotency_key`` header; bad input fails here.
+* ``__call__`` (worker) claims the key in the ledger, then by what the ledger says:
+
+  ===========================  ==============================================================
+  ledger answer                what happens
+  ===========================  ==============================================================
+  new key                      run the body, record ``sent`` with its result, return it
+  released claim               run the *stored first payload*, as above
+  ``sent``                     do not run; return the stored result (status ``duplicate``)
+  ``failed``                   do not run; raise the stored :class:`PermanentSendError`
+  ``review``                   do not run; raise :class:`SendNeedsReview`
+  live claim of another        reschedule with backoff (own budget), then replay
+  expired claim (holder died)  key carried downstream: run again with the same key and the
+                               stored payload; otherwise park as ``review``, do not send
+  ===========================  ==============================================================
+
+* what the body raises decides the record: :class:`TransientSendError` releases the
+  claim and retries; :class:`PermanentSendError` records ``failed``;
+  :class:`AmbiguousSendError` and any unexpected exception mean "maybe sent":
+  retried with the same key when the key travels downstream, parked as
+  ``review`` otherwise. Nothing is ever dropped: every exhausted budget parks
+  the record with its payload.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import inspect
+import logging
+import random
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from celery import Task
+from celery.exceptions import Retry
+
+from . import keys as keys_mod
+from ._lease import keeper
+from .config import Settings
+from .errors import (
+    SEND_ERRORS,
+    AmbiguousSendError,
+    ConfigurationError,
+    IdempotencyInFlightError,
+    IdempotencyKeyReuseError,
+    LedgerError,
+    LedgerUnavailableError,
+    PermanentSendError,
+    SendError,
+    SendNeedsReview,
+    StaleTokenError,
+    TransientSendError,
+)
+from .keys import IntentKeyBuilder, KeySpec, Payload
+from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State, backend_for, from_url
+from .ledger.base import new_owner
+
+log = logging.getLogger("idemmail_celery")
+
+KEY_HEADER = "idempotency_key"
+TENANT_HEADER = "idempotency_tenant"
+INFLIGHT_HEADER = "idemmail_inflight"
+OUTAGE_HEADER = "idemmail_outage"
+
+_ledgers: dict[tuple[str, str], Ledger] = {}
+_ledgers_lock = threading.Lock()
+_reported_unreachable: set[str] = set()
+_warned_no_secret = False
+
+
+def get_ledger(url: str, options: dict[str, Any] | None = None) -> Ledger:
+    """The process-wide ledger for ``url`` (one connection pool per URL and options)."""
+    cache_key = (url, repr(sorted((options or {}).items())))
+    with _ledgers_lock:
+        ledger = _ledgers.get(cache_key)
+        if ledger is None:
+            ledger = _ledgers[cache_key] = from_url(url, **(options or {}))
+        return ledger
+
+
+def backoff(attempt: int, base: float, cap: float) -> float:
+    """Exponential backoff with jitter: between half and all of ``min(cap, base * 2**attempt)``."""
+    ceiling = min(cap, base * (2 ** min(attempt, 30)))
+    return ceiling * random.uniform(0.5, 1.0)
+
+
+def _error_record(exc: BaseException, reason: str, state_type: type[SendError]) -> dict[str, Any]:
+    return {
+        "type": state_type.__name__,
+        "reason": reason,
+        "message": str(exc)[:500],
+        "cause": type(exc).__name__,
+        "at": time.time(),
+    }
+
+
+def _iso(ts: float | None) -> str | None:
+    return None if not ts else dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat()
+
+
+class IdempotentTask(Task):  # type: ignore[misc]
+    """Base class for tasks whose side effect must happen once per intent.
+
+    Use it as ``@app.task(base=IdempotentTask, idempotency_key=("to", "order_id"))``.
+
+    Task options (all optional):
+
+    ``idempotency_key``
+        Argument names that make up the intent, or a function
+        ``(args, kwargs) -> str``. Default: every bound argument.
+    ``idempotency_tenant``
+        Argument whose value namespaces the key (or pass ``idempotency_tenant=``
+        to ``apply_async``).
+    ``idempotency_version``
+        Bump it (default 1) to deliberately send every intent again.
+    ``idempotency_must_match``
+        Arguments a duplicate must repeat exactly; a differing duplicate raises
+        :class:`IdempotencyKeyReuseError` instead of replaying.
+    ``idempotency_address_fields``
+        Arguments normalised as email addresses (default: ``to``, ``cc``,
+        ``bcc``, ``reply_to``, ``from_``, ``sender`` where present).
+    ``idempotency_carries_key``
+        True if the body passes ``self.request.idempotency_key`` downstream to a
+        service that de-duplicates on it: then a crashed or ambiguous attempt
+        is safely retried instead of parked for review.
+
+    plus the per-task settings listed in :mod:`idemmail_celery.config`.
+
+    The body reads its key as ``self.request.idempotency_key``. Callers pass an
+    explicit key with ``apply_async(..., idempotency_key="order-4821:confirm")``.
+    Calling the task function directly (``task(...)``) runs the body without
+    the ledger, as Celery does for any task.
+    """
+
+    abstract = True
+    acks_late = True
+    reject_on_worker_lost = True
+
+    idempotency_key: KeySpec = None
+    idempotency_tenant: str | None = None
+    idempotency_version: int = 1
+    idempotency_must_match: Sequence[str] = ()
+    idempotency_address_fields: Sequence[str] | None = None
+    idempotency_carries_key: bool | None = None
+    idempotency_ledger_url: str | None = None
+    idempotency_lease_seconds: float | None = None
+    idempotency_max_reclaims: int | None = None
+    idempotency_inflight_max_retries: int | None = None
+    idempotency_fail_open: bool | None = None
+
+    _idem_settings: Settings | None = None
+    _idem_builder: IntentKeyBuilder | None = None
+
+    # -- configuration, resolved once per task --
+
+    @property
+    def idem_settings(self) -> Settings:
+        """This task's resolved :class:`~idemmail_celery.config.Settings`."""
+        if self._idem_settings is None:
+            self._idem_settings = Settings.resolve(self.app.conf, self)
+        return self._idem_settings
+
+    @property
+    def key_builder(self) -> IntentKeyBuilder:
+        """The :class:`~idemmail_celery.keys.IntentKeyBuilder` for this task."""
+        if self._idem_builder is None:
+            self._check_options()
+            signature = inspect.signature(self.run)
+            spec = self.idempotency_key
+            if isinstance(spec, list):
+                spec = tuple(spec)
+            self._idem_builder = IntentKeyBuilder(
+                task_name=self.name,
+                signature=signature,
+                spec=spec,
+                tenant_field=self.idempotency_tenant,
+                version=self.idempotency_version,
+                address_fields=keys_mod.address_fields_for(signature, self.idempotency_address_fields),
+                must_match=tuple(self.idempotency_must_match or ()),
+                serializer=self.serializer or self.app.conf.task_serializer or "json",
+                secret=self.idem_settings.key_secret,
+            )
+        return self._idem_builder
+
+    def _check_options(self) -> None:
+        global _warned_no_secret
+        settings = self.idem_settings
+        backend_for(settings.ledger_url)  # unknown scheme: raise now, in the caller
+        unsafe = [
+            exc for exc in (getattr(self, "autoretry_for", None) or ())
+            if not (isinstance(exc, type) and issubclass(exc, TransientSendError))
+        ]
+        if unsafe:
+            raise ConfigurationError(
+                f"{self.name}: autoretry_for={unsafe!r} would retry sends that may have gone out; "
+                "raise TransientSendError (retried) or AmbiguousSendError (made safe) instead"
+            )
+        if settings.key_secret is None and not _warned_no_secret:
+            _warned_no_secret = True
+            log.warning(
+                "idemmail: no idemmail_key_secret set; intent keys are plain SHA-256 and can be "
+                "brute-forced back to guessable arguments. Set idemmail_key_secret in production."
+            )
+
+    @property
+    def ledger(self) -> Ledger:
+        """The ledger this task claims in."""
+        s = self.idem_settings
+        return get_ledger(s.ledger_url, {"retention_seconds": s.retention_seconds, **s.ledger_options})
+
+    # -- the caller's side --
+
+    def intent_key(self, *args: Any, **kwargs: Any) -> str:
+        """The key ``apply_async(args, kwargs)`` would derive (for tests and operators)."""
+        return self.key_builder.derive(self.key_builder.payload(args, kwargs))
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        """Enqueue like Celery, with the intent key derived first and sent as a header.
+
+        Extra options: ``idempotency_key`` (an explicit key, namespaced and hashed
+        like a derived one) and ``idempotency_tenant``. Raises
+        :class:`~idemmail_celery.errors.IdempotencyKeyError` (and subclasses) or
+        :class:`~idemmail_celery.errors.ConfigurationError` before enqueueing.
+        """
+        explicit = options.pop("idempotency_key", None)
+        tenant = options.pop("idempotency_tenant", None)
+        headers = dict(options.get("headers") or {})
+        if explicit is not None or KEY_HEADER not in headers:  # a retry already carries its key
+            builder = self.key_builder
+            payload = builder.payload(args, kwargs)
+            payload.to_json()  # the ledger stores it: fail now if it cannot
+            headers[KEY_HEADER] = builder.derive(payload, explicit=explicit, tenant=tenant)
+            if tenant is not None:
+                headers[TENANT_HEADER] = str(tenant)
+        options["headers"] = headers
+        return super().apply_async(args, kwargs, **options)
+
+    # -- the worker's side --
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.called_directly:
+            return self.run(*args, **kwargs)
+        settings = self.idem_settings
+        builder = self.key_builder
+        headers = request.headers or {}
+        payload = Payload(list(args), dict(kwargs))
+        key = headers.get(KEY_HEADER) or getattr(request, KEY_HEADER, None)
+        if not key:
+            key = builder.derive(payload, tenant=headers.get(TENANT_HEADER))
+        request.idempotency_key = key
+
+        ledger = self.ledger
+        try:
+            claim = ledger.claim(ClaimRequest(
+                key=key,
+                task_name=self.name,
+                payload=payload.to_json(),
+                fingerprint=builder.fingerprint(payload),
+                owner=new_owner(request.id or ""),
+                lease_seconds=settings.lease_seconds,
+            ))
+        except LedgerUnavailableError as exc:
+            return self._ledger_down(exc, key, args, kwargs)
+
+        status = claim.status
+        if status is ClaimStatus.DONE:
+            self._check_reuse(claim.record, payload)
+            return self._replay(claim.record)
+        if status is ClaimStatus.BUSY:
+            self._check_reuse(claim.record, payload)
+            self._reschedule_in_flight(claim.record)
+        if status is ClaimStatus.RECLAIMED:
+            self._after_crash(claim)
+        stored = payload if status is ClaimStatus.ACQUIRED else Payload.from_json(claim.record.payload or "")
+        if status is ClaimStatus.REOPENED:
+            try:
+                self._check_reuse(claim.record, payload)
+            except IdempotencyKeyReuseError:
+                ledger.release(key, claim.token)  # nothing ran; the first payload's own retry will
+                raise
+        return self._run_claimed(claim, stored)
+
+    def _run_claimed(self, claim: Claim, payload: Payload) -> dict[str, Any]:
+        """Run the body under the claim and record what came of it."""
+        key, token, ledger = claim.record.key, claim.token, self.ledger
+        settings = self.idem_settings
+        keeper.hold(ledger, key, token, settings.lease_seconds)
+        try:
+            value = self.run(*payload.args, **payload.kwargs)
+        except Retry:
+            # The body chose to retry itself: by Celery's contract nothing was sent.
+            self._record(ledger.release, key, token, {"reason": "body_retried", "at": time.time()})
+            raise
+        except PermanentSendError as exc:
+            self._record(ledger.fail, key, token, _error_record(exc, exc.reason, type(exc)))
+            exc.key = key
+            raise
+        except SendNeedsReview as exc:
+            self._record(ledger.park, key, token, _error_record(exc, exc.reason, SendNeedsReview))
+            exc.key = key
+            raise
+        except TransientSendError as exc:
+            self._retry_or_park(claim, exc, exc.reason, sent_maybe=False)
+        except Exception as exc:  # noqa: BLE001 - anything else: the side effect may have happened
+            reason = exc.reason if isinstance(exc, AmbiguousSendError) else "unexpected_error"
+            self._retry_or_park(claim, exc, reason, sent_maybe=True)
+        finally:
+            keeper.drop(ledger, key, token)
+        return self._record_sent(claim.record, token, value)
+
+    def _record_sent(self, record: Record, token: int, value: Any) -> dict[str, Any]:
+        key, ledger = record.key, self.ledger
+        stored = {"value": value, "message_id": _message_id(value)}
+        try:
+            keys_mod.canonical_json(stored)
+        except keys_mod.UnserializableArgumentsError:
+            stored = {"value": None, "message_id": None, "unserializable": type(value).__name__}
+        for attempt in range(4):
+            try:
+                ledger.complete(key, token, stored)
+                break
+            except StaleTokenError as exc:
+                # Our lease was taken over while we ran. If the newer holder already
+                # recorded sent, the intent went out twice: say so loudly.
+                log.error("idemmail: %s completed after losing its lease: %s", key, exc)
+                break
+            except LedgerUnavailableError as exc:
+                if attempt == 3:
+                    # The send happened; the claim stays with its lease. When it expires the
+                    # next claimer resends with the same key or parks it for review.
+                    log.error("idemmail: %s was sent but could not be recorded: %s", key, exc)
+                    break
+                time.sleep(0.2 * 2**attempt)
+        return self._outcome("sent", key, stored, time.time())
+
+    def _retry_or_park(self, claim: Claim, exc: Exception, reason: str, *, sent_maybe: bool) -> NoReturn:
+        """A failed attempt: release and retry while budget and safety allow, else park."""
+        key, token, ledger = claim.record.key, claim.token, self.ledger
+        settings = self.idem_settings
+        retry_safe = not sent_maybe or settings.carries_key
+        budget_left = self.max_retries is None or self.request.retries < self.max_retries
+        if retry_safe and budget_left:
+            note = {**_error_record(exc, reason, type(exc) if isinstance(exc, SendError) else SendError),
+                    "maybe_sent": sent_maybe}
+            self._record(ledger.release, key, token, note)
+            countdown = backoff(self.request.retries, settings.retry_backoff, settings.retry_backoff_max)
+            raise self.retry(exc=exc, countdown=countdown)
+        if sent_maybe:
+            why = "retries_exhausted" if retry_safe else reason
+            self._record(ledger.park, key, token, _error_record(exc, why, SendNeedsReview))
+            raise SendNeedsReview(f"outcome unknown ({reason}): {exc}", reason=why, key=key) from exc
+        self._record(ledger.fail, key, token, _error_record(exc, "retries_exhausted", PermanentSendError))
+        raise PermanentSendError(f"gave up after {self.request.retries} retries: {exc}",
+                                 reason="retries_exhausted", key=key) from exc
+
+    def _after_crash(self, claim: Claim) -> None:
+        """A reclaimed expired lease: its holder died, maybe mid-send."""
+        record, settings = claim.record, self.idem_settings
+        if record.reclaims > settings.max_reclaims:
+            reason = "reclaim_limit"  # a poison message that kills its worker every time
+        elif not settings.carries_key:
+            reason = "lease_expired"  # it may have sent, and nothing downstream would dedupe
+        else:
+            log.warning("idemmail: %s reclaimed after an expired lease; resending with the same key", record.key)
+            return
+        err = {"type": "SendNeedsReview", "reason": reason, "at": time.time(),
+               "message": f"previous holder {record.owner!s} lost its lease", "reclaims": record.reclaims}
+        self._record(self.ledger.park, record.key, claim.token, err)
+        raise SendNeedsReview(err["message"], reason=reason, key=record.key)
+
+    def _reschedule_in_flight(self, record: Record) -> NoReturn:
+        """Another worker holds a live claim: come back later, on a budget of our own."""
+        request, settings = self.request, self.idem_settings
+        headers = dict(request.headers or {})
+        count = int(headers.get(INFLIGHT_HEADER) or 0)
+        if count >= settings.inflight_max_retries:
+            raise IdempotencyInFlightError(
+                f"{record.key} still held by {record.owner} after {count} reschedules"
+            )
+        headers[INFLIGHT_HEADER] = count + 1
+        countdown = backoff(count, settings.inflight_backoff, settings.inflight_backoff_max)
+        self._reschedule(countdown, headers, f"in_flight: held by another worker ({count + 1})")
+
+    def _ledger_down(self, exc: LedgerUnavailableError, key: str, args: Any, kwargs: Any) -> Any:
+        url = self.idem_settings.ledger_url
+        if url not in _reported_unreachable:
+            _reported_unreachable.add(url)
+            log.error("idemmail: ledger unreachable (%s); tasks retry until it is back", exc)
+        if self.idem_settings.fail_open:
+            log.warning("idemmail: fail_open: running %s without a claim", key)
+            return self.run(*args, **kwargs)
+        request, settings = self.request, self.idem_settings
+        headers = dict(request.headers or {})
+        count = int(headers.get(OUTAGE_HEADER) or 0)
+        if settings.outage_max_retries is not None and count >= settings.outage_max_retries:
+            raise exc
+        headers[OUTAGE_HEADER] = count + 1
+        countdown = backoff(count, settings.inflight_backoff, settings.inflight_backoff_max)
+        self._reschedule(countdown, headers, f"ledger_unavailable: {exc}")
+
+    def _reschedule(self, countdown: float, headers: dict[str, Any], why: str) -> NoReturn:
+        """Requeue this message like ``retry()``, without spending the task's ``max_retries``."""
+        request = self.request
+        sig = self.signature_from_request(request, countdown=countdown, retries=request.retries, headers=headers)
+        exc = Retry(why, when=countdown, sig=sig)
+        if request.is_eager:
+            sig.apply()
+        else:
+            sig.apply_async()
+        raise exc
+
+    def _check_reuse(self, record: Record, payload: Payload) -> None:
+        builder = self.key_builder
+        if not builder.must_match or record.payload is None:
+            return
+        if record.fingerprint == builder.fingerprint(payload):
+            return
+        differ = builder.mismatched_fields(Payload.from_json(record.payload), payload)
+        if differ:
+            raise IdempotencyKeyReuseError(
+                f"key {record.key} was first used with other values of {', '.join(differ)}",
+                key=record.key, fields=differ,
+            )
+
+    def _replay(self, record: Record) -> dict[str, Any]:
+        """The stored outcome of a final record, as a duplicate sees it."""
+        if record.state is State.SENT:
+            return self._outcome("duplicate", record.key, record.result or {}, record.updated_at)
+        error = record.error or {}
+        message = str(error.get("message") or error.get("reason") or record.state.value)
+        reason = str(error.get("reason") or "")
+        if record.state is State.REVIEW:
+            raise SendNeedsReview(message, reason=reason, key=record.key)
+        cls = SEND_ERRORS.get(str(error.get("type")), PermanentSendError)
+        if not issubclass(cls, PermanentSendError):
+            cls = PermanentSendError
+        raise cls(message, reason=reason, key=record.key)
+
+    @staticmethod
+    def _outcome(status: str, key: str, stored: dict[str, Any], at: float) -> dict[str, Any]:
+        return {
+            "status": status,
+            "key": key,
+            "message_id": stored.get("message_id"),
+            "sent_at": _iso(at),
+            "result": stored.get("value"),
+        }
+
+    @staticmethod
+    def _record(move: Any, key: str, token: int, info: dict[str, Any]) -> None:
+        """Apply a ledger transition on an error path; if the ledger fails, the lease decides later."""
+        try:
+            move(key, token, info)
+        except LedgerError as exc:
+            log.error("idemmail: could not record %s for %s: %s", move.__name__, key, exc)
+
+
+def _message_id(value: Any) -> Any:
+    if isinstance(value, dict):
+        return value.get("message_id") or value.get("id")
+    return None

@@ -1,0 +1,91 @@
+"""Shared fixtures: real services on loopback, isolated per test run.
+
+Every run gets its own Redis key prefix, SQL table names and queue names. With
+CI=true an unreachable service fails the test instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from idemmail_celery.ledger import Ledger, from_url
+
+REDIS_URL = os.environ.get("IDEMMAIL_TEST_REDIS", "redis://127.0.0.1:6379/0")
+POSTGRES_URL = os.environ.get("IDEMMAIL_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+MARIADB_URL = os.environ.get("IDEMMAIL_TEST_MARIADB", "mysql+pymysql://root@127.0.0.1:3306/test")
+RABBITMQ_URL = os.environ.get("IDEMMAIL_TEST_RABBITMQ", "amqp://guest:guest@127.0.0.1:5672//")
+
+RUN_ID = uuid.uuid4().hex[:8]
+
+
+def unique(name: str) -> str:
+    """A name no other test run uses."""
+    return f"t{RUN_ID}_{name}_{uuid.uuid4().hex[:6]}"
+
+
+def service_missing(what: str, exc: BaseException) -> None:
+    """Fail under CI, skip on a developer machine without the service."""
+    message = f"{what} unreachable: {exc}"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 20.0, interval: float = 0.05) -> object:
+    """Poll ``condition`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s: {condition}")
+        time.sleep(interval)
+
+
+def make_ledger(backend: str, tmp_path_factory: pytest.TempPathFactory, **options: object) -> Ledger:
+    """A ledger on a real store, in a namespace of its own."""
+    if backend == "redis":
+        ledger = from_url(REDIS_URL, prefix=unique("led"), **options)
+    elif backend == "sqlite":
+        path = tmp_path_factory.mktemp("ledger") / "ledger.sqlite3"
+        ledger = from_url(f"sqlite:///{path}", **options)
+    elif backend == "postgresql":
+        ledger = from_url(POSTGRES_URL, table=unique("led"), **options)
+    elif backend == "mariadb":
+        ledger = from_url(MARIADB_URL, table=unique("led"), **options)
+    else:
+        raise ValueError(backend)
+    try:
+        ledger.ping()
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the store
+        service_missing(backend, exc)
+    return ledger
+
+
+def drop_ledger(ledger: Ledger) -> None:
+    from idemmail_celery.ledger.redis import RedisLedger
+    from idemmail_celery.ledger.sql import SQLLedger
+
+    if isinstance(ledger, RedisLedger):
+        keys = list(ledger.client.scan_iter(f"{ledger.prefix}:*", count=1000))
+        if keys:
+            ledger.client.delete(*keys)
+    elif isinstance(ledger, SQLLedger):
+        ledger.drop_table()
+    ledger.close()
+
+
+BACKENDS = ["redis", "postgresql", "mariadb", "sqlite"]
+
+
+@pytest.fixture(params=BACKENDS)
+def ledger(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ledger]:
+    led = make_ledger(request.param, tmp_path_factory)
+    yield led
+    drop_ledger(led)

@@ -1,0 +1,143 @@
+"""Real Celery workers, in subprocesses, against a real broker; always stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from ..conftest import REDIS_URL, service_missing, unique, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class WorkerProcess:
+    """``celery worker`` for one test namespace: start, kill, restart, stop."""
+
+    def __init__(self, ns: str, env: dict[str, str], log_dir: Path, args: list[str]) -> None:
+        self.ns, self.env, self.log_dir, self.args = ns, env, log_dir, args
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> WorkerProcess:
+        self.starts += 1
+        log = open(self.log_dir / f"worker-{self.starts}.log", "wb")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "celery", "-A", "tests.integration.workerapp", "worker",
+               "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
+               "-n", f"{self.ns}-{self.starts}@%h", *self.args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        log.close()
+        wait_for(lambda: b"ready." in self.log(), timeout=60)
+        return self
+
+    def log(self) -> bytes:
+        return (self.log_dir / f"worker-{self.starts}.log").read_bytes()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=15)
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker: main process and pool children."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=15)
+
+
+class Sink:
+    """Reads what the side effects wrote, and sets per-test controls."""
+
+    def __init__(self, ns: str) -> None:
+        self.ns = ns
+        self.r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+
+    def k(self, name: str) -> str:
+        return f"sink.{self.ns}.{name}"
+
+    def deliveries(self) -> list[str]:
+        return list(self.r.lrange(self.k("deliveries"), 0, -1))
+
+    def attempts(self) -> list[str]:
+        return list(self.r.lrange(self.k("attempts"), 0, -1))
+
+    def pids(self) -> list[int]:
+        return [int(p) for p in self.r.lrange(self.k("pids"), 0, -1)]
+
+    def control(self, name: str, value: str) -> None:
+        self.r.set(self.k(f"ctl.{name}"), value)
+
+    def push_failure(self, kind: str) -> None:
+        self.r.rpush(self.k("ctl.fail_with"), kind)
+
+    def cleanup(self) -> None:
+        keys = list(self.r.scan_iter(f"sink.{self.ns}.*")) + list(self.r.scan_iter(f"led.{self.ns}:*"))
+        if keys:
+            self.r.delete(*keys)
+
+
+@pytest.fixture
+def ns() -> str:
+    return unique("w").replace("_", "")
+
+
+@pytest.fixture
+def sink(ns: str) -> Iterator[Sink]:
+    s = Sink(ns)
+    try:
+        s.r.ping()
+    except redis.ConnectionError as exc:
+        service_missing("redis", exc)
+    yield s
+    s.cleanup()
+
+
+@pytest.fixture
+def worker_env(ns: str) -> dict[str, str]:
+    return {**os.environ, "IDEMMAIL_TEST_NS": ns, "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture
+def start_worker(ns: str, worker_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    started: list[WorkerProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> WorkerProcess:
+        w = WorkerProcess(ns, {**worker_env, **(env or {})}, tmp_path, list(args) or ["-P", "prefork", "-c", "2"])
+        started.append(w)
+        return w.start()
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+@pytest.fixture
+def app_module(ns: str, worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The worker app module, configured for this test's namespace, in this process (the caller)."""
+    import importlib
+
+    for name, value in worker_env.items():
+        if name.startswith("IDEMMAIL_TEST"):
+            monkeypatch.setenv(name, value)
+    sys.modules.pop("tests.integration.workerapp", None)
+    module = importlib.import_module("tests.integration.workerapp")
+    yield module
+    sys.modules.pop("tests.integration.workerapp", None)
+
+
+def results(async_results: list[Any], timeout: float = 60) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    return [ar.get(timeout=max(1.0, deadline - time.monotonic()), propagate=False) for ar in async_results]

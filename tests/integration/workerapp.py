@@ -1,0 +1,136 @@
+"""The Celery app real test workers run: configured by environment variables.
+
+Side effects land in Redis lists, a real store outside the worker, so tests
+count deliveries from there and never from the tasks' return values.
+
+``IDEMMAIL_TEST_NS`` names this test's namespace: its queue, its sink keys
+and its ledger prefix/table all derive from it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.signals import task_postrun
+
+from idemmail_celery import AmbiguousSendError, IdempotentTask, TransientSendError
+
+NS = os.environ.get("IDEMMAIL_TEST_NS", "default")
+BROKER = os.environ.get("IDEMMAIL_TEST_BROKER", "redis://127.0.0.1:6379/0")
+REDIS_URL = os.environ.get("IDEMMAIL_TEST_REDIS", "redis://127.0.0.1:6379/0")
+LEDGER = os.environ.get("IDEMMAIL_TEST_LEDGER", REDIS_URL)
+
+app = Celery("idemmail_tests", broker=BROKER, backend=REDIS_URL)
+app.conf.update(
+    task_default_queue=f"q.{NS}",
+    task_serializer="json",
+    result_serializer="json",
+    accept_content=["json"],
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    # Tests that kill a whole worker lower these so the Redis transport restores
+    # unacked messages within seconds instead of ~100 s (kombu 5.7 defaults).
+    broker_transport_options={
+        "visibility_timeout": float(os.environ.get("IDEMMAIL_TEST_VT", "3600")),
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
+    idemmail_ledger_url=LEDGER,
+    idemmail_ledger_options=(
+        {"prefix": f"led.{NS}"} if LEDGER.startswith("redis") else {"table": f"led_{NS}"}
+    ),
+    idemmail_key_secret="test-secret",
+    idemmail_lease_seconds=float(os.environ.get("IDEMMAIL_TEST_LEASE", "30")),
+    idemmail_inflight_backoff=0.2,
+    idemmail_inflight_backoff_max=1.0,
+    idemmail_retry_backoff=0.1,
+    idemmail_retry_backoff_max=0.5,
+)
+
+r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+
+
+def k(name: str) -> str:
+    return f"sink.{NS}.{name}"
+
+
+def _control(name: str) -> str | None:
+    value: str | None = r.get(k(f"ctl.{name}"))
+    return value
+
+
+def _deliver(key: str, to: str, body: str, *, dedupe: bool) -> str:
+    """The side effect: one entry in the sink. ``dedupe`` plays a provider honouring the key."""
+    r.rpush(k("attempts"), key)
+    if dedupe and not r.set(k(f"seen.{key}"), "1", nx=True):
+        return str(r.get(k(f"msgid.{key}")))
+    n = r.rpush(k("deliveries"), f"{key}|{to}|{body}")
+    msgid = f"msg-{n}"
+    r.set(k(f"msgid.{key}"), msgid)
+    return msgid
+
+
+def _behave(key: str) -> None:
+    """Per-test controls read from Redis: hold the claim, or die holding it."""
+    r.rpush(k("pids"), os.getpid())
+    hold = _control("hold")
+    if hold:
+        time.sleep(float(hold))
+    if r.getdel(k("ctl.die_before_send")):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _next_failure(kind: str) -> bool:
+    """Consume the next scripted failure if it is of this kind."""
+    if r.lindex(k("ctl.fail_with"), 0) == kind:
+        r.lpop(k("ctl.fail_with"))
+        return True
+    return False
+
+
+def _after_send(key: str) -> None:
+    if r.getdel(k("ctl.die_after_send")):
+        os.kill(os.getpid(), signal.SIGKILL)  # the side effect happened; the ledger never hears
+    if _next_failure("ambiguous"):
+        raise AmbiguousSendError("read timeout after the request was written", reason="timeout")
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_key=("to", "order_id"))
+def send(self: IdempotentTask, to: str, order_id: int, body: str = "hello") -> dict[str, Any]:
+    """A send whose side effect cannot carry the key (think SMTP)."""
+    key = self.request.idempotency_key
+    _behave(key)
+    if _next_failure("transient"):
+        raise TransientSendError("connection refused before anything was written", reason="connect")
+    msgid = _deliver(key, to, body, dedupe=False)
+    _after_send(key)
+    return {"message_id": msgid}
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_key=("to", "order_id"), idempotency_carries_key=True)
+def send_keyed(self: IdempotentTask, to: str, order_id: int, body: str = "hello") -> dict[str, Any]:
+    """A send to a provider that de-duplicates on the key (think an HTTP API)."""
+    key = self.request.idempotency_key
+    _behave(key)
+    msgid = _deliver(key, to, body, dedupe=True)
+    _after_send(key)
+    return {"message_id": msgid}
+
+
+@app.task(bind=True, acks_late=True)
+def plain_send(self: Any, to: str, order_id: int, body: str = "hello") -> dict[str, Any]:
+    """The same side effect without idempotency: the control group."""
+    return {"message_id": _deliver(f"plain:{to}:{order_id}", to, body, dedupe=False)}
+
+
+@task_postrun.connect
+def _die_after_record(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    # After the ledger recorded sent, before the ack: the classic redelivery window.
+    # The whole worker dies (its main process would otherwise still ack).
+    if r.getdel(k("ctl.die_after_record")):
+        os.killpg(os.getpgrp(), signal.SIGKILL)

@@ -1,0 +1,252 @@
+"""One contract, every backend: Redis, PostgreSQL, MariaDB and SQLite, all real."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from idemmail_celery.errors import IllegalTransitionError, RecordNotFoundError, StaleTokenError
+from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger, State, from_url
+
+from .conftest import BACKENDS, drop_ledger, make_ledger, unique
+
+
+def req(key: str, **kw: Any) -> ClaimRequest:
+    kw.setdefault("lease_seconds", 30.0)
+    return ClaimRequest(key=key, task_name="tests.send", payload='{"args":[1],"kwargs":{}}',
+                        fingerprint="f" * 64, **kw)
+
+
+def test_first_claim_acquires_and_duplicate_sees_live_lease(ledger: Ledger) -> None:
+    first = ledger.claim(req("k1"))
+    assert first.status is ClaimStatus.ACQUIRED
+    assert first.record.token == 1 and first.record.state is State.CLAIMED
+    again = ledger.claim(req("k1"))
+    assert again.status is ClaimStatus.BUSY
+    assert again.record.token == 1
+    assert again.record.payload == '{"args":[1],"kwargs":{}}'
+
+
+def test_complete_then_duplicates_replay_result(ledger: Ledger) -> None:
+    c = ledger.claim(req("k2"))
+    ledger.complete("k2", c.token, {"message_id": "m-1"})
+    dup = ledger.claim(req("k2"))
+    assert dup.status is ClaimStatus.DONE
+    assert dup.record.state is State.SENT
+    assert dup.record.result == {"message_id": "m-1"}
+    assert dup.record.expires_at is not None and dup.record.expires_at > time.time()
+    got = ledger.get("k2")
+    assert got is not None and got.state is State.SENT and got.lease_expires_at is None
+
+
+@pytest.mark.parametrize("final", [State.FAILED, State.REVIEW])
+def test_failed_and_review_replay_their_error(ledger: Ledger, final: State) -> None:
+    c = ledger.claim(req("k3"))
+    move = ledger.fail if final is State.FAILED else ledger.park
+    move("k3", c.token, {"type": "PermanentSendError", "reason": "rejected"})
+    dup = ledger.claim(req("k3"))
+    assert dup.status is ClaimStatus.DONE and dup.record.state is final
+    assert dup.record.error == {"type": "PermanentSendError", "reason": "rejected"}
+    record = ledger.get("k3")
+    assert record is not None
+    assert (record.expires_at is None) is (final is State.REVIEW)  # review never expires
+
+
+def test_expired_lease_is_reclaimed_with_higher_token(ledger: Ledger) -> None:
+    c = ledger.claim(req("k4", lease_seconds=0.2))
+    time.sleep(0.35)
+    r = ledger.claim(req("k4"))
+    assert r.status is ClaimStatus.RECLAIMED
+    assert r.record.token > c.token
+    assert r.record.reclaims == 1 and r.record.attempts == 2
+    # The stale holder can no longer fail/park/release.
+    with pytest.raises(StaleTokenError):
+        ledger.fail("k4", c.token, {"reason": "x"})
+    with pytest.raises(StaleTokenError):
+        ledger.release("k4", c.token)
+    assert ledger.renew("k4", c.token, 30) is False
+    assert ledger.renew("k4", r.token, 30) is True
+
+
+def test_stale_token_cannot_confirm_over_a_newer_sent(ledger: Ledger) -> None:
+    c = ledger.claim(req("k5", lease_seconds=0.2))
+    time.sleep(0.35)
+    r = ledger.claim(req("k5"))
+    ledger.complete("k5", r.token, {"message_id": "new"})
+    with pytest.raises(StaleTokenError):
+        ledger.complete("k5", c.token, {"message_id": "old"})
+    record = ledger.get("k5")
+    assert record is not None and record.result == {"message_id": "new"}
+
+
+def test_late_holder_that_sent_may_confirm_over_review(ledger: Ledger) -> None:
+    c = ledger.claim(req("k6", lease_seconds=0.2))
+    time.sleep(0.35)
+    r = ledger.claim(req("k6"))
+    ledger.park("k6", r.token, {"reason": "lease_expired"})
+    ledger.complete("k6", c.token, {"message_id": "truth"})
+    record = ledger.get("k6")
+    assert record is not None and record.state is State.SENT
+    assert record.result == {"message_id": "truth"}
+
+
+def test_release_keeps_first_payload_and_reopens(ledger: Ledger) -> None:
+    c = ledger.claim(req("k7"))
+    ledger.release("k7", c.token, {"reason": "connect_error"})
+    other = ClaimRequest(key="k7", task_name="tests.send", payload='{"args":[2],"kwargs":{}}',
+                         fingerprint="e" * 64, lease_seconds=30)
+    r = ledger.claim(other)
+    assert r.status is ClaimStatus.REOPENED
+    assert r.record.token == c.token + 1
+    assert r.record.payload == '{"args":[1],"kwargs":{}}'  # the first payload ships
+    assert r.record.fingerprint == "f" * 64
+    assert r.record.reclaims == 0 and r.record.attempts == 2
+
+
+def test_unknown_key_and_missing_record(ledger: Ledger) -> None:
+    assert ledger.get("nope") is None
+    with pytest.raises(RecordNotFoundError):
+        ledger.complete("nope", 1, {})
+
+
+def test_retention_expiry_and_purge(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> None:
+    for backend in BACKENDS:
+        led = make_ledger(backend, tmp_path_factory, retention_seconds=0.3)
+        try:
+            c = led.claim(req("old"))
+            led.complete("old", c.token, {"message_id": "m"})
+            p = led.claim(req("parked"))
+            led.park("parked", p.token, {"reason": "x"})
+            time.sleep(0.5)
+            assert led.get("old") is None, backend
+            assert led.purge_expired() >= (0 if backend == "redis" else 1), backend
+            # A review record never expires: it is still there.
+            parked = led.get("parked")
+            assert parked is not None and parked.state is State.REVIEW, backend
+            # After retention the key is a new intent again.
+            again = led.claim(req("old"))
+            assert again.status is ClaimStatus.ACQUIRED, backend
+            assert [r.key for r in led.iter_records(State.REVIEW)] == ["parked"], backend
+        finally:
+            drop_ledger(led)
+
+
+def test_resolve_review_to_sent_and_refuse_illegal(ledger: Ledger) -> None:
+    c = ledger.claim(req("k8"))
+    with pytest.raises(IllegalTransitionError):
+        ledger.resolve("k8", "sent")  # live lease
+    ledger.park("k8", c.token, {"reason": "lease_expired"})
+    done = ledger.resolve("k8", "sent", result={"message_id": "found"}, note="seen in provider log", actor="ops")
+    assert done.state is State.SENT
+    record = ledger.get("k8")
+    assert record is not None and record.state is State.SENT
+    assert record.result == {"message_id": "found"}
+    assert record.error is not None and record.error["resolution"]["by"] == "ops"
+    with pytest.raises(IllegalTransitionError):
+        ledger.resolve("k8", "released")  # sent is final
+    with pytest.raises(RecordNotFoundError):
+        ledger.resolve("missing", "sent")
+    assert [r.key for r in ledger.iter_records(State.SENT)] == ["k8"]
+    assert list(ledger.iter_records(State.REVIEW)) == []
+
+
+def test_resolve_release_lets_next_claim_run_stored_payload(ledger: Ledger) -> None:
+    c = ledger.claim(req("k9"))
+    ledger.park("k9", c.token, {"reason": "ambiguous"})
+    ledger.resolve("k9", "released", note="provider says not delivered")
+    r = ledger.claim(req("k9"))
+    assert r.status is ClaimStatus.REOPENED and r.record.payload == '{"args":[1],"kwargs":{}}'
+
+
+def test_concurrent_threads_exactly_one_wins(ledger: Ledger) -> None:
+    n = 16
+    barrier = threading.Barrier(n)
+    results: list[ClaimStatus] = []
+    lock = threading.Lock()
+
+    def claimer() -> None:
+        barrier.wait()
+        status = ledger.claim(req("race")).status
+        with lock:
+            results.append(status)
+
+    threads = [threading.Thread(target=claimer) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count(ClaimStatus.ACQUIRED) == 1
+    assert results.count(ClaimStatus.BUSY) == n - 1
+
+
+def test_concurrent_reclaim_exactly_one_wins(ledger: Ledger) -> None:
+    ledger.claim(req("race2", lease_seconds=0.2))
+    time.sleep(0.35)
+    n = 12
+    barrier = threading.Barrier(n)
+    results: list[ClaimStatus] = []
+    lock = threading.Lock()
+
+    def claimer() -> None:
+        barrier.wait()
+        status = ledger.claim(req("race2")).status
+        with lock:
+            results.append(status)
+
+    threads = [threading.Thread(target=claimer) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count(ClaimStatus.RECLAIMED) == 1
+    assert results.count(ClaimStatus.BUSY) == n - 1
+
+
+def _claim_in_process(url: str, options: dict[str, Any], key: str, start: Any, out: Any) -> None:
+    led = from_url(url, **options)
+    start.wait()
+    out.put(led.claim(req(key)).status.value)
+
+
+def test_concurrent_processes_exactly_one_wins(ledger: Ledger) -> None:
+    from idemmail_celery.ledger.redis import RedisLedger
+    from idemmail_celery.ledger.sql import SQLLedger
+
+    if isinstance(ledger, RedisLedger):
+        url = ledger.client.connection_pool.connection_kwargs
+        target = f"redis://{url.get('host')}:{url.get('port')}/{url.get('db', 0)}"
+        options: dict[str, Any] = {"prefix": ledger.prefix}
+    else:
+        assert isinstance(ledger, SQLLedger)
+        target = ledger.url.render_as_string(hide_password=False)
+        options = {"table": ledger.table.name}
+    ledger.ping()  # the table exists before the race
+    ctx = multiprocessing.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_claim_in_process, args=(target, options, "prace", start, out)) for _ in range(6)]
+    for p in procs:
+        p.start()
+    time.sleep(1.5)  # let every process import and connect
+    start.set()
+    statuses = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    assert statuses.count("acquired") == 1, statuses
+    assert statuses.count("busy") == 5, statuses
+
+
+def test_namespaces_do_not_collide(tmp_path_factory: pytest.TempPathFactory) -> None:
+    a = make_ledger("redis", tmp_path_factory)
+    b = make_ledger("redis", tmp_path_factory)
+    try:
+        assert a.claim(req(unique("k"))).status is ClaimStatus.ACQUIRED
+        key = unique("same")
+        assert a.claim(req(key)).status is ClaimStatus.ACQUIRED
+        assert b.claim(req(key)).status is ClaimStatus.ACQUIRED
+    finally:
+        drop_ledger(a)
+        drop_ledger(b)
