@@ -7,8 +7,6 @@ what the caller should do about it.
 
 from __future__ import annotations
 
-from typing import Any
-
 
 class IdemmailError(Exception):
     """Base class of every error raised by idemmail-celery."""
@@ -51,10 +49,14 @@ class IdempotencyKeyReuseError(IdemmailError):
     first payload stays the one that counts, and this duplicate is refused.
     """
 
-    def __init__(self, message: str, *, key: str = "", fields: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, key: str = "", fields: tuple[str, ...] | list[str] = ()) -> None:
+        # Everything in args: Celery rebuilds a task's exception as cls(*args) in the caller.
+        super().__init__(message, key, list(fields))
         self.key = key
-        self.fields = fields
+        self.fields = tuple(fields)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 # -- ledger --
@@ -97,19 +99,23 @@ class SendError(IdemmailError):
     ``"auth"``, ``"retries_exhausted"``...) stored in the ledger and replayed.
     """
 
-    def __init__(self, message: str = "", *, reason: str = "", key: str = "", **details: Any) -> None:
-        super().__init__(message or reason or type(self).__name__)
+    def __init__(self, message: str = "", reason: str = "", key: str = "") -> None:
+        message = message or reason or type(self).__name__
+        # Everything in args: Celery rebuilds a task's exception as cls(*args) in the
+        # caller (JSON result serializer), so .reason and .key survive the trip.
+        super().__init__(message, reason or "unspecified", key)
+        self.message = message
         self.reason = reason or "unspecified"
         self.key = key
-        self.details = details
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Celery pickles or JSON-encodes task exceptions; keep the keyword arguments.
-        return (_rebuild_send_error, (type(self), str(self), self.reason, self.key, self.details))
+    def __str__(self) -> str:
+        return self.message
 
-
-def _rebuild_send_error(cls: type[SendError], message: str, reason: str, key: str, details: dict[str, Any]) -> SendError:
-    return cls(message, reason=reason, key=key, **details)
+    def with_key(self, key: str) -> SendError:
+        """Attach the intent key (kept in ``args`` so it survives serialization)."""
+        self.key = key
+        self.args = (self.message, self.reason, key)
+        return self
 
 
 class PermanentSendError(SendError):

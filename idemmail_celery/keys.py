@@ -56,8 +56,8 @@ _NAMESPACE = "idemmail/1"
 def round_trip(value: Any, serializer: str) -> Any:
     """Return ``value`` as the worker will see it after the task serializer's round trip."""
     try:
-        content_type, encoding, data = kombu_dumps(value, serializer=serializer)
-        return kombu_loads(data, content_type, encoding, accept={content_type})
+        content_type, encoding, data = kombu_dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
+        return kombu_loads(data, content_type, encoding, accept={content_type})  # type: ignore[no-untyped-call]
     except (KombuError, TypeError, ValueError) as exc:
         raise UnserializableArgumentsError(
             f"task arguments cannot be serialized with {serializer!r}: {exc}"
@@ -134,7 +134,7 @@ class Payload:
     def to_json(self) -> str:
         """JSON text for the ledger; kombu's encoder keeps datetimes, decimals and UUIDs typed."""
         try:
-            return str(json_dumps({"args": self.args, "kwargs": self.kwargs}))
+            return str(json_dumps({"args": self.args, "kwargs": self.kwargs}))  # type: ignore[no-untyped-call]
         except (TypeError, ValueError) as exc:
             raise UnserializableArgumentsError(
                 f"task arguments cannot be stored as JSON in the ledger: {exc}"
@@ -142,7 +142,7 @@ class Payload:
 
     @classmethod
     def from_json(cls, text: str) -> Payload:
-        data = json_loads(text)
+        data = json_loads(text)  # type: ignore[no-untyped-call]
         return cls(list(data["args"]), dict(data["kwargs"]))
 
 
@@ -222,10 +222,7 @@ class IntentKeyBuilder:
                     f"{self.task_name}: key field(s) {', '.join(missing)} missing from the call"
                 )
             chosen = {n: values[n] for n in self.spec}  # type: ignore[union-attr]
-        return {
-            name: normalize_addresses(v) if name in self.address_fields else v
-            for name, v in chosen.items()
-        }
+        return self._normalised(chosen)
 
     def tenant_of(self, payload: Payload, header_tenant: str | None) -> str | None:
         if header_tenant is not None:
@@ -274,10 +271,16 @@ class IntentKeyBuilder:
         """Must-match fields whose values differ between the first call and a later one."""
         if not self.must_match:
             return ()
-        a, b = self.bound(first), self.bound(later)
+        a, b = self._normalised(self.bound(first)), self._normalised(self.bound(later))
         return tuple(
             n for n in self.must_match if canonical_json(a.get(n)) != canonical_json(b.get(n))
         )
+
+    def _normalised(self, values: dict[str, Any]) -> dict[str, Any]:
+        return {
+            name: normalize_addresses(v) if name in self.address_fields else v
+            for name, v in values.items()
+        }
 
 
 def address_fields_for(signature: inspect.Signature, declared: Iterable[str] | None) -> frozenset[str]:

@@ -57,6 +57,7 @@ from .errors import (
     SendNeedsReview,
     StaleTokenError,
     TransientSendError,
+    UnserializableArgumentsError,
 )
 from .keys import IntentKeyBuilder, KeySpec, Payload
 from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State, backend_for, from_url
@@ -88,7 +89,7 @@ def get_ledger(url: str, options: dict[str, Any] | None = None) -> Ledger:
 def backoff(attempt: int, base: float, cap: float) -> float:
     """Exponential backoff with jitter: between half and all of ``min(cap, base * 2**attempt)``."""
     ceiling = min(cap, base * (2 ** min(attempt, 30)))
-    return ceiling * random.uniform(0.5, 1.0)
+    return float(ceiling * random.uniform(0.5, 1.0))
 
 
 def _error_record(exc: BaseException, reason: str, state_type: type[SendError]) -> dict[str, Any]:
@@ -301,15 +302,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise
         except PermanentSendError as exc:
             self._record(ledger.fail, key, token, _error_record(exc, exc.reason, type(exc)))
-            exc.key = key
+            exc.with_key(key)
             raise
         except SendNeedsReview as exc:
             self._record(ledger.park, key, token, _error_record(exc, exc.reason, SendNeedsReview))
-            exc.key = key
+            exc.with_key(key)
             raise
         except TransientSendError as exc:
             self._retry_or_park(claim, exc, exc.reason, sent_maybe=False)
-        except Exception as exc:  # noqa: BLE001 - anything else: the side effect may have happened
+        except Exception as exc:
             reason = exc.reason if isinstance(exc, AmbiguousSendError) else "unexpected_error"
             self._retry_or_park(claim, exc, reason, sent_maybe=True)
         finally:
@@ -321,7 +322,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         stored = {"value": value, "message_id": _message_id(value)}
         try:
             keys_mod.canonical_json(stored)
-        except keys_mod.UnserializableArgumentsError:
+        except UnserializableArgumentsError:
             stored = {"value": None, "message_id": None, "unserializable": type(value).__name__}
         for attempt in range(4):
             try:
@@ -371,10 +372,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         else:
             log.warning("idemmail: %s reclaimed after an expired lease; resending with the same key", record.key)
             return
-        err = {"type": "SendNeedsReview", "reason": reason, "at": time.time(),
-               "message": f"previous holder {record.owner!s} lost its lease", "reclaims": record.reclaims}
+        message = f"previous holder {record.owner} lost its lease (reclaims: {record.reclaims})"
+        err = {"type": "SendNeedsReview", "reason": reason, "at": time.time(), "message": message}
         self._record(self.ledger.park, record.key, claim.token, err)
-        raise SendNeedsReview(err["message"], reason=reason, key=record.key)
+        raise SendNeedsReview(message, reason=reason, key=record.key)
 
     def _reschedule_in_flight(self, record: Record) -> NoReturn:
         """Another worker holds a live claim: come back later, on a budget of our own."""

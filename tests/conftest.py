@@ -63,7 +63,7 @@ def make_ledger(backend: str, tmp_path_factory: pytest.TempPathFactory, **option
         raise ValueError(backend)
     try:
         ledger.ping()
-    except Exception as exc:  # noqa: BLE001 - any failure to reach the store
+    except Exception as exc:
         service_missing(backend, exc)
     return ledger
 

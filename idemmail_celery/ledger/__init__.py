@@ -64,4 +64,6 @@ def from_url(url: str, **options: Any) -> Ledger:
     """Build the ledger for ``url``. Connects lazily, on first use."""
     if url.startswith("postgres://"):
         url = "postgresql" + url[len("postgres"):]
-    return backend_for(url)(url, **options)  # type: ignore[call-arg]
+    backend: Any = backend_for(url)  # concrete backends take the URL first
+    ledger: Ledger = backend(url, **options)
+    return ledger

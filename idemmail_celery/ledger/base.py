@@ -221,6 +221,7 @@ class Ledger(ABC):
 
     def close(self) -> None:
         """Release connections. The ledger reconnects if used again."""
+        return None
 
     # -- transitions, in words --
 

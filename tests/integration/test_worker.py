@@ -35,7 +35,7 @@ def test_sigkill_after_recording_before_ack_does_not_resend(
     if broker == "rabbitmq":
         try:
             app_module.app.connection_for_write().ensure_connection(max_retries=1)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             service_missing("rabbitmq", exc)
     worker = start_worker("-P", "prefork", "-c", "1")
     sink.control("die_after_record", "1")

@@ -134,3 +134,9 @@ def _die_after_record(task_id: str | None = None, task: Any = None, **_: Any) ->
     # The whole worker dies (its main process would otherwise still ack).
     if r.getdel(k("ctl.die_after_record")):
         os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+@app.task(base=IdempotentTask, bind=True, idempotency_key=("order_id",), idempotency_must_match=("to",))
+def send_strict(self: IdempotentTask, to: str, order_id: int, body: str = "hello") -> dict[str, Any]:
+    """A send whose key is the order alone, and whose recipient a duplicate must repeat."""
+    return {"message_id": _deliver(self.request.idempotency_key, to, body, dedupe=False)}

@@ -1,0 +1,1 @@
+"""Runnable examples (``make demo`` runs ``examples/demo.py``)."""
