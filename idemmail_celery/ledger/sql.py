@@ -261,7 +261,23 @@ class SQLLedger(Ledger):
     def _insert_new(self, conn: Connection, values: dict[str, Any]) -> tuple[bool, Record | None]:
         """Insert a new claim. Returns (inserted, the existing record when the store told us)."""
         ins = self._insert().values(**values)
-        if self.dialect in ("postgresql", "sqlite"):
+        if self.dialect == "postgresql":
+            # One statement for both outcomes: the insert, or else the row already there.
+            # (A row committed by a concurrent claimer after this statement's snapshot
+            # shows as neither; the caller then reads it.)
+            t = self.table
+            new = ins.on_conflict_do_nothing(index_elements=["intent_key"]).returning(*t.c).cte("new")
+            stmt = sa.union_all(
+                sa.select(new, sa.literal(True).label("inserted")),
+                sa.select(t, sa.literal(False).label("inserted")).where(
+                    t.c.intent_key == values["intent_key"], ~sa.exists(sa.select(new.c.intent_key))
+                ),
+            )
+            row = conn.execute(stmt).first()
+            if row is None:
+                return False, None
+            return bool(row.inserted), None if row.inserted else self._record(row)
+        if self.dialect == "sqlite":
             stmt = ins.on_conflict_do_nothing(index_elements=["intent_key"]).returning(self.table.c.token)
             return conn.execute(stmt).first() is not None, None
         # MariaDB: a no-op update on the duplicate key; RETURNING then gives the

@@ -1,0 +1,66 @@
+"""Ledger round trips on the hot paths, counted at the store: the figures the README quotes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import event
+
+from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger
+from idemmail_celery.ledger.redis import RedisLedger
+from idemmail_celery.ledger.sql import SQLLedger
+
+# backend -> (first send: claim + complete, duplicate: claim that finds sent)
+EXPECTED = {"redis": (2, 1), "postgresql": (2, 1), "mariadb": (2, 1), "sqlite": (2, 2)}
+
+
+class Counter:
+    """Counts commands the store executed for this ledger."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.calls = 0
+        if isinstance(ledger, RedisLedger):
+            ledger.ping()  # the store check runs once, outside the count
+            send = ledger.client.execute_command
+
+            def counting(*args: Any, **kwargs: Any) -> Any:
+                self.calls += 1
+                return send(*args, **kwargs)
+
+            ledger.client.execute_command = counting  # type: ignore[method-assign]
+        if isinstance(ledger, SQLLedger):
+            ledger.ping()  # connect and create the table outside the count
+            event.listen(ledger.engine, "before_cursor_execute", self._on_sql)
+
+    def _on_sql(self, *_: Any) -> None:
+        self.calls += 1
+
+    def count(self) -> int:
+        """Requests sent to the store (SQL statements; Redis commands, a script call being one)."""
+        return self.calls
+
+
+@pytest.fixture
+def counted(ledger: Ledger) -> Iterator[tuple[Ledger, Counter]]:
+    yield ledger, Counter(ledger)
+
+
+def test_round_trips_per_path(counted: tuple[Ledger, Counter], request: pytest.FixtureRequest) -> None:
+    ledger, counter = counted
+    backend = request.node.callspec.params["ledger"]
+    req = ClaimRequest(key="rt", task_name="t", payload="{}", fingerprint="f" * 64)
+    ledger.claim(ClaimRequest(key="warm", task_name="t", payload="{}", fingerprint="f" * 64))  # load scripts
+    before = counter.count()
+    claim = ledger.claim(req)
+    ledger.complete("rt", claim.token, {"message_id": "m"})
+    first = counter.count() - before
+
+    before = counter.count()
+    dup = ledger.claim(req)
+    duplicate = counter.count() - before
+
+    assert claim.status is ClaimStatus.ACQUIRED and dup.status is ClaimStatus.DONE
+    assert (first, duplicate) == EXPECTED[backend]
