@@ -32,7 +32,7 @@ class WorkerProcess:
         log = open(self.log_dir / f"worker-{self.starts}.log", "wb")  # noqa: SIM115
         cmd = [sys.executable, "-m", "celery", "-A", "tests.integration.workerapp", "worker",
                "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
-               "-n", f"{self.ns}-{self.starts}@%h", *self.args]
+               "-n", f"{self.ns}-{id(self) % 10**6}-{self.starts}@%h", *self.args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         log.close()

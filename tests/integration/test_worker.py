@@ -123,3 +123,19 @@ def test_ambiguous_failure(app_module: Any, sink: Any, start_worker: Any, task_n
         assert out["status"] == "sent"
         assert record.state is State.SENT
     assert len(sink.deliveries()) == 1
+
+
+def test_task_outliving_visibility_timeout_is_redelivered_but_sends_once(
+    app_module: Any, sink: Any, start_worker: Any
+) -> None:
+    # The Redis transport hands a task still running after visibility_timeout to another
+    # consumer (same task id, redelivered=False). Only the ledger's live lease tells them apart.
+    env = {"IDEMMAIL_TEST_VT": "1"}
+    workers = [start_worker("-P", "prefork", "-c", "1", env=env) for _ in range(2)]
+    sink.control("hold", "4")
+    ar = app_module.send.delay("hal@example.com", 14)
+    assert ar.get(timeout=60)["status"] == "sent"
+    marker = b"retry: in_flight"
+    wait_for(lambda: any(marker in w.log() for w in workers), timeout=30)  # a copy did arrive, and waited
+    assert len(sink.deliveries()) == 1
+    assert len(sink.pids()) == 1  # the body ran once
