@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -139,3 +140,18 @@ def test_task_outliving_visibility_timeout_is_redelivered_but_sends_once(
     wait_for(lambda: any(marker in w.log() for w in workers), timeout=30)  # a copy did arrive, and waited
     assert len(sink.deliveries()) == 1
     assert len(sink.pids()) == 1  # the body ran once
+
+
+def test_lease_is_renewed_while_a_long_body_runs(app_module: Any, sink: Any, start_worker: Any) -> None:
+    # Lease 1 s, body 3 s: without renewal the second copy would reclaim and park it.
+    start_worker("-P", "prefork", "-c", "2", env={"IDEMMAIL_TEST_LEASE": "1"})
+    sink.control("hold", "3")
+    first = app_module.send.delay("ivy@example.com", 15)
+    wait_for(lambda: sink.pids())
+    time.sleep(1.6)  # past the first lease
+    second = app_module.send.delay("ivy@example.com", 15)
+    out = results([first, second])
+    assert [o["status"] for o in out] == ["sent", "duplicate"]
+    record = app_module.send.ledger.get(out[0]["key"])
+    assert record.reclaims == 0 and record.state is State.SENT
+    assert len(sink.deliveries()) == 1
