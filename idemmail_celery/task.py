@@ -57,6 +57,7 @@ from .errors import (
     SendNeedsReview,
     StaleTokenError,
     TransientSendError,
+    UnsafeLedgerError,
     UnserializableArgumentsError,
 )
 from .keys import IntentKeyBuilder, KeySpec, Payload
@@ -268,7 +269,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 owner=new_owner(request.id or ""),
                 lease_seconds=settings.lease_seconds,
             ))
-        except LedgerUnavailableError as exc:
+        except (LedgerUnavailableError, UnsafeLedgerError) as exc:
+            # Fail closed: nothing is sent without a claim, and the message is not lost.
             return self._ledger_down(exc, key, args, kwargs)
 
         status = claim.status
@@ -390,7 +392,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         countdown = backoff(count, settings.inflight_backoff, settings.inflight_backoff_max)
         self._reschedule(countdown, headers, f"in_flight: held by another worker ({count + 1})")
 
-    def _ledger_down(self, exc: LedgerUnavailableError, key: str, args: Any, kwargs: Any) -> Any:
+    def _ledger_down(self, exc: LedgerError | UnsafeLedgerError, key: str, args: Any, kwargs: Any) -> Any:
         url = self.idem_settings.ledger_url
         if url not in _reported_unreachable:
             _reported_unreachable.add(url)

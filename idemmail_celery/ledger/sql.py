@@ -86,8 +86,8 @@ def schema_sql(dialect: str, table: str = DEFAULT_TABLE) -> str:
     """
     from sqlalchemy.schema import CreateIndex, CreateTable
 
-    dialects = {"postgresql": postgresql.dialect(), "mysql": mysql.dialect(), "sqlite": sqlite.dialect()}
-    d = dialects[dialect]
+    modules: dict[str, Any] = {"postgresql": postgresql, "mysql": mysql, "sqlite": sqlite}
+    d = modules[dialect].dialect()
     t = ledger_table(table)
     parts = [str(CreateTable(t).compile(dialect=d)).strip()]
     parts += [str(CreateIndex(ix).compile(dialect=d)).strip() for ix in sorted(t.indexes, key=lambda i: str(i.name))]

@@ -13,6 +13,7 @@ from idemmail_celery import (
     IdempotencyKeyError,
     IdempotencyKeyReuseError,
     IdempotentTask,
+    PermanentSendError,
     SendNeedsReview,
     State,
     UnknownLedgerSchemeError,
@@ -136,4 +137,18 @@ def test_reclaim_limit_parks_a_poison_message(app_module: Any, sink: Any, start_
     assert isinstance(out, SendNeedsReview) and out.reason == "reclaim_limit"
     record = ledger.get(key)
     assert record.state is State.REVIEW and record.error["reason"] == "reclaim_limit"
+    assert sink.deliveries() == []
+
+
+def test_transient_failures_past_max_retries_park_as_failed_with_payload(
+    app_module: Any, sink: Any, start_worker: Any
+) -> None:
+    start_worker("-P", "prefork", "-c", "1")
+    for _ in range(4):  # the task's max_retries is Celery's default, 3
+        sink.push_failure("transient")
+    out = results([app_module.send.delay("joe@example.com", 16, body="keep me")])[0]
+    assert isinstance(out, PermanentSendError) and out.reason == "retries_exhausted"
+    record = app_module.send.ledger.get(app_module.send.intent_key("joe@example.com", 16))
+    assert record.state is State.FAILED and record.attempts == 4
+    assert "keep me" in record.payload  # ready to re-enqueue
     assert sink.deliveries() == []

@@ -1,0 +1,55 @@
+"""The Redis ledger refuses a store that could evict its records."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from idemmail_celery.errors import UnsafeLedgerError
+from idemmail_celery.ledger import ClaimRequest, ClaimStatus, from_url
+
+from .conftest import wait_for
+
+
+@pytest.fixture
+def evicting_redis(tmp_path: Path) -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path), "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        import redis
+
+        wait_for(lambda: _pings(redis.Redis.from_url(url)), timeout=10)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _pings(client: object) -> bool:
+    try:
+        return bool(client.ping())  # type: ignore[attr-defined]
+    except Exception:
+        return False
+
+
+def test_evicting_policy_is_refused(evicting_redis: str) -> None:
+    ledger = from_url(evicting_redis)
+    with pytest.raises(UnsafeLedgerError, match="allkeys-lru"):
+        ledger.claim(ClaimRequest(key="k", task_name="t", payload="{}", fingerprint="f"))
+
+
+def test_evicting_policy_accepted_when_told(evicting_redis: str) -> None:
+    ledger = from_url(evicting_redis, allow_eviction=True)
+    claim = ledger.claim(ClaimRequest(key="k", task_name="t", payload="{}", fingerprint="f"))
+    assert claim.status is ClaimStatus.ACQUIRED
