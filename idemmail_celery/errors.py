@@ -38,6 +38,21 @@ class IdempotencyKeyError(IdemmailError):
     """
 
 
+class InvalidEmail(IdemmailError, ValueError):
+    """The message cannot be sent as given (bad address, header injection, no recipient, too big).
+
+    Raised by ``send_email.delay()`` before anything is enqueued; ``field`` names the culprit.
+    A message that reaches a worker anyway ends as ``failed`` with this reason, not retried.
+    """
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message, field)
+        self.field = field
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class UnserializableArgumentsError(IdempotencyKeyError):
     """The task arguments do not survive the task serializer's round trip."""
 
@@ -131,7 +146,18 @@ class TransientSendError(SendError):
     The claim is released and the task retried with backoff, within the task's
     ``max_retries``; when they run out the intent is parked as ``failed`` with
     reason ``retries_exhausted`` and its stored payload, ready to re-enqueue.
+    ``retry_after`` (seconds), when the provider said so, is the least wait.
     """
+
+    def __init__(self, message: str = "", reason: str = "", key: str = "", retry_after: float | None = None) -> None:
+        super().__init__(message, reason, key)
+        self.retry_after = retry_after
+        self.args = (self.message, self.reason, key, retry_after)
+
+    def with_key(self, key: str) -> SendError:
+        super().with_key(key)
+        self.args = (self.message, self.reason, key, self.retry_after)
+        return self
 
 
 class AmbiguousSendError(SendError):

@@ -211,6 +211,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 "brute-forced back to guessable arguments. Set idemmail_key_secret in production."
             )
 
+    def carries_key(self) -> bool:
+        """Does the side effect pass the key to a service that de-duplicates on it?
+
+        Decides whether a crashed or ambiguous attempt is retried with the same key
+        (True) or parked for review (False). Subclasses whose downstream is chosen
+        at run time (``send_email`` asks its provider) override this.
+        """
+        return self.idem_settings.carries_key
+
     @property
     def ledger(self) -> Ledger:
         """The ledger this task claims in."""
@@ -281,7 +290,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             self._check_reuse(claim.record, payload)
             self._reschedule_in_flight(claim.record)
         if status is ClaimStatus.RECLAIMED:
-            self._after_crash(claim)
+            outcome = self._after_crash(claim)
+            if outcome is not None:
+                return outcome
         stored = payload if status is ClaimStatus.ACQUIRED else Payload.from_json(claim.record.payload or "")
         if status is ClaimStatus.REOPENED:
             try:
@@ -344,19 +355,24 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 time.sleep(0.2 * 2**attempt)
         return self._outcome("sent", key, stored, time.time())
 
-    def _retry_or_park(self, claim: Claim, exc: Exception, reason: str, *, sent_maybe: bool) -> NoReturn:
-        """A failed attempt: release and retry while budget and safety allow, else park."""
+    def _retry_or_park(self, claim: Claim, exc: Exception, reason: str, *, sent_maybe: bool) -> dict[str, Any]:
+        """A failed attempt: release and retry while budget and safety allow, else reconcile or park."""
         key, token, ledger = claim.record.key, claim.token, self.ledger
         settings = self.idem_settings
-        retry_safe = not sent_maybe or settings.carries_key
+        retry_safe = not sent_maybe or self.carries_key()
         budget_left = self.max_retries is None or self.request.retries < self.max_retries
         if retry_safe and budget_left:
             note = {**_error_record(exc, reason, type(exc) if isinstance(exc, SendError) else SendError),
                     "maybe_sent": sent_maybe}
             self._record(ledger.release, key, token, note)
             countdown = backoff(self.request.retries, settings.retry_backoff, settings.retry_backoff_max)
+            if isinstance(exc, TransientSendError) and exc.retry_after:
+                countdown = max(countdown, exc.retry_after)
             raise self.retry(exc=exc, countdown=countdown)
         if sent_maybe:
+            found = self._reconciled(claim.record)
+            if found is not None:
+                return self._record_sent(claim.record, token, found)
             why = "retries_exhausted" if retry_safe else reason
             self._record(ledger.park, key, token, _error_record(exc, why, SendNeedsReview))
             raise SendNeedsReview(f"outcome unknown ({reason}): {exc}", reason=why, key=key) from exc
@@ -364,20 +380,40 @@ class IdempotentTask(Task):  # type: ignore[misc]
         raise PermanentSendError(f"gave up after {self.request.retries} retries: {exc}",
                                  reason="retries_exhausted", key=key) from exc
 
-    def _after_crash(self, claim: Claim) -> None:
+    def _after_crash(self, claim: Claim) -> dict[str, Any] | None:
         """A reclaimed expired lease: its holder died, maybe mid-send."""
         record, settings = claim.record, self.idem_settings
         if record.reclaims > settings.max_reclaims:
             reason = "reclaim_limit"  # a poison message that kills its worker every time
-        elif not settings.carries_key:
+        elif not self.carries_key():
+            found = self._reconciled(record)
+            if found is not None:  # the provider has it: record the truth, do not send again
+                return self._record_sent(record, claim.token, found)
             reason = "lease_expired"  # it may have sent, and nothing downstream would dedupe
         else:
             log.warning("idemmail: %s reclaimed after an expired lease; resending with the same key", record.key)
-            return
+            return None
         message = f"previous holder {record.owner} lost its lease (reclaims: {record.reclaims})"
         err = {"type": "SendNeedsReview", "reason": reason, "at": time.time(), "message": message}
         self._record(self.ledger.park, record.key, claim.token, err)
         raise SendNeedsReview(message, reason=reason, key=record.key)
+
+    def reconcile(self, key: str, payload: Payload) -> Any | None:
+        """Ask the side effect's service whether this intent already happened.
+
+        Called before an intent is parked for review (a crashed holder, an ambiguous
+        failure). Return the result to record as ``sent`` (what the body would have
+        returned), or None when it cannot be found (not proof that it did not happen).
+        The default asks nobody.
+        """
+        return None
+
+    def _reconciled(self, record: Record) -> Any | None:
+        try:
+            return self.reconcile(record.key, Payload.from_json(record.payload or ""))
+        except Exception as exc:
+            log.warning("idemmail: reconciling %s failed: %s", record.key, exc)
+            return None
 
     def _reschedule_in_flight(self, record: Record) -> NoReturn:
         """Another worker holds a live claim: come back later, on a budget of our own."""

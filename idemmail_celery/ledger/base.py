@@ -241,6 +241,31 @@ class Ledger(ABC):
         """``claimed`` -> ``released``: nothing left the process; the next claim runs the stored payload."""
         self._finish(key, token, State.RELEASED, error=error)
 
+    def confirm_sent(self, key: str, result: dict[str, Any], *, note: str = "", actor: str = "") -> Record:
+        """Evidence from outside (a provider webhook, a search) that the intent was delivered.
+
+        Moves ``review``, ``released``, ``failed`` or ``claimed`` (live or not) to ``sent`` with
+        ``result``; a ``sent`` record is returned unchanged. The holder of a live claim then
+        finds its token stale when it records, and keeps the confirmed result.
+        """
+        for _ in range(5):
+            record = self.get(key)
+            if record is None:
+                raise RecordNotFoundError(f"no ledger record for key {key}")
+            if record.state is State.SENT:
+                return record
+            now = time.time()
+            new = replace(
+                record, state=State.SENT, token=record.token + 1, lease_expires_at=None, result=result,
+                error={**(record.error or {}), "resolution": {
+                    "from": record.state.value, "to": "sent", "at": now,
+                    "by": actor or default_owner(), "note": note}},
+                updated_at=now, expires_at=now + self.retention_seconds,
+            )
+            if self._force(key, record.token, new):
+                return new
+        raise IllegalTransitionError(f"record {key} kept changing while confirming; look again")
+
     def resolve(
         self,
         key: str,

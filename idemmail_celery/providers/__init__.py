@@ -1,0 +1,64 @@
+"""Email providers, chosen by URL like ledgers and kombu transports.
+
+=====================  =====================================  ======================
+URL                    provider                               de-duplicates on key
+=====================  =====================================  ======================
+``https://host/path``  Resend-compatible HTTP API             yes (Idempotency-Key)
+``resend://``          the same, at Resend's API
+``smtp://``,           SMTP (STARTTLS with ``?starttls=1``),  no: Message-ID from the
+``smtps://``           with ``smtplib``                       key; crash after DATA
+                                                              -> review
+``console://``         prints each message (development)      n/a
+``file:///dir``        one ``.eml`` per message, named by key  yes (one file per key)
+=====================  =====================================  ======================
+
+API keys never go inside URLs: pass ``api_key=`` (``idemmail_provider_api_key``)
+or set the environment variable the provider names.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ..errors import ConfigurationError
+from .base import Provider, SendResult
+
+__all__ = ["Provider", "SendResult", "backend_for", "from_url", "register_provider"]
+
+_PROVIDERS: dict[str, str] = {
+    "https": "idemmail_celery.providers.http:HTTPProvider",
+    "http": "idemmail_celery.providers.http:HTTPProvider",
+    "resend": "idemmail_celery.providers.http:HTTPProvider",
+    "smtp": "idemmail_celery.providers.smtp:SMTPProvider",
+    "smtps": "idemmail_celery.providers.smtp:SMTPProvider",
+    "console": "idemmail_celery.providers.console:ConsoleProvider",
+    "file": "idemmail_celery.providers.console:FileProvider",
+}
+
+
+def register_provider(scheme: str, target: str) -> None:
+    """Serve URLs starting ``scheme://`` with ``"module:Class"``."""
+    _PROVIDERS[scheme.lower()] = target
+
+
+def backend_for(url: str) -> type[Provider]:
+    """The provider class for ``url``, without connecting."""
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigurationError(f"provider URL must look like scheme://...; got {url!r}")
+    scheme = url.split("://", 1)[0].lower()
+    target = _PROVIDERS.get(scheme)
+    if target is None:
+        raise ConfigurationError(f"no email provider for {scheme}:// (known: {', '.join(sorted(_PROVIDERS))})")
+    module, _, name = target.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    if not (isinstance(cls, type) and issubclass(cls, Provider)):
+        raise ConfigurationError(f"{target} is not a Provider subclass")
+    return cls
+
+
+def from_url(url: str, **options: Any) -> Provider:
+    """Build the provider for ``url`` (``api_key=``, ``timeout=`` and provider options)."""
+    backend: Any = backend_for(url)
+    provider: Provider = backend(url, **options)
+    return provider
