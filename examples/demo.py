@@ -16,6 +16,7 @@ Exit code 0 only if every count is as expected.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from idemmail_celery.ledger import from_url
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_DIR = ROOT / ".demo"  # must match examples/demo_app.py
@@ -43,6 +46,7 @@ class Demo:
         self.task: Any = demo_app.send_receipt
         self.problems: list[str] = []
         self.worker: subprocess.Popen[bytes] | None = None
+        self.ledger = from_url(demo_app.LEDGER_URL)
 
     # -- helpers --
 
@@ -94,14 +98,10 @@ class Demo:
             return
         if worker.poll() is None:
             worker.send_signal(signal.SIGTERM)  # warm shutdown
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(worker.pid, signal.SIGKILL)  # whatever is left of the group we started
-        except (ProcessLookupError, PermissionError):
-            pass
         worker.wait()
         print("worker stopped")
 
@@ -109,17 +109,18 @@ class Demo:
 
     def scene_duplicates(self) -> None:
         print("\n1. Enqueue the same receipt three ways, plus a second order")
-        calls = [
-            ("positional", ("ANN@example.com", 1001, BODY), {}),
-            ("keywords", (), {"to": "ANN@example.com", "order_id": 1001, "body": BODY}),
-            ("display name", ("Ann <ANN@Example.com>",), {"order_id": 1001, "body": BODY}),
-            ("other order", ("ANN@example.com", 1002, BODY), {}),
+        # Addresses are normalised (display name dropped, domain lower-cased); the local part is case-sensitive.
+        calls: list[tuple[str, int, tuple[Any, ...], dict[str, Any]]] = [
+            ("positional", 1001, ("ANN@example.com", 1001, BODY), {}),
+            ("keywords", 1001, (), {"to": "ANN@example.com", "order_id": 1001, "body": BODY}),
+            ("display name", 1001, ("Ann <ANN@Example.com>",), {"order_id": 1001, "body": BODY}),
+            ("other order", 1002, ("ANN@example.com", 1002, BODY), {}),
         ]
         sent = []
-        for label, args, kwargs in calls:
+        for label, order_id, args, kwargs in calls:
             shown = ", ".join([*(repr(a) for a in args[:2]), *(f"{k}={v!r}" for k, v in kwargs.items() if k != "body")])
             key = self.task.intent_key(*args, **kwargs)
-            sent.append((label, kwargs.get("order_id") or args[1], self.task.apply_async(args, kwargs)))
+            sent.append((label, order_id, self.task.apply_async(args, kwargs)))
             print(f"   {label:<13} send_receipt({shown}, body=...)  key {key[:12]}")
 
         print("\n2. Results from the worker")
@@ -153,7 +154,8 @@ class Demo:
         self.app.CRASH_FLAG.touch()
         started = time.monotonic()
         result = self.task.apply_async(args)
-        print(f"   send_receipt('bob@example.com', 2001, body=...)  key {key[:12]}: the worker process will SIGKILL itself")
+        print(f"   send_receipt('bob@example.com', 2001, body=...)  key {key[:12]}")
+        print("   the worker process will SIGKILL itself right after writing to the outbox")
         value = self.wait(result)
         took = time.monotonic() - started
         ours = [line for line in self.outbox() if line["key"] == key]
@@ -168,7 +170,7 @@ class Demo:
                   f"{'still alive?!' if alive else 'gone'}")
         reason = getattr(value, "reason", "")
         print(f"   redelivered copy finished after {took:.1f}s: {type(value).__name__} (reason {reason!r})")
-        record = self.ledger().get(key)
+        record = self.ledger.get(key)
         state = record.state.value if record else None
         print(f"   outbox.jsonl: {len(ours)} line for this intent; ledger state: {state}")
         self.check(type(value).__name__ == "SendNeedsReview", "the redelivered copy raised SendNeedsReview")
@@ -182,23 +184,16 @@ class Demo:
                    "a later copy replays review and does not send")
         self.print_ledger()
 
-    def ledger(self) -> Any:
-        from idemmail_celery.ledger import from_url
-
-        if not hasattr(self, "_ledger"):
-            self._ledger = from_url(self.app.LEDGER_URL)
-        return self._ledger
-
     def print_ledger(self) -> None:
-        records = list(self.ledger().iter_records())
-        print(f"   ledger ({self.app.LEDGER_URL.removeprefix('sqlite:///').replace(str(ROOT) + '/', '')}): "
-              f"{len(records)} records")
+        records = list(self.ledger.iter_records())
+        print(f"   ledger .demo/ledger.sqlite3: {len(records)} records")
         for r in sorted(records, key=lambda r: r.created_at):
             detail = (r.result or {}).get("message_id") or (r.error or {}).get("reason")
             print(f"     key {r.key[:12]}  {r.state.value:<7} attempts {r.attempts}  reclaims {r.reclaims}  {detail}")
 
 
 def main() -> int:
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # live output through pipes
     started = time.monotonic()
     shutil.rmtree(DEMO_DIR, ignore_errors=True)
     DEMO_DIR.mkdir()
@@ -211,14 +206,19 @@ def main() -> int:
         demo.problems.append(f"{type(exc).__name__}: {exc}")
     finally:
         demo.stop_worker()
+        demo.ledger.close()
     took = time.monotonic() - started
-    total = len(demo.outbox())
+    lines = demo.outbox()
+    total, intents = len(lines), len({line["key"] for line in lines})
+    if (total, intents) != (3, 3):
+        demo.problems.append(f"outbox: expected 3 lines for 3 intents, found {total} lines for {intents} intents")
     if demo.problems:
-        print(f"\nRESULT: FAILED after {took:.1f}s ({total} outbox lines); see .demo/worker.log", file=sys.stderr)
+        print(f"\nRESULT: FAILED after {took:.1f}s ({total} outbox lines); see .demo/worker.log")
         for problem in demo.problems:
-            print(f"  - {problem}", file=sys.stderr)
+            print(f"  - {problem}")
         return 1
-    print(f"\nRESULT: OK in {took:.1f}s: 3 intents, {total} outbox lines, every intent sent at most once")
+    print(f"\nRESULT: OK in {took:.1f}s: {intents} intents, {total} outbox lines: each intent sent exactly once,"
+          " the crashed one parked for review instead of sent twice")
     return 0
 
 
