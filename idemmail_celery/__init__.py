@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from .config import Settings
+from .email import Attachment, EmailMessage
 from .errors import (
     AmbiguousSendError,
     ConfigurationError,
@@ -20,6 +21,7 @@ from .errors import (
     IdempotencyKeyError,
     IdempotencyKeyReuseError,
     IllegalTransitionError,
+    InvalidEmail,
     LedgerError,
     LedgerUnavailableError,
     PermanentSendError,
@@ -33,20 +35,24 @@ from .errors import (
     UnserializableArgumentsError,
 )
 from .ledger import ClaimStatus, Ledger, Record, State, from_url
+from .mail import send_email
 from .task import IdempotentTask
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AmbiguousSendError",
+    "Attachment",
     "ClaimStatus",
     "ConfigurationError",
+    "EmailMessage",
     "IdemmailError",
     "IdempotencyInFlightError",
     "IdempotencyKeyError",
     "IdempotencyKeyReuseError",
     "IdempotentTask",
     "IllegalTransitionError",
+    "InvalidEmail",
     "Ledger",
     "LedgerError",
     "LedgerUnavailableError",
@@ -64,4 +70,5 @@ __all__ = [
     "UnserializableArgumentsError",
     "__version__",
     "from_url",
+    "send_email",
 ]
