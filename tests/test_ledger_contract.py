@@ -162,48 +162,38 @@ def test_resolve_release_lets_next_claim_run_stored_payload(ledger: Ledger) -> N
     assert r.status is ClaimStatus.REOPENED and r.record.payload == '{"args":[1],"kwargs":{}}'
 
 
-def test_concurrent_threads_exactly_one_wins(ledger: Ledger) -> None:
-    n = 16
+def race(ledger: Ledger, key: str, n: int) -> list[ClaimStatus]:
+    """``n`` threads claim ``key`` at the same instant; their answers."""
     barrier = threading.Barrier(n)
-    results: list[ClaimStatus] = []
+    statuses: list[ClaimStatus] = []
     lock = threading.Lock()
 
     def claimer() -> None:
         barrier.wait()
-        status = ledger.claim(req("race")).status
+        status = ledger.claim(req(key)).status
         with lock:
-            results.append(status)
+            statuses.append(status)
 
     threads = [threading.Thread(target=claimer) for _ in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert results.count(ClaimStatus.ACQUIRED) == 1
-    assert results.count(ClaimStatus.BUSY) == n - 1
+    return statuses
+
+
+def test_concurrent_threads_exactly_one_wins(ledger: Ledger) -> None:
+    statuses = race(ledger, "race", 16)
+    assert statuses.count(ClaimStatus.ACQUIRED) == 1
+    assert statuses.count(ClaimStatus.BUSY) == 15
 
 
 def test_concurrent_reclaim_exactly_one_wins(ledger: Ledger) -> None:
     ledger.claim(req("race2", lease_seconds=0.2))
     time.sleep(0.35)
-    n = 12
-    barrier = threading.Barrier(n)
-    results: list[ClaimStatus] = []
-    lock = threading.Lock()
-
-    def claimer() -> None:
-        barrier.wait()
-        status = ledger.claim(req("race2")).status
-        with lock:
-            results.append(status)
-
-    threads = [threading.Thread(target=claimer) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert results.count(ClaimStatus.RECLAIMED) == 1
-    assert results.count(ClaimStatus.BUSY) == n - 1
+    statuses = race(ledger, "race2", 12)
+    assert statuses.count(ClaimStatus.RECLAIMED) == 1
+    assert statuses.count(ClaimStatus.BUSY) == 11
 
 
 def _claim_in_process(url: str, options: dict[str, Any], key: str, start: Any, out: Any) -> None:

@@ -13,10 +13,10 @@ schemes with :func:`register_backend`.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-from ..errors import ConfigurationError, UnknownLedgerSchemeError
+from .._registry import load, scheme_of
+from ..errors import UnknownLedgerSchemeError
 from .base import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
 
 __all__ = [
@@ -40,23 +40,14 @@ def register_backend(scheme: str, target: str) -> None:
     _BACKENDS[scheme.lower()] = target
 
 
-def _scheme(url: str) -> str:
-    if not isinstance(url, str) or "://" not in url:
-        raise ConfigurationError(f"ledger URL must look like scheme://...; got {url!r}")
-    return url.split("://", 1)[0].split("+", 1)[0].lower()
-
-
 def backend_for(url: str) -> type[Ledger]:
     """The backend class for ``url``, without connecting. Raises on an unknown scheme."""
-    scheme = _scheme(url)
+    scheme = scheme_of(url, "ledger")
     target = _BACKENDS.get(scheme)
     if target is None:
         known = ", ".join(sorted(_BACKENDS))
         raise UnknownLedgerSchemeError(f"no ledger backend for {scheme!r}:// (known: {known})")
-    module, _, name = target.partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    if not (isinstance(cls, type) and issubclass(cls, Ledger)):
-        raise ConfigurationError(f"{target} is not a Ledger subclass")
+    cls: type[Ledger] = load(target, Ledger)
     return cls
 
 

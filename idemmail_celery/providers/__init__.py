@@ -18,9 +18,9 @@ or set the environment variable the provider names.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
+from .._registry import load, scheme_of
 from ..errors import ConfigurationError
 from .base import Provider, SendResult
 
@@ -44,16 +44,11 @@ def register_provider(scheme: str, target: str) -> None:
 
 def backend_for(url: str) -> type[Provider]:
     """The provider class for ``url``, without connecting."""
-    if not isinstance(url, str) or "://" not in url:
-        raise ConfigurationError(f"provider URL must look like scheme://...; got {url!r}")
-    scheme = url.split("://", 1)[0].lower()
+    scheme = scheme_of(url, "provider")
     target = _PROVIDERS.get(scheme)
     if target is None:
         raise ConfigurationError(f"no email provider for {scheme}:// (known: {', '.join(sorted(_PROVIDERS))})")
-    module, _, name = target.partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    if not (isinstance(cls, type) and issubclass(cls, Provider)):
-        raise ConfigurationError(f"{target} is not a Provider subclass")
+    cls: type[Provider] = load(target, Provider)
     return cls
 
 
