@@ -18,6 +18,7 @@ import email.utils
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from email.headerregistry import Address
 from email.message import EmailMessage as MIMEMessage
 from typing import Any
 
@@ -235,7 +236,8 @@ def _one_address(value: Any, where: str) -> str:
     except EmailNotValidError as exc:
         raise InvalidEmail(f"{where} is not a valid address: {exc}", field=where) from exc
     normalized = str(checked.normalized)
-    return email.utils.formataddr((name, normalized)) if name else normalized
+    # headerregistry quotes display names and copes with non-ASCII; formataddr does not.
+    return _display(name, normalized) if name else normalized
 
 
 def _addresses(value: str | Iterable[str] | None, where: str) -> tuple[str, ...]:
@@ -251,5 +253,10 @@ def _addresses(value: str | Iterable[str] | None, where: str) -> tuple[str, ...]
 
 
 def _split(text: str) -> list[str]:
-    return [email.utils.formataddr(pair) if pair[0] else pair[1]
-            for pair in email.utils.getaddresses([text]) if pair[1]] or [text]
+    return [_display(name, addr) if name else addr
+            for name, addr in email.utils.getaddresses([text]) if addr] or [text]
+
+
+def _display(name: str, addr: str) -> str:
+    local, _, domain = addr.rpartition("@")
+    return str(Address(display_name=name, username=local, domain=domain))

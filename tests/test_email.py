@@ -66,3 +66,9 @@ def test_payload_round_trip_and_deterministic_mime() -> None:
     assert b"Message-ID: <" + b"k" * 64 + b"@example.com>" in one
     assert b"b@example.com" not in one  # bcc never in the headers
     assert b"Date:" not in one
+
+
+def test_international_addresses_are_accepted() -> None:
+    m = build(sender="Zoë <zoe@exämple.com>", to='"Jürgen, Sales" <jürgen@example.com>')
+    assert m.sender == "Zoë <zoe@exämple.com>"
+    assert m.to == ('"Jürgen, Sales" <jürgen@example.com>',)

@@ -50,6 +50,11 @@ app.conf.update(
     idemmail_inflight_backoff_max=1.0,
     idemmail_retry_backoff=0.1,
     idemmail_retry_backoff_max=0.5,
+    # send_email (registered on this app as a shared task when idemmail_celery is imported)
+    idemmail_provider_url=os.environ.get("IDEMMAIL_TEST_PROVIDER") or None,
+    idemmail_provider_api_key=os.environ.get("IDEMMAIL_TEST_PROVIDER_KEY") or None,
+    idemmail_provider_timeout=float(os.environ.get("IDEMMAIL_TEST_PROVIDER_TIMEOUT", "5")),
+    idemmail_default_from="Shop <shop@example.com>",
 )
 
 r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
@@ -100,7 +105,7 @@ def _after_send(key: str) -> None:
         raise AmbiguousSendError("read timeout after the request was written", reason="timeout")
 
 
-@app.task(base=IdempotentTask, bind=True, idempotency_key=("to", "order_id"))
+@app.task(shared=False, base=IdempotentTask, bind=True, idempotency_key=("to", "order_id"))
 def send(self: IdempotentTask, to: str, order_id: int, body: str = "hello") -> dict[str, Any]:
     """A send whose side effect cannot carry the key (think SMTP)."""
     key = self.request.idempotency_key
@@ -112,7 +117,7 @@ def send(self: IdempotentTask, to: str, order_id: int, body: str = "hello") -> d
     return {"message_id": msgid}
 
 
-@app.task(base=IdempotentTask, bind=True, idempotency_key=("to", "order_id"), idempotency_carries_key=True)
+@app.task(shared=False, base=IdempotentTask, bind=True, idempotency_key=("to", "order_id"), idempotency_carries_key=True)
 def send_keyed(self: IdempotentTask, to: str, order_id: int, body: str = "hello") -> dict[str, Any]:
     """A send to a provider that de-duplicates on the key (think an HTTP API)."""
     key = self.request.idempotency_key
@@ -122,7 +127,7 @@ def send_keyed(self: IdempotentTask, to: str, order_id: int, body: str = "hello"
     return {"message_id": msgid}
 
 
-@app.task(bind=True, acks_late=True)
+@app.task(shared=False, bind=True, acks_late=True)
 def plain_send(self: Any, to: str, order_id: int, body: str = "hello") -> dict[str, Any]:
     """The same side effect without idempotency: the control group."""
     return {"message_id": _deliver(f"plain:{to}:{order_id}", to, body, dedupe=False)}
@@ -136,7 +141,7 @@ def _die_after_record(task_id: str | None = None, task: Any = None, **_: Any) ->
         os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
-@app.task(base=IdempotentTask, bind=True, idempotency_key=("order_id",), idempotency_must_match=("to",))
+@app.task(shared=False, base=IdempotentTask, bind=True, idempotency_key=("order_id",), idempotency_must_match=("to",))
 def send_strict(self: IdempotentTask, to: str, order_id: int, body: str = "hello") -> dict[str, Any]:
     """A send whose key is the order alone, and whose recipient a duplicate must repeat."""
     return {"message_id": _deliver(self.request.idempotency_key, to, body, dedupe=False)}

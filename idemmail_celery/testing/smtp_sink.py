@@ -1,0 +1,290 @@
+"""A real SMTP server for tests, with fault injection: :class:`SMTPSink`.
+
+It listens on a free loopback port (``aiosmtpd``, in a thread of its own), records
+every message it accepts, and can be told to misbehave on the next commands, so a
+test can prove what a provider does when a server defers, refuses, or drops the
+connection after it has the whole message::
+
+    with SMTPSink() as sink:
+        provider = from_url(sink.url, timeout=2)
+        sink.fail_next("drop_after_data")
+        with pytest.raises(AmbiguousSendError):
+            provider.send(message, key=key)
+        assert sink.count() == 1          # it did arrive: this is why it is ambiguous
+
+Faults (``fail_next(kind, times=1)``), each consumed by the command it acts on, in
+the order they were queued:
+
+===========================  ==========================================================
+``"tempfail_mail"``          the next ``times`` MAIL commands get ``451``
+``"reject_mail"``            the next ``times`` MAIL commands get ``550``
+``"tempfail_rcpt"``          the next ``times`` RCPT commands get ``450``
+``"reject_rcpt"``            the next ``times`` RCPT commands get ``550``
+``"tempfail_data_command"``  the next ``times`` DATA commands get ``451``, not ``354``
+``"reject_data_command"``    the next ``times`` DATA commands get ``554``, not ``354``
+``"tempfail_data"``          the next ``times`` messages get ``451`` after their data;
+                             nothing recorded
+``"reject_data"``            the next ``times`` messages get ``554`` after their data;
+                             nothing recorded
+``"drop_after_data"``        the next ``times`` messages are received in full and
+                             recorded as delivered, then the connection is closed
+                             without the final reply (the crash-after-DATA case)
+``"stall_after_data"``       like ``drop_after_data``, but the connection stays open
+                             with no reply until the client gives up (its timeout)
+===========================  ==========================================================
+
+Options: ``credentials=("user", "password")`` offers AUTH (over plain text, tests
+only) and accepts only that pair; ``ssl_context`` (a server context) offers
+STARTTLS, or with ``implicit_tls=True`` serves TLS from the first byte (``smtps://``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.parser
+import email.policy
+import ssl
+import threading
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, get_args
+
+from aiosmtpd.controller import Controller
+from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
+
+__all__ = ["FaultKind", "ReceivedMessage", "SMTPSink"]
+
+FaultKind = Literal[
+    "tempfail_mail", "reject_mail", "tempfail_rcpt", "reject_rcpt", "tempfail_data_command", "reject_data_command",
+    "tempfail_data", "reject_data", "drop_after_data", "stall_after_data",
+]
+_MAIL_FAULTS: dict[str, str] = {
+    "tempfail_mail": "451 4.3.0 Sender temporarily refused (injected)",
+    "reject_mail": "550 5.7.1 Sender rejected (injected)",
+}
+_RCPT_FAULTS: dict[str, str] = {
+    "tempfail_rcpt": "450 4.2.1 Mailbox temporarily unavailable (injected)",
+    "reject_rcpt": "550 5.1.1 No such user (injected)",
+}
+_DATA_COMMAND_FAULTS: dict[str, str] = {
+    "tempfail_data_command": "451 4.3.0 Not now (injected)",
+    "reject_data_command": "554 5.5.0 Transaction refused (injected)",
+}
+_DATA_FAULTS: dict[str, str] = {
+    "tempfail_data": "451 4.3.0 Try again later (injected)",
+    "reject_data": "554 5.6.0 Message rejected (injected)",
+    "drop_after_data": "",
+    "stall_after_data": "",
+}
+
+
+@dataclass(frozen=True)
+class ReceivedMessage:
+    """One message the sink took responsibility for."""
+
+    mail_from: str
+    rcpt_tos: tuple[str, ...]
+    message_id: str | None
+    raw: bytes
+    #: False when the sink recorded it but never sent the final reply (drop/stall faults).
+    acknowledged: bool = True
+    #: The AUTH login the client used, if any.
+    login: str | None = None
+
+
+class SMTPSink:
+    """An SMTP server on 127.0.0.1 and a free port, recording what it receives.
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`. Thread-safe:
+    the server runs in its own thread and event loop.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        credentials: tuple[str, str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        implicit_tls: bool = False,
+    ) -> None:
+        if implicit_tls and ssl_context is None:
+            raise ValueError("implicit_tls needs an ssl_context")
+        self.host = host
+        self.implicit_tls = implicit_tls
+        self._credentials = credentials
+        self._ssl_context = ssl_context
+        self._lock = threading.Lock()
+        self._messages: list[ReceivedMessage] = []
+        self._faults: list[list[Any]] = []  # [kind, remaining], in queue order
+        self._controller: _Controller | None = None
+        self._port: int | None = None
+
+    # -- lifecycle --
+
+    def start(self) -> SMTPSink:
+        """Start listening; returns self. The port is chosen by the OS."""
+        if self._controller is not None:
+            raise RuntimeError("SMTPSink already started")
+        smtp_kwargs: dict[str, Any] = {"server_hostname": "sink.test", "ident": "idemmail SMTPSink"}
+        if self._credentials is not None:
+            smtp_kwargs.update(authenticator=self._authenticate, auth_require_tls=False)
+        if self._ssl_context is not None and not self.implicit_tls:
+            smtp_kwargs["tls_context"] = self._ssl_context
+        controller = _Controller(
+            _Handler(self), hostname=self.host, port=0,
+            ssl_context=self._ssl_context if self.implicit_tls else None, **smtp_kwargs,
+        )
+        controller.start()
+        self._controller = controller
+        self._port = controller.port
+        return self
+
+    def stop(self) -> None:
+        """Stop the server and drop open connections. Safe to call twice."""
+        controller, self._controller = self._controller, None
+        if controller is not None:
+            controller.stop()
+
+    def __enter__(self) -> SMTPSink:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("SMTPSink is not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``smtp://127.0.0.1:PORT`` (``smtps://`` with ``implicit_tls``)."""
+        return f"{'smtps' if self.implicit_tls else 'smtp'}://{self.host}:{self.port}"
+
+    # -- what was received --
+
+    def messages(self) -> list[ReceivedMessage]:
+        """Every recorded message, oldest first (a copy)."""
+        with self._lock:
+            return list(self._messages)
+
+    def count(self, message_id: str | None = None) -> int:
+        """How many messages were recorded, or how many carried ``message_id`` (``<...>`` form)."""
+        with self._lock:
+            return sum(1 for m in self._messages if message_id is None or m.message_id == message_id)
+
+    def reset(self) -> None:
+        """Forget recorded messages and pending faults."""
+        with self._lock:
+            self._messages.clear()
+            self._faults.clear()
+
+    # -- faults --
+
+    def fail_next(self, kind: FaultKind, times: int = 1) -> None:
+        """Queue a fault for the next ``times`` commands it applies to (see the module docstring)."""
+        if kind not in get_args(FaultKind):
+            raise ValueError(f"unknown fault {kind!r}; known: {', '.join(get_args(FaultKind))}")
+        if times < 1:
+            raise ValueError("times must be at least 1")
+        with self._lock:
+            self._faults.append([kind, times])
+
+    def _take_fault(self, kinds: dict[str, str]) -> str | None:
+        with self._lock:
+            for entry in self._faults:
+                if entry[0] in kinds:
+                    entry[1] -= 1
+                    if entry[1] == 0:
+                        self._faults.remove(entry)
+                    return str(entry[0])
+        return None
+
+    def _record(self, envelope: Envelope, session: Session, acknowledged: bool) -> int:
+        raw = envelope.original_content or b""
+        headers = email.parser.BytesHeaderParser(policy=email.policy.compat32).parsebytes(raw)
+        message_id = headers.get("Message-ID")
+        auth = session.auth_data
+        received = ReceivedMessage(
+            mail_from=envelope.mail_from or "",
+            rcpt_tos=tuple(envelope.rcpt_tos),
+            message_id=str(message_id).strip() if message_id is not None else None,
+            raw=raw,
+            acknowledged=acknowledged,
+            login=auth.login.decode("utf-8", "replace") if isinstance(auth, LoginPassword) else None,
+        )
+        with self._lock:
+            self._messages.append(received)
+            return len(self._messages)
+
+    def _authenticate(self, server: SMTP, session: Session, envelope: Envelope, mechanism: str,
+                      auth_data: Any) -> AuthResult:
+        ok = (isinstance(auth_data, LoginPassword) and self._credentials is not None
+              and (auth_data.login, auth_data.password) == tuple(c.encode() for c in self._credentials))
+        return AuthResult(success=ok, handled=False, auth_data=auth_data if ok else None)
+
+
+class _Handler:
+    """aiosmtpd hooks; runs in the sink's event loop thread."""
+
+    def __init__(self, sink: SMTPSink) -> None:
+        self.sink = sink
+
+    async def handle_MAIL(self, server: SMTP, session: Session, envelope: Envelope, address: str,
+                          mail_options: list[str]) -> str:
+        fault = self.sink._take_fault(_MAIL_FAULTS)
+        if fault is not None:
+            return _MAIL_FAULTS[fault]
+        envelope.mail_from = address
+        envelope.mail_options.extend(mail_options)
+        return "250 2.1.0 OK"
+
+    async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
+                          rcpt_options: list[str]) -> str:
+        fault = self.sink._take_fault(_RCPT_FAULTS)
+        if fault is not None:
+            return _RCPT_FAULTS[fault]
+        envelope.rcpt_tos.append(address)
+        envelope.rcpt_options.extend(rcpt_options)
+        return "250 2.1.5 OK"
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        fault = self.sink._take_fault(_DATA_FAULTS)
+        if fault in ("drop_after_data", "stall_after_data"):
+            self.sink._record(envelope, session, acknowledged=False)
+            if fault == "drop_after_data" and server.transport is not None:
+                server.transport.close()
+            # Never answer: closing the connection (ours or the client's) cancels this coroutine.
+            await asyncio.get_running_loop().create_future()
+        if fault is not None:
+            return _DATA_FAULTS[fault]
+        n = self.sink._record(envelope, session, acknowledged=True)
+        return f"250 2.0.0 OK: queued as SINK{n}"
+
+
+class _SinkSMTP(SMTP):
+    """aiosmtpd's server, with a fault hook on the DATA verb (aiosmtpd answers 354 itself)."""
+
+    @syntax("DATA")
+    async def smtp_DATA(self, arg: str) -> None:
+        handler = self.event_handler
+        if isinstance(handler, _Handler) and self.envelope is not None and self.envelope.rcpt_tos:
+            fault = handler.sink._take_fault(_DATA_COMMAND_FAULTS)
+            if fault is not None:
+                await self.push(_DATA_COMMAND_FAULTS[fault])
+                return
+        await super().smtp_DATA(arg)
+
+
+class _Controller(Controller):
+    """Serves :class:`_SinkSMTP` on port 0, learning the port the OS chose before the start-up probe."""
+
+    def factory(self) -> SMTP:
+        return _SinkSMTP(self.handler, **self.SMTP_kwargs)
+
+    def _trigger_server(self) -> None:
+        if isinstance(self.server, asyncio.Server) and self.server.sockets:
+            self.port = int(self.server.sockets[0].getsockname()[1])
+        super()._trigger_server()  # type: ignore[no-untyped-call]
