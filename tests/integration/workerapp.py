@@ -117,7 +117,9 @@ def send(self: IdempotentTask, to: str, order_id: int, body: str = "hello") -> d
     return {"message_id": msgid}
 
 
-@app.task(shared=False, base=IdempotentTask, bind=True, idempotency_key=("to", "order_id"), idempotency_carries_key=True)
+@app.task(
+    shared=False, base=IdempotentTask, bind=True, idempotency_key=("to", "order_id"), idempotency_carries_key=True
+)
 def send_keyed(self: IdempotentTask, to: str, order_id: int, body: str = "hello") -> dict[str, Any]:
     """A send to a provider that de-duplicates on the key (think an HTTP API)."""
     key = self.request.idempotency_key
