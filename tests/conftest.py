@@ -22,6 +22,9 @@ RABBITMQ_URL = os.environ.get("IDEMMAIL_TEST_RABBITMQ", "amqp://guest:guest@127.
 
 RUN_ID = uuid.uuid4().hex[:8]
 
+# The fixtures the package ships for users' own tests (fake_provider), used here too.
+pytest_plugins = ["idemmail_celery.testing.fixtures"]
+
 
 def unique(name: str) -> str:
     """A name no other test run uses."""
