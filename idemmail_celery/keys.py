@@ -53,8 +53,25 @@ DEFAULT_ADDRESS_FIELDS: tuple[str, ...] = ("to", "cc", "bcc", "reply_to", "from_
 _NAMESPACE = "idemmail/1"
 
 
+def _json_plain(value: Any, depth: int = 0) -> bool:
+    """True if ``value`` is made only of types a JSON round trip returns unchanged."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return True
+    if isinstance(value, float):
+        return value == value and value not in (float("inf"), float("-inf"))
+    if depth > 20:
+        return False
+    if type(value) is list:
+        return all(_json_plain(v, depth + 1) for v in value)
+    if type(value) is dict:
+        return all(type(k) is str and _json_plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
 def round_trip(value: Any, serializer: str) -> Any:
     """Return ``value`` as the worker will see it after the task serializer's round trip."""
+    if serializer == "json" and _json_plain(value):
+        return value  # the round trip would be the identity: skip two encodings per delay()
     try:
         content_type, encoding, data = kombu_dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
         return kombu_loads(data, content_type, encoding, accept={content_type})  # type: ignore[no-untyped-call]
@@ -90,6 +107,9 @@ def canonical_json(value: Any) -> str:
 
 def normalize_address(text: str) -> str:
     """``"Ann <Ann@Example.COM>"`` -> ``"Ann@example.com"`` (the local part is case-sensitive)."""
+    if text.count("@") == 1 and not any(c in text for c in '<>",;:()[] \\\t'):
+        local, _, domain = text.partition("@")  # a bare address: no parsing needed
+        return f"{local}@{domain.lower()}"
     pairs = getaddresses([text])
     addr = pairs[0][1] if len(pairs) == 1 and pairs[0][1] else text
     addr = addr.strip()
@@ -108,11 +128,12 @@ def normalize_addresses(value: Any) -> Any:
         items = value
     else:
         return value
-    found = {
-        normalize_address(addr if not name else f"{name} <{addr}>")
-        for name, addr in getaddresses(items)
-        if addr
-    }
+    found = set()
+    for item in items:
+        if item.count("@") == 1 and not any(c in item for c in '<>",;:()[] \\\t'):
+            found.add(normalize_address(item))
+        else:
+            found.update(normalize_address(addr) for _name, addr in getaddresses([item]) if addr)
     return sorted(found)
 
 
@@ -202,13 +223,16 @@ class IntentKeyBuilder:
             raise IdempotencyKeyError(
                 f"{self.task_name}: arguments do not match the task signature: {exc}"
             ) from exc
+        given = set(ba.arguments)
         ba.apply_defaults()
         values = dict(ba.arguments)
+        defaults = {name: v for name, v in values.items() if name not in given}
+        if defaults:  # defaults never went through the serializer: send them through too
+            values.update(round_trip(defaults, self.serializer))
         for p in self.signature.parameters.values():
             if p.kind is p.VAR_KEYWORD:  # **extra: flatten, so f(a=1) and f(**{"a": 1}) agree
                 values.update(values.pop(p.name, {}))
-        # Defaults never went through the serializer: send them through too.
-        return dict(round_trip(values, self.serializer))
+        return values
 
     def intent_values(self, payload: Payload) -> dict[str, Any]:
         """The normalised values that make up the intent (everything except the namespace)."""

@@ -246,7 +246,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if explicit is not None or KEY_HEADER not in headers:  # a retry already carries its key
             builder = self.key_builder
             payload = builder.payload(args, kwargs)
-            payload.to_json()  # the ledger stores it: fail now if it cannot
+            if builder.serializer != "json":
+                payload.to_json()  # the ledger stores JSON: fail now if it cannot (json proved it already)
             headers[KEY_HEADER] = builder.derive(payload, explicit=explicit, tenant=tenant)
             if tenant is not None:
                 headers[TENANT_HEADER] = str(tenant)
