@@ -87,14 +87,12 @@ class SendEmailTask(IdempotentTask):
             max_bytes=int(conf.get("idemmail_max_message_bytes") or DEFAULT_MAX_BYTES),
         )
 
-    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        """Validate the message and the provider setting, then enqueue (see :class:`IdempotentTask`)."""
+    def check_call(self, args: Any, kwargs: dict[str, Any]) -> None:
+        """The message must be valid and a provider configured before anything is accepted."""
         if args:
             raise TypeError("send_email takes keyword arguments only: send_email.delay(to=..., subject=...)")
-        if not (options.get("headers") or {}).get("idempotency_key"):  # a retry was validated already
-            self.message_from(dict(kwargs or {}))
-            self.provider_url()
-        return super().apply_async(args, kwargs, **options)
+        self.message_from(kwargs)
+        self.provider_url()
 
     def provider_url(self) -> str:
         url = self.app.conf.get("idemmail_provider_url")

@@ -232,6 +232,31 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """The key ``apply_async(args, kwargs)`` would derive (for tests and operators)."""
         return self.key_builder.derive(self.key_builder.payload(args, kwargs))
 
+    def check_call(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Validate a call before it is accepted (a hook: ``send_email`` checks the message here).
+
+        Raise a typed error; nothing has been enqueued or written yet.
+        """
+
+    def intent_headers(
+        self, args: Any = None, kwargs: Any = None, *, explicit: str | None = None, tenant: str | None = None
+    ) -> dict[str, str]:
+        """Validate a call and derive its intent: the message headers it will travel with.
+
+        What ``apply_async`` does before enqueueing, and what the transactional
+        outbox stores with a row. Raises :class:`~idemmail_celery.errors.IdemmailError`
+        subclasses (and ``TypeError`` from ``check_call``) on bad input.
+        """
+        self.check_call(tuple(args or ()), dict(kwargs or {}))
+        builder = self.key_builder
+        payload = builder.payload(args, kwargs)
+        if builder.serializer != "json":
+            payload.to_json()  # the ledger stores JSON: fail now if it cannot (json proved it already)
+        headers = {KEY_HEADER: builder.derive(payload, explicit=explicit, tenant=tenant)}
+        if tenant is not None:
+            headers[TENANT_HEADER] = str(tenant)
+        return headers
+
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         """Enqueue like Celery, with the intent key derived first and sent as a header.
 
@@ -244,13 +269,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         tenant = options.pop("idempotency_tenant", None)
         headers = dict(options.get("headers") or {})
         if explicit is not None or KEY_HEADER not in headers:  # a retry already carries its key
-            builder = self.key_builder
-            payload = builder.payload(args, kwargs)
-            if builder.serializer != "json":
-                payload.to_json()  # the ledger stores JSON: fail now if it cannot (json proved it already)
-            headers[KEY_HEADER] = builder.derive(payload, explicit=explicit, tenant=tenant)
-            if tenant is not None:
-                headers[TENANT_HEADER] = str(tenant)
+            headers.update(self.intent_headers(args, kwargs, explicit=explicit, tenant=tenant))
         options["headers"] = headers
         return super().apply_async(args, kwargs, **options)
 

@@ -10,6 +10,12 @@ URL                    provider                               de-duplicates on k
                                                               -> review
 ``console://``         prints each message (development)      n/a
 ``file:///dir``        one ``.eml`` per message, named by key  yes (one file per key)
+``postmark://``        Postmark ``POST /email``               no: tagged with the key;
+                                                              searched by metadata
+``sendgrid://``        SendGrid v3 ``/v3/mail/send``          no: tagged with the key;
+                                                              Email Activity search
+``ses://REGION``       Amazon SES v2, SigV4-signed            no: tagged with the key;
+                                                              events via SNS webhook
 =====================  =====================================  ======================
 
 API keys never go inside URLs: pass ``api_key=`` (``idemmail_provider_api_key``)
@@ -34,6 +40,9 @@ _PROVIDERS: dict[str, str] = {
     "smtps": "idemmail_celery.providers.smtp:SMTPProvider",
     "console": "idemmail_celery.providers.console:ConsoleProvider",
     "file": "idemmail_celery.providers.console:FileProvider",
+    "postmark": "idemmail_celery.providers.postmark:PostmarkProvider",
+    "sendgrid": "idemmail_celery.providers.sendgrid:SendGridProvider",
+    "ses": "idemmail_celery.providers.ses:SESProvider",
 }
 
 
