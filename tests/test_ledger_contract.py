@@ -240,3 +240,56 @@ def test_namespaces_do_not_collide(tmp_path_factory: pytest.TempPathFactory) -> 
     finally:
         drop_ledger(a)
         drop_ledger(b)
+
+
+def test_claim_many_mixed_batch(ledger: Ledger) -> None:
+    done = ledger.claim(req("b-sent"))
+    ledger.complete("b-sent", done.token, {"message_id": "m"})
+    ledger.claim(req("b-busy"))
+    rel = ledger.claim(req("b-released"))
+    ledger.release("b-released", rel.token)
+    ledger.claim(req("b-expired", lease_seconds=0.2))
+    time.sleep(0.35)
+    keys = ["b-new1", "b-sent", "b-busy", "b-released", "b-expired", "b-new2"]
+    claims = ledger.claim_many([req(k) for k in keys])
+    assert [c.record.key for c in claims] == keys
+    assert [c.status for c in claims] == [
+        ClaimStatus.ACQUIRED, ClaimStatus.DONE, ClaimStatus.BUSY, ClaimStatus.REOPENED,
+        ClaimStatus.RECLAIMED, ClaimStatus.ACQUIRED,
+    ]
+    assert claims[1].record.result == {"message_id": "m"}
+    for c in claims:
+        if c.status.holds:  # every held claim can be completed with the token it got
+            ledger.complete(c.record.key, c.token, {"message_id": c.record.key})
+    assert all(ledger.get(k).state is State.SENT for k in keys if k != "b-busy")  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="distinct"):
+        ledger.claim_many([req("x"), req("x")])
+    assert ledger.claim_many([]) == []
+
+
+def test_claim_many_races_single_claims(ledger: Ledger) -> None:
+    keys = [f"r{i}" for i in range(40)]
+    statuses: list[ClaimStatus] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(3)
+
+    def batch() -> None:
+        barrier.wait()
+        got = ledger.claim_many([req(k) for k in keys])
+        with lock:
+            statuses.extend(c.status for c in got)
+
+    def singles() -> None:
+        barrier.wait()
+        for k in keys:
+            s = ledger.claim(req(k)).status
+            with lock:
+                statuses.append(s)
+
+    threads = [threading.Thread(target=batch), threading.Thread(target=batch), threading.Thread(target=singles)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert statuses.count(ClaimStatus.ACQUIRED) == len(keys)  # each key won exactly once
+    assert statuses.count(ClaimStatus.BUSY) == 2 * len(keys)

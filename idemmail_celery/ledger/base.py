@@ -35,7 +35,7 @@ import secrets
 import socket
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -149,6 +149,11 @@ def new_owner(detail: str = "") -> str:
     return ":".join(p for p in parts if p)
 
 
+def _check_unique(requests: Sequence[ClaimRequest]) -> None:
+    if len({r.key for r in requests}) != len(requests):
+        raise ValueError("claim_many needs distinct keys")
+
+
 def dumps_json(value: dict[str, Any] | None) -> str | None:
     return None if value is None else json.dumps(value, sort_keys=True, separators=(",", ":"))
 
@@ -175,6 +180,16 @@ class Ledger(ABC):
     @abstractmethod
     def claim(self, request: ClaimRequest) -> Claim:
         """Claim ``request.key``, or report what holds it. Never blocks on another holder."""
+
+    def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """Claim a batch of distinct keys; one :class:`Claim` per request, in order.
+
+        Backends batch the round trips (a Redis pipeline, a multi-row SQL insert);
+        each claim is as atomic as :meth:`claim`. Claim a batch just before
+        sending it: claims taken long before would let their leases run out.
+        """
+        _check_unique(requests)
+        return [self.claim(r) for r in requests]
 
     @abstractmethod
     def _finish(

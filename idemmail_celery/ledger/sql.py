@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -44,6 +44,7 @@ from .base import (
     Ledger,
     Record,
     State,
+    _check_unique,
     dumps_json,
     loads_json,
 )
@@ -223,20 +224,9 @@ class SQLLedger(Ledger):
     # -- contract --
 
     def claim(self, request: ClaimRequest) -> Claim:
-        t = self.table
-
         def do(conn: Connection) -> Claim:
             for _ in range(20):  # each loop means another claimer moved the row under us
-                now = time.time()
-                lease = now + request.lease_seconds
-                fresh = {
-                    "intent_key": request.key, "task_name": request.task_name,
-                    "state": State.CLAIMED.value, "token": 1, "owner": request.owner,
-                    "lease_expires_at": lease, "attempts": 1, "reclaims": 0,
-                    "payload": request.payload, "fingerprint": request.fingerprint,
-                    "result": None, "error": None, "created_at": now, "updated_at": now,
-                    "expires_at": None,
-                }
+                fresh = _fresh_row(request)
                 inserted, seen = self._insert_new(conn, fresh)
                 if inserted:
                     return Claim(ClaimStatus.ACQUIRED, self._from_row(fresh))
@@ -244,36 +234,88 @@ class SQLLedger(Ledger):
                     seen = self._select(conn, request.key)
                 if seen is None:
                     continue  # purged between the insert and the read
-                expired_final = seen.state.expires and (seen.expires_at or 0) <= now
-                if seen.state is State.CLAIMED and (seen.lease_expires_at or 0) > now:
-                    return Claim(ClaimStatus.BUSY, seen)
-                if seen.state.is_final and not expired_final:
-                    return Claim(ClaimStatus.DONE, seen)
-                if expired_final:
-                    status, values = ClaimStatus.ACQUIRED, {**fresh, "token": seen.token + 1}
-                else:
-                    reclaim = seen.state is State.CLAIMED
-                    status = ClaimStatus.RECLAIMED if reclaim else ClaimStatus.REOPENED
-                    values = {
-                        "state": State.CLAIMED.value, "token": seen.token + 1, "owner": request.owner,
-                        "lease_expires_at": lease, "attempts": seen.attempts + 1,
-                        "reclaims": seen.reclaims + (1 if reclaim else 0), "updated_at": now,
-                    }
-                moved = conn.execute(
-                    sa.update(t)
-                    .where(t.c.intent_key == request.key, t.c.token == seen.token,
-                           t.c.state == seen.state.value)
-                    .values(**values)
-                ).rowcount
-                if moved == 1:
-                    if status is ClaimStatus.ACQUIRED:
-                        return Claim(status, self._from_row(values))
-                    merged = {**_row_of(seen), **values}
-                    return Claim(status, self._from_row(merged))
+                claim = self._settle(conn, request, seen)
+                if claim is not None:
+                    return claim
             raise LedgerUnavailableError(f"claim of {request.key} kept losing races; giving up this attempt")
 
         result: Claim = self._run(do)
         return result
+
+    def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """One multi-row insert for the batch, one read for the keys already there.
+
+        Keys that need a takeover (released, expired lease) cost one conditional
+        ``UPDATE`` each; a lost race falls back to :meth:`claim` for that key.
+        """
+        _check_unique(requests)
+        if not requests:
+            return []
+        t = self.table
+
+        def do(conn: Connection) -> list[Claim]:
+            fresh = {r.key: _fresh_row(r) for r in requests}
+            ins = self._insert().values(list(fresh.values()))
+            existing: dict[str, Record] = {}
+            if self.dialect in ("postgresql", "sqlite"):
+                stmt = ins.on_conflict_do_nothing(index_elements=["intent_key"]).returning(t.c.intent_key)
+                inserted = {row.intent_key for row in conn.execute(stmt)}
+                others = [k for k in fresh if k not in inserted]
+                if others:
+                    rows = conn.execute(sa.select(t).where(t.c.intent_key.in_(others)))
+                    existing = {row.intent_key: self._record(row) for row in rows}
+            else:  # MariaDB: RETURNING gives every row, ours (matching owner nonce) or the existing one
+                stmt = ins.on_duplicate_key_update(intent_key=ins.inserted.intent_key).returning(*t.c)
+                inserted = set()
+                for row in conn.execute(stmt):
+                    record = self._record(row)
+                    if record.owner == fresh[record.key]["owner"] and record.token == 1:
+                        inserted.add(record.key)
+                    else:
+                        existing[record.key] = record
+            claims: list[Claim | None] = []
+            for r in requests:
+                if r.key in inserted:
+                    claims.append(Claim(ClaimStatus.ACQUIRED, self._from_row(fresh[r.key])))
+                elif r.key in existing:
+                    claims.append(self._settle(conn, r, existing[r.key]))
+                else:
+                    claims.append(None)  # purged in between
+            return [c if c is not None else self.claim(r) for c, r in zip(claims, requests, strict=True)]
+
+        result: list[Claim] = self._run(do)
+        return result
+
+    def _settle(self, conn: Connection, request: ClaimRequest, seen: Record) -> Claim | None:
+        """Decide about a key that was already there; take it over if allowed. None: lost a race."""
+        t = self.table
+        now = time.time()
+        lease = now + request.lease_seconds
+        expired_final = seen.state.expires and (seen.expires_at or 0) <= now
+        if seen.state is State.CLAIMED and (seen.lease_expires_at or 0) > now:
+            return Claim(ClaimStatus.BUSY, seen)
+        if seen.state.is_final and not expired_final:
+            return Claim(ClaimStatus.DONE, seen)
+        if expired_final:
+            status, values = ClaimStatus.ACQUIRED, {**_fresh_row(request), "token": seen.token + 1}
+        else:
+            reclaim = seen.state is State.CLAIMED
+            status = ClaimStatus.RECLAIMED if reclaim else ClaimStatus.REOPENED
+            values = {
+                "state": State.CLAIMED.value, "token": seen.token + 1, "owner": request.owner,
+                "lease_expires_at": lease, "attempts": seen.attempts + 1,
+                "reclaims": seen.reclaims + (1 if reclaim else 0), "updated_at": now,
+            }
+        moved = conn.execute(
+            sa.update(t)
+            .where(t.c.intent_key == request.key, t.c.token == seen.token, t.c.state == seen.state.value)
+            .values(**values)
+        ).rowcount
+        if moved != 1:
+            return None
+        if status is ClaimStatus.ACQUIRED:
+            return Claim(status, self._from_row(values))
+        return Claim(status, self._from_row({**_row_of(seen), **values}))
 
     def _insert_new(self, conn: Connection, values: dict[str, Any]) -> tuple[bool, Record | None]:
         """Insert a new claim. Returns (inserted, the existing record when the store told us)."""
@@ -418,6 +460,17 @@ class SQLLedger(Ledger):
         """Drop the ledger table (tests and teardown)."""
         self._run(lambda conn: self.table.drop(conn, checkfirst=True))
         self._ready = False
+
+
+def _fresh_row(request: ClaimRequest) -> dict[str, Any]:
+    """The row a brand-new claim inserts."""
+    now = time.time()
+    return {
+        "intent_key": request.key, "task_name": request.task_name, "state": State.CLAIMED.value,
+        "token": 1, "owner": request.owner, "lease_expires_at": now + request.lease_seconds,
+        "attempts": 1, "reclaims": 0, "payload": request.payload, "fingerprint": request.fingerprint,
+        "result": None, "error": None, "created_at": now, "updated_at": now, "expires_at": None,
+    }
 
 
 def _row_of(record: Record) -> dict[str, Any]:
