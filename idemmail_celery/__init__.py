@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from .config import Settings
+from .bulk import send_campaign
 from .email import Attachment, EmailMessage
 from .errors import (
     AmbiguousSendError,
