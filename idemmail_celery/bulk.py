@@ -92,7 +92,7 @@ def send_batch(sender: SendEmailTask, claims: list[tuple[Claim, _Recipient]], ta
         except SendNeedsReview as exc:
             ledger.park(key, token, _error(exc, exc.reason, "SendNeedsReview"))
             tally["review"] += 1
-        except Exception as exc:
+        except Exception as exc:  # ambiguous: it may have been sent
             reason = exc.reason if isinstance(exc, SendError) else "unexpected_error"
             if carries_key:
                 ledger.release(key, token, {**_error(exc, reason, "AmbiguousSendError"), "maybe_sent": True})

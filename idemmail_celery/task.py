@@ -342,10 +342,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             exc.with_key(key)
             raise
         except TransientSendError as exc:
-            self._retry_or_park(claim, exc, exc.reason, sent_maybe=False)
-        except Exception as exc:
+            return self._retry_or_park(claim, exc, exc.reason, sent_maybe=False)
+        except Exception as exc:  # anything else: the side effect may have happened
             reason = exc.reason if isinstance(exc, AmbiguousSendError) else "unexpected_error"
-            self._retry_or_park(claim, exc, reason, sent_maybe=True)
+            return self._retry_or_park(claim, exc, reason, sent_maybe=True)
         finally:
             keeper.drop(ledger, key, token)
         return self._record_sent(claim.record, token, value)
@@ -431,7 +431,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _reconciled(self, record: Record) -> Any | None:
         try:
             return self.reconcile(record.key, Payload.from_json(record.payload or ""))
-        except Exception as exc:
+        except Exception as exc:  # asking is best effort; review is the safe answer
             log.warning("idemmail: reconciling %s failed: %s", record.key, exc)
             return None
 
