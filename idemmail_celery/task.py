@@ -313,7 +313,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             outcome = self._after_crash(claim)
             if outcome is not None:
                 return outcome
-        stored = payload if status is ClaimStatus.ACQUIRED else Payload.from_json(claim.record.payload or "")
+        # The first payload ships; if an operator erased it (``forget``), this delivery's is all there is.
+        first = claim.record.payload
+        stored = payload if status is ClaimStatus.ACQUIRED or not first else Payload.from_json(first)
         if status is ClaimStatus.REOPENED:
             try:
                 self._check_reuse(claim.record, payload)

@@ -227,6 +227,21 @@ class Ledger(ABC):
         """Replace the record if its token is still ``expected_token`` (operator changes)."""
 
     @abstractmethod
+    def forget(self, key: str) -> bool:
+        """Erase the stored payload of ``key`` (a data-subject request); False if there is no record.
+
+        The record, its state and fingerprint stay, so the key keeps protecting
+        against a resend; an operator can no longer re-enqueue the first payload.
+        """
+
+    def stats(self) -> dict[str, int]:
+        """How many records are in each state (expired ``sent``/``failed`` excluded)."""
+        counts = {s.value: 0 for s in State}
+        for record in self.iter_records():
+            counts[record.state.value] += 1
+        return counts
+
+    @abstractmethod
     def purge_expired(self, now: float | None = None) -> int:
         """Delete ``sent``/``failed`` records past retention; return how many went."""
 

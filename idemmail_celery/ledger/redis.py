@@ -314,6 +314,14 @@ class RedisLedger(Ledger):
         except redis_lib.WatchError:
             return False
 
+    def forget(self, key: str) -> bool:
+        rec = self._rec(key)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.exists(rec)
+        pipe.hdel(rec, "payload")
+        exists, _ = self._call(pipe.execute)
+        return bool(exists)
+
     def purge_expired(self, now: float | None = None) -> int:
         if now is None:
             sec, usec = self._call(self.client.time)

@@ -442,6 +442,11 @@ class SQLLedger(Ledger):
         )
         return bool(self._run(lambda conn: conn.execute(stmt).rowcount == 1))
 
+    def forget(self, key: str) -> bool:
+        t = self.table
+        stmt = sa.update(t).where(t.c.intent_key == key).values(payload=None)
+        return bool(self._run(lambda conn: conn.execute(stmt).rowcount == 1))
+
     def purge_expired(self, now: float | None = None) -> int:
         t = self.table
         cutoff = time.time() if now is None else now
