@@ -11,8 +11,8 @@
 
 from __future__ import annotations
 
-from .config import Settings
 from .bulk import send_campaign
+from .config import Settings
 from .email import Attachment, EmailMessage
 from .errors import (
     AmbiguousSendError,
@@ -71,5 +71,6 @@ __all__ = [
     "UnserializableArgumentsError",
     "__version__",
     "from_url",
+    "send_campaign",
     "send_email",
 ]

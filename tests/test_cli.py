@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import importlib
 import json
 import os
 import subprocess
@@ -106,7 +107,7 @@ def test_celery_subcommand_release_reenqueues_first_payload(tmp_path: Path) -> N
     sys.modules.pop("tests.integration.workerapp", None)
     os.environ["IDEMMAIL_TEST_NS"] = ns
     try:
-        from tests.integration import workerapp
+        workerapp = importlib.import_module("tests.integration.workerapp")  # fresh, for this namespace
 
         key = workerapp.send.intent_key("ann@example.com", 5)
         c = workerapp.send.ledger.claim(ClaimRequest(

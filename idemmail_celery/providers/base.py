@@ -18,10 +18,18 @@ raise                       when
 ``accepts_idempotency_key`` says whether the provider de-duplicates on the key:
 when True, an ambiguous attempt is retried with the same key; when False it is
 parked for review (or reconciled, where the provider can be asked).
+
+It also holds two helpers every kind of provider needs: :func:`is_loopback`
+(plain-text transports are allowed to loopback hosts only) and
+:func:`log_once_lock` (for errors logged once per process, such as refused
+credentials).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,3 +78,33 @@ class Provider(ABC):
     def close(self) -> None:
         """Release connections."""
         return None
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses: the only hosts a secret may reach in clear text."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+_log_once_lock = threading.Lock()
+
+
+def log_once_lock() -> threading.Lock:
+    """The lock to hold while checking and marking "already logged in this process".
+
+    Asked for at each use rather than imported once: a forked child gets a new one.
+    """
+    return _log_once_lock
+
+
+def _after_fork_in_child() -> None:
+    global _log_once_lock
+    _log_once_lock = threading.Lock()  # a parent thread may have held it at fork()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX only
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -37,8 +37,8 @@ from typing import Any
 import httpx
 
 from ..email import EmailMessage
+from ._keyless import KEY_TAG, KeylessHTTPProvider, tagged_headers
 from .base import SendResult
-from .postmark import KEY_TAG, KeylessHTTPProvider, tagged_headers
 
 __all__ = ["SENDGRID_API_URL", "SendGridProvider", "activity_query"]
 

@@ -50,8 +50,8 @@ import httpx
 
 from ..email import EmailMessage
 from ..errors import ConfigurationError, PermanentSendError
+from ._keyless import KEY_TAG, KeylessHTTPProvider, tagged_headers
 from .base import SendResult
-from .postmark import KEY_TAG, KeylessHTTPProvider, tagged_headers
 
 __all__ = ["AWSCredentials", "SESProvider", "sign_v4"]
 

@@ -64,19 +64,17 @@ from __future__ import annotations
 
 import email.policy
 import email.utils
-import ipaddress
 import logging
 import os
 import re
 import smtplib
 import ssl
-import threading
 from typing import Any, NoReturn
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ..email import EmailMessage, message_id_for
 from ..errors import AmbiguousSendError, ConfigurationError, PermanentSendError, TransientSendError
-from .base import Provider, SendResult
+from .base import Provider, SendResult, is_loopback, log_once_lock
 
 __all__ = ["PASSWORD_ENV", "SMTPProvider", "message_id_domain"]
 
@@ -91,7 +89,6 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
 _auth_error_logged = False
-_auth_log_lock = threading.Lock()
 
 
 def message_id_domain(message: EmailMessage, domain: str | None = None) -> str:
@@ -161,7 +158,7 @@ class SMTPProvider(Provider):
         if self.implicit_tls and self.starttls:
             raise ConfigurationError("smtps:// is already TLS from the first byte; drop ?starttls=1")
         self._password = self._choose_password(password, api_key)
-        if self._password is not None and not (self.implicit_tls or self.starttls or _is_loopback(self.host)):
+        if self._password is not None and not (self.implicit_tls or self.starttls or is_loopback(self.host)):
             raise ConfigurationError(
                 f"refusing to send SMTP credentials unencrypted to {self.host}: use smtps:// or ?starttls=1")
 
@@ -379,15 +376,6 @@ def _number(value: str | None, name: str) -> float:
         raise ConfigurationError(f"SMTP URL option {name} must be a number, not {value!r}") from None
 
 
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _transient(message: str, reason: str, key: str) -> TransientSendError:
     return TransientSendError(message, reason=reason, key=key)
 
@@ -402,7 +390,7 @@ def _refuse_before_data(command: str, code: int, reply: bytes, key: str) -> NoRe
 
 def _log_auth_failure_once(message: str) -> None:
     global _auth_error_logged
-    with _auth_log_lock:
+    with log_once_lock():
         if _auth_error_logged:
             return
         _auth_error_logged = True

@@ -28,24 +28,19 @@ provider that was called (see :data:`FAULT_KINDS`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import secrets
-import socket
-import sys
-import threading
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from ..providers.ses import AWSCredentials, sign_v4
+from ._server import ACCEPT_FAULTS, FakeHTTPServer, Reply
 
 __all__ = [
     "DEFAULT_AWS_ACCESS_KEY_ID", "DEFAULT_AWS_SECRET_ACCESS_KEY", "DEFAULT_POSTMARK_TOKEN", "DEFAULT_SENDGRID_KEY",
@@ -58,9 +53,7 @@ DEFAULT_AWS_ACCESS_KEY_ID = "AKIDFAKEKEYLESS"
 DEFAULT_AWS_SECRET_ACCESS_KEY = "fake/secret+access/key"
 
 FAULT_KINDS: Mapping[str, str] = {
-    "drop_after_accept": "record the delivery, then close the connection without a response",
-    "500_after_accept": "record the delivery, then answer 500",
-    "503_before_accept": "answer 503 and record nothing",
+    **ACCEPT_FAULTS,
     "401": "refuse the credentials (401; SES answers 403 as AWS does), record nothing",
     "422": "refuse the message (Postmark 422 with an ErrorCode; SendGrid and SES use 400), record nothing",
     "429": "answer 429 with Retry-After: 7, record nothing",
@@ -105,22 +98,15 @@ class SeenRequest:
     status: int | None = None
 
 
-@dataclass(frozen=True)
-class _Reply:
-    status: int
-    payload: Any
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-def _error(provider: str, status: int, name: str, text: str, headers: dict[str, str] | None = None) -> _Reply:
+def _error(provider: str, status: int, name: str, text: str, headers: dict[str, str] | None = None) -> Reply:
     extra = dict(headers or {})
     if provider == "postmark":
         codes = {401: 10, 422: 300, 429: 429, 500: 500, 503: 503}
-        return _Reply(status, {"ErrorCode": codes.get(status, status), "Message": text}, extra)
+        return Reply(status, {"ErrorCode": codes.get(status, status), "Message": text}, extra)
     if provider == "sendgrid":
-        return _Reply(status, {"errors": [{"message": text, "field": None, "help": name}]}, extra)
+        return Reply(status, {"errors": [{"message": text, "field": None, "help": name}]}, extra)
     extra["x-amzn-ErrorType"] = name
-    return _Reply(status, {"message": text}, extra)
+    return Reply(status, {"message": text}, extra)
 
 
 _BEFORE_ACCEPT: dict[str, dict[str, tuple[int, str, str]]] = {
@@ -135,7 +121,7 @@ _BEFORE_ACCEPT: dict[str, dict[str, tuple[int, str, str]]] = {
 }
 
 
-class FakeKeylessProvider:
+class FakeKeylessProvider(FakeHTTPServer):
     """Postmark, SendGrid and SES on ``127.0.0.1``, started with :meth:`start` or ``with FakeKeylessProvider() as f:``.
 
     Point a provider at it with ``base_url=fake.url`` and the matching credential
@@ -143,6 +129,10 @@ class FakeKeylessProvider:
     ``api_key`` form is ``"ACCESS:SECRET"``). ``search_lag_seconds`` may be changed
     while it runs. ``port`` 0 picks a free port, kept across stop/start.
     """
+
+    thread_name = "fake-keyless"
+    fault_kinds = FAULT_KINDS
+    cut_dropped_connections = True
 
     def __init__(
         self,
@@ -160,53 +150,10 @@ class FakeKeylessProvider:
         self.aws_credentials = AWSCredentials(aws_access_key_id, aws_secret_access_key)
         self.search_lag_seconds = search_lag_seconds
         self.clock = clock
-        self._port = port
-        self._lock = threading.Lock()
-        self._faults: deque[str] = deque()
+        super().__init__(port=port)
         self._deliveries: list[KeylessDelivery] = []
         self._delivered: Counter[str | None] = Counter()
         self._requests: list[SeenRequest] = []
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
-        self._connections: set[socket.socket] = set()
-
-    # -- lifecycle --
-
-    def start(self) -> FakeKeylessProvider:
-        """Listen and serve in a daemon thread; returns self. Starting a started fake does nothing."""
-        if self._server is None:
-            server = _Server(("127.0.0.1", self._port), _Handler)
-            server.fake = self
-            self._port = server.server_address[1]
-            self._server = server
-            self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                                            name=f"fake-keyless:{self._port}", daemon=True)
-            self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop listening and cut every open connection."""
-        server, thread = self._server, self._thread
-        if server is None:
-            return
-        server.shutdown()
-        with self._lock:
-            connections = list(self._connections)
-        for conn in connections:  # keep-alive connections outlive serve_forever()
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        server.server_close()
-        if thread is not None:
-            thread.join(timeout=5.0)
-        self._server = self._thread = None
-
-    def __enter__(self) -> FakeKeylessProvider:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     @property
     def url(self) -> str:
@@ -216,13 +163,6 @@ class FakeKeylessProvider:
         return f"http://127.0.0.1:{self._port}"
 
     # -- test API --
-
-    def fail_next(self, kind: str, times: int = 1) -> None:
-        """Apply fault ``kind`` (one of :data:`FAULT_KINDS`) to the next ``times`` sends, after those queued."""
-        if kind not in FAULT_KINDS:
-            raise ValueError(f"unknown fault {kind!r}; known: {', '.join(sorted(FAULT_KINDS))}")
-        with self._lock:
-            self._faults.extend([kind] * times)
 
     def deliveries(self, provider: str | None = None) -> list[KeylessDelivery]:
         """Every accepted message (of one provider, if given), oldest first."""
@@ -241,7 +181,7 @@ class FakeKeylessProvider:
 
     # -- the APIs, called by handler threads --
 
-    def _handle(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> _Reply | None:
+    def _handle(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> Reply | None:
         """Answer one request; None means "close the connection without a response"."""
         parts = urlsplit(target)
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
@@ -252,7 +192,7 @@ class FakeKeylessProvider:
         return reply
 
     def _route(self, method: str, path: str, query: Mapping[str, str], headers: Mapping[str, str],
-               body: bytes) -> _Reply | None:
+               body: bytes) -> Reply | None:
         provider = _SEND_ROUTES.get(path)
         if method == "POST" and provider is not None:
             return self._send(provider, path, headers, body)
@@ -260,11 +200,10 @@ class FakeKeylessProvider:
             return self._postmark_search(headers, query)
         if method == "GET" and path == "/v3/messages":
             return self._sendgrid_search(headers, query)
-        return _Reply(404, {"message": f"no route {method} {path}"})
+        return Reply(404, {"message": f"no route {method} {path}"})
 
-    def _send(self, provider: str, path: str, headers: Mapping[str, str], body: bytes) -> _Reply | None:
-        with self._lock:
-            fault = self._faults.popleft() if self._faults else None
+    def _send(self, provider: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply | None:
+        fault = self._next_fault()
         if fault in _BEFORE_ACCEPT:
             status, name, text = _BEFORE_ACCEPT[fault][provider]
             return _error(provider, status, name, text, {"Retry-After": "7"} if status == 429 else None)
@@ -290,13 +229,13 @@ class FakeKeylessProvider:
         if fault == "500_after_accept":
             return _error(provider, 500, "InternalFailure", "an unexpected error occurred")
         if provider == "postmark":
-            return _Reply(200, {"To": ", ".join(delivery.recipients), "SubmittedAt": _iso(), "ErrorCode": 0,
+            return Reply(200, {"To": ", ".join(delivery.recipients), "SubmittedAt": _iso(), "ErrorCode": 0,
                                 "MessageID": delivery.message_id, "Message": "OK"})
         if provider == "sendgrid":
-            return _Reply(202, None, {"X-Message-Id": delivery.message_id})
-        return _Reply(200, {"MessageId": delivery.message_id}, {"x-amzn-RequestId": str(uuid.uuid4())})
+            return Reply(202, None, {"X-Message-Id": delivery.message_id})
+        return Reply(200, {"MessageId": delivery.message_id}, {"x-amzn-RequestId": str(uuid.uuid4())})
 
-    def _authenticate(self, provider: str, path: str, headers: Mapping[str, str], body: bytes) -> _Reply | None:
+    def _authenticate(self, provider: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply | None:
         if provider == "postmark":
             if not secrets.compare_digest(headers.get("x-postmark-server-token", ""), self.postmark_token):
                 return _error("postmark", 401, "Unauthorized", "Request does not contain a valid Server token.")
@@ -334,7 +273,7 @@ class FakeKeylessProvider:
         with self._lock:
             return [d for d in reversed(self._deliveries) if d.provider == provider and d.at <= horizon]
 
-    def _postmark_search(self, headers: Mapping[str, str], query: Mapping[str, str]) -> _Reply:
+    def _postmark_search(self, headers: Mapping[str, str], query: Mapping[str, str]) -> Reply:
         if not secrets.compare_digest(headers.get("x-postmark-server-token", ""), self.postmark_token):
             return _error("postmark", 401, "Unauthorized", "Request does not contain a valid Server token.")
         try:
@@ -344,11 +283,11 @@ class FakeKeylessProvider:
         wanted = {name[len("metadata_"):]: value for name, value in query.items() if name.startswith("metadata_")}
         found = [d for d in self._searchable("postmark")
                  if all(d.payload.get("Metadata", {}).get(k) == v for k, v in wanted.items())]
-        return _Reply(200, {"TotalCount": len(found), "Messages": [
+        return Reply(200, {"TotalCount": len(found), "Messages": [
             {"MessageID": d.message_id, "Subject": d.subject, "Status": "Sent", "Recipients": list(d.recipients),
              "Metadata": d.payload.get("Metadata", {})} for d in found[offset:offset + count]]})
 
-    def _sendgrid_search(self, headers: Mapping[str, str], query: Mapping[str, str]) -> _Reply:
+    def _sendgrid_search(self, headers: Mapping[str, str], query: Mapping[str, str]) -> Reply:
         if not secrets.compare_digest(headers.get("authorization", ""), f"Bearer {self.sendgrid_api_key}"):
             return _error("sendgrid", 401, "Unauthorized", "authorization required")
         match = _ACTIVITY_QUERY.match(query.get("query", ""))
@@ -358,13 +297,12 @@ class FakeKeylessProvider:
         found = [d for d in self._searchable("sendgrid")
                  if _custom_args(d.payload).get(match["name"]) == match["value"]]
         # Activity records carry the per-recipient id, which starts with the send's X-Message-Id.
-        return _Reply(200, {"messages": [
+        return Reply(200, {"messages": [
             {"msg_id": f"{d.message_id}.fake0.0", "subject": d.subject, "to_email": d.recipients[0],
              "status": "delivered", "opens_count": 0, "clicks_count": 0} for d in found[:limit]]})
 
-    def _track(self, conn: socket.socket, open_: bool) -> None:
-        with self._lock:
-            (self._connections.add if open_ else self._connections.discard)(conn)
+    def _length_required(self) -> Reply:
+        return Reply(411, {"message": "send a Content-Length"})
 
 
 # -- the three dialects: what makes a message invalid, and what a delivery records --
@@ -454,68 +392,3 @@ def _redact(name: str, value: str) -> str:
 
 def _iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    fake: FakeKeylessProvider
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client that timed out and hung up is part of the game, not a server bug.
-        if isinstance(sys.exc_info()[1], OSError):
-            return
-        super().handle_error(request, client_address)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: _Server
-
-    def setup(self) -> None:
-        super().setup()
-        self.server.fake._track(self.connection, True)
-
-    def finish(self) -> None:
-        try:
-            super().finish()
-        finally:
-            self.server.fake._track(self.connection, False)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return None
-
-    def do_GET(self) -> None:
-        self._answer(b"")
-
-    def do_POST(self) -> None:
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            self.close_connection = True
-            self._reply(_Reply(411, {"message": "send a Content-Length"}))
-            return
-        self._answer(self.rfile.read(int(length)))
-
-    def _answer(self, body: bytes) -> None:
-        headers = {k.lower(): v for k, v in self.headers.items()}
-        reply = self.server.fake._handle(self.command, self.path, headers, body)
-        if reply is None:
-            self.close_connection = True
-            with contextlib.suppress(OSError):
-                self.connection.shutdown(socket.SHUT_RDWR)
-            return
-        self._reply(reply)
-
-    def _reply(self, reply: _Reply) -> None:
-        data = b"" if reply.payload is None else json.dumps(reply.payload).encode("utf-8")
-        try:
-            self.send_response(reply.status)
-            if data:
-                self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for name, value in reply.headers.items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(data)
-            self.wfile.flush()
-        except OSError:
-            self.close_connection = True

@@ -22,30 +22,24 @@ forgets everything. These endpoints need no API key.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import socket
-import sys
-import threading
 import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
+
+from ._server import ACCEPT_FAULTS, FakeHTTPServer, Reply
 
 __all__ = ["DEFAULT_API_KEY", "FAULT_KINDS", "Attempt", "Delivery", "FakeProvider"]
 
 DEFAULT_API_KEY = "re_fake_test_key"
 
 FAULT_KINDS: Mapping[str, str] = {
-    "drop_after_accept": "record the delivery, then close the connection without a response",
-    "500_after_accept": "record the delivery, then answer 500",
-    "503_before_accept": "answer 503 and record nothing",
+    **ACCEPT_FAULTS,
     "slow": "hold the key in flight for slow_seconds, then accept normally",
     "429": "answer 429 with Retry-After: 1, record nothing",
     "409_processing": "answer 409 concurrent_idempotent_requests, record nothing",
@@ -91,24 +85,17 @@ class Attempt:
 
 
 @dataclass(frozen=True)
-class _Reply:
-    status: int
-    payload: dict[str, Any]
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
 class _Stored:
     body_sha256: str
     message_id: str
     expires: float
 
 
-def _error(status: int, name: str, message: str, headers: dict[str, str] | None = None) -> _Reply:
-    return _Reply(status, {"statusCode": status, "name": name, "message": message}, headers or {})
+def _error(status: int, name: str, message: str, headers: dict[str, str] | None = None) -> Reply:
+    return Reply(status, {"statusCode": status, "name": name, "message": message}, headers or {})
 
 
-class FakeProvider:
+class FakeProvider(FakeHTTPServer):
     """A Resend-compatible API on ``127.0.0.1``, started with :meth:`start` or ``with FakeProvider() as fake:``.
 
     ``api_key`` is the bearer token it expects (None accepts any non-empty one);
@@ -116,7 +103,11 @@ class FakeProvider:
     is how long a ``"slow"`` fault holds a request; ``port`` 0 picks a free one,
     kept across :meth:`stop`/:meth:`start` so :attr:`url` stays valid. At most
     ``max_records`` deliveries and attempts are kept as records; the counters stay exact.
+    :meth:`stop` drops a request held by a ``"slow"`` fault, unrecorded.
     """
+
+    thread_name = "fake-provider"
+    fault_kinds = FAULT_KINDS
 
     def __init__(
         self,
@@ -132,9 +123,7 @@ class FakeProvider:
         self.dedupe = dedupe
         self.dedupe_window = dedupe_window
         self.slow_seconds = slow_seconds
-        self._port = port
-        self._lock = threading.Lock()
-        self._faults: deque[str] = deque()
+        super().__init__(port=port)
         self._deliveries: deque[Delivery] = deque(maxlen=max_records)
         self._attempts: deque[Attempt] = deque(maxlen=max_records)
         self._delivered: Counter[str | None] = Counter()
@@ -142,53 +131,6 @@ class FakeProvider:
         self._suppressed: Counter[str | None] = Counter()
         self._stored: dict[str, _Stored] = {}
         self._in_flight: dict[str, str] = {}
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._connections: set[socket.socket] = set()
-
-    # -- lifecycle --
-
-    def start(self) -> FakeProvider:
-        """Listen and serve in a daemon thread; returns self. Starting a started fake does nothing."""
-        if self._server is not None:
-            return self
-        self._stopping = threading.Event()
-        server = _Server(("127.0.0.1", self._port), _Handler)
-        server.fake = self
-        self._port = server.server_address[1]
-        self._server = server
-        self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.05}, name=f"fake-provider:{self._port}", daemon=True
-        )
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop listening and cut every open connection (a request held by a "slow" fault is dropped, unrecorded)."""
-        server, thread = self._server, self._thread
-        if server is None:
-            return
-        self._stopping.set()
-        server.shutdown()
-        # Keep-alive connections outlive serve_forever(); cut them so no handler thread keeps answering.
-        with self._lock:
-            connections = list(self._connections)
-        for conn in connections:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        server.server_close()
-        if thread is not None:
-            thread.join(timeout=5.0)
-        self._server = self._thread = None
-
-    def __enter__(self) -> FakeProvider:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     @property
     def port(self) -> int:
@@ -206,12 +148,10 @@ class FakeProvider:
 
     def fail_next(self, kind: str, times: int = 1) -> None:
         """Apply fault ``kind`` (one of :data:`FAULT_KINDS`) to the next ``times`` sends, after those already queued."""
-        if kind not in FAULT_KINDS:
-            raise ValueError(f"unknown fault {kind!r}; known: {', '.join(sorted(FAULT_KINDS))}")
-        if times < 1:
+        # Stricter than the base about times; an unknown kind is still the first thing reported.
+        if kind in FAULT_KINDS and times < 1:
             raise ValueError("times must be at least 1")
-        with self._lock:
-            self._faults.extend([kind] * times)
+        super().fail_next(kind, times)
 
     def deliveries(self) -> list[Delivery]:
         """Every accepted message, oldest first."""
@@ -268,14 +208,27 @@ class FakeProvider:
 
     # -- the API, called by the handler threads --
 
-    def _track(self, conn: socket.socket, open_: bool) -> None:
-        with self._lock:
-            if open_:
-                self._connections.add(conn)
-            else:
-                self._connections.discard(conn)
+    def _handle(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> Reply | None:
+        path = urlsplit(target).path
+        if method == "GET" and path == "/_fake/stats":
+            return Reply(200, self.stats())
+        if method == "POST":
+            if path == "/_fake/faults":
+                return self._queue_faults(body)
+            if path == "/_fake/reset":
+                self.reset()
+                return Reply(200, {"reset": True})
+            if path == "/emails" or path.endswith("/emails"):
+                return self._send_email(headers, body)
+        return _error(404, "not_found", f"no route {target}")
 
-    def _send_email(self, headers: Mapping[str, str], body: bytes) -> _Reply | None:
+    def _length_required(self) -> Reply:
+        return _error(411, "length_required", "send a Content-Length")
+
+    def _reply_headers(self) -> dict[str, str]:
+        return {"X-Request-Id": str(uuid.uuid4())}
+
+    def _send_email(self, headers: Mapping[str, str], body: bytes) -> Reply | None:
         """Answer one ``POST /emails``; None means "close the connection without a response"."""
         key = headers.get("idempotency-key") or None
         sha = hashlib.sha256(body).hexdigest()
@@ -284,7 +237,7 @@ class FakeProvider:
         authorized = scheme.lower() == "bearer" and bool(token) and (self.api_key is None or token == self.api_key)
         seen = {k: (f"{scheme} <redacted>" if k == "authorization" else v) for k, v in headers.items()}
 
-        def finish(reply: _Reply | None, outcome: str, fault: str | None) -> _Reply | None:
+        def finish(reply: Reply | None, outcome: str, fault: str | None) -> Reply | None:
             attempt = Attempt(key, time.time(), reply.status if reply else None, outcome, fault, authorized, sha,
                               body, seen)
             with self._lock:
@@ -292,8 +245,7 @@ class FakeProvider:
                 self._attempted[key] += 1
             return reply
 
-        with self._lock:
-            fault = self._faults.popleft() if self._faults else None
+        fault = self._next_fault()
         if fault in _BEFORE_ACCEPT:
             status, name, text = _BEFORE_ACCEPT[fault]
             return finish(_error(status, name, text, {"Retry-After": "1"} if status == 429 else None), fault, fault)
@@ -306,7 +258,7 @@ class FakeProvider:
             return finish(_error(422, "validation_error", problem), "invalid", fault)
 
         replay: _Stored | None = None
-        conflict: tuple[_Reply, str] | None = None
+        conflict: tuple[Reply, str] | None = None
         with self._lock:
             now = time.monotonic()
             for stale in [k for k, s in self._stored.items() if s.expires <= now]:
@@ -354,9 +306,9 @@ class FakeProvider:
             return finish(_error(500, "internal_server_error", "an unexpected error occurred"),
                           f"{outcome}+500", fault)
         reply_headers = {"Idempotent-Replayed": "true"} if replay is not None else {}
-        return finish(_Reply(200, {"id": message_id}, reply_headers), outcome, fault)
+        return finish(Reply(200, {"id": message_id}, reply_headers), outcome, fault)
 
-    def _queue_faults(self, body: bytes) -> _Reply:
+    def _queue_faults(self, body: bytes) -> Reply:
         try:
             data = json.loads(body or b"{}")
             if "slow_seconds" in data:
@@ -366,7 +318,7 @@ class FakeProvider:
         except (ValueError, TypeError, AttributeError) as exc:
             return _error(400, "bad_fault", str(exc))
         with self._lock:
-            return _Reply(200, {"pending_faults": list(self._faults), "slow_seconds": self.slow_seconds})
+            return Reply(200, {"pending_faults": list(self._faults), "slow_seconds": self.slow_seconds})
 
 
 def _validate(body: bytes) -> str:
@@ -391,78 +343,3 @@ def _recipients(data: Mapping[str, Any]) -> tuple[str, ...]:
         value = data.get(name) or []
         out.extend([value] if isinstance(value, str) else [str(v) for v in value])
     return tuple(out)
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    fake: FakeProvider
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client that timed out and hung up is part of the game, not a server bug.
-        if isinstance(sys.exc_info()[1], OSError):
-            return
-        super().handle_error(request, client_address)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: _Server
-
-    def setup(self) -> None:
-        super().setup()
-        self.server.fake._track(self.connection, True)
-
-    def finish(self) -> None:
-        try:
-            super().finish()
-        finally:
-            self.server.fake._track(self.connection, False)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return None
-
-    def do_GET(self) -> None:
-        if urlsplit(self.path).path == "/_fake/stats":
-            self._reply(_Reply(200, self.server.fake.stats()))
-        else:
-            self._reply(_error(404, "not_found", f"no route {self.path}"))
-
-    def do_POST(self) -> None:
-        path = urlsplit(self.path).path
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            self.close_connection = True
-            self._reply(_error(411, "length_required", "send a Content-Length"))
-            return
-        body = self.rfile.read(int(length))
-        fake = self.server.fake
-        if path == "/_fake/faults":
-            self._reply(fake._queue_faults(body))
-        elif path == "/_fake/reset":
-            fake.reset()
-            self._reply(_Reply(200, {"reset": True}))
-        elif path == "/emails" or path.endswith("/emails"):
-            headers = {k.lower(): v for k, v in self.headers.items()}
-            reply = fake._send_email(headers, body)
-            if reply is None:
-                self.close_connection = True
-                return
-            self._reply(reply)
-        else:
-            self._reply(_error(404, "not_found", f"no route {self.path}"))
-
-    def _reply(self, reply: _Reply) -> None:
-        data = json.dumps(reply.payload).encode("utf-8")
-        try:
-            self.send_response(reply.status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header("X-Request-Id", str(uuid.uuid4()))
-            for name, value in reply.headers.items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(data)
-            self.wfile.flush()
-        except OSError:
-            # The client gave up (a read timeout) before the answer was ready.
-            self.close_connection = True

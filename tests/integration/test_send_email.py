@@ -144,3 +144,27 @@ def test_smtp_crash_after_data_is_parked_for_review(
         again = results([task.delay(to="dan@example.com", subject="Invoice", text="due", event_id="inv-9")])[0]
         assert isinstance(again, SendNeedsReview)
         assert sink.count() == 1
+
+
+@pytest.mark.parametrize("searchable", [True, False])
+def test_keyless_provider_ambiguous_send_is_reconciled_or_parked(
+    searchable: bool, worker_env: dict[str, str], request: pytest.FixtureRequest, start_worker: Any
+) -> None:
+    from idemmail_celery.testing.fake_keyless import DEFAULT_POSTMARK_TOKEN, FakeKeylessProvider
+
+    # Postmark has no idempotency key: after a dropped response the worker searches it by the key's tag.
+    with FakeKeylessProvider(search_lag_seconds=0.0 if searchable else 3600.0) as keyless:
+        worker_env.update(IDEMMAIL_TEST_PROVIDER=f"postmark://?base_url={keyless.url}",
+                          IDEMMAIL_TEST_PROVIDER_KEY=DEFAULT_POSTMARK_TOKEN)
+        app_module = request.getfixturevalue("app_module")
+        start_worker("-P", "prefork", "-c", "1")
+        keyless.fail_next("drop_after_accept")
+        task = send_email(app_module)
+        out = results([task.delay(to="eve@example.com", subject="Invoice", text="due", event_id="inv-10")])[0]
+        assert keyless.delivery_count() == 1  # never sent twice
+        if searchable:  # found by its tag: recorded as sent with the provider's id
+            assert out["status"] == "sent" and out["result"]["reconciled"] is True
+            assert out["message_id"] == keyless.deliveries()[0].message_id
+        else:  # not found (search lags): absence is not proof, so review
+            assert isinstance(out, SendNeedsReview) and out.reason == "connection_dropped"
+            assert task.ledger.get(out.key).state is State.REVIEW

@@ -1,0 +1,148 @@
+"""What the providers built on httpx share: Resend-compatible (:mod:`.http`) and keyless (:mod:`._keyless`).
+
+* :class:`HTTPClientProvider`, a provider base holding one ``httpx.Client``, created
+  lazily and anew after ``fork()``;
+* :func:`transport_error`, which maps a failed request (no HTTP answer at all)
+  onto the provider contract (:mod:`.base`);
+* :func:`scrub`, which keeps credentials out of messages built from what a server
+  or httpx said;
+* the small helpers both use to read an answer (:func:`retry_after`) and to
+  check and rebuild a URL (:func:`split_url`, :func:`netloc`).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from importlib import metadata
+from urllib.parse import SplitResult, urlsplit
+
+import httpx
+
+from ..errors import AmbiguousSendError, ConfigurationError, SendError, TransientSendError
+from .base import Provider
+
+#: Response headers that may carry the provider's request id, in order of preference.
+REQUEST_ID_HEADERS = ("x-request-id", "request-id", "x-resend-request-id", "x-amzn-requestid")
+#: How much of a server's error text goes into an exception or a stored result.
+MAX_ERROR_TEXT = 500
+
+# Failures before any connection existed: no byte of the request left this process.
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.ProxyError)
+_DROPPED_ERRORS = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+class HTTPClientProvider(Provider):
+    """A provider sending through one pooled ``httpx.Client``; safe to share between threads and across ``fork()``.
+
+    Subclasses call ``super().__init__(timeout)`` once their settings are checked,
+    and get the client from :meth:`_http` for each request.
+    """
+
+    def __init__(self, timeout: httpx.Timeout) -> None:
+        self.timeout = timeout
+        self._user_agent = user_agent()
+        self._client: httpx.Client | None = None
+        self._client_pid: int | None = None
+        self._client_lock = threading.Lock()
+
+    def _http(self) -> httpx.Client:
+        pid = os.getpid()
+        if self._client_pid is not None and self._client_pid != pid:
+            # First use after fork(): a parent thread may have held the inherited lock at that moment,
+            # and nobody in this process would ever release it. At worst two child threads each build
+            # a client and one is dropped.
+            self._client_lock = threading.Lock()
+        with self._client_lock:
+            if self._client is None or self._client_pid != pid:
+                # A client inherited through fork() shares its sockets (and TLS state) with the parent:
+                # abandon it without closing, which would disturb the parent's connections.
+                self._client = httpx.Client(timeout=self.timeout, follow_redirects=False)
+                self._client_pid = pid
+            return self._client
+
+    def close(self) -> None:
+        """Close the connection pool; the next request opens a new one."""
+        with self._client_lock:
+            client, self._client = self._client, None
+            if client is not None and self._client_pid == os.getpid():
+                client.close()
+
+    def _request_id(self, response: httpx.Response) -> str | None:
+        """The provider's id for the request, from the first of :data:`REQUEST_ID_HEADERS` it answered with."""
+        return next((response.headers[h] for h in REQUEST_ID_HEADERS if h in response.headers), None)
+
+
+def transport_error(
+    exc: httpx.HTTPError, where: str, key: str, scrub: Callable[[str], str], *, search: bool = False
+) -> SendError:
+    """The contract's error for a request to ``where`` that got no HTTP answer, its text passed through ``scrub``.
+
+    Raise it ``from None``: an httpx exception holds the request, credentials
+    included, and error reporters that walk ``__cause__`` would carry it along.
+    A ``search`` sends nothing, so its failure is never ambiguous.
+    """
+    if isinstance(exc, _CONNECT_ERRORS):
+        return TransientSendError(scrub(f"cannot connect to {where}: {exc}"), "connect", key)
+    if search:
+        return TransientSendError(scrub(f"searching {where} failed: {exc!r}"), "search_failed", key)
+    if isinstance(exc, httpx.TimeoutException):  # reading or writing: the connect and pool timeouts are above
+        return AmbiguousSendError(scrub(f"{where} timed out: {exc!r}"), "timeout", key)
+    if isinstance(exc, _DROPPED_ERRORS):
+        return AmbiguousSendError(scrub(f"connection to {where} dropped before a response: {exc!r}"),
+                                  "connection_dropped", key)
+    # Any other transport failure happened with the request possibly on the wire.
+    return AmbiguousSendError(scrub(f"{where} failed: {exc!r}"), "transport_error", key)
+
+
+def scrub(text: str, secrets: Iterable[str], mark: str) -> str:
+    """``text`` with every non-empty one of ``secrets`` replaced by ``mark``.
+
+    A provider (or a proxy in front of it) may echo a credential in an error.
+    """
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, mark)
+    return text
+
+
+def user_agent() -> str:
+    """The ``User-Agent`` sent with every request: this package's version and httpx's."""
+    try:
+        version = metadata.version("idemmail-celery")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return f"idemmail-celery/{version} (+httpx/{httpx.__version__})"
+
+
+def retry_after(response: httpx.Response) -> float | None:
+    """``Retry-After`` in seconds (a number or an HTTP date), or None when absent or unreadable."""
+    value = response.headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def split_url(url: str, what: str) -> tuple[SplitResult, int | None]:
+    """``url`` split, and its port; :class:`ConfigurationError` ("bad ``what``") when it cannot be read."""
+    try:
+        parts = urlsplit(url)
+        return parts, parts.port
+    except ValueError as exc:
+        raise ConfigurationError(f"bad {what}: {exc}") from None
+
+
+def netloc(host: str, port: int | None) -> str:
+    """``host[:port]`` for a URL, an IPv6 address in brackets."""
+    return (f"[{host}]" if ":" in host else host) + (f":{port}" if port is not None else "")
