@@ -21,10 +21,23 @@ test: install lint typecheck
 	$(BIN)/python -m pytest -q
 
 lint: install
-	$(BIN)/ruff check idemmail_celery tests examples
+	$(BIN)/ruff check idemmail_celery tests examples bench chaos
 
 typecheck: install
 	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+.PHONY: chaos bench
+
+## The long fault-injection suite (about 15 min here): SIGKILLs, provider faults, Redis and RabbitMQ,
+## Redis and PostgreSQL ledgers, the ledger-loss drill; prints the table. CHAOS_ARGS="--intents 10000".
+chaos: install
+	$(BIN)/python -m chaos.run $(CHAOS_ARGS)
+
+## Plain Celery vs IdempotentTask (Redis, PostgreSQL, SQLite ledgers) vs celery-once, same run;
+## writes docs/benchmarks.md (about 10 min). BENCH_ARGS="--tasks 500 --repeat 1 --no-write" for a look.
+bench: install
+	$(BIN)/pip install -q -c constraints.txt -r bench/requirements.txt
+	$(BIN)/python -m bench.run $(BENCH_ARGS)

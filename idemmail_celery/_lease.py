@@ -35,6 +35,7 @@ class LeaseKeeper:
         self._held: dict[tuple[int, str, int], _Held] = {}
         self._cond = threading.Condition()
         self._pid = 0
+        self._wake_at = 0.0  # when the renewal thread next wakes up by itself
 
     def hold(self, ledger: Ledger, key: str, token: int, lease_seconds: float) -> None:
         entry = _Held(ledger, key, token, lease_seconds, time.monotonic() + lease_seconds / 3)
@@ -42,8 +43,10 @@ class LeaseKeeper:
             self._held[(id(ledger), key, token)] = entry
             if self._pid != os.getpid():
                 self._pid = os.getpid()
+                self._wake_at = 0.0
                 threading.Thread(target=self._loop, name="idemmail-lease", daemon=True).start()
-            self._cond.notify()
+            elif entry.due < self._wake_at:
+                self._cond.notify()  # only then: waking the thread for every task costs a context switch
 
     def drop(self, ledger: Ledger, key: str, token: int) -> None:
         with self._cond:
@@ -55,8 +58,8 @@ class LeaseKeeper:
                 now = time.monotonic()
                 due = [h for h in self._held.values() if h.due <= now]
                 if not due:
-                    wait = min((h.due for h in self._held.values()), default=now + 60) - now
-                    self._cond.wait(timeout=max(wait, 0.01))
+                    self._wake_at = min((h.due for h in self._held.values()), default=now + 60)
+                    self._cond.wait(timeout=max(self._wake_at - now, 0.01))
                     continue
                 for h in due:
                     h.due = now + h.lease_seconds / 3

@@ -114,14 +114,16 @@ class SendError(IdemmailError):
     ``"auth"``, ``"retries_exhausted"``...) stored in the ledger and replayed.
     """
 
-    def __init__(self, message: str = "", reason: str = "", key: str = "") -> None:
+    def __init__(self, message: str = "", reason: str = "", key: str = "", retry_after: float | None = None) -> None:
         message = message or reason or type(self).__name__
         # Everything in args: Celery rebuilds a task's exception as cls(*args) in the
-        # caller (JSON result serializer), so .reason and .key survive the trip.
-        super().__init__(message, reason or "unspecified", key)
+        # caller (JSON result serializer), so .reason, .key and .retry_after survive the trip.
+        super().__init__(message, reason or "unspecified", key, retry_after)
         self.message = message
         self.reason = reason or "unspecified"
         self.key = key
+        #: Seconds the service asked us to wait before trying again (Retry-After), if it said.
+        self.retry_after = retry_after
 
     def __str__(self) -> str:
         return self.message
@@ -129,7 +131,7 @@ class SendError(IdemmailError):
     def with_key(self, key: str) -> SendError:
         """Attach the intent key (kept in ``args`` so it survives serialization)."""
         self.key = key
-        self.args = (self.message, self.reason, key)
+        self.args = (self.message, self.reason, key, self.retry_after)
         return self
 
 
@@ -148,16 +150,6 @@ class TransientSendError(SendError):
     reason ``retries_exhausted`` and its stored payload, ready to re-enqueue.
     ``retry_after`` (seconds), when the provider said so, is the least wait.
     """
-
-    def __init__(self, message: str = "", reason: str = "", key: str = "", retry_after: float | None = None) -> None:
-        super().__init__(message, reason, key)
-        self.retry_after = retry_after
-        self.args = (self.message, self.reason, key, retry_after)
-
-    def with_key(self, key: str) -> SendError:
-        super().with_key(key)
-        self.args = (self.message, self.reason, key, self.retry_after)
-        return self
 
 
 class AmbiguousSendError(SendError):

@@ -159,6 +159,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     _idem_settings: Settings | None = None
     _idem_builder: IntentKeyBuilder | None = None
+    _idem_ledger: Ledger | None = None
 
     # -- configuration, resolved once per task --
 
@@ -222,9 +223,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @property
     def ledger(self) -> Ledger:
-        """The ledger this task claims in."""
-        s = self.idem_settings
-        return get_ledger(s.ledger_url, {"retention_seconds": s.retention_seconds, **s.ledger_options})
+        """The ledger this task claims in (one per process and URL; backends survive forks)."""
+        if self._idem_ledger is None:
+            s = self.idem_settings
+            self._idem_ledger = get_ledger(s.ledger_url, {"retention_seconds": s.retention_seconds, **s.ledger_options})
+        return self._idem_ledger
 
     # -- the caller's side --
 
@@ -388,7 +391,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     "maybe_sent": sent_maybe}
             self._record(ledger.release, key, token, note)
             countdown = backoff(self.request.retries, settings.retry_backoff, settings.retry_backoff_max)
-            if isinstance(exc, TransientSendError) and exc.retry_after:
+            if isinstance(exc, SendError) and exc.retry_after:
                 countdown = max(countdown, exc.retry_after)
             raise self.retry(exc=exc, countdown=countdown)
         if sent_maybe:

@@ -156,7 +156,7 @@ def test_same_key_with_another_payload_needs_review(fake: FakeProvider, provider
         ("422", PermanentSendError, "rejected", None),
         ("401", TransientSendError, "auth", None),
         ("429", TransientSendError, "rate_limited", 1.0),
-        ("409_processing", TransientSendError, "provider_in_flight", 1.0),
+        ("409_processing", AmbiguousSendError, "provider_in_flight", 1.0),
     ],
 )
 def test_refusals_map_to_their_outcome_and_deliver_nothing(
@@ -257,7 +257,7 @@ def test_read_timeout_is_ambiguous_in_flight_then_one_delivery(fake: FakeProvide
     assert info.value.reason == "timeout"
 
     # The first request is still being processed: the provider says so, and nothing is sent twice.
-    with pytest.raises(TransientSendError) as busy:
+    with pytest.raises(AmbiguousSendError) as busy:
         impatient.send(receipt(), key=key)
     assert busy.value.reason == "provider_in_flight"
     assert busy.value.retry_after == 1.0

@@ -164,7 +164,9 @@ class HTTPProvider(HTTPClientProvider):
             if name == "concurrent_idempotent_requests":
                 wait = retry_after(response)
                 wait = IN_FLIGHT_RETRY_AFTER if wait is None else wait
-                raise TransientSendError(detail, "provider_in_flight", key, wait)
+                # The provider is still working on this key: it may yet deliver. Ambiguous, not
+                # transient, so a run that exhausts its retries parks it for review, never "failed".
+                raise AmbiguousSendError(detail, "provider_in_flight", key, wait)
             if name == "invalid_idempotent_request":
                 raise SendNeedsReview(detail, "key_payload_mismatch", key)
             raise PermanentSendError(detail, "http_409", key)

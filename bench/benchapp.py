@@ -1,0 +1,123 @@
+"""The Celery app bench workers run (``celery -A bench.benchapp worker``), configured by environment.
+
+Every task has the same no-op body (the "no-op provider send"): it marks itself done in one
+pipelined Redis round trip (a counter, the first and last completion times, and the SQL
+statements the ledger ran since the last mark), so every variant pays the same for being
+measured. The variants differ only in what wraps the body:
+
+==============  ================================================================
+``bench.plain``  a plain Celery task (``acks_late=True``, like the others): the ceiling
+``bench.idem``   :class:`IdempotentTask`; the ledger (Redis, PostgreSQL or SQLite) comes
+                 from ``BENCH_LEDGER``/``BENCH_LEDGER_OPTIONS``
+``bench.once``   celery-once's ``QueueOnce`` on the same Redis (the peer)
+==============  ================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.signals import task_postrun, worker_ready
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+
+from chaos.procs import tree_cpu_seconds
+from idemmail_celery import IdempotentTask
+
+try:  # the peer is optional: `make bench` installs it from bench/requirements.txt
+    from celery_once import QueueOnce
+except ImportError:  # pragma: no cover - reported by bench.run
+    QueueOnce = None
+
+NS = os.environ.get("BENCH_NS", "bench")
+RUN = os.environ.get("BENCH_RUN", "r")
+REDIS_URL = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/0")
+KEY_SECRET = "bench-secret"
+
+_r = redis.Redis.from_url(REDIS_URL)
+_sql_statements = 0
+
+
+def _count_sql(*_: Any) -> None:
+    global _sql_statements
+    _sql_statements += 1
+
+
+# Every SQL statement any engine in this process runs: the SQL ledgers' round trips.
+event.listen(Engine, "before_cursor_execute", _count_sql)
+
+
+def keys(run: str) -> dict[str, str]:
+    """The Redis keys one measurement writes (shared with :mod:`bench.run`)."""
+    return {"count": f"{NS}.{run}.count", "times": f"{NS}.{run}.times", "finished": f"{NS}.{run}.finished"}
+
+
+def _done(kind: str) -> dict[str, Any]:
+    """The no-op send: count it and stamp the time, in one round trip."""
+    global _sql_statements
+    k = keys(RUN)
+    now = time.time()
+    pipe = _r.pipeline(transaction=False)
+    pipe.incr(f"{k['count']}.{kind}")
+    pipe.hsetnx(k["times"], "first", now)
+    pipe.hset(k["times"], "last", now)
+    if _sql_statements:
+        pipe.hincrby(k["times"], "sql", _sql_statements)
+        _sql_statements = 0
+    pipe.execute()
+    return {"id": f"noop-{now}"}
+
+
+app = Celery("bench", broker=os.environ.get("BENCH_BROKER", REDIS_URL), set_as_current=False)
+app.conf.update(
+    task_serializer="json",
+    accept_content=["json"],
+    task_ignore_result=True,
+    worker_enable_remote_control=False,
+    worker_send_task_events=False,
+    broker_connection_retry_on_startup=True,
+    broker_transport_options={"global_keyprefix": f"{NS}."},
+    idemmail_ledger_url=os.environ.get("BENCH_LEDGER", "redis://127.0.0.1:6379/0"),
+    idemmail_ledger_options=json.loads(os.environ.get("BENCH_LEDGER_OPTIONS") or "{}"),
+    idemmail_key_secret=KEY_SECRET,
+    ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": REDIS_URL, "default_timeout": 3600}},
+)
+
+
+@app.task(name="bench.plain", acks_late=True)
+def plain(to: str, n: int) -> dict[str, Any]:
+    """No idempotency at all."""
+    return _done("plain")
+
+
+@app.task(name="bench.idem", base=IdempotentTask, bind=True, idempotency_key=("to", "n"))
+def idem(self: IdempotentTask, to: str, n: int) -> dict[str, Any]:
+    """The same body under the ledger."""
+    return _done("idem")
+
+
+if QueueOnce is not None:
+
+    @app.task(name="bench.once", base=QueueOnce, acks_late=True, once={"keys": ["to", "n"], "graceful": True})
+    def once(to: str, n: int) -> dict[str, Any]:
+        """The same body under celery-once's enqueue-time lock."""
+        return _done("once")
+
+
+@worker_ready.connect
+def _cpu_at_ready(**_: Any) -> None:
+    # Start of the drain: the worker's own CPU so far (imports, pool start-up) is left out.
+    _r.hset(keys(RUN)["times"], "cpu_ready", tree_cpu_seconds(os.getpid()))
+
+
+if os.environ.get("BENCH_POSTRUN"):
+
+    @task_postrun.connect
+    def _finished(**_: Any) -> None:
+        # Every execution, a replay included (the once-per-intent experiment only).
+        _r.incr(keys(RUN)["finished"])

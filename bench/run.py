@@ -1,0 +1,649 @@
+"""``make bench``: what exactly-once costs over plain Celery, and how celery-once compares.
+
+::
+
+    python -m bench.run                      # 3 repetitions x 2,000 tasks per variant and pool (~10 min)
+    python -m bench.run --tasks 500 --repeat 1 --no-write    # a quick look
+
+In one run and one process tree, for each repetition, pool (``-P prefork -c 2`` and
+``-P solo``) and variant (in a shuffled order), with the same no-op task body:
+
+1. **enqueue**: ``N`` ``delay()`` calls from this process (the key is computed here, in the
+   caller), timed: calls per second;
+2. **drain**: a worker subprocess started *after* the enqueue; drain rate is
+   ``(N - 1) / (last completion - first completion)``, the completions stamped by the tasks
+   in Redis; worker CPU is the ``/proc`` utime+stime of the worker's process tree from its
+   ``worker_ready`` to the last completion, per task;
+3. **round trips**: for the Redis ledger, the store's own ``INFO commandstats`` EVALSHA delta
+   over the drain (the plain run's delta shows the background noise of other clients); for
+   the SQL ledgers, statements counted by a SQLAlchemy event inside the worker; for
+   celery-once, the store's SET delta over the enqueue plus its DEL delta over the drain.
+
+Then in-process ledger micro-benchmarks (claims/s and duplicate checks/s, one thread on one
+connection and 8 threads on a pool; duplicate-path latency), and the behaviour the issue
+describes: N keys sent 3 times, each round after the previous finished, counting body runs.
+
+Medians of the repetitions with min-max; the ratio to plain measured in the same repetition
+is the figure that counts (the machine is shared and noisy). Results go to
+their section of ``docs/benchmarks.md`` (unless ``--no-write``) and a short table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from chaos.procs import WorkerProcess, install_signal_handlers, reap_all, wait_until
+from chaos.report import write_section
+from idemmail_celery.ledger import ClaimRequest, Ledger, from_url
+from idemmail_celery.ledger.redis import RedisLedger
+from idemmail_celery.ledger.sql import SQLLedger
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_REDIS_URL = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/0")
+REDIS_URL = SHARED_REDIS_URL  # replaced by the private server's URL when --redis private
+POSTGRES_URL = os.environ.get("BENCH_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+VARIANTS = ("plain", "idem-redis", "idem-pg", "idem-sqlite", "once")
+LABELS = {
+    "plain": "plain Celery task (ceiling)",
+    "idem-redis": "IdempotentTask, Redis ledger",
+    "idem-pg": "IdempotentTask, PostgreSQL ledger",
+    "idem-sqlite": "IdempotentTask, SQLite ledger",
+    "once": "celery-once QueueOnce (same Redis)",
+}
+POOLS = {"prefork": ["-P", "prefork", "-c", "2"], "solo": ["-P", "solo"]}
+
+
+@dataclass
+class Drain:
+    """One variant, one pool, one repetition."""
+
+    variant: str
+    pool: str
+    rep: int
+    tasks: int
+    enqueue_rate: float = 0.0
+    drain_rate: float = 0.0
+    cpu_ms: float = 0.0
+    round_trips: float | None = None
+    caller_round_trips: float | None = None
+    evalsha_noise: float = 0.0
+
+
+@dataclass
+class Micro:
+    """One ledger's in-process figures, one repetition."""
+
+    ledger: str
+    rep: int
+    claims_1: float = 0.0
+    claims_n: float = 0.0
+    dups_1: float = 0.0
+    dups_n: float = 0.0
+    dup_p50_us: float = 0.0
+    dup_p99_us: float = 0.0
+
+
+@dataclass
+class Bench:
+    """Everything one ``make bench`` measured."""
+
+    ns: str
+    tasks: int
+    repeat: int
+    threads: int
+    drains: list[Drain] = field(default_factory=list)
+    micros: list[Micro] = field(default_factory=list)
+    once_runs: dict[str, list[int]] = field(default_factory=dict)
+    once_refused: dict[str, int] = field(default_factory=dict)
+    once_keys: int = 0
+
+
+class PrivateRedis:
+    """A ``redis-server`` of the bench's own, on a free loopback port, so the store's command
+    counters (``INFO commandstats``) see nobody else's commands. Same binary as the service."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.proc = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
+             "--dir", str(workdir), "--maxmemory-policy", "noeviction"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        client = redis.Redis.from_url(self.url)
+        if not wait_until(lambda: _pings(client), timeout=10):
+            self.stop()
+            raise RuntimeError("the private redis-server did not start")
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
+class Harness:
+    """The bench's own namespace on the shared services, and its clean-up."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.ns = f"bench{uuid.uuid4().hex[:8]}"
+        self.r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.ns}-"))
+        self.tables: list[str] = []
+        os.environ.update(BENCH_NS=self.ns, BENCH_REDIS=REDIS_URL)
+        from bench import benchapp  # after BENCH_NS is set: the app's key prefix comes from it
+
+        self.benchapp = benchapp
+        self.app = benchapp.app
+        self.queue = [f"{self.ns}.warm"]
+        self.app.conf.task_routes = (lambda *_a, **_k: {"queue": self.queue[0]},)
+
+    # -- ledgers per measurement --
+
+    def ledger_config(self, variant: str, mid: str) -> tuple[str, dict[str, Any]]:
+        if variant == "idem-pg":
+            table = f"{self.ns}_{mid}"
+            self.tables.append(table)
+            return POSTGRES_URL, {"table": table}
+        if variant == "idem-sqlite":
+            return f"sqlite:///{self.tmp / (mid + '.sqlite3')}", {}
+        return REDIS_URL, {"prefix": f"{self.ns}.{mid}.led"}
+
+    def worker_env(self, mid: str, ledger_url: str, options: dict[str, Any], **extra: str) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(ROOT), "BENCH_NS": self.ns, "BENCH_RUN": mid,
+                "BENCH_REDIS": REDIS_URL, "BENCH_BROKER": REDIS_URL, "BENCH_LEDGER": ledger_url,
+                "BENCH_LEDGER_OPTIONS": json.dumps(options), **extra}
+
+    def commandstats(self) -> dict[str, int]:
+        stats = self.r.info("commandstats")
+        return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+
+    def task(self, variant: str) -> Any:
+        name = {"plain": "bench.plain", "once": "bench.once"}.get(variant, "bench.idem")
+        return self.app.tasks[name]
+
+    # -- one drain measurement --
+
+    def drain(self, variant: str, pool: str, rep: int) -> Drain:
+        n = self.args.tasks
+        mid = f"{rep}{pool[0]}{variant.replace('-', '')}"
+        url, options = self.ledger_config(variant, mid)
+        if variant.startswith("idem"):  # create the table (or load the scripts) outside the measurement
+            led = from_url(url, **options)
+            led.ping()
+            led.close()
+        task = self.task(variant)
+        keys = self.benchapp.keys(mid)
+        self.queue[0] = f"{self.ns}.warm"
+        for i in range(20):  # the producer's connection and the caller's caches, outside the timing
+            task.delay(f"warm{i}.{mid}.{self.ns}@example.com", i)
+        self.queue[0] = f"{self.ns}.{mid}"
+        before = self.commandstats()
+        t0 = time.perf_counter()
+        for i in range(n):
+            task.delay(f"u{i}.{mid}.{self.ns}@example.com", i)
+        enqueue = n / (time.perf_counter() - t0)
+        enqueued = self.commandstats()
+        w = WorkerProcess(f"{self.ns}-{mid}", "bench.benchapp", [*POOLS[pool], "-Q", self.queue[0]],
+                          self.worker_env(mid, url, options), self.tmp)
+        try:
+            w.start(wait_ready=0)
+            count_key = f"{keys['count']}.{variant.split('-')[0]}"
+            ok = wait_until(lambda: int(self.r.get(count_key) or 0) >= n, timeout=self.args.timeout, interval=0.01)
+            cpu_end = w.cpu_seconds()
+            after = self.commandstats()
+            if not ok:
+                raise RuntimeError(f"{variant}/{pool}: {self.r.get(count_key)!s} of {n} tasks done within "
+                                   f"{self.args.timeout}s; see {w.log_path}")
+        finally:
+            w.stop()
+        times = self.r.hgetall(keys["times"])
+        d = Drain(variant, pool, rep, n, enqueue_rate=enqueue)
+        d.drain_rate = (n - 1) / (float(times["last"]) - float(times["first"]))
+        d.cpu_ms = (cpu_end - float(times["cpu_ready"])) * 1000 / n
+        delta = {k: after.get(k, 0) - enqueued.get(k, 0) for k in after}
+        d.evalsha_noise = delta.get("evalsha", 0) / n
+        if variant == "idem-redis":
+            d.round_trips = delta.get("evalsha", 0) / n
+            d.caller_round_trips = (enqueued.get("evalsha", 0) - before.get("evalsha", 0)) / n
+        elif variant in ("idem-pg", "idem-sqlite"):
+            d.round_trips = int(times.get("sql", 0)) / n
+            d.caller_round_trips = 0.0
+        elif variant == "once":
+            d.caller_round_trips = (enqueued.get("set", 0) - before.get("set", 0)) / n
+            d.round_trips = delta.get("del", 0) / n
+        return d
+
+    # -- celery-once vs IdempotentTask: a copy sent after the first finished --
+
+    def sent_three_times(self, n: int) -> tuple[dict[str, list[int]], dict[str, int]]:
+        mid = "seq"
+        url, options = self.ledger_config("idem-redis", mid)
+        keys = self.benchapp.keys(mid)
+        self.queue[0] = f"{self.ns}.{mid}"
+        w = WorkerProcess(f"{self.ns}-{mid}", "bench.benchapp", [*POOLS["prefork"], "-Q", self.queue[0]],
+                          self.worker_env(mid, url, options, BENCH_POSTRUN="1"), self.tmp)
+        runs: dict[str, list[int]] = {}
+        refused: dict[str, int] = {}
+        try:
+            w.start()
+            finished = 0
+            for variant in ("once", "idem-redis"):
+                task, kind = self.task(variant), variant.split("-")[0]
+                runs[variant], refused[variant] = [], 0
+                for _round in range(3):
+                    sent = 0
+                    for i in range(n):
+                        result = task.delay(f"s{i}.{variant}.{self.ns}@example.com", i)
+                        if getattr(result, "state", None) == "REJECTED":  # celery-once refused it (graceful)
+                            refused[variant] += 1
+                        else:
+                            sent += 1
+                    finished += sent
+                    if not self._wait_count(keys["finished"], finished):
+                        raise RuntimeError(f"{variant}: round {_round + 1} did not finish; see {w.log_path}")
+                    runs[variant].append(int(self.r.get(f"{keys['count']}.{kind}") or 0))
+        finally:
+            w.stop()
+        return runs, refused
+
+    def _wait_count(self, key: str, target: int) -> bool:
+        return wait_until(lambda: int(self.r.get(key) or 0) >= target, timeout=self.args.timeout, interval=0.05)
+
+    def cleanup(self) -> None:
+        # Our namespace, and celery-once's locks (named after the arguments, which carry the namespace).
+        names = list(self.r.scan_iter(f"{self.ns}*", count=1000))
+        names += list(self.r.scan_iter(f"qo_*{self.ns}*", count=1000))
+        for i in range(0, len(names), 500):
+            self.r.delete(*names[i:i + 500])
+        import sqlalchemy as sa
+
+        if self.tables:
+            engine = sa.create_engine(POSTGRES_URL)
+            with engine.begin() as conn:
+                for t in self.tables:
+                    conn.execute(sa.text(f'DROP TABLE IF EXISTS "{t}"'))
+            engine.dispose()
+        for p in self.tmp.glob("*"):
+            p.unlink()
+        self.tmp.rmdir()
+
+
+# -- in-process ledger micro-benchmarks --
+
+
+def _request(key: str) -> ClaimRequest:
+    return ClaimRequest(key=key, task_name="bench.micro", payload='{"args":[],"kwargs":{}}', fingerprint="f" * 64)
+
+
+def _threaded(fn: Callable[[int], object], items: int, threads: int) -> float:
+    """Run ``fn(i)`` for every i on ``threads`` threads; operations per second."""
+    chunks = [range(t, items, threads) for t in range(threads)]
+    barrier = threading.Barrier(threads + 1)
+
+    def work(chunk: range) -> None:
+        barrier.wait()
+        for i in chunk:
+            fn(i)
+
+    pool = [threading.Thread(target=work, args=(c,)) for c in chunks]
+    for th in pool:
+        th.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for th in pool:
+        th.join()
+    return items / (time.perf_counter() - t0)
+
+
+def micro(ledger_name: str, ledger: Ledger, rep: int, n: int, threads: int) -> Micro:
+    """Claims of new keys and claims that find ``sent`` (the duplicate path), 1 and ``threads`` threads."""
+    m = Micro(ledger_name, rep)
+    ledger.ping()
+    ledger.claim(_request(f"warm{rep}"))
+    tag = f"{rep}.{uuid.uuid4().hex[:4]}"
+    t0 = time.perf_counter()
+    tokens = [ledger.claim(_request(f"a{tag}.{i}")).token for i in range(n)]
+    m.claims_1 = n / (time.perf_counter() - t0)
+    m.claims_n = _threaded(lambda i: ledger.claim(_request(f"b{tag}.{i}")), n, threads)
+    for i, token in enumerate(tokens):
+        ledger.complete(f"a{tag}.{i}", token, {"message_id": f"m{i}"})
+    lat: list[float] = []
+    t0 = time.perf_counter()
+    for i in range(n):
+        s = time.perf_counter()
+        ledger.claim(_request(f"a{tag}.{i}"))
+        lat.append(time.perf_counter() - s)
+    m.dups_1 = n / (time.perf_counter() - t0)
+    m.dups_n = _threaded(lambda i: ledger.claim(_request(f"a{tag}.{i}")), n, threads)
+    lat.sort()
+    m.dup_p50_us = statistics.median(lat) * 1e6
+    m.dup_p99_us = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6
+    return m
+
+
+def micro_ledgers(h: Harness) -> dict[str, Ledger]:
+    table = f"{h.ns}_micro"
+    h.tables.append(table)
+    return {
+        "redis": from_url(REDIS_URL, prefix=f"{h.ns}.micro"),
+        "postgresql": from_url(POSTGRES_URL, table=table, pool_size=h.args.threads),
+        "sqlite": from_url(f"sqlite:///{h.tmp / 'micro.sqlite3'}"),
+    }
+
+
+# -- reporting --
+
+
+def med(values: list[float]) -> str:
+    if not values:
+        return "-"
+    m = statistics.median(values)
+    if len(values) == 1:
+        return f"{m:,.0f}" if m >= 100 else f"{m:.2f}"
+    fmt = "{:,.0f}" if m >= 100 else "{:.2f}"
+    return f"{fmt.format(m)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def ratio(b: Bench, variant: str, pool: str, attr: str) -> list[float]:
+    """Per repetition: the variant's figure over plain's in the same repetition."""
+    out = []
+    for rep in range(b.repeat):
+        mine = [getattr(d, attr) for d in b.drains if (d.variant, d.pool, d.rep) == (variant, pool, rep)]
+        base = [getattr(d, attr) for d in b.drains if (d.variant, d.pool, d.rep) == ("plain", pool, rep)]
+        if mine and base and base[0]:
+            out.append(mine[0] / base[0])
+    return out
+
+
+def drain_table(b: Bench, pool: str) -> str:
+    lines = [
+        "| variant | enqueue delay()/s | ratio | drain tasks/s | ratio | worker CPU ms/task | ratio "
+        "| ledger round trips/task (worker + caller) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for v in VARIANTS:
+        ds = [d for d in b.drains if d.variant == v and d.pool == pool]
+        if not ds:
+            continue
+        rts = [d.round_trips for d in ds if d.round_trips is not None]
+        crt = [d.caller_round_trips for d in ds if d.caller_round_trips is not None]
+        rt = "0 (none)" if v == "plain" else f"{statistics.median(rts):.2f} + {statistics.median(crt):.2f}"
+        lines.append(
+            f"| {LABELS[v]} | {med([d.enqueue_rate for d in ds])} | {med(ratio(b, v, pool, 'enqueue_rate'))} "
+            f"| {med([d.drain_rate for d in ds])} | {med(ratio(b, v, pool, 'drain_rate'))} "
+            f"| {med([d.cpu_ms for d in ds])} | {med(ratio(b, v, pool, 'cpu_ms'))} | {rt} |"
+        )
+    return "\n".join(lines)
+
+
+def micro_table(b: Bench) -> str:
+    lines = [
+        f"| ledger | claims/s, 1 thread | claims/s, {b.threads} threads | duplicate checks/s, 1 thread "
+        f"| duplicate checks/s, {b.threads} threads | duplicate path p50 µs | p99 µs |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in ("redis", "postgresql", "sqlite"):
+        ms = [m for m in b.micros if m.ledger == name]
+        if ms:
+            lines.append(
+                f"| {name} | {med([m.claims_1 for m in ms])} | {med([m.claims_n for m in ms])} "
+                f"| {med([m.dups_1 for m in ms])} | {med([m.dups_n for m in ms])} "
+                f"| {med([m.dup_p50_us for m in ms])} | {med([m.dup_p99_us for m in ms])} |"
+            )
+    return "\n".join(lines)
+
+
+def once_table(b: Bench) -> str:
+    lines = ["| task | body runs after round 1 | after round 2 | after round 3 | enqueues refused |",
+             "|---|---:|---:|---:|---:|"]
+    for v, runs in b.once_runs.items():
+        lines.append(f"| {LABELS[v]} | {' | '.join(f'{x:,}' for x in runs)} | {b.once_refused.get(v, 0)} |")
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, str]:
+    r = redis.Redis.from_url(REDIS_URL)
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(POSTGRES_URL)
+    with engine.connect() as conn:
+        pg = str(conn.execute(sa.text("SHOW server_version")).scalar())
+    engine.dispose()
+    import celery
+    import kombu
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "nproc": str(os.cpu_count()), "cpu": cpu, "python": platform.python_version(),
+        "celery": celery.__version__, "kombu": kombu.__version__, "redis-py": redis.__version__,
+        "redis": f"{r.info('server')['redis_version']} "
+                 f"({'a private redis-server' if REDIS_URL != SHARED_REDIS_URL else REDIS_URL})",
+        "postgresql": pg,
+        "hiredis": "yes" if _has("hiredis") else "no", "load average at start": load,
+    }
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def report(b: Bench, facts: dict[str, str], command: str, seconds: float) -> str:
+    fact_lines = "\n".join(f"| {k} | {v} |" for k, v in facts.items())
+    return f"""## Cost: plain Celery vs IdempotentTask vs celery-once (`make bench`)
+
+What the exactly-once guarantee costs over a plain Celery task, and how celery-once (the peer)
+compares. Produced by `make bench` (`bench/run.py`); rerun it to get figures for your machine.
+
+```
+{command}
+```
+
+{b.repeat} repetitions of {b.tasks:,} tasks per variant and pool, in one run and one process tree
+(wall time {seconds / 60:.1f} min). Each cell is the **median (min-max)** of the repetitions. The **ratio**
+is the variant's figure over the plain task's in the *same* repetition (then the median of those
+ratios): the machine is shared and noisy, so absolute rates move between runs and the ratio is
+the figure that counts. No test asserts any of these numbers.
+
+### Machine
+
+| fact | value |
+|---|---|
+{fact_lines}
+
+### Drain and enqueue, `-P prefork -c 2`
+
+{drain_table(b, "prefork")}
+
+### Drain and enqueue, `-P solo`
+
+{drain_table(b, "solo")}
+
+How each column is measured:
+
+* **enqueue**: {b.tasks:,} `delay()` calls in the benchmark process; for `IdempotentTask` the intent
+  key (HMAC-SHA256) is computed there, in the caller; celery-once takes its lock there (one Redis
+  `SET NX`). The three `IdempotentTask` rows run the very same caller code (the ledger is not
+  touched at `delay()`), so the spread between them is the noise floor of this column.
+* **drain**: the worker is started after the enqueue; `(N - 1) / (last - first completion)`, the
+  completions stamped by the tasks themselves (one pipelined Redis round trip per task, the same
+  for every variant, so it lowers every rate a little and compresses the ratios slightly).
+* **worker CPU**: utime + stime from `/proc` of the worker's process tree (main process and pool
+  children) between its `worker_ready` and the last completion, per task; ratio over plain.
+* **round trips**: Redis ledger, the store's `INFO commandstats` EVALSHA delta over the drain
+  (on {facts["redis"]}; the plain task's EVALSHA delta over its own drain, the background noise,
+  was {med([d.evalsha_noise for d in b.drains if d.variant == "plain"])} per task);
+  SQL ledgers, statements counted by a SQLAlchemy `before_cursor_execute` event in the worker
+  (a handful per process for the table check at first use are included); celery-once, the
+  store's `SET` delta over the enqueue (caller) and `DEL` delta over the drain (worker).
+  All tasks are first sends: claim + complete.
+
+### Ledger micro-benchmarks (in process, {b.threads} threads share one ledger and its pool)
+
+{micro_table(b)}
+
+Claims are of new keys (one claim each, no completion); duplicate checks are claims of keys already
+`sent` (the path every redelivered or duplicate copy takes); latency is per call on one thread.
+
+### A copy sent after the first one finished
+
+{b.once_keys:,} keys, each sent 3 times, every round enqueued after the previous round had
+finished (one worker, `-P prefork -c 2`). Body runs counted by the task body itself:
+
+{once_table(b)}
+
+celery-once's lock lives from `apply_async` to the end of the task: it stops a copy enqueued
+while the first is queued or running, and nothing after. `IdempotentTask` keeps the outcome in
+the ledger for `idemmail_retention_seconds` (7 days), so a later copy replays it instead of
+running again.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", "-N", type=int, default=2000, help="tasks per variant, pool and repetition")
+    p.add_argument("--repeat", "-r", type=int, default=3, help="repetitions (medians are reported)")
+    p.add_argument("--threads", type=int, default=8, help="threads in the many-threads micro-benchmark")
+    p.add_argument("--micro-ops", type=int, default=2000, help="operations per micro-benchmark")
+    p.add_argument("--once-keys", type=int, default=2000, help="keys in the sent-three-times experiment")
+    p.add_argument("--pools", default="prefork,solo")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a drain may take")
+    p.add_argument("--redis", default="private",
+                   help="'private' (a redis-server of the bench's own: exact command counts) or a redis:// URL")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = p.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    pools = [x for x in args.pools.split(",") if x]
+    if "once" in variants and not _has("celery_once"):
+        p.error("celery-once is not installed: pip install -r bench/requirements.txt (make bench does)")
+    bad = set(variants) - set(VARIANTS) or set(pools) - set(POOLS)
+    if bad:
+        p.error(f"unknown: {', '.join(sorted(bad))}")
+    if "plain" not in variants:
+        variants.insert(0, "plain")  # ratios need it
+
+    install_signal_handlers()
+    global REDIS_URL
+    private: PrivateRedis | None = None
+    if args.redis == "private" and shutil.which("redis-server"):
+        private = PrivateRedis(Path(tempfile.mkdtemp(prefix="bench-redis-")))
+        REDIS_URL = private.url
+    elif args.redis != "private":
+        REDIS_URL = args.redis
+    rng = random.Random(args.seed)
+    try:
+        shown = " ".join(argv if argv is not None else sys.argv[1:])
+        return _run(args, variants, pools, rng, f"make bench   # = .venv/bin/python -m bench.run {shown}".rstrip())
+    finally:
+        if private is not None:
+            private.stop()
+
+
+def _run(args: argparse.Namespace, variants: list[str], pools: list[str], rng: random.Random, command: str) -> int:
+    h = Harness(args)
+    b = Bench(ns=h.ns, tasks=args.tasks, repeat=args.repeat, threads=args.threads)
+    facts = machine()
+    t0 = time.monotonic()
+    try:
+        for rep in range(args.repeat):
+            for pool in pools:
+                order = list(variants)
+                rng.shuffle(order)
+                for v in order:
+                    d = h.drain(v, pool, rep)
+                    b.drains.append(d)
+                    print(f"rep {rep + 1} {pool:7} {v:12} enqueue {d.enqueue_rate:7.0f}/s  drain {d.drain_rate:6.0f}/s"
+                          f"  cpu {d.cpu_ms:5.2f} ms/task  rt {d.round_trips}", flush=True)
+            ledgers = micro_ledgers(h)
+            try:
+                for name, led in ledgers.items():
+                    m = micro(name, led, rep, args.micro_ops, args.threads)
+                    b.micros.append(m)
+                    print(f"rep {rep + 1} micro {name:10} claims {m.claims_1:6.0f}/s ({m.claims_n:6.0f}/s x"
+                          f"{args.threads})  dups {m.dups_1:6.0f}/s ({m.dups_n:6.0f}/s)  p50 {m.dup_p50_us:.0f} µs"
+                          f"  p99 {m.dup_p99_us:.0f} µs", flush=True)
+            finally:
+                for name, led in ledgers.items():
+                    if isinstance(led, RedisLedger):
+                        names = list(led.client.scan_iter(f"{led.prefix}:*", count=1000))
+                        for i in range(0, len(names), 500):
+                            led.client.delete(*names[i:i + 500])
+                    elif isinstance(led, SQLLedger) and name == "postgresql":
+                        led.drop_table()
+                    led.close()
+                (h.tmp / "micro.sqlite3").unlink(missing_ok=True)
+        if "once" in variants and args.once_keys:
+            b.once_keys = args.once_keys
+            b.once_runs, b.once_refused = h.sent_three_times(args.once_keys)
+            print(f"sent three times: body runs {b.once_runs}, refused {b.once_refused}", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted: workers reaped", file=sys.stderr)
+        return 130
+    finally:
+        reap_all()
+        h.cleanup()
+    seconds = time.monotonic() - t0
+    text = report(b, facts, command, seconds)
+    if not args.no_write:
+        write_section(args.output, "bench", text)
+    print()
+    print("## prefork -c 2\n\n" + drain_table(b, "prefork"))
+    if "solo" in pools:
+        print("\n## solo\n\n" + drain_table(b, "solo"))
+    print("\n" + micro_table(b))
+    if b.once_runs:
+        print("\n" + once_table(b))
+    print(f"\n{seconds / 60:.1f} min; {'written to ' + str(args.output) if not args.no_write else 'not written'}")
+    return 0
+
+
+if __name__ == "__main__":
+    # Started from a checkout (make bench), so `bench` and `chaos` import from the project root.
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())

@@ -1,0 +1,726 @@
+"""One chaos run: M intents enqueued K times into real prefork workers that are being killed.
+
+:func:`run_scenario` does, for one :class:`Scenario`:
+
+1. starts the provider (the project's :class:`FakeProvider` over HTTP, with or without
+   de-duplication on ``Idempotency-Key``, or the :class:`SMTPSink`) and ``workers`` Celery
+   workers (``-P prefork -c 2``, subprocesses in process groups of their own);
+2. enqueues every intent ``copies`` times in a random interleaving, paced over
+   ``enqueue_seconds``, while a fault thread queues provider faults (accept-then-drop,
+   accept-then-500, 503-before-accept, slow past the client timeout) and a chaos thread
+   SIGKILLs random pool children and whole workers (which it restarts);
+3. waits, with a deadline, until every ledger record is final and the broker queue is empty;
+4. judges from the provider's own delivery records and the ledger, never from return values.
+
+Every kill, fault and phase goes to a JSON-lines event log. Everything the run creates lives
+under its own namespace (queue, Redis key prefixes, SQL table) and is removed at the end;
+the workers are reaped whatever happens (see :mod:`chaos.procs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from idemmail_celery.ledger import Ledger, State, from_url
+from idemmail_celery.ledger.redis import RedisLedger
+from idemmail_celery.ledger.sql import SQLLedger
+from idemmail_celery.mail import TASK_NAME
+from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
+from idemmail_celery.testing.smtp_sink import SMTPSink
+
+from .procs import WorkerProcess, stop_all, wait_until
+from .workerapp import KEYLESS_TASK, build_app, trace_key, worker_env
+
+REDIS_URL = os.environ.get("CHAOS_REDIS", "redis://127.0.0.1:6379/0")
+RABBITMQ_URL = os.environ.get("CHAOS_RABBITMQ", "amqp://guest:guest@127.0.0.1:5672//")
+POSTGRES_URL = os.environ.get("CHAOS_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+HTTP_FAULTS = ("drop_after_accept", "500_after_accept", "503_before_accept", "slow")
+SMTP_FAULTS = ("drop_after_data", "stall_after_data", "tempfail_data_command")
+PROVIDERS = ("http", "http-keyless", "smtp")
+FINAL = {State.SENT.value, State.FAILED.value, State.REVIEW.value}
+
+
+@dataclass
+class Scenario:
+    """What one run does. Times are seconds."""
+
+    name: str
+    broker: str = "redis"  # redis | rabbitmq
+    ledger: str = "redis"  # redis | postgresql
+    provider: str = "http"  # http (dedupes on the key) | http-keyless (dedupe off) | smtp
+    intents: int = 300
+    copies: int = 3
+    workers: int = 3
+    concurrency: int = 2
+    kills: int = 6
+    whole_worker_share: float = 0.35  # of the kills, the share that takes a whole worker down
+    kill_interval: float = 2.0  # mean time between kills
+    fault_rate: float = 0.05  # share of provider requests that get a fault
+    enqueue_seconds: float = 10.0
+    lease: float = 3.0
+    visibility_timeout: float = 10.0
+    provider_timeout: float = 1.0
+    slow_seconds: float = 1.5
+    flush_ledger_at: float | None = None  # ledger-loss drill: flush when this share of intents is delivered
+    deadline: float = 600.0
+    seed: int = 0
+
+    @property
+    def keyed(self) -> bool:
+        """Does the downstream de-duplicate on the key (the HTTP fake with dedupe on)?"""
+        return self.provider == "http"
+
+    @property
+    def drill(self) -> bool:
+        return self.flush_ledger_at is not None
+
+
+@dataclass
+class Result:
+    """What a run found. ``ok`` is the verdict; ``problems`` says why not."""
+
+    scenario: Scenario
+    ns: str
+    log_dir: str
+    intents: int = 0
+    messages: int = 0
+    deliveries: int = 0
+    duplicates: int = 0
+    missing: int = 0
+    unknown_deliveries: int = 0
+    states: dict[str, int] = field(default_factory=dict)
+    reviews: int = 0
+    reviews_delivered: int = 0
+    review_reasons: dict[str, int] = field(default_factory=dict)
+    undelivered_not_review: int = 0
+    no_record: int = 0
+    child_kills: int = 0
+    worker_kills: int = 0
+    faults: int = 0
+    faults_by_kind: dict[str, int] = field(default_factory=dict)
+    posts: int = 0
+    suppressed: int = 0
+    wall: float = 0.0
+    stuck: bool = False
+    executions: int = 0
+    redelivered: int = 0
+    overlapping: int = 0
+    records_flushed: int = 0
+    resends: int = 0
+    resent_deliveries: int = 0
+    ok: bool = False
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def kills(self) -> int:
+        return self.child_kills + self.worker_kills
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["kills"] = self.kills
+        return out
+
+
+class EventLog:
+    """Thread-safe JSON-lines log: one object per event, with seconds since the run started."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.t0 = time.monotonic()
+        self._lock = threading.Lock()
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self.counts: Counter[str] = Counter()
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        line = {"t": round(time.monotonic() - self.t0, 3), "at": round(time.time(), 3), "event": event, **fields}
+        with self._lock:
+            self.counts[event] += 1
+            self._file.write(json.dumps(line, default=str) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+# -- the provider side: what was delivered, per key --
+
+
+class ProviderUnderTest:
+    """The fake provider a run sends to, seen through the questions the verdict asks."""
+
+    kinds: tuple[str, ...] = ()
+    url = ""
+    api_key = ""
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+
+    def requests(self) -> int:
+        """Requests received so far (POSTs, or SMTP messages recorded)."""
+        raise NotImplementedError
+
+    def delivered(self) -> int:
+        """Deliveries so far (cheap: polled while the run goes on)."""
+        raise NotImplementedError
+
+    def queue_fault(self, kind: str) -> None:
+        raise NotImplementedError
+
+    def deliveries_by_key(self) -> Counter[str]:
+        raise NotImplementedError
+
+    def applied_faults(self) -> list[dict[str, Any]]:
+        """The faults that hit a request: kind, key (when known), time."""
+        raise NotImplementedError
+
+    def suppressed(self) -> int:
+        return 0
+
+    def attempts_after(self, when: float, keys: set[str]) -> tuple[int, int]:
+        """(requests, deliveries) for ``keys`` received after the epoch time ``when``."""
+        return 0, 0
+
+
+class HTTPFake(ProviderUnderTest):
+    """:class:`FakeProvider`: Resend-compatible, de-duplicating on ``Idempotency-Key`` or not."""
+
+    kinds = HTTP_FAULTS
+
+    def __init__(self, *, dedupe: bool, slow_seconds: float, max_records: int) -> None:
+        self.fake = FakeProvider(dedupe=dedupe, slow_seconds=slow_seconds, max_records=max_records)
+        self.api_key = DEFAULT_API_KEY
+
+    def start(self) -> None:
+        self.fake.start()
+        self.url = self.fake.url
+
+    def stop(self) -> None:
+        self.fake.stop()
+
+    def requests(self) -> int:
+        return self.fake.attempt_count()
+
+    def delivered(self) -> int:
+        return self.fake.delivery_count()
+
+    def queue_fault(self, kind: str) -> None:
+        self.fake.fail_next(kind)
+
+    def deliveries_by_key(self) -> Counter[str]:
+        return Counter(d.key or "<none>" for d in self.fake.deliveries())
+
+    def applied_faults(self) -> list[dict[str, Any]]:
+        return [{"kind": a.fault, "key": a.key, "at": a.at, "outcome": a.outcome, "status": a.status}
+                for a in self.fake.attempts() if a.fault]
+
+    def suppressed(self) -> int:
+        return self.fake.duplicates_suppressed()
+
+    def attempts_after(self, when: float, keys: set[str]) -> tuple[int, int]:
+        posts = sum(1 for a in self.fake.attempts() if a.at > when and a.key in keys)
+        delivered = sum(1 for d in self.fake.deliveries() if d.at > when and d.key in keys)
+        return posts, delivered
+
+
+class SMTPFake(ProviderUnderTest):
+    """:class:`SMTPSink`: no key support; deliveries are told apart by their ``<key@domain>`` Message-ID."""
+
+    kinds = SMTP_FAULTS
+
+    def __init__(self) -> None:
+        self.sink = SMTPSink()
+        self._queued: list[dict[str, Any]] = []
+
+    def start(self) -> None:
+        self.sink.start()
+        self.url = self.sink.url
+
+    def stop(self) -> None:
+        self.sink.stop()
+
+    def requests(self) -> int:
+        return self.sink.count()
+
+    def delivered(self) -> int:
+        return self.sink.count()
+
+    def queue_fault(self, kind: str) -> None:
+        self.sink.fail_next(kind)  # type: ignore[arg-type]
+        self._queued.append({"kind": kind, "at": time.time()})
+
+    def deliveries_by_key(self) -> Counter[str]:
+        out: Counter[str] = Counter()
+        for m in self.sink.messages():
+            mid = (m.message_id or "<none@x>").strip("<>")
+            out[mid.split("@", 1)[0]] += 1
+        return out
+
+    def applied_faults(self) -> list[dict[str, Any]]:
+        # A fault after DATA leaves an unacknowledged message with its key; one before DATA leaves nothing.
+        dropped = [{"kind": "drop_after_data|stall_after_data", "key": (m.message_id or "").strip("<>").split("@")[0]}
+                   for m in self.sink.messages() if not m.acknowledged]
+        before = [q for q in self._queued if q["kind"] == "tempfail_data_command"]
+        return dropped + [{"kind": q["kind"], "key": None, "at": q["at"]} for q in before]
+
+
+def make_provider(s: Scenario) -> ProviderUnderTest:
+    if s.provider == "smtp":
+        return SMTPFake()
+    if s.provider in ("http", "http-keyless"):
+        return HTTPFake(dedupe=s.provider == "http", slow_seconds=s.slow_seconds,
+                        max_records=max(10_000, s.intents * s.copies * 4))
+    raise ValueError(f"unknown provider {s.provider!r} (known: {', '.join(PROVIDERS)})")
+
+
+# -- the ledger and the broker, seen from outside --
+
+
+class LedgerView:
+    """The run's ledger, read the way an operator would (and flushed for the drill)."""
+
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
+        self.ledger: Ledger = from_url(url, **options)
+        self.ledger.ping()  # connects (an SQL ledger creates its table here)
+
+    def state_counts(self) -> Counter[str]:
+        """Records per state, in one or two store requests."""
+        led = self.ledger
+        if isinstance(led, RedisLedger):
+            pipe = led.client.pipeline(transaction=False)
+            for s in State:
+                pipe.zcard(f"{led.prefix}:i:{s.value}")
+            return Counter({s.value: int(n) for s, n in zip(State, pipe.execute(), strict=True)})
+        if isinstance(led, SQLLedger):
+            import sqlalchemy as sa
+
+            t = led.table
+            with led.engine.connect() as conn:
+                rows = conn.execute(sa.select(t.c.state, sa.func.count()).group_by(t.c.state)).all()
+            return Counter({str(state): int(n) for state, n in rows})
+        raise TypeError(type(led).__name__)
+
+    def states(self, keys: list[str]) -> dict[str, Any]:
+        """key -> Record (or None), one request per key."""
+        return {k: self.ledger.get(k) for k in keys}
+
+    def flush(self) -> int:
+        """Lose the ledger: delete every record (Redis keys or SQL rows). Returns how many records went."""
+        led = self.ledger
+        if isinstance(led, RedisLedger):
+            names = list(led.client.scan_iter(f"{led.prefix}:*", count=1000))
+            records = sum(1 for n in names if n.startswith(f"{led.prefix}:r:"))
+            for i in range(0, len(names), 500):
+                led.client.delete(*names[i:i + 500])
+            return records
+        if isinstance(led, SQLLedger):
+            import sqlalchemy as sa
+
+            with led.engine.connect() as conn:
+                return int(conn.execute(sa.delete(led.table)).rowcount)
+        raise TypeError(type(led).__name__)
+
+    def drop(self) -> None:
+        led = self.ledger
+        if isinstance(led, RedisLedger):
+            names = list(led.client.scan_iter(f"{led.prefix}:*", count=1000))
+            for i in range(0, len(names), 500):
+                led.client.delete(*names[i:i + 500])
+        elif isinstance(led, SQLLedger):
+            with contextlib.suppress(Exception):
+                led.drop_table()
+        led.close()
+
+
+class BrokerView:
+    """Queue depth and clean-up for the run's own queue (Redis: its own key prefix too)."""
+
+    def __init__(self, app: Any, broker_url: str, ns: str, queue: str) -> None:
+        self.app, self.url, self.ns, self.queue = app, broker_url, ns, queue
+        self.redis = redis.Redis.from_url(broker_url, decode_responses=True) if broker_url.startswith("redis") else None
+
+    def depth(self) -> int:
+        """Messages waiting plus (Redis) messages handed out but not yet acknowledged."""
+        if self.redis is not None:
+            p = f"{self.ns}."
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.llen(p + self.queue)
+            pipe.hlen(p + "unacked")
+            return sum(int(n) for n in pipe.execute())
+        with self.app.connection_for_write() as conn:
+            try:
+                _, count, _ = conn.default_channel.queue_declare(self.queue, passive=True)
+            except Exception:
+                return 0
+            return int(count)
+
+    def cleanup(self) -> None:
+        """Delete the run's queue (RabbitMQ) and every Redis key under its namespace (broker, trace)."""
+        if self.redis is None:
+            with contextlib.suppress(Exception), self.app.connection_for_write() as conn:
+                ch = conn.default_channel
+                ch.queue_delete(self.queue)
+                ch.exchange_delete(self.queue)
+        client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+        for c in [client] + ([self.redis] if self.redis is not None else []):
+            names = list(c.scan_iter(f"{self.ns}.*", count=1000))
+            for i in range(0, len(names), 500):
+                c.delete(*names[i:i + 500])
+            c.close()
+
+
+# -- the run --
+
+
+def _geometric(rng: random.Random, p: float) -> int:
+    """Requests to let through before the next fault (mean ``1/p - 1``)."""
+    if p <= 0:
+        return 1 << 60
+    n = 0
+    while rng.random() > p:
+        n += 1
+    return n
+
+
+class Run:
+    """The moving parts of one scenario, and the threads that torment them."""
+
+    def __init__(self, s: Scenario, log_dir: Path) -> None:
+        self.s = s
+        self.rng = random.Random(s.seed)
+        self.ns = f"chaos{s.seed}x{uuid.uuid4().hex[:6]}"
+        self.log_dir = log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log = EventLog(log_dir / "events.jsonl")
+        self.stop = threading.Event()
+        self.enqueued = threading.Event()
+        self.errors: list[str] = []
+        self.provider = make_provider(s)
+        self.workers: list[WorkerProcess] = []
+        self.child_kills = 0
+        self.worker_kills = 0
+        self.flush_time: float | None = None
+        self.flushed_keys: set[str] = set()
+        self.records_flushed = 0
+        self.messages = 0
+
+    # -- set-up --
+
+    def config(self) -> dict[str, str]:
+        s = self.s
+        broker = REDIS_URL if s.broker == "redis" else RABBITMQ_URL
+        ledger = REDIS_URL if s.ledger == "redis" else POSTGRES_URL
+        return {
+            "ns": self.ns, "broker": broker, "ledger": ledger, "provider": self.provider.url,
+            "provider_key": self.provider.api_key, "provider_timeout": str(s.provider_timeout),
+            "lease": str(s.lease), "visibility_timeout": str(s.visibility_timeout), "trace": REDIS_URL,
+        }
+
+    def task_name(self) -> str:
+        return KEYLESS_TASK if self.s.provider == "http-keyless" else TASK_NAME
+
+    def intent(self, i: int, copy: int) -> dict[str, Any]:
+        # The body differs per copy (an agent rewrote it); the intent is the event and the recipient.
+        return {"to": f"user{i}@example.com", "subject": f"Receipt {i}", "text": f"copy {copy} of {i}",
+                "event_id": f"{self.ns}-order-{i}", "template": "receipt"}
+
+    # -- threads --
+
+    def _guard(self, fn: Callable[[], None], name: str) -> Callable[[], None]:
+        def body() -> None:
+            try:
+                fn()
+            except Exception as exc:  # a broken harness must fail the run, loudly
+                self.errors.append(f"{name}: {exc!r}")
+                self.log("harness_error", thread=name, error=repr(exc))
+        return body
+
+    def enqueue(self, task: Any) -> None:
+        s = self.s
+        order = [i for i in range(s.intents) for _ in range(s.copies)]
+        self.rng.shuffle(order)
+        copies: Counter[int] = Counter()
+        self.log("enqueue_start", messages=len(order))
+        t0 = time.monotonic()
+        per = s.enqueue_seconds / max(1, len(order))
+        for n, i in enumerate(order):
+            if self.stop.is_set():
+                break
+            copies[i] += 1
+            task.apply_async(kwargs=self.intent(i, copies[i]))
+            self.messages += 1
+            ahead = t0 + (n + 1) * per - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
+        self.log("enqueue_done", messages=self.messages, seconds=round(time.monotonic() - t0, 2))
+        self.enqueued.set()
+
+    def inject_faults(self) -> None:
+        s, provider = self.s, self.provider
+        next_at = provider.requests() + _geometric(self.rng, s.fault_rate)
+        kinds: list[str] = []
+        while not self.stop.wait(0.01):
+            # One fault at a time: the next is queued only after more requests went through.
+            n = provider.requests()
+            if n >= next_at:
+                if not kinds:  # every kind in turn, in a shuffled order: each shows up in every run
+                    kinds = list(provider.kinds)
+                    self.rng.shuffle(kinds)
+                kind = kinds.pop()
+                provider.queue_fault(kind)
+                self.log("fault_queued", kind=kind, after_requests=n)
+                next_at = n + 1 + _geometric(self.rng, s.fault_rate)
+
+    def kill_things(self) -> None:
+        s = self.s
+        deck: list[str] = []
+        # Start once sends are flowing, so kills land mid-work.
+        while not self.stop.is_set() and self.provider.requests() < 5:
+            time.sleep(0.05)
+        while not self.stop.is_set() and self.child_kills + self.worker_kills < s.kills:
+            if self.stop.wait(s.kill_interval * self.rng.uniform(0.4, 1.6)):
+                return
+            alive = [w for w in self.workers if w.alive()]
+            if not alive:
+                continue
+            w = self.rng.choice(alive)
+            if not deck:  # one whole-worker kill in every round(1/share) kills, at a random place
+                size = max(1, round(1 / s.whole_worker_share)) if s.whole_worker_share > 0 else 1
+                deck = ["worker" if s.whole_worker_share > 0 else "child"] + ["child"] * (size - 1)
+                self.rng.shuffle(deck)
+            if deck.pop() == "worker" and len(alive) >= 2:
+                pid = w.pid
+                w.kill()
+                self.worker_kills += 1
+                self.log("kill_worker", worker=w.name, pid=pid, signal="SIGKILL", scope="process group")
+                if self.stop.wait(self.rng.uniform(0.5, 2.0)):
+                    return
+                t = time.monotonic()
+                w.start()
+                self.log("restart_worker", worker=w.name, pid=w.pid, ready_after=round(time.monotonic() - t, 2))
+            else:
+                kids = w.pool_children()
+                if not kids:
+                    continue
+                pid = self.rng.choice(kids)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    self.child_kills += 1
+                    self.log("kill_pool_child", worker=w.name, worker_pid=w.pid, pid=pid, signal="SIGKILL")
+
+    def flush_ledger(self, view: LedgerView) -> None:
+        s = self.s
+        assert s.flush_ledger_at is not None
+        target = int(s.intents * s.flush_ledger_at)
+        while not self.stop.wait(0.02):
+            if self.provider.delivered() >= target:
+                delivered = self.provider.deliveries_by_key()
+                self.flush_time = time.time()
+                self.flushed_keys = set(delivered)
+                self.records_flushed = view.flush()
+                self.log("ledger_flushed", records=self.records_flushed, intents_delivered=len(delivered),
+                         note="Redis ledger keys deleted mid-run (the ledger-loss drill)")
+                return
+
+    # -- the whole run --
+
+    def execute(self) -> Result:
+        s = self.s
+        result = Result(scenario=s, ns=self.ns, log_dir=str(self.log_dir), intents=s.intents)
+        self.provider.start()
+        config = self.config()
+        app = build_app(config)
+        task = app.tasks[self.task_name()]
+        queue = app.conf.task_default_queue
+        broker = BrokerView(app, config["broker"], self.ns, queue)
+        view = LedgerView(config["ledger"], {"retention_seconds": 7 * 24 * 3600.0, **app.conf.idemmail_ledger_options})
+        self.log("run_start", scenario=asdict(s), ns=self.ns, provider_url=self.provider.url)
+        threads: list[threading.Thread] = []
+        t_start = time.monotonic()
+        try:
+            env = {**os.environ, **worker_env(config), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+            for n in range(s.workers):
+                w = WorkerProcess(f"{self.ns}-w{n}", "chaos.workerapp",
+                                  ["-P", "prefork", "-c", str(s.concurrency)], env, self.log_dir)
+                self.workers.append(w)
+            for w in self.workers:
+                w.start()
+                self.log("worker_started", worker=w.name, pid=w.pid, children=w.pool_children())
+            t_start = time.monotonic()
+            targets: list[tuple[str, Callable[[], None]]] = [("enqueue", lambda: self.enqueue(task))]
+            if s.fault_rate > 0:
+                targets.append(("faults", self.inject_faults))
+            if s.kills > 0:
+                targets.append(("kills", self.kill_things))
+            if s.drill:
+                targets.append(("flush", lambda: self.flush_ledger(view)))
+            for name, fn in targets:
+                th = threading.Thread(target=self._guard(fn, name), name=f"chaos-{name}", daemon=True)
+                th.start()
+                threads.append(th)
+            result.stuck = not self._wait_final(view, t_start)
+            self.stop.set()
+            for th in threads:
+                th.join(timeout=120)
+            self.log("chaos_stopped", child_kills=self.child_kills, worker_kills=self.worker_kills)
+            for w in self.workers:  # a worker killed at the very end is brought back to drain its share
+                if not w.alive():
+                    w.start()
+                    self.log("restart_worker", worker=w.name, pid=w.pid, ready_after=None)
+            drained = wait_until(lambda: broker.depth() == 0, timeout=max(60.0, s.visibility_timeout * 6),
+                                 interval=0.25)
+            self.log("queue_drained" if drained else "queue_not_drained", depth=broker.depth())
+            self._settle()
+            stop_all(self.workers)
+            self.log("workers_stopped")
+            result.wall = time.monotonic() - t_start
+            self._judge(result, task, view)
+        finally:
+            self.stop.set()
+            for th in threads:  # no restart may slip in after the kills below
+                th.join(timeout=30)
+            for w in self.workers:
+                w.kill()
+            self.provider.stop()
+            broker.cleanup()
+            view.drop()
+            self.log("run_end", ok=result.ok, problems=result.problems)
+            self.log.close()
+        return result
+
+    def _wait_final(self, view: LedgerView, t_start: float) -> bool:
+        """Until every intent has a final record (the drill: until nothing is open and the queue is empty)."""
+        s = self.s
+        deadline = t_start + s.deadline
+        last_log = 0.0
+        while time.monotonic() < deadline:
+            if self.errors:
+                return False
+            counts = view.state_counts()
+            final = sum(n for st, n in counts.items() if st in FINAL)
+            open_ = sum(n for st, n in counts.items() if st not in FINAL)
+            if time.monotonic() - last_log > 5:
+                last_log = time.monotonic()
+                self.log("progress", states=dict(counts), requests=self.provider.requests(),
+                         enqueued=self.messages)
+            if self.enqueued.is_set() and open_ == 0 and (final >= s.intents or (s.drill and self.flush_time)):
+                self.log("all_final", states=dict(counts))
+                return True
+            time.sleep(0.5)
+        self.log("deadline_passed", states=dict(view.state_counts()))
+        return False
+
+    def _settle(self) -> None:
+        """Let a slow request the client gave up on land at the provider before counting."""
+        quiet = max(self.s.slow_seconds, self.s.provider_timeout) + 1.0
+        last, since = self.provider.requests(), time.monotonic()
+        deadline = time.monotonic() + 60
+        while time.monotonic() - since < quiet and time.monotonic() < deadline:
+            time.sleep(0.2)
+            n = self.provider.requests()
+            if n != last:
+                last, since = n, time.monotonic()
+
+    def _trace(self) -> tuple[int, int, int]:
+        """(executions, redelivered executions, redelivered executions that overlapped a running one)."""
+        client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+        try:
+            lines = [json.loads(x) for x in client.lrange(trace_key(self.ns), 0, -1)]
+        finally:
+            client.close()
+        by_id: dict[str, list[list[Any]]] = {}
+        for line in lines:
+            by_id.setdefault(line[0], []).append(line)
+        overlapping = 0
+        for runs in by_id.values():
+            for run in runs:
+                if run[4] and any(o is not run and o[1] != run[1] and o[2] <= run[2] <= o[3] for o in runs):
+                    overlapping += 1
+                    self.log("concurrent_copy", task_id=run[0], pid=run[1], started=run[2],
+                             others=[(o[1], o[2], o[3]) for o in runs if o is not run])
+        return len(lines), sum(1 for line in lines if line[4]), overlapping
+
+    def _judge(self, r: Result, task: Any, view: LedgerView) -> None:
+        s = self.s
+        keys = [task.intent_key(**self.intent(i, 1)) for i in range(s.intents)]
+        known = set(keys)
+        delivered = self.provider.deliveries_by_key()
+        records = view.states(keys)
+        r.messages = self.messages
+        r.deliveries = sum(delivered.values())
+        r.duplicates = sum(n - 1 for k, n in delivered.items() if n > 1)
+        r.missing = sum(1 for k in keys if delivered[k] == 0)
+        r.unknown_deliveries = sum(n for k, n in delivered.items() if k not in known)
+        states: Counter[str] = Counter()
+        reasons: Counter[str] = Counter()
+        for k in keys:
+            rec = records[k]
+            state = rec.state.value if rec is not None else "none"
+            states[state] += 1
+            if rec is not None and rec.state is State.REVIEW:
+                reasons[str((rec.error or {}).get("reason"))] += 1
+                if delivered[k]:
+                    r.reviews_delivered += 1
+            if delivered[k] == 0 and state != State.REVIEW.value:
+                r.undelivered_not_review += 1
+        r.states = dict(states)
+        r.reviews = states[State.REVIEW.value]
+        r.review_reasons = dict(reasons)
+        r.no_record = states["none"]
+        r.child_kills, r.worker_kills = self.child_kills, self.worker_kills
+        applied = self.provider.applied_faults()
+        r.faults = len(applied)
+        r.faults_by_kind = dict(Counter(str(f["kind"]) for f in applied))
+        for f in applied:
+            self.log("fault_applied", **f)
+        r.executions, r.redelivered, r.overlapping = self._trace()
+        r.posts = self.provider.requests()
+        r.suppressed = self.provider.suppressed()
+        r.records_flushed = self.records_flushed
+        if self.flush_time is not None:
+            r.resends, r.resent_deliveries = self.provider.attempts_after(self.flush_time, self.flushed_keys)
+        open_ = sum(n for st, n in states.items() if st not in FINAL and st != "none")
+        problems = list(self.errors)
+        if r.stuck:
+            problems.append(f"not every record final within {s.deadline:.0f}s: {dict(states)}")
+        if r.duplicates:
+            problems.append(f"{r.duplicates} duplicate deliveries")
+        if r.unknown_deliveries:
+            problems.append(f"{r.unknown_deliveries} deliveries under keys no intent has")
+        if open_:
+            problems.append(f"{open_} records not final")
+        if not s.drill:
+            if r.no_record:
+                problems.append(f"{r.no_record} intents without a ledger record")
+            if s.keyed:
+                if r.missing:
+                    problems.append(f"{r.missing} intents never delivered")
+                if r.deliveries != s.intents:
+                    problems.append(f"{r.deliveries} deliveries for {s.intents} intents")
+            elif r.undelivered_not_review:
+                problems.append(f"{r.undelivered_not_review} intents neither delivered nor in review (silently lost)")
+        r.problems = problems
+        r.ok = not problems
+        self.log("verdict", ok=r.ok, problems=problems, deliveries=r.deliveries, duplicates=r.duplicates,
+                 missing=r.missing, states=r.states, reviews=r.reviews, review_reasons=r.review_reasons,
+                 posts=r.posts, faults=r.faults_by_kind, kills=r.kills)
+
+
+def run_scenario(s: Scenario, log_dir: Path) -> Result:
+    """Run one scenario end to end; the workers are always reaped. See the module docstring."""
+    return Run(s, log_dir).execute()

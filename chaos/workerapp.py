@@ -1,0 +1,149 @@
+"""The Celery app chaos workers run (``celery -A chaos.workerapp worker``), configured by environment.
+
+The orchestrator builds the same app in its own process with :func:`build_app` (same
+settings, same key secret), so the keys it computes are the keys the workers claim.
+
+Two tasks, both the library's own email path:
+
+* ``idemmail_celery.send_email``, registered with :func:`idemmail_celery.mail.register`;
+  with the HTTP fake it carries the key downstream (``Idempotency-Key``), with ``smtp://``
+  it does not.
+* ``chaos.send_email_keyless``: the same task with ``carries_key()`` forced to False, for
+  the HTTP fake with ``dedupe=False`` (a provider that ignores keys): a crashed or
+  ambiguous send must be parked for review, never resent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.signals import task_postrun, task_prerun
+
+from idemmail_celery.mail import TASK_NAME, SendEmailTask, register
+
+KEYLESS_TASK = "chaos.send_email_keyless"
+KEY_SECRET = "chaos-secret"
+
+ENV = {
+    "ns": "CHAOS_NS",
+    "broker": "CHAOS_BROKER",
+    "ledger": "CHAOS_LEDGER",
+    "provider": "CHAOS_PROVIDER",
+    "provider_key": "CHAOS_PROVIDER_KEY",
+    "provider_timeout": "CHAOS_PROVIDER_TIMEOUT",
+    "lease": "CHAOS_LEASE",
+    "visibility_timeout": "CHAOS_VT",
+    "trace": "CHAOS_TRACE",
+}
+"""Config name -> environment variable, for :func:`config_from_env` and :func:`worker_env`."""
+
+
+class KeylessSendEmail(SendEmailTask):
+    """``send_email`` for a provider that ignores the key: ambiguous means review."""
+
+    def carries_key(self) -> bool:
+        return False
+
+
+def _send_keyless(self: KeylessSendEmail, **kwargs: Any) -> dict[str, Any]:
+    """The ``send_email`` body, keyword arguments only, on a keyless downstream."""
+    message = self.message_from(kwargs)
+    result = self.provider.send(message, key=self.request.idempotency_key)
+    return result.to_dict()
+
+
+def config_from_env() -> dict[str, str]:
+    return {name: os.environ.get(var, "") for name, var in ENV.items()}
+
+
+def worker_env(config: dict[str, str]) -> dict[str, str]:
+    """Environment variables that give a worker subprocess ``config``."""
+    return {ENV[name]: str(value) for name, value in config.items() if name in ENV}
+
+
+def broker_options(config: dict[str, str]) -> dict[str, Any]:
+    """Redis transport options: its own key prefix, and restores within seconds (kombu 5.7 names)."""
+    if not config["broker"].startswith("redis"):
+        return {}
+    return {
+        "global_keyprefix": f"{config['ns']}.",
+        "visibility_timeout": float(config["visibility_timeout"] or 3600),
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    }
+
+
+def ledger_options(config: dict[str, str]) -> dict[str, Any]:
+    """The ledger's own namespace: a Redis key prefix or an SQL table."""
+    ns = config["ns"]
+    return {"prefix": f"{ns}.led"} if config["ledger"].startswith("redis") else {"table": f"{ns}_ledger"}
+
+
+def build_app(config: dict[str, str]) -> Celery:
+    """A Celery app for one chaos run, with ``send_email`` and the keyless variant registered."""
+    ns = config["ns"] or "chaos"
+    app = Celery(f"chaos-{ns}", broker=config["broker"] or "redis://127.0.0.1:6379/0", set_as_current=False)
+    app.conf.update(
+        task_default_queue=f"{ns}.q",
+        task_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,  # the verdict never reads return values
+        worker_prefetch_multiplier=1,
+        worker_enable_remote_control=False,
+        worker_send_task_events=False,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options=broker_options(config),
+        # A retry after a fault must not run out: the run is about exactly-once, not budgets.
+        task_annotations={TASK_NAME: {"max_retries": 100}, KEYLESS_TASK: {"max_retries": 100}},
+        idemmail_ledger_url=config["ledger"],
+        idemmail_ledger_options=ledger_options(config),
+        idemmail_key_secret=KEY_SECRET,
+        idemmail_lease_seconds=float(config["lease"] or 3),
+        idemmail_inflight_backoff=0.2,
+        idemmail_inflight_backoff_max=1.0,
+        idemmail_retry_backoff=0.1,
+        idemmail_retry_backoff_max=0.5,
+        idemmail_provider_url=config["provider"] or None,
+        idemmail_provider_api_key=config["provider_key"] or None,
+        idemmail_provider_timeout=float(config["provider_timeout"] or 1.0),
+        idemmail_default_from="Shop <shop@example.com>",
+    )
+    register(app)
+    app.task(base=KeylessSendEmail, bind=True, name=KEYLESS_TASK)(_send_keyless)
+    return app
+
+
+# -- the execution trace: one line per task execution that finished, so the orchestrator can
+# show that the broker handed a running task to a second worker (a redelivered copy that
+# started while the first execution of the same task id was still running). --
+
+_config = config_from_env()
+_trace = redis.Redis.from_url(_config["trace"]) if _config["trace"] else None
+_started: dict[str, tuple[float, bool]] = {}
+
+
+def trace_key(ns: str) -> str:
+    return f"{ns}.trace"
+
+
+@task_prerun.connect
+def _trace_start(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    if _trace is not None and task_id:
+        redelivered = bool((task.request.delivery_info or {}).get("redelivered"))
+        _started[task_id] = (time.time(), redelivered)
+
+
+@task_postrun.connect
+def _trace_end(task_id: str | None = None, state: str | None = None, **_: Any) -> None:
+    if _trace is not None and task_id and task_id in _started:
+        start, redelivered = _started.pop(task_id)
+        line = [task_id, os.getpid(), start, time.time(), redelivered, state]
+        _trace.rpush(trace_key(_config["ns"]), json.dumps(line))
+
+
+app = build_app(_config)
