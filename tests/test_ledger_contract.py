@@ -293,3 +293,12 @@ def test_claim_many_races_single_claims(ledger: Ledger) -> None:
         t.join()
     assert statuses.count(ClaimStatus.ACQUIRED) == len(keys)  # each key won exactly once
     assert statuses.count(ClaimStatus.BUSY) == 2 * len(keys)
+
+
+def test_reusing_a_request_object_never_claims_twice(ledger: Ledger) -> None:
+    same = req("reuse")
+    assert ledger.claim(same).status is ClaimStatus.ACQUIRED
+    assert ledger.claim(same).status is ClaimStatus.BUSY
+    batch = [req("reuse-b1"), req("reuse-b2")]
+    assert [c.status for c in ledger.claim_many(batch)] == [ClaimStatus.ACQUIRED] * 2
+    assert [c.status for c in ledger.claim_many(batch)] == [ClaimStatus.BUSY] * 2

@@ -15,14 +15,13 @@ from idemmail_celery.ledger import ClaimRequest, ClaimStatus, from_url
 from .conftest import wait_for
 
 
-@pytest.fixture
-def evicting_redis(tmp_path: Path) -> Iterator[str]:
+def _redis_server(tmp_path: Path, policy: str) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path), "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
+         "--dir", str(tmp_path), "--maxmemory", "64mb", "--maxmemory-policy", policy],
         stdout=subprocess.DEVNULL,
     )
     url = f"redis://127.0.0.1:{port}/0"
@@ -34,6 +33,16 @@ def evicting_redis(tmp_path: Path) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture
+def evicting_redis(tmp_path: Path) -> Iterator[str]:
+    yield from _redis_server(tmp_path, "allkeys-lru")
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[str]:
+    yield from _redis_server(tmp_path, "noeviction")
 
 
 def _pings(client: object) -> bool:
@@ -53,3 +62,12 @@ def test_evicting_policy_accepted_when_told(evicting_redis: str) -> None:
     ledger = from_url(evicting_redis, allow_eviction=True)
     claim = ledger.claim(ClaimRequest(key="k", task_name="t", payload="{}", fingerprint="f"))
     assert claim.status is ClaimStatus.ACQUIRED
+
+
+def test_batch_claims_survive_a_server_that_lost_its_scripts(private_redis: str) -> None:
+    ledger = from_url(private_redis)  # a private server: flushing scripts must not disturb other tests
+    reqs = [ClaimRequest(key=f"s{i}", task_name="t", payload="{}", fingerprint="f") for i in range(5)]
+    assert all(c.status is ClaimStatus.ACQUIRED for c in ledger.claim_many(reqs[:2]))
+    ledger.client.script_flush()  # as after a Redis restart
+    assert all(c.status is ClaimStatus.ACQUIRED for c in ledger.claim_many(reqs[2:]))
+    assert [c.status for c in ledger.claim_many(reqs)] == [ClaimStatus.BUSY] * 5

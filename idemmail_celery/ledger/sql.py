@@ -23,6 +23,7 @@ and a busy timeout so several worker processes can share the file.
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -468,11 +469,16 @@ class SQLLedger(Ledger):
 
 
 def _fresh_row(request: ClaimRequest) -> dict[str, Any]:
-    """The row a brand-new claim inserts."""
+    """The row a brand-new claim inserts.
+
+    The owner gets a nonce per call, not just per request: MariaDB tells "my insert" from
+    "a row already there" by the owner it reads back, and a caller may reuse a request.
+    """
     now = time.time()
     return {
         "intent_key": request.key, "task_name": request.task_name, "state": State.CLAIMED.value,
-        "token": 1, "owner": request.owner, "lease_expires_at": now + request.lease_seconds,
+        "token": 1, "owner": f"{request.owner}/{secrets.token_hex(3)}",
+        "lease_expires_at": now + request.lease_seconds,
         "attempts": 1, "reclaims": 0, "payload": request.payload, "fingerprint": request.fingerprint,
         "result": None, "error": None, "created_at": now, "updated_at": now, "expires_at": None,
     }
