@@ -22,6 +22,7 @@ and a busy timeout so several worker processes can share the file.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import threading
@@ -218,8 +219,51 @@ class SQLLedger(Ledger):
             created_at=m["created_at"], updated_at=m["updated_at"], expires_at=m["expires_at"],
         )
 
+    @functools.cached_property
+    def _stmts(self) -> dict[str, Any]:
+        """The hot-path statements, built once with bound parameters.
+
+        Building a Core statement per call (values coerced into literals, a cache key
+        computed each time) cost several times the database round trip itself; a
+        reused statement keeps its compiled form and cache key.
+        """
+        t = self.table
+        p = {c.name: sa.bindparam(f"p_{c.name}", type_=c.type) for c in t.c}
+        ins = self._insert().values(p)
+        out: dict[str, Any] = {"select": sa.select(t).where(t.c.intent_key == sa.bindparam("k"))}
+        if self.dialect == "postgresql":
+            # One statement for both outcomes: the insert, or else the row already there.
+            # (A row committed by a concurrent claimer after this statement's snapshot
+            # shows as neither; the caller then reads it.)
+            new = ins.on_conflict_do_nothing(index_elements=["intent_key"]).returning(*t.c).cte("new")
+            out["insert"] = sa.union_all(
+                sa.select(new, sa.literal(True).label("inserted")),
+                sa.select(t, sa.literal(False).label("inserted")).where(
+                    t.c.intent_key == p["intent_key"], ~sa.exists(sa.select(new.c.intent_key))
+                ),
+            )
+        elif self.dialect == "sqlite":
+            out["insert"] = ins.on_conflict_do_nothing(index_elements=["intent_key"]).returning(t.c.token)
+        else:
+            out["insert"] = ins.on_duplicate_key_update(intent_key=ins.inserted.intent_key).returning(*t.c)
+        # A transition: NULL result/error parameters keep what the row has.
+        finish_values = {
+            "state": sa.bindparam("st"), "lease_expires_at": None, "updated_at": sa.bindparam("now"),
+            "expires_at": sa.bindparam("exp", type_=sa.Double),
+            "result": sa.func.coalesce(sa.bindparam("res", type_=_LONG_TEXT), t.c.result),
+            "error": sa.func.coalesce(sa.bindparam("err", type_=_LONG_TEXT), t.c.error),
+        }
+        out["finish_mine"] = sa.update(t).where(
+            t.c.intent_key == sa.bindparam("k"), t.c.state == State.CLAIMED.value, t.c.token == sa.bindparam("tok")
+        ).values(finish_values)
+        out["finish_late"] = sa.update(t).where(
+            t.c.intent_key == sa.bindparam("k"), t.c.token > sa.bindparam("tok"),
+            t.c.state.in_([State.REVIEW.value, State.RELEASED.value, State.CLAIMED.value]),
+        ).values(finish_values)
+        return out
+
     def _select(self, conn: Connection, key: str) -> Record | None:
-        row = conn.execute(sa.select(self.table).where(self.table.c.intent_key == key)).first()
+        row = conn.execute(self._stmts["select"], {"k": key}).first()
         return None if row is None else self._record(row)
 
     # -- contract --
@@ -320,32 +364,20 @@ class SQLLedger(Ledger):
 
     def _insert_new(self, conn: Connection, values: dict[str, Any]) -> tuple[bool, Record | None]:
         """Insert a new claim. Returns (inserted, the existing record when the store told us)."""
-        ins = self._insert().values(**values)
+        params = {f"p_{name}": v for name, v in values.items()}
+        result = conn.execute(self._stmts["insert"], params)
         if self.dialect == "postgresql":
-            # One statement for both outcomes: the insert, or else the row already there.
-            # (A row committed by a concurrent claimer after this statement's snapshot
-            # shows as neither; the caller then reads it.)
-            t = self.table
-            new = ins.on_conflict_do_nothing(index_elements=["intent_key"]).returning(*t.c).cte("new")
-            stmt = sa.union_all(
-                sa.select(new, sa.literal(True).label("inserted")),
-                sa.select(t, sa.literal(False).label("inserted")).where(
-                    t.c.intent_key == values["intent_key"], ~sa.exists(sa.select(new.c.intent_key))
-                ),
-            )
-            row = conn.execute(stmt).first()
+            row = result.first()
             if row is None:
                 return False, None
             return bool(row.inserted), None if row.inserted else self._record(row)
         if self.dialect == "sqlite":
-            stmt = ins.on_conflict_do_nothing(index_elements=["intent_key"]).returning(self.table.c.token)
-            return conn.execute(stmt).first() is not None, None
+            return result.first() is not None, None
         # MariaDB: a no-op update on the duplicate key; RETURNING then gives the
         # row that is there, ours or the existing one, in the same round trip.
         # (Rows affected cannot tell: SQLAlchemy sets CLIENT_FOUND_ROWS.) The
-        # owner string carries a per-claim nonce, so "ours" is unambiguous.
-        stmt = ins.on_duplicate_key_update(intent_key=ins.inserted.intent_key).returning(*self.table.c)
-        row = conn.execute(stmt).first()
+        # owner string carries a per-call nonce, so "ours" is unambiguous.
+        row = result.first()
         if row is None:
             return False, None
         record = self._record(row)
@@ -371,30 +403,18 @@ class SQLLedger(Ledger):
         result: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
     ) -> None:
-        t = self.table
-
         def do(conn: Connection) -> None:
             now = time.time()
-            values: dict[str, Any] = {
-                "state": state.value, "lease_expires_at": None, "updated_at": now,
-                "expires_at": now + self.retention_seconds if state.expires else None,
+            params = {
+                "k": key, "tok": token, "st": state.value, "now": now,
+                "exp": now + self.retention_seconds if state.expires else None,
+                "res": dumps_json(result), "err": dumps_json(error),
             }
-            if result is not None:
-                values["result"] = dumps_json(result)
-            if error is not None:
-                values["error"] = dumps_json(error)
-            mine = sa.update(t).where(
-                t.c.intent_key == key, t.c.state == State.CLAIMED.value, t.c.token == token
-            )
-            if conn.execute(mine.values(**values)).rowcount == 1:
+            if conn.execute(self._stmts["finish_mine"], params).rowcount == 1:
                 return
-            if state is State.SENT:  # a late holder reporting the truth (see ledger.base)
-                late = sa.update(t).where(
-                    t.c.intent_key == key, t.c.token > token,
-                    t.c.state.in_([State.REVIEW.value, State.RELEASED.value, State.CLAIMED.value]),
-                )
-                if conn.execute(late.values(**values)).rowcount == 1:
-                    return
+            # A late holder reporting the truth (see ledger.base).
+            if state is State.SENT and conn.execute(self._stmts["finish_late"], params).rowcount == 1:
+                return
             seen = self._select(conn, key)
             if seen is None:
                 raise RecordNotFoundError(f"no ledger record for key {key}")
