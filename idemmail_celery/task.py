@@ -358,14 +358,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _record_sent(self, record: Record, token: int, value: Any) -> dict[str, Any]:
         key, ledger = record.key, self.ledger
         stored = {"value": value, "message_id": _message_id(value)}
-        try:
-            keys_mod.canonical_json(stored)
-        except UnserializableArgumentsError:
-            stored = {"value": None, "message_id": None, "unserializable": type(value).__name__}
         for attempt in range(4):
             try:
                 ledger.complete(key, token, stored)
                 break
+            except UnserializableArgumentsError:
+                # The send happened; a result JSON cannot hold must not keep it from being recorded.
+                stored = {"value": None, "message_id": None, "unserializable": type(value).__name__}
             except StaleTokenError as exc:
                 # Our lease was taken over while we ran. If the newer holder already
                 # recorded sent, the intent went out twice: say so loudly.

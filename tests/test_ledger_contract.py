@@ -302,3 +302,18 @@ def test_reusing_a_request_object_never_claims_twice(ledger: Ledger) -> None:
     batch = [req("reuse-b1"), req("reuse-b2")]
     assert [c.status for c in ledger.claim_many(batch)] == [ClaimStatus.ACQUIRED] * 2
     assert [c.status for c in ledger.claim_many(batch)] == [ClaimStatus.BUSY] * 2
+
+
+def test_results_with_typed_values_are_stored_and_unstorable_ones_refused(ledger: Ledger) -> None:
+    import datetime as dt
+
+    from idemmail_celery.errors import UnserializableArgumentsError
+
+    c = ledger.claim(req("typed"))
+    with pytest.raises(UnserializableArgumentsError):
+        ledger.complete("typed", c.token, {"value": object()})
+    at = dt.datetime(2026, 11, 22, 3, 0, tzinfo=dt.timezone.utc)
+    ledger.complete("typed", c.token, {"value": {"accepted_at": at}, "message_id": "m"})
+    record = ledger.get("typed")
+    assert record is not None and record.state is State.SENT
+    assert record.result == {"value": {"accepted_at": "2026-11-22T03:00:00+00:00"}, "message_id": "m"}

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import IllegalTransitionError, RecordNotFoundError
+from ..keys import canonical_json
 
 DEFAULT_LEASE_SECONDS = 300.0
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
@@ -155,7 +156,11 @@ def _check_unique(requests: Sequence[ClaimRequest]) -> None:
 
 
 def dumps_json(value: dict[str, Any] | None) -> str | None:
-    return None if value is None else json.dumps(value, sort_keys=True, separators=(",", ":"))
+    """Results and errors as the ledger stores them: canonical JSON, the same encoding as keys.
+
+    Raises :class:`~idemmail_celery.errors.UnserializableArgumentsError` for values JSON cannot hold.
+    """
+    return None if value is None else canonical_json(value)
 
 
 def loads_json(text: str | bytes | None) -> dict[str, Any] | None:
