@@ -177,8 +177,11 @@ class Ledger(ABC):
     safe to share between threads; after ``fork()`` a backend reconnects.
     """
 
-    def __init__(self, *, retention_seconds: float = DEFAULT_RETENTION_SECONDS) -> None:
+    def __init__(self, *, retention_seconds: float = DEFAULT_RETENTION_SECONDS, keep_payload: bool = False) -> None:
         self.retention_seconds = float(retention_seconds)
+        #: Keep the first payload (personal data) after ``sent``, for audit. Off by default:
+        #: backends erase it in the same atomic step that records ``sent``.
+        self.keep_payload = bool(keep_payload)
 
     # -- the hot path: one atomic operation each --
 
@@ -207,6 +210,8 @@ class Ledger(ABC):
         error: dict[str, Any] | None = None,
     ) -> None:
         """Move the claim held with ``token`` to ``state`` (sent/failed/review/released).
+
+        Moving to ``sent`` also erases the stored payload unless ``self.keep_payload``.
 
         Implements the fencing rule in the module docstring atomically; raises
         :class:`StaleTokenError` when it refuses, :class:`RecordNotFoundError`
