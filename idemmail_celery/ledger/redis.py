@@ -80,7 +80,7 @@ end
 return {'done', redis.call('HGETALL', rec)}
 """
 
-# ARGV: id, token, target, result, error, retention_seconds
+# ARGV: id, token, target, result, error, retention_seconds, drop_payload ('1' erases it on sent)
 _FINISH = _PRELUDE + """
 local rec, id, token, target = KEYS[1], ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local state = redis.call('HGET', rec, 'state')
@@ -95,6 +95,7 @@ redis.call('HSET', rec, 'state', target, 'updated', n)
 redis.call('HDEL', rec, 'lease')
 if ARGV[4] ~= '' then redis.call('HSET', rec, 'result', ARGV[4]) end
 if ARGV[5] ~= '' then redis.call('HSET', rec, 'error', ARGV[5]) end
+if target == 'sent' and ARGV[7] == '1' then redis.call('HDEL', rec, 'payload') end
 if target == 'sent' or target == 'failed' then
   local ttl = tonumber(ARGV[6])
   redis.call('HSET', rec, 'expires', n + ttl)
@@ -129,7 +130,8 @@ class RedisLedger(Ledger):
     """Ledger on one Redis server (``redis://host:port/db``, ``rediss://`` for TLS).
 
     Options: ``prefix`` (key prefix, default ``"idemmail"``), ``retention_seconds``,
-    ``allow_eviction`` (accept an evicting ``maxmemory-policy``; unsafe), and any
+    ``allow_eviction`` (accept an evicting ``maxmemory-policy``; unsafe), ``keep_payload``
+    (keep the first payload after ``sent``, for audit), and any
     ``redis.Redis.from_url`` keyword (timeouts default to 5 s).
     """
 
@@ -140,9 +142,10 @@ class RedisLedger(Ledger):
         prefix: str = "idemmail",
         retention_seconds: float = DEFAULT_RETENTION_SECONDS,
         allow_eviction: bool = False,
+        keep_payload: bool = False,
         **client_options: Any,
     ) -> None:
-        super().__init__(retention_seconds=retention_seconds)
+        super().__init__(retention_seconds=retention_seconds, keep_payload=keep_payload)
         client_options.setdefault("socket_timeout", 5.0)
         client_options.setdefault("socket_connect_timeout", 5.0)
         self.client: redis_lib.Redis = redis_lib.Redis.from_url(url, decode_responses=True, **client_options)
@@ -271,7 +274,7 @@ class RedisLedger(Ledger):
             self._finish_script,
             keys=self._keys(key),
             args=[key, token, state.value, dumps_json(result) or "", dumps_json(error) or "",
-                  self.retention_seconds],
+                  self.retention_seconds, "0" if self.keep_payload else "1"],
         )
         if out[0] == "missing":
             raise RecordNotFoundError(f"no ledger record for key {key}")
