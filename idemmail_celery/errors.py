@@ -85,6 +85,16 @@ class LedgerUnavailableError(LedgerError):
     """The ledger store cannot be reached. Tasks fail closed: they retry, nothing is sent."""
 
 
+class LedgerLostError(LedgerUnavailableError):
+    """The ledger store lost its records, or some of them: flushed, or restarted without persistence.
+
+    Detected by the Redis ledger's epoch markers. Tasks fail closed as when the store
+    is unreachable (rescheduled, nothing sent) until an operator checks the store and
+    runs ``celery -A proj idemmail ledger ack-loss --note ...``. Intents recorded
+    before the loss are then forgotten: a duplicate of one of them sends again.
+    """
+
+
 class StaleTokenError(LedgerError):
     """A transition was attempted with a fencing token that no longer holds the claim.
 
@@ -102,6 +112,16 @@ class RecordNotFoundError(LedgerError, KeyError):
 
 class IllegalTransitionError(LedgerError):
     """An operator asked for a state change the state machine does not allow."""
+
+
+class PayloadKeyError(LedgerError):
+    """A stored payload, result or error was sealed with a key this process does not hold.
+
+    The key was removed from ``idemmail_payload_keys`` while records sealed with it
+    remained, or the record comes from another deployment. Nothing is sent: a claim
+    that finds such a record parks it as ``review`` (reason ``payload_key_unknown``).
+    Put the old key back, after the current one, then resolve the record.
+    """
 
 
 # -- outcomes of a send, raised by task bodies and replayed to duplicates --

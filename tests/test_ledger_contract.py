@@ -92,6 +92,7 @@ def test_late_holder_that_sent_may_confirm_over_review(ledger: Ledger) -> None:
     record = ledger.get("k6")
     assert record is not None and record.state is State.SENT
     assert record.result == {"message_id": "truth"}
+    assert record.payload is None  # the late holder's sent erases it too
 
 
 def test_release_keeps_first_payload_and_reopens(ledger: Ledger) -> None:
@@ -317,3 +318,53 @@ def test_results_with_typed_values_are_stored_and_unstorable_ones_refused(ledger
     record = ledger.get("typed")
     assert record is not None and record.state is State.SENT
     assert record.result == {"value": {"accepted_at": "2026-11-22T03:00:00+00:00"}, "message_id": "m"}
+
+
+FIRST = '{"args":[1],"kwargs":{}}'
+
+
+def test_sent_erases_the_first_payload_and_other_finals_keep_it(ledger: Ledger) -> None:
+    done = ledger.claim(req("p-sent"))
+    ledger.complete("p-sent", done.token, {"message_id": "m"})
+    sent = ledger.get("p-sent")
+    assert sent is not None and sent.state is State.SENT and sent.payload is None
+    assert sent.fingerprint == "f" * 64  # the fingerprint stays: duplicates are still checked
+    dup = ledger.claim(req("p-sent"))
+    assert dup.status is ClaimStatus.DONE and dup.record.payload is None
+    assert dup.record.result == {"message_id": "m"}
+    for key, move in (("p-review", ledger.park), ("p-failed", ledger.fail), ("p-released", ledger.release)):
+        c = ledger.claim(req(key))
+        move(key, c.token, {"reason": "x"})
+        kept = ledger.get(key)
+        assert kept is not None and kept.payload == FIRST, key  # needed to resend or to resolve
+
+
+def test_operator_or_webhook_sent_erases_the_payload(ledger: Ledger) -> None:
+    p = ledger.claim(req("p-resolved"))
+    ledger.park("p-resolved", p.token, {"reason": "ambiguous"})
+    ledger.resolve("p-resolved", "sent", result={"message_id": "found"}, note="seen", actor="ops")
+    resolved = ledger.get("p-resolved")
+    assert resolved is not None and resolved.state is State.SENT and resolved.payload is None
+    q = ledger.claim(req("p-confirmed"))
+    ledger.release("p-confirmed", q.token)
+    ledger.confirm_sent("p-confirmed", {"message_id": "hook"})
+    confirmed = ledger.get("p-confirmed")
+    assert confirmed is not None and confirmed.state is State.SENT and confirmed.payload is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keep_payload_keeps_it_after_sent_for_audit(backend: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    led = make_ledger(backend, tmp_path_factory, keep_payload=True)
+    try:
+        assert led.keep_payload is True
+        c = led.claim(req("audit"))
+        led.complete("audit", c.token, {"message_id": "m"})
+        record = led.get("audit")
+        assert record is not None and record.state is State.SENT and record.payload == FIRST
+        p = led.claim(req("audit-resolved"))
+        led.park("audit-resolved", p.token, {"reason": "x"})
+        led.resolve("audit-resolved", "sent", note="seen")
+        resolved = led.get("audit-resolved")
+        assert resolved is not None and resolved.payload == FIRST
+    finally:
+        drop_ledger(led)

@@ -110,6 +110,7 @@ class SQLLedger(Ledger):
     """Ledger in one SQL table (``postgresql+psycopg://``, ``mysql+pymysql://``, ``sqlite:///path``).
 
     Options: ``table`` (default ``"idemmail_ledger"``), ``retention_seconds``,
+    ``keep_payload`` (keep the first payload after ``sent``, for audit),
     ``create_table`` (default True: create it on first use), and any
     ``sqlalchemy.create_engine`` keyword.
     """
@@ -121,9 +122,10 @@ class SQLLedger(Ledger):
         table: str = DEFAULT_TABLE,
         retention_seconds: float = DEFAULT_RETENTION_SECONDS,
         create_table: bool = True,
+        keep_payload: bool = False,
         **engine_options: Any,
     ) -> None:
-        super().__init__(retention_seconds=retention_seconds)
+        super().__init__(retention_seconds=retention_seconds, keep_payload=keep_payload)
         self.url = make_url(url)
         self.dialect = self.url.get_backend_name()
         if self.dialect not in ("postgresql", "mysql", "mariadb", "sqlite"):
@@ -253,13 +255,17 @@ class SQLLedger(Ledger):
             "result": sa.func.coalesce(sa.bindparam("res", type_=_LONG_TEXT), t.c.result),
             "error": sa.func.coalesce(sa.bindparam("err", type_=_LONG_TEXT), t.c.error),
         }
-        out["finish_mine"] = sa.update(t).where(
+        # Moving to sent erases the first payload in the same statement, unless kept for audit.
+        sent_values = finish_values if self.keep_payload else {**finish_values, "payload": None}
+        mine = sa.update(t).where(
             t.c.intent_key == sa.bindparam("k"), t.c.state == State.CLAIMED.value, t.c.token == sa.bindparam("tok")
-        ).values(finish_values)
+        )
+        out["finish_mine"] = mine.values(finish_values)
+        out["finish_sent"] = mine.values(sent_values)
         out["finish_late"] = sa.update(t).where(
             t.c.intent_key == sa.bindparam("k"), t.c.token > sa.bindparam("tok"),
             t.c.state.in_([State.REVIEW.value, State.RELEASED.value, State.CLAIMED.value]),
-        ).values(finish_values)
+        ).values(sent_values)
         return out
 
     def _select(self, conn: Connection, key: str) -> Record | None:
@@ -410,7 +416,8 @@ class SQLLedger(Ledger):
                 "exp": now + self.retention_seconds if state.expires else None,
                 "res": dumps_json(result), "err": dumps_json(error),
             }
-            if conn.execute(self._stmts["finish_mine"], params).rowcount == 1:
+            stmt = self._stmts["finish_sent" if state is State.SENT else "finish_mine"]
+            if conn.execute(stmt, params).rowcount == 1:
                 return
             # A late holder reporting the truth (see ledger.base).
             if state is State.SENT and conn.execute(self._stmts["finish_late"], params).rowcount == 1:
@@ -452,15 +459,14 @@ class SQLLedger(Ledger):
 
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
         t = self.table
-        stmt = (
-            sa.update(t)
-            .where(t.c.intent_key == key, t.c.token == expected_token)
-            .values(
-                state=new.state.value, token=new.token, owner=new.owner,
-                lease_expires_at=new.lease_expires_at, result=dumps_json(new.result),
-                error=dumps_json(new.error), updated_at=new.updated_at, expires_at=new.expires_at,
-            )
-        )
+        values: dict[str, Any] = {
+            "state": new.state.value, "token": new.token, "owner": new.owner,
+            "lease_expires_at": new.lease_expires_at, "result": dumps_json(new.result),
+            "error": dumps_json(new.error), "updated_at": new.updated_at, "expires_at": new.expires_at,
+        }
+        if new.state is State.SENT and not self.keep_payload:
+            values["payload"] = None
+        stmt = sa.update(t).where(t.c.intent_key == key, t.c.token == expected_token).values(values)
         return bool(self._run(lambda conn: conn.execute(stmt).rowcount == 1))
 
     def forget(self, key: str) -> bool:
