@@ -45,6 +45,7 @@ class FakeHTTPServer:
     """A fake API on ``127.0.0.1``, started with :meth:`start` or ``with``; ``port`` 0 picks a free one.
 
     The port is kept across :meth:`stop`/:meth:`start`, so a URL built from it stays valid.
+    ``host`` is the address to listen on (``0.0.0.0`` for a container's other services).
     """
 
     #: The serving thread's name, before ``:port``.
@@ -54,7 +55,8 @@ class FakeHTTPServer:
     #: Whether a dropped request has its socket shut down at once, rather than when the handler returns.
     cut_dropped_connections: ClassVar[bool] = False
 
-    def __init__(self, *, port: int = 0) -> None:
+    def __init__(self, *, port: int = 0, host: str = "127.0.0.1") -> None:
+        self._host = host
         self._port = port
         self._lock = threading.Lock()
         self._faults: deque[str] = deque()
@@ -71,7 +73,7 @@ class FakeHTTPServer:
         if self._server is not None:
             return self
         self._stopping = threading.Event()
-        server = _Server(("127.0.0.1", self._port), _Handler)
+        server = _Server((self._host, self._port), _Handler)
         server.fake = self
         self._port = server.server_address[1]
         self._server = server

@@ -15,7 +15,8 @@ It behaves like a provider that de-duplicates on ``Idempotency-Key``:
 * Faults are queued with :meth:`FakeProvider.fail_next` and consumed one per
   ``POST /emails``, in order (see :data:`FAULT_KINDS`).
 
-Another process reads the counters with ``GET /_fake/stats`` and queues faults
+Another process reads the counters with ``GET /_fake/stats``, the accepted messages
+(recipients, subject, key, message id, time) with ``GET /_fake/deliveries``, and queues faults
 with ``POST /_fake/faults`` (``{"kind": "slow", "times": 1}``); ``POST /_fake/reset``
 forgets everything. These endpoints need no API key.
 """
@@ -101,7 +102,8 @@ class FakeProvider(FakeHTTPServer):
     ``api_key`` is the bearer token it expects (None accepts any non-empty one);
     ``dedupe_window`` is how long a key is remembered (seconds); ``slow_seconds``
     is how long a ``"slow"`` fault holds a request; ``port`` 0 picks a free one,
-    kept across :meth:`stop`/:meth:`start` so :attr:`url` stays valid. At most
+    kept across :meth:`stop`/:meth:`start` so :attr:`url` stays valid; ``host`` is the
+    address to listen on (``0.0.0.0`` to serve other containers). At most
     ``max_records`` deliveries and attempts are kept as records; the counters stay exact.
     :meth:`stop` drops a request held by a ``"slow"`` fault, unrecorded.
     """
@@ -118,12 +120,13 @@ class FakeProvider(FakeHTTPServer):
         slow_seconds: float = 2.0,
         port: int = 0,
         max_records: int = 10_000,
+        host: str = "127.0.0.1",
     ) -> None:
         self.api_key = api_key
         self.dedupe = dedupe
         self.dedupe_window = dedupe_window
         self.slow_seconds = slow_seconds
-        super().__init__(port=port)
+        super().__init__(port=port, host=host)
         self._deliveries: deque[Delivery] = deque(maxlen=max_records)
         self._attempts: deque[Attempt] = deque(maxlen=max_records)
         self._delivered: Counter[str | None] = Counter()
@@ -212,6 +215,9 @@ class FakeProvider(FakeHTTPServer):
         path = urlsplit(target).path
         if method == "GET" and path == "/_fake/stats":
             return Reply(200, self.stats())
+        if method == "GET" and path == "/_fake/deliveries":
+            return Reply(200, [{"key": d.key, "to": list(d.recipients), "subject": d.subject,
+                                "message_id": d.message_id, "at": d.at} for d in self.deliveries()])
         if method == "POST":
             if path == "/_fake/faults":
                 return self._queue_faults(body)

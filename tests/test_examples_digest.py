@@ -1,9 +1,9 @@
-"""The outbox and digest examples run, against real services, and report success.
+"""The digest example runs, against real services, and reports success.
 
-examples/outbox_flask.py on PostgreSQL, MariaDB (Redis broker) and on its defaults
-(SQLite, in-process broker); examples/digest_beat.py on Redis (broker and ledger) and on
-its defaults. examples/outbox_django.md is not run (no Django here); the statements it
-uses are tested in tests/test_outbox.py.
+examples/digest_beat.py on Redis (broker and ledger) and on its defaults. The outbox in a
+web request is examples/flask_shop.py (tests/integration/test_examples_web.py);
+examples/outbox_django.md is not run (no Django here), the statements it uses are tested
+in tests/test_outbox.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from .conftest import MARIADB_URL, POSTGRES_URL, REDIS_URL, unique
+from .conftest import REDIS_URL, unique
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,19 +27,6 @@ def run(script: str, *args: str) -> str:
     assert proc.returncode == 0, out
     assert "RESULT: OK" in out, out
     return out
-
-
-@pytest.mark.parametrize("db", ["postgresql", "mariadb", "defaults"])
-def test_outbox_web_example_sends_once_per_committed_intent(db: str) -> None:
-    if db == "defaults":
-        out = run("outbox_flask.py")
-    else:
-        prefix = unique("ex") + "_"
-        url = POSTGRES_URL if db == "postgresql" else MARIADB_URL
-        out = run("outbox_flask.py", "--db", url, "--broker", REDIS_URL, "--prefix", prefix, "--drop")
-        redis.Redis.from_url(REDIS_URL).delete(f"{prefix}mail", f"_kombu.binding.{prefix}mail")
-    assert "POST /orders (bob, fails)   -> 500" in out
-    assert out.count("delivered: ") == 2 and "outbox rows: 2 (dispatched)" in out
 
 
 @pytest.mark.parametrize("services", ["redis", "defaults"])

@@ -1,0 +1,149 @@
+"""A Flask shop that sends email through idemmail-celery: each email once, however often a request comes.
+
+Routes (JSON in, JSON out):
+
+* ``POST /password-reset`` ``{"email"}``: ``send_email.delay()`` straight from the route. The
+  form's nonce travels as the ``Idempotency-Key`` header, so a double-click or a client retry
+  repeats it: one email. An invalid address is a 400 with the typed error; nothing is enqueued.
+* ``POST /orders`` ``{"email", "total_cents"}``: the order and its confirmation are written in
+  one transaction (the outbox): a request that fails after writing sends nothing.
+  ``POST /orders/<id>/paid`` is the payment provider's webhook, delivered at least once: one
+  receipt. The relay task (on beat, every 2 s) publishes committed outbox rows.
+* ``POST /webhooks/inbound``: Postmark's inbound-email webhook (HTTP basic auth, checked with
+  :func:`idemmail_celery.webhooks.verify`): the customer gets one auto-reply per inbound
+  message, keyed on its ``MessageID``, however often Postmark delivers the event.
+
+Run it: ``docker compose up`` (README, "Running the stack"), or by hand with Redis on
+loopback, from the repository root::
+
+    python -m idemmail_celery.testing --port 8025 &                          # the mail catcher
+    export IDEMMAIL_PROVIDER_URL=http://127.0.0.1:8025 IDEMMAIL_PROVIDER_API_KEY=re_fake_test_key
+    celery -A examples.flask_shop:celery worker -B &                         # worker and beat
+    flask --app examples.flask_shop:app run --port 8000
+    curl -X POST localhost:8000/password-reset -H 'Idempotency-Key: n-1' -d '{"email": "ann@example.com"}' \\
+         -H 'Content-Type: application/json'
+
+Settings come from the environment (``examples/_stack.py``); ``SHOP_DATABASE_URL`` (default
+SQLite ``shop.sqlite3``) holds the orders and the outbox, ``INBOUND_WEBHOOK_SECRET``
+(``user:password``) guards the webhook. Tested by ``tests/integration/test_examples_web.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import uuid
+from typing import Any
+
+import sqlalchemy as sa
+from flask import Flask, jsonify, request
+from sqlalchemy.orm import Session
+
+from examples._stack import celery_from_env
+from idemmail_celery import InvalidEmail
+from idemmail_celery.mail import register
+from idemmail_celery.outbox import enqueue_email, outbox_table, register_relay
+from idemmail_celery.webhooks import WebhookSignatureError, verify
+
+DATABASE_URL = os.environ.get("SHOP_DATABASE_URL", "sqlite:///shop.sqlite3")
+WEBHOOK_SECRET = os.environ.get("INBOUND_WEBHOOK_SECRET", "postmark:change-me")
+
+# -- Celery: send_email, the outbox relay on beat --
+
+celery = celery_from_env("shop", idemmail_default_from="Shop <shop@example.com>", idemmail_outbox_url=DATABASE_URL)
+send_email = register(celery)
+register_relay(celery)
+celery.conf.beat_schedule = {
+    "idemmail-outbox": {"task": "idemmail_celery.outbox_relay", "schedule": 2.0, "options": {"expires": 10}},
+}
+
+# -- the database: the shop's orders, and the outbox in the same metadata (your migrations) --
+
+engine = sa.create_engine(DATABASE_URL)
+metadata = sa.MetaData()
+orders = sa.Table(
+    "orders", metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("email", sa.String(255), nullable=False),
+    sa.Column("total_cents", sa.Integer, nullable=False),
+    sa.Column("paid", sa.Boolean, nullable=False, default=False),
+)
+outbox = outbox_table(metadata, name=celery.conf.get("idemmail_outbox_table") or "idemmail_outbox")
+for _attempt in range(3):  # the web and the worker may both create the tables at the same moment
+    try:
+        metadata.create_all(engine)
+        break
+    except sa.exc.DBAPIError:
+        if _attempt == 2:
+            raise
+
+# -- the web app --
+
+app = Flask(__name__)
+
+
+class StockServiceDown(Exception):
+    """The order failed after it was written (raised inside the transaction: order and email roll back)."""
+
+
+@app.errorhandler(StockServiceDown)
+def unavailable(exc: StockServiceDown) -> tuple[Any, int]:
+    return jsonify(error=str(exc)), 503
+
+
+@app.errorhandler(InvalidEmail)
+def refused(exc: InvalidEmail) -> tuple[Any, int]:
+    return jsonify(error=type(exc).__name__, field=exc.field, message=str(exc)), 400
+
+
+@app.post("/password-reset")
+def password_reset() -> tuple[Any, int]:
+    email = str((request.get_json(silent=True) or {}).get("email", ""))
+    # The form's nonce: a double-click or a retry sends it again. Without one, every request is a new intent.
+    nonce = request.headers.get("Idempotency-Key") or uuid.uuid4().hex
+    token = hmac.new(WEBHOOK_SECRET.encode(), nonce.encode(), hashlib.sha256).hexdigest()[:32]  # same nonce, same link
+    result = send_email.delay(to=email, subject="Reset your password", event_id=f"password-reset:{nonce}",
+                              template="password_reset", text=f"Reset it here: https://shop.example/reset/{token}")
+    return jsonify(task_id=result.id), 202
+
+
+@app.post("/orders")
+def create_order() -> tuple[Any, int]:
+    body = request.get_json(force=True)
+    with Session(engine) as session, session.begin():  # the order and its email commit together, or neither
+        order_id = session.execute(sa.insert(orders).values(email=body["email"], total_cents=int(body["total_cents"]))
+                                   .returning(orders.c.id)).scalar_one()
+        enqueue_email(session, app=celery, table=outbox, to=body["email"], subject=f"Order {order_id} confirmed",
+                      html=f"<p>Thanks! Order {order_id}: {int(body['total_cents']) / 100:.2f} EUR.</p>",
+                      event_id=f"order-{order_id}", template="order_confirmation")
+        if body.get("simulate_failure"):
+            raise StockServiceDown("the stock service timed out")
+    return jsonify(order_id=order_id), 201
+
+
+@app.post("/orders/<int:order_id>/paid")
+def order_paid(order_id: int) -> tuple[Any, int]:
+    with Session(engine) as session, session.begin():
+        order = session.execute(sa.select(orders).where(orders.c.id == order_id)).one()
+        session.execute(sa.update(orders).where(orders.c.id == order_id).values(paid=True))
+        enqueue_email(session, app=celery, table=outbox, to=order.email, subject=f"Receipt for order {order_id}",
+                      html=f"<p>We received {order.total_cents / 100:.2f} EUR.</p>",
+                      event_id=f"payment-{order_id}", template="receipt")
+    return jsonify(order_id=order_id, paid=True), 200
+
+
+@app.post("/webhooks/inbound")
+def inbound_email() -> tuple[Any, int]:
+    try:
+        verify("postmark", request.headers, request.get_data(), secret=WEBHOOK_SECRET)
+    except WebhookSignatureError as exc:
+        return jsonify(error=str(exc)), 401
+    event = request.get_json(force=True)
+    try:
+        result = send_email.delay(to=event["From"], subject=f"Re: {event.get('Subject', '')}".strip(),
+                         text="Thanks for writing. A person will answer within one working day.",
+                         event_id=f"inbound:{event['MessageID']}", template="auto_reply")
+    except InvalidEmail as exc:  # answer 200 anyway: a 4xx would make Postmark redeliver it forever
+        return jsonify(ignored=str(exc)), 200
+    return jsonify(replied=True, task_id=result.id), 200

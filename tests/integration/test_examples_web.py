@@ -1,0 +1,174 @@
+"""examples/flask_shop.py through Flask's test client, with a real worker subprocess (its own queue), Redis broker
+and ledger, PostgreSQL (a schema of its own) for orders and the outbox, and a fake provider that does **not**
+de-duplicate, so every delivery it counts is one the library let through."""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from celery.result import AsyncResult
+from celery.signals import before_task_publish
+
+from examples._stack import celery_worker
+from idemmail_celery.ledger import Ledger, State, from_url
+from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
+
+from ..conftest import POSTGRES_URL, REDIS_URL, service_missing, unique, wait_for
+from .conftest import results
+
+WEBHOOK_SECRET = "postmark:s3cret"
+
+
+@dataclass
+class Shop:
+    module: Any
+    fake: FakeProvider
+    ledger: Ledger
+    published: list[str] = field(default_factory=list)
+    task_ids: list[str] = field(default_factory=list)
+
+    def post(self, path: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> Any:
+        reply = self.module.app.test_client().post(path, json=body or {}, headers=headers or {})
+        if reply.is_json and isinstance(reply.json, dict) and "task_id" in reply.json:
+            self.task_ids.append(reply.json["task_id"])
+        return reply
+
+    def outcomes(self, replies: list[Any]) -> list[dict[str, Any]]:
+        """What each reply's task ended with (waits for all of them: no later delivery can follow)."""
+        return results([AsyncResult(r.json["task_id"], app=self.module.celery) for r in replies], timeout=30)
+
+    def key(self, **email: Any) -> str:
+        return str(self.module.send_email.intent_key(**email))
+
+    def delivered_to(self, address: str) -> list[str]:
+        return [d.subject for d in self.fake.deliveries() if address in d.recipients]
+
+
+@pytest.fixture(scope="module")
+def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
+    ns = unique("web").replace("_", "")
+    r = redis.Redis.from_url(REDIS_URL)
+    admin = sa.create_engine(POSTGRES_URL)
+    try:
+        r.ping()
+        with admin.begin() as conn:
+            conn.execute(sa.text(f'CREATE SCHEMA "{ns}"'))
+    except Exception as exc:
+        service_missing("redis and postgresql", exc)
+    db_url = sa.make_url(POSTGRES_URL).update_query_dict({"options": f"-csearch_path={ns}"})
+    fake = FakeProvider(dedupe=False).start()
+    env = {
+        "CELERY_BROKER_URL": REDIS_URL, "CELERY_RESULT_BACKEND": REDIS_URL, "CELERY_TASK_DEFAULT_QUEUE": f"q.{ns}",
+        "IDEMMAIL_LEDGER_URL": REDIS_URL, "IDEMMAIL_LEDGER_OPTIONS": json.dumps({"prefix": f"led.{ns}"}),
+        "IDEMMAIL_KEY_SECRET": "test-secret", "IDEMMAIL_PROVIDER_URL": fake.url,
+        "IDEMMAIL_PROVIDER_API_KEY": DEFAULT_API_KEY, "IDEMMAIL_INFLIGHT_BACKOFF": "0.2",
+        "IDEMMAIL_INFLIGHT_BACKOFF_MAX": "1", "SHOP_DATABASE_URL": db_url.render_as_string(hide_password=False),
+        "INBOUND_WEBHOOK_SECRET": WEBHOOK_SECRET,
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        sys.modules.pop("examples.flask_shop", None)
+        module = importlib.import_module("examples.flask_shop")  # creates the tables before the worker starts
+    shop = Shop(module, fake, from_url(REDIS_URL, prefix=f"led.{ns}"))
+
+    def count(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        shop.published.append(str(sender))
+
+    before_task_publish.connect(count, weak=False)
+    try:
+        log = tmp_path_factory.mktemp("flask-shop") / "worker.log"
+        with celery_worker("examples.flask_shop:celery", env, log=log, args=("-P", "prefork", "-c", "2")):
+            yield shop
+    finally:
+        before_task_publish.disconnect(count)
+        fake.stop()
+        module.engine.dispose()
+        sys.modules.pop("examples.flask_shop", None)
+        with admin.begin() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA "{ns}" CASCADE'))
+        admin.dispose()
+        keys = [*r.scan_iter(f"led.{ns}:*"), f"q.{ns}", f"_kombu.binding.q.{ns}",
+                *(f"celery-task-meta-{t}" for t in shop.task_ids)]
+        r.delete(*keys)
+
+
+def test_double_clicked_password_reset_sends_one_email(shop: Shop) -> None:
+    before = len(shop.published)
+    replies = [shop.post("/password-reset", {"email": "ann@example.com"}, {"Idempotency-Key": "nonce-1"})
+               for _ in range(2)]
+    assert [r.status_code for r in replies] == [202, 202]
+    assert len(shop.published) - before == 2  # both clicks enqueued a message; the ledger decides
+
+    outcomes = shop.outcomes(replies)
+    key = shop.key(to="ann@example.com", event_id="password-reset:nonce-1", template="password_reset")
+    assert sorted(o["status"] for o in outcomes) == ["duplicate", "sent"]
+    assert {o["key"] for o in outcomes} == {key}
+    assert shop.fake.delivery_count(key) == 1
+    assert shop.delivered_to("ann@example.com") == ["Reset your password"]
+    record = shop.ledger.get(key)
+    assert record is not None and record.state is State.SENT
+
+
+def test_invalid_address_is_a_400_with_the_typed_error_and_nothing_enqueued(shop: Shop) -> None:
+    before = len(shop.published)
+    reply = shop.post("/password-reset", {"email": "ann@@example"}, {"Idempotency-Key": "nonce-2"})
+    assert reply.status_code == 400
+    assert reply.json["error"] == "InvalidEmail" and reply.json["field"] == "to"
+    assert len(shop.published) == before
+    assert shop.ledger.get(shop.key(to="ann@@example", event_id="password-reset:nonce-2",
+                                    template="password_reset")) is None
+
+
+def test_outbox_order_and_email_commit_together_and_a_thrice_delivered_payment_sends_one_receipt(shop: Shop) -> None:
+    module, before = shop.module, len(shop.published)
+    ann = shop.post("/orders", {"email": "bob@example.com", "total_cents": 4200})
+    failed = shop.post("/orders", {"email": "cat@example.com", "total_cents": 900, "simulate_failure": True})
+    assert (ann.status_code, failed.status_code) == (201, 503)
+    order_id = ann.json["order_id"]
+    assert [shop.post(f"/orders/{order_id}/paid").status_code for _ in range(3)] == [200, 200, 200]
+    assert len(shop.published) == before  # the requests only wrote rows; the relay publishes
+
+    module.celery.tasks["idemmail_celery.outbox_relay"].delay()  # what beat runs every 2 s, run by the worker
+    keys = [shop.key(to="bob@example.com", event_id=f"order-{order_id}", template="order_confirmation"),
+            shop.key(to="bob@example.com", event_id=f"payment-{order_id}", template="receipt")]
+    wait_for(lambda: all(
+        (rec := shop.ledger.get(k)) is not None and rec.state is State.SENT for k in keys), timeout=30)
+    assert [shop.fake.delivery_count(k) for k in keys] == [1, 1]
+    assert sorted(shop.delivered_to("bob@example.com")) == [f"Order {order_id} confirmed",
+                                                            f"Receipt for order {order_id}"]
+    assert shop.delivered_to("cat@example.com") == []
+    with module.engine.connect() as conn:
+        assert [tuple(row) for row in conn.execute(sa.select(module.orders.c.email, module.orders.c.paid))] == [
+            ("bob@example.com", True)]
+        assert sorted(conn.execute(sa.select(module.outbox.c.intent_key, module.outbox.c.state))) == sorted(
+            (k, "dispatched") for k in keys)
+
+
+def test_replayed_inbound_webhook_sends_one_auto_reply(shop: Shop) -> None:
+    event = {"MessageID": "7f3c9a10-5b7e-4c1e-9d2a-2a1f0c6b8e41", "From": "dan@example.com",
+             "Subject": "Where is my parcel?", "TextBody": "It has been a week."}
+    basic = {"Authorization": "Basic " + base64.b64encode(WEBHOOK_SECRET.encode()).decode()}
+    before = len(shop.published)
+    assert shop.post("/webhooks/inbound", event).status_code == 401
+    assert shop.post("/webhooks/inbound", event, {"Authorization": "Basic Zm9vOmJhcg=="}).status_code == 401
+    assert len(shop.published) == before  # unauthenticated: nothing read, nothing enqueued
+
+    replies = [shop.post("/webhooks/inbound", event, basic) for _ in range(2)]  # Postmark delivers it again
+    assert [r.status_code for r in replies] == [200, 200]
+    outcomes = shop.outcomes(replies)
+    assert sorted(o["status"] for o in outcomes) == ["duplicate", "sent"]
+    key = shop.key(to="dan@example.com", event_id=f"inbound:{event['MessageID']}", template="auto_reply")
+    assert shop.fake.delivery_count(key) == 1
+    assert shop.delivered_to("dan@example.com") == ["Re: Where is my parcel?"]
+    record = shop.ledger.get(key)
+    assert record is not None and record.state is State.SENT
