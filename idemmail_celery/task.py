@@ -42,6 +42,8 @@ from celery import Task
 from celery.exceptions import Retry
 
 from . import keys as keys_mod
+from . import metrics as _metrics
+from . import outcomes
 from ._lease import keeper
 from .config import Settings
 from .errors import (
@@ -83,7 +85,7 @@ def get_ledger(url: str, options: dict[str, Any] | None = None) -> Ledger:
     with _ledgers_lock:
         ledger = _ledgers.get(cache_key)
         if ledger is None:
-            ledger = _ledgers[cache_key] = from_url(url, **(options or {}))
+            ledger = _ledgers[cache_key] = _metrics.watch(from_url(url, **(options or {})))
         return ledger
 
 
@@ -377,7 +379,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     log.error("idemmail: %s was sent but could not be recorded: %s", key, exc)
                     break
                 time.sleep(0.2 * 2**attempt)
-        return self._outcome("sent", key, stored, time.time())
+        outcome = self._outcome("sent", key, stored, time.time())
+        outcomes.report(self, outcomes.SENT, key, message_id=outcome["message_id"])
+        return outcome
 
     def _retry_or_park(self, claim: Claim, exc: Exception, reason: str, *, sent_maybe: bool) -> dict[str, Any]:
         """A failed attempt: release and retry while budget and safety allow, else reconcile or park."""
@@ -407,6 +411,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _after_crash(self, claim: Claim) -> dict[str, Any] | None:
         """A reclaimed expired lease: its holder died, maybe mid-send."""
         record, settings = claim.record, self.idem_settings
+        outcomes.report(self, outcomes.RECLAIMED, record.key, reclaims=record.reclaims)
         if record.reclaims > settings.max_reclaims:
             reason = "reclaim_limit"  # a poison message that kills its worker every time
         elif not self.carries_key():
@@ -445,12 +450,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         headers = dict(request.headers or {})
         count = int(headers.get(INFLIGHT_HEADER) or 0)
         if count >= settings.inflight_max_retries:
+            outcomes.report(self, outcomes.IN_FLIGHT_GAVE_UP, record.key, reschedules=count)
             raise IdempotencyInFlightError(
                 f"{record.key} still held by {record.owner} after {count} reschedules"
             )
         headers[INFLIGHT_HEADER] = count + 1
         countdown = backoff(count, settings.inflight_backoff, settings.inflight_backoff_max)
-        self._reschedule(countdown, headers, f"in_flight: held by another worker ({count + 1})")
+        outcomes.report(self, outcomes.IN_FLIGHT, record.key, reschedules=count + 1)
+        reason = IdempotencyInFlightError(f"in_flight: {record.key} held by another worker, reschedule {count + 1}")
+        self._reschedule(countdown, headers, f"in_flight: held by another worker ({count + 1})", reason)
 
     def _ledger_down(self, exc: LedgerError | UnsafeLedgerError, key: str, args: Any, kwargs: Any) -> Any:
         url = self.idem_settings.ledger_url
@@ -467,13 +475,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise exc
         headers[OUTAGE_HEADER] = count + 1
         countdown = backoff(count, settings.inflight_backoff, settings.inflight_backoff_max)
-        self._reschedule(countdown, headers, f"ledger_unavailable: {exc}")
+        outcomes.report(self, outcomes.LEDGER_UNAVAILABLE, key, reason=type(exc).__name__, reschedules=count + 1)
+        self._reschedule(countdown, headers, f"ledger_unavailable: {exc}", exc)
 
-    def _reschedule(self, countdown: float, headers: dict[str, Any], why: str) -> NoReturn:
-        """Requeue this message like ``retry()``, without spending the task's ``max_retries``."""
+    def _reschedule(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception) -> NoReturn:
+        """Requeue this message like ``retry()``, without spending the task's ``max_retries``.
+
+        ``reason`` is what monitors show for the retry (Flower: state RETRY, its repr as the exception).
+        """
         request = self.request
         sig = self.signature_from_request(request, countdown=countdown, retries=request.retries, headers=headers)
-        exc = Retry(why, when=countdown, sig=sig)
+        exc = Retry(why, exc=reason, when=countdown, sig=sig)
         if request.is_eager:
             sig.apply()
         else:
@@ -495,6 +507,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _replay(self, record: Record) -> dict[str, Any]:
         """The stored outcome of a final record, as a duplicate sees it."""
+        outcomes.report(self, outcomes.DUPLICATE, record.key, message_id=(record.result or {}).get("message_id"),
+                        reason=(record.error or {}).get("reason"), recorded=record.state.value)
         if record.state is State.SENT:
             return self._outcome("duplicate", record.key, record.result or {}, record.updated_at)
         error = record.error or {}
@@ -517,13 +531,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
             "result": stored.get("value"),
         }
 
-    @staticmethod
-    def _record(move: Any, key: str, token: int, info: dict[str, Any]) -> None:
-        """Apply a ledger transition on an error path; if the ledger fails, the lease decides later."""
+    def _record(self, move: Any, key: str, token: int, info: dict[str, Any]) -> None:
+        """Apply a ledger transition on an error path, and report it; if the ledger fails, the lease decides later."""
         try:
             move(key, token, info)
         except LedgerError as exc:
             log.error("idemmail: could not record %s for %s: %s", move.__name__, key, exc)
+        outcomes.report(self, _MOVE_OUTCOMES.get(move.__name__, move.__name__), key, reason=info.get("reason"))
+
+
+#: What an error-path ledger move means for the run (see :mod:`idemmail_celery.outcomes`).
+_MOVE_OUTCOMES = {"fail": outcomes.FAILED, "park": outcomes.REVIEW, "release": outcomes.RETRY}
 
 
 def _message_id(value: Any) -> Any:

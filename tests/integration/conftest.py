@@ -19,6 +19,18 @@ from ..conftest import REDIS_URL, service_missing, unique, wait_for
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a process started with ``start_new_session=True`` and its children; SIGKILL after 15 s."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=15)
+
+
 class WorkerProcess:
     """``celery worker`` for one test namespace: start, kill, restart, stop."""
 
@@ -43,13 +55,8 @@ class WorkerProcess:
         return (self.log_dir / f"worker-{self.starts}.log").read_bytes()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=15)
+        if self.proc:
+            stop_group(self.proc)
 
     def kill(self) -> None:
         """SIGKILL the whole worker: main process and pool children."""

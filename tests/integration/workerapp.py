@@ -55,6 +55,9 @@ app.conf.update(
     idemmail_provider_api_key=os.environ.get("IDEMMAIL_TEST_PROVIDER_KEY") or None,
     idemmail_provider_timeout=float(os.environ.get("IDEMMAIL_TEST_PROVIDER_TIMEOUT", "5")),
     idemmail_default_from="Shop <shop@example.com>",
+    # Metrics (tests/integration/test_monitoring.py): served from the worker's main process when set.
+    idemmail_metrics_port=int(os.environ.get("IDEMMAIL_TEST_METRICS_PORT") or 0) or None,
+    idemmail_metrics_addr="127.0.0.1",
 )
 
 r = redis.Redis.from_url(REDIS_URL, decode_responses=True)

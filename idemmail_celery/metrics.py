@@ -1,0 +1,266 @@
+"""Prometheus metrics for idempotent sends (optional: ``pip install idemmail-celery[metrics]``).
+
+Off by default, and then free: nothing imports ``prometheus_client`` and a task
+pays one attribute lookup. Turn them on with the app settings
+
+``idemmail_metrics = True``
+    count into ``prometheus_client``'s default registry; expose it yourself.
+``idemmail_metrics_port = 9808``
+    count, and serve ``/metrics`` from the worker's main process on this port
+    (``idemmail_metrics_addr``, default ``0.0.0.0``), started on ``worker_init``.
+
+or call :func:`enable` (and :func:`serve`) yourself. A prefork worker runs tasks
+in child processes: set ``PROMETHEUS_MULTIPROC_DIR`` to an empty directory
+before the worker starts, and the endpoint sums every child's counters
+(``MultiProcessCollector``); dead children are marked on exit.
+
+==============================================  =========  ==========================================
+metric                                          type       labels
+==============================================  =========  ==========================================
+``idemmail_outcomes_total``                     counter    ``task``, ``outcome`` (see ``outcomes``)
+``idemmail_inflight_collisions_total``          counter    ``task``
+``idemmail_reclaims_total``                     counter    ``task``, ``action`` (resend/review/reconciled)
+``idemmail_ledger_operation_seconds``           histogram  ``op``, ``backend``
+``idemmail_ledger_errors_total``                counter    ``op``, ``backend``, ``error``
+``idemmail_ledger_records``                     gauge      ``state`` (claimed/released/review)
+``idemmail_ledger_up``                          gauge      -
+==============================================  =========  ==========================================
+
+The two gauges come from the process that serves ``/metrics``, which counts
+the ledger's non-expiring records at most every ``RECORDS_TTL`` seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+log = logging.getLogger("idemmail_celery")
+
+LEDGER_OPS = ("claim", "claim_many", "complete", "fail", "park", "release", "renew", "get",
+              "confirm_sent", "resolve")
+LEDGER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+RECORDS_TTL = 30.0
+#: States whose records never expire: what is in flight, waiting, or waiting for a person.
+RECORD_STATES = ("claimed", "released", "review")
+
+#: The live :class:`Metrics` while metrics are on, else None (what the hot path looks at).
+active: Metrics | None = None
+_lock = threading.Lock()
+_servers: dict[tuple[str, int], Any] = {}
+
+
+class Metrics:
+    """The collectors, created once per process by :func:`enable`."""
+
+    def __init__(self, registry: Any = None) -> None:
+        from prometheus_client import REGISTRY, Counter, Histogram
+
+        registry = REGISTRY if registry is None else registry
+        self.outcomes = Counter("idemmail_outcomes_total", "Runs of idempotent tasks by outcome",
+                                ["task", "outcome"], registry=registry)
+        self.inflight = Counter("idemmail_inflight_collisions_total",
+                                "Runs that found a live claim of another worker and were rescheduled",
+                                ["task"], registry=registry)
+        self.reclaims = Counter("idemmail_reclaims_total", "Claims taken over after their holder's lease expired",
+                                ["task", "action"], registry=registry)
+        self.ledger_seconds = Histogram("idemmail_ledger_operation_seconds", "Ledger operation latency",
+                                        ["op", "backend"], buckets=LEDGER_BUCKETS, registry=registry)
+        self.ledger_errors = Counter("idemmail_ledger_errors_total", "Ledger operations that raised",
+                                     ["op", "backend", "error"], registry=registry)
+        self._children: dict[tuple[str, str], Any] = {}
+
+    def outcome(self, task: str, status: str, extra: dict[str, Any]) -> None:
+        """Count one report of :mod:`idemmail_celery.outcomes`."""
+        child = self._children.get((task, status))
+        if child is None:
+            child = self._children[(task, status)] = self.outcomes.labels(task, status)
+        child.inc()
+        if status == "in_flight":
+            self.inflight.labels(task).inc()
+        elif status == "reclaimed":
+            self.reclaims.labels(task, str(extra.get("action") or "resend")).inc()
+
+    def instrument(self, ledger: Any) -> Any:
+        """Time ``ledger``'s operations (its bound methods, replaced on the instance); returns it."""
+        if getattr(ledger, "_idemmail_timed", False):
+            return ledger
+        backend = type(ledger).__name__.removesuffix("Ledger").lower() or "ledger"
+        for op in LEDGER_OPS:
+            method = getattr(ledger, op, None)
+            if method is not None:
+                setattr(ledger, op, self._timed(method, op, backend))
+        ledger._idemmail_timed = True
+        return ledger
+
+    def _timed(self, method: Callable[..., Any], op: str, backend: str) -> Callable[..., Any]:
+        observe = self.ledger_seconds.labels(op, backend).observe
+        errors = self.ledger_errors
+        clock = time.perf_counter
+
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return method(*args, **kwargs)
+            except Exception as exc:
+                errors.labels(op, backend, type(exc).__name__).inc()
+                raise
+            finally:
+                observe(clock() - start)
+
+        return timed
+
+
+def available() -> bool:
+    """Is ``prometheus_client`` installed?"""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def enable() -> Metrics:
+    """Turn metrics on in this process (idempotent) and time the ledgers already open.
+
+    Raises :class:`~idemmail_celery.errors.ConfigurationError` without ``prometheus_client``.
+    """
+    global active
+    with _lock:
+        if active is None:
+            if not available():
+                from .errors import ConfigurationError
+
+                raise ConfigurationError("idemmail metrics need prometheus-client: "
+                                         "pip install idemmail-celery[metrics]")
+            active = Metrics()
+            from .task import _ledgers
+
+            for ledger in list(_ledgers.values()):
+                active.instrument(ledger)
+        return active
+
+
+def watch(ledger: Any) -> Any:
+    """Time ``ledger`` if metrics are on (called for every ledger a task opens); returns it."""
+    return ledger if active is None else active.instrument(ledger)
+
+
+class RecordsCollector:
+    """``idemmail_ledger_records{state}`` and ``idemmail_ledger_up`` from a ledger, cached for ``ttl`` s."""
+
+    def __init__(self, ledger: Callable[[], Any], ttl: float = RECORDS_TTL) -> None:
+        self._ledger, self.ttl = ledger, ttl
+        self._cached: tuple[float, dict[str, int] | None] = (0.0, None)
+        self._lock = threading.Lock()
+
+    def counts(self) -> dict[str, int] | None:
+        """Records per non-expiring state, or None if the ledger cannot be read."""
+        from .ledger import State
+
+        with self._lock:
+            at, counts = self._cached
+            if time.monotonic() - at < self.ttl and at:
+                return counts
+            try:
+                ledger = self._ledger()
+                counts = {s: sum(1 for _ in ledger.iter_records(State(s))) for s in RECORD_STATES}
+            except Exception as exc:
+                log.warning("idemmail metrics: cannot count ledger records: %s", exc)
+                counts = None
+            self._cached = (time.monotonic(), counts)
+            return counts
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        counts = self.counts()
+        up = GaugeMetricFamily("idemmail_ledger_up", "1 if the last count of ledger records succeeded")
+        up.add_metric([], 0.0 if counts is None else 1.0)
+        yield up
+        records = GaugeMetricFamily("idemmail_ledger_records", "Ledger records in non-expiring states",
+                                    labels=["state"])
+        for state, n in (counts or {}).items():
+            records.add_metric([state], float(n))
+        yield records
+
+
+def multiprocess_dir() -> str | None:
+    """``PROMETHEUS_MULTIPROC_DIR`` if set (counters then live in files, one per process)."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+def serve(port: int, addr: str = "0.0.0.0", app: Any = None) -> Any:
+    """Serve ``/metrics`` on ``addr:port`` from this process, in a daemon thread (idempotent).
+
+    With ``PROMETHEUS_MULTIPROC_DIR`` the page sums every process's files; with
+    ``app``, it also carries the record gauges of the app's ledger.
+    """
+    from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+
+    with _lock:
+        if (addr, port) in _servers:
+            return _servers[(addr, port)]
+        if multiprocess_dir():
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        else:
+            registry = REGISTRY
+        if app is not None:
+            registry.register(RecordsCollector(_app_ledger(app)))
+        server = start_http_server(port, addr=addr, registry=registry)
+        _servers[(addr, port)] = server
+        log.info("idemmail metrics on http://%s:%d/metrics%s", addr, port,
+                 " (multiprocess)" if multiprocess_dir() else "")
+        return server
+
+
+def _app_ledger(app: Any) -> Callable[[], Any]:
+    def ledger() -> Any:
+        from .config import Settings
+        from .task import get_ledger
+
+        s = Settings.resolve(app.conf, None)
+        return get_ledger(s.ledger_url, {"retention_seconds": s.retention_seconds, **s.ledger_options})
+
+    return ledger
+
+
+def configure_worker(app: Any, worker: Any) -> None:
+    """On ``worker_init`` (main process, before the pool starts): enable and serve as the app says."""
+    conf = app.conf
+    port = conf.get("idemmail_metrics_port")
+    if not (conf.get("idemmail_metrics") or port):
+        return
+    enable()
+    pool = str(getattr(worker, "pool_cls", "") or "")
+    if port and "prefork" in pool and not multiprocess_dir():
+        log.warning("idemmail metrics: a prefork worker counts in its pool processes; set "
+                    "PROMETHEUS_MULTIPROC_DIR before starting it, or /metrics stays empty")
+    if port:
+        serve(int(port), str(conf.get("idemmail_metrics_addr") or "0.0.0.0"), app)
+
+
+def _on_process_shutdown(pid: int | None = None, **_: Any) -> None:
+    path = multiprocess_dir()
+    if active is not None and path:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid or os.getpid(), path)  # type: ignore[no-untyped-call]
+
+
+def _connect() -> None:
+    from celery.signals import worker_process_shutdown
+
+    worker_process_shutdown.connect(_on_process_shutdown, weak=False)
+
+
+_connect()

@@ -1,0 +1,118 @@
+"""What each run of an idempotent task came to, told to the log, to Flower and to metrics.
+
+:class:`~idemmail_celery.IdempotentTask` calls :func:`report` once per outcome.
+Each report is
+
+* one log line on the ``idemmail_celery.outcome`` logger (``logfmt`` pairs, the
+  same fields in ``extra=`` for JSON formatters): INFO, WARNING for ``review``
+  and ``failed``;
+* a ``task-idemmail`` Celery event, when the worker sends task events (``-E`` or
+  ``worker_send_task_events``): Flower shows the custom state ``IDEMMAIL`` until
+  the task's own ``task-succeeded``/``task-failed``/``task-retried`` event
+  arrives, and keeps the event's ``result`` (the outcome) for tasks that end in
+  FAILURE or RETRY;
+* a count in :mod:`idemmail_celery.metrics`, when metrics are on.
+
+Reports carry the intent key (a keyed hash), the task name and id, the status,
+the provider's message id, a reason word and attempt counts: never an
+address, a subject or a payload.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.signals import worker_init
+
+from . import metrics
+
+log = logging.getLogger("idemmail_celery.outcome")
+
+EVENT = "task-idemmail"
+
+# The statuses a report can have (``sent`` and ``duplicate`` are also what the task returns).
+SENT = "sent"                              # the body ran and its result is recorded
+DUPLICATE = "duplicate"                    # a final record was replayed; the body did not run
+REVIEW = "review"                          # parked: the outcome cannot be known, a person decides
+FAILED = "failed"                          # recorded as failed for good; duplicates get the error
+RETRY = "retry"                            # nothing left the process (or the key travels): retried
+IN_FLIGHT = "in_flight"                    # another worker holds a live claim: rescheduled
+IN_FLIGHT_GAVE_UP = "in_flight_gave_up"    # ...and the in-flight budget ran out
+LEDGER_UNAVAILABLE = "ledger_unavailable"  # fail closed: rescheduled until the ledger is back
+RECLAIMED = "reclaimed"                    # a dead holder's expired lease was taken over
+
+STATUSES = (SENT, DUPLICATE, REVIEW, FAILED, RETRY, IN_FLIGHT, IN_FLIGHT_GAVE_UP, LEDGER_UNAVAILABLE, RECLAIMED)
+
+_WARN = {REVIEW, FAILED, IN_FLIGHT_GAVE_UP}
+
+
+class _Worker:
+    #: Does this worker send task events (``-E``)? Set on ``worker_init``, inherited by pool children.
+    task_events = False
+
+
+def report(task: Any, status: str, key: str, *, message_id: Any = None, reason: str | None = None,
+           **extra: Any) -> None:
+    """Tell the log, Flower and metrics what this run of ``task`` came to.
+
+    ``extra`` holds further short, non-personal fields (``recorded``, ``reschedules``,
+    ``action``). Never raises: reporting must not change an outcome.
+    """
+    request = task.request
+    name = task.name
+    attempts = (request.retries or 0) + 1
+    if message_id is not None and not isinstance(message_id, str):
+        message_id = str(message_id)
+    try:
+        if log.isEnabledFor(logging.INFO):
+            _log(status, name, key, request.id, message_id, reason, attempts, extra)
+        active = metrics.active
+        if active is not None:
+            active.outcome(name, status, extra)
+        if _Worker.task_events and request.hostname:
+            _event(task, status, key, message_id, reason, attempts, extra)
+    except Exception:  # pragma: no cover - a broken handler or broker must not change the outcome
+        log.debug("idemmail: reporting %s for %s failed", status, key, exc_info=True)
+
+
+def _log(status: str, name: str, key: str, task_id: str | None, message_id: str | None, reason: str | None,
+         attempts: int, extra: dict[str, Any]) -> None:
+    fields: dict[str, Any] = {"status": status, "task": name, "key": key, "message_id": message_id,
+                              "task_id": task_id, "attempts": attempts}
+    if reason:
+        fields["reason"] = reason
+    fields.update(extra)
+    line = " ".join(f"{k}={_logfmt(v)}" for k, v in fields.items())
+    log.log(logging.WARNING if status in _WARN else logging.INFO, "idemmail outcome %s",
+            line, extra={"idemmail": fields})
+
+
+def _logfmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    text = str(value)
+    if not text or any(c in text for c in ' "='):
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return text
+
+
+def _event(task: Any, status: str, key: str, message_id: str | None, reason: str | None, attempts: int,
+           extra: dict[str, Any]) -> None:
+    shown = {"status": status, "key": key, "message_id": message_id}
+    if reason:
+        shown["reason"] = reason
+    shown.update(extra)
+    # Flower lists only Celery's own task fields: ``result`` is the one an event may fill.
+    task.send_event(EVENT, retry=False, status=status, key=key, message_id=message_id, reason=reason,
+                    attempts=attempts, result=repr(shown), **extra)
+
+
+def _on_worker_init(sender: Any = None, **_: Any) -> None:
+    _Worker.task_events = bool(getattr(sender, "task_events", False))
+    app = getattr(sender, "app", None)
+    if app is not None:
+        metrics.configure_worker(app, sender)
+
+
+worker_init.connect(_on_worker_init, weak=False)

@@ -1,0 +1,196 @@
+"""What operators see: Flower's API over a real worker and Redis broker, the metrics endpoint, the log.
+
+Each test starts its own worker (and Flower) on its own queue and ledger prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..conftest import wait_for
+from .conftest import ROOT, results, stop_group
+
+ADDRESS = "ann@example.com"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        body: bytes = response.read()
+        return body
+
+
+class Flower:
+    """``celery flower`` on a loopback port, watching the test's app; its HTTP API as dicts."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.port = free_port()
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "tests.integration.workerapp", "flower",
+                 f"--port={self.port}", "--address=127.0.0.1"],
+                cwd=ROOT, env={**env, "FLOWER_UNAUTHENTICATED_API": "true"}, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(self._up, timeout=30, interval=0.2)
+
+    def _up(self) -> bool:
+        try:
+            self.get("/api/tasks?limit=1")
+        except OSError:
+            assert self.proc.poll() is None, "flower exited"
+            return False
+        return True
+
+    def get(self, path: str) -> Any:
+        return json.loads(http_get(f"http://127.0.0.1:{self.port}{path}"))
+
+    def task(self, task_id: str) -> dict[str, Any] | None:
+        try:
+            info: dict[str, Any] = self.get(f"/api/task/info/{task_id}")
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise
+        return info
+
+    def wait_state(self, task_id: str, state: str, timeout: float = 30) -> dict[str, Any]:
+        def seen() -> dict[str, Any] | None:
+            info = self.task(task_id)
+            return info if info and info["state"] == state else None
+
+        found: dict[str, Any] = wait_for(seen, timeout=timeout, interval=0.2)  # type: ignore[assignment]
+        return found
+
+    def stop(self) -> None:
+        stop_group(self.proc)
+
+
+@pytest.fixture
+def flower(worker_env: dict[str, str], tmp_path: Path) -> Iterator[Flower]:
+    f = Flower(worker_env, tmp_path / "flower.log")
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+def flower_watching(flower: Flower, app: Any) -> None:
+    """Flower only sees events sent after it subscribed: ping until it has seen one."""
+    def seen() -> bool:
+        ping = app.send_task("celery.accumulate", args=[1])
+        ping.get(timeout=10)
+        time.sleep(0.3)
+        return flower.task(ping.id) is not None
+
+    wait_for(seen, timeout=30, interval=0.1)
+
+
+def test_flower_shows_sent_duplicate_review_and_in_flight_retry(
+    app_module: Any, sink: Any, start_worker: Callable[..., Any], flower: Flower
+) -> None:
+    worker = start_worker("-P", "prefork", "-c", "2", "-E")
+    flower_watching(flower, app_module.app)
+    send = app_module.send
+
+    first = send.delay(ADDRESS, 1)
+    first.get(timeout=30)
+    second = send.delay(ADDRESS, 1)
+    key = second.get(timeout=30)["key"]
+
+    shown = flower.wait_state(second.id, "SUCCESS")
+    assert "'status': 'duplicate'" in shown["result"]
+    assert key in shown["result"] and "'message_id': 'msg-1'" in shown["result"]
+    assert "'status': 'sent'" in flower.wait_state(first.id, "SUCCESS")["result"]
+
+    # Review: the outcome is unknown and nothing downstream de-duplicates.
+    sink.push_failure("ambiguous")
+    parked = send.delay("bob@example.com", 2)
+    results([parked])
+    shown = flower.wait_state(parked.id, "FAILURE")
+    assert shown["exception"].startswith("SendNeedsReview(") and "'timeout'" in shown["exception"]
+    assert "'status': 'review'" in shown["result"]  # from the task-idemmail event
+
+    # In flight: the second copy finds the first one's live claim, is retried, then replays it.
+    sink.control("hold", "2")
+    holder = send.delay("cat@example.com", 3)
+    wait_for(lambda: len(sink.pids()) >= 3, timeout=20)  # the holder's body is running
+    copy = send.delay("cat@example.com", 3)
+    assert [o["status"] for o in results([holder, copy])] == ["sent", "duplicate"]
+    shown = flower.wait_state(copy.id, "SUCCESS")
+    assert shown["retried"] is not None
+    assert shown["exception"].startswith("IdempotencyInFlightError('in_flight: ")
+    assert "'status': 'duplicate'" in shown["result"]
+
+    # Nothing personal in what the worker logged about it.
+    log = worker.log().decode()
+    assert f"status=duplicate task={send.name} key={key} message_id=msg-1" in log
+    assert "status=review" in log and "status=in_flight" in log
+    assert ADDRESS not in log
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http_get(f"http://127.0.0.1:{port}/metrics").decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text) for sample in family.samples
+    }
+
+
+def test_metrics_endpoint_sums_outcomes_across_prefork_children(
+    app_module: Any, sink: Any, start_worker: Callable[..., Any], tmp_path: Path
+) -> None:
+    multiproc = tmp_path / "prom"
+    multiproc.mkdir()
+    port = free_port()
+    worker = start_worker("-P", "prefork", "-c", "2", env={
+        "PROMETHEUS_MULTIPROC_DIR": str(multiproc), "IDEMMAIL_TEST_METRICS_PORT": str(port)})
+    send = app_module.send
+    name = send.name
+
+    sink.push_failure("ambiguous")
+    results([send.delay("bob@example.com", 2)])  # parked for review
+
+    # The first copy holds its claim while the two others arrive: they wait in the other child.
+    sink.control("hold", "1")
+    copies = [send.delay(ADDRESS, 7)]
+    wait_for(lambda: len(sink.pids()) >= 2, timeout=20)
+    copies += [send.delay(ADDRESS, 7), send.delay(ADDRESS, 7)]
+    out = results(copies)
+    assert sorted(o["status"] for o in out) == ["duplicate", "duplicate", "sent"]
+    key = out[0]["key"]
+
+    def outcome(status: str) -> float:
+        return metrics.get(("idemmail_outcomes_total", (("outcome", status), ("task", name))), 0.0)
+
+    metrics = scrape(port)
+    assert (outcome("sent"), outcome("duplicate"), outcome("review")) == (1, 2, 1)
+    assert outcome("in_flight") >= 1
+    assert metrics[("idemmail_inflight_collisions_total", (("task", name),))] == outcome("in_flight")
+    assert metrics[("idemmail_ledger_operation_seconds_count", (("backend", "redis"), ("op", "claim")))] >= 4
+    assert metrics[("idemmail_ledger_records", (("state", "review"),))] == 1
+    assert metrics[("idemmail_ledger_up", ())] == 1
+    # Summed from both pool children's files, not one process's memory.
+    pids = {p.stem.rsplit("_", 1)[1] for p in multiproc.glob("counter_*.db")}
+    assert len(pids) == 2
+
+    log = worker.log().decode()
+    assert f"key={key}" in log and f"status=sent task={name} key={key}" in log
+    assert ADDRESS not in log and "bob@example.com" not in log
