@@ -1,0 +1,242 @@
+"""Agent tools whose side effects happen once per intent, however often the agent loop calls them.
+
+An agent loop calls a tool, gives up waiting, and calls it again; a model asks for the
+same action again two turns later, worded differently. Each call here becomes an
+:class:`~idemmail_celery.task.IdempotentTask` message with an intent key, so a
+repeated call replays the first outcome (``"status": "duplicate"``) instead of
+repeating the side effect::
+
+    from idemmail_celery.tools import email_tool, idempotent_tool
+
+    @idempotent_tool(app, key="call_id")            # the agent loop's tool-call id is the intent
+    def update_deal(deal_id: str, stage: str) -> dict:
+        \"\"\"Move a CRM deal to another stage.\"\"\"
+        return crm.post(f"/deals/{deal_id}", json={"stage": stage}).json()
+
+    @idempotent_tool(app, key=("channel", "incident_id"))    # one post per incident, however reworded
+    def post_status(channel: str, incident_id: str, text: str) -> dict: ...
+
+    reply = email_tool(app).bind(event_id=f"ticket-{ticket.id}-reply")   # fixed by the app, not the model
+
+    tools = [update_deal.spec(), post_status.spec(), reply.spec()]   # what the model is shown
+    outcome = update_deal({"deal_id": "D-7", "stage": "won"}, call_id="toolu_01A", timeout=5)
+
+**Which key.** ``key="call_id"``: the tool-call id the loop passes (protects a call the
+loop retries, not the same request made again in a later turn, which gets a new id;
+without a ``call_id`` all arguments are the intent). ``key=("field", ...)``: the
+declared arguments, so a later turn asking for the same thing with reworded free text
+is the same intent, and the first wording is the one that runs. ``key=None``: all
+arguments. ``email_tool`` uses ``send_email``'s intent (``event_id``, ``template``,
+recipients): bind ``event_id`` to what the email is about.
+
+**What the agent sees** (a JSON-able dict): ``status`` is ``sent`` (this call ran the
+side effect), ``duplicate`` (an earlier call did; its result is replayed), ``pending``
+(not finished within ``timeout``; calling again is safe), ``invalid`` (refused before
+anything was enqueued: bad arguments, an invalid address), ``failed`` (a permanent
+error, replayed to every later call), ``review`` (the outcome is unknown and waits for
+a person), or ``error``; with ``key``, ``result``, ``message_id`` and ``error``
+(``{"type", "message"}``) where they apply. Waiting needs a result backend on the app.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, Union
+
+from celery import Celery
+from celery.backends.base import DisabledBackend
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+
+from .errors import ConfigurationError, IdemmailError, PermanentSendError, SendNeedsReview
+from .mail import TASK_NAME
+from .task import KEY_HEADER, IdempotentTask
+
+__all__ = ["IdempotentTool", "KeySource", "email_tool", "idempotent_tool"]
+
+#: Where a tool call's intent key comes from: the tool-call id, declared argument names, or all arguments.
+KeySource = Literal["call_id"] | Sequence[str] | None
+
+_JSON_TYPES: Mapping[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
+                                  list: "array", tuple: "array", dict: "object"}
+
+_EMAIL_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "to": {"type": ["string", "array"], "items": {"type": "string"}, "description": "recipient address(es)"},
+        "subject": {"type": "string"},
+        "text": {"type": "string", "description": "plain-text body"},
+        "html": {"type": "string", "description": "HTML body"},
+        "cc": {"type": ["string", "array"], "items": {"type": "string"}},
+        "reply_to": {"type": "string"},
+        "event_id": {"type": "string", "description": "the business event this email is about: the same "
+                     "event_id and recipients are one email, however often it is requested"},
+        "template": {"type": "string", "description": "the kind of email (receipt, reply, ...)"},
+    },
+    "required": ["to", "subject", "event_id"],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class IdempotentTool:
+    """An agent tool backed by an :class:`IdempotentTask`; call it with the model's arguments.
+
+    Made by :func:`idempotent_tool` or :func:`email_tool`. ``fixed`` arguments (see
+    :meth:`bind`) are set by the application, override the model's and are not shown to it.
+    """
+
+    task: IdempotentTask
+    name: str
+    description: str
+    parameters: Mapping[str, Any]
+    key: KeySource = "call_id"
+    timeout: float = 10.0
+    fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def bind(self, **fixed: Any) -> IdempotentTool:
+        """A copy whose ``fixed`` arguments are set by the application (an ``event_id``, a tenant)."""
+        return dataclasses.replace(self, fixed={**self.fixed, **fixed})
+
+    def spec(self) -> dict[str, Any]:
+        """The tool as a model is shown it: ``{"name", "description", "input_schema"}`` (JSON Schema).
+
+        OpenAI-style APIs call the schema ``parameters``: ``{**spec, "parameters": spec["input_schema"]}``.
+        """
+        schema = dict(self.parameters)
+        schema["properties"] = {k: v for k, v in dict(schema.get("properties", {})).items() if k not in self.fixed}
+        schema["required"] = [k for k in schema.get("required", []) if k not in self.fixed]
+        return {"name": self.name, "description": self.description, "input_schema": schema}
+
+    def key_for(self, arguments: Mapping[str, Any], *, call_id: str | None = None) -> str:
+        """The intent key a call would get (to look it up in the ledger); validates like :meth:`submit`."""
+        return self._headers(arguments, call_id)[1][KEY_HEADER]
+
+    def submit(self, arguments: Mapping[str, Any], *, call_id: str | None = None) -> tuple[str, Any]:
+        """Enqueue one call; returns ``(key, AsyncResult)``.
+
+        Raises :class:`~idemmail_celery.errors.IdemmailError` (or ``TypeError``) before
+        enqueueing when the arguments are refused.
+        """
+        kwargs, headers = self._headers(arguments, call_id)
+        return headers[KEY_HEADER], self.task.apply_async(kwargs=kwargs, headers=headers)
+
+    def _headers(self, arguments: Mapping[str, Any], call_id: str | None) -> tuple[dict[str, Any], dict[str, str]]:
+        kwargs = {**dict(arguments), **self.fixed}
+        explicit = call_id if self.key == "call_id" and call_id else None
+        return kwargs, self.task.intent_headers((), kwargs, explicit=explicit)
+
+    def __call__(
+        self, arguments: Mapping[str, Any], *, call_id: str | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Run one tool call and wait up to ``timeout`` seconds (default :attr:`timeout`) for its outcome.
+
+        Never raises for what the agent should see (bad arguments, a failed or pending
+        call): the outcome is in the returned dict (see the module docstring).
+        """
+        if isinstance(self.task.backend, DisabledBackend):
+            raise ConfigurationError(f"tool {self.name}: the Celery app needs a result backend to wait for outcomes")
+        try:
+            key, async_result = self.submit(arguments, call_id=call_id)
+        except (IdemmailError, TypeError) as exc:
+            return {"status": "invalid", "key": None, "error": _error(exc)}
+        try:
+            value = async_result.get(timeout=self.timeout if timeout is None else timeout, propagate=False)
+        except CeleryTimeoutError:
+            return {"status": "pending", "key": key, "task_id": async_result.id,
+                    "note": "still running; calling again with the same arguments (and call_id) will not repeat it"}
+        if isinstance(value, SendNeedsReview):
+            return {"status": "review", "key": key, "error": _error(value)}
+        if isinstance(value, PermanentSendError):
+            return {"status": "failed", "key": key, "error": _error(value)}
+        if isinstance(value, BaseException) or not isinstance(value, dict):
+            return {"status": "error", "key": key, "error": _error(value)}
+        return dict(value)
+
+
+def _error(exc: object) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
+    for attr in ("field", "reason"):
+        value = getattr(exc, attr, None)
+        if value:
+            out[attr] = value
+    return out
+
+
+def _json_type(hint: Any) -> dict[str, Any]:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (Union, types.UnionType) and len(args) == 1:
+        hint = args[0]
+    kind = _JSON_TYPES.get(typing.get_origin(hint) or hint)
+    return {"type": kind} if kind else {}
+
+
+def parameters_of(func: Callable[..., Any], *, bound: bool = False) -> dict[str, Any]:
+    """A JSON Schema for ``func``'s arguments from its signature and type hints (``self`` skipped if ``bound``)."""
+    params = list(inspect.signature(func).parameters.values())[1 if bound else 0:]
+    try:
+        hints = typing.get_type_hints(func)
+    except (NameError, TypeError):
+        hints = {}
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        properties[p.name] = _json_type(hints.get(p.name))
+        if p.default is p.empty:
+            required.append(p.name)
+    return {"type": "object", "properties": properties, "required": required}
+
+
+def idempotent_tool(
+    app: Celery,
+    *,
+    key: KeySource = "call_id",
+    tool_name: str | None = None,
+    description: str | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    timeout: float = 10.0,
+    **task_options: Any,
+) -> Callable[[Callable[..., Any]], IdempotentTool]:
+    """Decorator: register ``func`` as an :class:`IdempotentTask` on ``app`` and return it as a tool.
+
+    ``key`` is where the intent comes from (see the module docstring); ``tool_name`` is
+    the tool's name for the model (default the function's), ``description`` defaults to
+    its docstring's first paragraph, ``parameters`` (a JSON Schema) to one built from its
+    type hints. ``task_options`` go to ``app.task``: ``name=`` (give one when the module
+    may also run as ``__main__``), ``queue=``, ``bind=True`` to receive the task and read
+    ``self.request.idempotency_key``, the ``idempotency_*`` options.
+    """
+    if isinstance(key, str) and key != "call_id":
+        raise ConfigurationError(f"key must be 'call_id', a sequence of argument names or None, not {key!r}")
+
+    def wrap(func: Callable[..., Any]) -> IdempotentTool:
+        fields = None if key is None or key == "call_id" else tuple(key)
+        task = app.task(base=IdempotentTask, idempotency_key=fields, **task_options)(func)
+        doc = inspect.getdoc(func) or ""
+        return IdempotentTool(
+            task=task, name=tool_name or func.__name__, description=description or doc.split("\n\n")[0],
+            parameters=parameters or parameters_of(func, bound=bool(task_options.get("bind"))),
+            key=key, timeout=timeout,
+        )
+
+    return wrap
+
+
+def email_tool(app: Celery, *, name: str = "send_email", description: str | None = None,
+               timeout: float = 10.0) -> IdempotentTool:
+    """``send_email`` on ``app`` as a tool: one email per ``event_id`` and recipients, however often called.
+
+    Bind ``event_id`` (and ``template``, ``tenant``) with :meth:`IdempotentTool.bind` when the
+    application knows what the email is about, so the model cannot turn one reply into two.
+    """
+    import idemmail_celery.mail  # noqa: F401  # registers send_email on every app
+
+    return IdempotentTool(
+        task=app.tasks[TASK_NAME], name=name, parameters=_EMAIL_PARAMETERS, key=None, timeout=timeout,
+        description=description or ("Send one email. Asking again for the same event_id and recipients does "
+                                    "not send it twice: the first request's text is the one that ships."),
+    )

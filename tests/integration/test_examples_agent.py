@@ -1,0 +1,50 @@
+"""examples/agent_tools.py: a scripted agent loop retries and repeats tool calls against a real worker subprocess
+(Redis broker, results and ledger); the CRM, Slack and the email API count one side effect each."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import redis
+
+from idemmail_celery.ledger import State, from_url
+
+from ..conftest import REDIS_URL, service_missing, unique
+from .conftest import ROOT
+
+
+def test_agent_retrying_and_repeating_tool_calls_causes_one_side_effect_each() -> None:
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        r.ping()
+    except redis.ConnectionError as exc:
+        service_missing("redis", exc)
+    prefix = unique("agent").replace("_", "")
+    env = {**os.environ, "CELERY_BROKER_URL": REDIS_URL, "CELERY_RESULT_BACKEND": REDIS_URL,
+           "IDEMMAIL_LEDGER_URL": REDIS_URL, "PYTHONPATH": str(ROOT)}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "examples.agent_tools", "--prefix", prefix], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "RESULT: OK" in out, out
+        assert "crm updates: 1\n" in out and "slack posts: 1 ['[INC-42] Resolved: payments are back.']" in out, out
+        assert "emails delivered: 1 ['Ticket T-981 is resolved']" in out, out  # the first wording shipped
+        tries = re.findall(r"^turn 1 call_1 update_deal try (\d): (\w+)", out, re.MULTILINE)
+        assert tries[:2] == [("1", "pending"), ("2", "pending")] and tries[2][1] in ("sent", "duplicate"), out
+        assert "call_3 send_email try 1: invalid (InvalidEmail: to)" in out, out
+        assert "call_5 post_status try 1: duplicate" in out and "call_6 send_email try 1: duplicate" in out, out
+
+        keys = json.loads(re.search(r"^keys: (.*)$", out, re.MULTILINE).group(1))  # type: ignore[union-attr]
+        assert keys["call_5"] == keys["call_2"] and keys["call_6"] == keys["call_4"]
+        ledger = from_url(REDIS_URL, prefix=prefix)
+        for call in ("call_1", "call_2", "call_4"):
+            record = ledger.get(keys[call])
+            assert record is not None and record.state is State.SENT, (call, record)
+    finally:
+        stale = [*r.scan_iter(f"{prefix}:*"), f"{prefix}.tools", f"_kombu.binding.{prefix}.tools"]
+        r.delete(*stale)
+
