@@ -24,6 +24,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -77,6 +79,7 @@ class Scenario:
     provider_timeout: float = 1.0
     slow_seconds: float = 1.5
     flush_ledger_at: float | None = None  # ledger-loss drill: flush when this share of intents is delivered
+    loss_seconds: float = 10.0  # ledger-loss drill: how long the loss stands before an operator acknowledges it
     deadline: float = 600.0
     seed: int = 0
 
@@ -121,7 +124,11 @@ class Result:
     redelivered: int = 0
     overlapping: int = 0
     records_flushed: int = 0
-    resends: int = 0
+    resends_before_ack: int = 0  # POSTs for intents already delivered, between the flush and the acknowledgement
+    requests_before_ack: int = 0  # POSTs of any kind in that window (sends under way at the flush land in it)
+    requests_while_lost: int = 0  # POSTs of any kind after those landed, before the acknowledgement
+    lost_seconds: float = 0.0  # from the flush to the acknowledgement
+    resends: int = 0  # POSTs for intents already delivered, after the acknowledgement
     resent_deliveries: int = 0
     ok: bool = False
     problems: list[str] = field(default_factory=list)
@@ -295,6 +302,7 @@ class LedgerView:
     """The run's ledger, read the way an operator would (and flushed for the drill)."""
 
     def __init__(self, url: str, options: dict[str, Any]) -> None:
+        self.url, self.options = url, options
         self.ledger: Ledger = from_url(url, **options)
         self.ledger.ping()  # connects (an SQL ledger creates its table here)
 
@@ -302,10 +310,7 @@ class LedgerView:
         """Records per state, in one or two store requests."""
         led = self.ledger
         if isinstance(led, RedisLedger):
-            pipe = led.client.pipeline(transaction=False)
-            for s in State:
-                pipe.zcard(f"{led.prefix}:i:{s.value}")
-            return Counter({s.value: int(n) for s, n in zip(State, pipe.execute(), strict=True)})
+            return Counter(led.stats())
         if isinstance(led, SQLLedger):
             import sqlalchemy as sa
 
@@ -324,7 +329,7 @@ class LedgerView:
         led = self.ledger
         if isinstance(led, RedisLedger):
             names = list(led.client.scan_iter(f"{led.prefix}:*", count=1000))
-            records = sum(1 for n in names if n.startswith(f"{led.prefix}:r:"))
+            records = sum(1 for n in names if ":r:" in n)
             for i in range(0, len(names), 500):
                 led.client.delete(*names[i:i + 500])
             return records
@@ -334,6 +339,19 @@ class LedgerView:
             with led.engine.connect() as conn:
                 return int(conn.execute(sa.delete(led.table)).rowcount)
         raise TypeError(type(led).__name__)
+
+    def loss_state(self) -> str:
+        """``ok``, ``new`` or ``lost``, as ``ledger stats`` shows it (Redis only)."""
+        led = self.ledger
+        return str(led.loss_status()["state"]) if isinstance(led, RedisLedger) else "durable"
+
+    def acknowledge_loss(self, note: str) -> subprocess.CompletedProcess[str]:
+        """What the operator does: ``ledger ack-loss`` through the CLI, in a process of its own."""
+        assert isinstance(self.ledger, RedisLedger)
+        return subprocess.run(
+            [sys.executable, "-m", "idemmail_celery", "--ledger-url", self.url, "--prefix", self.ledger.prefix,
+             "ledger", "ack-loss", "--note", note, "--actor", "chaos-drill"],
+            capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
 
     def drop(self) -> None:
         led = self.ledger
@@ -415,8 +433,13 @@ class Run:
         self.child_kills = 0
         self.worker_kills = 0
         self.flush_time: float | None = None
+        self.ack_time: float | None = None
+        self.acked = threading.Event()
         self.flushed_keys: set[str] = set()
         self.records_flushed = 0
+        self.requests_at_flush = 0
+        self.requests_at_settled = 0
+        self.requests_at_ack = 0
         self.messages = 0
 
     # -- set-up --
@@ -532,10 +555,30 @@ class Run:
                 delivered = self.provider.deliveries_by_key()
                 self.flush_time = time.time()
                 self.flushed_keys = set(delivered)
+                self.requests_at_flush = self.provider.requests()
                 self.records_flushed = view.flush()
                 self.log("ledger_flushed", records=self.records_flushed, intents_delivered=len(delivered),
                          note="Redis ledger keys deleted mid-run (the ledger-loss drill)")
-                return
+                break
+        else:
+            return
+        # The loss stands until an operator acknowledges it; workers must send nothing meanwhile,
+        # once the sends already under way at the flush (claimed before it) have landed.
+        settle = max(s.provider_timeout, s.slow_seconds) + 1.0
+        if self.stop.wait(settle):
+            return
+        self.requests_at_settled = self.provider.requests()
+        if self.stop.wait(max(0.0, s.loss_seconds - settle)):
+            return
+        self.log("loss_observed", state=view.loss_state(), requests_since_flush=self.provider.requests()
+                 - self.requests_at_flush)
+        self.requests_at_ack = self.provider.requests()
+        self.ack_time = time.time()
+        done = view.acknowledge_loss(f"chaos drill {self.ns}: ledger flushed on purpose")
+        self.log("loss_acknowledged", exit_code=done.returncode, output=(done.stdout + done.stderr).strip())
+        if done.returncode != 0:
+            raise RuntimeError(f"ledger ack-loss failed: {done.stderr.strip()}")
+        self.acked.set()
 
     # -- the whole run --
 
@@ -618,7 +661,7 @@ class Run:
                 last_log = time.monotonic()
                 self.log("progress", states=dict(counts), requests=self.provider.requests(),
                          enqueued=self.messages)
-            if self.enqueued.is_set() and open_ == 0 and (final >= s.intents or (s.drill and self.flush_time)):
+            if self.enqueued.is_set() and open_ == 0 and (final >= s.intents or (s.drill and self.acked.is_set())):
                 self.log("all_final", states=dict(counts))
                 return True
             time.sleep(0.5)
@@ -693,12 +736,26 @@ class Run:
         r.suppressed = self.provider.suppressed()
         r.records_flushed = self.records_flushed
         if self.flush_time is not None:
-            r.resends, r.resent_deliveries = self.provider.attempts_after(self.flush_time, self.flushed_keys)
+            total, _ = self.provider.attempts_after(self.flush_time, self.flushed_keys)
+            if self.ack_time is not None:
+                r.resends, r.resent_deliveries = self.provider.attempts_after(self.ack_time, self.flushed_keys)
+                r.lost_seconds = self.ack_time - self.flush_time
+                r.requests_before_ack = self.requests_at_ack - self.requests_at_flush
+                r.requests_while_lost = self.requests_at_ack - self.requests_at_settled
+            r.resends_before_ack = total - r.resends
         open_ = sum(n for st, n in states.items() if st not in FINAL and st != "none")
         problems = list(self.errors)
         if r.stuck:
             problems.append(f"not every record final within {s.deadline:.0f}s: {dict(states)}")
-        if r.duplicates:
+        if s.drill:
+            # Sends after the acknowledgement are the operator's decision (the old intents are
+            # forgotten); the drill judges the time between the loss and that decision.
+            if self.ack_time is None:
+                problems.append("the loss was never acknowledged")
+            if r.resends_before_ack or r.requests_while_lost:
+                problems.append(f"{r.requests_while_lost} provider requests ({r.resends_before_ack} for intents "
+                                "already delivered) while the ledger was lost and unacknowledged")
+        elif r.duplicates:
             problems.append(f"{r.duplicates} duplicate deliveries")
         if r.unknown_deliveries:
             problems.append(f"{r.unknown_deliveries} deliveries under keys no intent has")

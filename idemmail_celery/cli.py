@@ -9,12 +9,18 @@ As a Celery subcommand (the ``celery.commands`` entry point), with the app's set
     celery -A proj idemmail ledger purge --expired
     celery -A proj idemmail ledger forget KEY
     celery -A proj idemmail ledger stats
+    celery -A proj idemmail ledger init
+    celery -A proj idemmail ledger ack-loss --note "Redis restarted without AOF at 02:10; checked"
 
 or without Celery's loader: ``python -m idemmail_celery --ledger-url redis://... ledger stats``
 (``--release`` then needs ``-A``/``--app`` to re-enqueue).
 
 Keys are hashes; payloads (personal data) are printed only with ``show --payload``.
-Exit codes: 0 done, 2 unknown key, 3 illegal transition, 4 ledger unreachable.
+``init`` and ``ack-loss`` concern the Redis ledger's epoch markers (loss detection, see the
+README's "Ledger loss"); SQL ledgers are durable stores and keep none.
+
+Exit codes: 0 done, 2 unknown key, 3 illegal transition, 4 ledger unreachable,
+5 (``stats``) the ledger is lost and waits for ``ack-loss``.
 """
 
 from __future__ import annotations
@@ -24,16 +30,17 @@ import getpass
 import json
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
 
-from .errors import IllegalTransitionError, LedgerUnavailableError, RecordNotFoundError
+from .errors import ConfigurationError, IllegalTransitionError, LedgerUnavailableError, RecordNotFoundError
 from .keys import Payload
 from .ledger import Ledger, Record, State, from_url
 from .task import KEY_HEADER
 
-EXIT_UNKNOWN_KEY, EXIT_ILLEGAL, EXIT_UNREACHABLE = 2, 3, 4
+EXIT_UNKNOWN_KEY, EXIT_ILLEGAL, EXIT_UNREACHABLE, EXIT_LOST = 2, 3, 4, 5
 
 
 class _Ctx:
@@ -84,11 +91,13 @@ def _actor() -> str:
 @click.option("--ledger-url", envvar="IDEMMAIL_LEDGER_URL", default=None, help="Ledger URL (default: the app's).")
 @click.option("--prefix", default=None, help="Redis ledger key prefix (default: the app's, else idemmail).")
 @click.option("--table", default=None, help="SQL ledger table (default: the app's, else idemmail_ledger).")
+@click.option("--master-name", default=None, help="Sentinel master name for a sentinel:// ledger URL.")
 @click.pass_context
-def idemmail(ctx: click.Context, ledger_url: str | None, prefix: str | None, table: str | None) -> None:
+def idemmail(ctx: click.Context, ledger_url: str | None, prefix: str | None, table: str | None,
+             master_name: str | None) -> None:
     """idemmail-celery operator commands."""
     app = getattr(ctx.obj, "app", None)
-    overrides = {k: v for k, v in (("prefix", prefix), ("table", table)) if v}
+    overrides = {k: v for k, v in (("prefix", prefix), ("table", table), ("master_name", master_name)) if v}
     ctx.obj = _Ctx(app, ledger_url, overrides)
 
 
@@ -210,17 +219,81 @@ def forget(obj: _Ctx, key: str) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_obj
 def stats(obj: _Ctx, as_json: bool) -> None:
-    """Records per state."""
+    """Records per state, and (Redis) whether the store lost records."""
     try:
         counts = obj.ledger.stats()
-    except LedgerUnavailableError as exc:
+        markers = _markers(obj.ledger)
+        status = markers.loss_status() if markers is not None else None
+    except (LedgerUnavailableError, ConfigurationError) as exc:
         _fail(EXIT_UNREACHABLE, str(exc))
         return
     if as_json:
-        click.echo(json.dumps(counts, sort_keys=True))
+        click.echo(json.dumps({**counts, "epoch": status}, sort_keys=True))
     else:
         for state, n in counts.items():
             click.echo(f"{state:<9} {n}")
+        if status is not None:
+            click.echo(_epoch_line(status))
+    if status is not None and status["state"] == "lost":
+        sys.exit(EXIT_LOST)
+
+
+def _markers(led: Ledger) -> Any | None:
+    """The ledger if it keeps epoch markers (Redis), else None (SQL: a durable store keeps none)."""
+    return led if callable(getattr(led, "loss_status", None)) else None
+
+
+def _epoch_line(status: dict[str, Any]) -> str:
+    if status["state"] == "lost":
+        return f"epoch     LOST: {status['reason']}; after checking the store run `ledger ack-loss --note ...`"
+    if status["state"] == "new":
+        return ("epoch     none yet (a new ledger: `ledger init` creates it, and so does the first worker "
+                "unless auto_init=False)")
+    acked = (f"; loss acknowledged by {status['acked_by']} at {_when(float(status['acked_at']))}: {status.get('note')}"
+             if status.get("acked_at") else "")
+    since = _when(float(status["created_at"]))
+    return f"epoch     {status['epoch']} ({status['buckets']} buckets, since {since}){acked}"
+
+
+@ledger.command("init")
+@click.option("--actor", default=None, help="Who (default: login@host).")
+@click.pass_obj
+def init(obj: _Ctx, actor: str | None) -> None:
+    """Start a new, empty Redis ledger's epoch (needed first when it runs with auto_init=False)."""
+    markers = _markers(obj.ledger)
+    if markers is None:
+        click.echo("this ledger is a durable SQL store: no epoch marker to create")
+        return
+    click.echo(_epoch_line(_marker_op(lambda: markers.init_store(actor=actor or _actor()))))
+
+
+def _marker_op(op: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run an epoch-marker operation; exit 3 when the markers forbid it, 4 when the store cannot say."""
+    try:
+        return op()
+    except IllegalTransitionError as exc:
+        _fail(EXIT_ILLEGAL, str(exc))
+    except (LedgerUnavailableError, ConfigurationError) as exc:
+        _fail(EXIT_UNREACHABLE, str(exc))
+    raise AssertionError("unreachable: _fail exits")
+
+
+@ledger.command("ack-loss")
+@click.option("--note", required=True, help="What happened and what was checked (kept in the markers).")
+@click.option("--actor", default=None, help="Who (default: login@host).")
+@click.pass_obj
+def ack_loss(obj: _Ctx, note: str, actor: str | None) -> None:
+    """Accept a detected loss: a new epoch, and workers claim again.
+
+    Intents recorded before the loss are forgotten: a duplicate of one of them sends
+    again. Check first what the loss took (provider logs) if that matters.
+    """
+    markers = _markers(obj.ledger)
+    if markers is None:
+        _fail(EXIT_ILLEGAL, "this ledger is a durable SQL store: it keeps no epoch marker, no loss to acknowledge")
+        return
+    click.echo(_epoch_line(_marker_op(lambda: markers.acknowledge_loss(note=note, actor=actor or _actor()))))
+    click.echo("workers adopt the new epoch at their next claim; intents recorded before the loss are forgotten")
 
 
 def main() -> None:

@@ -1,0 +1,246 @@
+"""Ledger loss: the Redis ledger's epoch markers stop every claim after a flush until a person acknowledges it.
+
+Each test has its own key prefix on the shared Redis; "losing" the store means deleting
+that prefix's keys (all of them, or one bucket's), never FLUSHDB.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from idemmail_celery.cli import EXIT_ILLEGAL, EXIT_LOST, idemmail
+from idemmail_celery.errors import LedgerLostError, LedgerUnavailableError, UnsafeLedgerError
+from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State, from_url
+from idemmail_celery.ledger.redis import RedisLedger
+
+from .conftest import REDIS_URL, service_missing, unique
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def req(key: str) -> ClaimRequest:
+    return ClaimRequest(key=key, task_name="t.send", payload='{"args":[],"kwargs":{}}', fingerprint="f" * 64,
+                        lease_seconds=30.0)
+
+
+def open_ledger(prefix: str, url: str = REDIS_URL, **options: Any) -> RedisLedger:
+    """A new RedisLedger object: what a new worker process would build."""
+    led = from_url(url, prefix=prefix, **options)
+    assert isinstance(led, RedisLedger)
+    return led
+
+
+def wipe(led: RedisLedger, bucket: int | None = None) -> int:
+    """Lose the ledger's keys (or one bucket's), as a flush or an empty restart would."""
+    pattern = f"{led.prefix}:*" if bucket is None else f"{led.prefix}:{{{bucket:02x}}}:*"
+    names = list(led.client.scan_iter(pattern, count=1000))
+    pipe = led.client.pipeline(transaction=False)
+    for name in names:
+        pipe.delete(name)
+    pipe.execute()
+    return len(names)
+
+
+def names(led: RedisLedger) -> set[str]:
+    return set(led.client.scan_iter(f"{led.prefix}:*", count=1000))
+
+
+def cli(led: RedisLedger, *args: str) -> Any:
+    kw = led.client.connection_pool.connection_kwargs
+    url = f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
+    return CliRunner().invoke(idemmail, ["--ledger-url", url, "--prefix", led.prefix, *args],
+                              obj=type("Obj", (), {"app": None})())
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    name = unique("loss")
+    probe = open_ledger(name)
+    try:
+        probe.client.ping()
+    except Exception as exc:
+        service_missing("redis", exc)
+    yield name
+    wipe(probe)
+    probe.close()
+
+
+def key_in_bucket(led: RedisLedger, bucket: int, n: int = 0) -> str:
+    """The n-th key ``k<i>`` that lands in ``bucket``."""
+    found = [k for k in (f"k{i}" for i in range(10_000)) if led._bucket(k) == bucket]
+    return found[n]
+
+
+def test_claim_after_a_flush_is_refused_and_writes_nothing(prefix: str) -> None:
+    led = open_ledger(prefix)
+    c = led.claim(req("k"))
+    led.complete("k", c.token, {"message_id": "m"})
+    assert led.claim(req("k")).status is ClaimStatus.DONE
+    wipe(led)
+    with pytest.raises(LedgerLostError, match="lost"):
+        led.claim(req("k"))
+    assert not any(":r:" in n or ":i:" in n for n in names(led))  # no record, no index entry
+    # The process that saw it flagged every marker: a worker starting now stops too.
+    with pytest.raises(LedgerLostError, match="every epoch marker is gone"):
+        open_ledger(prefix).claim(req("k"))
+    assert not any(":r:" in n for n in names(led))
+    assert isinstance(LedgerLostError("x"), LedgerUnavailableError)  # tasks fail closed on it
+
+
+def test_finish_and_renew_on_a_lost_store_do_not_recreate_the_record(prefix: str) -> None:
+    led = open_ledger(prefix)
+    c = led.claim(req("k"))
+    wipe(led)
+    with pytest.raises(LedgerLostError):
+        led.renew("k", c.token, 30)
+    with pytest.raises(LedgerLostError):
+        led.complete("k", c.token, {"message_id": "m"})
+    with pytest.raises(LedgerLostError):
+        led.park("k", c.token, {"reason": "x"})
+    assert led.get("k") is None
+    assert not any(":r:" in n or ":i:" in n for n in names(led))
+
+
+def test_ack_loss_via_the_cli_lets_claims_through_and_forgets_the_old_intents(prefix: str) -> None:
+    led = open_ledger(prefix)
+    c = led.claim(req("k"))
+    led.complete("k", c.token, {"message_id": "m"})
+    wipe(led)
+    with pytest.raises(LedgerLostError):
+        led.claim(req("k"))
+    other = open_ledger(prefix)  # another worker, started after the loss
+    stats = cli(led, "ledger", "stats")
+    assert stats.exit_code == EXIT_LOST and "LOST" in stats.output, stats.output
+    out = cli(led, "ledger", "ack-loss", "--note", "Redis restarted empty; provider log checked", "--actor", "ana")
+    assert out.exit_code == 0, out.output
+    assert "ana" in out.output and "forgotten" in out.output
+    # Both adopt the acknowledged epoch. The old intent is forgotten: its duplicate claims afresh.
+    assert led.claim(req("k")).status is ClaimStatus.ACQUIRED
+    assert other.claim(req("k2")).status is ClaimStatus.ACQUIRED
+    stats = cli(led, "ledger", "stats", "--json")
+    assert stats.exit_code == 0, stats.output
+    import json
+
+    epoch = json.loads(stats.output)["epoch"]
+    assert epoch["state"] == "ok" and epoch["acked_by"] == "ana" and "provider log" in epoch["note"]
+    again = cli(led, "ledger", "ack-loss", "--note", "twice")
+    assert again.exit_code == EXIT_ILLEGAL and "not lost" in again.output
+
+
+def test_ack_loss_as_a_subprocess(prefix: str) -> None:
+    led = open_ledger(prefix)
+    led.claim(req("k"))
+    wipe(led)
+    with pytest.raises(LedgerLostError):
+        led.claim(req("k2"))
+    kw = led.client.connection_pool.connection_kwargs
+    url = f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
+    done = subprocess.run(
+        [sys.executable, "-m", "idemmail_celery", "--ledger-url", url, "--prefix", prefix,
+         "ledger", "ack-loss", "--note", "drill"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert led.claim(req("k2")).status is ClaimStatus.ACQUIRED
+
+
+def test_strict_mode_needs_init_first(prefix: str) -> None:
+    strict = open_ledger(prefix, auto_init=False)
+    with pytest.raises(LedgerLostError, match="not initialised"):
+        strict.claim(req("k"))
+    assert not names(strict)  # nothing written, not even markers
+    out = cli(strict, "ledger", "init")
+    assert out.exit_code == 0 and "epoch" in out.output, out.output
+    assert strict.claim(req("k")).status is ClaimStatus.ACQUIRED
+    assert cli(strict, "ledger", "init").exit_code == 0  # idempotent
+    # Emptied while nothing ran: a strict worker starting now cannot take it for a new ledger.
+    wipe(strict)
+    with pytest.raises(LedgerLostError, match="not initialised"):
+        open_ledger(prefix, auto_init=False).claim(req("k"))
+
+
+def test_losing_one_bucket_is_detected(prefix: str) -> None:
+    led = open_ledger(prefix)
+    keys = [key_in_bucket(led, b) for b in range(led.buckets)]
+    for k in keys:
+        led.claim(req(k))
+    assert wipe(led, bucket=3) >= 3  # record, index, marker
+    # A worker starting now sees records elsewhere and a bucket without a marker.
+    fresh = open_ledger(prefix)
+    with pytest.raises(LedgerLostError, match="buckets 3 lost their epoch marker"):
+        fresh.claim(req(key_in_bucket(fresh, 3, 1)))
+    # A running worker is stopped in every bucket, not only the lost one: the marker flags say so.
+    with pytest.raises(LedgerLostError):
+        led.claim(req(key_in_bucket(led, 5, 1)))
+    assert led.get(key_in_bucket(led, 5, 1)) is None
+
+
+def test_losing_one_bucket_is_detected_by_the_running_worker_first(prefix: str) -> None:
+    led = open_ledger(prefix)
+    led.claim(req(key_in_bucket(led, 0)))
+    wipe(led, bucket=7)  # only the marker lived there
+    with pytest.raises(LedgerLostError, match="buckets 7"):
+        led.claim(req(key_in_bucket(led, 7)))
+    assert open_ledger(prefix).loss_status()["state"] == "lost"
+
+
+def test_a_batch_that_meets_a_lost_bucket_hands_back_what_it_took(prefix: str) -> None:
+    led = open_ledger(prefix)
+    led.claim(req(key_in_bucket(led, 2, 5)))
+    wipe(led, bucket=2)
+    batch = [key_in_bucket(led, b) for b in range(6)]
+    with pytest.raises(LedgerLostError):
+        led.claim_many([req(k) for k in batch])
+    for k in batch:
+        record = led.get(k)
+        assert record is None or record.state is State.RELEASED, (k, record)
+
+
+def test_a_worker_that_started_afresh_after_the_flush_is_stopped_by_one_that_held_the_epoch(prefix: str) -> None:
+    # The documented limit: a process that finds the store empty cannot tell it from a new one
+    # (without auto_init=False) and starts a new epoch. The first worker that held the old
+    # epoch sees it change without an acknowledgement and stops everyone.
+    old = open_ledger(prefix)
+    old.claim(req("a"))
+    wipe(old)
+    fresh = open_ledger(prefix)
+    assert fresh.claim(req("b")).status is ClaimStatus.ACQUIRED  # the limit, shown
+    with pytest.raises(LedgerLostError, match="without an acknowledgement"):
+        old.claim(req("a"))
+    with pytest.raises(LedgerLostError):
+        fresh.claim(req("c"))
+
+
+def test_new_ledger_started_by_many_workers_at_once_gets_one_epoch(prefix: str) -> None:
+    ledgers = [open_ledger(prefix) for _ in range(8)]
+    start = threading.Barrier(len(ledgers))
+    errors: list[BaseException] = []
+
+    def go(i: int, led: RedisLedger) -> None:
+        start.wait()
+        try:
+            led.claim(req(f"n{i}"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(i, led)) for i, led in enumerate(ledgers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    status = ledgers[0].loss_status()
+    assert status["state"] == "ok"
+    assert {led._epoch for led in ledgers} == {status["epoch"]}
+
+
+def test_another_bucket_count_is_refused(prefix: str) -> None:
+    open_ledger(prefix).claim(req("k"))
+    with pytest.raises(UnsafeLedgerError, match="buckets"):
+        open_ledger(prefix, buckets=32).claim(req("k"))
