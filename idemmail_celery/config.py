@@ -8,6 +8,8 @@
 ``idemmail_key_secret``            -                                           env ``IDEMMAIL_KEY_SECRET``, else none
 ``idemmail_lease_seconds``         ``idempotency_lease_seconds``               300
 ``idemmail_retention_seconds``     -                                           604800 (7 days)
+``idemmail_keep_payload``          -                                           False (erase it on ``sent``)
+``idemmail_payload_keys``          -                                           env ``IDEMMAIL_PAYLOAD_KEYS``, else none
 ``idemmail_max_reclaims``          ``idempotency_max_reclaims``                3
 ``idemmail_inflight_max_retries``  ``idempotency_inflight_max_retries``        30
 ``idemmail_inflight_backoff``      -                                           1.0 s, doubling
@@ -21,6 +23,13 @@
 
 The lease must outlast the slowest side effect (above the provider's timeout);
 the holder renews it every third of its length while the body runs.
+
+The ledger stores each intent's first payload (the task's arguments: personal
+data) so a released claim re-sends exactly the first message. Moving to ``sent``
+erases it unless ``idemmail_keep_payload`` keeps it for audit.
+``idemmail_payload_keys`` (a list of Fernet keys, or one comma-separated string;
+the first seals, all open) encrypts stored payloads, results and errors; it needs
+``pip install 'idemmail-celery[crypto]'``. See README, "Payloads at rest".
 """
 
 from __future__ import annotations
@@ -52,6 +61,8 @@ class Settings:
     outage_max_retries: int | None = None
     fail_open: bool = False
     carries_key: bool = False
+    keep_payload: bool = False
+    payload_keys: tuple[str, ...] = field(default=(), repr=False)  # secrets: never in a repr or a log
 
     def __post_init__(self) -> None:
         for name in ("lease_seconds", "retention_seconds", "inflight_backoff", "retry_backoff"):
@@ -59,6 +70,17 @@ class Settings:
                 raise ConfigurationError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_reclaims < 0 or self.inflight_max_retries < 0:
             raise ConfigurationError("max_reclaims and inflight_max_retries must be >= 0")
+        if self.payload_keys:
+            from .ledger.sealed import PayloadCodec
+
+            PayloadCodec(self.payload_keys)  # no cryptography, or a bad key: say so now, in the caller
+
+    def ledger_kwargs(self) -> dict[str, Any]:
+        """Keywords for :func:`~idemmail_celery.ledger.from_url`; ``ledger_options`` win."""
+        out: dict[str, Any] = {"retention_seconds": self.retention_seconds, "keep_payload": self.keep_payload}
+        if self.payload_keys:
+            out["payload_keys"] = list(self.payload_keys)
+        return {**out, **self.ledger_options}
 
     @classmethod
     def resolve(cls, conf: Any, task: Any) -> Settings:
@@ -73,6 +95,11 @@ class Settings:
             return default if value is None else value
 
         secret = conf.get("idemmail_key_secret") or os.environ.get("IDEMMAIL_KEY_SECRET") or None
+        payload_keys = conf.get("idemmail_payload_keys") or os.environ.get("IDEMMAIL_PAYLOAD_KEYS") or ()
+        if isinstance(payload_keys, bytes):
+            payload_keys = payload_keys.decode("ascii")
+        if isinstance(payload_keys, str):
+            payload_keys = payload_keys.split(",")
         if isinstance(secret, str):
             secret = secret.encode("utf-8")
         d = cls()
@@ -93,4 +120,10 @@ class Settings:
             outage_max_retries=pick("idemmail_outage_max_retries", None, None),
             fail_open=bool(pick("idemmail_fail_open", "idempotency_fail_open", False)),
             carries_key=bool(pick("idemmail_carries_key", "idempotency_carries_key", False)),
+            keep_payload=bool(pick("idemmail_keep_payload", None, False)),
+            payload_keys=tuple(_text(k) for k in payload_keys if _text(k)),
         )
+
+
+def _text(key: str | bytes) -> str:
+    return (key.decode("ascii") if isinstance(key, bytes) else str(key)).strip()

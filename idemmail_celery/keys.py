@@ -288,7 +288,17 @@ class IntentKeyBuilder:
         return digest(canonical_json(body), self.secret)
 
     def fingerprint(self, payload: Payload) -> str:
-        """Digest of the whole call, to tell a replayed payload from a rewritten one."""
+        """Digest that tells a later call from the first one where it must match.
+
+        With must-match fields it covers their normalised values only, so a duplicate
+        is still checked after the ledger erased the first payload (on ``sent``), and a
+        rewritten body or another spelling of the same address still replays.
+        Otherwise it covers the whole call.
+        """
+        if self.must_match:
+            values = self._normalised(self.bound(payload))
+            body: dict[str, Any] = {"must_match": {n: values.get(n) for n in self.must_match}}
+            return digest(canonical_json(body), self.secret)
         return digest(canonical_json({"args": payload.args, "kwargs": payload.kwargs}), self.secret)
 
     def mismatched_fields(self, first: Payload, later: Payload) -> tuple[str, ...]:

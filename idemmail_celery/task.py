@@ -228,7 +228,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """The ledger this task claims in (one per process and URL; backends survive forks)."""
         if self._idem_ledger is None:
             s = self.idem_settings
-            self._idem_ledger = get_ledger(s.ledger_url, {"retention_seconds": s.retention_seconds, **s.ledger_options})
+            self._idem_ledger = get_ledger(s.ledger_url, s.ledger_kwargs())
         return self._idem_ledger
 
     # -- the caller's side --
@@ -494,10 +494,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _check_reuse(self, record: Record, payload: Payload) -> None:
         builder = self.key_builder
-        if not builder.must_match or record.payload is None:
+        if not builder.must_match or record.fingerprint == builder.fingerprint(payload):
             return
-        if record.fingerprint == builder.fingerprint(payload):
-            return
+        if record.payload is None:  # erased on sent (or forgotten): the fingerprint covers the must-match fields
+            fields = tuple(builder.must_match)
+            raise IdempotencyKeyReuseError(
+                f"key {record.key} was first used with other values of {' or '.join(fields)} "
+                "(its first payload is erased, so they could not be compared one by one)",
+                key=record.key, fields=fields,
+            )
         differ = builder.mismatched_fields(Payload.from_json(record.payload), payload)
         if differ:
             raise IdempotencyKeyReuseError(

@@ -52,9 +52,20 @@ def backend_for(url: str) -> type[Ledger]:
 
 
 def from_url(url: str, **options: Any) -> Ledger:
-    """Build the ledger for ``url``. Connects lazily, on first use."""
+    """Build the ledger for ``url``. Connects lazily, on first use.
+
+    ``payload_keys`` (a list of Fernet keys; the first seals, all open) seals stored
+    payloads, results and errors: see :mod:`idemmail_celery.ledger.sealed`. Without
+    it the backend is returned as is, with no extra work per operation.
+    """
     if url.startswith("postgres://"):
         url = "postgresql" + url[len("postgres"):]
+    keys = options.pop("payload_keys", None)
     backend: Any = backend_for(url)  # concrete backends take the URL first
+    if keys:
+        from .sealed import PayloadCodec, SealedLedger
+
+        codec = PayloadCodec(keys)  # a missing cryptography or a bad key fails before connecting
+        return SealedLedger(backend(url, **options), codec)
     ledger: Ledger = backend(url, **options)
     return ledger

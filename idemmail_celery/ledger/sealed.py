@@ -1,0 +1,237 @@
+"""Payloads at rest: first payloads, results and errors sealed with Fernet, in any ledger.
+
+``from_url(url, payload_keys=[...])`` (the ``idemmail_payload_keys`` setting) wraps the
+backend in a :class:`SealedLedger`. The backend stores what it is given and never sees
+plaintext; the wrapper seals on the way in and opens on the way out, so every backend,
+present and future, gets encryption without a line of its own.
+
+What is sealed, and how it looks in the store:
+
+* the first payload (task arguments: addresses, names, bodies): ``"fernet:" + token``;
+* the result and the error (return values and exception messages can hold personal
+  data too, e.g. a provider's "550 <ann@example.com> unknown"): ``{"$fernet": token}``.
+
+Left plain, because the ledger must read them to decide without any key: the intent key
+and fingerprint (keyed hashes), task name, state, token, owner (``host:pid``), counters
+and timestamps.
+
+Keys are Fernet keys (AES-128-CBC with HMAC-SHA256, ``cryptography``). The first key
+seals; every key opens, so rotation is: put the new key first, keep the old one second,
+deploy; drop the old key only when nothing sealed with it remains (see the README).
+A record sealed with a key no longer configured raises :class:`PayloadKeyError`; a
+claim that finds one parks it for review instead of running garbage. Plaintext
+records written before encryption was turned on still read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+from ..errors import ConfigurationError, LedgerError, PayloadKeyError
+from ..keys import canonical_json
+from .base import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State, loads_json
+
+log = logging.getLogger("idemmail_celery")
+
+SEALED_PREFIX = "fernet:"
+SEALED_FIELD = "$fernet"
+INSTALL_HINT = "pip install 'idemmail-celery[crypto]'"
+#: The review reason of a claim parked because its record could not be opened.
+PAYLOAD_KEY_UNKNOWN = "payload_key_unknown"
+
+
+class PayloadCodec:
+    """Seals and opens ledger fields with a list of Fernet keys: the first seals, all open."""
+
+    def __init__(self, keys: Sequence[str | bytes]) -> None:
+        try:
+            from cryptography.fernet import Fernet, InvalidToken, MultiFernet
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"idemmail_payload_keys is set but the cryptography package is missing: {INSTALL_HINT}"
+            ) from exc
+        if not keys:
+            raise ConfigurationError("idemmail_payload_keys is empty: give at least one Fernet key")
+        fernets = []
+        for n, key in enumerate(keys, start=1):
+            try:
+                fernets.append(Fernet(key))
+            except (ValueError, TypeError):
+                # Never echo the key itself: it would end up in logs.
+                raise ConfigurationError(
+                    f"idemmail_payload_keys: key {n} of {len(keys)} is not a Fernet key "
+                    "(32 url-safe base64-encoded bytes; make one with "
+                    "`python -c 'from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())'`)"
+                ) from None
+        self._fernet = MultiFernet(fernets)
+        self._invalid = InvalidToken
+        self.key_count = len(fernets)
+
+    def seal(self, text: str) -> str:
+        """The Fernet token of ``text`` under the first key."""
+        return self._fernet.encrypt(text.encode("utf-8")).decode("ascii")
+
+    def open(self, token: str) -> str:
+        """The text sealed in ``token``; :class:`PayloadKeyError` if no configured key opens it."""
+        try:
+            return self._fernet.decrypt(token.encode("ascii")).decode("utf-8")
+        except (self._invalid, UnicodeError):
+            raise PayloadKeyError(
+                "a ledger record was sealed with a key that is not in idemmail_payload_keys "
+                "(removed too early?); put the old key back after the current one"
+            ) from None
+
+    def seal_payload(self, payload: str | None) -> str | None:
+        return None if payload is None else SEALED_PREFIX + self.seal(payload)
+
+    def open_payload(self, payload: str | None) -> str | None:
+        if payload is None or not payload.startswith(SEALED_PREFIX):
+            return payload  # plaintext, written before encryption was turned on
+        return self.open(payload[len(SEALED_PREFIX):])
+
+    def seal_dict(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``{"$fernet": token}`` of the value's canonical JSON (the ledger's own encoding)."""
+        return None if value is None else {SEALED_FIELD: self.seal(canonical_json(value))}
+
+    def open_dict(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None or len(value) != 1 or not isinstance(value.get(SEALED_FIELD), str):
+            return value  # plaintext, or nothing
+        return loads_json(self.open(value[SEALED_FIELD]))
+
+    def open_record(self, record: Record) -> Record:
+        return replace(
+            record, payload=self.open_payload(record.payload),
+            result=self.open_dict(record.result), error=self.open_dict(record.error),
+        )
+
+    def open_readable(self, record: Record) -> tuple[Record, bool]:
+        """``record`` with every field a configured key opens opened, the others set to None,
+        and whether all of them opened."""
+        fields: dict[str, Any] = {}
+        ok = True
+        for name, opener in (("payload", self.open_payload), ("result", self.open_dict), ("error", self.open_dict)):
+            try:
+                fields[name] = opener(getattr(record, name))
+            except PayloadKeyError:
+                fields[name], ok = None, False
+        return replace(record, **fields), ok
+
+
+class SealedLedger(Ledger):
+    """A ledger whose payloads, results and errors are sealed before they reach ``inner``.
+
+    Everything else (renew, forget, purge, stats, ping, and any attribute of the
+    backend such as ``prefix`` or ``table``) is the backend's own. Build it with
+    ``from_url(url, payload_keys=[...])``.
+    """
+
+    # No Ledger.__init__: retention_seconds, keep_payload and the rest are the backend's,
+    # read through __getattr__, so the two can never disagree.
+    def __init__(self, inner: Ledger, codec: PayloadCodec) -> None:
+        self.inner = inner
+        self.codec = codec
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "codec"):  # not set yet (unpickling, a failed __init__)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"SealedLedger({self.inner!r})"
+
+    # -- in: seal --
+
+    def _seal_request(self, request: ClaimRequest) -> ClaimRequest:
+        return replace(request, payload=SEALED_PREFIX + self.codec.seal(request.payload))
+
+    def claim(self, request: ClaimRequest) -> Claim:
+        """As the backend's. A record sealed with an unknown key raises :class:`PayloadKeyError`,
+        after parking it as ``review`` if this claim took it: it is never run."""
+        claim, ok = self._opened(request, self.inner.claim(self._seal_request(request)))
+        if not ok:
+            raise PayloadKeyError(
+                f"ledger record {request.key} is sealed with a key that is not in idemmail_payload_keys"
+                + (" (parked for review)" if claim.record.state is State.REVIEW else "")
+                + "; put the old key back after the current one"
+            )
+        return claim
+
+    def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """As the backend's; one record sealed with an unknown key never fails the batch: a taken
+        one is parked and comes back ``done`` (``review``), a done or busy one with the fields
+        that cannot be opened set to None."""
+        claims = self.inner.claim_many([self._seal_request(r) for r in requests])
+        return [self._opened(r, c)[0] for r, c in zip(requests, claims, strict=True)]
+
+    def _finish(
+        self,
+        key: str,
+        token: int,
+        state: State,
+        *,
+        result: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> None:
+        self.inner._finish(key, token, state, result=self.codec.seal_dict(result), error=self.codec.seal_dict(error))
+
+    def _force(self, key: str, expected_token: int, new: Record) -> bool:
+        c = self.codec
+        sealed = replace(new, payload=c.seal_payload(new.payload), result=c.seal_dict(new.result),
+                         error=c.seal_dict(new.error))
+        return self.inner._force(key, expected_token, sealed)
+
+    # -- out: open --
+
+    def _opened(self, request: ClaimRequest, claim: Claim) -> tuple[Claim, bool]:
+        if claim.status is ClaimStatus.ACQUIRED:  # a fresh record: its payload is the one we sent
+            return Claim(claim.status, replace(claim.record, payload=request.payload)), True
+        record, ok = self.codec.open_readable(claim.record)
+        if ok or not claim.status.holds:
+            return Claim(claim.status, record), ok
+        # Held, and its first payload cannot be read: never run it; a person decides.
+        error = {"type": "SendNeedsReview", "reason": PAYLOAD_KEY_UNKNOWN, "at": time.time(),
+                 "message": "sealed with a key that is not in idemmail_payload_keys; put it back and resolve"}
+        try:  # the note holds no personal data and is left plain: whoever has the right key must read it
+            self.inner._finish(record.key, record.token, State.REVIEW, error=error)
+        except LedgerError as exc:  # the lease runs out and the next claimer meets the same record
+            log.error("idemmail: could not park unreadable record %s: %s", record.key, exc)
+            return Claim(claim.status, record), False
+        parked = replace(record, state=State.REVIEW, lease_expires_at=None, payload=None, error=error)
+        return Claim(ClaimStatus.DONE, parked), False
+
+    def get(self, key: str) -> Record | None:
+        record = self.inner.get(key)
+        return None if record is None else self.codec.open_record(record)
+
+    def iter_records(self, state: State | None = None) -> Iterator[Record]:
+        """Opened records; one sealed with an unknown key is listed as stored (sealed), with a warning."""
+        for record in self.inner.iter_records(state):
+            try:
+                yield self.codec.open_record(record)
+            except PayloadKeyError:
+                log.warning("idemmail: record %s is sealed with a key not in idemmail_payload_keys", record.key)
+                yield record
+
+    # -- the backend's own --
+
+    def renew(self, key: str, token: int, lease_seconds: float) -> bool:
+        return self.inner.renew(key, token, lease_seconds)
+
+    def forget(self, key: str) -> bool:
+        return self.inner.forget(key)
+
+    def stats(self) -> dict[str, int]:
+        return self.inner.stats()
+
+    def purge_expired(self, now: float | None = None) -> int:
+        return self.inner.purge_expired(now)
+
+    def ping(self) -> None:
+        self.inner.ping()
+
+    def close(self) -> None:
+        self.inner.close()
