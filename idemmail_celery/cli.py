@@ -35,7 +35,14 @@ from typing import Any
 
 import click
 
-from .errors import ConfigurationError, IllegalTransitionError, LedgerUnavailableError, RecordNotFoundError
+from .config import Settings
+from .errors import (
+    ConfigurationError,
+    IllegalTransitionError,
+    LedgerUnavailableError,
+    PayloadKeyError,
+    RecordNotFoundError,
+)
 from .keys import Payload
 from .ledger import Ledger, Record, State, from_url
 from .task import KEY_HEADER
@@ -57,9 +64,8 @@ class _Ctx:
             url = self.ledger_url or conf.get("idemmail_ledger_url")
             if not url:
                 raise click.UsageError("no ledger: pass --ledger-url or use -A with idemmail_ledger_url set")
-            options = {**dict(conf.get("idemmail_ledger_options") or {}), **self.overrides}
-            if conf.get("idemmail_retention_seconds"):
-                options["retention_seconds"] = float(conf["idemmail_retention_seconds"])
+            # The app's retention, keep_payload and payload keys (to open sealed records), then --prefix/--table.
+            options = {**Settings.resolve(conf, None).ledger_kwargs(), **self.overrides}
             self._ledger = from_url(url, **options)
         return self._ledger
 
@@ -206,13 +212,21 @@ def purge(obj: _Ctx, expired: bool) -> None:
 @click.argument("key")
 @click.pass_obj
 def forget(obj: _Ctx, key: str) -> None:
-    """Erase a record's stored payload (personal data); the key keeps protecting against resends."""
+    """Erase a record's stored payload (personal data); the key keeps protecting against resends.
+
+    Idempotent: a payload already gone (erased on sent, or forgotten before) exits 0 with "nothing to erase".
+    """
     try:
+        try:
+            record = obj.ledger.get(key)
+            had = record is None or record.payload is not None  # None: expired, but the row may be there
+        except PayloadKeyError:  # sealed with a key this process lacks: erasing needs no key
+            had = True
         if not obj.ledger.forget(key):
             _fail(EXIT_UNKNOWN_KEY, f"no ledger record for key {key}")
     except LedgerUnavailableError as exc:
         _fail(EXIT_UNREACHABLE, str(exc))
-    click.echo(f"{key}: payload erased")
+    click.echo(f"{key}: payload erased" if had else f"{key}: nothing to erase (no payload stored)")
 
 
 @ledger.command("stats")
