@@ -1,0 +1,8 @@
+# The image behind compose.yaml's web, worker, beat, flower and mailcatcher services.
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml constraints.txt README.md ./
+COPY idemmail_celery ./idemmail_celery
+COPY examples ./examples
+RUN pip install --no-cache-dir -c constraints.txt -e ".[postgres,metrics]" Flask flower
+ENV PYTHONPATH=/app PYTHONUNBUFFERED=1
