@@ -72,6 +72,7 @@ class SendEmailTask(IdempotentTask):
 
     idempotency_key = staticmethod(email_intent)
     idempotency_tenant = "tenant"
+    idempotency_redact_args = True  # Flower and task events show the key, not addresses and bodies
 
     def message_from(self, kwargs: dict[str, Any]) -> EmailMessage:
         """Build and validate the message a call describes (raises :class:`InvalidEmail`)."""

@@ -134,6 +134,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         True if the body passes ``self.request.idempotency_key`` downstream to a
         service that de-duplicates on it: then a crashed or ambiguous attempt
         is safely retried instead of parked for review.
+    ``idempotency_redact_args``
+        True to show the intent key instead of the arguments (addresses, bodies)
+        wherever Celery shows them: task events, Flower, worker logs (``argsrepr``
+        and ``kwargsrepr``). Default: the app setting ``idemmail_redact_args``,
+        else False; ``send_email`` sets True.
 
     plus the per-task settings listed in :mod:`idemmail_celery.config`.
 
@@ -158,6 +163,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     idempotency_max_reclaims: int | None = None
     idempotency_inflight_max_retries: int | None = None
     idempotency_fail_open: bool | None = None
+    idempotency_redact_args: bool | None = None
 
     _idem_settings: Settings | None = None
     _idem_builder: IntentKeyBuilder | None = None
@@ -276,6 +282,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if explicit is not None or KEY_HEADER not in headers:  # a retry already carries its key
             headers.update(self.intent_headers(args, kwargs, explicit=explicit, tenant=tenant))
         options["headers"] = headers
+        redact = self.idempotency_redact_args
+        if redact or (redact is None and self.app.conf.get("idemmail_redact_args")):
+            options.setdefault("argsrepr", "<redacted>")
+            options.setdefault("kwargsrepr", f"<redacted: idempotency key {headers[KEY_HEADER]}>")
         return super().apply_async(args, kwargs, **options)
 
     # -- the worker's side --

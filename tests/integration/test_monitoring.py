@@ -18,6 +18,9 @@ from typing import Any
 
 import pytest
 
+from idemmail_celery.mail import TASK_NAME
+from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
+
 from ..conftest import wait_for
 from .conftest import ROOT, results, stop_group
 
@@ -102,8 +105,11 @@ def flower_watching(flower: Flower, app: Any) -> None:
 
 
 def test_flower_shows_sent_duplicate_review_and_in_flight_retry(
-    app_module: Any, sink: Any, start_worker: Callable[..., Any], flower: Flower
+    fake_provider: FakeProvider, worker_env: dict[str, str], request: pytest.FixtureRequest, sink: Any,
+    start_worker: Callable[..., Any], flower: Flower,
 ) -> None:
+    worker_env.update(IDEMMAIL_TEST_PROVIDER=fake_provider.url, IDEMMAIL_TEST_PROVIDER_KEY=DEFAULT_API_KEY)
+    app_module = request.getfixturevalue("app_module")
     worker = start_worker("-P", "prefork", "-c", "2", "-E")
     flower_watching(flower, app_module.app)
     send = app_module.send
@@ -137,11 +143,23 @@ def test_flower_shows_sent_duplicate_review_and_in_flight_retry(
     assert shown["exception"].startswith("IdempotencyInFlightError('in_flight: ")
     assert "'status': 'duplicate'" in shown["result"]
 
+    # send_email twice: Flower shows the outcome and the key, never the address or the body.
+    send_email = app_module.app.tasks[TASK_NAME]
+    message = {"to": "dan@example.com", "subject": "Receipt", "html": "<p>Thanks</p>", "event_id": "order-9"}
+    emails = [send_email.delay(**message), send_email.delay(**message)]
+    assert [o["status"] for o in results(emails)] == ["sent", "duplicate"]
+    shown = flower.wait_state(emails[1].id, "SUCCESS")
+    email_key = emails[1].get()["key"]
+    assert "'status': 'duplicate'" in shown["result"] and email_key in shown["result"]
+    assert shown["kwargs"] == f"<redacted: idempotency key {email_key}>"
+    assert "dan@example.com" not in json.dumps([flower.task(e.id) for e in emails])
+    assert fake_provider.delivery_count() == 1
+
     # Nothing personal in what the worker logged about it.
     log = worker.log().decode()
     assert f"status=duplicate task={send.name} key={key} message_id=msg-1" in log
     assert "status=review" in log and "status=in_flight" in log
-    assert ADDRESS not in log
+    assert ADDRESS not in log and "dan@example.com" not in log
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
