@@ -7,6 +7,7 @@ measured. The variants differ only in what wraps the body:
 
 ==============  ================================================================
 ``bench.plain``  a plain Celery task (``acks_late=True``, like the others): the ceiling
+``bench.naive`` a hand-rolled run-time claim: Redis ``SET NX`` before the body, ``SET`` after
 ``bench.idem``   :class:`IdempotentTask`; the ledger (Redis, PostgreSQL or SQLite) comes
                  from ``BENCH_LEDGER``/``BENCH_LEDGER_OPTIONS``
 ``bench.once``   celery-once's ``QueueOnce`` on the same Redis (the peer)
@@ -15,6 +16,7 @@ measured. The variants differ only in what wraps the body:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -99,6 +101,22 @@ def plain(to: str, n: int) -> dict[str, Any]:
 def idem(self: IdempotentTask, to: str, n: int) -> dict[str, Any]:
     """The same body under the ledger."""
     return _done("idem")
+
+
+@app.task(name="bench.naive", acks_late=True)
+def naive(to: str, n: int) -> dict[str, Any]:
+    """The hand-rolled run-time claim the issue measures against: ``SET NX`` before, ``SET`` after.
+
+    Two plain Redis round trips and nothing else: no fencing, no lease renewal, no stored
+    outcome to replay, a crash leaves the key claimed until it expires. The floor for any
+    run-time claim that takes two round trips.
+    """
+    key = f"{NS}.naive.{hashlib.sha256(f'{to}|{n}'.encode()).hexdigest()}"
+    if not _r.set(key, "claimed", nx=True, ex=300):
+        return {"status": "duplicate"}
+    out = _done("naive")
+    _r.set(key, "sent", ex=7 * 86400)
+    return out
 
 
 if QueueOnce is not None:

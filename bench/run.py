@@ -63,9 +63,10 @@ SHARED_REDIS_URL = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/0")
 REDIS_URL = SHARED_REDIS_URL  # replaced by the private server's URL when --redis private
 POSTGRES_URL = os.environ.get("BENCH_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
-VARIANTS = ("plain", "idem-redis", "idem-pg", "idem-sqlite", "once")
+VARIANTS = ("plain", "naive", "idem-redis", "idem-pg", "idem-sqlite", "once")
 LABELS = {
     "plain": "plain Celery task (ceiling)",
+    "naive": "hand-rolled SET NX claim (2 round trips)",
     "idem-redis": "IdempotentTask, Redis ledger",
     "idem-pg": "IdempotentTask, PostgreSQL ledger",
     "idem-sqlite": "IdempotentTask, SQLite ledger",
@@ -196,7 +197,7 @@ class Harness:
         return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
 
     def task(self, variant: str) -> Any:
-        name = {"plain": "bench.plain", "once": "bench.once"}.get(variant, "bench.idem")
+        name = {"plain": "bench.plain", "naive": "bench.naive", "once": "bench.once"}.get(variant, "bench.idem")
         return self.app.tasks[name]
 
     # -- one drain measurement --
@@ -245,6 +246,9 @@ class Harness:
             d.caller_round_trips = (enqueued.get("evalsha", 0) - before.get("evalsha", 0)) / n
         elif variant in ("idem-pg", "idem-sqlite"):
             d.round_trips = int(times.get("sql", 0)) / n
+            d.caller_round_trips = 0.0
+        elif variant == "naive":
+            d.round_trips = delta.get("set", 0) / n
             d.caller_round_trips = 0.0
         elif variant == "once":
             d.caller_round_trips = (enqueued.get("set", 0) - before.get("set", 0)) / n
