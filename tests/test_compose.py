@@ -26,7 +26,7 @@ import click
 import pytest
 import tomllib
 import yaml
-from celery import Celery
+from celery import Celery, current_app
 from celery.app.utils import find_app
 from flask import Flask
 from kombu.utils.imports import symbol_by_name
@@ -78,7 +78,9 @@ def compose_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[dic
     for name, value in {**env, "SHOP_DATABASE_URL": f"sqlite:///{tmp_path / 'shop.sqlite3'}"}.items():
         monkeypatch.setenv(name, value)
     sys.modules.pop("examples.flask_shop", None)
+    previous = current_app._get_current_object()
     yield env
+    previous.set_current()  # the example's app points at hosts named redis and postgres: not for later tests
     sys.modules.pop("examples.flask_shop", None)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
+from celery import current_app
 from celery.result import AsyncResult
 from celery.signals import before_task_publish
 
@@ -74,6 +75,7 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
         "IDEMMAIL_INFLIGHT_BACKOFF_MAX": "1", "SHOP_DATABASE_URL": db_url.render_as_string(hide_password=False),
         "INBOUND_WEBHOOK_SECRET": WEBHOOK_SECRET,
     }
+    previous = current_app._get_current_object()
     with pytest.MonkeyPatch.context() as mp:
         for name, value in env.items():
             mp.setenv(name, value)
@@ -94,6 +96,7 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
         fake.stop()
         module.engine.dispose()
         sys.modules.pop("examples.flask_shop", None)
+        previous.set_current()
         with admin.begin() as conn:
             conn.execute(sa.text(f'DROP SCHEMA "{ns}" CASCADE'))
         admin.dispose()
