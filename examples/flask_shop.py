@@ -25,7 +25,8 @@ loopback, from the repository root::
 
 Settings come from the environment (``examples/_stack.py``); ``SHOP_DATABASE_URL`` (default
 SQLite ``shop.sqlite3``) holds the orders and the outbox, ``INBOUND_WEBHOOK_SECRET``
-(``user:password``) guards the webhook. Tested by ``tests/integration/test_examples_web.py``.
+(``user:password``) guards the webhook, ``SHOP_SECRET_KEY`` signs reset links. Tested by
+``tests/integration/test_examples_web.py``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from idemmail_celery.webhooks import WebhookSignatureError, verify
 
 DATABASE_URL = os.environ.get("SHOP_DATABASE_URL", "sqlite:///shop.sqlite3")
 WEBHOOK_SECRET = os.environ.get("INBOUND_WEBHOOK_SECRET", "postmark:change-me")
+SECRET_KEY = os.environ.get("SHOP_SECRET_KEY", "dev-only-change-me")
 
 # -- Celery: send_email, the outbox relay on beat --
 
@@ -102,7 +104,7 @@ def password_reset() -> tuple[Any, int]:
     email = str((request.get_json(silent=True) or {}).get("email", ""))
     # The form's nonce: a double-click or a retry sends it again. Without one, every request is a new intent.
     nonce = request.headers.get("Idempotency-Key") or uuid.uuid4().hex
-    token = hmac.new(WEBHOOK_SECRET.encode(), nonce.encode(), hashlib.sha256).hexdigest()[:32]  # same nonce, same link
+    token = hmac.new(SECRET_KEY.encode(), nonce.encode(), hashlib.sha256).hexdigest()[:32]  # same nonce, same link
     result = send_email.delay(to=email, subject="Reset your password", event_id=f"password-reset:{nonce}",
                               template="password_reset", text=f"Reset it here: https://shop.example/reset/{token}")
     return jsonify(task_id=result.id), 202
