@@ -55,7 +55,7 @@ from .errors import ConfigurationError, IdemmailError, PermanentSendError, SendN
 from .mail import TASK_NAME
 from .task import KEY_HEADER, IdempotentTask
 
-__all__ = ["IdempotentTool", "KeySource", "email_tool", "idempotent_tool"]
+__all__ = ["IdempotentTool", "KeySource", "email_tool", "idempotent_tool", "parameters_of"]
 
 #: Where a tool call's intent key comes from: the tool-call id, declared argument names, or all arguments.
 KeySource = Literal["call_id"] | Sequence[str] | None
@@ -233,8 +233,6 @@ def email_tool(app: Celery, *, name: str = "send_email", description: str | None
     Bind ``event_id`` (and ``template``, ``tenant``) with :meth:`IdempotentTool.bind` when the
     application knows what the email is about, so the model cannot turn one reply into two.
     """
-    import idemmail_celery.mail  # noqa: F401  # registers send_email on every app
-
     return IdempotentTool(
         task=app.tasks[TASK_NAME], name=name, parameters=_EMAIL_PARAMETERS, key=None, timeout=timeout,
         description=description or ("Send one email. Asking again for the same event_id and recipients does "
