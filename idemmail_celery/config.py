@@ -28,8 +28,9 @@ The ledger stores each intent's first payload (the task's arguments: personal
 data) so a released claim re-sends exactly the first message. Moving to ``sent``
 erases it unless ``idemmail_keep_payload`` keeps it for audit.
 ``idemmail_payload_keys`` (a list of Fernet keys, or one comma-separated string;
-the first seals, all open) encrypts stored payloads, results and errors; it needs
-``pip install 'idemmail-celery[crypto]'``. See README, "Payloads at rest".
+the first seals, all open; a first entry ``"plain"`` seals nothing) encrypts stored
+payloads, results and errors; it needs ``pip install 'idemmail-celery[crypto]'``.
+See README, "Payloads at rest".
 """
 
 from __future__ import annotations

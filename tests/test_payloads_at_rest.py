@@ -174,6 +174,20 @@ def test_plaintext_records_from_before_encryption_still_read(sealed: Ledger) -> 
     assert "m-6" not in raw_store(sealed)  # written after encryption was turned on: sealed
 
 
+def test_plain_first_opens_sealed_records_and_writes_plaintext(sealed: Ledger) -> None:
+    c = sealed.claim(req("staged"))
+    sealed.release("staged", c.token, {"reason": "connect"})
+    staged = sibling(sealed, ["plain", NEW])  # the step before turning encryption on, or off
+    again = staged.claim(req("staged"))
+    assert again.status is ClaimStatus.REOPENED and again.record.payload == FIRST
+    d = staged.claim(req("staged-plain"))
+    staged.complete("staged-plain", d.token, {"message_id": "m-plain"})
+    assert "m-plain" in raw_store(sealed)  # written plain
+    assert sealed.claim(req("staged-plain")).record.result == {"message_id": "m-plain"}
+    with pytest.raises(ConfigurationError, match="names no key"):
+        sibling(sealed, ["plain"])
+
+
 def test_forget_erases_a_sealed_payload_and_is_idempotent(sealed: Ledger) -> None:
     c = sealed.claim(req("forget"))
     sealed.park("forget", c.token, {"reason": "ambiguous"})
@@ -223,6 +237,8 @@ def test_cli_forget_after_sent_says_nothing_to_erase_and_show_opens(
         blind = cli(led, "ledger", "forget", "cli-nokey", env={"IDEMMAIL_PAYLOAD_KEYS": ""})
         assert blind.exit_code == 0 and "payload erased" in blind.output, blind.output
         assert cli(led, "ledger", "forget", "nope", env=keys).exit_code == EXIT_UNKNOWN_KEY
+        stats = cli(led, "ledger", "stats", env=keys)  # the backend's own extras reach through the wrapper
+        assert stats.exit_code == 0 and ("epoch" in stats.output) is (backend == "redis"), stats.output
     finally:
         drop_ledger(led.inner)  # type: ignore[attr-defined]
 

@@ -16,8 +16,9 @@ and fingerprint (keyed hashes), task name, state, token, owner (``host:pid``), c
 and timestamps.
 
 Keys are Fernet keys (AES-128-CBC with HMAC-SHA256, ``cryptography``). The first key
-seals; every key opens, so rotation is: put the new key first, keep the old one second,
-deploy; drop the old key only when nothing sealed with it remains (see the README).
+seals; every key opens, so rotation is: add the new key second, deploy, move it first,
+deploy; drop the old key only when nothing sealed with it remains (see the README). A first
+entry ``"plain"`` seals nothing and still opens: the step for turning encryption on or off.
 A record sealed with a key no longer configured raises :class:`PayloadKeyError`; a
 claim that finds one parks it for review instead of running garbage. Plaintext
 records written before encryption was turned on still read.
@@ -40,12 +41,19 @@ log = logging.getLogger("idemmail_celery")
 SEALED_PREFIX = "fernet:"
 SEALED_FIELD = "$fernet"
 INSTALL_HINT = "pip install 'idemmail-celery[crypto]'"
+#: As the first of the payload keys: write plaintext, open with the keys that follow.
+PLAIN = "plain"
 #: The review reason of a claim parked because its record could not be opened.
 PAYLOAD_KEY_UNKNOWN = "payload_key_unknown"
 
 
 class PayloadCodec:
-    """Seals and opens ledger fields with a list of Fernet keys: the first seals, all open."""
+    """Seals and opens ledger fields with a list of Fernet keys: the first seals, all open.
+
+    A first entry ``"plain"`` seals nothing and opens with the keys after it: the step
+    that lets every process read sealed records before any writes one (turning
+    encryption on), or writes plaintext again while old records still open (turning it off).
+    """
 
     def __init__(self, keys: Sequence[str | bytes]) -> None:
         try:
@@ -54,8 +62,11 @@ class PayloadCodec:
             raise ConfigurationError(
                 f"idemmail_payload_keys is set but the cryptography package is missing: {INSTALL_HINT}"
             ) from exc
+        first = keys[0] if keys else ""
+        self.sealing = (first.decode("ascii", "replace") if isinstance(first, bytes) else first) != PLAIN
+        keys = list(keys if self.sealing else keys[1:])
         if not keys:
-            raise ConfigurationError("idemmail_payload_keys is empty: give at least one Fernet key")
+            raise ConfigurationError("idemmail_payload_keys names no key: give at least one Fernet key")
         fernets = []
         for n, key in enumerate(keys, start=1):
             try:
@@ -69,7 +80,6 @@ class PayloadCodec:
                 ) from None
         self._fernet = MultiFernet(fernets)
         self._invalid = InvalidToken
-        self.key_count = len(fernets)
 
     def seal(self, text: str) -> str:
         """The Fernet token of ``text`` under the first key."""
@@ -85,8 +95,8 @@ class PayloadCodec:
                 "(removed too early?); put the old key back after the current one"
             ) from None
 
-    def seal_payload(self, payload: str | None) -> str | None:
-        return None if payload is None else SEALED_PREFIX + self.seal(payload)
+    def seal_payload(self, payload: str) -> str:
+        return SEALED_PREFIX + self.seal(payload) if self.sealing else payload
 
     def open_payload(self, payload: str | None) -> str | None:
         if payload is None or not payload.startswith(SEALED_PREFIX):
@@ -95,7 +105,9 @@ class PayloadCodec:
 
     def seal_dict(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
         """``{"$fernet": token}`` of the value's canonical JSON (the ledger's own encoding)."""
-        return None if value is None else {SEALED_FIELD: self.seal(canonical_json(value))}
+        if value is None or not self.sealing:
+            return value
+        return {SEALED_FIELD: self.seal(canonical_json(value))}
 
     def open_dict(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is None or len(value) != 1 or not isinstance(value.get(SEALED_FIELD), str):
@@ -146,7 +158,7 @@ class SealedLedger(Ledger):
     # -- in: seal --
 
     def _seal_request(self, request: ClaimRequest) -> ClaimRequest:
-        return replace(request, payload=SEALED_PREFIX + self.codec.seal(request.payload))
+        return replace(request, payload=self.codec.seal_payload(request.payload))
 
     def claim(self, request: ClaimRequest) -> Claim:
         """As the backend's. A record sealed with an unknown key raises :class:`PayloadKeyError`,
@@ -180,7 +192,8 @@ class SealedLedger(Ledger):
 
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
         c = self.codec
-        sealed = replace(new, payload=c.seal_payload(new.payload), result=c.seal_dict(new.result),
+        payload = None if new.payload is None else c.seal_payload(new.payload)
+        sealed = replace(new, payload=payload, result=c.seal_dict(new.result),
                          error=c.seal_dict(new.error))
         return self.inner._force(key, expected_token, sealed)
 
