@@ -4,6 +4,8 @@ Pick a backend by URL, as kombu picks a transport::
 
     from idemmail_celery.ledger import from_url
     ledger = from_url("redis://127.0.0.1:6379/0")
+    ledger = from_url("redis+cluster://10.0.0.1:7000,10.0.0.2:7000")
+    ledger = from_url("sentinel://10.0.0.1:26379;sentinel://10.0.0.2:26379", master_name="mymaster")
     ledger = from_url("postgresql+psycopg://app@db/app", table="idemmail_ledger")
     ledger = from_url("sqlite:///idemmail.sqlite3")
 
@@ -26,7 +28,8 @@ __all__ = [
 
 _BACKENDS: dict[str, str] = {
     "redis": "idemmail_celery.ledger.redis:RedisLedger",
-    "rediss": "idemmail_celery.ledger.redis:RedisLedger",
+    "rediss": "idemmail_celery.ledger.redis:RedisLedger",  # also redis+cluster:// and rediss+cluster://
+    "sentinel": "idemmail_celery.ledger.redis:RedisLedger",  # Celery's sentinel://h1:26379;sentinel://h2:26379
     "sqlite": "idemmail_celery.ledger.sql:SQLLedger",
     "postgresql": "idemmail_celery.ledger.sql:SQLLedger",
     "postgres": "idemmail_celery.ledger.sql:SQLLedger",

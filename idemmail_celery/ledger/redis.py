@@ -241,7 +241,9 @@ def _connect(url: str, master_name: str | None, options: dict[str, Any]) -> Any:
         if not master_name:
             raise ConfigurationError("a sentinel:// ledger needs the master_name option (as Celery's)")
         nodes, user, password, db = _hosts(url, 26379)
-        sentinel_options = {k: v for k, v in options.items() if k.startswith("socket_")}
+        # Sentinels take their own options (Celery's ``sentinel_kwargs``, e.g. a password); timeouts by default.
+        sentinel_options = options.pop("sentinel_kwargs", None) or {
+            k: v for k, v in options.items() if k.startswith("socket_")}
         sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_options, **options)  # type: ignore[no-untyped-call]
         return sentinel.master_for(  # type: ignore[no-untyped-call]
             master_name, decode_responses=True, db=db, username=user, password=password)
@@ -413,8 +415,8 @@ class RedisLedger(Ledger):
         loaded and run again, and only they: the others ran."""
         def run(batch: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
-            for keys, args in batch:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            for keys, args in batch:  # by name: a cluster pipeline refuses .evalsha(), not the command
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
             return list(self._raw(pipe.execute, raise_on_error=False))
 
         outs = run(calls)
