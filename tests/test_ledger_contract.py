@@ -342,14 +342,16 @@ def test_sent_erases_the_first_payload_and_other_finals_keep_it(ledger: Ledger) 
 def test_operator_or_webhook_sent_erases_the_payload(ledger: Ledger) -> None:
     p = ledger.claim(req("p-resolved"))
     ledger.park("p-resolved", p.token, {"reason": "ambiguous"})
-    ledger.resolve("p-resolved", "sent", result={"message_id": "found"}, note="seen", actor="ops")
+    returned = ledger.resolve("p-resolved", "sent", result={"message_id": "found"}, note="seen", actor="ops")
     resolved = ledger.get("p-resolved")
     assert resolved is not None and resolved.state is State.SENT and resolved.payload is None
+    assert returned == resolved  # what the caller gets back is what the store holds
     q = ledger.claim(req("p-confirmed"))
     ledger.release("p-confirmed", q.token)
-    ledger.confirm_sent("p-confirmed", {"message_id": "hook"})
+    returned = ledger.confirm_sent("p-confirmed", {"message_id": "hook"})
     confirmed = ledger.get("p-confirmed")
     assert confirmed is not None and confirmed.state is State.SENT and confirmed.payload is None
+    assert returned == confirmed
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

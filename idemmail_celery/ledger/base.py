@@ -297,6 +297,7 @@ class Ledger(ABC):
             now = time.time()
             new = replace(
                 record, state=State.SENT, token=record.token + 1, lease_expires_at=None, result=result,
+                payload=record.payload if self.keep_payload else None,
                 error={**(record.error or {}), "resolution": {
                     "from": record.state.value, "to": "sent", "at": now,
                     "by": actor or default_owner(), "note": note}},
@@ -342,6 +343,7 @@ class Ledger(ABC):
             state=target,
             token=record.token + 1,
             lease_expires_at=None,
+            payload=None if target is State.SENT and not self.keep_payload else record.payload,
             result=result if target is State.SENT else record.result,
             error={**(record.error or {}), "resolution": resolution},
             updated_at=now,
