@@ -19,7 +19,7 @@ metric                                          type       labels
 ==============================================  =========  ==========================================
 ``idemmail_outcomes_total``                     counter    ``task``, ``outcome`` (see ``outcomes``)
 ``idemmail_inflight_collisions_total``          counter    ``task``
-``idemmail_reclaims_total``                     counter    ``task``, ``action`` (resend/review/reconciled)
+``idemmail_reclaims_total``                     counter    ``task``
 ``idemmail_ledger_operation_seconds``           histogram  ``op``, ``backend``
 ``idemmail_ledger_errors_total``                counter    ``op``, ``backend``, ``error``
 ``idemmail_ledger_records``                     gauge      ``state`` (claimed/released/review)
@@ -68,14 +68,14 @@ class Metrics:
                                 "Runs that found a live claim of another worker and were rescheduled",
                                 ["task"], registry=registry)
         self.reclaims = Counter("idemmail_reclaims_total", "Claims taken over after their holder's lease expired",
-                                ["task", "action"], registry=registry)
+                                ["task"], registry=registry)
         self.ledger_seconds = Histogram("idemmail_ledger_operation_seconds", "Ledger operation latency",
                                         ["op", "backend"], buckets=LEDGER_BUCKETS, registry=registry)
         self.ledger_errors = Counter("idemmail_ledger_errors_total", "Ledger operations that raised",
                                      ["op", "backend", "error"], registry=registry)
         self._children: dict[tuple[str, str], Any] = {}
 
-    def outcome(self, task: str, status: str, extra: dict[str, Any]) -> None:
+    def outcome(self, task: str, status: str) -> None:
         """Count one report of :mod:`idemmail_celery.outcomes`."""
         child = self._children.get((task, status))
         if child is None:
@@ -84,7 +84,7 @@ class Metrics:
         if status == "in_flight":
             self.inflight.labels(task).inc()
         elif status == "reclaimed":
-            self.reclaims.labels(task, str(extra.get("action") or "resend")).inc()
+            self.reclaims.labels(task).inc()
 
     def instrument(self, ledger: Any) -> Any:
         """Time ``ledger``'s operations (its bound methods, replaced on the instance); returns it."""
@@ -237,8 +237,8 @@ def _app_ledger(app: Any) -> Callable[[], Any]:
 def configure_worker(app: Any, worker: Any) -> None:
     """On ``worker_init`` (main process, before the pool starts): enable and serve as the app says."""
     conf = app.conf
-    port = conf.get("idemmail_metrics_port")
-    if not (conf.get("idemmail_metrics") or port):
+    port = int(conf.get("idemmail_metrics_port") or 0)
+    if not (_flag(conf.get("idemmail_metrics")) or port):
         return
     enable()
     pool = str(getattr(worker, "pool_cls", "") or "")
@@ -246,7 +246,14 @@ def configure_worker(app: Any, worker: Any) -> None:
         log.warning("idemmail metrics: a prefork worker counts in its pool processes; set "
                     "PROMETHEUS_MULTIPROC_DIR before starting it, or /metrics stays empty")
     if port:
-        serve(int(port), str(conf.get("idemmail_metrics_addr") or "0.0.0.0"), app)
+        serve(port, str(conf.get("idemmail_metrics_addr") or "0.0.0.0"), app)
+
+
+def _flag(value: Any) -> bool:
+    """A setting that may come from the environment as a string."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
 
 
 def _on_process_shutdown(pid: int | None = None, **_: Any) -> None:

@@ -6,6 +6,8 @@ Each test starts its own worker (and Flower) on its own queue and ledger prefix.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +24,7 @@ from idemmail_celery.mail import TASK_NAME
 from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 
 from ..conftest import wait_for
-from .conftest import ROOT, results, stop_group
+from .conftest import ROOT, results
 
 ADDRESS = "ann@example.com"
 
@@ -81,7 +83,10 @@ class Flower:
         return found
 
     def stop(self) -> None:
-        stop_group(self.proc)
+        # SIGKILL: Flower keeps no state here, and its SIGTERM handler can be swallowed (then it never exits).
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=15)
 
 
 @pytest.fixture
@@ -160,6 +165,16 @@ def test_flower_shows_sent_duplicate_review_and_in_flight_retry(
     assert f"status=duplicate task={send.name} key={key} message_id=msg-1" in log
     assert "status=review" in log and "status=in_flight" in log
     assert ADDRESS not in log and "dan@example.com" not in log
+
+    # The ledger down: fail closed, rescheduled with the outage as the retry's reason.
+    worker.stop()
+    down = start_worker("-P", "solo", "-E", env={"IDEMMAIL_TEST_LEDGER": "redis://127.0.0.1:1/0"})
+    waiting = send.delay(ADDRESS, 4)
+    wait_for(lambda: "LedgerUnavailableError(" in str((flower.task(waiting.id) or {}).get("exception")),
+             timeout=30, interval=0.2)
+    assert flower.task(waiting.id)["retried"] is not None  # type: ignore[index]
+    down.stop()
+    app_module.app.control.purge()
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
