@@ -20,7 +20,8 @@ Keys are hashes; payloads (personal data) are printed only with ``show --payload
 README's "Ledger loss"); SQL ledgers are durable stores and keep none.
 
 Exit codes: 0 done, 2 unknown key, 3 illegal transition, 4 ledger unreachable,
-5 (``stats``) the ledger is lost and waits for ``ack-loss``.
+5 (``stats``) the ledger is lost and waits for ``ack-loss``, 6 a record is sealed with a
+payload key this process does not hold (``idemmail_payload_keys``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from .keys import Payload
 from .ledger import Ledger, Record, State, from_url
 from .task import KEY_HEADER
 
-EXIT_UNKNOWN_KEY, EXIT_ILLEGAL, EXIT_UNREACHABLE, EXIT_LOST = 2, 3, 4, 5
+EXIT_UNKNOWN_KEY, EXIT_ILLEGAL, EXIT_UNREACHABLE, EXIT_LOST, EXIT_PAYLOAD_KEY = 2, 3, 4, 5, 6
 
 
 class _Ctx:
@@ -107,7 +108,20 @@ def idemmail(ctx: click.Context, ledger_url: str | None, prefix: str | None, tab
     ctx.obj = _Ctx(app, ledger_url, overrides)
 
 
-@idemmail.group()
+class _LedgerCommands(click.Group):
+    """The ``ledger`` group: a typed ledger error no command handled is an exit code, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except PayloadKeyError as exc:
+            _fail(EXIT_PAYLOAD_KEY, f"{exc} (add the key it was sealed with to idemmail_payload_keys)")
+        except LedgerUnavailableError as exc:
+            _fail(EXIT_UNREACHABLE, str(exc))
+        return None
+
+
+@idemmail.group(cls=_LedgerCommands)
 def ledger() -> None:
     """Inspect and resolve ledger records."""
 

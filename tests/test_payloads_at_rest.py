@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from cryptography.fernet import Fernet
 
 from idemmail_celery import ConfigurationError, PayloadKeyError, Settings
-from idemmail_celery.cli import EXIT_UNKNOWN_KEY, idemmail
+from idemmail_celery.cli import EXIT_PAYLOAD_KEY, EXIT_UNKNOWN_KEY, idemmail
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger, State, from_url
 from idemmail_celery.ledger.redis import RedisLedger
 from idemmail_celery.ledger.sealed import PAYLOAD_KEY_UNKNOWN, SEALED_PREFIX, SealedLedger
@@ -239,6 +239,21 @@ def test_cli_forget_after_sent_says_nothing_to_erase_and_show_opens(
         assert cli(led, "ledger", "forget", "nope", env=keys).exit_code == EXIT_UNKNOWN_KEY
         stats = cli(led, "ledger", "stats", env=keys)  # the backend's own extras reach through the wrapper
         assert stats.exit_code == 0 and ("epoch" in stats.output) is (backend == "redis"), stats.output
+    finally:
+        drop_ledger(led.inner)  # type: ignore[attr-defined]
+
+
+def test_cli_show_without_the_sealing_key_exits_6_without_a_traceback(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    led = make_ledger("redis", tmp_path_factory, payload_keys=[NEW])
+    try:
+        c = led.claim(req("cli-stranger"))
+        led.park("cli-stranger", c.token, {"reason": "ambiguous"})
+        out = cli(led, "ledger", "show", "cli-stranger", "--payload", env={"IDEMMAIL_PAYLOAD_KEYS": OLD})
+        assert out.exit_code == EXIT_PAYLOAD_KEY, out.output
+        assert "idemmail_payload_keys" in out.output and "Traceback" not in out.output
+        assert NEW not in out.output and OLD not in out.output  # keys never printed
     finally:
         drop_ledger(led.inner)  # type: ignore[attr-defined]
 
