@@ -19,6 +19,10 @@
 ``idemmail_outage_max_retries``    -                                           none (retry forever)
 ``idemmail_fail_open``             ``idempotency_fail_open``                   False
 -                                  ``idempotency_carries_key``                 False
+``idemmail_redact_args``           ``idempotency_redact_args``                 False (``send_email``: True)
+``idemmail_metrics``               -                                           False (:mod:`.metrics`)
+``idemmail_metrics_port``          -                                           none (no ``/metrics``)
+``idemmail_metrics_addr``          -                                           ``0.0.0.0``
 =================================  ==========================================  ==========================
 
 The lease must outlast the slowest side effect (above the provider's timeout);
