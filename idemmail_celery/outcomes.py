@@ -41,10 +41,12 @@ IN_FLIGHT = "in_flight"                    # another worker holds a live claim: 
 IN_FLIGHT_GAVE_UP = "in_flight_gave_up"    # ...and the in-flight budget ran out
 LEDGER_UNAVAILABLE = "ledger_unavailable"  # fail closed: rescheduled until the ledger is back
 RECLAIMED = "reclaimed"                    # a dead holder's expired lease was taken over
+KEY_REUSE = "key_reuse"                    # refused: the key came back with other must-match values
 
-STATUSES = (SENT, DUPLICATE, REVIEW, FAILED, RETRY, IN_FLIGHT, IN_FLIGHT_GAVE_UP, LEDGER_UNAVAILABLE, RECLAIMED)
+STATUSES = (SENT, DUPLICATE, REVIEW, FAILED, RETRY, IN_FLIGHT, IN_FLIGHT_GAVE_UP, LEDGER_UNAVAILABLE, RECLAIMED,
+            KEY_REUSE)
 
-_WARN = {REVIEW, FAILED, IN_FLIGHT_GAVE_UP}
+_WARN = {REVIEW, FAILED, IN_FLIGHT_GAVE_UP, KEY_REUSE}
 
 
 class _Worker:

@@ -508,6 +508,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return
         if record.payload is None:  # erased on sent (or forgotten): the fingerprint covers the must-match fields
             fields = tuple(builder.must_match)
+            outcomes.report(self, outcomes.KEY_REUSE, record.key, reason=",".join(fields))
             raise IdempotencyKeyReuseError(
                 f"key {record.key} was first used with other values of {' or '.join(fields)} "
                 "(its first payload is erased, so they could not be compared one by one)",
@@ -515,6 +516,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
         differ = builder.mismatched_fields(Payload.from_json(record.payload), payload)
         if differ:
+            outcomes.report(self, outcomes.KEY_REUSE, record.key, reason=",".join(differ))
             raise IdempotencyKeyReuseError(
                 f"key {record.key} was first used with other values of {', '.join(differ)}",
                 key=record.key, fields=differ,

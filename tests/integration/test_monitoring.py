@@ -210,12 +210,18 @@ def test_metrics_endpoint_sums_outcomes_across_prefork_children(
     assert sorted(o["status"] for o in out) == ["duplicate", "duplicate", "sent"]
     key = out[0]["key"]
 
-    def outcome(status: str) -> float:
-        return metrics.get(("idemmail_outcomes_total", (("outcome", status), ("task", name))), 0.0)
+    # The same order key with another recipient is refused, and counted.
+    strict = app_module.send_strict
+    reused = results([strict.delay(ADDRESS, 8)]) + results([strict.delay("eve@example.com", 8)])
+    assert type(reused[1]).__name__ == "IdempotencyKeyReuseError"
+
+    def outcome(status: str, task: str = name) -> float:
+        return metrics.get(("idemmail_outcomes_total", (("outcome", status), ("task", task))), 0.0)
 
     metrics = scrape(port)
     assert (outcome("sent"), outcome("duplicate"), outcome("review")) == (1, 2, 1)
     assert outcome("in_flight") >= 1
+    assert (outcome("sent", strict.name), outcome("key_reuse", strict.name)) == (1, 1)
     assert metrics[("idemmail_inflight_collisions_total", (("task", name),))] == outcome("in_flight")
     assert metrics[("idemmail_ledger_operation_seconds_count", (("backend", "redis"), ("op", "claim")))] >= 4
     assert metrics[("idemmail_ledger_records", (("state", "review"),))] == 1
@@ -226,4 +232,5 @@ def test_metrics_endpoint_sums_outcomes_across_prefork_children(
 
     log = worker.log().decode()
     assert f"key={key}" in log and f"status=sent task={name} key={key}" in log
-    assert ADDRESS not in log and "bob@example.com" not in log
+    assert ADDRESS not in log and "bob@example.com" not in log and "eve@example.com" not in log
+    assert "status=key_reuse" in log and "reason=to" in log
