@@ -6,7 +6,8 @@ The environment, as ``compose.yaml`` sets it:
   ``CELERY_TASK_DEFAULT_QUEUE``;
 * ``IDEMMAIL_<SETTING>`` for the library's settings: ``IDEMMAIL_LEDGER_URL`` becomes
   ``app.conf.idemmail_ledger_url``. A value starting with ``{`` or ``[`` is JSON
-  (``IDEMMAIL_LEDGER_OPTIONS={"prefix": "shop"}``); anything else is a string.
+  (``IDEMMAIL_LEDGER_OPTIONS={"prefix": "shop"}``), ``true``/``false`` a boolean; anything
+  else is a string.
 """
 
 from __future__ import annotations
@@ -34,8 +35,17 @@ def configure_from_env(app: Celery, environ: Mapping[str, str] = os.environ) -> 
         app.conf.task_default_queue = environ["CELERY_TASK_DEFAULT_QUEUE"]
     for name, value in environ.items():
         if name.startswith("IDEMMAIL_"):
-            app.conf[name.lower()] = json.loads(value) if value[:1] in "{[" and value else value
+            app.conf[name.lower()] = _setting(value)
     return app
+
+
+def _setting(value: str) -> Any:
+    """JSON objects and lists, ``true``/``false`` as booleans; anything else stays a string."""
+    if value[:1] in ("{", "["):
+        return json.loads(value)
+    if value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    return value
 
 
 def celery_from_env(name: str, **defaults: Any) -> Celery:

@@ -162,15 +162,14 @@ class RecordsCollector:
 
     def counts(self) -> dict[str, int] | None:
         """Records per non-expiring state, or None if the ledger cannot be read."""
-        from .ledger import State
-
         with self._lock:
             at, counts = self._cached
             if time.monotonic() - at < self.ttl and at:
                 return counts
             try:
                 ledger = self._ledger()
-                counts = {s: sum(1 for _ in ledger.iter_records(State(s))) for s in RECORD_STATES}
+                stats = ledger.stats()  # one pipeline (Redis) or one GROUP BY (SQL)
+                counts = {s: int(stats.get(s, 0)) for s in RECORD_STATES}
             except Exception as exc:
                 log.warning("idemmail metrics: cannot count ledger records: %s", exc)
                 counts = None

@@ -53,6 +53,7 @@ from .errors import (
     IdempotencyInFlightError,
     IdempotencyKeyReuseError,
     LedgerError,
+    LedgerLostError,
     LedgerUnavailableError,
     PermanentSendError,
     SendError,
@@ -474,7 +475,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         url = self.idem_settings.ledger_url
         if url not in _reported_unreachable:
             _reported_unreachable.add(url)
-            log.error("idemmail: ledger unreachable (%s); tasks retry until it is back", exc)
+            what = "lost (see the CRITICAL log line)" if isinstance(exc, LedgerLostError) else "unreachable"
+            log.error("idemmail: ledger %s (%s); tasks retry until it is back", what, exc)
         if self.idem_settings.fail_open:
             log.warning("idemmail: fail_open: running %s without a claim", key)
             return self.run(*args, **kwargs)

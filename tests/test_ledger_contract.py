@@ -370,3 +370,19 @@ def test_keep_payload_keeps_it_after_sent_for_audit(backend: str, tmp_path_facto
         assert resolved is not None and resolved.payload == FIRST
     finally:
         drop_ledger(led)
+
+
+def test_stats_count_each_state_and_leave_expired_records_out(ledger: Ledger) -> None:
+    ledger.retention_seconds = 0.3
+    for key in ("s-sent", "s-review", "s-claimed", "s-released", "s-failed"):
+        ledger.claim(req(key))
+    ledger.complete("s-sent", 1, {"message_id": "m"})
+    ledger.park("s-review", 1, {"reason": "ambiguous"})
+    ledger.release("s-released", 1)
+    ledger.fail("s-failed", 1, {"reason": "bounced"})
+    counts = ledger.stats()
+    assert {k: v for k, v in counts.items() if v} == {
+        "sent": 1, "review": 1, "claimed": 1, "released": 1, "failed": 1,
+    }
+    time.sleep(0.5)  # past retention: sent and failed no longer count (their keys are free again)
+    assert {k: v for k, v in ledger.stats().items() if v} == {"review": 1, "claimed": 1, "released": 1}
