@@ -64,6 +64,17 @@ def raw_store(ledger: Ledger) -> str:
         return "\n".join(repr(tuple(row)) for row in conn.execute(sa.select(inner.table)))
 
 
+def raw_record(ledger: Ledger, key: str) -> str:
+    """One record as the store holds it (HGETALL of its hash, or its row)."""
+    inner = ledger.inner if isinstance(ledger, SealedLedger) else ledger
+    if isinstance(inner, RedisLedger):
+        return json.dumps(inner.client.hgetall(inner._rec(key)))
+    assert isinstance(inner, SQLLedger)
+    with inner.engine.connect() as conn:
+        row = conn.execute(sa.select(inner.table).where(inner.table.c.intent_key == key)).one()
+    return repr(tuple(row))
+
+
 @pytest.fixture(params=BACKENDS)
 def sealed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ledger]:
     led = make_ledger(request.param, tmp_path_factory, payload_keys=[NEW, OLD])
@@ -194,7 +205,9 @@ def test_forget_erases_a_sealed_payload_and_is_idempotent(sealed: Ledger) -> Non
     assert sealed.forget("forget") is True
     record = sealed.get("forget")
     assert record is not None and record.payload is None and record.state is State.REVIEW
-    assert SEALED_PREFIX not in raw_store(sealed).split("forget", 1)[1].split("\n", 1)[0]
+    stored = raw_record(sealed, "forget")
+    assert '"state": "review"' in stored or "'review'" in stored  # the record itself, read from the store
+    assert SEALED_PREFIX not in stored
     assert sealed.forget("forget") is True  # nothing left to erase: still fine
     assert sealed.forget("never-seen") is False
     assert sibling(sealed, [STRANGER]).forget("forget") is True  # erasing needs no key

@@ -116,3 +116,23 @@ def test_more_threads_than_the_pool_holds_all_finish(kept: tuple[str, SQLLedger]
         assert done.count(ClaimStatus.ACQUIRED) == 200
     finally:
         drop_ledger(led)
+
+
+class _SoftTimeLimit(Exception):
+    """Stands for Celery's SoftTimeLimitExceeded: raised into the process at any point."""
+
+
+def test_a_connection_interrupted_mid_call_is_thrown_away(kept: tuple[str, SQLLedger]) -> None:
+    _, led = kept
+    led.claim(request("k1"))
+    spare = led._spare
+    assert spare is not None
+
+    def interrupted(conn: sa.Connection) -> None:
+        conn.execute(sa.text("SELECT 1")).scalar()
+        raise _SoftTimeLimit
+
+    with pytest.raises(_SoftTimeLimit):
+        led._run(interrupted)
+    assert led._spare is None and spare.closed  # its protocol state is unknown: never reused
+    assert led.claim(request("k2")).status is ClaimStatus.ACQUIRED  # a new connection serves the next call

@@ -37,7 +37,13 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, ProgrammingError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
-from ..errors import ConfigurationError, LedgerUnavailableError, RecordNotFoundError, StaleTokenError
+from ..errors import (
+    ConfigurationError,
+    IdemmailError,
+    LedgerUnavailableError,
+    RecordNotFoundError,
+    StaleTokenError,
+)
 from .base import (
     DEFAULT_RETENTION_SECONDS,
     Claim,
@@ -207,7 +213,7 @@ class SQLLedger(Ledger):
         ``Connection`` is kept for the next call. Only one: a thread that finds it
         taken uses the pool as usual, so connections parked here can never starve
         a thread waiting on the pool. A connection that saw a database error is
-        closed, not kept.
+        closed, not kept; so is one interrupted by anything but the ledger's own verdicts.
         """
         if self._pid != os.getpid():
             self.engine  # noqa: B018 - after fork: a new engine, and the parent's spare is not ours
@@ -223,8 +229,13 @@ class SQLLedger(Ledger):
             if disconnected:
                 raise LedgerUnavailableError(f"SQL ledger unreachable: {getattr(exc, 'orig', None) or exc}") from exc
             raise
+        except IdemmailError:
+            self._keep(conn)  # our own verdicts (stale token, unknown key), between statements: it is fine
+            raise
         except BaseException:
-            self._keep(conn)  # our own verdicts (stale token, unknown key): the connection is fine
+            # Anything else (a soft time limit, a gevent timeout) may have struck mid-statement:
+            # the connection's protocol state is unknown, so it is thrown away, not reused.
+            self._discard(conn, invalidate=True)
             raise
         self._keep(conn)
         return out
