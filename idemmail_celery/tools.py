@@ -29,10 +29,17 @@ is the same intent, and the first wording is the one that runs. ``key=None``: al
 arguments. ``email_tool`` uses ``send_email``'s intent (``event_id``, ``template``,
 recipients): bind ``event_id`` to what the email is about.
 
+**What the model may pass.** Only the names in the schema :meth:`~IdempotentTool.spec`
+shows it (``additionalProperties: false``): anything else, a bound name included, is
+refused as ``invalid`` with ``error.field`` naming it, and nothing is enqueued. A model
+steered by a prompt injection cannot add arguments the application did not offer.
+``email_tool`` offers ``to``, ``subject``, ``text``, ``html`` and ``reply_to``; the sender,
+``cc``, ``bcc``, ``tenant``, ``event_id`` and ``template`` are the application's to bind.
+
 **What the agent sees** (a JSON-able dict): ``status`` is ``sent`` (this call ran the
 side effect), ``duplicate`` (an earlier call did; its result is replayed), ``pending``
 (not finished within ``timeout``; calling again is safe), ``invalid`` (refused before
-anything was enqueued: bad arguments, an invalid address), ``failed`` (a permanent
+anything was enqueued: an unknown, bound or missing argument, an invalid address), ``failed`` (a permanent
 error, replayed to every later call), ``review`` (the outcome is unknown and waits for
 a person), or ``error``; with ``key``, ``result``, ``message_id`` and ``error``
 (``{"type", "message"}``) where they apply. Waiting needs a result backend on the app.
@@ -55,7 +62,7 @@ from .errors import ConfigurationError, IdemmailError, PermanentSendError, SendN
 from .mail import TASK_NAME
 from .task import KEY_HEADER, IdempotentTask
 
-__all__ = ["IdempotentTool", "KeySource", "email_tool", "idempotent_tool", "parameters_of"]
+__all__ = ["IdempotentTool", "KeySource", "ToolArgumentError", "email_tool", "idempotent_tool", "parameters_of"]
 
 #: Where a tool call's intent key comes from: the tool-call id, declared argument names, or all arguments.
 KeySource = Literal["call_id"] | Sequence[str] | None
@@ -63,6 +70,11 @@ KeySource = Literal["call_id"] | Sequence[str] | None
 _JSON_TYPES: Mapping[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
                                   list: "array", tuple: "array", dict: "object"}
 
+#: What a model may set on an email: who gets it, and its words. Everything else ``send_email`` takes
+#: (``from_``, ``cc``, ``bcc``, ``headers``, ``tags``, ``attachments``, ``event_id``, ``template``,
+#: ``tenant``) only the application may set, with :meth:`IdempotentTool.bind`: a model that could
+#: set them could spoof the sender, copy the mail elsewhere, or change the intent key and get a
+#: second email for a bound ``event_id``.
 _EMAIL_PARAMETERS: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -70,14 +82,25 @@ _EMAIL_PARAMETERS: dict[str, Any] = {
         "subject": {"type": "string"},
         "text": {"type": "string", "description": "plain-text body"},
         "html": {"type": "string", "description": "HTML body"},
-        "cc": {"type": ["string", "array"], "items": {"type": "string"}},
         "reply_to": {"type": "string"},
-        "event_id": {"type": "string", "description": "the business event this email is about: the same "
-                     "event_id and recipients are one email, however often it is requested"},
-        "template": {"type": "string", "description": "the kind of email (receipt, reply, ...)"},
     },
-    "required": ["to", "subject", "event_id"],
+    "required": ["to", "subject"],
+    "additionalProperties": False,
 }
+
+
+class ToolArgumentError(IdemmailError, TypeError):
+    """A tool call's arguments do not fit the tool's schema (an unknown or bound name, a missing one).
+
+    Raised before anything is enqueued; ``field`` names the culprit. The agent sees ``invalid``.
+    """
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message, field)
+        self.field = field
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +108,10 @@ class IdempotentTool:
     """An agent tool backed by an :class:`IdempotentTask`; call it with the model's arguments.
 
     Made by :func:`idempotent_tool` or :func:`email_tool`. ``fixed`` arguments (see
-    :meth:`bind`) are set by the application, override the model's and are not shown to it.
+    :meth:`bind`) are set by the application and are not shown to the model. A call may
+    carry only the schema's ``properties`` that are not fixed: any other name (a bound one
+    included) is refused as ``invalid`` before anything is enqueued, as is a missing
+    ``required`` one.
     """
 
     task: IdempotentTask
@@ -108,6 +134,7 @@ class IdempotentTool:
         schema = dict(self.parameters)
         schema["properties"] = {k: v for k, v in dict(schema.get("properties", {})).items() if k not in self.fixed}
         schema["required"] = [k for k in schema.get("required", []) if k not in self.fixed]
+        schema["additionalProperties"] = False  # enforced: see _checked
         return {"name": self.name, "description": self.description, "input_schema": schema}
 
     def key_for(self, arguments: Mapping[str, Any], *, call_id: str | None = None) -> str:
@@ -123,8 +150,22 @@ class IdempotentTool:
         kwargs, headers = self._headers(arguments, call_id)
         return headers[KEY_HEADER], self.task.apply_async(kwargs=kwargs, headers=headers)
 
+    def _checked(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """The model's arguments, refused unless every name is one the model is shown and none required is missing."""
+        if not isinstance(arguments, Mapping):
+            raise ToolArgumentError(f"tool {self.name}: arguments must be an object, not {type(arguments).__name__}")
+        allowed = set(self.parameters.get("properties") or {}) - set(self.fixed)
+        for name in arguments:
+            if name not in allowed:
+                raise ToolArgumentError(f"tool {self.name}: unexpected argument {str(name)[:64]!r} "
+                                        f"(allowed: {', '.join(sorted(allowed)) or 'none'})", field=str(name)[:64])
+        for name in self.parameters.get("required") or ():
+            if name in allowed and name not in arguments:
+                raise ToolArgumentError(f"tool {self.name}: missing argument {name!r}", field=name)
+        return dict(arguments)
+
     def _headers(self, arguments: Mapping[str, Any], call_id: str | None) -> tuple[dict[str, Any], dict[str, str]]:
-        kwargs = {**dict(arguments), **self.fixed}
+        kwargs = {**self._checked(arguments), **self.fixed}
         explicit = call_id if self.key == "call_id" and call_id else None
         return kwargs, self.task.intent_headers((), kwargs, explicit=explicit)
 
@@ -230,11 +271,14 @@ def email_tool(app: Celery, *, name: str = "send_email", description: str | None
                timeout: float = 10.0) -> IdempotentTool:
     """``send_email`` on ``app`` as a tool: one email per ``event_id`` and recipients, however often called.
 
-    Bind ``event_id`` (and ``template``, ``tenant``) with :meth:`IdempotentTool.bind` when the
-    application knows what the email is about, so the model cannot turn one reply into two.
+    The model sets ``to``, ``subject``, ``text``, ``html`` and ``reply_to``, nothing else.
+    Bind ``event_id`` (and ``template``, ``tenant``, ``from_``, ``cc``, ``bcc``, ...) with
+    :meth:`IdempotentTool.bind`: the application knows what the email is about, so the model
+    cannot turn one reply into two. Without a bound ``event_id`` the whole message is the
+    intent: a retried call is one email, a reworded one is another.
     """
     return IdempotentTool(
         task=app.tasks[TASK_NAME], name=name, parameters=_EMAIL_PARAMETERS, key=None, timeout=timeout,
-        description=description or ("Send one email. Asking again for the same event_id and recipients does "
+        description=description or ("Send one email. Asking again for the same email and recipients does "
                                     "not send it twice: the first request's text is the one that ships."),
     )

@@ -14,7 +14,8 @@ from celery import Celery
 from celery.signals import before_task_publish
 
 from idemmail_celery import ConfigurationError
-from idemmail_celery.tools import email_tool, idempotent_tool, parameters_of
+from idemmail_celery.mail import TASK_NAME
+from idemmail_celery.tools import ToolArgumentError, email_tool, idempotent_tool, parameters_of
 
 from .conftest import unique
 
@@ -56,6 +57,7 @@ def test_spec_shows_the_model_a_schema_from_type_hints_without_bound_fields(app:
         "properties": {"channel": {"type": "string"}, "incident_id": {"type": "string"}, "text": {"type": "string"},
                        "urgent": {"type": "boolean"}, "tags": {"type": "array"}},
         "required": ["channel", "incident_id", "text"],
+        "additionalProperties": False,
     }
     bound = post_status.bind(channel="#ops")
     assert "channel" not in bound.spec()["input_schema"]["properties"]
@@ -101,13 +103,58 @@ def test_refused_calls_are_reported_to_the_agent_and_nothing_is_enqueued(app: Ce
     @idempotent_tool(app, name=unique("deal"))
     def update_deal(deal_id: str, stage: str) -> None: ...
 
-    bad_email = email_tool(app)({"to": "ann@@example.com", "subject": "Hi", "text": "x", "event_id": "e1"},
-                                call_id="c1")
+    bad_email = email_tool(app).bind(event_id="e1")({"to": "ann@@example.com", "subject": "Hi", "text": "x"},
+                                                    call_id="c1")
     assert bad_email["status"] == "invalid"
     assert bad_email["error"]["type"] == "InvalidEmail" and bad_email["error"]["field"] == "to"
     unknown_argument = update_deal({"deal_id": "D-7", "stage": "won", "owner": "bob"}, call_id="c2")
     assert unknown_argument["status"] == "invalid" and unknown_argument["key"] is None
+    assert unknown_argument["error"]["type"] == "ToolArgumentError" and unknown_argument["error"]["field"] == "owner"
+    missing = update_deal({"deal_id": "D-7"}, call_id="c3")
+    assert missing["status"] == "invalid" and missing["error"]["field"] == "stage"
+    bound = update_deal.bind(deal_id="D-7")({"deal_id": "D-8", "stage": "won"}, call_id="c4")  # not the model's
+    assert bound["status"] == "invalid" and bound["error"]["field"] == "deal_id"
+    assert update_deal(["D-7", "won"], call_id="c5")["status"] == "invalid"  # type: ignore[arg-type]
     assert published == []
+
+
+APP_ONLY = {"bcc": "attacker@evil.example", "cc": "attacker@evil.example", "from_": "CEO <ceo@example.com>",
+            "tenant": "other-tenant", "template": "other", "event_id": "ticket-9-resolved-again",
+            "headers": {"X-Priority": "1"}, "tags": {"a": "b"},
+            "attachments": [{"filename": "a.txt", "content": "eA=="}], "owner": "bob"}
+
+
+@pytest.mark.parametrize("name", sorted(APP_ONLY))
+def test_email_tool_refuses_what_only_the_app_may_set_and_enqueues_nothing(
+        app: Celery, published: list[str], name: str) -> None:
+    """A prompt-injected model cannot copy the mail elsewhere, spoof the sender or change the intent key."""
+    reply = email_tool(app).bind(event_id="ticket-9-resolved", template="ticket_reply")
+    args = {"to": "ann@example.com", "subject": "Resolved", "text": "Fixed.", name: APP_ONLY[name]}
+    outcome = reply(args, call_id="c1")
+    assert outcome["status"] == "invalid" and outcome["key"] is None, outcome
+    assert outcome["error"] == {"type": "ToolArgumentError", "field": name, "message": outcome["error"]["message"]}
+    assert repr(name) in outcome["error"]["message"]
+    with pytest.raises(ToolArgumentError):
+        reply.key_for(args, call_id="c1")
+    assert published == []  # before_task_publish never fired: no message for the worker
+    assert name not in reply.spec()["input_schema"]["properties"]
+
+
+def test_email_tool_key_is_what_the_app_bound_whatever_the_model_may_set(app: Celery) -> None:
+    fixed = {"event_id": "ticket-9-resolved", "template": "ticket_reply", "tenant": "acme", "cc": "desk@example.com",
+             "from_": "Support <support@example.com>"}
+    reply = email_tool(app).bind(**fixed)
+    spec = reply.spec()["input_schema"]
+    assert set(spec["properties"]) == {"to", "subject", "text", "html", "reply_to"}
+    assert spec["required"] == ["to", "subject"] and spec["additionalProperties"] is False
+    assert set(email_tool(app).spec()["input_schema"]["properties"]) == {"to", "subject", "text", "html",
+                                                                         "reply_to"}  # never tenant, bcc, from_
+    key = reply.key_for({"to": "ann@example.com", "subject": "Resolved", "text": "Fixed."})
+    assert key == app.tasks[TASK_NAME].intent_key(to="ann@example.com", **fixed)
+    for wording in ({"subject": "Re: resolved", "html": "<p>Fixed</p>"}, {"text": "Really.", "reply_to": "x@e.com"}):
+        assert reply.key_for({"to": "Ann <ann@Example.com>", "subject": "Resolved", **wording}, call_id="c9") == key
+    other_tenant = email_tool(app).bind(**{**fixed, "tenant": "globex"})  # the app's tenant counts
+    assert other_tenant.key_for({"to": "ann@example.com", "subject": "Resolved", "text": "Fixed."}) != key
 
 
 def test_a_tool_without_a_result_backend_or_with_a_bad_key_is_a_configuration_error() -> None:
