@@ -84,7 +84,7 @@ def script(ticket: str) -> list[list[dict[str, Any]]]:
 
 
 def run_agent(tools: dict[str, IdempotentTool], turns: list[list[dict[str, Any]]],
-              timeouts: tuple[float, ...] = (0.5, 0.5, 15.0)) -> list[dict[str, Any]]:
+              timeouts: tuple[float, ...] = (0.5, 0.5, 30.0)) -> list[dict[str, Any]]:
     """The agent loop: each call is retried with the same id while its outcome is ``pending`` (one try per timeout)."""
     transcript = []
     for turn, calls in enumerate(turns, start=1):
@@ -100,6 +100,11 @@ def run_agent(tools: dict[str, IdempotentTool], turns: list[list[dict[str, Any]]
                 if outcome["status"] != "pending":
                     break
     return transcript
+
+
+def repeated(statuses: list[str]) -> bool:
+    """What a call asking again for what an earlier one did sees: ``pending`` while waiting, then ``duplicate``."""
+    return statuses[-1:] == ["duplicate"] and set(statuses[:-1]) <= {"pending"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,9 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"emails delivered: {len(emails)} {[e.subject for e in emails]}")
     print("keys: " + json.dumps({t["call"]: t["key"] for t in transcript if t["key"]}))
     statuses = {t["call"]: [u["status"] for u in transcript if u["call"] == t["call"]] for t in transcript}
-    ok = (len(crm) == 1 and len(slack) == 1 and len(emails) == 1
+    sent_per_key = [sum(t["status"] == "sent" for t in transcript if t["key"] == key)
+                    for key in {t["key"] for t in transcript if t["key"]}]
+    # On a busy machine a repeated call may still be waiting when its first 0.5 s runs out:
+    # "pending" and then "duplicate" is right, "sent" never is (that would be a second side effect).
+    ok = (len(crm) == 1 and len(slack) == 1 and len(emails) == 1 and max(sent_per_key) <= 1
           and statuses["call_1"][:2] == ["pending", "pending"] and statuses["call_3"] == ["invalid"]
-          and statuses["call_5"] == ["duplicate"] and statuses["call_6"] == ["duplicate"])
+          and all(repeated(statuses[call]) for call in ("call_5", "call_6")))
     print("RESULT: OK" if ok else "RESULT: FAILED")
     return 0 if ok else 1
 
