@@ -4,11 +4,18 @@ Routes (JSON in, JSON out):
 
 * ``POST /password-reset`` ``{"email"}``: ``send_email.delay()`` straight from the route. The
   form's nonce travels as the ``Idempotency-Key`` header, so a double-click or a client retry
-  repeats it: one email. An invalid address is a 400 with the typed error; nothing is enqueued.
+  repeats it: one email (the intent is that nonce and the address). An invalid address is a 400
+  with the typed error; nothing is enqueued. The link's token is random, made by the server, and
+  stored (as a SHA-256 digest) with the address it was made for, an expiry and a used flag;
+  ``POST /password-reset/<token>`` redeems it once. The nonce only de-duplicates the email:
+  it never goes into the link, so knowing it gives nothing.
 * ``POST /orders`` ``{"email", "total_cents"}``: the order and its confirmation are written in
   one transaction (the outbox): a request that fails after writing sends nothing.
   ``POST /orders/<id>/paid`` is the payment provider's webhook, delivered at least once: one
-  receipt. The relay task (on beat, every 2 s) publishes committed outbox rows.
+  receipt. It must carry ``X-Shop-Signature: sha256=<hex HMAC-SHA256(PAYMENT_WEBHOOK_SECRET, raw
+  body)>`` and a body ``{"order_id": <id>}`` (so a signed body cannot pay another order): else
+  401 (or 400), and nothing is written. The relay task (on beat, every 2 s) publishes committed
+  outbox rows.
 * ``POST /webhooks/inbound``: Postmark's inbound-email webhook (HTTP basic auth, checked with
   :func:`idemmail_celery.webhooks.verify`): the customer gets one auto-reply per inbound
   message, keyed on its ``MessageID``, however often Postmark delivers the event.
@@ -18,23 +25,30 @@ loopback, from the repository root::
 
     python -m idemmail_celery.testing --port 8025 &                          # the mail catcher
     export IDEMMAIL_PROVIDER_URL=http://127.0.0.1:8025 IDEMMAIL_PROVIDER_API_KEY=re_fake_test_key
+    export SHOP_DEV=1                                                        # dev-only webhook secrets (a warning)
     celery -A examples.flask_shop:celery worker -B &                         # worker and beat
     flask --app examples.flask_shop:app run --port 8000
     curl -X POST localhost:8000/password-reset -H 'Idempotency-Key: n-1' -d '{"email": "ann@example.com"}' \\
          -H 'Content-Type: application/json'
 
 Settings come from the environment (``examples/_stack.py``); ``SHOP_DATABASE_URL`` (default
-SQLite ``shop.sqlite3``) holds the orders and the outbox, ``INBOUND_WEBHOOK_SECRET``
-(``user:password``) guards the webhook, ``SHOP_SECRET_KEY`` signs reset links. Tested by
-``tests/integration/test_examples_web.py``.
+SQLite ``shop.sqlite3``) holds the orders, the reset tokens and the outbox;
+``INBOUND_WEBHOOK_SECRET`` (``user:password``) guards the inbound webhook and
+``PAYMENT_WEBHOOK_SECRET`` signs the payment one. The module refuses to load without the two
+secrets unless ``SHOP_DEV=1`` (then, with a warning, it uses values everyone knows: for a
+laptop only). Tested by ``tests/integration/test_examples_web.py``.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import hmac
+import json
 import os
+import secrets
 import uuid
+import warnings
 from typing import Any
 
 import sqlalchemy as sa
@@ -48,8 +62,24 @@ from idemmail_celery.outbox import enqueue_email, outbox_table, register_relay
 from idemmail_celery.webhooks import WebhookSignatureError, verify
 
 DATABASE_URL = os.environ.get("SHOP_DATABASE_URL", "sqlite:///shop.sqlite3")
-WEBHOOK_SECRET = os.environ.get("INBOUND_WEBHOOK_SECRET", "postmark:change-me")
-SECRET_KEY = os.environ.get("SHOP_SECRET_KEY", "dev-only-change-me")
+DEV_MODE = os.environ.get("SHOP_DEV", "").lower() in ("1", "true", "yes")
+RESET_LINK_LIFETIME = dt.timedelta(hours=1)
+
+
+def secret(name: str, dev_value: str) -> str:
+    """A secret from the environment; without one, refuse to start, unless in explicit dev mode (``SHOP_DEV=1``)."""
+    value = os.environ.get(name)
+    if value:
+        return value
+    if not DEV_MODE:
+        raise RuntimeError(f"set {name} (or SHOP_DEV=1 on a laptop, for a dev-only value everyone knows)")
+    warnings.warn(f"SHOP_DEV: {name} is the dev-only value {dev_value!r}; never run this way where others can reach",
+                  stacklevel=2)
+    return dev_value
+
+
+WEBHOOK_SECRET = secret("INBOUND_WEBHOOK_SECRET", "postmark:dev-only")
+PAYMENT_SECRET = secret("PAYMENT_WEBHOOK_SECRET", "payments-dev-only")
 
 # -- Celery: send_email, the outbox relay on beat --
 
@@ -70,6 +100,13 @@ orders = sa.Table(
     sa.Column("email", sa.String(255), nullable=False),
     sa.Column("total_cents", sa.Integer, nullable=False),
     sa.Column("paid", sa.Boolean, nullable=False, default=False),
+)
+password_resets = sa.Table(  # the token itself is only in the email; a stolen table row cannot reset anything
+    "password_resets", metadata,
+    sa.Column("token_sha256", sa.String(64), primary_key=True),
+    sa.Column("email", sa.String(255), nullable=False),
+    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("used", sa.Boolean, nullable=False, default=False),
 )
 outbox = outbox_table(metadata, name=celery.conf.get("idemmail_outbox_table") or "idemmail_outbox")
 for _attempt in range(3):  # the web and the worker may both create the tables at the same moment
@@ -99,15 +136,42 @@ def refused(exc: InvalidEmail) -> tuple[Any, int]:
     return jsonify(error=type(exc).__name__, field=exc.field, message=str(exc)), 400
 
 
+def sha256(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
 @app.post("/password-reset")
 def password_reset() -> tuple[Any, int]:
     email = str((request.get_json(silent=True) or {}).get("email", ""))
     # The form's nonce: a double-click or a retry sends it again. Without one, every request is a new intent.
-    nonce = request.headers.get("Idempotency-Key") or uuid.uuid4().hex
-    token = hmac.new(SECRET_KEY.encode(), nonce.encode(), hashlib.sha256).hexdigest()[:32]  # same nonce, same link
-    result = send_email.delay(to=email, subject="Reset your password", event_id=f"password-reset:{nonce}",
-                              template="password_reset", text=f"Reset it here: https://shop.example/reset/{token}")
+    # It de-duplicates the email (with the address: the intent is event_id, template and recipients) and
+    # is never part of the link.
+    nonce = (request.headers.get("Idempotency-Key") or uuid.uuid4().hex)[:128]
+    token = secrets.token_urlsafe(32)  # the server's random, stored for this address only
+    with Session(engine) as session, session.begin():  # an invalid address raises in delay(): no row is kept
+        session.execute(sa.insert(password_resets).values(
+            token_sha256=sha256(token), email=email, used=False,
+            expires_at=dt.datetime.now(dt.timezone.utc) + RESET_LINK_LIFETIME))
+        # A double-click stores two tokens; only the first request's email (and link) ships, the other never
+        # leaves the server and expires.
+        result = send_email.delay(to=email, subject="Reset your password", event_id=f"password-reset:{nonce}",
+                                  template="password_reset", text=f"Reset it here: https://shop.example/reset/{token}")
     return jsonify(task_id=result.id), 202
+
+
+@app.post("/password-reset/<token>")
+def redeem_password_reset(token: str) -> tuple[Any, int]:
+    """The link's target: valid once, before it expires, for the address it was made for."""
+    now = dt.datetime.now(dt.timezone.utc)
+    with Session(engine) as session, session.begin():
+        claimed = session.execute(
+            sa.update(password_resets)
+            .where(password_resets.c.token_sha256 == sha256(token), password_resets.c.used.is_(False),
+                   password_resets.c.expires_at > now)
+            .values(used=True).returning(password_resets.c.email)).scalar_one_or_none()
+    if claimed is None:
+        return jsonify(error="this link is unknown, used or expired"), 404
+    return jsonify(email=claimed), 200  # a real shop now asks for the new password of this account
 
 
 @app.post("/orders")
@@ -124,8 +188,22 @@ def create_order() -> tuple[Any, int]:
     return jsonify(order_id=order_id), 201
 
 
+def signature(body: bytes) -> str:
+    """The payment webhook's ``X-Shop-Signature`` for ``body`` (what the payment provider sends)."""
+    return "sha256=" + hmac.new(PAYMENT_SECRET.encode(), body, hashlib.sha256).hexdigest()
+
+
 @app.post("/orders/<int:order_id>/paid")
 def order_paid(order_id: int) -> tuple[Any, int]:
+    body = request.get_data()
+    if not hmac.compare_digest(request.headers.get("X-Shop-Signature", "").encode(), signature(body).encode()):
+        return jsonify(error="missing or wrong X-Shop-Signature"), 401
+    try:
+        signed_id = json.loads(body).get("order_id")
+    except (ValueError, AttributeError):
+        signed_id = None
+    if signed_id != order_id:  # the signature covers the body, not the URL
+        return jsonify(error="the signed body is not about this order"), 400
     with Session(engine) as session, session.begin():
         order = session.execute(sa.select(orders).where(orders.c.id == order_id)).one()
         session.execute(sa.update(orders).where(orders.c.id == order_id).values(paid=True))
@@ -138,7 +216,7 @@ def order_paid(order_id: int) -> tuple[Any, int]:
 @app.post("/webhooks/inbound")
 def inbound_email() -> tuple[Any, int]:
     try:
-        verify("postmark", request.headers, request.get_data(), secret=WEBHOOK_SECRET)
+        verify("postmark", dict(request.headers), request.get_data(), secret=WEBHOOK_SECRET)
     except WebhookSignatureError as exc:
         return jsonify(error=str(exc)), 401
     event = request.get_json(force=True)

@@ -5,8 +5,9 @@ and every option exist, the beat scheduler imports; ``flask --app`` names a Flas
 ``python -m`` modules run (the mail catcher is started and sent an email). Environment: every
 ``IDEMMAIL_*`` variable is a setting the package reads and lands in ``app.conf``; every other
 variable is read by the package, the examples or the library named for it. URLs point at
-services on the ports they listen on; host ports do not collide; ``depends_on`` names exist;
-the build context, the Dockerfile and what it copies and installs exist.
+services on the ports they listen on; host ports are bound to loopback and do not collide;
+Flower's API asks for a password; ``depends_on`` names exist; the build context, the Dockerfile
+and what it copies and installs exist.
 """
 
 from __future__ import annotations
@@ -145,6 +146,21 @@ def test_web_command_names_a_flask_app_and_run_options_that_exist(compose_env: d
     assert set(options_in(command[4:])) <= option_names(flask.cli.run_command.params)
 
 
+@pytest.mark.parametrize("missing", ["INBOUND_WEBHOOK_SECRET", "PAYMENT_WEBHOOK_SECRET"])
+def test_the_shop_refuses_to_start_without_its_secrets_unless_in_dev_mode(
+        compose_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, missing: str) -> None:
+    assert "SHOP_DEV" not in compose_env  # the stack sets real (local) secrets, not dev mode
+    monkeypatch.delenv(missing)
+    monkeypatch.delenv("SHOP_DEV", raising=False)
+    with pytest.raises(RuntimeError, match=missing):
+        importlib.import_module("examples.flask_shop")
+    sys.modules.pop("examples.flask_shop", None)
+    monkeypatch.setenv("SHOP_DEV", "1")
+    with pytest.warns(UserWarning, match=f"{missing} is the dev-only value"):
+        shop = importlib.import_module("examples.flask_shop")
+    assert "dev-only" in (shop.WEBHOOK_SECRET if missing.startswith("INBOUND") else shop.PAYMENT_SECRET)
+
+
 def test_every_idemmail_variable_is_a_real_setting_and_reaches_app_conf(compose_env: dict[str, str]) -> None:
     known = settings_the_package_reads()
     assert {"idemmail_ledger_url", "idemmail_provider_url", "idemmail_metrics_port"} <= known  # the scan works
@@ -188,11 +204,12 @@ def test_urls_point_at_services_on_the_ports_they_listen_on() -> None:
     assert urls >= 6
 
 
-def test_ports_do_not_collide_and_dependencies_exist() -> None:
+def test_ports_are_loopback_only_do_not_collide_and_dependencies_exist() -> None:
     host_ports: list[str] = []
     for name, service in SERVICES.items():
         for mapping in service.get("ports") or []:
-            host, container = str(mapping).split(":")
+            address, host, container = str(mapping).split(":")  # "8025:8025" would listen on every interface
+            assert address == "127.0.0.1", (name, mapping)
             host_ports.append(host)
             if name != "worker":
                 assert int(container) == listening_port(name), (name, mapping)
@@ -200,9 +217,19 @@ def test_ports_do_not_collide_and_dependencies_exist() -> None:
             assert dependency in SERVICES and dependency != name, (name, dependency)
     assert len(host_ports) == len(set(host_ports)), host_ports
     worker = SERVICES["worker"]
-    assert f"{worker['environment']['IDEMMAIL_METRICS_PORT']}:" in " ".join(worker["ports"])
+    assert f":{worker['environment']['IDEMMAIL_METRICS_PORT']}:" in " ".join(worker["ports"])
+    assert host_ports, "no published ports: the README's URLs would not answer"
     for volume in [v.split(":")[0] for s in SERVICES.values() for v in s.get("volumes") or []]:
         assert volume in COMPOSE["volumes"], volume
+
+
+def test_flower_api_needs_a_password() -> None:
+    """Flower's API applies any task by name (send_email included): open, anyone who reaches it sends mail."""
+    flower = SERVICES["flower"]
+    assert "FLOWER_UNAUTHENTICATED_API" not in (flower.get("environment") or {})
+    assert "FLOWER_UNAUTHENTICATED_API" not in (SERVICES["web"].get("environment") or {})  # the shared block
+    credentials = [a.split("=", 1)[1] for a in flower["command"] if a.startswith(("--basic-auth=", "--auth="))]
+    assert credentials and all(c.strip() for c in credentials), flower["command"]
 
 
 def test_mail_catcher_command_runs_and_shows_what_it_accepted() -> None:

@@ -5,8 +5,11 @@ de-duplicate, so every delivery it counts is one the library let through."""
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import importlib
 import json
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ from ..conftest import POSTGRES_URL, REDIS_URL, service_missing, unique, wait_fo
 from .conftest import results
 
 WEBHOOK_SECRET = "postmark:s3cret"
+PAYMENT_SECRET = "payments-s3cret"
 
 
 @dataclass
@@ -36,6 +40,7 @@ class Shop:
     ledger: Ledger
     published: list[str] = field(default_factory=list)
     task_ids: list[str] = field(default_factory=list)
+    sent_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)  # task id: send_email's kwargs
 
     def post(self, path: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> Any:
         reply = self.module.app.test_client().post(path, json=body or {}, headers=headers or {})
@@ -46,6 +51,19 @@ class Shop:
     def outcomes(self, replies: list[Any]) -> list[dict[str, Any]]:
         """What each reply's task ended with (waits for all of them: no later delivery can follow)."""
         return results([AsyncResult(r.json["task_id"], app=self.module.celery) for r in replies], timeout=30)
+
+    def paid(self, order_id: int, *, secret: str | None = PAYMENT_SECRET, body: bytes | None = None) -> Any:
+        """The payment provider's webhook, signed with ``secret`` (None: unsigned)."""
+        raw = json.dumps({"order_id": order_id}).encode() if body is None else body
+        headers = {"Content-Type": "application/json"}
+        if secret is not None:
+            headers["X-Shop-Signature"] = "sha256=" + hmac.new(secret.encode(), raw, hashlib.sha256).hexdigest()
+        return self.module.app.test_client().post(f"/orders/{order_id}/paid", data=raw, headers=headers)
+
+    def reset_token(self, task_id: str) -> str:
+        match = re.search(r"/reset/(\S+)$", self.sent_kwargs[task_id]["text"])
+        assert match, self.sent_kwargs[task_id]
+        return match.group(1)
 
     def key(self, **email: Any) -> str:
         return str(self.module.send_email.intent_key(**email))
@@ -73,7 +91,7 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
         "IDEMMAIL_KEY_SECRET": "test-secret", "IDEMMAIL_PROVIDER_URL": fake.url,
         "IDEMMAIL_PROVIDER_API_KEY": DEFAULT_API_KEY, "IDEMMAIL_INFLIGHT_BACKOFF": "0.2",
         "IDEMMAIL_INFLIGHT_BACKOFF_MAX": "1", "SHOP_DATABASE_URL": db_url.render_as_string(hide_password=False),
-        "INBOUND_WEBHOOK_SECRET": WEBHOOK_SECRET,
+        "INBOUND_WEBHOOK_SECRET": WEBHOOK_SECRET, "PAYMENT_WEBHOOK_SECRET": PAYMENT_SECRET,
     }
     previous = current_app._get_current_object()
     with pytest.MonkeyPatch.context() as mp:
@@ -83,8 +101,10 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
         module = importlib.import_module("examples.flask_shop")  # creates the tables before the worker starts
     shop = Shop(module, fake, from_url(REDIS_URL, prefix=f"led.{ns}"))
 
-    def count(sender: Any = None, headers: Any = None, **_: Any) -> None:
+    def count(sender: Any = None, headers: Any = None, body: Any = None, **_: Any) -> None:
         shop.published.append(str(sender))
+        if str(sender).endswith("send_email") and headers and isinstance(body, (list, tuple)):
+            shop.sent_kwargs[headers["id"]] = dict(body[1])
 
     before_task_publish.connect(count, weak=False)
     try:
@@ -121,6 +141,26 @@ def test_double_clicked_password_reset_sends_one_email(shop: Shop) -> None:
     record = shop.ledger.get(key)
     assert record is not None and record.state is State.SENT
 
+    # The link: the server's random token, good once, for ann only.
+    shipped = next(r.json["task_id"] for r, o in zip(replies, outcomes, strict=True) if o["status"] == "sent")
+    token = shop.reset_token(shipped)
+    redeem = shop.module.app.test_client().post
+    assert redeem(f"/password-reset/{token}").json == {"email": "ann@example.com"}
+    assert redeem(f"/password-reset/{token}").status_code == 404  # used
+    assert redeem("/password-reset/" + "A" * 43).status_code == 404
+
+
+def test_knowing_anothers_nonce_gives_a_link_for_ones_own_address_only(shop: Shop) -> None:
+    """The nonce de-duplicates; it never made the link. Same nonce, other address: another email, another token."""
+    ann = shop.post("/password-reset", {"email": "ann@example.com"}, {"Idempotency-Key": "nonce-3"})
+    mallory = shop.post("/password-reset", {"email": "mallory@example.com"}, {"Idempotency-Key": "nonce-3"})
+    assert sorted(o["status"] for o in shop.outcomes([ann, mallory])) == ["sent", "sent"]  # two intents
+    assert shop.key(to="ann@example.com", event_id="password-reset:nonce-3", template="password_reset") != shop.key(
+        to="mallory@example.com", event_id="password-reset:nonce-3", template="password_reset")
+    tokens = [shop.reset_token(r.json["task_id"]) for r in (ann, mallory)]
+    assert tokens[0] != tokens[1]
+    assert shop.module.app.test_client().post(f"/password-reset/{tokens[1]}").json == {"email": "mallory@example.com"}
+
 
 def test_invalid_address_is_a_400_with_the_typed_error_and_nothing_enqueued(shop: Shop) -> None:
     before = len(shop.published)
@@ -138,7 +178,15 @@ def test_outbox_order_and_email_commit_together_and_a_thrice_delivered_payment_s
     failed = shop.post("/orders", {"email": "cat@example.com", "total_cents": 900, "simulate_failure": True})
     assert (ann.status_code, failed.status_code) == (201, 503)
     order_id = ann.json["order_id"]
-    assert [shop.post(f"/orders/{order_id}/paid").status_code for _ in range(3)] == [200, 200, 200]
+    forged = [shop.paid(order_id, secret=None), shop.paid(order_id, secret="guessed"),
+              shop.post(f"/orders/{order_id}/paid")]
+    assert [r.status_code for r in forged] == [401, 401, 401]
+    signed_for_another = shop.paid(order_id, body=json.dumps({"order_id": order_id + 1}).encode())
+    assert signed_for_another.status_code == 400
+    with module.engine.connect() as conn:  # refused: the order is not paid, no receipt waits in the outbox
+        assert conn.execute(sa.select(module.orders.c.paid).where(module.orders.c.id == order_id)).scalar_one() is False
+        assert conn.execute(sa.select(sa.func.count()).select_from(module.outbox)).scalar_one() == 1  # confirmation
+    assert [shop.paid(order_id).status_code for _ in range(3)] == [200, 200, 200]
     assert len(shop.published) == before  # the requests only wrote rows; the relay publishes
 
     module.celery.tasks["idemmail_celery.outbox_relay"].delay()  # what beat runs every 2 s, run by the worker
