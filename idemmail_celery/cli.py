@@ -17,7 +17,9 @@ or without Celery's loader: ``python -m idemmail_celery --ledger-url redis://...
 
 Keys are hashes; payloads (personal data) are printed only with ``show --payload``.
 ``init`` and ``ack-loss`` concern the Redis ledger's epoch markers (loss detection, see the
-README's "Ledger loss"); SQL ledgers are durable stores and keep none.
+README's "Ledger loss"); SQL ledgers are durable stores and keep none. They are the only
+commands that write markers: the others build the ledger ``passive``, so that looking at an
+emptied store never starts a new epoch on it (``auto_init``) nor flags it lost.
 
 Exit codes: 0 done, 2 unknown key, 3 illegal transition, 4 ledger unreachable,
 5 (``stats``) the ledger is lost and waits for ``ack-loss``, 6 a record is sealed with a
@@ -45,7 +47,7 @@ from .errors import (
     RecordNotFoundError,
 )
 from .keys import Payload
-from .ledger import Ledger, Record, State, from_url
+from .ledger import Ledger, Record, State, backend_for, from_url
 from .task import KEY_HEADER
 
 EXIT_UNKNOWN_KEY, EXIT_ILLEGAL, EXIT_UNREACHABLE, EXIT_LOST, EXIT_PAYLOAD_KEY = 2, 3, 4, 5, 6
@@ -66,9 +68,18 @@ class _Ctx:
             if not url:
                 raise click.UsageError("no ledger: pass --ledger-url or use -A with idemmail_ledger_url set")
             # The app's retention, keep_payload and payload keys (to open sealed records), then --prefix/--table.
-            options = {**Settings.resolve(conf, None).ledger_kwargs(), **self.overrides}
+            options = {**Settings.resolve(conf, None).ledger_kwargs(), **self.overrides, **passive_options(url)}
             self._ledger = from_url(url, **options)
         return self._ledger
+
+
+def passive_options(url: str) -> dict[str, Any]:
+    """Options that keep a ledger from writing epoch markers (Redis: ``passive``), for reads and metrics.
+
+    An operator's look at the ledger must not start a new epoch on an emptied store, nor flag
+    one lost: only ``ledger init`` and ``ledger ack-loss`` write markers.
+    """
+    return {"passive": True} if callable(getattr(backend_for(url), "loss_status", None)) else {}
 
 
 def _fail(code: int, message: str) -> None:

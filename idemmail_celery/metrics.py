@@ -224,11 +224,14 @@ def serve(port: int, addr: str = "0.0.0.0", app: Any = None) -> Any:
 
 def _app_ledger(app: Any) -> Callable[[], Any]:
     def ledger() -> Any:
+        from .cli import passive_options
         from .config import Settings
         from .task import get_ledger
 
         s = Settings.resolve(app.conf, None)
-        return get_ledger(s.ledger_url, {"retention_seconds": s.retention_seconds, **s.ledger_options})
+        # Passive: a scrape reads the markers and never writes them (no new epoch on an emptied store).
+        return get_ledger(s.ledger_url, {"retention_seconds": s.retention_seconds, **s.ledger_options,
+                                         **passive_options(s.ledger_url)})
 
     return ledger
 

@@ -6,9 +6,11 @@ that prefix's keys (all of them, or one bucket's), never FLUSHDB.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,9 +28,9 @@ from .conftest import REDIS_URL, service_missing, unique
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def req(key: str) -> ClaimRequest:
+def req(key: str, lease: float = 30.0, owner: str | None = None) -> ClaimRequest:
     return ClaimRequest(key=key, task_name="t.send", payload='{"args":[],"kwargs":{}}', fingerprint="f" * 64,
-                        lease_seconds=30.0)
+                        lease_seconds=lease, **({"owner": owner} if owner else {}))
 
 
 def open_ledger(prefix: str, url: str = REDIS_URL, **options: Any) -> RedisLedger:
@@ -79,6 +81,17 @@ def key_in_bucket(led: RedisLedger, bucket: int, n: int = 0) -> str:
     return found[n]
 
 
+def seen_lost(prefix: str) -> RedisLedger:
+    """A worker that sent ``k``, then met the store emptied (and flagged it lost)."""
+    led = open_ledger(prefix)
+    c = led.claim(req("k"))
+    led.complete("k", c.token, {"message_id": "m"})
+    wipe(led)
+    with pytest.raises(LedgerLostError):
+        led.claim(req("k"))
+    return led
+
+
 def test_claim_after_a_flush_is_refused_and_writes_nothing(prefix: str) -> None:
     led = open_ledger(prefix)
     c = led.claim(req("k"))
@@ -110,12 +123,7 @@ def test_finish_and_renew_on_a_lost_store_do_not_recreate_the_record(prefix: str
 
 
 def test_ack_loss_via_the_cli_lets_claims_through_and_forgets_the_old_intents(prefix: str) -> None:
-    led = open_ledger(prefix)
-    c = led.claim(req("k"))
-    led.complete("k", c.token, {"message_id": "m"})
-    wipe(led)
-    with pytest.raises(LedgerLostError):
-        led.claim(req("k"))
+    led = seen_lost(prefix)
     other = open_ledger(prefix)  # another worker, started after the loss
     stats = cli(led, "ledger", "stats")
     assert stats.exit_code == EXIT_LOST and "LOST" in stats.output, stats.output
@@ -192,14 +200,146 @@ def test_losing_one_bucket_is_detected_by_the_running_worker_first(prefix: str) 
 
 def test_a_batch_that_meets_a_lost_bucket_hands_back_what_it_took(prefix: str) -> None:
     led = open_ledger(prefix)
+    fresh, released, expired, sent, live, gone = (key_in_bucket(led, b) for b in (0, 1, 3, 4, 5, 2))
     led.claim(req(key_in_bucket(led, 2, 5)))
+    c = led.claim(req(released))
+    led.release(released, c.token)
+    led.claim(req(expired, lease=0.05))  # its holder vanished: it may have sent
+    c = led.claim(req(sent))
+    led.complete(sent, c.token, {"message_id": "m"})
+    live_token = led.claim(req(live, owner="other")).token
+    time.sleep(0.1)
     wipe(led, bucket=2)
-    batch = [key_in_bucket(led, b) for b in range(6)]
     with pytest.raises(LedgerLostError):
-        led.claim_many([req(k) for k in batch])
-    for k in batch:
+        led.claim_many([req(k) for k in (fresh, released, expired, sent, live, gone)])
+    # Nothing was sent under what the batch took: acquired and reopened claims are handed back.
+    for k in (fresh, released):
         record = led.get(k)
-        assert record is None or record.state is State.RELEASED, (k, record)
+        assert record is not None and record.state is State.RELEASED, (k, record)
+        assert record.error is not None and record.error["reason"] == "batch_met_lost_ledger"
+    # A reclaimed claim is not released (the next claim would reopen it and send): it stays
+    # claimed, its lease ended, for the next claim to reclaim and the reclaim rules to decide.
+    record = led.get(expired)
+    assert record is not None and record.state is State.CLAIMED and record.reclaims == 1, record
+    assert record.lease_expires_at is not None and record.lease_expires_at <= time.time()
+    assert (r := led.get(sent)) is not None and r.state is State.SENT
+    assert (r := led.get(live)) is not None and r.state is State.CLAIMED and r.token == live_token
+    assert r.owner == "other" and (r.lease_expires_at or 0) > time.time()
+    assert led.get(gone) is None
+    # After the acknowledgement the next claims see the same thing.
+    open_ledger(prefix).acknowledge_loss(note="bucket 2 lost", actor="test")
+    assert led.claim(req(expired)).status is ClaimStatus.RECLAIMED
+    assert led.claim(req(fresh)).status is ClaimStatus.REOPENED
+    assert led.claim(req(sent)).status is ClaimStatus.DONE
+    assert led.claim(req(gone)).status is ClaimStatus.ACQUIRED
+
+
+def test_a_process_that_saw_the_loss_remembers_it_when_the_store_is_emptied_again(prefix: str) -> None:
+    led = seen_lost(prefix)
+    assert open_ledger(prefix).loss_status()["state"] == "lost"
+    wipe(led)  # an empty restart again: the lost flags go with everything else, the store looks new
+    with pytest.raises(LedgerLostError, match="every epoch marker is gone"):
+        led.claim(req("k"))
+    with pytest.raises(LedgerLostError):
+        led.claim_many([req("k"), req("k2")])
+    assert not any(":r:" in n or ":i:" in n for n in names(led))
+    assert open_ledger(prefix).loss_status()["state"] == "lost"  # flagged again: others stop too
+    open_ledger(prefix).acknowledge_loss(note="emptied twice; checked", actor="test")
+    assert led.claim(req("k")).status is ClaimStatus.ACQUIRED  # an operator decided
+
+
+def test_a_process_that_saw_the_loss_refuses_an_unacknowledged_fresh_epoch(prefix: str) -> None:
+    led = seen_lost(prefix)
+    wipe(led)
+    fresh = open_ledger(prefix)  # started after the second emptying: the documented limit
+    assert fresh.claim(req("b")).status is ClaimStatus.ACQUIRED
+    with pytest.raises(LedgerLostError):
+        led.claim(req("k"))
+    with pytest.raises(LedgerLostError):
+        fresh.claim(req("c"))
+    assert led.get("k") is None
+
+
+def test_read_only_cli_commands_never_start_an_epoch_on_an_emptied_store(prefix: str) -> None:
+    strict = open_ledger(prefix, auto_init=False)
+    assert cli(strict, "ledger", "init").exit_code == 0
+    c = strict.claim(req("k"))
+    strict.complete("k", c.token, {"message_id": "m"})
+    wipe(strict)  # emptied while no worker ran
+    stats = cli(strict, "ledger", "stats", "--json")
+    assert stats.exit_code == 0, stats.output
+    assert json.loads(stats.output)["epoch"]["state"] == "new"
+    assert cli(strict, "ledger", "stats").exit_code == 0
+    listed = cli(strict, "ledger", "list")
+    assert listed.exit_code == 0 and listed.output == "", listed.output
+    assert cli(strict, "ledger", "show", "k").exit_code == 2
+    assert cli(strict, "ledger", "purge", "--expired").exit_code == 0
+    assert not names(strict), names(strict)  # not a marker written
+    with pytest.raises(LedgerLostError, match="not initialised"):
+        open_ledger(prefix, auto_init=False).claim(req("k"))
+    # The same as the reviewer ran it: a separate process.
+    kw = strict.client.connection_pool.connection_kwargs
+    url = f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
+    done = subprocess.run([sys.executable, "-m", "idemmail_celery", "--ledger-url", url, "--prefix", prefix,
+                           "ledger", "stats"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "none yet" in done.stdout, (done.stdout, done.stderr)
+    assert not names(strict)
+    with pytest.raises(LedgerLostError, match="not initialised"):
+        open_ledger(prefix, auto_init=False).claim(req("k"))
+
+
+def test_read_only_cli_commands_on_a_lost_store_report_and_write_no_flag(prefix: str) -> None:
+    led = open_ledger(prefix)
+    kept = key_in_bucket(led, 0)
+    for k in (kept, key_in_bucket(led, 3)):
+        c = led.claim(req(k))
+        led.complete(k, c.token, {"message_id": "m"})
+    wipe(led, bucket=3)
+    before = {n: led.client.hgetall(n) for n in names(led) if n.endswith(":epoch")}
+    stats = cli(led, "ledger", "stats")
+    assert stats.exit_code == EXIT_LOST and "buckets 3 lost" in stats.output, stats.output
+    listed = cli(led, "ledger", "list", "--state", "sent")
+    assert listed.exit_code == 0 and kept in listed.output, listed.output
+    shown = cli(led, "ledger", "show", kept)
+    assert shown.exit_code == 0 and json.loads(shown.output)["state"] == "sent", shown.output
+    after = {n: led.client.hgetall(n) for n in names(led) if n.endswith(":epoch")}
+    assert after == before  # no lost flag: a look is not a decision
+    assert not any(m.get("lost") for m in after.values())
+
+
+def test_the_metrics_scrape_never_starts_an_epoch(prefix: str) -> None:
+    from idemmail_celery.metrics import RecordsCollector, _app_ledger
+
+    strict = open_ledger(prefix, auto_init=False)
+    app = type("App", (), {"conf": {"idemmail_ledger_url": REDIS_URL,
+                                    "idemmail_ledger_options": {"prefix": prefix, "auto_init": False}}})()
+    counts = RecordsCollector(_app_ledger(app), ttl=0).counts()
+    assert counts == {"claimed": 0, "released": 0, "review": 0}, counts  # read, and reported
+    assert not names(strict)
+    # Also with auto_init on (the default): a scrape is not a worker.
+    app.conf["idemmail_ledger_options"] = {"prefix": prefix}
+    assert RecordsCollector(_app_ledger(app), ttl=0).counts() is not None
+    assert not names(strict)
+    with pytest.raises(LedgerLostError, match="not initialised"):
+        strict.claim(req("k"))
+
+
+def test_a_store_in_the_pre_bucket_layout_is_refused(prefix: str) -> None:
+    led = open_ledger(prefix)
+    # What an older version left: <prefix>:r:<key> and <prefix>:i:<state>, no buckets, no markers.
+    led.client.hset(f"{prefix}:r:k", mapping={"task": "t.send", "state": "sent", "token": 1, "fp": "f" * 64})
+    led.client.zadd(f"{prefix}:i:sent", {"k": time.time() + 3600})
+    with pytest.raises(UnsafeLedgerError, match=r"pre-bucket layout.*new `prefix`"):
+        led.claim(req("k"))
+    with pytest.raises(UnsafeLedgerError, match="pre-bucket"):
+        open_ledger(prefix, auto_init=False).claim(req("k"))
+    out = cli(led, "ledger", "init")
+    assert out.exit_code != 0 and "pre-bucket" in out.output, out.output
+    assert not any(n.endswith(":epoch") for n in names(led))  # no epoch was started over the old records
+    led.client.delete(f"{prefix}:i:sent")
+    led.client.zadd(f"{prefix}:i:review", {"k2": time.time()})  # any old index counts
+    with pytest.raises(UnsafeLedgerError, match="pre-bucket"):
+        open_ledger(prefix).claim(req("k2"))
 
 
 def test_a_worker_that_started_afresh_after_the_flush_is_stopped_by_one_that_held_the_epoch(prefix: str) -> None:

@@ -268,6 +268,75 @@ def test_a_shard_restarted_empty_stops_every_worker_until_acknowledged(tmp_path:
         cluster.stop()
 
 
+def _batch_across(led: RedisLedger, victim: int, n_other: int = 4) -> tuple[list[str], list[str]]:
+    """Fresh keys of this test: one on the ``victim`` node's port, ``n_other`` on the other nodes."""
+    cands = [f"nb{i}" for i in range(200)]
+    on = {k: led.client.get_node_from_key(led._rec(k)).port for k in cands}
+    return [k for k in cands if on[k] == victim][:1], [k for k in cands if on[k] != victim][:n_other]
+
+
+def test_a_batch_a_node_refuses_hands_back_what_the_other_nodes_took(ledger: Ledger, redis_cluster: Cluster) -> None:
+    assert isinstance(ledger, RedisLedger)
+    victim = redis_cluster.ports[2]
+    on_victim, others = _batch_across(ledger, victim)
+    fresh, released, expired, sent = others
+    c = ledger.claim(req(released))
+    ledger.release(released, c.token)
+    ledger.claim(req(expired, lease=0.05))
+    c = ledger.claim(req(sent))
+    ledger.complete(sent, c.token, {"message_id": "m"})
+    time.sleep(0.1)
+    node = redis.Redis(host="127.0.0.1", port=victim)
+    node.config_set("maxmemory", 1)  # the node refuses every write (OOM) while the others run the batch
+    try:
+        with pytest.raises(redis.ResponseError, match="maxmemory"):
+            ledger.claim_many([req(k) for k in [*on_victim, fresh, released, expired, sent]])
+    finally:
+        node.config_set("maxmemory", 0)
+    assert ledger.get(on_victim[0]) is None
+    for k in (fresh, released):  # nothing was sent under them: handed back
+        record = ledger.get(k)
+        assert record is not None and record.state is State.RELEASED, (k, record)
+        assert record.error is not None and record.error["reason"] == "batch_met_failed_node"
+    record = ledger.get(expired)  # reclaimed: left claimed with its lease ended, for the reclaim rules
+    assert record is not None and record.state is State.CLAIMED and record.reclaims == 1, record
+    assert (record.lease_expires_at or 0) <= time.time()
+    assert ledger.claim(req(expired)).status is ClaimStatus.RECLAIMED
+    assert (r := ledger.get(sent)) is not None and r.state is State.SENT
+
+
+def test_a_node_stopped_mid_batch_leaves_no_claim_held_on_the_others(tmp_path: Path) -> None:
+    # A cluster of its own: one node is frozen (SIGSTOP) after the batch is written to it, so its
+    # reply never comes while the other nodes ran their claims. About 3 s (cluster start, 0.5 s timeout).
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from idemmail_celery.errors import LedgerUnavailableError
+
+    cluster = Cluster(tmp_path)
+    victim = cluster.ports[1]
+    try:
+        led = from_url(cluster.url, prefix=unique("stop"), socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+        assert isinstance(led, RedisLedger)
+        led.claim_many([req(f"warm{i}") for i in range(32)])  # a connection to every node
+        on_victim, others = _batch_across(led, victim)
+        cluster.procs[victim].send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(LedgerUnavailableError):
+                led.claim_many([req(k) for k in [*on_victim, *others]])
+        finally:
+            cluster.procs[victim].send_signal(signal.SIGCONT)
+        for k in others:
+            record = led.get(k)
+            assert record is not None and record.state is State.RELEASED, (k, record)
+        # The frozen node ran its claim when it woke: nobody can know, so it is left to its lease.
+        record = led.get(on_victim[0])
+        assert record is None or record.state is State.CLAIMED
+        led.close()
+    finally:
+        cluster.stop()
+
+
 # -- Sentinel --
 
 

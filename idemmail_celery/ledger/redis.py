@@ -23,8 +23,19 @@ nothing, when the bucket's marker is missing, different, or flagged lost. The
 process then reads every marker again: an epoch an operator acknowledged (``ledger
 ack-loss``) is adopted; anything else raises :class:`LedgerLostError` (a
 :class:`LedgerUnavailableError`, so tasks fail closed and retry) and flags every
-marker lost, so processes that start later stop too. What is detected and what
-is not is in :meth:`RedisLedger.loss_status` and the README ("Ledger loss").
+marker lost, so processes that start later stop too. A process that has seen a
+loss remembers it: from then on it accepts only an epoch an operator acknowledged,
+never a "new" store (emptied again, flags and all) nor an unacknowledged fresh
+epoch. What is detected and what is not is in :meth:`RedisLedger.loss_status` and
+the README ("Ledger loss").
+
+Operator tools and the metrics scrape build the ledger ``passive``: they read the
+markers and never write them (no ``auto_init``, no lost flags); only
+:meth:`~RedisLedger.init_store` and :meth:`~RedisLedger.acknowledge_loss` do.
+
+**Old layout.** Versions before the buckets kept ``<prefix>:r:<key>`` and
+``<prefix>:i:<state>``. This version would not see those records, so at first use
+it looks for the old index keys and refuses (:class:`UnsafeLedgerError`) if any exist.
 
 The store must not evict keys: an evicted ``sent`` record reopens its key and
 the next duplicate sends again. At first use the ledger reads
@@ -279,7 +290,9 @@ class RedisLedger(Ledger):
     buckets, default 16; fixed for the life of a ledger), ``retention_seconds``,
     ``auto_init`` (default True: a process that finds no markers and no records starts a
     new ledger; False requires ``idemmail ledger init`` first, which tells a store emptied
-    while no worker ran from a new one), ``allow_eviction`` (accept an evicting
+    while no worker ran from a new one), ``passive`` (default False: never write epoch
+    markers, neither ``auto_init`` nor lost flags; for operator reads and metrics, which
+    report what the markers say), ``allow_eviction`` (accept an evicting
     ``maxmemory-policy``; unsafe), ``keep_payload`` (keep the first payload after
     ``sent``, for audit), ``master_name`` (Sentinel), and any redis-py client keyword
     (timeouts default to 5 s).
@@ -293,6 +306,7 @@ class RedisLedger(Ledger):
         buckets: int = DEFAULT_BUCKETS,
         retention_seconds: float = DEFAULT_RETENTION_SECONDS,
         auto_init: bool = True,
+        passive: bool = False,
         allow_eviction: bool = False,
         keep_payload: bool = False,
         master_name: str | None = None,
@@ -310,10 +324,15 @@ class RedisLedger(Ledger):
         self.prefix = prefix
         self.buckets = buckets
         self.auto_init = bool(auto_init) if not isinstance(auto_init, str) else auto_init.lower() == "true"
+        self.passive = bool(passive)
         self.allow_eviction = allow_eviction
         self._checked = False
         self._check_lock = threading.Lock()
         self._epoch: str | None = None  # the epoch this process holds; None before the check or while lost
+        # Once this process has seen the ledger lost: the epoch it held then ("" if none). From then on
+        # only an epoch an operator acknowledged is accepted, whatever the markers say (emptied again,
+        # flags and all, looks "new"). Cleared when an acknowledged epoch is adopted.
+        self._dead_epoch: str | None = None
         self._lost_reason = ""
         self._claim = self.client.register_script(_CLAIM)
         self._finish_script = self.client.register_script(_FINISH)
@@ -384,8 +403,23 @@ class RedisLedger(Ledger):
                     f"Redis maxmemory-policy is {bad[0]!r}: evicted ledger records would reopen "
                     "their keys and re-send. Set it to 'noeviction' (or pass allow_eviction=True)."
                 )
+            self._check_layout()
             self._look(expected=None)
             self._checked = True
+
+    def _check_layout(self) -> None:
+        """Refuse a store that still holds the pre-bucket key layout (one pipeline, at first use)."""
+        old = [f"{self.prefix}:i:{s.value}" for s in _STATES]
+        found = [name for name, n in zip(old, self._pipeline([("exists", (name,)) for name in old]), strict=True)
+                 if int(n)]
+        if found:
+            raise UnsafeLedgerError(
+                f"Redis ledger prefix {self.prefix!r} holds keys of the old, pre-bucket layout ({', '.join(found)}): "
+                f"this version keeps records under {self.prefix}:{{bb}}:r:<key> and would not see them, so every "
+                "intent recorded there would look new and send again. Drain the old ledger first (stop the old "
+                "workers, let its claims and reviews be resolved and its sent records expire, delete the old keys), "
+                "or give this version a new `prefix`."
+            )
 
     def _config_get(self, name: str) -> list[str]:
         """The setting on every server holding ledger keys (every primary of a cluster)."""
@@ -410,24 +444,29 @@ class RedisLedger(Ledger):
         except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
             raise LedgerUnavailableError(f"Redis ledger unreachable: {exc}") from exc
 
-    def _run_scripts(self, script: Any, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
+    def _run_scripts(self, script: Any, calls: Sequence[tuple[list[str], list[Any]]], *,
+                     partial: bool = False) -> list[Any]:
         """EVALSHA every call in one pipeline; calls refused with NOSCRIPT (a restarted server) are
-        loaded and run again, and only they: the others ran."""
-        def run(batch: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
+        run again with EVAL, which loads the script on that server, and only they: the others ran.
+        (EVAL, not SCRIPT LOAD: on a cluster that goes to every node, and fails if one is down.)
+
+        Raises the first call's error, unless ``partial``: then errors are returned in place (on a
+        cluster one node can fail while the others ran their calls)."""
+        def run(batch: Sequence[tuple[list[str], list[Any]]], command: str, body: str) -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
             for keys, args in batch:  # by name: a cluster pipeline refuses .evalsha(), not the command
-                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                pipe.execute_command(command, body, len(keys), *keys, *args)
             return list(self._raw(pipe.execute, raise_on_error=False))
 
-        outs = run(calls)
+        outs = run(calls, "EVALSHA", script.sha)
         again = [i for i, out in enumerate(outs) if isinstance(out, redis_lib.exceptions.NoScriptError)]
         if again:
-            script.sha = self._raw(self.client.script_load, script.script)
-            for i, out in zip(again, run([calls[i] for i in again]), strict=True):
+            for i, out in zip(again, run([calls[i] for i in again], "EVAL", script.script), strict=True):
                 outs[i] = out
-        for out in outs:
-            if isinstance(out, Exception):
-                raise out
+        if not partial:
+            for out in outs:
+                if isinstance(out, Exception):
+                    raise _ledger_error(out)
         return outs
 
     def _write_markers(self, fields: dict[str, Any], *, replace: bool) -> None:
@@ -520,26 +559,43 @@ class RedisLedger(Ledger):
         return {**out, "state": "lost", "reason": f"buckets disagree on the epoch ({', '.join(sorted(epochs))})"}
 
     def _look(self, expected: str | None) -> None:
-        """Read the markers and settle this process's epoch (or lost reason). Call with the lock held."""
-        status = self._status(expected)
-        if status["state"] == "new" and expected is None and self.auto_init:
+        """Read the markers and settle this process's epoch (or lost reason). Call with the lock held.
+
+        A passive ledger writes nothing here: no new epoch, no lost flag.
+        """
+        dead = self._dead_epoch
+        held = expected if expected is not None else dead or None
+        status = self._status(held)
+        if status["state"] == "new" and held is None and dead is None and self.auto_init and not self.passive:
             status = self._create_markers(default_owner(), "auto_init")
+        if dead is not None and status["state"] != "lost" and (not status.get("acked_at") or status["epoch"] == dead):
+            # Seen lost once: the flags may be gone with the data (emptied again), but not the memory of it.
+            said = status["reason"] or f"epoch {status['epoch']}, not acknowledged since"
+            status = {**status, "state": "lost", "reason": (
+                f"this process saw the ledger lost{f' (it held epoch {dead})' if dead else ''} and the markers "
+                f"show no acknowledgement since ({said}): the store was emptied again, or restored from an old copy")}
         if status["state"] == "ok":
-            if expected is not None and status["epoch"] != expected:
+            if held is not None and status["epoch"] != held:
                 log.warning("idemmail: Redis ledger %s: adopting epoch %s acknowledged by %s (%s)",
                             self.prefix, status["epoch"], status.get("acked_by"), status.get("note"))
-            self._epoch, self._lost_reason = status["epoch"], ""
+            self._epoch, self._lost_reason, self._dead_epoch = status["epoch"], "", None
             return
-        if status["state"] == "new":
-            reason = "the ledger is not initialised (auto_init=False): run `idemmail ledger init`"
+        if status["state"] == "new":  # auto_init=False (or passive), and no loss seen by this process
+            reason = (f"the ledger is not initialised ({'passive' if self.passive else 'auto_init=False'}): "
+                      "run `idemmail ledger init`")
         else:
             reason = status["reason"]
-            self._flag_lost(expected or "", reason)
+            self._dead_epoch = held or ""
+            if not self.passive:
+                self._flag_lost(self._dead_epoch, reason)
         if reason != self._lost_reason:
-            log.critical(
-                "idemmail: Redis ledger %s is LOST: %s. Nothing is claimed or sent until an operator "
-                "decides: check the store, then run `celery -A proj idemmail ledger ack-loss --note ...` "
-                "(intents recorded before the loss are then forgotten).", self.prefix, reason)
+            if not self.passive:
+                log.critical(
+                    "idemmail: Redis ledger %s is LOST: %s. Nothing is claimed or sent until an operator "
+                    "decides: check the store, then run `celery -A proj idemmail ledger ack-loss --note ...` "
+                    "(intents recorded before the loss are then forgotten).", self.prefix, reason)
+            elif status["state"] == "lost":
+                log.warning("idemmail: Redis ledger %s is LOST: %s", self.prefix, reason)
         self._epoch, self._lost_reason = None, reason
 
     def _flag_lost(self, dead_epoch: str, reason: str) -> None:
@@ -578,6 +634,7 @@ class RedisLedger(Ledger):
 
         Raises :class:`IllegalTransitionError` on a lost store: that takes ``acknowledge_loss``.
         """
+        self._check_layout()
         status = self.loss_status()
         if status["state"] == "lost":
             raise IllegalTransitionError(f"the ledger is lost ({status['reason']}): acknowledge it with ack-loss")
@@ -601,7 +658,7 @@ class RedisLedger(Ledger):
                   "note": note, "previous": before.get("epoch") or "", "loss": before["reason"]}
         self._write_markers(fields, replace=True)
         with self._check_lock:
-            self._epoch, self._lost_reason = str(fields["epoch"]), ""
+            self._epoch, self._lost_reason, self._dead_epoch = str(fields["epoch"]), "", None
         return self._judge(self._markers(), None, True)
 
     # -- contract --
@@ -618,30 +675,57 @@ class RedisLedger(Ledger):
         if not self._checked:
             self._check_store()
 
-        def run(batch: Sequence[ClaimRequest]) -> list[Any]:
+        def run() -> tuple[list[Any], str]:
             epoch = self._epoch or ""
-            return self._run_scripts(self._claim, [(self._keys(r.key), [epoch, *self._claim_args(r)]) for r in batch])
+            calls = [(self._keys(r.key), [epoch, *self._claim_args(r)]) for r in requests]
+            outs = self._run_scripts(self._claim, calls, partial=True)
+            failed = next((out for out in outs if isinstance(out, Exception)), None)
+            if failed is not None:
+                # A node failed (a cluster node down mid-batch) after the others ran their claims.
+                try:
+                    self._release_held(requests, outs, epoch, "batch_met_failed_node")
+                except (redis_lib.RedisError, LedgerUnavailableError) as exc:  # their leases will run out
+                    log.warning("idemmail: Redis ledger %s: could not hand back a failed batch's claims: %s",
+                                self.prefix, exc)
+                raise _ledger_error(failed)
+            return outs, epoch
 
-        epoch = self._epoch or ""
-        outs = run(requests)
+        outs, epoch = run()
         if any(out[0] == "lost" for out in outs):
             # Some buckets refused: hand back what the others gave (nothing ran), before the
             # loss is flagged and refuses that too; then the whole batch again if an epoch is adopted.
-            self._release_held(requests, outs, epoch)
+            self._release_held(requests, outs, epoch, "batch_met_lost_ledger")
             self._confirm_loss()
-            outs = run(requests)
+            outs, epoch = run()
             if any(out[0] == "lost" for out in outs):
-                self._release_held(requests, outs, str(self._epoch))
+                self._release_held(requests, outs, epoch, "batch_met_lost_ledger")
                 raise self._lost_error()
         return [self._claim_result(r, out) for r, out in zip(requests, outs, strict=True)]
 
-    def _release_held(self, requests: Sequence[ClaimRequest], outs: list[Any], epoch: str) -> None:
-        error = dumps_json({"reason": "batch_met_lost_ledger", "at": time.time()})
-        held = [(self._keys(r.key), [epoch, r.key, self._claim_result(r, out).token, State.RELEASED.value, "", error,
-                                     self.retention_seconds, "0"])
-                for r, out in zip(requests, outs, strict=True) if out[0] != "lost" and ClaimStatus(out[0]).holds]
-        if held:
-            self._run_scripts(self._finish_script, held)
+    def _release_held(self, requests: Sequence[ClaimRequest], outs: list[Any], epoch: str, reason: str) -> None:
+        """Hand back the claims a batch took before it gave up; nothing was sent under them.
+
+        ``acquired`` and ``reopened`` claims are released: nothing had been sent for them. A
+        ``reclaimed`` claim took over an expired lease whose holder may have sent: it stays
+        claimed with its lease ended, so that the next claim reclaims it and the reclaim rules
+        decide, as they would have here (released, the next claim would reopen it and send).
+        """
+        error = dumps_json({"reason": reason, "at": time.time()})
+        release: list[tuple[list[str], list[Any]]] = []
+        expire: list[tuple[list[str], list[Any]]] = []
+        for r, out in zip(requests, outs, strict=True):
+            if isinstance(out, Exception) or out[0] == "lost" or not ClaimStatus(out[0]).holds:
+                continue
+            token = self._claim_result(r, out).token
+            if ClaimStatus(out[0]) is ClaimStatus.RECLAIMED:
+                expire.append((self._keys(r.key), [epoch, token, 0]))
+            else:
+                release.append((self._keys(r.key), [epoch, r.key, token, State.RELEASED.value, "", error,
+                                                    self.retention_seconds, "0"]))
+        if release:
+            self._run_scripts(self._finish_script, release)
+        if expire:
+            self._run_scripts(self._renew, expire)
 
     @staticmethod
     def _claim_args(request: ClaimRequest) -> list[Any]:
@@ -746,6 +830,15 @@ class RedisLedger(Ledger):
 
     def close(self) -> None:
         self.client.close()
+
+
+def _ledger_error(exc: Exception) -> Exception:
+    """A connection or timeout error as :class:`LedgerUnavailableError` (tasks fail closed); others as they are."""
+    if isinstance(exc, (redis_lib.ConnectionError, redis_lib.TimeoutError)):
+        unavailable = LedgerUnavailableError(f"Redis ledger unreachable: {exc}")
+        unavailable.__cause__ = exc
+        return unavailable
+    return exc
 
 
 def _ranges(numbers: list[int]) -> str:
