@@ -71,3 +71,26 @@ def test_batch_claims_survive_a_server_that_lost_its_scripts(private_redis: str)
     ledger.client.script_flush()  # as after a Redis restart
     assert all(c.status is ClaimStatus.ACQUIRED for c in ledger.claim_many(reqs[2:]))
     assert [c.status for c in ledger.claim_many(reqs)] == [ClaimStatus.BUSY] * 5
+
+
+def test_a_full_store_fails_closed_and_writes_nothing(private_redis: str) -> None:
+    """maxmemory reached (noeviction): Redis refuses the script; the task must retry, not fail and ack."""
+    import redis
+
+    from idemmail_celery.errors import LedgerUnavailableError
+
+    ledger = from_url(private_redis)
+    first = ledger.claim(ClaimRequest(key="k1", task_name="t", payload="{}", fingerprint="f"))
+    assert first.status is ClaimStatus.ACQUIRED
+    admin = redis.Redis.from_url(private_redis)
+    admin.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(LedgerUnavailableError, match="maxmemory"):
+            ledger.claim(ClaimRequest(key="k2", task_name="t", payload="{}", fingerprint="f"))
+        with pytest.raises(LedgerUnavailableError, match="maxmemory"):
+            ledger.complete("k1", first.token, {"message_id": "m"})
+    finally:
+        admin.config_set("maxmemory", "64mb")
+    assert ledger.get("k2") is None  # refused before it wrote anything
+    ledger.complete("k1", first.token, {"message_id": "m"})  # room again: the outcome is recorded
+    assert ledger.claim(ClaimRequest(key="k1", task_name="t", payload="{}", fingerprint="f")).status is ClaimStatus.DONE

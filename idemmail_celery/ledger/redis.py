@@ -84,6 +84,10 @@ from .base import (
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = 16
+_CANNOT_WRITE_NOW = (
+    redis_lib.ConnectionError, redis_lib.TimeoutError,
+    redis_lib.exceptions.OutOfMemoryError, redis_lib.exceptions.ReadOnlyError,
+)
 
 # KEYS: record, the bucket's index of each state in State order, the bucket's epoch marker.
 # ARGV[1] is always the epoch the caller expects.
@@ -369,10 +373,7 @@ class RedisLedger(Ledger):
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if not self._checked:
             self._check_store()
-        try:
-            return fn(*args, **kwargs)
-        except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
-            raise LedgerUnavailableError(f"Redis ledger unreachable: {exc}") from exc
+        return self._raw(fn, *args, **kwargs)
 
     def _eval(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         """Run a record script under this process's epoch; on a ``lost`` answer, look at the markers."""
@@ -441,8 +442,11 @@ class RedisLedger(Ledger):
     def _raw(fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
-            raise LedgerUnavailableError(f"Redis ledger unreachable: {exc}") from exc
+        except _CANNOT_WRITE_NOW as exc:
+            # Unreachable, out of memory (maxmemory with noeviction), or a replica after a
+            # failover: Redis refused before the script wrote anything. Fail closed and retry,
+            # like an outage; a raw error would fail the task and ack the message.
+            raise LedgerUnavailableError(f"Redis ledger unavailable: {exc}") from exc
 
     def _run_scripts(self, script: Any, calls: Sequence[tuple[list[str], list[Any]]], *,
                      partial: bool = False) -> list[Any]:
