@@ -136,3 +136,24 @@ def test_a_connection_interrupted_mid_call_is_thrown_away(kept: tuple[str, SQLLe
         led._run(interrupted)
     assert led._spare is None and spare.closed  # its protocol state is unknown: never reused
     assert led.claim(request("k2")).status is ClaimStatus.ACQUIRED  # a new connection serves the next call
+
+
+def test_a_refused_statement_fails_closed(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """SQLite locked past its busy timeout: the claim is unavailable (the task retries), not a raw error."""
+    path = tmp_path_factory.mktemp("locked") / "ledger.sqlite3"
+    led = SQLLedger(f"sqlite:///{path}")
+    led.ping()
+    assert led._spare is not None
+    led._spare.exec_driver_sql("PRAGMA busy_timeout=200")  # the ledger waits 30 s by default
+    holder = sa.create_engine(f"sqlite:///{path}", isolation_level="AUTOCOMMIT")
+    with holder.connect() as c:
+        c.exec_driver_sql("PRAGMA busy_timeout=0")
+        c.exec_driver_sql("BEGIN EXCLUSIVE")  # another process holds the write lock
+        try:
+            with pytest.raises(LedgerUnavailableError, match="refused"):
+                led.claim(request("locked"))
+        finally:
+            c.exec_driver_sql("ROLLBACK")
+    assert led.claim(request("locked")).status is ClaimStatus.ACQUIRED  # nothing was written before
+    holder.dispose()
+    led.close()

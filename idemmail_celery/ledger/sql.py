@@ -226,8 +226,12 @@ class SQLLedger(Ledger):
         except SQLAlchemyError as exc:
             disconnected = isinstance(exc, OperationalError) and (exc.connection_invalidated or _is_disconnect(exc))
             self._discard(conn, invalidate=disconnected)
-            if disconnected:
-                raise LedgerUnavailableError(f"SQL ledger unreachable: {getattr(exc, 'orig', None) or exc}") from exc
+            if isinstance(exc, DBAPIError):
+                # The database refused the statement (gone, locked past the busy timeout, disk
+                # full, a deadlock victim): autocommit means it changed nothing. Fail closed and
+                # retry, like an outage; a raw error would fail the task and ack the message.
+                what = "unreachable" if disconnected else "refused the statement"
+                raise LedgerUnavailableError(f"SQL ledger {what}: {exc.orig or exc}") from exc
             raise
         except IdemmailError:
             self._keep(conn)  # our own verdicts (stale token, unknown key), between statements: it is fine
