@@ -37,6 +37,7 @@ from .errors import (
 from .keys import Payload
 from .ledger import Claim, ClaimRequest, ClaimStatus
 from .ledger.base import new_owner
+from .ledger.sealed import is_sealed, park_unreadable
 from .mail import TASK_NAME as SEND_EMAIL
 from .mail import SendEmailTask
 
@@ -66,6 +67,11 @@ def send_batch(sender: SendEmailTask, claims: list[tuple[Claim, _Recipient]], ta
     carries_key = provider.accepts_idempotency_key
     for claim, rcpt in claims:
         key, token = rcpt.key, claim.token
+        if claim.status is not ClaimStatus.ACQUIRED and is_sealed(claim.record.payload):
+            # Sealed, and this process has no payload keys: never run it, never leave it claimed.
+            settled = park_unreadable(ledger, claim)
+            tally["review" if settled.status is ClaimStatus.DONE else "retry"] += 1  # busy: the next pass
+            continue
         if claim.status is ClaimStatus.RECLAIMED and not carries_key:
             found = sender.reconcile(key, rcpt.payload)  # a crashed copy may have sent it
             if found is not None:
@@ -75,7 +81,9 @@ def send_batch(sender: SendEmailTask, claims: list[tuple[Claim, _Recipient]], ta
                 ledger.park(key, token, {"type": "SendNeedsReview", "reason": "lease_expired", "at": time.time()})
                 tally["review"] += 1
             continue
-        stored = rcpt.payload if claim.status is ClaimStatus.ACQUIRED else Payload.from_json(claim.record.payload or "")
+        # The first payload ships; if an operator erased it (``forget``), this run's is all there is.
+        first = claim.record.payload
+        stored = rcpt.payload if claim.status is ClaimStatus.ACQUIRED or not first else Payload.from_json(first)
         keeper.hold(ledger, key, token, settings.lease_seconds)
         try:
             message = sender.message_from(dict(stored.kwargs))

@@ -30,6 +30,7 @@ Read top to bottom, this module is the guarantee:
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import inspect
 import logging
 import random
@@ -55,6 +56,7 @@ from .errors import (
     LedgerError,
     LedgerLostError,
     LedgerUnavailableError,
+    PayloadKeyError,
     PermanentSendError,
     SendError,
     SendNeedsReview,
@@ -66,6 +68,7 @@ from .errors import (
 from .keys import IntentKeyBuilder, KeySpec, Payload
 from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State, backend_for, from_url
 from .ledger.base import new_owner
+from .ledger.sealed import PAYLOAD_KEY_UNKNOWN, is_sealed, park_unreadable
 
 log = logging.getLogger("idemmail_celery")
 
@@ -82,7 +85,8 @@ _warned_no_secret = False
 
 def get_ledger(url: str, options: dict[str, Any] | None = None) -> Ledger:
     """The process-wide ledger for ``url`` (one connection pool per URL and options)."""
-    cache_key = (url, repr(sorted((options or {}).items())))
+    # A digest, not the options: they hold the payload keys, which must not sit in a dict key.
+    cache_key = (url, hashlib.sha256(repr(sorted((options or {}).items())).encode()).hexdigest())
     with _ledgers_lock:
         ledger = _ledgers.get(cache_key)
         if ledger is None:
@@ -283,8 +287,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if explicit is not None or KEY_HEADER not in headers:  # a retry already carries its key
             headers.update(self.intent_headers(args, kwargs, explicit=explicit, tenant=tenant))
         options["headers"] = headers
-        redact = self.idempotency_redact_args
-        if redact or (redact is None and self.app.conf.get("idemmail_redact_args")):
+        if self.idem_settings.redact_args:  # the task option, else idemmail_redact_args, parsed strictly
             options.setdefault("argsrepr", "<redacted>")
             options.setdefault("kwargsrepr", f"<redacted: idempotency key {headers[KEY_HEADER]}>")
         return super().apply_async(args, kwargs, **options)
@@ -319,6 +322,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self._ledger_down(exc, key, args, kwargs)
 
         status = claim.status
+        if status in (ClaimStatus.REOPENED, ClaimStatus.RECLAIMED) and is_sealed(claim.record.payload):
+            self._unreadable(claim)  # this process has no payload keys: never run it, never strand it
         if status is ClaimStatus.DONE:
             self._check_reuse(claim.record, payload)
             return self._replay(claim.record)
@@ -339,6 +344,23 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 ledger.release(key, claim.token)  # nothing ran; the first payload's own retry will
                 raise
         return self._run_claimed(claim, stored)
+
+    def _unreadable(self, claim: Claim) -> NoReturn:
+        """A held claim whose first payload is sealed, in a process without ``idemmail_payload_keys``.
+
+        Parked as ``review`` (reason ``payload_key_unknown``), as a process with the wrong keys
+        does, and :class:`PayloadKeyError` raised; if parking fails, rescheduled as in flight,
+        so this delivery meets the record again once the claim's lease runs out.
+        """
+        key = claim.record.key
+        after = park_unreadable(self.ledger, claim)
+        if after.status is ClaimStatus.BUSY:
+            self._reschedule_in_flight(after.record)
+        outcomes.report(self, outcomes.REVIEW, key, reason=PAYLOAD_KEY_UNKNOWN)
+        raise PayloadKeyError(
+            f"ledger record {key} is sealed but this process has no idemmail_payload_keys (parked for review); "
+            "configure the same payload keys as the other workers, then resolve it"
+        )
 
     def _run_claimed(self, claim: Claim, payload: Payload) -> dict[str, Any]:
         """Run the body under the claim and record what came of it."""
@@ -508,12 +530,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         builder = self.key_builder
         if not builder.must_match or record.fingerprint == builder.fingerprint(payload):
             return
-        if record.payload is None:  # erased on sent (or forgotten): the fingerprint covers the must-match fields
+        if record.payload is None or is_sealed(record.payload):
+            # Erased on sent, forgotten, or sealed with keys this process lacks: the fingerprint covers them.
             fields = tuple(builder.must_match)
             outcomes.report(self, outcomes.KEY_REUSE, record.key, reason=",".join(fields))
             raise IdempotencyKeyReuseError(
                 f"key {record.key} was first used with other values of {' or '.join(fields)} "
-                "(its first payload is erased, so they could not be compared one by one)",
+                "(its first payload is erased or sealed, so they could not be compared one by one)",
                 key=record.key, fields=fields,
             )
         differ = builder.mismatched_fields(Payload.from_json(record.payload), payload)

@@ -20,7 +20,10 @@ seals; every key opens, so rotation is: add the new key second, deploy, move it 
 deploy; drop the old key only when nothing sealed with it remains (see the README). A first
 entry ``"plain"`` seals nothing and still opens: the step for turning encryption on or off.
 A record sealed with a key no longer configured raises :class:`PayloadKeyError`; a
-claim that finds one parks it for review instead of running garbage. Plaintext
+claim that finds one parks it for review instead of running garbage. So does a process
+with no payload keys at all (:func:`park_unreadable`, used by the task and bulk sends on
+a plain ledger). If parking fails, the claim is reported ``busy``: its lease runs out and
+the next delivery meets the record again, so it is never left claimed by nobody. Plaintext
 records written before encryption was turned on still read.
 """
 
@@ -45,6 +48,33 @@ INSTALL_HINT = "pip install 'idemmail-celery[crypto]'"
 PLAIN = "plain"
 #: The review reason of a claim parked because its record could not be opened.
 PAYLOAD_KEY_UNKNOWN = "payload_key_unknown"
+
+
+def is_sealed(payload: str | None) -> bool:
+    """Is this stored first payload sealed (as a ledger without payload keys returns it)?"""
+    return payload is not None and payload.startswith(SEALED_PREFIX)
+
+
+def park_unreadable(ledger: Ledger, claim: Claim) -> Claim:
+    """Settle a held claim whose first payload this process cannot open: it is never run.
+
+    Parks the record as ``review`` (reason ``payload_key_unknown``, the stored payload kept
+    for whoever holds the key) and returns it as ``done``. If the ledger refuses, returns it
+    as ``busy``: the claim's lease runs out and the next delivery meets the record again
+    (callers reschedule), rather than failing with the record left claimed by nobody.
+    ``ledger`` is the backend itself: the note is written plain, so any key holder reads it.
+    """
+    record = claim.record
+    error = {"type": "SendNeedsReview", "reason": PAYLOAD_KEY_UNKNOWN, "at": time.time(),
+             "message": "sealed with a key that is not in idemmail_payload_keys; put it back and resolve"}
+    try:
+        ledger._finish(record.key, claim.token, State.REVIEW, error=error)
+    except LedgerError as exc:
+        log.error("idemmail: could not park unreadable record %s (retried when its lease runs out): %s",
+                  record.key, exc)
+        return Claim(ClaimStatus.BUSY, record)
+    parked = replace(record, state=State.REVIEW, lease_expires_at=None, payload=None, error=error)
+    return Claim(ClaimStatus.DONE, parked)
 
 
 class PayloadCodec:
@@ -162,9 +192,10 @@ class SealedLedger(Ledger):
 
     def claim(self, request: ClaimRequest) -> Claim:
         """As the backend's. A record sealed with an unknown key raises :class:`PayloadKeyError`,
-        after parking it as ``review`` if this claim took it: it is never run."""
+        after parking it as ``review`` if this claim took it: it is never run. One under a live
+        lease (another holder's, or this claim's when parking failed) comes back ``busy``."""
         claim, ok = self._opened(request, self.inner.claim(self._seal_request(request)))
-        if not ok:
+        if not ok and claim.status is not ClaimStatus.BUSY:  # busy: not parked yet, come back later
             raise PayloadKeyError(
                 f"ledger record {request.key} is sealed with a key that is not in idemmail_payload_keys"
                 + (" (parked for review)" if claim.record.state is State.REVIEW else "")
@@ -205,16 +236,10 @@ class SealedLedger(Ledger):
         record, ok = self.codec.open_readable(claim.record)
         if ok or not claim.status.holds:
             return Claim(claim.status, record), ok
-        # Held, and its first payload cannot be read: never run it; a person decides.
-        error = {"type": "SendNeedsReview", "reason": PAYLOAD_KEY_UNKNOWN, "at": time.time(),
-                 "message": "sealed with a key that is not in idemmail_payload_keys; put it back and resolve"}
-        try:  # the note holds no personal data and is left plain: whoever has the right key must read it
-            self.inner._finish(record.key, record.token, State.REVIEW, error=error)
-        except LedgerError as exc:  # the lease runs out and the next claimer meets the same record
-            log.error("idemmail: could not park unreadable record %s: %s", record.key, exc)
-            return Claim(claim.status, record), False
-        parked = replace(record, state=State.REVIEW, lease_expires_at=None, payload=None, error=error)
-        return Claim(ClaimStatus.DONE, parked), False
+        # Held, and its first payload cannot be read: never run it; a person decides. The note holds
+        # no personal data and is left plain (inner): whoever has the right key must read it.
+        # Parked: done; not parked: busy, and the next claimer after the lease meets the same record.
+        return park_unreadable(self.inner, Claim(claim.status, record)), False
 
     def get(self, key: str) -> Record | None:
         record = self.inner.get(key)

@@ -1,0 +1,148 @@
+"""Settings given as strings (environment variables, config files) are parsed strictly, never by truthiness."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+from cryptography.fernet import Fernet
+
+from idemmail_celery import ConfigurationError, IdempotentTask, Settings
+from idemmail_celery import task as task_mod
+from idemmail_celery.ledger.sql import SQLLedger
+
+BOOLS = [("idemmail_fail_open", "fail_open"), ("idemmail_keep_payload", "keep_payload"),
+         ("idemmail_carries_key", "carries_key"), ("idemmail_redact_args", "redact_args")]
+
+
+@pytest.mark.parametrize(("setting", "attr"), BOOLS)
+@pytest.mark.parametrize(("given", "meant"), [
+    ("false", False), ("False", False), (" FALSE ", False), ("0", False), ("no", False), ("off", False),
+    ("true", True), ("TRUE", True), ("1", True), ("yes", True), ("On", True),
+    (True, True), (False, False), (1, True), (0, False), ("", False),  # empty: not set, the default
+])
+def test_boolean_settings_given_as_strings_mean_what_they_say(setting: str, attr: str, given: Any, meant: bool) -> None:
+    s = Settings.resolve({setting: given}, None)
+    assert getattr(s, attr) is meant
+
+
+@pytest.mark.parametrize(("setting", "attr"), BOOLS)
+@pytest.mark.parametrize("given", ["nope", "enabled", "2", 2, -1, 0.5, [], {}, "sk_live_do_not_echo"])
+def test_a_boolean_setting_that_is_no_boolean_is_refused_by_name_without_echoing_it(
+    setting: str, attr: str, given: Any
+) -> None:
+    with pytest.raises(ConfigurationError, match=setting) as err:
+        Settings.resolve({setting: given}, None)
+    assert "sk_live" not in str(err.value)
+
+
+def test_number_settings_given_as_strings_are_numbers() -> None:
+    s = Settings.resolve({
+        "idemmail_outage_max_retries": "5", "idemmail_max_reclaims": " 2 ", "idemmail_inflight_max_retries": 7.0,
+        "idemmail_lease_seconds": "45.5", "idemmail_retention_seconds": "3600", "idemmail_retry_backoff": "0.5",
+        "idemmail_inflight_backoff_max": b"10",
+    }, None)
+    assert s.outage_max_retries == 5 and type(s.outage_max_retries) is int
+    assert (s.max_reclaims, s.inflight_max_retries) == (2, 7) and type(s.inflight_max_retries) is int
+    assert (s.lease_seconds, s.retention_seconds, s.retry_backoff, s.inflight_backoff_max) == (45.5, 3600.0, 0.5, 10.0)
+    assert Settings.resolve({"idemmail_outage_max_retries": ""}, None).outage_max_retries is None  # unset
+
+
+@pytest.mark.parametrize(("setting", "given"), [
+    ("idemmail_outage_max_retries", "five"), ("idemmail_outage_max_retries", "2.5"),
+    ("idemmail_outage_max_retries", True), ("idemmail_max_reclaims", 1.5), ("idemmail_max_reclaims", "-"),
+    ("idemmail_lease_seconds", "soon"), ("idemmail_lease_seconds", "nan"), ("idemmail_retry_backoff", "inf"),
+    ("idemmail_retention_seconds", []), ("idemmail_inflight_backoff", True),
+])
+def test_a_number_setting_that_is_no_number_is_refused_by_name(setting: str, given: Any) -> None:
+    with pytest.raises(ConfigurationError, match=setting):
+        Settings.resolve({setting: given}, None)
+
+
+def test_negative_outage_budget_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="outage_max_retries"):
+        Settings.resolve({"idemmail_outage_max_retries": "-1"}, None)
+
+
+def test_task_options_are_parsed_and_named_too() -> None:
+    class Opts:
+        idempotency_fail_open = "false"
+        idempotency_carries_key = "yes"
+        idempotency_lease_seconds = "60"
+        idempotency_redact_args = "maybe"
+
+    with pytest.raises(ConfigurationError, match="idempotency_redact_args"):
+        Settings.resolve({}, Opts())
+    Opts.idempotency_redact_args = "off"
+    s = Settings.resolve({"idemmail_fail_open": True, "idemmail_redact_args": True}, Opts())
+    assert (s.fail_open, s.carries_key, s.redact_args, s.lease_seconds) == (False, True, False, 60.0)
+
+
+def test_settings_built_directly_are_parsed_by_field_name() -> None:
+    assert Settings(fail_open="off", lease_seconds="30").fail_open is False  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="keep_payload"):
+        Settings(keep_payload="nah")  # type: ignore[arg-type]
+
+
+def test_ledger_kwargs_hand_the_backend_real_booleans_and_numbers() -> None:
+    s = Settings.resolve({
+        "idemmail_keep_payload": "0",
+        "idemmail_ledger_options": {"allow_eviction": "false", "auto_init": "no", "buckets": "16",
+                                    "create_table": "1", "prefix": "shop", "retention_seconds": "60"},
+    }, None)
+    kw = s.ledger_kwargs()
+    assert kw["keep_payload"] is False and kw["allow_eviction"] is False and kw["auto_init"] is False
+    assert kw["create_table"] is True and kw["buckets"] == 16 and kw["retention_seconds"] == 60.0
+    assert kw["prefix"] == "shop"  # any other backend keyword passes as given
+    led = SQLLedger("sqlite://", **Settings.resolve({"idemmail_keep_payload": "false"}, None).ledger_kwargs())
+    assert led.keep_payload is False
+    with pytest.raises(ConfigurationError, match=r"idemmail_ledger_options\['allow_eviction'\]"):
+        Settings.resolve({"idemmail_ledger_options": {"allow_eviction": "please"}}, None)
+    with pytest.raises(ConfigurationError, match="idemmail_ledger_options must be a mapping"):
+        Settings.resolve({"idemmail_ledger_options": "prefix=shop"}, None)
+
+
+def test_redact_args_setting_given_as_false_string_does_not_redact_and_true_string_does() -> None:
+    app = Celery("redact", set_as_current=False)
+    app.conf.update(idemmail_ledger_url="sqlite://", idemmail_key_secret="s", task_always_eager=False)
+    sent: list[dict[str, Any]] = []
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, name="redact.t")
+    def t(self: Any, to: str) -> None: ...
+
+    def capture(self: Any, *args: Any, **options: Any) -> None:
+        sent.append(options)
+
+    import celery.app.task
+
+    original = celery.app.task.Task.apply_async
+    celery.app.task.Task.apply_async = capture  # type: ignore[method-assign]
+    try:
+        app.conf.idemmail_redact_args = "false"
+        t.delay("ann@example.com")
+        assert "argsrepr" not in sent[-1]
+        t._idem_settings = None
+        app.conf.idemmail_redact_args = "true"
+        t.delay("ann@example.com")
+        assert sent[-1]["argsrepr"] == "<redacted>"
+        t._idem_settings = None
+        app.conf.idemmail_redact_args = "sometimes"
+        with pytest.raises(ConfigurationError, match="idemmail_redact_args"):
+            t.delay("ann@example.com")
+    finally:
+        celery.app.task.Task.apply_async = original  # type: ignore[method-assign]
+
+
+def test_ledger_cache_key_holds_a_digest_not_the_payload_keys() -> None:
+    secret = Fernet.generate_key().decode()
+    before = set(task_mod._ledgers)
+    try:
+        led = task_mod.get_ledger("sqlite://", {"payload_keys": [secret], "retention_seconds": 60.0})
+        assert task_mod.get_ledger("sqlite://", {"retention_seconds": 60.0, "payload_keys": [secret]}) is led
+        assert task_mod.get_ledger("sqlite://", {"retention_seconds": 61.0, "payload_keys": [secret]}) is not led
+        new = set(task_mod._ledgers) - before
+        assert len(new) == 2 and all(secret not in repr(k) for k in new)
+    finally:
+        for k in set(task_mod._ledgers) - before:
+            task_mod._ledgers.pop(k).close()
