@@ -502,6 +502,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if self.idem_settings.fail_open:
             log.warning("idemmail: fail_open: running %s without a claim", key)
             return self.run(*args, **kwargs)
+        self._retry_when_ledger_back(exc, key)
+
+    def _retry_when_ledger_back(self, exc: LedgerError | UnsafeLedgerError, key: str) -> NoReturn:
+        """Requeue this message on the outage budget (``idemmail_outage_max_retries``) until the ledger answers."""
         request, settings = self.request, self.idem_settings
         headers = dict(request.headers or {})
         count = int(headers.get(OUTAGE_HEADER) or 0)
@@ -574,11 +578,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
         }
 
     def _record(self, move: Any, key: str, token: int, info: dict[str, Any]) -> None:
-        """Apply a ledger transition on an error path, and report it; if the ledger fails, the lease decides later."""
+        """Apply a ledger transition on an error path, and report it.
+
+        If the ledger cannot take a final verdict (``failed``, ``review``), this message
+        comes back later instead of being acknowledged: the claim, once its lease runs
+        out, is then settled by the reclaim rules (resent with the key, or parked for
+        review), so the intent never stays claimed with nobody left to finish it. A
+        failed ``release`` needs nothing: the retry it precedes is that later delivery.
+        """
         try:
             move(key, token, info)
         except LedgerError as exc:
             log.error("idemmail: could not record %s for %s: %s", move.__name__, key, exc)
+            if move.__name__ in ("fail", "park") and isinstance(exc, LedgerUnavailableError):
+                self._retry_when_ledger_back(exc, key)
         outcomes.report(self, _MOVE_OUTCOMES.get(move.__name__, move.__name__), key, reason=info.get("reason"))
 
 

@@ -120,6 +120,57 @@ def test_ledger_outage_fails_closed_then_sends_once_when_back(
         server.wait(timeout=10)
 
 
+def test_a_verdict_the_ledger_cannot_take_brings_the_message_back_until_it_is_settled(
+    app_module: Any, ns: str, sink: Any, start_worker: Any, tmp_path: Any
+) -> None:
+    """The send happened (maybe), then the ledger stopped answering before ``review`` was written.
+
+    The message is not acknowledged as if settled: it comes back, and once the ledger answers
+    and the claim's lease has run out, the reclaim rules park it for review. It never stays
+    ``claimed`` with nobody left to finish it, and it is not sent twice.
+    """
+    import os
+    import signal
+
+    import redis
+
+    from idemmail_celery.ledger import from_url
+
+    port = _free_port()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        wait_for(lambda: _pings(redis.Redis.from_url(url)), timeout=10)
+        worker = start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_LEDGER": url, "IDEMMAIL_TEST_LEASE": "3"})
+        sink.r.set(sink.k("ctl.hold"), "1.5")
+        sink.push_failure("ambiguous")  # after the delivery: the outcome is unknown, the key does not travel
+        app_module.send.delay("vera@example.com", 61)
+        wait_for(lambda: sink.r.llen(sink.k("pids")) >= 1, timeout=30)  # the body runs, holding the claim
+        os.kill(server.pid, signal.SIGSTOP)  # the ledger stops answering before the verdict
+        try:
+            wait_for(lambda: b"ledger_unavailable" in worker.log(), timeout=40)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        sink.r.delete(sink.k("ctl.hold"))
+        ledger = from_url(url, prefix=f"led.{ns}")  # the worker's ledger (see workerapp)
+        key = app_module.send.intent_key("vera@example.com", 61)
+        record = wait_for(lambda: (r := ledger.get(key)) is not None and r.state is State.REVIEW and r, timeout=60)
+        assert record.error["reason"] == "lease_expired"  # settled by the reclaim rules, not guessed
+        assert len(sink.deliveries()) == 1
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _pings(client: Any) -> bool:
+    try:
+        return bool(client.ping())
+    except Exception:
+        return False
+
+
 def test_reclaim_limit_parks_a_poison_message(app_module: Any, sink: Any, start_worker: Any) -> None:
     """A message that kills its worker every time ends in review after max_reclaims, not in a loop."""
     ledger = app_module.send.ledger
