@@ -12,7 +12,12 @@ pays one attribute lookup. Turn them on with the app settings
 or call :func:`enable` (and :func:`serve`) yourself. A prefork worker runs tasks
 in child processes: set ``PROMETHEUS_MULTIPROC_DIR`` to an empty directory
 before the worker starts, and the endpoint sums every child's counters
-(``MultiProcessCollector``); dead children are marked on exit.
+(``MultiProcessCollector``). A dead child's files stay (its counts must), so
+``max_tasks_per_child`` and autoscaling grow the directory: empty it at each start.
+
+Metrics never change an outcome: every Prometheus call on the task path is
+guarded; the first failure turns metrics off in that process with one ERROR
+line, and a bad multiprocess dir at worker start leaves them off for the worker.
 
 ==============================================  =========  ==========================================
 metric                                          type       labels
@@ -35,6 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -51,6 +57,8 @@ RECORD_STATES = ("claimed", "released", "review")
 
 #: The live :class:`Metrics` while metrics are on, else None (what the hot path looks at).
 active: Metrics | None = None
+#: Set when a Prometheus call failed in this process: metrics stay off here from then on.
+_broken = False
 _lock = threading.Lock()
 _servers: dict[tuple[str, int], Any] = {}
 
@@ -76,15 +84,23 @@ class Metrics:
         self._children: dict[tuple[str, str], Any] = {}
 
     def outcome(self, task: str, status: str) -> None:
-        """Count one report of :mod:`idemmail_celery.outcomes`."""
-        child = self._children.get((task, status))
-        if child is None:
-            child = self._children[(task, status)] = self.outcomes.labels(task, status)
-        child.inc()
-        if status == "in_flight":
-            self.inflight.labels(task).inc()
-        elif status == "reclaimed":
+        """Count one report of :mod:`idemmail_celery.outcomes` (never raises)."""
+        try:
+            child = self._children.get((task, status))
+            if child is None:
+                child = self._children[(task, status)] = self.outcomes.labels(task, status)
+            child.inc()
+            if status == "in_flight":
+                self.inflight.labels(task).inc()
+        except Exception as exc:
+            broken(exc)
+
+    def reclaimed(self, task: str) -> None:
+        """Count a dead holder's claim taken over (not an outcome: the run goes on to one)."""
+        try:
             self.reclaims.labels(task).inc()
+        except Exception as exc:
+            broken(exc)
 
     def instrument(self, ledger: Any) -> Any:
         """Time ``ledger``'s operations (its bound methods, replaced on the instance); returns it."""
@@ -99,20 +115,34 @@ class Metrics:
         return ledger
 
     def _timed(self, method: Callable[..., Any], op: str, backend: str) -> Callable[..., Any]:
-        observe = self.ledger_seconds.labels(op, backend).observe
-        errors = self.ledger_errors
-        clock = time.perf_counter
+        histogram, errors, clock = self.ledger_seconds, self.ledger_errors, time.perf_counter
+        observe: Callable[[float], None] | None = None
+
+        def record(elapsed: float, error: str | None) -> None:
+            # Guarded: a metrics failure (a missing multiprocess dir, a full disk) must never
+            # replace the ledger call's result or exception, nor stop a send.
+            nonlocal observe
+            if _broken:
+                return
+            try:
+                if observe is None:
+                    observe = histogram.labels(op, backend).observe
+                observe(elapsed)
+                if error is not None:
+                    errors.labels(op, backend, error).inc()
+            except Exception as exc:
+                broken(exc)
 
         @functools.wraps(method)
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = clock()
             try:
-                return method(*args, **kwargs)
+                result = method(*args, **kwargs)
             except Exception as exc:
-                errors.labels(op, backend, type(exc).__name__).inc()
+                record(clock() - start, type(exc).__name__)
                 raise
-            finally:
-                observe(clock() - start)
+            record(clock() - start, None)
+            return result
 
         return timed
 
@@ -149,7 +179,41 @@ def enable() -> Metrics:
 
 def watch(ledger: Any) -> Any:
     """Time ``ledger`` if metrics are on (called for every ledger a task opens); returns it."""
-    return ledger if active is None else active.instrument(ledger)
+    m = active
+    if m is None:
+        return ledger
+    try:
+        return m.instrument(ledger)
+    except Exception as exc:  # never keep a task from its ledger
+        broken(exc)
+        return ledger
+
+
+def broken(exc: BaseException) -> None:
+    """A Prometheus call failed: turn metrics off in this process, say so once (ERROR), go on sending."""
+    global active, _broken
+    with _lock:
+        first, _broken, active = not _broken, True, None
+    if first:
+        log.error("idemmail metrics: prometheus_client failed (%s: %s); metrics are OFF in process %d, "
+                  "sends go on. Check PROMETHEUS_MULTIPROC_DIR (%s)", type(exc).__name__, exc, os.getpid(),
+                  multiprocess_dir() or "unset")
+
+
+def check_multiprocess_dir(path: str) -> str | None:
+    """Why ``path`` cannot hold the multiprocess files (missing, not a directory, not writable), or None.
+
+    Writability is tried by creating a file: ``os.access`` says yes to root on a read-only mount.
+    """
+    if not os.path.isdir(path):
+        return f"PROMETHEUS_MULTIPROC_DIR={path} does not exist or is not a directory"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".idemmail-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"PROMETHEUS_MULTIPROC_DIR={path} is not writable ({exc.strerror or exc})"
+    return None
 
 
 class RecordsCollector:
@@ -237,18 +301,41 @@ def _app_ledger(app: Any) -> Callable[[], Any]:
 
 
 def configure_worker(app: Any, worker: Any) -> None:
-    """On ``worker_init`` (main process, before the pool starts): enable and serve as the app says."""
+    """On ``worker_init`` (main process, before the pool starts): enable and serve as the app says.
+
+    Never raises (Celery would swallow it, and half-enabled metrics could fail tasks): a
+    multiprocess dir that is missing or not writable leaves metrics off with an ERROR line.
+    """
     conf = app.conf
     port = int(conf.get("idemmail_metrics_port") or 0)
     if not (_flag(conf.get("idemmail_metrics")) or port):
         return
-    enable()
+    path = multiprocess_dir()
+    if path:
+        problem = check_multiprocess_dir(path)
+        if problem:
+            log.error("idemmail metrics: %s; metrics are OFF for this worker (sends go on). Create the "
+                      "directory, empty, writable by the worker, before starting it", problem)
+            return
+        stale = [n for n in os.listdir(path) if n.endswith(".db")]
+        if stale:
+            log.warning("idemmail metrics: PROMETHEUS_MULTIPROC_DIR=%s already holds %d .db files: their counts "
+                        "are added to this worker's. Empty it before each worker start", path, len(stale))
+    try:
+        enable()
+    except Exception as exc:
+        log.error("idemmail metrics: cannot enable them (%s); metrics are OFF for this worker", exc)
+        return
     pool = str(getattr(worker, "pool_cls", "") or "")
-    if port and "prefork" in pool and not multiprocess_dir():
+    if "prefork" in pool and not path:
         log.warning("idemmail metrics: a prefork worker counts in its pool processes; set "
-                    "PROMETHEUS_MULTIPROC_DIR before starting it, or /metrics stays empty")
+                    "PROMETHEUS_MULTIPROC_DIR before starting it, or %s stays empty",
+                    "/metrics" if port else "what this process exposes")
     if port:
-        serve(port, str(conf.get("idemmail_metrics_addr") or "0.0.0.0"), app)
+        try:
+            serve(port, str(conf.get("idemmail_metrics_addr") or "0.0.0.0"), app)
+        except Exception as exc:
+            log.error("idemmail metrics: cannot serve /metrics on port %d: %s", port, exc)
 
 
 def _flag(value: Any) -> bool:
@@ -263,7 +350,10 @@ def _on_process_shutdown(pid: int | None = None, **_: Any) -> None:
     if active is not None and path:
         from prometheus_client import multiprocess
 
-        multiprocess.mark_process_dead(pid or os.getpid(), path)  # type: ignore[no-untyped-call]
+        try:  # removes the process's live-gauge files only; its counters stay (and count)
+            multiprocess.mark_process_dead(pid or os.getpid(), path)  # type: ignore[no-untyped-call]
+        except Exception as exc:
+            log.warning("idemmail metrics: mark_process_dead failed: %s", exc)
 
 
 def _connect() -> None:

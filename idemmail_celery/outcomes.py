@@ -71,7 +71,10 @@ def report(task: Any, status: str, key: str, *, message_id: Any = None, reason: 
             _log(status, name, key, request.id, message_id, reason, attempts, extra)
         active = metrics.active
         if active is not None:
-            active.outcome(name, status)
+            if status == RECLAIMED:  # a step, not an outcome: the run goes on to one (counted once)
+                active.reclaimed(name)
+            else:
+                active.outcome(name, status)
         if _Worker.task_events and request.hostname:
             _event(task, status, key, message_id, reason, attempts, extra)
     except Exception:  # pragma: no cover - a broken handler or broker must not change the outcome

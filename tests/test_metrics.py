@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,9 +59,11 @@ def test_instrumented_ledger_times_every_operation_and_counts_errors(sqlite_ledg
 def test_outcomes_count_in_flight_and_reclaims_separately() -> None:
     registry = CollectorRegistry()
     m = Metrics(registry)
-    for status in ("sent", "duplicate", "duplicate", "in_flight", "reclaimed"):
+    for status in ("sent", "duplicate", "duplicate", "in_flight"):
         m.outcome("t", status)
+    m.reclaimed("t")  # a step of a run, not its outcome
     value = registry.get_sample_value
+    assert value("idemmail_outcomes_total", {"task": "t", "outcome": "reclaimed"}) is None
     assert value("idemmail_outcomes_total", {"task": "t", "outcome": "duplicate"}) == 2
     assert value("idemmail_inflight_collisions_total", {"task": "t"}) == 1
     assert value("idemmail_reclaims_total", {"task": "t"}) == 1
@@ -93,3 +96,98 @@ def test_records_gauge_reports_an_unreadable_ledger_as_down() -> None:
 ])
 def test_log_values_are_logfmt(value: object, shown: str) -> None:
     assert _logfmt(value) == shown
+
+
+MISSING_DIR_RUN = """
+import logging, sys
+logging.basicConfig(level=logging.INFO)
+from idemmail_celery import metrics, task
+from idemmail_celery.ledger import ClaimRequest
+metrics.enable()
+ledger = task.get_ledger("sqlite:///" + sys.argv[1])
+claim = ledger.claim(ClaimRequest(key="k", task_name="t", payload='{"args":[],"kwargs":{}}', fingerprint="f"))
+ledger.complete("k", claim.token, {"value": None, "message_id": "m"})  # its result is not replaced
+assert ledger.get("k").state.value == "sent", ledger.get("k")
+assert metrics.active is None  # off in this process from the first failure on
+print("SENT-ONCE")
+"""
+
+
+def test_a_missing_multiprocess_dir_turns_metrics_off_and_never_stops_a_ledger_call(tmp_path: Path) -> None:
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "missing")}
+    done = subprocess.run([sys.executable, "-c", MISSING_DIR_RUN, str(tmp_path / "l.sqlite3")], env=env,
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "SENT-ONCE" in done.stdout
+    assert "ERROR:idemmail_celery:idemmail metrics: prometheus_client failed (FileNotFoundError" in done.stderr
+    assert done.stderr.count("metrics are OFF") == 1  # said once, not per call
+
+
+def test_a_failing_observe_does_not_replace_the_ledger_result(sqlite_ledger: Ledger,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from prometheus_client import Histogram
+
+    from idemmail_celery import metrics
+
+    def fail(self: object, amount: float, exemplar: object = None) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(Histogram, "observe", fail)
+    monkeypatch.setattr(metrics, "_broken", False)
+    m = Metrics(CollectorRegistry())
+    monkeypatch.setattr(metrics, "active", m)
+    m.instrument(sqlite_ledger)
+    token = claim(sqlite_ledger, "k1")
+    sqlite_ledger.complete("k1", token, {"value": None, "message_id": "m"})
+    assert sqlite_ledger.get("k1").state.value == "sent"  # type: ignore[union-attr]
+    assert metrics.active is None
+
+
+@pytest.mark.parametrize("where", ["missing", "file", "/proc"])
+def test_worker_start_refuses_a_bad_multiprocess_dir_with_an_error(
+    tmp_path: Path, where: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from types import SimpleNamespace
+
+    from idemmail_celery import metrics
+
+    path = {"missing": str(tmp_path / "missing"), "file": str(tmp_path / "f"), "/proc": "/proc"}[where]
+    (tmp_path / "f").write_text("")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", path)
+    monkeypatch.setattr(metrics, "active", None)
+    enabled: list[bool] = []
+    monkeypatch.setattr(metrics, "enable", lambda: enabled.append(True))
+    app = SimpleNamespace(conf={"idemmail_metrics": True})
+    metrics.configure_worker(app, SimpleNamespace(pool_cls="celery.concurrency.prefork:TaskPool"))
+    assert enabled == []
+    assert any(r.levelname == "ERROR" and "metrics are OFF" in r.getMessage() for r in caplog.records)
+
+
+def test_worker_start_warns_of_stale_files_in_the_multiprocess_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from types import SimpleNamespace
+
+    from idemmail_celery import metrics
+
+    (tmp_path / "counter_123.db").write_bytes(b"")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    enabled: list[bool] = []
+    monkeypatch.setattr(metrics, "enable", lambda: enabled.append(True))
+    metrics.configure_worker(SimpleNamespace(conf={"idemmail_metrics": True}), SimpleNamespace(pool_cls="solo"))
+    assert enabled == [True]
+    assert any(r.levelname == "WARNING" and "already holds 1 .db files" in r.getMessage() for r in caplog.records)
+
+
+def test_metrics_without_a_port_on_prefork_without_a_multiprocess_dir_warn(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from types import SimpleNamespace
+
+    from idemmail_celery import metrics
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setattr(metrics, "enable", lambda: None)
+    metrics.configure_worker(SimpleNamespace(conf={"idemmail_metrics": "true"}),
+                             SimpleNamespace(pool_cls="<class 'celery.concurrency.prefork.TaskPool'>"))
+    assert any("PROMETHEUS_MULTIPROC_DIR" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")

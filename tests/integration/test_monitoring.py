@@ -234,3 +234,17 @@ def test_metrics_endpoint_sums_outcomes_across_prefork_children(
     assert f"key={key}" in log and f"status=sent task={name} key={key}" in log
     assert ADDRESS not in log and "bob@example.com" not in log and "eve@example.com" not in log
     assert "status=key_reuse" in log and "reason=to" in log
+
+
+def test_a_missing_multiprocess_dir_leaves_metrics_off_and_sends_exactly_once(
+    app_module: Any, sink: Any, start_worker: Callable[..., Any], tmp_path: Path
+) -> None:
+    worker = start_worker("-P", "prefork", "-c", "2", env={
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "missing"), "IDEMMAIL_TEST_METRICS_PORT": str(free_port())})
+    send = app_module.send
+    out = results([send.delay(ADDRESS, 11)])
+    out += results([send.delay(ADDRESS, 11)])
+    assert [o["status"] for o in out] == ["sent", "duplicate"], out
+    assert len(sink.deliveries()) == 1
+    log = worker.log().decode()
+    assert "does not exist or is not a directory; metrics are OFF" in log  # before logging is set up: no level
