@@ -23,6 +23,7 @@ line, and a bad multiprocess dir at worker start leaves them off for the worker.
 metric                                          type       labels
 ==============================================  =========  ==========================================
 ``idemmail_outcomes_total``                     counter    ``task``, ``outcome`` (see ``outcomes``)
+``idemmail_unrecorded_total``                   counter    ``task``, ``outcome``, ``reason``
 ``idemmail_inflight_collisions_total``          counter    ``task``
 ``idemmail_reclaims_total``                     counter    ``task``
 ``idemmail_ledger_operation_seconds``           histogram  ``op``, ``backend``
@@ -75,6 +76,11 @@ class Metrics:
         self.inflight = Counter("idemmail_inflight_collisions_total",
                                 "Runs that found a live claim of another worker and were rescheduled",
                                 ["task"], registry=registry)
+        self.unrecorded_runs = Counter(
+            "idemmail_unrecorded_total",
+            "Outcomes the ledger does not hold: sent after the lease was lost (maybe twice) or while the "
+            "ledger was down, fail_open runs, failed/review verdicts it refused",
+            ["task", "outcome", "reason"], registry=registry)
         self.reclaims = Counter("idemmail_reclaims_total", "Claims taken over after their holder's lease expired",
                                 ["task"], registry=registry)
         self.ledger_seconds = Histogram("idemmail_ledger_operation_seconds", "Ledger operation latency",
@@ -92,6 +98,13 @@ class Metrics:
             child.inc()
             if status == "in_flight":
                 self.inflight.labels(task).inc()
+        except Exception as exc:
+            broken(exc)
+
+    def unrecorded(self, task: str, status: str, reason: str) -> None:
+        """Count an outcome the ledger does not hold (``recorded=false`` in the report)."""
+        try:
+            self.unrecorded_runs.labels(task, status, reason).inc()
         except Exception as exc:
             broken(exc)
 

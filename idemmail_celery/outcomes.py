@@ -21,6 +21,9 @@ address, a subject or a payload.
 from __future__ import annotations
 
 import logging
+import os
+import re
+import threading
 from typing import Any
 
 from celery.signals import worker_init
@@ -42,11 +45,19 @@ IN_FLIGHT_GAVE_UP = "in_flight_gave_up"    # ...and the in-flight budget ran out
 LEDGER_UNAVAILABLE = "ledger_unavailable"  # fail closed: rescheduled until the ledger is back
 RECLAIMED = "reclaimed"                    # a dead holder's expired lease was taken over
 KEY_REUSE = "key_reuse"                    # refused: the key came back with other must-match values
+FAIL_OPEN = "fail_open"                    # the ledger was down and fail_open ran the body without a claim
+LEDGER_GAVE_UP = "ledger_unavailable_gave_up"  # the outage budget ran out: the message is dropped (failed)
 
 STATUSES = (SENT, DUPLICATE, REVIEW, FAILED, RETRY, IN_FLIGHT, IN_FLIGHT_GAVE_UP, LEDGER_UNAVAILABLE, RECLAIMED,
-            KEY_REUSE)
+            KEY_REUSE, FAIL_OPEN, LEDGER_GAVE_UP)
 
-_WARN = {REVIEW, FAILED, IN_FLIGHT_GAVE_UP, KEY_REUSE}
+_WARN = {REVIEW, FAILED, IN_FLIGHT_GAVE_UP, KEY_REUSE, FAIL_OPEN}
+_ERROR = {LEDGER_GAVE_UP}
+#: Outcomes whose task ends in FAILURE or RETRY: only they need a ``task-idemmail`` event, since a
+#: task that succeeds carries its outcome as its result (``task-succeeded``).
+_EVENTFUL = {REVIEW, FAILED, RETRY, IN_FLIGHT, IN_FLIGHT_GAVE_UP, LEDGER_UNAVAILABLE, LEDGER_GAVE_UP, KEY_REUSE}
+_REASON = re.compile(r"[a-z0-9_]{1,40}(,[a-z0-9_]{1,40})*")
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 
 
 class _Worker:
@@ -66,39 +77,72 @@ def report(task: Any, status: str, key: str, *, message_id: Any = None, reason: 
     attempts = (request.retries or 0) + 1
     if message_id is not None and not isinstance(message_id, str):
         message_id = str(message_id)
+    if reason is not None:
+        reason = clean_reason(reason)
+    unrecorded = extra.get("recorded") == "false"
     try:
-        if log.isEnabledFor(logging.INFO):
-            _log(status, name, key, request.id, message_id, reason, attempts, extra)
+        level = _level(status, unrecorded)
+        if log.isEnabledFor(level):
+            _log(level, status, name, key, request.id, message_id, reason, attempts, extra)
         active = metrics.active
         if active is not None:
             if status == RECLAIMED:  # a step, not an outcome: the run goes on to one (counted once)
                 active.reclaimed(name)
             else:
                 active.outcome(name, status)
-        if _Worker.task_events and request.hostname:
+                if unrecorded:
+                    active.unrecorded(name, status, reason or "other")
+        if _Worker.task_events and request.hostname and (status in _EVENTFUL or unrecorded
+                                                         or (status == DUPLICATE and extra.get("recorded") != "sent")):
             _event(task, status, key, message_id, reason, attempts, extra)
     except Exception:  # pragma: no cover - a broken handler or broker must not change the outcome
         log.debug("idemmail: reporting %s for %s failed", status, key, exc_info=True)
 
 
-def _log(status: str, name: str, key: str, task_id: str | None, message_id: str | None, reason: str | None,
-         attempts: int, extra: dict[str, Any]) -> None:
+def clean_reason(reason: Any) -> str:
+    """A reason word as reports carry it: ``[a-z0-9_]{1,40}`` (comma-joined field names allowed), else ``other``.
+
+    Reasons come from providers and task code: free text could carry an address or forge a log line.
+    """
+    text = str(reason)
+    return text if _REASON.fullmatch(text) else "other"
+
+
+def snake(name: str) -> str:
+    """``LedgerUnavailableError`` -> ``ledger_unavailable_error`` (exception types as reason words)."""
+    return _CAMEL.sub("_", name).lower()
+
+
+def _level(status: str, unrecorded: bool) -> int:
+    if status in _ERROR or (unrecorded and status == SENT):
+        return logging.ERROR  # dropped, or sent and the ledger does not know it (maybe twice)
+    if status in _WARN or unrecorded:
+        return logging.WARNING
+    return logging.INFO
+
+
+def _log(level: int, status: str, name: str, key: str, task_id: str | None, message_id: str | None,
+         reason: str | None, attempts: int, extra: dict[str, Any]) -> None:
     fields: dict[str, Any] = {"status": status, "task": name, "key": key, "message_id": message_id,
                               "task_id": task_id, "attempts": attempts}
     if reason:
         fields["reason"] = reason
     fields.update(extra)
     line = " ".join(f"{k}={_logfmt(v)}" for k, v in fields.items())
-    log.log(logging.WARNING if status in _WARN else logging.INFO, "idemmail outcome %s",
-            line, extra={"idemmail": fields})
+    log.log(level, "idemmail outcome %s", line, extra={"idemmail": fields})
+
+
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def _logfmt(value: Any) -> str:
+    """One logfmt value: quoted and escaped when needed, never spanning lines (no forged log lines)."""
     if value is None:
         return "-"
     text = str(value)
-    if not text or any(c in text for c in ' "='):
-        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if not text or any(c in text for c in ' "=\\') or not text.isprintable():
+        escaped = "".join(_ESCAPES.get(c) or (c if c.isprintable() else f"\\x{ord(c):02x}") for c in text)
+        return '"' + escaped + '"'
     return text
 
 
@@ -109,8 +153,40 @@ def _event(task: Any, status: str, key: str, message_id: str | None, reason: str
         shown["reason"] = reason
     shown.update(extra)
     # Flower lists only Celery's own task fields: ``result`` is the one an event may fill.
-    task.send_event(EVENT, retry=False, status=status, key=key, message_id=message_id, reason=reason,
-                    attempts=attempts, result=repr(shown), **extra)
+    request = task.request
+    fields = {"status": status, "key": key, "message_id": message_id, "reason": reason, "attempts": attempts,
+              "result": repr(shown), **extra}
+    dispatcher = _dispatcher(task.app, request.hostname)
+    try:
+        dispatcher.send(EVENT, uuid=request.id, retry=False, **fields)
+    except Exception:
+        _local.__dict__.pop("dispatcher", None)  # a broken connection: the next event builds a new one
+        raise
+
+
+class _Local(threading.local):
+    dispatcher: Any = None
+    pid = 0
+    hostname: str | None = None
+
+
+_local = _Local()
+# A forked child drops (never closes: it is the parent's socket too) the dispatcher it inherited.
+os.register_at_fork(after_in_child=lambda: _local.__dict__.clear())
+
+
+def _dispatcher(app: Any, hostname: str) -> Any:
+    """This process's (and thread's) event dispatcher, built once: ``Task.send_event`` builds one per event.
+
+    Keyed on the pid, so a forked pool child never writes on its parent's connection.
+    """
+    d = _local.dispatcher
+    pid = os.getpid()
+    if d is None or _local.pid != pid or _local.hostname != hostname:
+        d = app.events.Dispatcher(app.connection_for_write(), hostname=hostname, enabled=True,
+                                  buffer_while_offline=False)
+        _local.dispatcher, _local.pid, _local.hostname = d, pid, hostname
+    return d
 
 
 def _on_worker_init(sender: Any = None, **_: Any) -> None:

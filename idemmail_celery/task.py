@@ -390,9 +390,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             keeper.drop(ledger, key, token)
         return self._record_sent(claim.record, token, value)
 
-    def _record_sent(self, record: Record, token: int, value: Any) -> dict[str, Any]:
+    def _record_sent(self, record: Record, token: int, value: Any, *, reconciled: bool = False) -> dict[str, Any]:
         key, ledger = record.key, self.ledger
         stored = {"value": value, "message_id": _message_id(value)}
+        unrecorded: str | None = None  # why the ledger does not hold this send, if it does not
         for attempt in range(4):
             try:
                 ledger.complete(key, token, stored)
@@ -404,16 +405,23 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # Our lease was taken over while we ran. If the newer holder already
                 # recorded sent, the intent went out twice: say so loudly.
                 log.error("idemmail: %s completed after losing its lease: %s", key, exc)
+                unrecorded = "lease_lost"
                 break
             except LedgerUnavailableError as exc:
                 if attempt == 3:
                     # The send happened; the claim stays with its lease. When it expires the
                     # next claimer resends with the same key or parks it for review.
                     log.error("idemmail: %s was sent but could not be recorded: %s", key, exc)
+                    unrecorded = "unrecorded"
                     break
                 time.sleep(0.2 * 2**attempt)
         outcome = self._outcome("sent", key, stored, time.time())
-        outcomes.report(self, outcomes.SENT, key, message_id=outcome["message_id"])
+        if unrecorded:  # maybe sent twice (lease lost), or a later claimer may send again: said apart
+            outcomes.report(self, outcomes.SENT, key, message_id=outcome["message_id"], reason=unrecorded,
+                            recorded="false")
+        else:
+            outcomes.report(self, outcomes.SENT, key, message_id=outcome["message_id"],
+                            reason="reconciled" if reconciled else None)
         return outcome
 
     def _retry_or_park(self, claim: Claim, exc: Exception, reason: str, *, sent_maybe: bool) -> dict[str, Any]:
@@ -433,7 +441,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if sent_maybe:
             found = self._reconciled(claim.record)
             if found is not None:
-                return self._record_sent(claim.record, token, found)
+                return self._record_sent(claim.record, token, found, reconciled=True)
             why = "retries_exhausted" if retry_safe else reason
             self._record(ledger.park, key, token, _error_record(exc, why, SendNeedsReview))
             raise SendNeedsReview(f"outcome unknown ({reason}): {exc}", reason=why, key=key) from exc
@@ -450,7 +458,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         elif not self.carries_key():
             found = self._reconciled(record)
             if found is not None:  # the provider has it: record the truth, do not send again
-                return self._record_sent(record, claim.token, found)
+                return self._record_sent(record, claim.token, found, reconciled=True)
             reason = "lease_expired"  # it may have sent, and nothing downstream would dedupe
         else:
             log.warning("idemmail: %s reclaimed after an expired lease; resending with the same key", record.key)
@@ -501,7 +509,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
             log.error("idemmail: ledger %s (%s); tasks retry until it is back", what, exc)
         if self.idem_settings.fail_open:
             log.warning("idemmail: fail_open: running %s without a claim", key)
-            return self.run(*args, **kwargs)
+            try:
+                value = self.run(*args, **kwargs)
+            except BaseException as body_exc:
+                outcomes.report(self, outcomes.FAIL_OPEN, key, reason=outcomes.snake(type(exc).__name__),
+                                recorded="false", error=outcomes.snake(type(body_exc).__name__))
+                raise
+            outcomes.report(self, outcomes.FAIL_OPEN, key, message_id=_message_id(value),
+                            reason=outcomes.snake(type(exc).__name__), recorded="false")
+            return value
         self._retry_when_ledger_back(exc, key)
 
     def _retry_when_ledger_back(self, exc: LedgerError | UnsafeLedgerError, key: str) -> NoReturn:
@@ -510,10 +526,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         headers = dict(request.headers or {})
         count = int(headers.get(OUTAGE_HEADER) or 0)
         if settings.outage_max_retries is not None and count >= settings.outage_max_retries:
+            outcomes.report(self, outcomes.LEDGER_GAVE_UP, key, reason=outcomes.snake(type(exc).__name__),
+                            reschedules=count)
             raise exc
         headers[OUTAGE_HEADER] = count + 1
         countdown = backoff(count, settings.inflight_backoff, settings.inflight_backoff_max)
-        outcomes.report(self, outcomes.LEDGER_UNAVAILABLE, key, reason=type(exc).__name__, reschedules=count + 1)
+        outcomes.report(self, outcomes.LEDGER_UNAVAILABLE, key, reason=outcomes.snake(type(exc).__name__),
+                        reschedules=count + 1)
         self._reschedule(countdown, headers, f"ledger_unavailable: {exc}", exc)
 
     def _reschedule(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception) -> NoReturn:
@@ -586,13 +605,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         review), so the intent never stays claimed with nobody left to finish it. A
         failed ``release`` needs nothing: the retry it precedes is that later delivery.
         """
+        landed: dict[str, str] = {}
         try:
             move(key, token, info)
         except LedgerError as exc:
             log.error("idemmail: could not record %s for %s: %s", move.__name__, key, exc)
             if move.__name__ in ("fail", "park") and isinstance(exc, LedgerUnavailableError):
                 self._retry_when_ledger_back(exc, key)
-        outcomes.report(self, _MOVE_OUTCOMES.get(move.__name__, move.__name__), key, reason=info.get("reason"))
+            landed = {"recorded": "false", "error": outcomes.snake(type(exc).__name__)}
+        outcomes.report(self, _MOVE_OUTCOMES.get(move.__name__, move.__name__), key, reason=info.get("reason"),
+                        **landed)
 
 
 #: What an error-path ledger move means for the run (see :mod:`idemmail_celery.outcomes`).

@@ -1,0 +1,168 @@
+"""What a run reports on its rarer paths (log level, fields, metrics), in one process with an eager app."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from prometheus_client import CollectorRegistry
+
+from idemmail_celery import (
+    AmbiguousSendError,
+    IdempotentTask,
+    LedgerUnavailableError,
+    PermanentSendError,
+    StaleTokenError,
+    metrics,
+)
+from idemmail_celery import task as task_mod
+from idemmail_celery.outcomes import _logfmt, clean_reason
+
+from .conftest import unique
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> CollectorRegistry:
+    reg = CollectorRegistry()
+    monkeypatch.setattr(metrics, "active", metrics.Metrics(reg))
+    monkeypatch.setattr(metrics, "_broken", False)
+    return reg
+
+
+@pytest.fixture
+def app(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Iterator[Celery]:
+    caplog.set_level(logging.INFO, logger="idemmail_celery.outcome")
+    a = Celery(unique("reports"), broker="memory://", set_as_current=False)
+    a.conf.update(task_always_eager=True, idemmail_ledger_url=f"sqlite:///{tmp_path / 'l.sqlite3'}",
+                  idemmail_key_secret="s", idemmail_retry_backoff=0.01)
+    yield a
+
+
+def lines(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "idemmail_celery.outcome"]
+
+
+def unrecorded(reg: CollectorRegistry, task: str, outcome: str, reason: str) -> float | None:
+    return reg.get_sample_value("idemmail_unrecorded_total", {"task": task, "outcome": outcome, "reason": reason})
+
+
+def test_fail_open_is_reported_as_its_own_outcome(app: Celery, registry: CollectorRegistry,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    @app.task(base=IdempotentTask, name=unique("fo"), idempotency_ledger_url="redis://127.0.0.1:1/0",
+              idempotency_fail_open=True)
+    def send(to: str) -> dict[str, Any]:
+        return {"message_id": "m-1"}
+
+    assert send.delay("a@example.com").get() == {"message_id": "m-1"}
+    [(level, line)] = lines(caplog)
+    assert level == "WARNING" and "status=fail_open" in line and "message_id=m-1" in line
+    assert "reason=ledger_unavailable_error recorded=false" in line
+    assert registry.get_sample_value("idemmail_outcomes_total", {"task": send.name, "outcome": "fail_open"}) == 1
+    assert unrecorded(registry, send.name, "fail_open", "ledger_unavailable_error") == 1
+
+
+def test_the_outage_budget_running_out_is_reported_before_the_intent_is_dropped(
+        app: Celery, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture) -> None:
+    app.conf.idemmail_outage_max_retries = 0
+
+    @app.task(base=IdempotentTask, name=unique("gu"), idempotency_ledger_url="redis://127.0.0.1:1/0")
+    def send(to: str) -> None: ...
+
+    with pytest.raises(LedgerUnavailableError):
+        send.delay("a@example.com").get()
+    [(level, line)] = lines(caplog)
+    assert level == "ERROR" and "status=ledger_unavailable_gave_up" in line and "reschedules=0" in line
+    assert registry.get_sample_value(
+        "idemmail_outcomes_total", {"task": send.name, "outcome": "ledger_unavailable_gave_up"}) == 1
+
+
+@pytest.mark.parametrize(("error", "reason"), [
+    (StaleTokenError("lease taken over"), "lease_lost"),
+    (LedgerUnavailableError("down"), "unrecorded"),
+])
+def test_a_send_the_ledger_did_not_record_is_told_apart(
+        app: Celery, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+        error: Exception, reason: str) -> None:
+    @app.task(base=IdempotentTask, name=unique("ls"))
+    def send(to: str) -> dict[str, Any]:
+        return {"message_id": "m-2"}
+
+    def complete(*_: Any, **__: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(send.ledger, "complete", complete)
+    monkeypatch.setattr(task_mod.time, "sleep", lambda s: None)
+    assert send.delay("a@example.com").get()["status"] == "sent"
+    [(level, line)] = lines(caplog)
+    assert level == "ERROR" and "status=sent" in line and f"reason={reason} recorded=false" in line
+    assert unrecorded(registry, send.name, "sent", reason) == 1
+    assert registry.get_sample_value("idemmail_outcomes_total", {"task": send.name, "outcome": "sent"}) == 1
+
+
+def test_a_verdict_the_ledger_refused_says_recorded_false(
+        app: Celery, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    @app.task(base=IdempotentTask, name=unique("vr"))
+    def send(to: str) -> None:
+        raise PermanentSendError("mailbox unavailable", reason="rejected")
+
+    def fail(*_: Any, **__: Any) -> None:
+        raise StaleTokenError("lease taken over")
+
+    monkeypatch.setattr(send.ledger, "fail", fail)
+    with pytest.raises(PermanentSendError):
+        send.delay("a@example.com").get()
+    [(level, line)] = lines(caplog)
+    assert level == "WARNING" and "status=failed" in line
+    assert "reason=rejected recorded=false error=stale_token_error" in line
+
+
+def test_a_reconciled_send_is_one_outcome_with_reason_reconciled(
+        app: Celery, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture) -> None:
+    class Reconciling(IdempotentTask):  # type: ignore[misc]
+        abstract = True
+
+        def reconcile(self, key: str, payload: Any) -> Any:
+            return {"message_id": "found-1"}
+
+    @app.task(base=Reconciling, name=unique("rc"), max_retries=0)
+    def send(to: str) -> None:
+        raise AmbiguousSendError("read timeout", reason="timeout")
+
+    assert send.delay("a@example.com").get()["message_id"] == "found-1"
+    [(level, line)] = lines(caplog)
+    assert level == "INFO" and "status=sent" in line and "reason=reconciled" in line
+
+
+@pytest.mark.parametrize(("value", "shown"), [
+    ("x\nidemmail outcome status=sent", '"x\\nidemmail outcome status=sent"'),
+    ("a\rb", '"a\\rb"'), ("tab\there", '"tab\\there"'), ("back\\slash", '"back\\\\slash"'), ("\x1b[2J", '"\\x1b[2J"'),
+])
+def test_log_values_never_span_lines(value: str, shown: str) -> None:
+    assert _logfmt(value) == shown
+    assert "\n" not in _logfmt(value)
+
+
+@pytest.mark.parametrize(("reason", "kept"), [
+    ("timeout", "timeout"), ("to,order_id", "to,order_id"), ("smtp_550", "smtp_550"),
+    ("bob@example.com", "other"), ("x\ny", "other"), ("Timeout", "other"), ("a" * 41, "other"), ("", "other"),
+])
+def test_reasons_are_short_words(reason: str, kept: str) -> None:
+    assert clean_reason(reason) == kept
+
+
+def test_a_forged_reason_does_not_reach_the_log(app: Celery, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+
+    @app.task(base=IdempotentTask, name=unique("fr"))
+    def send(to: str) -> None:
+        raise PermanentSendError("no", reason="x\nidemmail outcome status=sent key=forged")
+
+    with pytest.raises(PermanentSendError):
+        send.delay("a@example.com").get()
+    [(_, line)] = lines(caplog)
+    assert "reason=other" in line and "forged" not in line
