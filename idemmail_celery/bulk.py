@@ -25,6 +25,7 @@ from typing import Any
 
 from celery import Task, shared_task
 
+from . import outcomes, redaction
 from ._lease import keeper
 from .errors import (
     InvalidEmail,
@@ -60,26 +61,55 @@ def _error(exc: BaseException, reason: str, kind: str) -> dict[str, Any]:
     return {"type": kind, "reason": reason, "message": str(exc)[:500], "cause": type(exc).__name__, "at": time.time()}
 
 
-def send_batch(sender: SendEmailTask, claims: list[tuple[Claim, _Recipient]], tally: Counter[str]) -> None:
-    """Send every held claim of a batch once, recording each outcome as ``send_email`` would."""
+#: Tally words and the outcome each recipient reports (see :mod:`idemmail_celery.outcomes`).
+_STATUS = {"sent": outcomes.SENT, "skipped": outcomes.DUPLICATE, "failed": outcomes.FAILED,
+           "review": outcomes.REVIEW, "retry": outcomes.RETRY, "busy": outcomes.IN_FLIGHT}
+
+
+class _Tally:
+    """Counts per campaign run, and one report per recipient outcome (log line and metrics, no event)."""
+
+    def __init__(self, task: Any, counts: Counter[str]) -> None:
+        self.task, self.counts = task, counts
+
+    def __call__(self, word: str, key: str, *, message_id: Any = None, reason: str | None = None,
+                 **extra: Any) -> None:
+        self.counts["retry" if word == "busy" else word] += 1
+        if self.task is not None:
+            outcomes.report(self.task, _STATUS[word], key, message_id=message_id, reason=reason, event=False,
+                            bulk=True, **extra)
+
+
+def send_batch(sender: SendEmailTask, claims: list[tuple[Claim, _Recipient]], tally: Counter[str],
+               task: Any = None) -> None:
+    """Send every held claim of a batch once, recording each outcome as ``send_email`` would.
+
+    With ``task`` (the campaign task), each recipient's outcome is reported under its name.
+    """
     ledger, provider = sender.ledger, sender.provider
     settings = sender.idem_settings
     carries_key = provider.accepts_idempotency_key
+    count = _Tally(task, tally)
     for claim, rcpt in claims:
         key, token = rcpt.key, claim.token
         if claim.status is not ClaimStatus.ACQUIRED and is_sealed(claim.record.payload):
             # Sealed, and this process has no payload keys: never run it, never leave it claimed.
             settled = park_unreadable(ledger, claim)
-            tally["review" if settled.status is ClaimStatus.DONE else "retry"] += 1  # busy: the next pass
+            if settled.status is ClaimStatus.DONE:
+                count("review", key, reason="payload_key_unknown")
+            else:
+                count("busy", key)  # the next pass
             continue
+        if claim.status is ClaimStatus.RECLAIMED and task is not None:
+            outcomes.report(task, outcomes.RECLAIMED, key, reclaims=claim.record.reclaims, event=False, bulk=True)
         if claim.status is ClaimStatus.RECLAIMED and not carries_key:
             found = sender.reconcile(key, rcpt.payload)  # a crashed copy may have sent it
             if found is not None:
                 ledger.complete(key, token, {"value": found, "message_id": found.get("message_id")})
-                tally["sent"] += 1
+                count("sent", key, message_id=found.get("message_id"), reason="reconciled")
             else:
                 ledger.park(key, token, {"type": "SendNeedsReview", "reason": "lease_expired", "at": time.time()})
-                tally["review"] += 1
+                count("review", key, reason="lease_expired")
             continue
         # The first payload ships; if an operator erased it (``forget``), this run's is all there is.
         first = claim.record.payload
@@ -90,32 +120,32 @@ def send_batch(sender: SendEmailTask, claims: list[tuple[Claim, _Recipient]], ta
             result = provider.send(message, key=key).to_dict()
         except InvalidEmail as exc:
             ledger.fail(key, token, _error(exc, "invalid_email", "PermanentSendError"))
-            tally["failed"] += 1
+            count("failed", key, reason="invalid_email")
         except PermanentSendError as exc:
             ledger.fail(key, token, _error(exc, exc.reason, type(exc).__name__))
-            tally["failed"] += 1
+            count("failed", key, reason=exc.reason)
         except TransientSendError as exc:
             ledger.release(key, token, _error(exc, exc.reason, "TransientSendError"))
-            tally["retry"] += 1
+            count("retry", key, reason=exc.reason)
         except SendNeedsReview as exc:
             ledger.park(key, token, _error(exc, exc.reason, "SendNeedsReview"))
-            tally["review"] += 1
+            count("review", key, reason=exc.reason)
         except Exception as exc:  # ambiguous: it may have been sent
             reason = exc.reason if isinstance(exc, SendError) else "unexpected_error"
             if carries_key:
                 ledger.release(key, token, {**_error(exc, reason, "AmbiguousSendError"), "maybe_sent": True})
-                tally["retry"] += 1
+                count("retry", key, reason=reason)
             else:
                 found = sender.reconcile(key, stored)
                 if found is not None:
                     ledger.complete(key, token, {"value": found, "message_id": found.get("message_id")})
-                    tally["sent"] += 1
+                    count("sent", key, message_id=found.get("message_id"), reason="reconciled")
                 else:
                     ledger.park(key, token, _error(exc, reason, "SendNeedsReview"))
-                    tally["review"] += 1
+                    count("review", key, reason=reason)
         else:
             ledger.complete(key, token, {"value": result, "message_id": result.get("message_id")})
-            tally["sent"] += 1
+            count("sent", key, message_id=result.get("message_id"))
         finally:
             keeper.drop(ledger, key, token)
 
@@ -168,14 +198,16 @@ def _send_campaign(
         except LedgerError as exc:  # fail closed: nothing sent without claims; come back later
             raise self.retry(exc=exc, countdown=min(60.0, 2.0 ** min(self.request.retries, 6))) from exc
         held = []
+        count = _Tally(self, tally)
         for claim, rcpt in zip(claims, batch, strict=True):
             if claim.status is ClaimStatus.DONE:
-                tally["skipped"] += 1
+                count("skipped", rcpt.key, message_id=(claim.record.result or {}).get("message_id"),
+                      recorded=claim.record.state.value)
             elif claim.status is ClaimStatus.BUSY:
-                tally["retry"] += 1
+                count("busy", rcpt.key)
             else:
                 held.append((claim, rcpt))
-        send_batch(sender, held, tally)
+        send_batch(sender, held, tally, self)
         progress = {"total": len(unique), "processed": min(start + batch_size, len(unique)), **tally}
         self.update_state(state="PROGRESS", meta=progress)
 
@@ -193,3 +225,5 @@ def _send_campaign(
 send_campaign: Task = shared_task(
     bind=True, name=CAMPAIGN_TASK, acks_late=True, reject_on_worker_lost=True, max_retries=None
 )(_send_campaign)
+# Its arguments are a recipient list, a subject and bodies: never shown (Flower, events, worker logs).
+redaction.register(CAMPAIGN_TASK)

@@ -19,7 +19,7 @@
 ``idemmail_outage_max_retries``    -                                           none (retry forever)
 ``idemmail_fail_open``             ``idempotency_fail_open``                   False
 -                                  ``idempotency_carries_key``                 False
-``idemmail_redact_args``           ``idempotency_redact_args``                 False (``send_email``: True)
+``idemmail_redact_args``           ``idempotency_redact_args``                 True (arguments never shown)
 ``idemmail_metrics``               -                                           False (:mod:`.metrics`)
 ``idemmail_metrics_port``          -                                           none (no ``/metrics``)
 ``idemmail_metrics_addr``          -                                           ``0.0.0.0``
@@ -165,7 +165,7 @@ class Settings:
     fail_open: bool = False
     carries_key: bool = False
     keep_payload: bool = False
-    redact_args: bool = False
+    redact_args: bool = True
     payload_keys: tuple[str, ...] = field(default=(), repr=False)  # secrets: never in a repr or a log
 
     def __post_init__(self) -> None:
@@ -246,7 +246,7 @@ class Settings:
             fail_open=pick("idemmail_fail_open", "idempotency_fail_open", False, flag),
             carries_key=pick("idemmail_carries_key", "idempotency_carries_key", False, flag),
             keep_payload=pick("idemmail_keep_payload", None, False, flag),
-            redact_args=pick("idemmail_redact_args", "idempotency_redact_args", False, flag),
+            redact_args=pick("idemmail_redact_args", "idempotency_redact_args", True, flag),
             payload_keys=tuple(_text(k) for k in payload_keys if _text(k)),
         )
 

@@ -66,11 +66,12 @@ class _Worker:
 
 
 def report(task: Any, status: str, key: str, *, message_id: Any = None, reason: str | None = None,
-           **extra: Any) -> None:
+           event: bool = True, **extra: Any) -> None:
     """Tell the log, Flower and metrics what this run of ``task`` came to.
 
     ``extra`` holds further short, non-personal fields (``recorded``, ``reschedules``,
-    ``action``). Never raises: reporting must not change an outcome.
+    ``action``). ``event=False``: no ``task-idemmail`` event (a campaign's recipients,
+    whose task id is the campaign's). Never raises: reporting must not change an outcome.
     """
     request = task.request
     name = task.name
@@ -92,7 +93,7 @@ def report(task: Any, status: str, key: str, *, message_id: Any = None, reason: 
                 active.outcome(name, status)
                 if unrecorded:
                     active.unrecorded(name, status, reason or "other")
-        if _Worker.task_events and request.hostname and (status in _EVENTFUL or unrecorded
+        if event and _Worker.task_events and request.hostname and (status in _EVENTFUL or unrecorded
                                                          or (status == DUPLICATE and extra.get("recorded") != "sent")):
             _event(task, status, key, message_id, reason, attempts, extra)
     except Exception:  # pragma: no cover - a broken handler or broker must not change the outcome

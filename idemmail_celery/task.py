@@ -44,7 +44,7 @@ from celery.exceptions import Retry
 
 from . import keys as keys_mod
 from . import metrics as _metrics
-from . import outcomes
+from . import outcomes, redaction
 from ._lease import keeper
 from .config import Settings
 from .errors import (
@@ -140,10 +140,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         service that de-duplicates on it: then a crashed or ambiguous attempt
         is safely retried instead of parked for review.
     ``idempotency_redact_args``
-        True to show the intent key instead of the arguments (addresses, bodies)
-        wherever Celery shows them: task events, Flower, worker logs (``argsrepr``
-        and ``kwargsrepr``). Default: the app setting ``idemmail_redact_args``,
-        else False; ``send_email`` sets True.
+        True (the default) shows the intent key instead of the arguments (addresses,
+        bodies) wherever Celery shows them: task events, Flower, worker logs
+        (``argsrepr`` and ``kwargsrepr``), on every publish path (``apply_async``,
+        ``send_task``, the outbox relay; see :mod:`idemmail_celery.redaction`).
+        False shows them. Default: the app setting ``idemmail_redact_args``, else True.
 
     plus the per-task settings listed in :mod:`idemmail_celery.config`.
 
@@ -272,6 +273,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if tenant is not None:
             headers[TENANT_HEADER] = str(tenant)
         return headers
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Register the task for redaction on every publish path (:mod:`idemmail_celery.redaction`)."""
+        super().on_bound(app)
+        name = cls.name
+        if name:
+            def redacts() -> bool:
+                task = app.tasks.get(name)
+                return True if task is None else bool(task.idem_settings.redact_args)
+
+            redaction.register(name, redacts)
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         """Enqueue like Celery, with the intent key derived first and sent as a header.
@@ -605,7 +618,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         review), so the intent never stays claimed with nobody left to finish it. A
         failed ``release`` needs nothing: the retry it precedes is that later delivery.
         """
-        landed: dict[str, str] = {}
+        landed: dict[str, Any] = {}
         try:
             move(key, token, info)
         except LedgerError as exc:

@@ -79,3 +79,28 @@ def test_campaign_retried_after_crash_half_way_reaches_everyone_once(
     ledger = app.tasks[TASK_NAME].ledger
     states = Counter(r.state.value for r in ledger.iter_records())
     assert states == {"sent": n}
+
+
+def test_campaign_reports_each_recipient_outcome_without_addresses(
+    app_for_fake: Any, fake: FakeProvider, start_worker: Any
+) -> None:
+    from .test_monitoring import free_port, scrape
+
+    port = free_port()
+    worker = start_worker("-P", "solo", env={"IDEMMAIL_TEST_METRICS_PORT": str(port)})
+    app = app_for_fake.app
+    recipients = [f"user{i}@example.com" for i in range(12)]
+    assert results([app.tasks[TASK_NAME].delay(to="user3@example.com", subject="Dec", text="news",
+                                               event_id="dec-news")])[0]["status"] == "sent"
+    out = results([app.tasks[CAMPAIGN_TASK].delay(campaign_id="dec-news", recipients=recipients, subject="Dec",
+                                                  text="news", batch_size=5)])[0]
+    assert (out["sent"], out["skipped"]) == (11, 1)
+    metrics = scrape(port)
+
+    def outcome(status: str) -> float:
+        return metrics.get(("idemmail_outcomes_total", (("outcome", status), ("task", CAMPAIGN_TASK))), 0.0)
+
+    assert (outcome("sent"), outcome("duplicate")) == (11, 1)
+    log = worker.log().decode()
+    assert log.count(f"status=sent task={CAMPAIGN_TASK}") == 11 and "bulk=True" in log
+    assert "@example.com" not in log
