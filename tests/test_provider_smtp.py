@@ -177,7 +177,8 @@ def test_every_recipient_refused_is_permanent(sink: SMTPSink, provider: SMTPProv
     with pytest.raises(PermanentSendError) as caught:
         provider.send(make_message(), key=key_for("all-refused"))
     assert caught.value.reason == "rejected"
-    assert "ann@example.com" in str(caught.value) and "audit@example.org" in str(caught.value)
+    assert "every recipient (2) was refused: #1: 550" in str(caught.value) and "#2: 550" in str(caught.value)
+    assert "@" not in str(caught.value)  # the message reaches logs, Flower and the ledger: no address
     assert sink.count() == 0
 
 
@@ -185,8 +186,7 @@ def test_some_recipients_refused_sends_to_the_others_and_lists_the_refused(
         sink: SMTPSink, provider: SMTPProvider) -> None:
     sink.fail_next("reject_rcpt")  # the first RCPT: ann; audit (bcc) is accepted
     result = provider.send(make_message(), key=key_for("partial"))
-    assert result.extra["refused"] == [
-        {"recipient": "ann@example.com", "code": 550, "reply": "5.1.1 No such user (injected)"}]
+    assert result.extra["refused"] == [{"index": 1, "code": 550, "reply": "5.1.1 No such user (injected)"}]
     assert sink.messages()[0].rcpt_tos == ("audit@example.org",)
 
 
@@ -352,3 +352,30 @@ def test_repr_names_the_server_but_not_the_password() -> None:
     provider = from_url("smtps://ann@relay.example.com", api_key=PASSWORD)
     assert "relay.example.com" in repr(provider) and "ann@" in repr(provider)
     assert PASSWORD not in repr(provider)
+
+
+@pytest.mark.parametrize("fault", ["reject_rcpt", "tempfail_rcpt", "reject_mail"])
+def test_a_refusal_naming_the_address_leaves_no_address_in_the_error_or_the_result(
+        sink: SMTPSink, provider: SMTPProvider, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, fault: str) -> None:
+    from idemmail_celery.testing import smtp_sink
+
+    # Real servers name the address in their reply: "550 5.1.1 <ann@example.com>: Recipient address rejected".
+    table = smtp_sink._MAIL_FAULTS if fault == "reject_mail" else smtp_sink._RCPT_FAULTS
+    code = table[fault].split(" ", 1)[0]
+    monkeypatch.setitem(table, fault, f"{code} 5.1.1 <ann@example.com>: Recipient address rejected (injected)")
+    sink.fail_next(fault, times=1 if fault == "reject_mail" else 2)  # type: ignore[arg-type]
+    with pytest.raises((PermanentSendError, TransientSendError)) as caught:
+        provider.send(make_message(), key=key_for(f"named-{fault}"))
+    text = str(caught.value)
+    assert "<address>: Recipient address rejected" in text
+    assert "@" not in text and "shop@" not in text
+
+    sink.fail_next("reject_rcpt")  # partial: ann refused, audit accepted; the result is stored and replayed
+    monkeypatch.setitem(smtp_sink._RCPT_FAULTS, "reject_rcpt",
+                        "550 5.1.1 <ann@example.com>: Recipient address rejected (injected)")
+    result = provider.send(make_message(), key=key_for(f"partial-named-{fault}"))
+    assert result.extra["refused"] == [
+        {"index": 1, "code": 550, "reply": "5.1.1 <address>: Recipient address rejected (injected)"}]
+    assert "@" not in repr(result.extra)
+    assert not [r for r in caplog.records if "ann@example.com" in r.getMessage()]

@@ -190,7 +190,11 @@ class SMTPProvider(Provider):
         Returns ``SendResult(message_id=<the Message-ID>, provider="smtp",
         extra={"smtp_reply": "250 ...", "refused": [...]})``; ``refused`` (present only
         when some recipients were refused for good while others were accepted) lists
-        ``{"recipient", "code", "reply"}``. Raises as in the module's table.
+        ``{"index", "code", "reply"}``: ``index`` is the recipient's place (from 1) in
+        ``message.recipients()`` (to, cc, bcc), never the address, since the result is
+        stored in the ledger and replayed to duplicates. No error message carries an
+        address either (server replies are scrubbed): they reach logs, Flower and the
+        ledger. Raises as in the module's table.
         """
         message_id = message_id_for(key, message_id_domain(message, self.domain))
         sender = email.utils.parseaddr(message.sender)[1]
@@ -211,8 +215,8 @@ class SMTPProvider(Provider):
         extra: dict[str, Any] = {"smtp_reply": reply}
         if refused:
             extra["refused"] = refused
-            log.warning("idemmail smtp: %s sent, but %d recipient(s) refused: %s",
-                        key, len(refused), ", ".join(r["recipient"] for r in refused))
+            log.warning("idemmail smtp: %s sent, but %d of %d recipient(s) refused: %s", key, len(refused),
+                        len(recipients), ", ".join(f"#{r['index']} {r['code']}" for r in refused))
         return SendResult(message_id=message_id, provider=self.name, extra=extra)
 
     def _open(self, key: str) -> smtplib.SMTP:
@@ -250,7 +254,7 @@ class SMTPProvider(Provider):
         except smtplib.SMTPException as exc:
             _close(conn)
             text = _describe(exc).replace(password, "***")
-            message = f"SMTP authentication as {username!r} at {self._where()} failed: {text}"
+            message = f"SMTP authentication at {self._where()} failed: {text}"  # the user name is often an address
             _log_auth_failure_once(message)
             # from None: the server's reply is already in the message, scrubbed; nothing more to chain.
             raise _transient(message, "auth", key) from None
@@ -278,12 +282,13 @@ class SMTPProvider(Provider):
         except OSError as exc:
             raise _transient(f"lost {self._where()} at MAIL FROM: {_describe(exc)}", "connect", key) from exc
         if code != 250:
-            _refuse_before_data(f"MAIL FROM:<{sender}>", code, reply, key)
+            _refuse_before_data("MAIL FROM", code, reply, key)  # not the address: messages reach logs
 
     def _rcpt_to(self, conn: smtplib.SMTP, recipients: list[str], key: str) -> list[dict[str, Any]]:
         refused: list[dict[str, Any]] = []
         deferred: list[str] = []
-        for address in recipients:
+        # Recipients are named by their place (#1 = the first of message.recipients()), never their address.
+        for index, address in enumerate(recipients, 1):
             try:
                 code, reply = conn.rcpt(address)
             except OSError as exc:
@@ -291,16 +296,18 @@ class SMTPProvider(Provider):
             if code in (250, 251):
                 continue
             if code == 421 or not 500 <= code <= 599:  # 421: the server is closing the channel
-                deferred.append(f"{address}: {_reply(code, reply)}")
+                deferred.append(f"#{index}: {_reply(code, reply)}")
                 if code == 421:
                     break
             else:
-                refused.append({"recipient": address, "code": code, "reply": _text(reply)})
+                refused.append({"index": index, "code": code, "reply": _text(reply)})
         if deferred:
-            raise _transient(f"recipient(s) temporarily refused: {'; '.join(deferred)}", "tempfail", key)
+            raise _transient(f"{len(deferred)} of {len(recipients)} recipient(s) temporarily refused: "
+                             f"{'; '.join(deferred)}", "tempfail", key)
         if len(refused) == len(recipients):
-            details = "; ".join(f"{r['recipient']}: {r['code']} {r['reply']}" for r in refused)
-            raise PermanentSendError(f"every recipient was refused: {details}", reason="rejected", key=key)
+            details = "; ".join(f"#{r['index']}: {r['code']} {r['reply']}" for r in refused)
+            raise PermanentSendError(f"every recipient ({len(refused)}) was refused: {details}", reason="rejected",
+                                     key=key)
         return refused
 
     def _data_command(self, conn: smtplib.SMTP, key: str) -> None:
@@ -403,9 +410,14 @@ def _dot_stuff(raw: bytes) -> bytes:
     return stuffed if stuffed.endswith(b"\r\n") else stuffed + b"\r\n"
 
 
+#: Anything shaped like an address in a server's reply ("550 5.1.1 <bob@example.com>: unknown").
+_ADDRESS = re.compile(r"<?[^\s<>()\[\],;:\"']+@[^\s<>()\[\],;:\"']+>?")
+
+
 def _text(reply: bytes | str) -> str:
+    """A server reply on one line, addresses replaced by ``<address>`` (it reaches logs, Flower, the ledger)."""
     text = reply.decode("utf-8", "replace") if isinstance(reply, bytes) else reply
-    return text.replace("\n", " ")
+    return _ADDRESS.sub("<address>", text.replace("\r", " ").replace("\n", " "))
 
 
 def _reply(code: int, reply: bytes | str) -> str:
@@ -415,7 +427,7 @@ def _reply(code: int, reply: bytes | str) -> str:
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, smtplib.SMTPResponseException):
         return _reply(exc.smtp_code, exc.smtp_error)
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return f"{type(exc).__name__}: {_text(str(exc))}" if str(exc) else type(exc).__name__
 
 
 def _close(conn: smtplib.SMTP | None) -> None:
