@@ -89,6 +89,11 @@ def _behave(key: str) -> None:
     hold = _control("hold")
     if hold:
         time.sleep(float(hold))
+    if r.getdel(k("ctl.hold_until_released")):  # one run holds its claim until the test says so
+        r.rpush(k("holding"), key)
+        deadline = time.monotonic() + 60
+        while not r.getdel(k("ctl.release")) and time.monotonic() < deadline:
+            time.sleep(0.05)
     if r.getdel(k("ctl.die_before_send")):
         os.kill(os.getpid(), signal.SIGKILL)
 
