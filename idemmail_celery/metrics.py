@@ -119,7 +119,7 @@ class Metrics:
         """Time ``ledger``'s operations (its bound methods, replaced on the instance); returns it."""
         if getattr(ledger, "_idemmail_timed", False):
             return ledger
-        backend = type(ledger).__name__.removesuffix("Ledger").lower() or "ledger"
+        backend = backend_label(ledger)
         for op in LEDGER_OPS:
             method = getattr(ledger, op, None)
             if method is not None:
@@ -158,6 +158,13 @@ class Metrics:
             return result
 
         return timed
+
+
+def backend_label(ledger: Any) -> str:
+    """``redis``, ``sql``: a sealed ledger (payload encryption) is labelled by the backend it wraps."""
+    while getattr(ledger, "inner", None) is not None and type(ledger).__name__ == "SealedLedger":
+        ledger = ledger.inner
+    return type(ledger).__name__.removesuffix("Ledger").lower() or "ledger"
 
 
 def available() -> bool:
@@ -306,9 +313,9 @@ def _app_ledger(app: Any) -> Callable[[], Any]:
         from .task import get_ledger
 
         s = Settings.resolve(app.conf, None)
-        # Passive: a scrape reads the markers and never writes them (no new epoch on an emptied store).
-        return get_ledger(s.ledger_url, {"retention_seconds": s.retention_seconds, **s.ledger_options,
-                                         **passive_options(s.ledger_url)})
+        # The tasks' own options (payload keys, keep_payload, backend options), as the CLI opens it;
+        # passive: a scrape reads the markers and never writes them (no new epoch on an emptied store).
+        return get_ledger(s.ledger_url, {**s.ledger_kwargs(), **passive_options(s.ledger_url)})
 
     return ledger
 

@@ -191,3 +191,33 @@ def test_metrics_without_a_port_on_prefork_without_a_multiprocess_dir_warn(
     metrics.configure_worker(SimpleNamespace(conf={"idemmail_metrics": "true"}),
                              SimpleNamespace(pool_cls="<class 'celery.concurrency.prefork.TaskPool'>"))
     assert any("PROMETHEUS_MULTIPROC_DIR" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
+def test_a_sealed_ledger_is_labelled_by_its_backend(tmp_path: Path) -> None:
+    from cryptography.fernet import Fernet
+
+    registry = CollectorRegistry()
+    ledger = from_url(f"sqlite:///{tmp_path / 's.sqlite3'}", payload_keys=[Fernet.generate_key().decode()])
+    assert type(ledger).__name__ == "SealedLedger"
+    Metrics(registry).instrument(ledger)
+    claim(ledger, "k")
+    assert registry.get_sample_value("idemmail_ledger_operation_seconds_count", {"op": "claim", "backend": "sql"}) == 1
+
+
+def test_the_records_gauge_opens_the_ledger_with_the_tasks_options(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from cryptography.fernet import Fernet
+
+    from idemmail_celery import metrics, task
+
+    seen: list[dict[str, object]] = []
+    monkeypatch.setattr(task, "get_ledger", lambda url, options: seen.append(options) or object())
+    key = Fernet.generate_key().decode()
+    conf = {"idemmail_ledger_url": "redis://127.0.0.1:6379/0", "idemmail_payload_keys": [key],
+            "idemmail_keep_payload": True, "idemmail_ledger_options": {"prefix": "shop"}}
+    metrics._app_ledger(SimpleNamespace(conf=conf))()
+    [options] = seen
+    assert options["payload_keys"] == [key] and options["keep_payload"] is True
+    assert options["prefix"] == "shop" and options["passive"] is True
