@@ -3,15 +3,21 @@
 :class:`~idemmail_celery.IdempotentTask` calls :func:`report` once per outcome.
 Each report is
 
-* one log line on the ``idemmail_celery.outcome`` logger (``logfmt`` pairs, the
-  same fields in ``extra=`` for JSON formatters): INFO, WARNING for ``review``
-  and ``failed``;
+* one log line on the ``idemmail_celery.outcome`` logger (``logfmt`` pairs, escaped
+  so no value spans lines; the same fields in ``extra=`` for JSON formatters): INFO,
+  WARNING for ``review``, ``failed``, ``in_flight_gave_up``, ``key_reuse``,
+  ``fail_open`` and any ``recorded=false``, ERROR for ``ledger_unavailable_gave_up``
+  and a ``sent`` the ledger did not record;
 * a ``task-idemmail`` Celery event, when the worker sends task events (``-E`` or
-  ``worker_send_task_events``): Flower shows the custom state ``IDEMMAIL`` until
-  the task's own ``task-succeeded``/``task-failed``/``task-retried`` event
-  arrives, and keeps the event's ``result`` (the outcome) for tasks that end in
-  FAILURE or RETRY;
-* a count in :mod:`idemmail_celery.metrics`, when metrics are on.
+  ``worker_send_task_events``), only for outcomes whose task ends in FAILURE or
+  RETRY (a task that succeeds carries its outcome as its result): Flower shows
+  the custom state ``IDEMMAIL`` until the task's own ``task-failed``/``task-retried``
+  event arrives, and keeps the event's ``result`` (the outcome). One dispatcher per
+  process sends them;
+* a count in :mod:`idemmail_celery.metrics`, when metrics are on: one per run in
+  ``idemmail_outcomes_total`` (a reclaim is a step, counted in
+  ``idemmail_reclaims_total`` only), and ``idemmail_unrecorded_total`` for
+  ``recorded=false``.
 
 Reports carry the intent key (a keyed hash), the task name and id, the status,
 the provider's message id, a reason word and attempt counts: never an
