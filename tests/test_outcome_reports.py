@@ -166,3 +166,36 @@ def test_a_forged_reason_does_not_reach_the_log(app: Celery, caplog: pytest.LogC
         send.delay("a@example.com").get()
     [(_, line)] = lines(caplog)
     assert "reason=other" in line and "forged" not in line
+
+
+class _FakeDispatcher:
+    def __init__(self, made: list[_FakeDispatcher], sent: list[tuple[str, dict[str, Any]]]) -> None:
+        made.append(self)
+        self.sent = sent
+
+    def send(self, type_: str, **fields: Any) -> None:
+        self.sent.append((type_, fields))
+
+
+def test_events_only_for_outcomes_that_end_in_failure_or_retry_on_one_dispatcher(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from idemmail_celery import outcomes
+
+    made: list[_FakeDispatcher] = []
+    sent: list[tuple[str, dict[str, Any]]] = []
+    app = SimpleNamespace(events=SimpleNamespace(Dispatcher=lambda *a, **k: _FakeDispatcher(made, sent)),
+                          connection_for_write=lambda: None)
+    task = SimpleNamespace(name="t", app=app, request=SimpleNamespace(id="id-1", retries=0, hostname="w@h"))
+    monkeypatch.setattr(outcomes._Worker, "task_events", True)
+    monkeypatch.setattr(outcomes._Events, "dispatcher", None)
+    for status in ("sent", "duplicate", "reclaimed", "review", "retry", "in_flight"):
+        outcomes.report(task, status, "k")
+    outcomes.report(task, "duplicate", "k", recorded="failed")  # a replayed failure ends in FAILURE
+    outcomes.report(task, "sent", "k", reason="lease_lost", recorded="false")
+    assert [f["status"] for _, f in sent] == ["review", "retry", "in_flight", "duplicate", "sent"]
+    assert len(made) == 1  # one dispatcher for all of them
+    outcomes._Events.after_fork()  # a forked child builds its own
+    outcomes.report(task, "failed", "k")
+    assert len(made) == 2
