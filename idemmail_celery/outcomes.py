@@ -99,8 +99,9 @@ def report(task: Any, status: str, key: str, *, message_id: Any = None, reason: 
                 active.outcome(name, status)
                 if unrecorded:
                     active.unrecorded(name, status, reason or "other")
+        replayed_failure = status == DUPLICATE and extra.get("recorded") in ("failed", "review")
         if event and _Worker.task_events and request.hostname and (status in _EVENTFUL or unrecorded
-                                                         or (status == DUPLICATE and extra.get("recorded") != "sent")):
+                                                                   or replayed_failure):
             _event(task, status, key, message_id, reason, attempts, extra)
     except Exception:  # pragma: no cover - a broken handler or broker must not change the outcome
         log.debug("idemmail: reporting %s for %s failed", status, key, exc_info=True)
