@@ -748,13 +748,18 @@ class Run:
         if r.stuck:
             problems.append(f"not every record final within {s.deadline:.0f}s: {dict(states)}")
         if s.drill:
-            # Sends after the acknowledgement are the operator's decision (the old intents are
-            # forgotten); the drill judges the time between the loss and that decision.
+            # While the loss stands nothing may reach the provider; after the acknowledgement, copies
+            # enqueued before it are sent only with their key (the provider de-duplicates) or parked
+            # for review: no duplicate delivery either way, and nothing undelivered outside review.
             if self.ack_time is None:
                 problems.append("the loss was never acknowledged")
             if r.resends_before_ack or r.requests_while_lost:
                 problems.append(f"{r.requests_while_lost} provider requests ({r.resends_before_ack} for intents "
                                 "already delivered) while the ledger was lost and unacknowledged")
+            if r.duplicates:
+                problems.append(f"{r.duplicates} duplicate deliveries after the acknowledgement")
+            if not s.keyed and r.undelivered_not_review:
+                problems.append(f"{r.undelivered_not_review} intents neither delivered nor in review (silently lost)")
         elif r.duplicates:
             problems.append(f"{r.duplicates} duplicate deliveries")
         if r.unknown_deliveries:

@@ -324,15 +324,17 @@ def _marker_op(op: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 def ack_loss(obj: _Ctx, note: str, actor: str | None) -> None:
     """Accept a detected loss: a new epoch, and workers claim again.
 
-    Intents recorded before the loss are forgotten: a duplicate of one of them sends
-    again. Check first what the loss took (provider logs) if that matters.
+    Intents recorded before the loss are forgotten. Copies enqueued before this moment
+    are sent only with their key carried downstream, else parked in review
+    (``ledger_lost``); copies enqueued later send as usual.
     """
     markers = _markers(obj.ledger)
     if markers is None:
         _fail(EXIT_ILLEGAL, "this ledger is a durable SQL store: it keeps no epoch marker, no loss to acknowledge")
         return
     click.echo(_epoch_line(_marker_op(lambda: markers.acknowledge_loss(note=note, actor=actor or _actor()))))
-    click.echo("workers adopt the new epoch at their next claim; intents recorded before the loss are forgotten")
+    click.echo("workers adopt the new epoch at their next claim; intents recorded before the loss are forgotten: "
+               "keyless copies enqueued before now go to review (ledger_lost), keyed ones send with their key")
 
 
 def main() -> None:

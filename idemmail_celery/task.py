@@ -76,6 +76,11 @@ KEY_HEADER = "idempotency_key"
 TENANT_HEADER = "idempotency_tenant"
 INFLIGHT_HEADER = "idemmail_inflight"
 OUTAGE_HEADER = "idemmail_outage"
+ENQUEUED_HEADER = "idemmail_enqueued"  # when the intent was first enqueued (caller's clock, epoch seconds)
+
+#: After an acknowledged ledger loss, a message that does not say when it was enqueued (sent by
+#: name, or by an older version) counts as possibly older than the loss for this long.
+UNDATED_AFTER_LOSS_SECONDS = 24 * 3600.0
 
 _ledgers: dict[tuple[str, str], Ledger] = {}
 _ledgers_lock = threading.Lock()
@@ -269,7 +274,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         payload = builder.payload(args, kwargs)
         if builder.serializer != "json":
             payload.to_json()  # the ledger stores JSON: fail now if it cannot (json proved it already)
-        headers = {KEY_HEADER: builder.derive(payload, explicit=explicit, tenant=tenant)}
+        headers = {KEY_HEADER: builder.derive(payload, explicit=explicit, tenant=tenant),
+                   ENQUEUED_HEADER: f"{time.time():.3f}"}
         if tenant is not None:
             headers[TENANT_HEADER] = str(tenant)
         return headers
@@ -345,6 +351,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             self._reschedule_in_flight(claim.record)
         if status is ClaimStatus.RECLAIMED:
             outcome = self._after_crash(claim)
+            if outcome is not None:
+                return outcome
+        if status is ClaimStatus.ACQUIRED and _older_than(headers, ledger.recovered_at):
+            outcome = self._after_loss(claim)
             if outcome is not None:
                 return outcome
         # The first payload ships; if an operator erased it (``forget``), this delivery's is all there is.
@@ -477,9 +487,29 @@ class IdempotentTask(Task):  # type: ignore[misc]
             log.warning("idemmail: %s reclaimed after an expired lease; resending with the same key", record.key)
             return None
         message = f"previous holder {record.owner} lost its lease (reclaims: {record.reclaims})"
+        self._park_unknown(claim, reason, message)
+
+    def _after_loss(self, claim: Claim) -> dict[str, Any] | None:
+        """A new claim for a message enqueued before an acknowledged ledger loss.
+
+        The intent may have been sent and recorded in what was lost. With the key carried
+        downstream it is sent with that key (the service de-duplicates); otherwise it is
+        reconciled, or parked for review: never sent on a guess.
+        """
+        if self.carries_key():
+            return None
+        found = self._reconciled(claim.record)
+        if found is not None:
+            return self._record_sent(claim.record, claim.token, found, reconciled=True)
+        self._park_unknown(claim, "ledger_lost", "enqueued before an acknowledged ledger loss: it may have been "
+                                                 "sent, and the record of it lost")
+
+    def _park_unknown(self, claim: Claim, reason: str, message: str) -> NoReturn:
+        """Park a claim whose outcome cannot be known, and say so to the caller."""
+        key = claim.record.key
         err = {"type": "SendNeedsReview", "reason": reason, "at": time.time(), "message": message}
-        self._record(self.ledger.park, record.key, claim.token, err)
-        raise SendNeedsReview(message, reason=reason, key=record.key)
+        self._record(self.ledger.park, key, claim.token, err)
+        raise SendNeedsReview(message, reason=reason, key=key)
 
     def reconcile(self, key: str, payload: Payload) -> Any | None:
         """Ask the side effect's service whether this intent already happened.
@@ -632,6 +662,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
 #: What an error-path ledger move means for the run (see :mod:`idemmail_celery.outcomes`).
 _MOVE_OUTCOMES = {"fail": outcomes.FAILED, "park": outcomes.REVIEW, "release": outcomes.RETRY}
+
+
+def _older_than(headers: dict[str, Any], recovered_at: float | None) -> bool:
+    """Was this message enqueued before ``recovered_at`` (an acknowledged ledger loss)?"""
+    if recovered_at is None:
+        return False
+    try:
+        return float(headers[ENQUEUED_HEADER]) < recovered_at
+    except (KeyError, TypeError, ValueError):  # undated: suspect while the loss is recent
+        return time.time() - recovered_at < UNDATED_AFTER_LOSS_SECONDS
 
 
 def _message_id(value: Any) -> Any:

@@ -139,6 +139,14 @@ def test_ack_loss_via_the_cli_lets_claims_through_and_forgets_the_old_intents(pr
 
     epoch = json.loads(stats.output)["epoch"]
     assert epoch["state"] == "ok" and epoch["acked_by"] == "ana" and "provider log" in epoch["note"]
+    # Every process that adopted the acknowledged epoch knows when the loss was accepted: tasks park
+    # keyless copies enqueued before it (see test_ledger_loss_worker). A store that lost nothing says None.
+    acked = float(epoch["acked_at"])
+    assert led.recovered_at == acked and other.recovered_at == acked
+    late = open_ledger(prefix)
+    late.ping()
+    assert late.claim(req("k3")).status is ClaimStatus.ACQUIRED and late.recovered_at == acked
+    assert open_ledger(f"{prefix}-fresh").recovered_at is None
     again = cli(led, "ledger", "ack-loss", "--note", "twice")
     assert again.exit_code == EXIT_ILLEGAL and "not lost" in again.output
 

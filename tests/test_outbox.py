@@ -39,7 +39,7 @@ from idemmail_celery.outbox import (
     relay,
     schema_sql,
 )
-from idemmail_celery.task import KEY_HEADER, TENANT_HEADER
+from idemmail_celery.task import ENQUEUED_HEADER, KEY_HEADER, TENANT_HEADER
 
 from .conftest import MARIADB_URL, POSTGRES_URL, REDIS_URL, service_missing, unique
 
@@ -129,7 +129,10 @@ def test_rollback_writes_no_row_and_commit_writes_one(engine: sa.Engine, table: 
         key = enqueue_email(session, app=app, table=table, **EMAIL)
     [row] = rows(engine, table)
     assert (row.intent_key, row.task_name, row.state, row.attempts) == (key, TASK_NAME, PENDING, 0)
-    assert json.loads(row.headers) == {KEY_HEADER: key}
+    headers = json.loads(row.headers)
+    assert headers.pop(KEY_HEADER) == key
+    assert time.time() - 60 < float(headers.pop(ENQUEUED_HEADER)) <= time.time()  # dated when written
+    assert headers == {}
     assert json.loads(row.kwargs) == EMAIL and json.loads(row.args) == []
 
 
@@ -155,7 +158,9 @@ def test_row_key_is_the_key_apply_async_would_send(engine: sa.Engine, table: sa.
     assert k1 == charge.intent_key("cus_1", 7, amount=100)
     assert k2 == charge.intent_headers((), {"customer": "cus_1", "invoice": 8}, tenant="acme")[KEY_HEADER]
     assert k3 == charge.intent_headers(("cus_1", 9), {}, explicit="inv-9:charge")[KEY_HEADER]
-    assert json.loads(rows(engine, table)[1].headers) == {KEY_HEADER: k2, TENANT_HEADER: "acme"}
+    stored = json.loads(rows(engine, table)[1].headers)
+    assert {k: stored[k] for k in (KEY_HEADER, TENANT_HEADER)} == {KEY_HEADER: k2, TENANT_HEADER: "acme"}
+    assert set(stored) == {KEY_HEADER, TENANT_HEADER, ENQUEUED_HEADER}
 
 
 def test_bad_input_raises_before_anything_is_written(engine: sa.Engine, table: sa.Table, app: Celery,

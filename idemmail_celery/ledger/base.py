@@ -182,6 +182,11 @@ class Ledger(ABC):
         #: Keep the first payload (personal data) after ``sent``, for audit. Off by default:
         #: backends erase it in the same atomic step that records ``sent``.
         self.keep_payload = bool(keep_payload)
+        #: After an acknowledged loss of the store's contents (Redis ``ledger ack-loss``): when it
+        #: was acknowledged. A new claim for an intent enqueued before then may be a copy of one
+        #: sent and forgotten; :class:`~idemmail_celery.IdempotentTask` parks those for review
+        #: unless the key travels downstream. None for a store that lost nothing.
+        self.recovered_at: float | None = None
 
     # -- the hot path: one atomic operation each --
 

@@ -520,8 +520,15 @@ class RedisLedger(Ledger):
 
     def _status(self, expected: str | None) -> dict[str, Any]:
         markers = self._markers()
-        # Records are looked for only when a marker is missing (first use, or trouble).
-        return self._judge(markers, expected, self._has_records() if not all(markers) else True)
+        if all(markers):
+            return self._judge(markers, expected, True)
+        # A marker is missing (first use, or trouble): are there records? If so, read the markers
+        # again: a new ledger's markers are all written before its first record, so a partial
+        # read taken while another process was writing them is not mistaken for a loss.
+        has_records = self._has_records()
+        if has_records:
+            markers = self._markers()
+        return self._judge(markers, expected, has_records)
 
     def _judge(self, markers: list[dict[str, str]], expected: str | None, has_records: bool) -> dict[str, Any]:
         n = self.buckets
@@ -583,6 +590,7 @@ class RedisLedger(Ledger):
                 log.warning("idemmail: Redis ledger %s: adopting epoch %s acknowledged by %s (%s)",
                             self.prefix, status["epoch"], status.get("acked_by"), status.get("note"))
             self._epoch, self._lost_reason, self._dead_epoch = status["epoch"], "", None
+            self.recovered_at = float(status["acked_at"]) if status.get("acked_at") else None
             return
         if status["state"] == "new":  # auto_init=False (or passive), and no loss seen by this process
             reason = (f"the ledger is not initialised ({'passive' if self.passive else 'auto_init=False'}): "
@@ -650,7 +658,9 @@ class RedisLedger(Ledger):
         """An operator's decision that the loss is understood: every bucket gets a fresh, acknowledged epoch.
 
         Workers adopt it on their next claim and proceed. Intents recorded before the
-        loss are forgotten: a duplicate of one of them sends again. Raises
+        loss are forgotten; a copy enqueued before this acknowledgement may be one of them,
+        so :class:`~idemmail_celery.IdempotentTask` sends it only with its key carried
+        downstream, and otherwise parks it for review (see ``recovered_at``). Raises
         :class:`IllegalTransitionError` when the markers show no loss.
         """
         before = self._status(None)
@@ -663,6 +673,7 @@ class RedisLedger(Ledger):
         self._write_markers(fields, replace=True)
         with self._check_lock:
             self._epoch, self._lost_reason, self._dead_epoch = str(fields["epoch"]), "", None
+            self.recovered_at = now
         return self._judge(self._markers(), None, True)
 
     # -- contract --

@@ -65,3 +65,37 @@ def test_flushed_ledger_sends_nothing_until_the_loss_is_acknowledged(
     out = again.get(timeout=60)
     assert out["status"] == "sent" and out["key"] == key
     assert fake.delivery_count() == 2
+
+
+def test_after_the_acknowledgement_a_keyless_copy_from_before_it_is_parked_not_resent(
+    sink: Sink, request: pytest.FixtureRequest, start_worker: Any
+) -> None:
+    """Without a key downstream (think SMTP), a copy enqueued before the acknowledgement may be a
+    copy of an intent sent and forgotten: it goes to review. One enqueued after it is a new send."""
+    from idemmail_celery import SendNeedsReview, State
+    from idemmail_celery.ledger import from_url
+
+    app_module = request.getfixturevalue("app_module")
+    start_worker("-P", "prefork", "-c", "2")
+    first = app_module.send.delay("kim@example.com", 88).get(timeout=60)
+    assert first["status"] == "sent" and len(sink.deliveries()) == 1
+    sink.r.delete(*ledger_keys(sink))  # the ledger is lost
+
+    before = app_module.send.delay("kim@example.com", 88)  # a copy of the delivered intent
+    wait_for(lambda: lost_flagged(sink), timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-m", "idemmail_celery", "--ledger-url", REDIS_URL, "--prefix", f"led.{sink.ns}",
+         "ledger", "ack-loss", "--note", "test: flushed on purpose"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+    with pytest.raises(SendNeedsReview) as parked:
+        before.get(timeout=60)
+    assert parked.value.reason == "ledger_lost"
+    assert len(sink.deliveries()) == 1  # not resent on a guess
+    ledger = from_url(REDIS_URL, prefix=f"led.{sink.ns}")
+    record = ledger.get(first["key"])
+    assert record is not None and record.state is State.REVIEW and record.payload  # ready to release
+
+    new = app_module.send.delay("lee@example.com", 89).get(timeout=60)  # enqueued after: an ordinary send
+    assert new["status"] == "sent" and len(sink.deliveries()) == 2
