@@ -41,6 +41,7 @@ from typing import Any, NoReturn
 
 from celery import Task
 from celery.exceptions import Retry
+from celery.signals import worker_init
 
 from . import keys as keys_mod
 from . import metrics as _metrics
@@ -672,6 +673,36 @@ def _older_than(headers: dict[str, Any], recovered_at: float | None) -> bool:
         return float(headers[ENQUEUED_HEADER]) < recovered_at
     except (KeyError, TypeError, ValueError):  # undated: suspect while the loss is recent
         return time.time() - recovered_at < UNDATED_AFTER_LOSS_SECONDS
+
+
+def _prepare_ledgers(sender: Any = None, **_: Any) -> None:
+    """On ``worker_init`` (main process, before the pool forks): open every idempotent task's ledger.
+
+    Pool children, and children the pool starts later (``max_tasks_per_child``, a child
+    killed), inherit what it read: the Redis ledger's epoch. A child that first met the
+    store after it was emptied would take it for a new ledger and send again. Never raises:
+    a store that is down now is checked again at the first claim.
+    """
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    seen: set[int] = set()
+    for task in list(app.tasks.values()):
+        if not isinstance(task, IdempotentTask):
+            continue
+        try:
+            ledger = task.ledger
+            if id(ledger) in seen:
+                continue
+            seen.add(id(ledger))
+            ledger.prepare()
+        except Exception as exc:  # the worker must start; the first claim checks again and fails closed
+            log.warning("idemmail: could not open the ledger of %s at worker start (%s: %s); it is checked "
+                        "again at the first claim", task.name, type(exc).__name__, exc)
+
+
+# outcomes (imported above) connected its worker_init handler first: metrics are on before this opens ledgers.
+worker_init.connect(_prepare_ledgers, weak=False)
 
 
 def _message_id(value: Any) -> Any:

@@ -268,6 +268,17 @@ class Ledger(ABC):
         """Release connections. The ledger reconnects if used again."""
         return None
 
+    def prepare(self) -> None:
+        """Check the store and read what a process must hold before its first claim.
+
+        A worker calls this in its main process before the pool forks, so that every
+        pool child, and every child started later in its place, inherits it (the Redis
+        ledger's epoch: a child that only met the store after it was emptied could not
+        tell a loss from a new ledger). Raises :class:`LedgerUnavailableError` when the
+        store cannot be reached; the default does nothing.
+        """
+        return None
+
     # -- transitions, in words --
 
     def complete(self, key: str, token: int, result: dict[str, Any]) -> None:

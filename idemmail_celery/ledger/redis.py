@@ -18,7 +18,8 @@ visit every bucket.
 
 **Loss detection.** A Redis without persistence can be flushed or restart
 empty, silently reopening every key. Each bucket holds an epoch marker; every
-script is handed the epoch this process read at first use and refuses, writing
+script is handed the epoch this process read at first use (a worker reads it in
+its main process at start, see :meth:`RedisLedger.prepare`) and refuses, writing
 nothing, when the bucket's marker is missing, different, or flagged lost. The
 process then reads every marker again: an epoch an operator acknowledged (``ledger
 ack-loss``) is adopted; anything else raises :class:`LedgerLostError` (a
@@ -842,6 +843,11 @@ class RedisLedger(Ledger):
 
     def ping(self) -> None:
         self._call(self.client.ping)
+
+    def prepare(self) -> None:
+        """Check the store (eviction policy, layout) and read the epoch this process holds."""
+        if not self._checked:
+            self._check_store()
 
     def close(self) -> None:
         self.client.close()

@@ -271,5 +271,8 @@ class SealedLedger(Ledger):
     def ping(self) -> None:
         self.inner.ping()
 
+    def prepare(self) -> None:
+        self.inner.prepare()
+
     def close(self) -> None:
         self.inner.close()

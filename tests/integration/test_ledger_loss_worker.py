@@ -36,7 +36,9 @@ def test_flushed_ledger_sends_nothing_until_the_loss_is_acknowledged(
 ) -> None:
     worker_env.update(IDEMMAIL_TEST_PROVIDER=fake.url, IDEMMAIL_TEST_PROVIDER_KEY=DEFAULT_API_KEY)
     app_module = request.getfixturevalue("app_module")
-    worker = start_worker("-P", "prefork", "-c", "2")
+    # One task per child: the copy after the flush runs in a child that never used the ledger, and must
+    # still know the epoch (read by the worker's main process at start and inherited), not start afresh.
+    worker = start_worker("-P", "prefork", "-c", "2", "--max-tasks-per-child", "1")
     task = app_module.app.tasks[TASK_NAME]
     kw = {"to": "ann@example.com", "subject": "Receipt", "text": "thanks", "event_id": "order-77"}
     first = task.delay(**kw).get(timeout=60)
