@@ -16,7 +16,8 @@ def write_section(path: Path, name: str, text: str, title: str = "# Benchmarks a
     old = path.read_text() if path.exists() else title
     if start in old and end in old:
         head, rest = old.split(start, 1)
-        new = head + block + rest.split(end, 1)[1].lstrip("\n")
+        tail = rest.split(end, 1)[1].lstrip("\n")
+        new = head + block + ("\n" + tail if tail else "")
     else:
         new = old.rstrip("\n") + "\n\n" + block
     path.parent.mkdir(parents=True, exist_ok=True)

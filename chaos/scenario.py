@@ -601,11 +601,15 @@ class Run:
                 w = WorkerProcess(f"{self.ns}-w{n}", "chaos.workerapp",
                                   ["-P", "prefork", "-c", str(s.concurrency)], env, self.log_dir)
                 self.workers.append(w)
+            targets: list[tuple[str, Callable[[], None]]] = []
+            if s.drill:  # every copy is in the queue before the first send: all of them predate the loss
+                self.enqueue(task)
+            else:
+                targets.append(("enqueue", lambda: self.enqueue(task)))
             for w in self.workers:
                 w.start()
                 self.log("worker_started", worker=w.name, pid=w.pid, children=w.pool_children())
             t_start = time.monotonic()
-            targets: list[tuple[str, Callable[[], None]]] = [("enqueue", lambda: self.enqueue(task))]
             if s.fault_rate > 0:
                 targets.append(("faults", self.inject_faults))
             if s.kills > 0:
