@@ -194,6 +194,12 @@ def resolve(obj: _Ctx, key: str, outcome: str | None, message_id: str | None, no
     if outcome == "released" and obj.app is None:
         raise click.UsageError("--release re-enqueues the stored payload: run it as `celery -A proj idemmail ...`")
     try:
+        if outcome == "released":  # check first: never leave a record released with nothing queued
+            current = obj.ledger.get(key)
+            problem = _requeue_problem(obj, current) if current is not None else None
+            if current is not None and problem:
+                raise IllegalTransitionError(f"record {key} ({current.state.value}): {problem}, "
+                                             "nothing to re-enqueue; left unchanged")
         result = {"message_id": message_id, "resolved_by_operator": True} if outcome == "sent" else None
         record = obj.ledger.resolve(key, outcome, result=result, note=note, actor=actor or _actor())
         if outcome == "released":
@@ -210,13 +216,21 @@ def resolve(obj: _Ctx, key: str, outcome: str | None, message_id: str | None, no
     click.echo(f"{key}: {record.state.value}" + (" (re-enqueued)" if outcome == "released" else ""))
 
 
+def _requeue_problem(obj: _Ctx, record: Record) -> str | None:
+    """Why ``record``'s first payload cannot be re-enqueued from here, or None."""
+    if obj.app.tasks.get(record.task_name) is None:
+        return f"its task {record.task_name} is not registered on this app"
+    if not record.payload:
+        return "its stored payload is gone (erased by `ledger forget`, or when it was sent)"
+    return None
+
+
 def _requeue(obj: _Ctx, record: Record) -> None:
     """Send the stored first payload again under the same key: no retry is waiting in any queue."""
-    task = obj.app.tasks.get(record.task_name)
-    if task is None:
-        raise IllegalTransitionError(f"task {record.task_name} is not registered on this app; released only")
-    if not record.payload:
-        raise IllegalTransitionError("the payload was erased (forget); released only")
+    problem = _requeue_problem(obj, record)  # checked before resolving: only a concurrent change gets here
+    if problem or not record.payload:
+        raise IllegalTransitionError(f"record {record.key}: {problem or 'no payload'}; released only")
+    task = obj.app.tasks[record.task_name]
     payload = Payload.from_json(record.payload)
     # The key travels as the header, so the task claims this very record again.
     task.apply_async(payload.args, payload.kwargs, headers={KEY_HEADER: record.key})

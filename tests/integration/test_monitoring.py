@@ -5,6 +5,7 @@ Each test starts its own worker (and Flower) on its own queue and ledger prefix.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -155,7 +156,9 @@ def test_flower_shows_sent_duplicate_review_and_in_flight_retry(
     # send_email twice: Flower shows the outcome and the key, never the address or the body.
     send_email = app_module.app.tasks[TASK_NAME]
     message = {"to": "dan@example.com", "subject": "Receipt", "html": "<p>Thanks</p>", "event_id": "order-9"}
-    emails = [send_email.delay(**message), send_email.delay(**message)]
+    emails = [send_email.delay(**message)]
+    emails[0].get(timeout=30)  # then the copy: two at once on two children may finish in either order
+    emails.append(send_email.delay(**message))
     assert [o["status"] for o in results(emails)] == ["sent", "duplicate"]
     shown = flower.wait_state(emails[1].id, "SUCCESS")
     email_key = emails[1].get()["key"]
@@ -170,13 +173,38 @@ def test_flower_shows_sent_duplicate_review_and_in_flight_retry(
     assert "status=review" in log and "status=in_flight" in log
     assert ADDRESS not in log and "dan@example.com" not in log
 
-    # The ledger down: fail closed, rescheduled with the outage as the retry's reason.
+    # The ledger down: fail closed, rescheduled with the outage as the retry's reason. README's row:
+    # RETRY, again until the ledger is back; exception LedgerUnavailableError('Redis ledger unreachable: …');
+    # result {'status': 'ledger_unavailable', 'reason': 'ledger_unavailable_error', 'reschedules': 1, …}.
+    # Prefork, the default pool (a solo worker's task-retried event shows Retry(Retry(...), <exception>, <when>)).
     worker.stop()
-    down = start_worker("-P", "solo", "-E", env={"IDEMMAIL_TEST_LEDGER": "redis://127.0.0.1:1/0"})
+    down = start_worker("-P", "prefork", "-c", "1", "-E", env={"IDEMMAIL_TEST_LEDGER": "redis://127.0.0.1:1/0"})
     waiting = send.delay(ADDRESS, 4)
-    wait_for(lambda: "LedgerUnavailableError(" in str((flower.task(waiting.id) or {}).get("exception")),
-             timeout=30, interval=0.2)
-    assert flower.task(waiting.id)["retried"] is not None  # type: ignore[index]
+    waiting_key = send.intent_key(ADDRESS, 4)
+    seen: list[dict[str, Any]] = []
+
+    def outage_shown(min_reschedules: int) -> dict[str, Any] | None:
+        info = flower.task(waiting.id)
+        if info is None:
+            return None
+        seen.append(info)
+        if info.get("retried") is None or "'status': 'ledger_unavailable'" not in str(info.get("result")):
+            return None
+        return info if ast.literal_eval(info["result"])["reschedules"] >= min_reschedules else None
+
+    first: dict[str, Any] = wait_for(lambda: outage_shown(1), timeout=30, interval=0.1)  # type: ignore[assignment]
+    assert first["exception"].startswith("LedgerUnavailableError('Redis ledger unreachable: ")
+    outage = ast.literal_eval(first["result"])  # from the task-idemmail event
+    assert outage == {"status": "ledger_unavailable", "key": waiting_key, "message_id": None,
+                      "reason": "ledger_unavailable_error", "reschedules": outage["reschedules"]}
+    # Again until the ledger is back: the same task id is rescheduled, its count growing, never finished.
+    later: dict[str, Any] = wait_for(  # type: ignore[assignment]
+        lambda: outage_shown(outage["reschedules"] + 2), timeout=30, interval=0.1)
+    assert later["retried"] > first["retried"]
+    assert later["exception"].startswith("LedgerUnavailableError('Redis ledger unreachable: ")
+    states = [i["state"] for i in seen]
+    assert set(states) <= {"RECEIVED", "STARTED", "IDEMMAIL", "RETRY"}, states
+    assert not any(d.startswith(f"{waiting_key}|") for d in sink.deliveries())  # fail closed: nothing sent
     down.stop()
     app_module.app.control.purge()
 
