@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from redis.connection import AbstractConnection
 from sqlalchemy import event
 
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger
@@ -25,29 +26,19 @@ class Counter:
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
         self.calls = 0
+        self._undo: Any = lambda: None
         if isinstance(ledger, RedisLedger):
             ledger.ping()  # the store check runs once, outside the count
-            send = ledger.client.execute_command
+            # On the wire: every packed write to a server is one round trip (a command, or a whole
+            # pipeline), whichever path sent it (redis-py's client or the ledger's own connections).
+            send = AbstractConnection.send_packed_command
 
-            def counting(*args: Any, **kwargs: Any) -> Any:
+            def counting(conn: Any, *args: Any, **kwargs: Any) -> Any:
                 self.calls += 1
-                return send(*args, **kwargs)
+                return send(conn, *args, **kwargs)
 
-            ledger.client.execute_command = counting  # type: ignore[method-assign]
-            make_pipeline = ledger.client.pipeline
-
-            def counting_pipeline(*args: Any, **kwargs: Any) -> Any:
-                pipe = make_pipeline(*args, **kwargs)
-                run = pipe.execute
-
-                def execute(*a: Any, **kw: Any) -> Any:
-                    self.calls += 1  # a pipeline is one round trip, however many commands it carries
-                    return run(*a, **kw)
-
-                pipe.execute = execute
-                return pipe
-
-            ledger.client.pipeline = counting_pipeline  # type: ignore[method-assign]
+            self._undo = lambda: setattr(AbstractConnection, "send_packed_command", send)
+            AbstractConnection.send_packed_command = counting  # type: ignore[method-assign]
         if isinstance(ledger, SQLLedger):
             ledger.ping()  # connect and create the table outside the count
             event.listen(ledger.engine, "before_cursor_execute", self._on_sql)
@@ -62,7 +53,11 @@ class Counter:
 
 @pytest.fixture
 def counted(ledger: Ledger) -> Iterator[tuple[Ledger, Counter]]:
-    yield ledger, Counter(ledger)
+    counter = Counter(ledger)
+    try:
+        yield ledger, counter
+    finally:
+        counter._undo()
 
 
 def test_round_trips_per_path(counted: tuple[Ledger, Counter], request: pytest.FixtureRequest) -> None:

@@ -47,6 +47,7 @@ the next duplicate sends again. At first use the ledger reads
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -339,6 +340,10 @@ class RedisLedger(Ledger):
         # flags and all, looks "new"). Cleared when an acknowledged epoch is adopted.
         self._dead_epoch: str | None = None
         self._lost_reason = ""
+        # Hot-path connections of our own (see _direct); plain single-server clients only.
+        self._direct_ok = type(getattr(self.client, "connection_pool", None)) is redis_lib.ConnectionPool
+        self._spare: list[Any] = []
+        self._spare_pid = os.getpid()
         self._claim = self.client.register_script(_CLAIM)
         self._finish_script = self.client.register_script(_FINISH)
         self._renew = self.client.register_script(_RENEW)
@@ -380,12 +385,52 @@ class RedisLedger(Ledger):
         """Run a record script under this process's epoch; on a ``lost`` answer, look at the markers."""
         if not self._checked:
             self._check_store()
-        out = self._call(script, keys=keys, args=[self._epoch or "", *args])
+        out = self._script(script, keys, [self._epoch or "", *args])
         if out[0] == "lost":
             self._confirm_loss()  # raises unless an acknowledged epoch was adopted
-            out = self._call(script, keys=keys, args=[self._epoch, *args])
+            out = self._script(script, keys, [self._epoch, *args])
             if out[0] == "lost":
                 raise self._lost_error()
+        return out
+
+    def _script(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        if self._direct_ok:
+            return self._raw(self._direct, script, keys, args)
+        return self._raw(script, keys=keys, args=args)
+
+    def _direct(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """EVALSHA ``script`` on a connection of the ledger's own, past redis-py's command layer.
+
+        redis-py's pool checkout, retry wrapper, ``Script`` object and response callbacks cost
+        about as much client CPU as the round trip itself; a claim and a completion per task pay
+        them twice. Each connection serves one call at a time (taken from a spare list, put back
+        after), so threads and greenlets never share one, and there are never more than the
+        calls under way at once. Anything out of the ordinary goes the ordinary way: NOSCRIPT (a
+        restarted server) through ``Script``, which loads it, and a broken connection (closed by
+        the server, a restart) through the client, which retries on a fresh one, as before.
+        """
+        if self._spare_pid != os.getpid():  # forked: never write on the parent's sockets
+            self._spare, self._spare_pid = [], os.getpid()
+        try:
+            conn = self._spare.pop()
+        except IndexError:
+            conn = self.client.connection_pool.make_connection()
+        try:
+            conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            out = conn.read_response()
+        except redis_lib.exceptions.NoScriptError:
+            self._spare.append(conn)
+            return script(keys=keys, args=args)
+        except (redis_lib.ConnectionError, redis_lib.TimeoutError):
+            conn.disconnect()
+            return script(keys=keys, args=args)
+        except redis_lib.ResponseError:
+            self._spare.append(conn)  # an error reply (out of memory, read-only): the connection is fine
+            raise
+        except BaseException:
+            conn.disconnect()  # interrupted mid-reply (a soft time limit): its stream is unusable
+            raise
+        self._spare.append(conn)
         return out
 
     def _check_store(self) -> None:
@@ -850,6 +895,10 @@ class RedisLedger(Ledger):
             self._check_store()
 
     def close(self) -> None:
+        spare, self._spare = self._spare, []
+        if self._spare_pid == os.getpid():
+            for conn in spare:
+                conn.disconnect()
         self.client.close()
 
 
