@@ -1,4 +1,4 @@
-"""Intent keys and payload fingerprints.
+"""Intent keys and must-match fingerprints.
 
 An *intent* is what a task call means ("send the confirmation for order 4821 to
 ann@example.com"), as opposed to a message or a task id, of which one intent may
@@ -94,20 +94,26 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} has no canonical JSON form")
 
 
+# Built once: json.dumps() with options builds a new encoder per call.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False,
+                              default=_json_default)
+
+
 def canonical_json(value: Any) -> str:
     """Canonical JSON text of ``value``: sorted keys, no whitespace, UTF-8, no NaN."""
     try:
-        return json.dumps(
-            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-            allow_nan=False, default=_json_default,
-        )
+        return _CANONICAL.encode(value)
     except (TypeError, ValueError) as exc:
         raise UnserializableArgumentsError(f"value has no canonical JSON form: {exc}") from exc
 
 
+#: Characters that never appear in a bare ``local@domain`` address: with none of them, no parsing is needed.
+_BARE_ADDRESS = frozenset('<>",;:()[] \\\t')
+
+
 def normalize_address(text: str) -> str:
     """``"Ann <Ann@Example.COM>"`` -> ``"Ann@example.com"`` (the local part is case-sensitive)."""
-    if text.count("@") == 1 and not any(c in text for c in '<>",;:()[] \\\t'):
+    if text.count("@") == 1 and _BARE_ADDRESS.isdisjoint(text):
         local, _, domain = text.partition("@")  # a bare address: no parsing needed
         return f"{local}@{domain.lower()}"
     pairs = getaddresses([text])
@@ -130,7 +136,7 @@ def normalize_addresses(value: Any) -> Any:
         return value
     found = set()
     for item in items:
-        if item.count("@") == 1 and not any(c in item for c in '<>",;:()[] \\\t'):
+        if item.count("@") == 1 and _BARE_ADDRESS.isdisjoint(item):
             found.add(normalize_address(item))
         else:
             found.update(normalize_address(addr) for _name, addr in getaddresses([item]) if addr)
@@ -209,6 +215,33 @@ class IntentKeyBuilder:
                     f"{self.task_name}: idempotency option names {name!r}, which is not an "
                     f"argument of the task (arguments: {', '.join(params) or 'none'})"
                 )
+        object.__setattr__(self, "_plain", self._plain_signature())
+        object.__setattr__(self, "_untenanted", self._namespace(None))
+        # The keyed hash with the secret already absorbed: a copy per key costs less than a new HMAC.
+        object.__setattr__(self, "_mac", hmac.new(self.secret, digestmod=hashlib.sha256) if self.secret else None)
+
+    def _digest(self, material: str) -> str:
+        """:func:`digest` of ``material`` under this builder's secret."""
+        if self._mac is None:  # type: ignore[attr-defined]
+            return hashlib.sha256(material.encode("utf-8")).hexdigest()
+        mac = self._mac.copy()  # type: ignore[attr-defined]
+        mac.update(material.encode("utf-8"))
+        return str(mac.hexdigest())
+
+    def _plain_signature(self) -> tuple[tuple[str, ...], frozenset[str], dict[str, Any]] | None:
+        """For a signature of plain parameters (no ``*args``, ``**kw``, keyword-only): their names and
+        their defaults after the serializer round trip, so that :meth:`bound` can skip ``Signature.bind``
+        for a call that fits. None otherwise, or if a default cannot be serialized (``bind`` says so
+        then, for a call that uses it)."""
+        params = list(self.signature.parameters.values())
+        if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
+            return None
+        try:
+            defaults = round_trip({p.name: p.default for p in params if p.default is not p.empty}, self.serializer)
+        except UnserializableArgumentsError:
+            return None
+        names = tuple(p.name for p in params)
+        return names, frozenset(names), dict(defaults)
 
     def payload(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> Payload:
         """The call's arguments as the worker will receive them."""
@@ -217,6 +250,18 @@ class IntentKeyBuilder:
 
     def bound(self, payload: Payload) -> dict[str, Any]:
         """Arguments by name, defaults applied, as the worker will see them."""
+        plain: tuple[tuple[str, ...], frozenset[str], dict[str, Any]] | None = self._plain  # type: ignore[attr-defined]
+        if plain is not None:
+            names, known, defaults = plain
+            values = dict(zip(names, payload.args, strict=False))  # too many: bind() says so
+            if len(payload.args) <= len(names) and all(k in known and k not in values for k in payload.kwargs):
+                values.update(payload.kwargs)
+                if len(values) < len(names):
+                    for name in names:
+                        if name not in values and name in defaults:
+                            values[name] = defaults[name]
+                if len(values) == len(names):  # else a missing or unknown argument: bind() names it
+                    return values
         try:
             ba = self.signature.bind(*payload.args, **payload.kwargs)
         except TypeError as exc:
@@ -236,7 +281,9 @@ class IntentKeyBuilder:
 
     def intent_values(self, payload: Payload) -> dict[str, Any]:
         """The normalised values that make up the intent (everything except the namespace)."""
-        values = self.bound(payload)
+        return self._intent(self.bound(payload))
+
+    def _intent(self, values: dict[str, Any]) -> dict[str, Any]:
         if self.spec is None:
             chosen = values
         else:
@@ -269,12 +316,19 @@ class IntentKeyBuilder:
         namespaced and digested like a derived one. ``tenant`` overrides the
         task's tenant argument (the ``idempotency_tenant`` option/header).
         """
-        tenant = self.tenant_of(payload, tenant)
-        body: dict[str, Any] = {"ns": _NAMESPACE, "task": self.task_name, "tenant": tenant, "v": self.version}
+        values: dict[str, Any] | None = None
+        if tenant is not None:
+            tenant = str(tenant)
+        elif self.tenant_field:
+            values = self.bound(payload)
+            found = values.get(self.tenant_field)
+            tenant = None if found is None else str(found)
+        # The material is canonical_json({"explicit" or "intent": ..., **namespace}); the namespace's
+        # keys sort after both, so its text is encoded once per tenant and appended.
         if explicit is not None:
             if not isinstance(explicit, str) or not explicit:
                 raise IdempotencyKeyError(f"{self.task_name}: idempotency_key must be a non-empty str")
-            body["explicit"] = explicit
+            head = '{"explicit":' + canonical_json(explicit)
         elif callable(self.spec):
             made = self.spec(tuple(payload.args), dict(payload.kwargs))
             if not isinstance(made, str) or not made:
@@ -282,24 +336,28 @@ class IntentKeyBuilder:
                     f"{self.task_name}: the idempotency_key function returned {type(made).__name__}, "
                     "expected a non-empty str"
                 )
-            body["explicit"] = made
+            head = '{"explicit":' + canonical_json(made)
         else:
-            body["intent"] = self.intent_values(payload)
-        return digest(canonical_json(body), self.secret)
+            head = '{"intent":' + canonical_json(self._intent(self.bound(payload) if values is None else values))
+        tail = self._untenanted if tenant is None else self._namespace(tenant)  # type: ignore[attr-defined]
+        return self._digest(head + tail)
+
+    def _namespace(self, tenant: str | None) -> str:
+        """``,"ns":…,"task":…,"tenant":…,"v":…}``: the rest of the canonical key material."""
+        return "," + canonical_json({"ns": _NAMESPACE, "task": self.task_name, "tenant": tenant, "v": self.version})[1:]
 
     def fingerprint(self, payload: Payload) -> str:
-        """Digest that tells a later call from the first one where it must match.
+        """Digest of the must-match fields' normalised values, which a later call must repeat.
 
-        With must-match fields it covers their normalised values only, so a duplicate
-        is still checked after the ledger erased the first payload (on ``sent``), and a
-        rewritten body or another spelling of the same address still replays.
-        Otherwise it covers the whole call.
+        It covers those values only, so a duplicate is still checked after the ledger erased
+        the first payload (on ``sent``), and a rewritten body or another spelling of the same
+        address still replays. Empty for a task without must-match fields: nothing compares it.
         """
-        if self.must_match:
-            values = self._normalised(self.bound(payload))
-            body: dict[str, Any] = {"must_match": {n: values.get(n) for n in self.must_match}}
-            return digest(canonical_json(body), self.secret)
-        return digest(canonical_json({"args": payload.args, "kwargs": payload.kwargs}), self.secret)
+        if not self.must_match:
+            return ""
+        values = self._normalised(self.bound(payload))
+        body: dict[str, Any] = {"must_match": {n: values.get(n) for n in self.must_match}}
+        return self._digest(canonical_json(body))
 
     def mismatched_fields(self, first: Payload, later: Payload) -> tuple[str, ...]:
         """Must-match fields whose values differ between the first call and a later one."""

@@ -4,10 +4,14 @@
 Each report is
 
 * one log line on the ``idemmail_celery.outcome`` logger (``logfmt`` pairs, escaped
-  so no value spans lines; the same fields in ``extra=`` for JSON formatters): INFO,
-  WARNING for ``review``, ``failed``, ``in_flight_gave_up``, ``key_reuse``,
-  ``fail_open`` and any ``recorded=false``, ERROR for ``ledger_unavailable_gave_up``
-  and a ``sent`` the ledger did not record;
+  so no value spans lines; the same fields in ``extra=`` for JSON formatters): DEBUG
+  for a routine success (``sent`` as the body returned it, ``duplicate`` replaying a
+  ``sent`` record), whose status, key and message id Celery's own "succeeded" line
+  already shows (the task's result is the outcome); INFO otherwise (a campaign's
+  recipients, a reconciled send, a replayed failure, a retry, ...), WARNING for
+  ``review``, ``failed``, ``in_flight_gave_up``, ``key_reuse``, ``fail_open`` and
+  any ``recorded=false``, ERROR for ``ledger_unavailable_gave_up`` and a ``sent``
+  the ledger did not record;
 * a ``task-idemmail`` Celery event, when the worker sends task events (``-E`` or
   ``worker_send_task_events``), only for outcomes whose task ends in FAILURE or
   RETRY (a task that succeeds carries its outcome as its result): Flower shows
@@ -88,7 +92,11 @@ def report(task: Any, status: str, key: str, *, message_id: Any = None, reason: 
         reason = clean_reason(reason)
     unrecorded = extra.get("recorded") == "false"
     try:
-        level = _level(status, unrecorded)
+        if event and reason is None and ((status == SENT and not unrecorded)
+                                         or (status == DUPLICATE and extra.get("recorded") == "sent")):
+            level = logging.DEBUG  # routine: Celery's "succeeded" line shows this outcome (its result)
+        else:
+            level = _level(status, unrecorded)
         if log.isEnabledFor(level):
             _log(level, status, name, key, request.id, message_id, reason, attempts, extra)
         active = metrics.active

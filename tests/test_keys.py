@@ -197,6 +197,32 @@ def test_arguments_that_do_not_fit_the_signature_are_rejected() -> None:
         key(b, "a@example.com")  # template and order_id missing
     with pytest.raises(IdempotencyKeyError, match="signature"):
         key(b, "a@example.com", "t", 1, nonsense=2)
+    bad_calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        (("a@example.com", "t"), {"nonsense": 1}),  # one missing, one unknown: as many names as the signature
+        (("a@example.com", "t", 1), {"to": "b@example.com"}),  # to given twice
+        (("a@example.com", "t", 1, "en", None, "one too many"), {}),
+        ((), {"template": "t", "order_id": 1}),
+    ]
+    for args, kwargs in bad_calls:
+        with pytest.raises(IdempotencyKeyError, match="signature"):
+            key(b, *args, **kwargs)
+
+
+def test_plain_signatures_bind_as_inspect_does() -> None:
+    """bound() skips Signature.bind for plain signatures; it must agree with it on every call that fits."""
+    b = builder()
+    sig = inspect.signature(send)
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        (("a@example.com", "t", 1), {}),
+        (("a@example.com",), {"order_id": 1, "template": "t", "extra": (1, 2)}),
+        ((), {"to": "a@example.com", "template": "t", "order_id": 1, "locale": "de"}),
+        (("a@example.com", "t", 1, "fr", {"k": [1]}), {}),
+    ]
+    for args, kwargs in calls:
+        p = b.payload(args, kwargs)
+        ba = sig.bind(*p.args, **p.kwargs)
+        ba.apply_defaults()
+        assert b.bound(p) == dict(ba.arguments)
 
 
 def test_unserialisable_arguments_are_rejected() -> None:

@@ -199,3 +199,20 @@ def test_events_only_for_outcomes_that_end_in_failure_or_retry_on_one_dispatcher
     outcomes._Events.after_fork()  # a forked child builds its own
     outcomes.report(task, "failed", "k")
     assert len(made) == 2
+
+
+def test_routine_successes_log_at_debug_and_everything_else_above_it(caplog: pytest.LogCaptureFixture) -> None:
+    """Celery's "succeeded" line already shows a routine send or replay (the result is the outcome)."""
+    from types import SimpleNamespace
+
+    from idemmail_celery import outcomes
+
+    caplog.set_level(logging.DEBUG, logger="idemmail_celery.outcome")
+    task = SimpleNamespace(name="t", request=SimpleNamespace(id="id-1", retries=0, hostname=None))
+    outcomes.report(task, "sent", "k", message_id="m")
+    outcomes.report(task, "duplicate", "k", message_id="m", recorded="sent")
+    outcomes.report(task, "sent", "k", message_id="m", reason="reconciled")
+    outcomes.report(task, "sent", "k", message_id="m", event=False, bulk=True)  # a campaign's recipient
+    outcomes.report(task, "duplicate", "k", recorded="review", reason="timeout")
+    outcomes.report(task, "sent", "k", reason="unrecorded", recorded="false")
+    assert [level for level, _ in lines(caplog)] == ["DEBUG", "DEBUG", "INFO", "INFO", "INFO", "ERROR"]

@@ -135,9 +135,16 @@ class ClaimRequest:
     lease_seconds: float = DEFAULT_LEASE_SECONDS
 
 
+_owner: tuple[int, str] = (0, "")
+
+
 def default_owner() -> str:
     """``host:pid`` of this process."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    global _owner
+    pid = os.getpid()
+    if _owner[0] != pid:  # once per process (a forked child has its own pid)
+        _owner = (pid, f"{socket.gethostname()}:{pid}")
+    return _owner[1]
 
 
 def new_owner(detail: str = "") -> str:
