@@ -50,8 +50,27 @@ def _count_sql(*_: Any) -> None:
     _sql_statements += 1
 
 
-# Every SQL statement any engine in this process runs: the SQL ledgers' round trips.
-event.listen(Engine, "before_cursor_execute", _count_sql)
+def _count_statements_of(dbapi_conn: Any, _record: Any) -> None:
+    """Count every statement a new driver connection runs: the SQL ledgers' round trips.
+
+    At the driver, not with SQLAlchemy's ``before_cursor_execute``: the SQL ledger runs its
+    first-send statements on the DB-API cursor unless the engine has such listeners, and a
+    counter there would measure the other path.
+    """
+    if hasattr(dbapi_conn, "set_trace_callback"):  # sqlite3
+        dbapi_conn.set_trace_callback(_count_sql)
+        return
+    base = dbapi_conn.cursor_factory  # psycopg 3
+
+    class CountingCursor(base):  # type: ignore[misc, valid-type]
+        def execute(self, *args: Any, **kwargs: Any) -> Any:
+            _count_sql()
+            return super().execute(*args, **kwargs)
+
+    dbapi_conn.cursor_factory = CountingCursor
+
+
+event.listen(Engine, "connect", _count_statements_of)  # every engine's pool: a pool event, not a statement one
 
 
 def keys(run: str) -> dict[str, str]:

@@ -200,6 +200,33 @@ class Harness:
         name = {"plain": "bench.plain", "naive": "bench.naive", "once": "bench.once"}.get(variant, "bench.idem")
         return self.app.tasks[name]
 
+    # -- enqueue, every variant in alternating blocks --
+
+    def enqueue_rates(self, variants: list[str], rep: int, rounds: int = 10) -> dict[str, float]:
+        """``delay()`` calls per second for each variant, measured in alternating blocks.
+
+        Each round enqueues one block per variant, in a rotating order, so that every variant
+        meets the same moments of a noisy machine; a variant measured alone in one long run
+        would carry whatever the machine did meanwhile. The messages go to a scratch queue,
+        purged afterwards.
+        """
+        block = max(50, self.args.tasks // rounds)
+        queue = self.queue[0] = f"{self.ns}.enqueue"
+        spent = dict.fromkeys(variants, 0.0)
+        for v in variants:  # the producer's connection and the caller's caches, outside the timing
+            for i in range(20):
+                self.task(v).delay(f"ew{i}.{v}.{rep}.{self.ns}@example.com", i)
+        for r in range(rounds):
+            for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+                task = self.task(v)
+                t0 = time.perf_counter()
+                for i in range(block):
+                    task.delay(f"e{r}.{i}.{v}.{rep}.{self.ns}@example.com", i)
+                spent[v] += time.perf_counter() - t0
+        with self.app.connection_for_write() as conn:
+            conn.default_channel.queue_purge(queue)
+        return {v: block * rounds / spent[v] for v in variants}
+
     # -- one drain measurement --
 
     def drain(self, variant: str, pool: str, rep: int) -> Drain:
@@ -217,10 +244,8 @@ class Harness:
             task.delay(f"warm{i}.{mid}.{self.ns}@example.com", i)
         self.queue[0] = f"{self.ns}.{mid}"
         before = self.commandstats()
-        t0 = time.perf_counter()
-        for i in range(n):
+        for i in range(n):  # the work to drain (enqueue rates are measured apart: enqueue_rates)
             task.delay(f"u{i}.{mid}.{self.ns}@example.com", i)
-        enqueue = n / (time.perf_counter() - t0)
         enqueued = self.commandstats()
         w = WorkerProcess(f"{self.ns}-{mid}", "bench.benchapp", [*POOLS[pool], "-Q", self.queue[0]],
                           self.worker_env(mid, url, options), self.tmp)
@@ -236,7 +261,7 @@ class Harness:
         finally:
             w.stop()
         times = self.r.hgetall(keys["times"])
-        d = Drain(variant, pool, rep, n, enqueue_rate=enqueue)
+        d = Drain(variant, pool, rep, n)
         d.drain_rate = (n - 1) / (float(times["last"]) - float(times["first"]))
         d.cpu_ms = (cpu_end - float(times["cpu_ready"])) * 1000 / n
         delta = {k: after.get(k, 0) - enqueued.get(k, 0) for k in after}
@@ -507,10 +532,13 @@ the figure that counts. No test asserts any of these numbers.
 
 How each column is measured:
 
-* **enqueue**: {b.tasks:,} `delay()` calls in the benchmark process; for `IdempotentTask` the intent
-  key (HMAC-SHA256) is computed there, in the caller; celery-once takes its lock there (one Redis
-  `SET NX`). The three `IdempotentTask` rows run the very same caller code (the ledger is not
-  touched at `delay()`), so the spread between them is the noise floor of this column.
+* **enqueue**: `delay()` calls in the benchmark process, measured apart from the drains: in each
+  repetition 10 rounds, each enqueuing a block of {max(50, b.tasks // 10):,} calls per variant in a
+  rotating order, so that every variant meets the same moments of a noisy machine (the same figure
+  is shown in both pool tables). For `IdempotentTask` the intent key (HMAC-SHA256) is computed
+  there, in the caller; celery-once takes its lock there (one Redis `SET NX`). The three
+  `IdempotentTask` rows run the very same caller code (the ledger is not touched at `delay()`),
+  so the spread between them is the noise floor of this column.
 * **drain**: the worker is started after the enqueue; `(N - 1) / (last - first completion)`, the
   completions stamped by the tasks themselves (one pipelined Redis round trip per task, the same
   for every variant, so it lowers every rate a little and compresses the ratios slightly).
@@ -519,8 +547,8 @@ How each column is measured:
 * **round trips**: Redis ledger, the store's `INFO commandstats` EVALSHA delta over the drain
   (on {facts["redis"]}; the plain task's EVALSHA delta over its own drain, the background noise,
   was {med([d.evalsha_noise for d in b.drains if d.variant == "plain"])} per task);
-  SQL ledgers, statements counted by a SQLAlchemy `before_cursor_execute` event in the worker
-  (a handful per process for the table check at first use are included); celery-once, the
+  SQL ledgers, statements counted at the driver in the worker (a psycopg cursor class, SQLite's
+  trace callback; a handful per process for the table check at first use are included); celery-once, the
   store's `SET` delta over the enqueue (caller) and `DEL` delta over the drain (worker).
   All tasks are first sends: claim + complete.
 
@@ -596,11 +624,14 @@ def _run(args: argparse.Namespace, variants: list[str], pools: list[str], rng: r
     t0 = time.monotonic()
     try:
         for rep in range(args.repeat):
+            enqueue = h.enqueue_rates(variants, rep)
+            print(f"rep {rep + 1} enqueue " + "  ".join(f"{v} {r:.0f}/s" for v, r in enqueue.items()), flush=True)
             for pool in pools:
                 order = list(variants)
                 rng.shuffle(order)
                 for v in order:
                     d = h.drain(v, pool, rep)
+                    d.enqueue_rate = enqueue[v]
                     b.drains.append(d)
                     print(f"rep {rep + 1} {pool:7} {v:12} enqueue {d.enqueue_rate:7.0f}/s  drain {d.drain_rate:6.0f}/s"
                           f"  cpu {d.cpu_ms:5.2f} ms/task  rt {d.round_trips}", flush=True)

@@ -137,6 +137,7 @@ class SQLLedger(Ledger):
         if self.dialect not in ("postgresql", "mysql", "mariadb", "sqlite"):
             raise ConfigurationError(f"unsupported SQL dialect for the ledger: {self.dialect!r}")
         self.table = ledger_table(table)
+        self._columns = tuple(c.name for c in self.table.c)
         self._create_table = create_table
         self._ready = False
         self._lock = threading.Lock()
@@ -268,14 +269,7 @@ class SQLLedger(Ledger):
         return mysql.insert(self.table)
 
     def _record(self, row: Any) -> Record:
-        m = row._mapping
-        return Record(
-            key=m["intent_key"], task_name=m["task_name"], state=State(m["state"]),
-            token=int(m["token"]), owner=m["owner"], lease_expires_at=m["lease_expires_at"],
-            attempts=int(m["attempts"]), reclaims=int(m["reclaims"]), payload=m["payload"],
-            fingerprint=m["fingerprint"], result=loads_json(m["result"]), error=loads_json(m["error"]),
-            created_at=m["created_at"], updated_at=m["updated_at"], expires_at=m["expires_at"],
-        )
+        return self._from_row(row._mapping)
 
     @functools.cached_property
     def _stmts(self) -> dict[str, Any]:
@@ -323,6 +317,50 @@ class SQLLedger(Ledger):
             t.c.state.in_([State.REVIEW.value, State.RELEASED.value, State.CLAIMED.value]),
         ).values(sent_values)
         return out
+
+    @functools.cached_property
+    def _driver_sql(self) -> dict[str, tuple[str, tuple[str, ...] | None, dict[str, Any]]]:
+        """The first-send statements as the driver's SQL text, compiled once by SQLAlchemy.
+
+        For each: the text, the order of its parameters for a positional paramstyle (SQLite's
+        ``?``; None for named ones), and the values of the parameters SQLAlchemy fixed itself.
+        """
+        out = {}
+        for name in ("insert", "finish_mine", "finish_sent"):
+            compiled = self._stmts[name].compile(dialect=self.engine.dialect)
+            fixed = {bind_name: bp.value for bp, bind_name in compiled.bind_names.items() if not bp.required}
+            order = compiled.positiontup
+            out[name] = (compiled.string, tuple(order) if order else None, fixed)
+        return out
+
+    def _execute(self, conn: Connection, name: str, params: dict[str, Any], *, returns_rows: bool) -> tuple[Any, int]:
+        """Run hot statement ``name`` on the connection's DB-API cursor: (its first row or None, row count).
+
+        A claim and a completion are each one such statement per first send; through
+        SQLAlchemy's execution layer (parameter processing, result metadata) they cost
+        about twice the driver's client CPU. Same SQL, same connection; a driver error
+        comes out as SQLAlchemy's, flagged as a disconnect as ``execute()`` would. An
+        engine with statement listeners (tracing, statement counters) gets ``execute()``,
+        so that they see every statement.
+        """
+        if conn._has_events or self.engine._has_events:
+            result = conn.execute(self._stmts[name], params)
+            return (result.first() if returns_rows else None), result.rowcount
+        sql, order, fixed = self._driver_sql[name]
+        params = {**fixed, **params}
+        dbapi_conn = conn.connection.dbapi_connection
+        cursor = dbapi_conn.cursor()  # type: ignore[union-attr]
+        dialect = self.engine.dialect
+        try:
+            cursor.execute(sql, params if order is None else tuple(params[k] for k in order))
+            return (cursor.fetchone() if returns_rows else None), cursor.rowcount
+        except dialect.loaded_dbapi.Error as exc:
+            raise DBAPIError.instance(
+                sql, params, exc, dialect.loaded_dbapi.Error, dialect=dialect,
+                connection_invalidated=dialect.is_disconnect(exc, dbapi_conn, cursor),
+            ) from exc
+        finally:
+            cursor.close()
 
     def _select(self, conn: Connection, key: str) -> Record | None:
         row = conn.execute(self._stmts["select"], {"k": key}).first()
@@ -427,22 +465,21 @@ class SQLLedger(Ledger):
     def _insert_new(self, conn: Connection, values: dict[str, Any]) -> tuple[bool, Record | None]:
         """Insert a new claim. Returns (inserted, the existing record when the store told us)."""
         params = {f"p_{name}": v for name, v in values.items()}
-        result = conn.execute(self._stmts["insert"], params)
-        if self.dialect == "postgresql":
-            row = result.first()
+        row, _ = self._execute(conn, "insert", params, returns_rows=True)
+        if self.dialect == "postgresql":  # the table's columns, then "inserted"
             if row is None:
                 return False, None
-            return bool(row.inserted), None if row.inserted else self._record(row)
+            inserted = bool(row[-1])
+            return inserted, None if inserted else self._from_row(dict(zip(self._columns, row, strict=False)))
         if self.dialect == "sqlite":
-            return result.first() is not None, None
+            return row is not None, None
         # MariaDB: a no-op update on the duplicate key; RETURNING then gives the
         # row that is there, ours or the existing one, in the same round trip.
         # (Rows affected cannot tell: SQLAlchemy sets CLIENT_FOUND_ROWS.) The
         # owner string carries a per-call nonce, so "ours" is unambiguous.
-        row = result.first()
         if row is None:
             return False, None
-        record = self._record(row)
+        record = self._from_row(dict(zip(self._columns, row, strict=True)))
         mine = record.owner == values["owner"] and record.token == 1 and record.state is State.CLAIMED
         return mine, None if mine else record
 
@@ -472,8 +509,8 @@ class SQLLedger(Ledger):
                 "exp": now + self.retention_seconds if state.expires else None,
                 "res": dumps_json(result), "err": dumps_json(error),
             }
-            stmt = self._stmts["finish_sent" if state is State.SENT else "finish_mine"]
-            if conn.execute(stmt, params).rowcount == 1:
+            if self._execute(conn, "finish_sent" if state is State.SENT else "finish_mine", params,
+                             returns_rows=False)[1] == 1:
                 return
             # A late holder reporting the truth (see ledger.base).
             if state is State.SENT and conn.execute(self._stmts["finish_late"], params).rowcount == 1:
