@@ -40,11 +40,30 @@ class Counter:
             self._undo = lambda: setattr(AbstractConnection, "send_packed_command", send)
             AbstractConnection.send_packed_command = counting  # type: ignore[method-assign]
         if isinstance(ledger, SQLLedger):
+            # At the driver, on every connection the ledger opens from now on: a SQLAlchemy statement
+            # listener would turn the ledger's first-send statements back to SQLAlchemy's execute().
+            ledger.close()
+            event.listen(ledger.engine, "connect", self._count_statements_of)
             ledger.ping()  # connect and create the table outside the count
-            event.listen(ledger.engine, "before_cursor_execute", self._on_sql)
+            assert not ledger.engine._has_events  # the path measured is the one workers take
 
     def _on_sql(self, *_: Any) -> None:
         self.calls += 1
+
+    def _count_statements_of(self, dbapi_conn: Any, _record: Any) -> None:
+        if hasattr(dbapi_conn, "set_trace_callback"):  # sqlite3: every statement it runs
+            dbapi_conn.set_trace_callback(self._on_sql)
+            return
+        on_sql = self._on_sql
+        attr = "cursor_factory" if hasattr(dbapi_conn, "cursor_factory") else "cursorclass"  # psycopg, PyMySQL
+        base = getattr(dbapi_conn, attr)
+
+        class Counting(base):  # type: ignore[misc, valid-type]
+            def execute(self, *args: Any, **kwargs: Any) -> Any:
+                on_sql()
+                return super().execute(*args, **kwargs)
+
+        setattr(dbapi_conn, attr, Counting)
 
     def count(self) -> int:
         """Requests sent to the store (SQL statements; Redis commands, a script call being one)."""
