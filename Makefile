@@ -37,7 +37,7 @@ chaos: install
 	$(BIN)/python -m chaos.run $(CHAOS_ARGS)
 
 ## Plain Celery vs IdempotentTask (Redis, PostgreSQL, SQLite ledgers) vs celery-once, same run;
-## writes docs/benchmarks.md (about 10 min). BENCH_ARGS="--tasks 500 --repeat 1 --no-write" for a look.
+## writes docs/benchmarks.md (about 5 min). BENCH_ARGS="--tasks 500 --repeat 1 --no-write" for a look.
 bench: install
 	$(BIN)/pip install -q -c constraints.txt -r bench/requirements.txt
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
