@@ -295,14 +295,6 @@ class IntentKeyBuilder:
             chosen = {n: values[n] for n in self.spec}  # type: ignore[union-attr]
         return self._normalised(chosen)
 
-    def tenant_of(self, payload: Payload, header_tenant: str | None) -> str | None:
-        if header_tenant is not None:
-            return str(header_tenant)
-        if self.tenant_field:
-            value = self.bound(payload).get(self.tenant_field)
-            return None if value is None else str(value)
-        return None
-
     def derive(
         self,
         payload: Payload,
