@@ -273,6 +273,27 @@ def test_metrics_endpoint_sums_outcomes_across_prefork_children(
     assert "status=key_reuse" in log and "reason=to" in log
 
 
+def test_a_reclaim_after_a_killed_pool_child_is_counted_once(
+    app_module: Any, sink: Any, start_worker: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A pool child SIGKILLed after its send: the redelivered copy reclaims the expired lease."""
+    multiproc = tmp_path / "prom"
+    multiproc.mkdir()
+    port = free_port()
+    start_worker("-P", "prefork", "-c", "1", env={
+        "IDEMMAIL_TEST_LEASE": "2", "PROMETHEUS_MULTIPROC_DIR": str(multiproc),
+        "IDEMMAIL_TEST_METRICS_PORT": str(port)})
+    task = app_module.send_keyed
+    sink.control("die_after_send", "1")
+    [out] = results([task.delay("eve@example.com", 11)])
+    assert out["status"] == "sent"  # resent with the same key after the reclaim
+    metrics = scrape(port)
+    assert metrics[("idemmail_reclaims_total", (("task", task.name),))] == 1
+    assert metrics[("idemmail_outcomes_total", (("outcome", "sent"), ("task", task.name)))] == 1
+    assert ("idemmail_outcomes_total", (("outcome", "reclaimed"), ("task", task.name))) not in metrics  # a step
+    assert len(sink.deliveries()) == 1
+
+
 def test_a_missing_multiprocess_dir_leaves_metrics_off_and_sends_exactly_once(
     app_module: Any, sink: Any, start_worker: Callable[..., Any], tmp_path: Path
 ) -> None:
