@@ -245,7 +245,11 @@ class IntentKeyBuilder:
 
     def payload(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> Payload:
         """The call's arguments as the worker will receive them."""
-        rt = round_trip([list(args or ()), dict(kwargs or {})], self.serializer)
+        arg_list, kwarg_dict = list(args or ()), dict(kwargs or {})
+        call = [arg_list, kwarg_dict]
+        rt = round_trip(call, self.serializer)
+        if rt is call:  # plain JSON: the copies just made are what the worker will see
+            return Payload(arg_list, kwarg_dict)
         return Payload(list(rt[0]), dict(rt[1]))
 
     def bound(self, payload: Payload) -> dict[str, Any]:

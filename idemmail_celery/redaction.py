@@ -62,11 +62,15 @@ def redacts(name: str | None, headers: dict[str, Any]) -> bool:
 
 
 def _on_before_publish(sender: str | None = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
-    if not headers or not redacts(sender, headers):
+    if not headers:
         return
-    if not str(headers.get("argsrepr") or "").startswith("<redacted"):
+    args_done = str(headers.get("argsrepr") or "").startswith("<redacted")
+    kwargs_done = str(headers.get("kwargsrepr") or "").startswith("<redacted")
+    if (args_done and kwargs_done) or not redacts(sender, headers):  # apply_async redacted it already
+        return
+    if not args_done:
         headers["argsrepr"] = ARGSREPR
-    if not str(headers.get("kwargsrepr") or "").startswith("<redacted"):
+    if not kwargs_done:
         headers["kwargsrepr"] = kwargsrepr(headers.get(KEY_HEADER))
 
 
