@@ -107,14 +107,15 @@ def test_the_store_holds_no_plaintext_payload_result_or_error(sealed: Ledger) ->
     c = sealed.claim(req("raw-released"))
     sealed.release("raw-released", c.token, {"reason": "connect", "message": f"550 <{ADDRESS}> greylisted"})
     d = sealed.claim(req("raw-sent"))
-    sealed.complete("raw-sent", d.token, {"value": {"to": ADDRESS}, "message_id": "m-2"})
+    sealed.complete("raw-sent", d.token, {"value": {"to": ADDRESS}, "message_id": "<m-2>"})
     p = sealed.claim(req("raw-review"))
     sealed.park("raw-review", p.token, {"reason": "timeout", "message": f"timeout sending to {ADDRESS}"})
-    sealed.resolve("raw-review", "sent", result={"message_id": "found", "to": ADDRESS}, note="seen", actor="ops")
+    sealed.resolve("raw-review", "sent", result={"message_id": "<found>", "to": ADDRESS}, note="seen", actor="ops")
     stored = raw_store(sealed)
     assert "raw-released" in stored and "f" * 64 in stored  # keys and fingerprints stay plain (hashes)
     assert SEALED_PREFIX in stored and "$fernet" in stored
-    for secret in (ADDRESS, "Your order", "greylisted", "m-2", "found"):
+    # Each with a character base64url never has, so no ciphertext can hold one by chance.
+    for secret in (ADDRESS, "Your order", "greylisted", "<m-2>", "<found>"):
         assert secret not in stored, secret
 
 
@@ -181,8 +182,8 @@ def test_plaintext_records_from_before_encryption_still_read(sealed: Ledger) -> 
     assert sealed.claim(req("legacy-sent")).record.result == {"message_id": "m-5"}
     again = sealed.claim(req("legacy"))
     assert again.status is ClaimStatus.REOPENED and again.record.payload == FIRST
-    sealed.complete("legacy", again.token, {"message_id": "m-6"})
-    assert "m-6" not in raw_store(sealed)  # written after encryption was turned on: sealed
+    sealed.complete("legacy", again.token, {"message_id": "<m-6>"})
+    assert "<m-6>" not in raw_store(sealed)  # sealed, written after encryption was on (no base64 has "<")
 
 
 def test_plain_first_opens_sealed_records_and_writes_plaintext(sealed: Ledger) -> None:
