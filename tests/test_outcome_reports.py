@@ -1,4 +1,9 @@
-"""What a run reports on its rarer paths (log level, fields, metrics), in one process with an eager app."""
+"""What a run reports on its rarer paths (log level, fields, metrics), in one process.
+
+Unit tests of the reports: each runs the task with Celery's ``Task.apply()`` (the state machine
+in this process, against a real SQLite ledger, no broker on purpose) so that a ledger failure
+can be injected. What a real worker reports is proved in ``tests/integration/test_monitoring.py``.
+"""
 
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> CollectorRegistry:
 def app(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Iterator[Celery]:
     caplog.set_level(logging.INFO, logger="idemmail_celery.outcome")
     a = Celery(unique("reports"), broker="memory://", set_as_current=False)
-    a.conf.update(task_always_eager=True, idemmail_ledger_url=f"sqlite:///{tmp_path / 'l.sqlite3'}",
+    a.conf.update(idemmail_ledger_url=f"sqlite:///{tmp_path / 'l.sqlite3'}",
                   idemmail_key_secret="s", idemmail_retry_backoff=0.01)
     yield a
 
@@ -57,7 +62,7 @@ def test_fail_open_is_reported_as_its_own_outcome(app: Celery, registry: Collect
     def send(to: str) -> dict[str, Any]:
         return {"message_id": "m-1"}
 
-    assert send.delay("a@example.com").get() == {"message_id": "m-1"}
+    assert send.apply(("a@example.com",)).get() == {"message_id": "m-1"}
     [(level, line)] = lines(caplog)
     assert level == "WARNING" and "status=fail_open" in line and "message_id=m-1" in line
     assert "reason=ledger_unavailable_error recorded=false" in line
@@ -73,7 +78,7 @@ def test_the_outage_budget_running_out_is_reported_before_the_intent_is_dropped(
     def send(to: str) -> None: ...
 
     with pytest.raises(LedgerUnavailableError):
-        send.delay("a@example.com").get()
+        send.apply(("a@example.com",)).get()
     [(level, line)] = lines(caplog)
     assert level == "ERROR" and "status=ledger_unavailable_gave_up" in line and "reschedules=0" in line
     assert registry.get_sample_value(
@@ -96,7 +101,7 @@ def test_a_send_the_ledger_did_not_record_is_told_apart(
 
     monkeypatch.setattr(send.ledger, "complete", complete)
     monkeypatch.setattr(task_mod.time, "sleep", lambda s: None)
-    assert send.delay("a@example.com").get()["status"] == "sent"
+    assert send.apply(("a@example.com",)).get()["status"] == "sent"
     [(level, line)] = lines(caplog)
     assert level == "ERROR" and "status=sent" in line and f"reason={reason} recorded=false" in line
     assert unrecorded(registry, send.name, "sent", reason) == 1
@@ -115,7 +120,7 @@ def test_a_verdict_the_ledger_refused_says_recorded_false(
 
     monkeypatch.setattr(send.ledger, "fail", fail)
     with pytest.raises(PermanentSendError):
-        send.delay("a@example.com").get()
+        send.apply(("a@example.com",)).get()
     [(level, line)] = lines(caplog)
     assert level == "WARNING" and "status=failed" in line
     assert "reason=rejected recorded=false error=stale_token_error" in line
@@ -133,7 +138,7 @@ def test_a_reconciled_send_is_one_outcome_with_reason_reconciled(
     def send(to: str) -> None:
         raise AmbiguousSendError("read timeout", reason="timeout")
 
-    assert send.delay("a@example.com").get()["message_id"] == "found-1"
+    assert send.apply(("a@example.com",)).get()["message_id"] == "found-1"
     [(level, line)] = lines(caplog)
     assert level == "INFO" and "status=sent" in line and "reason=reconciled" in line
 
@@ -163,7 +168,7 @@ def test_a_forged_reason_does_not_reach_the_log(app: Celery, caplog: pytest.LogC
         raise PermanentSendError("no", reason="x\nidemmail outcome status=sent key=forged")
 
     with pytest.raises(PermanentSendError):
-        send.delay("a@example.com").get()
+        send.apply(("a@example.com",)).get()
     [(_, line)] = lines(caplog)
     assert "reason=other" in line and "forged" not in line
 
