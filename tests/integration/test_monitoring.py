@@ -221,14 +221,21 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def test_metrics_endpoint_sums_outcomes_across_prefork_children(
-    app_module: Any, sink: Any, start_worker: Callable[..., Any], tmp_path: Path
-) -> None:
+def metrics_worker(start_worker: Callable[..., Any], tmp_path: Path, *args: str,
+                   **env: str) -> tuple[Any, int, Path]:
+    """A prefork worker exporting /metrics from its multiprocess directory: (worker, port, directory)."""
     multiproc = tmp_path / "prom"
     multiproc.mkdir()
     port = free_port()
-    worker = start_worker("-P", "prefork", "-c", "2", env={
-        "PROMETHEUS_MULTIPROC_DIR": str(multiproc), "IDEMMAIL_TEST_METRICS_PORT": str(port)})
+    worker = start_worker("-P", "prefork", *args, env={
+        "PROMETHEUS_MULTIPROC_DIR": str(multiproc), "IDEMMAIL_TEST_METRICS_PORT": str(port), **env})
+    return worker, port, multiproc
+
+
+def test_metrics_endpoint_sums_outcomes_across_prefork_children(
+    app_module: Any, sink: Any, start_worker: Callable[..., Any], tmp_path: Path
+) -> None:
+    worker, port, multiproc = metrics_worker(start_worker, tmp_path, "-c", "2")
     send = app_module.send
     name = send.name
 
@@ -277,12 +284,7 @@ def test_a_reclaim_after_a_killed_pool_child_is_counted_once(
     app_module: Any, sink: Any, start_worker: Callable[..., Any], tmp_path: Path
 ) -> None:
     """A pool child SIGKILLed after its send: the redelivered copy reclaims the expired lease."""
-    multiproc = tmp_path / "prom"
-    multiproc.mkdir()
-    port = free_port()
-    start_worker("-P", "prefork", "-c", "1", env={
-        "IDEMMAIL_TEST_LEASE": "2", "PROMETHEUS_MULTIPROC_DIR": str(multiproc),
-        "IDEMMAIL_TEST_METRICS_PORT": str(port)})
+    _, port, _ = metrics_worker(start_worker, tmp_path, "-c", "1", IDEMMAIL_TEST_LEASE="2")
     task = app_module.send_keyed
     sink.control("die_after_send", "1")
     [out] = results([task.delay("eve@example.com", 11)])
