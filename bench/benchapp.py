@@ -30,6 +30,7 @@ from sqlalchemy.engine import Engine
 
 from chaos.procs import tree_cpu_seconds
 from idemmail_celery import IdempotentTask
+from idemmail_celery.testing.statements import count_statements
 
 try:  # the peer is optional: `make bench` installs it from bench/requirements.txt
     from celery_once import QueueOnce
@@ -51,23 +52,8 @@ def _count_sql(*_: Any) -> None:
 
 
 def _count_statements_of(dbapi_conn: Any, _record: Any) -> None:
-    """Count every statement a new driver connection runs: the SQL ledgers' round trips.
-
-    At the driver, not with SQLAlchemy's ``before_cursor_execute``: the SQL ledger runs its
-    first-send statements on the DB-API cursor unless the engine has such listeners, and a
-    counter there would measure the other path.
-    """
-    if hasattr(dbapi_conn, "set_trace_callback"):  # sqlite3
-        dbapi_conn.set_trace_callback(_count_sql)
-        return
-    base = dbapi_conn.cursor_factory  # psycopg 3
-
-    class CountingCursor(base):  # type: ignore[misc, valid-type]
-        def execute(self, *args: Any, **kwargs: Any) -> Any:
-            _count_sql()
-            return super().execute(*args, **kwargs)
-
-    dbapi_conn.cursor_factory = CountingCursor
+    # At the driver: a SQLAlchemy statement listener would switch the SQL ledger's path (see count_statements).
+    count_statements(dbapi_conn, _count_sql)
 
 
 event.listen(Engine, "connect", _count_statements_of)  # every engine's pool: a pool event, not a statement one

@@ -92,11 +92,8 @@ def report(task: Any, status: str, key: str, *, message_id: Any = None, reason: 
         reason = clean_reason(reason)
     unrecorded = extra.get("recorded") == "false"
     try:
-        if event and reason is None and ((status == SENT and not unrecorded)
-                                         or (status == DUPLICATE and extra.get("recorded") == "sent")):
-            level = logging.DEBUG  # routine: Celery's "succeeded" line shows this outcome (its result)
-        else:
-            level = _level(status, unrecorded)
+        level = _level(status, unrecorded, routine=event and reason is None and (
+            (status == SENT and not unrecorded) or (status == DUPLICATE and extra.get("recorded") == "sent")))
         if log.isEnabledFor(level):
             _log(level, status, name, key, request.id, message_id, reason, attempts, extra)
         active = metrics.active
@@ -129,7 +126,9 @@ def snake(name: str) -> str:
     return _CAMEL.sub("_", name).lower()
 
 
-def _level(status: str, unrecorded: bool) -> int:
+def _level(status: str, unrecorded: bool, *, routine: bool) -> int:
+    if routine:
+        return logging.DEBUG  # Celery's "succeeded" line shows this outcome: the task's result is it
     if status in _ERROR or (unrecorded and status == SENT):
         return logging.ERROR  # dropped, or sent and the ledger does not know it (maybe twice)
     if status in _WARN or unrecorded:

@@ -15,6 +15,7 @@ from sqlalchemy import event
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger
 from idemmail_celery.ledger.redis import RedisLedger
 from idemmail_celery.ledger.sql import SQLLedger
+from idemmail_celery.testing.statements import count_statements
 
 # backend -> (first send: claim + complete, duplicate: claim that finds sent)
 EXPECTED = {"redis": (2, 1), "postgresql": (2, 1), "mariadb": (2, 1), "sqlite": (2, 2)}
@@ -51,19 +52,7 @@ class Counter:
         self.calls += 1
 
     def _count_statements_of(self, dbapi_conn: Any, _record: Any) -> None:
-        if hasattr(dbapi_conn, "set_trace_callback"):  # sqlite3: every statement it runs
-            dbapi_conn.set_trace_callback(self._on_sql)
-            return
-        on_sql = self._on_sql
-        attr = "cursor_factory" if hasattr(dbapi_conn, "cursor_factory") else "cursorclass"  # psycopg, PyMySQL
-        base = getattr(dbapi_conn, attr)
-
-        class Counting(base):  # type: ignore[misc, valid-type]
-            def execute(self, *args: Any, **kwargs: Any) -> Any:
-                on_sql()
-                return super().execute(*args, **kwargs)
-
-        setattr(dbapi_conn, attr, Counting)
+        count_statements(dbapi_conn, self._on_sql)
 
     def count(self) -> int:
         """Requests sent to the store (SQL statements; Redis commands, a script call being one)."""

@@ -470,7 +470,7 @@ class SQLLedger(Ledger):
             if row is None:
                 return False, None
             inserted = bool(row[-1])
-            return inserted, None if inserted else self._from_row(dict(zip(self._columns, row, strict=False)))
+            return inserted, None if inserted else self._from_row(dict(zip(self._columns, row[:-1], strict=True)))
         if self.dialect == "sqlite":
             return row is not None, None
         # MariaDB: a no-op update on the duplicate key; RETURNING then gives the
