@@ -8,6 +8,8 @@ measured. The variants differ only in what wraps the body:
 ==============  ================================================================
 ``bench.plain``  a plain Celery task (``acks_late=True``, like the others): the ceiling
 ``bench.naive`` a hand-rolled run-time claim: Redis ``SET NX`` before the body, ``SET`` after
+``bench.naive_pg`` the same on PostgreSQL: ``INSERT ... ON CONFLICT DO NOTHING`` before, ``UPDATE``
+                 after, two autocommit statements on one psycopg connection (the floor for a SQL ledger)
 ``bench.idem``   :class:`IdempotentTask`; the ledger (Redis, PostgreSQL or SQLite) comes
                  from ``BENCH_LEDGER``/``BENCH_LEDGER_OPTIONS``
 ``bench.once``   celery-once's ``QueueOnce`` on the same Redis (the peer)
@@ -121,6 +123,40 @@ def naive(to: str, n: int) -> dict[str, Any]:
         return {"status": "duplicate"}
     out = _done("naive")
     _r.set(key, "sent", ex=7 * 86400)
+    return out
+
+
+_pg: tuple[int, Any] | None = None  # (pid, psycopg connection): one per process, never across a fork
+
+
+def _pg_conn() -> Any:
+    global _pg
+    if _pg is None or _pg[0] != os.getpid():
+        import psycopg
+
+        dsn = os.environ.get("BENCH_LEDGER", "").replace("postgresql+psycopg://", "postgresql://", 1)
+        conn = psycopg.connect(dsn, autocommit=True)
+        count_statements(conn, _count_sql)
+        _pg = (os.getpid(), conn)
+    return _pg[1]
+
+
+@app.task(name="bench.naive_pg", acks_late=True)
+def naive_pg(to: str, n: int) -> dict[str, Any]:
+    """The floor for a run-time claim in PostgreSQL: two single-row autocommit statements, nothing else.
+
+    A two-column table (key, state) with only its primary key; no lease, token, payload or
+    stored outcome. What any SQL ledger that claims before the body and records after must pay
+    at least: two durable commits (the claim must be on disk before the send).
+    """
+    table = json.loads(os.environ.get("BENCH_LEDGER_OPTIONS") or "{}")["table"]
+    key = hashlib.sha256(f"{to}|{n}".encode()).hexdigest()
+    conn = _pg_conn()
+    if conn.execute(f'INSERT INTO "{table}" (k, state) VALUES (%s, %s) ON CONFLICT DO NOTHING',
+                    (key, "claimed")).rowcount == 0:
+        return {"status": "duplicate"}
+    out = _done("naive_pg")
+    conn.execute(f'UPDATE "{table}" SET state = %s WHERE k = %s', ("sent", key))
     return out
 
 

@@ -63,11 +63,12 @@ SHARED_REDIS_URL = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/0")
 REDIS_URL = SHARED_REDIS_URL  # replaced by the private server's URL when --redis private
 POSTGRES_URL = os.environ.get("BENCH_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
-VARIANTS = ("plain", "naive", "idem-redis", "idem-pg", "idem-sqlite", "once")
+VARIANTS = ("plain", "naive", "idem-redis", "naive-pg", "idem-pg", "idem-sqlite", "once")
 LABELS = {
     "plain": "plain Celery task (ceiling)",
     "naive": "hand-rolled SET NX claim (2 round trips)",
     "idem-redis": "IdempotentTask, Redis ledger",
+    "naive-pg": "hand-rolled PostgreSQL claim (INSERT + UPDATE)",
     "idem-pg": "IdempotentTask, PostgreSQL ledger",
     "idem-sqlite": "IdempotentTask, SQLite ledger",
     "once": "celery-once QueueOnce (same Redis)",
@@ -179,7 +180,7 @@ class Harness:
     # -- ledgers per measurement --
 
     def ledger_config(self, variant: str, mid: str) -> tuple[str, dict[str, Any]]:
-        if variant == "idem-pg":
+        if variant in ("idem-pg", "naive-pg"):
             table = f"{self.ns}_{mid}"
             self.tables.append(table)
             return POSTGRES_URL, {"table": table}
@@ -197,7 +198,8 @@ class Harness:
         return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
 
     def task(self, variant: str) -> Any:
-        name = {"plain": "bench.plain", "naive": "bench.naive", "once": "bench.once"}.get(variant, "bench.idem")
+        name = {"plain": "bench.plain", "naive": "bench.naive", "naive-pg": "bench.naive_pg",
+                "once": "bench.once"}.get(variant, "bench.idem")
         return self.app.tasks[name]
 
     # -- enqueue, every variant in alternating blocks --
@@ -237,6 +239,14 @@ class Harness:
             led = from_url(url, **options)
             led.ping()
             led.close()
+        elif variant == "naive-pg":
+            import sqlalchemy as sa
+
+            engine = sa.create_engine(POSTGRES_URL)
+            with engine.begin() as conn:
+                table = options["table"]
+                conn.execute(sa.text(f'CREATE TABLE "{table}" (k varchar(64) PRIMARY KEY, state varchar(16))'))
+            engine.dispose()
         task = self.task(variant)
         keys = self.benchapp.keys(mid)
         self.queue[0] = f"{self.ns}.warm"
@@ -251,7 +261,7 @@ class Harness:
                           self.worker_env(mid, url, options), self.tmp)
         try:
             w.start(wait_ready=0)
-            count_key = f"{keys['count']}.{variant.split('-')[0]}"
+            count_key = f"{keys['count']}.{_kind(variant)}"
             ok = wait_until(lambda: int(self.r.get(count_key) or 0) >= n, timeout=self.args.timeout, interval=0.01)
             cpu_end = w.cpu_seconds()
             after = self.commandstats()
@@ -269,7 +279,7 @@ class Harness:
         if variant == "idem-redis":
             d.round_trips = delta.get("evalsha", 0) / n
             d.caller_round_trips = (enqueued.get("evalsha", 0) - before.get("evalsha", 0)) / n
-        elif variant in ("idem-pg", "idem-sqlite"):
+        elif variant in ("idem-pg", "idem-sqlite", "naive-pg"):
             d.round_trips = int(times.get("sql", 0)) / n
             d.caller_round_trips = 0.0
         elif variant == "naive":
@@ -295,7 +305,7 @@ class Harness:
             w.start()
             finished = 0
             for variant in ("once", "idem-redis"):
-                task, kind = self.task(variant), variant.split("-")[0]
+                task, kind = self.task(variant), _kind(variant)
                 runs[variant], refused[variant] = [], 0
                 for _round in range(3):
                     sent = 0
@@ -333,6 +343,11 @@ class Harness:
         for p in self.tmp.glob("*"):
             p.unlink()
         self.tmp.rmdir()
+
+
+def _kind(variant: str) -> str:
+    """The name a variant's task body counts its runs under (``_done(kind)`` in bench.benchapp)."""
+    return {"naive-pg": "naive_pg"}.get(variant, variant.split("-")[0])
 
 
 # -- in-process ledger micro-benchmarks --
