@@ -31,7 +31,7 @@ clean:
 
 .PHONY: chaos bench
 
-## The long fault-injection suite (about 7 min here): SIGKILLs, provider faults, Redis and RabbitMQ,
+## The long fault-injection suite (about 8 min here): SIGKILLs, provider faults, Redis and RabbitMQ,
 ## Redis and PostgreSQL ledgers, the ledger-loss drill; prints the table. CHAOS_ARGS="--intents 2000 --no-write" for a look.
 chaos: install
 	$(BIN)/python -m chaos.run $(CHAOS_ARGS)

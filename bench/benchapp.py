@@ -149,7 +149,7 @@ def naive_pg(to: str, n: int) -> dict[str, Any]:
     stored outcome. What any SQL ledger that claims before the body and records after must pay
     at least: two durable commits (the claim must be on disk before the send).
     """
-    table = json.loads(os.environ.get("BENCH_LEDGER_OPTIONS") or "{}")["table"]
+    table = app.conf.idemmail_ledger_options["table"]
     key = hashlib.sha256(f"{to}|{n}".encode()).hexdigest()
     conn = _pg_conn()
     if conn.execute(f'INSERT INTO "{table}" (k, state) VALUES (%s, %s) ON CONFLICT DO NOTHING',

@@ -2,7 +2,7 @@
 
 ::
 
-    python -m bench.run                      # 3 repetitions x 2,000 tasks per variant and pool (~10 min)
+    python -m bench.run                      # 3 repetitions x 2,000 tasks per variant and pool (~5 min)
     python -m bench.run --tasks 500 --repeat 1 --no-write    # a quick look
 
 In one run and one process tree, for each repetition, pool (``-P prefork -c 2`` and
@@ -16,8 +16,13 @@ In one run and one process tree, for each repetition, pool (``-P prefork -c 2`` 
    ``worker_ready`` to the last completion, per task;
 3. **round trips**: for the Redis ledger, the store's own ``INFO commandstats`` EVALSHA delta
    over the drain (the plain run's delta shows the background noise of other clients); for
-   the SQL ledgers, statements counted by a SQLAlchemy event inside the worker; for
-   celery-once, the store's SET delta over the enqueue plus its DEL delta over the drain.
+   the SQL ledgers (and the hand-rolled PostgreSQL claim), statements counted at the driver
+   inside the worker; for celery-once, the store's SET delta over the enqueue plus its DEL
+   delta over the drain.
+
+Beside plain Celery (the ceiling), the hand-rolled claims (Redis ``SET NX`` + ``SET``,
+PostgreSQL ``INSERT ON CONFLICT`` + ``UPDATE``) are the floors: the least a claim before the
+body and a record after it can cost on each store.
 
 Then in-process ledger micro-benchmarks (claims/s and duplicate checks/s, one thread on one
 connection and 8 threads on a pool; duplicate-path latency), and the behaviour the issue
@@ -562,10 +567,16 @@ How each column is measured:
 * **round trips**: Redis ledger, the store's `INFO commandstats` EVALSHA delta over the drain
   (on {facts["redis"]}; the plain task's EVALSHA delta over its own drain, the background noise,
   was {med([d.evalsha_noise for d in b.drains if d.variant == "plain"])} per task);
-  SQL ledgers, statements counted at the driver in the worker (a psycopg cursor class, SQLite's
-  trace callback; a handful per process for the table check at first use are included); celery-once, the
-  store's `SET` delta over the enqueue (caller) and `DEL` delta over the drain (worker).
-  All tasks are first sends: claim + complete.
+  SQL ledgers and the hand-rolled PostgreSQL claim, statements counted at the driver in the worker
+  (a psycopg cursor class, SQLite's trace callback; a handful per process for the table check at first
+  use are included); celery-once, the store's `SET` delta over the enqueue (caller) and `DEL` delta
+  over the drain (worker). All tasks are first sends: claim + complete.
+* **the hand-rolled claims** are floors, not alternatives: the fewest round trips a claim before the
+  body and a record after it can take (Redis `SET NX` + `SET`; PostgreSQL `INSERT ... ON CONFLICT DO
+  NOTHING` + `UPDATE` on a two-column table, autocommit, one psycopg connection per process), with
+  none of the ledger's lease, fencing token, stored payload, replayable outcome or indexes. A ledger
+  should not drain faster than its floor beyond the noise; the gap between the two is what those
+  guarantees cost.
 
 ### Ledger micro-benchmarks (in process, {b.threads} threads share one ledger and its pool)
 

@@ -330,8 +330,13 @@ class LedgerView:
         if isinstance(led, RedisLedger):
             names = list(led.client.scan_iter(f"{led.prefix}:*", count=1000))
             records = sum(1 for n in names if ":r:" in n)
+            # All at one instant (MULTI/EXEC), as a restart without persistence or a FLUSHDB loses them.
+            # Deleted batch by batch, a claim could find its record gone and its bucket's epoch marker
+            # still there for a moment: the partial loss the README says markers cannot tell.
+            pipe = led.client.pipeline(transaction=True)
             for i in range(0, len(names), 500):
-                led.client.delete(*names[i:i + 500])
+                pipe.delete(*names[i:i + 500])
+            pipe.execute()
             return records
         if isinstance(led, SQLLedger):
             import sqlalchemy as sa
