@@ -1,7 +1,8 @@
 """Shared fixtures: real services on loopback, isolated per test run.
 
 Every run gets its own Redis key prefix, SQL table names and queue names. With
-CI=true an unreachable service fails the test instead of skipping it.
+CI=true an unreachable service fails the test instead of skipping it. At the end of
+the run, whatever it left in the shared Redis is swept (every name holds ``t<RUN_ID>``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+import redis
 
 from idemmail_celery.ledger import Ledger, from_url
 
@@ -29,6 +31,23 @@ pytest_plugins = ["idemmail_celery.testing.fixtures"]
 def unique(name: str) -> str:
     """A name no other test run uses."""
     return f"t{RUN_ID}_{name}_{uuid.uuid4().hex[:6]}"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Delete every Redis key this run made, whatever test made it and however it ended.
+
+    Ledger records keep their retention (7 days) and kombu's queue bindings never expire: left
+    behind run after run on the same services, they pile up, and every SCAN a test or the ledger
+    makes walks all of them.
+    """
+    try:
+        client = redis.Redis.from_url(REDIS_URL)
+        names = list(client.scan_iter(f"*t{RUN_ID}*", count=1000))
+        for i in range(0, len(names), 500):
+            client.delete(*names[i:i + 500])
+        client.close()
+    except redis.RedisError:
+        pass  # no Redis, nothing of ours in it
 
 
 def service_missing(what: str, exc: BaseException) -> None:
