@@ -143,14 +143,6 @@ def normalize_addresses(value: Any) -> Any:
     return sorted(found)
 
 
-def digest(material: str, secret: bytes | None) -> str:
-    """HMAC-SHA256 of ``material`` under ``secret``; plain SHA-256 when there is none."""
-    data = material.encode("utf-8")
-    if secret:
-        return hmac.new(secret, data, hashlib.sha256).hexdigest()
-    return hashlib.sha256(data).hexdigest()
-
-
 @dataclass(frozen=True)
 class Payload:
     """The arguments of one task call, after the serializer round trip."""
@@ -191,6 +183,11 @@ class IntentKeyBuilder:
     must_match: tuple[str, ...] = ()
     serializer: str = "json"
     secret: bytes | None = None
+    # Worked out once in __post_init__ for the hot path; not options.
+    _plain: tuple[tuple[str, ...], frozenset[str], dict[str, Any]] | None = field(
+        init=False, repr=False, compare=False, default=None)
+    _untenanted: str = field(init=False, repr=False, compare=False, default="")
+    _mac: Any = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 1:
@@ -221,10 +218,10 @@ class IntentKeyBuilder:
         object.__setattr__(self, "_mac", hmac.new(self.secret, digestmod=hashlib.sha256) if self.secret else None)
 
     def _digest(self, material: str) -> str:
-        """:func:`digest` of ``material`` under this builder's secret."""
-        if self._mac is None:  # type: ignore[attr-defined]
+        """HMAC-SHA256 of ``material`` under this builder's secret; plain SHA-256 when there is none."""
+        if self._mac is None:
             return hashlib.sha256(material.encode("utf-8")).hexdigest()
-        mac = self._mac.copy()  # type: ignore[attr-defined]
+        mac = self._mac.copy()
         mac.update(material.encode("utf-8"))
         return str(mac.hexdigest())
 
@@ -254,7 +251,7 @@ class IntentKeyBuilder:
 
     def bound(self, payload: Payload) -> dict[str, Any]:
         """Arguments by name, defaults applied, as the worker will see them."""
-        plain: tuple[tuple[str, ...], frozenset[str], dict[str, Any]] | None = self._plain  # type: ignore[attr-defined]
+        plain = self._plain
         if plain is not None:
             names, known, defaults = plain
             values = dict(zip(names, payload.args, strict=False))  # too many: bind() says so
@@ -335,7 +332,7 @@ class IntentKeyBuilder:
             head = '{"explicit":' + canonical_json(made)
         else:
             head = '{"intent":' + canonical_json(self._intent(self.bound(payload) if values is None else values))
-        tail = self._untenanted if tenant is None else self._namespace(tenant)  # type: ignore[attr-defined]
+        tail = self._untenanted if tenant is None else self._namespace(tenant)
         return self._digest(head + tail)
 
     def _namespace(self, tenant: str | None) -> str:
