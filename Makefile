@@ -3,12 +3,12 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test lint typecheck clean
+.PHONY: install demo test lint typecheck docs dist clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,docs]'
 
 install: $(BIN)/python
 
@@ -21,23 +21,38 @@ test: install lint typecheck
 	$(BIN)/python -m pytest -q
 
 lint: install
-	$(BIN)/ruff check idemmail_celery tests examples bench chaos
+	$(BIN)/ruff check idemmail_celery tests examples bench chaos docs/hooks.py
 
 typecheck: install
 	$(BIN)/mypy
 
+## The documentation site in site/ (MkDocs with Material); any warning fails the build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+## The sdist and the wheel in dist/; any warning from the build fails it. (The byte-compiling
+## notice that PYTHONDONTWRITEBYTECODE causes is the environment's, not the package's.)
+dist: install
+	rm -rf dist build
+	mkdir -p dist
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m build --outdir dist . > dist/build.log 2>&1 \
+	  || { cat dist/build.log; exit 1; }
+	! grep -i 'warning' dist/build.log || { echo 'make dist: the build warned (above)'; exit 1; }
+	ls dist/*.whl dist/*.tar.gz
+
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache .hypothesis site dist build
 
 .PHONY: chaos bench
 
-## The long fault-injection suite (about 8 min here): SIGKILLs, provider faults, Redis and RabbitMQ,
+## The long fault-injection suite (about 10 min here): SIGKILLs, provider faults, Redis and RabbitMQ,
 ## Redis and PostgreSQL ledgers, the ledger-loss drill; prints the table. CHAOS_ARGS="--intents 2000 --no-write" for a look.
 chaos: install
 	$(BIN)/python -m chaos.run $(CHAOS_ARGS)
 
-## Plain Celery vs IdempotentTask (Redis, PostgreSQL, SQLite ledgers) vs celery-once, same run;
-## writes docs/benchmarks.md (about 5 min). BENCH_ARGS="--tasks 500 --repeat 1 --no-write" for a look.
+## Plain Celery vs IdempotentTask (Redis, PostgreSQL, SQLite ledgers) vs celery-once, I/O-bound sends on
+## threads and gevent, ledger capacity, a 100,000-recipient campaign, Redis bytes per record; writes
+## docs/benchmarks.md (about 25 min). BENCH_ARGS="--parts memory --memory-records 2000 --no-write" for a look.
 bench: install
 	$(BIN)/pip install -q -c constraints.txt -r bench/requirements.txt
 	$(BIN)/python -m bench.run $(BENCH_ARGS)

@@ -14,12 +14,19 @@ measured. The variants differ only in what wraps the body:
                  from ``BENCH_LEDGER``/``BENCH_LEDGER_OPTIONS``
 ``bench.once``   celery-once's ``QueueOnce`` on the same Redis (the peer)
 ==============  ================================================================
+
+For the I/O-bound and bulk runs (:mod:`bench.scale`) the body is a real HTTP send to the fake
+provider at ``BENCH_PROVIDER_URL``: ``idemmail_celery.send_email`` (and ``send_campaign``) against
+``bench.plain_http``, a plain Celery task making the same call through the same provider client.
+Those runs stamp completions in ``task_postrun`` (``BENCH_WINDOW``), for every variant alike, and
+count the ledger's round trips at the client (``BENCH_COUNT_LEDGER``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from typing import Any
@@ -32,6 +39,9 @@ from sqlalchemy.engine import Engine
 
 from chaos.procs import tree_cpu_seconds
 from idemmail_celery import IdempotentTask
+from idemmail_celery.bulk import CAMPAIGN_TASK
+from idemmail_celery.mail import TASK_NAME as SEND_EMAIL
+from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY
 from idemmail_celery.testing.statements import count_statements
 
 try:  # the peer is optional: `make bench` installs it from bench/requirements.txt
@@ -46,11 +56,17 @@ KEY_SECRET = "bench-secret"
 
 _r = redis.Redis.from_url(REDIS_URL)
 _sql_statements = 0
+_ledger_round_trips = 0
+#: The I/O-bound and bulk runs (``BENCH_WINDOW=lo,hi``): completions counted in ``task_postrun``,
+#: time and CPU stamped at the lo-th and hi-th.
+_window = [int(x) for x in os.environ.get("BENCH_WINDOW", "").split(",") if x]
 
 
 def _count_sql(*_: Any) -> None:
     global _sql_statements
     _sql_statements += 1
+    if _sql_statements >= 500 and _window:  # the I/O and bulk runs: the shared total, a batch at a time
+        _flush_round_trips()
 
 
 def _count_statements_of(dbapi_conn: Any, _record: Any) -> None:
@@ -82,7 +98,17 @@ def _done(kind: str) -> dict[str, Any]:
     return {"id": f"noop-{now}"}
 
 
-app = Celery("bench", broker=os.environ.get("BENCH_BROKER", REDIS_URL), set_as_current=False)
+_transport_options: dict[str, Any] = {"global_keyprefix": f"{NS}."}
+if os.environ.get("BENCH_BROKER_MAX_CONNECTIONS"):
+    # kombu's Redis transport keeps at most 10 connections; a gevent pool of 200 acks from many
+    # greenlets at once and fails with MaxConnectionsError without more (plain Celery alike).
+    _transport_options["max_connections"] = int(os.environ["BENCH_BROKER_MAX_CONNECTIONS"])
+if os.environ.get("BENCH_VISIBILITY_TIMEOUT"):  # the bulk run's whole-worker kill: redelivered this soon
+    _transport_options.update(visibility_timeout=float(os.environ["BENCH_VISIBILITY_TIMEOUT"]),
+                              unacked_restore_interval=1, unacked_restore_throttle=1)
+
+app = Celery("bench", broker=os.environ.get("BENCH_BROKER", REDIS_URL), set_as_current=False,
+             backend=os.environ.get("BENCH_RESULT_BACKEND") or None)
 app.conf.update(
     task_serializer="json",
     accept_content=["json"],
@@ -90,10 +116,14 @@ app.conf.update(
     worker_enable_remote_control=False,
     worker_send_task_events=False,
     broker_connection_retry_on_startup=True,
-    broker_transport_options={"global_keyprefix": f"{NS}."},
+    broker_transport_options=_transport_options,
     idemmail_ledger_url=os.environ.get("BENCH_LEDGER", "redis://127.0.0.1:6379/0"),
     idemmail_ledger_options=json.loads(os.environ.get("BENCH_LEDGER_OPTIONS") or "{}"),
     idemmail_key_secret=KEY_SECRET,
+    idemmail_provider_url=os.environ.get("BENCH_PROVIDER_URL") or None,
+    idemmail_provider_api_key=DEFAULT_API_KEY,
+    idemmail_provider_timeout=30.0,
+    idemmail_default_from="Bench <bench@example.com>",
     ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": REDIS_URL, "default_timeout": 3600}},
 )
 
@@ -166,6 +196,73 @@ if QueueOnce is not None:
     def once(to: str, n: int) -> dict[str, Any]:
         """The same body under celery-once's enqueue-time lock."""
         return _done("once")
+
+
+# httpx logs every request at INFO; a sender at scale turns that off, and so does the bench (all variants).
+logging.getLogger("httpx").setLevel(logging.WARNING)
+
+if os.environ.get("BENCH_LEASE"):
+    app.conf.idemmail_lease_seconds = float(os.environ["BENCH_LEASE"])
+
+
+@app.task(name="bench.plain_http", acks_late=True)
+def plain_http(to: str, subject: str, text: str, n: int) -> dict[str, Any]:
+    """Plain Celery making the HTTP call ``send_email`` makes: the message built and checked the same
+    way, sent through the same provider client, under a key of its own; no ledger."""
+    sender = app.tasks[SEND_EMAIL]
+    message = sender.message_from({"to": to, "subject": subject, "text": text})
+    return dict(sender.provider.send(message, key=f"plain-{RUN}-{n}").to_dict())
+
+
+# -- the I/O-bound and bulk runs: completions stamped after the task, ledger round trips counted --
+
+
+
+def _flush_round_trips(at_least: int = 1) -> None:
+    """Add this process's count of ledger round trips to the shared total (it dies with a SIGKILL)."""
+    global _ledger_round_trips, _sql_statements
+    n, _ledger_round_trips = _ledger_round_trips + _sql_statements, 0
+    _sql_statements = 0
+    if n >= at_least:
+        _r.incrby(f"{keys(RUN)['count']}.ledger_rt", n)
+    else:
+        _ledger_round_trips = n
+
+
+if os.environ.get("BENCH_COUNT_LEDGER"):
+    # Every request written to the ledger's own Redis (a server of the bench's own, on this port)
+    # is one round trip: a single command, or a whole pipeline (claim_many). SQL ledgers are
+    # counted per statement at the driver (above).
+    from redis.connection import AbstractConnection
+
+    _ledger_port = int(os.environ["BENCH_COUNT_LEDGER"])
+    _send_packed = AbstractConnection.send_packed_command
+
+    def _counted(self: Any, command: Any, check_health: bool = True) -> None:
+        global _ledger_round_trips
+        if getattr(self, "port", None) == _ledger_port:
+            _ledger_round_trips += 1
+            if _ledger_round_trips >= 100:  # a SIGKILLed process loses fewer than this
+                _flush_round_trips()
+        _send_packed(self, command, check_health)
+
+    AbstractConnection.send_packed_command = _counted  # type: ignore[method-assign]
+
+
+if _window:
+
+    @task_postrun.connect
+    def _stamp(state: str | None = None, task: Any = None, **_: Any) -> None:
+        # After the task, the ledger's completion included; every variant pays the same.
+        k = keys(RUN)
+        # Rarely, so that the count costs the sends nothing to speak of; all of it after a campaign run.
+        _flush_round_trips(at_least=1 if getattr(task, "name", "") == CAMPAIGN_TASK else 500)
+        if state != "SUCCESS":
+            _r.incr(f"{k['count']}.not_success")
+            return
+        n = _r.incr(f"{k['count']}.io")
+        if n in _window:
+            _r.hset(k["times"], mapping={f"t{n}": time.time(), f"cpu{n}": time.process_time()})
 
 
 @worker_ready.connect

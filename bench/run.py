@@ -2,11 +2,18 @@
 
 ::
 
-    python -m bench.run                      # 3 repetitions x 2,000 tasks per variant and pool (~5 min)
-    python -m bench.run --tasks 500 --repeat 1 --no-write    # a quick look
+    python -m bench.run                      # every part (about 20 min on 2 cores)
+    python -m bench.run --parts noop --tasks 500 --repeat 1 --no-write     # a quick look at one part
+    python -m bench.run --repeat 1 --tasks 300 --micro-ops 300 --once-keys 200 --io-sends 300 \
+        --io-latencies 0.05 --capacity-ops 1000 --bulk-recipients 3000 --no-write   # all, quickly
 
-In one run and one process tree, for each repetition, pool (``-P prefork -c 2`` and
-``-P solo``) and variant (in a shuffled order), with the same no-op task body:
+Four parts, chosen with ``--parts`` (default all), each writing its own section of
+``docs/benchmarks.md``: ``noop`` (below), and ``io``, ``capacity`` and ``bulk`` (see
+:mod:`bench.scale`: I/O-bound sends in threads and gevent pools, the ledger's claims per second,
+a 100,000-recipient campaign with a worker killed).
+
+The ``noop`` part: in one run and one process tree, for each repetition, pool (``-P prefork -c 2``
+and ``-P solo``) and variant (in a shuffled order), with the same no-op task body:
 
 1. **enqueue**: ``N`` ``delay()`` calls from this process (the key is computed here, in the
    caller), timed: calls per second;
@@ -57,11 +64,14 @@ from typing import Any
 
 import redis
 
+from bench import memory, scale
 from chaos.procs import WorkerProcess, install_signal_handlers, reap_all, wait_until
 from chaos.report import write_section
 from idemmail_celery.ledger import ClaimRequest, Ledger, from_url
 from idemmail_celery.ledger.redis import RedisLedger
 from idemmail_celery.ledger.sql import SQLLedger
+from idemmail_celery.testing import _server as _fake_server
+from idemmail_celery.testing.fake_provider import FakeProvider
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_REDIS_URL = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/0")
@@ -174,6 +184,8 @@ class Harness:
         self.r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f"{self.ns}-"))
         self.tables: list[str] = []
+        #: Where workers store task state (send_campaign reports its progress there).
+        self.result_backend = REDIS_URL
         os.environ.update(BENCH_NS=self.ns, BENCH_REDIS=REDIS_URL)
         from bench import benchapp  # after BENCH_NS is set: the app's key prefix comes from it
 
@@ -343,11 +355,13 @@ class Harness:
             engine = sa.create_engine(POSTGRES_URL)
             with engine.begin() as conn:
                 for t in self.tables:
+                    conn.execute(sa.text(f'DROP TABLE IF EXISTS "{t}_hops"'))  # the ledger's marks table
                     conn.execute(sa.text(f'DROP TABLE IF EXISTS "{t}"'))
             engine.dispose()
-        for p in self.tmp.glob("*"):
-            p.unlink()
-        self.tmp.rmdir()
+        if self.args.keep_logs:
+            print(f"worker logs kept in {self.tmp}", file=sys.stderr)
+            return
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _kind(variant: str) -> str:
@@ -421,14 +435,7 @@ def micro_ledgers(h: Harness) -> dict[str, Ledger]:
 # -- reporting --
 
 
-def med(values: list[float]) -> str:
-    if not values:
-        return "-"
-    m = statistics.median(values)
-    if len(values) == 1:
-        return f"{m:,.0f}" if m >= 100 else f"{m:.2f}"
-    fmt = "{:,.0f}" if m >= 100 else "{:.2f}"
-    return f"{fmt.format(m)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+med = scale.fmt  # median (min-max), one format for every table
 
 
 def ratio(b: Bench, variant: str, pool: str, attr: str) -> list[float]:
@@ -599,109 +606,248 @@ running again.
 """
 
 
+PARTS = ("noop", "io", "capacity", "bulk", "memory")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tasks", "-N", type=int, default=2000, help="tasks per variant, pool and repetition")
-    p.add_argument("--repeat", "-r", type=int, default=3, help="repetitions (medians are reported)")
-    p.add_argument("--threads", type=int, default=8, help="threads in the many-threads micro-benchmark")
-    p.add_argument("--micro-ops", type=int, default=2000, help="operations per micro-benchmark")
-    p.add_argument("--once-keys", type=int, default=2000, help="keys in the sent-three-times experiment")
-    p.add_argument("--pools", default="prefork,solo")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds a drain may take")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help="which parts to run: noop (the no-op drains, micro-benchmarks and the sent-three-times "
+                        "experiment), io (I/O-bound sends, threads and gevent), capacity (ledger claims+completions "
+                        "per second), bulk (one large campaign with a worker killed), memory (Redis bytes per sent "
+                        "record); each writes its own section")
+    p.add_argument("--tasks", "-N", type=int, default=2000, help="noop: tasks per variant, pool and repetition")
+    p.add_argument("--repeat", "-r", type=int, default=3, help="repetitions (medians are reported); not bulk")
+    p.add_argument("--threads", type=int, default=8, help="noop: threads in the many-threads micro-benchmark")
+    p.add_argument("--micro-ops", type=int, default=2000, help="noop: operations per micro-benchmark")
+    p.add_argument("--once-keys", type=int, default=2000, help="noop: keys in the sent-three-times experiment")
+    p.add_argument("--pools", default="prefork,solo", help="noop: pools")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="noop: variants")
+    p.add_argument("--io-sends", type=int, default=2000, help="io: sends per variant, pool, latency and repetition")
+    p.add_argument("--io-latencies", default="0.05,0.2", help="io: provider latencies, seconds")
+    p.add_argument("--io-pools", default="threads:50,gevent:200", help="io: pool:concurrency, comma-separated")
+    p.add_argument("--io-ledgers", default="redis,postgresql", help="io: ledgers for send_email")
+    p.add_argument("--capacity-ops", type=int, default=10000, help="capacity: claim+complete pairs per run")
+    p.add_argument("--capacity-callers", default="1,8,64", help="capacity: concurrent callers, comma-separated")
+    p.add_argument("--capacity-ledgers", default="redis,postgresql")
+    p.add_argument("--bulk-recipients", type=int, default=100_000, help="bulk: recipients of the campaign")
+    p.add_argument("--bulk-batch", type=int, default=200, help="bulk: send_campaign's batch_size")
+    p.add_argument("--bulk-ledgers", default="redis", help="bulk: ledgers, one campaign each")
+    p.add_argument("--bulk-kill-at", type=float, default=0.5,
+                   help="bulk: SIGKILL the worker running the campaign when this share of recipients is settled")
+    p.add_argument("--bulk-lease", type=float, default=10.0, help="bulk: idemmail_lease_seconds of the workers")
+    p.add_argument("--bulk-visibility-timeout", type=float, default=20.0,
+                   help="bulk: the Redis transport's visibility_timeout (when a killed worker's message comes back)")
+    p.add_argument("--memory-records", type=int, default=100_000, help="memory: records in the Redis measured")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a drain may take (a campaign: 10x)")
     p.add_argument("--redis", default="private",
-                   help="'private' (a redis-server of the bench's own: exact command counts) or a redis:// URL")
+                   help="'private' (redis-servers of the bench's own: exact command counts) or a redis:// URL")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--keep-logs", action="store_true", help="leave the workers' logs in the temporary folder")
     p.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = p.parse_args(argv)
+    parts = [x for x in args.parts.split(",") if x]
     variants = [v for v in args.variants.split(",") if v]
     pools = [x for x in args.pools.split(",") if x]
-    if "once" in variants and not _has("celery_once"):
-        p.error("celery-once is not installed: pip install -r bench/requirements.txt (make bench does)")
-    bad = set(variants) - set(VARIANTS) or set(pools) - set(POOLS)
+    bad = set(parts) - set(PARTS) or set(variants) - set(VARIANTS) or set(pools) - set(POOLS)
     if bad:
         p.error(f"unknown: {', '.join(sorted(bad))}")
+    try:
+        scale.parse_pools(args.io_pools)
+    except ValueError as exc:
+        p.error(str(exc))
+    if "noop" in parts and "once" in variants and not _has("celery_once"):
+        p.error("celery-once is not installed: pip install -r bench/requirements.txt (make bench does)")
+    if "io" in parts and "gevent" in args.io_pools and not _has("gevent"):
+        p.error("gevent is not installed: pip install -r bench/requirements.txt (make bench does)")
     if "plain" not in variants:
         variants.insert(0, "plain")  # ratios need it
 
     install_signal_handlers()
     global REDIS_URL
-    private: PrivateRedis | None = None
-    if args.redis == "private" and shutil.which("redis-server"):
-        private = PrivateRedis(Path(tempfile.mkdtemp(prefix="bench-redis-")))
-        REDIS_URL = private.url
-    elif args.redis != "private":
-        REDIS_URL = args.redis
-    rng = random.Random(args.seed)
+    servers: list[PrivateRedis] = []
+    ledger_redis = args.redis
     try:
+        if args.redis == "private" and shutil.which("redis-server"):
+            servers.append(PrivateRedis(Path(tempfile.mkdtemp(prefix="bench-redis-"))))
+            REDIS_URL = servers[0].url
+            if set(parts) & {"io", "capacity", "bulk"}:  # the ledger alone on a server: its CPU and commands
+                servers.append(PrivateRedis(Path(tempfile.mkdtemp(prefix="bench-ledger-redis-"))))
+            ledger_redis = servers[-1].url
+        elif args.redis != "private":
+            REDIS_URL = args.redis
+        else:
+            ledger_redis = REDIS_URL
+        rng = random.Random(args.seed)
         shown = " ".join(argv if argv is not None else sys.argv[1:])
-        return _run(args, variants, pools, rng, f"make bench   # = .venv/bin/python -m bench.run {shown}".rstrip())
+        command = f"make bench   # = .venv/bin/python -m bench.run {shown}".rstrip()
+        return _run(args, parts, variants, pools, rng, command, ledger_redis)
     finally:
-        if private is not None:
-            private.stop()
+        for server in servers:
+            server.stop()
 
 
-def _run(args: argparse.Namespace, variants: list[str], pools: list[str], rng: random.Random, command: str) -> int:
+def _run(args: argparse.Namespace, parts: list[str], variants: list[str], pools: list[str], rng: random.Random,
+         command: str, ledger_redis: str) -> int:
     h = Harness(args)
-    b = Bench(ns=h.ns, tasks=args.tasks, repeat=args.repeat, threads=args.threads)
     facts = machine()
-    t0 = time.monotonic()
+    provider: FakeProvider | None = None
+    printed: list[str] = []
     try:
-        for rep in range(args.repeat):
-            enqueue = h.enqueue_rates(variants, rep)
-            print(f"rep {rep + 1} enqueue " + "  ".join(f"{v} {r:.0f}/s" for v, r in enqueue.items()), flush=True)
-            for pool in pools:
-                order = list(variants)
-                rng.shuffle(order)
-                for v in order:
-                    d = h.drain(v, pool, rep)
-                    d.enqueue_rate = enqueue[v]
-                    b.drains.append(d)
-                    print(f"rep {rep + 1} {pool:7} {v:12} enqueue {d.enqueue_rate:7.0f}/s  drain {d.drain_rate:6.0f}/s"
-                          f"  cpu {d.cpu_ms:5.2f} ms/task  rt {d.round_trips}", flush=True)
-            ledgers = micro_ledgers(h)
-            try:
-                for name, led in ledgers.items():
-                    m = micro(name, led, rep, args.micro_ops, args.threads)
-                    b.micros.append(m)
-                    print(f"rep {rep + 1} micro {name:10} claims {m.claims_1:6.0f}/s ({m.claims_n:6.0f}/s x"
-                          f"{args.threads})  dups {m.dups_1:6.0f}/s ({m.dups_n:6.0f}/s)  p50 {m.dup_p50_us:.0f} µs"
-                          f"  p99 {m.dup_p99_us:.0f} µs", flush=True)
-            finally:
-                for name, led in ledgers.items():
-                    if isinstance(led, RedisLedger):
-                        names = list(led.client.scan_iter(f"{led.prefix}:*", count=1000))
-                        for i in range(0, len(names), 500):
-                            led.client.delete(*names[i:i + 500])
-                    elif isinstance(led, SQLLedger) and name == "postgresql":
-                        led.drop_table()
-                    led.close()
-                (h.tmp / "micro.sqlite3").unlink(missing_ok=True)
-        if "once" in variants and args.once_keys:
-            b.once_keys = args.once_keys
-            b.once_runs, b.once_refused = h.sent_three_times(args.once_keys)
-            print(f"sent three times: body runs {b.once_runs}, refused {b.once_refused}", flush=True)
+        if "noop" in parts:
+            printed.append(_noop(h, args, variants, pools, rng, facts, command))
+        if set(parts) & {"io", "bulk"}:
+            # In this process, a thread per connection; max_records: the counters stay exact, the records do not.
+            # socketserver's listen backlog of 5 resets connections when a gevent pool of 200 opens
+            # a hundred at once (httpx's pool); a real provider's is far larger.
+            _fake_server._Server.request_queue_size = 1024
+            provider = FakeProvider(dedupe=False, max_records=1000).start()
+            h.app.conf.idemmail_provider_url = provider.url
+        short = (f"{facts['nproc']} cores ({facts['cpu']}), Python {facts['python']}, Celery {facts['celery']}, "
+                 f"Redis {facts['redis']}, PostgreSQL {facts['postgresql'].split()[0]}, {facts['date']}, "
+                 f"load average at start {facts['load average at start']}")
+        if "io" in parts and provider is not None:
+            printed.append(_io(h, args, provider, ledger_redis, rng, short, command))
+        if "capacity" in parts:
+            printed.append(_capacity(h, args, ledger_redis, short, command))
+        if "bulk" in parts and provider is not None:
+            printed.append(_bulk(h, args, provider, ledger_redis, short, command))
+        if "memory" in parts:
+            text = memory.section(args.memory_records, short, command)
+            _write(args, "bench-memory", text)
+            printed.append(text)
     except KeyboardInterrupt:
         print("interrupted: workers reaped", file=sys.stderr)
         return 130
     finally:
         reap_all()
+        if provider is not None:
+            provider.stop()
         h.cleanup()
-    seconds = time.monotonic() - t0
-    text = report(b, facts, command, seconds)
-    if not args.no_write:
-        write_section(args.output, "bench", text)
-    print()
-    print("## prefork -c 2\n\n" + drain_table(b, "prefork"))
-    if "solo" in pools:
-        print("\n## solo\n\n" + drain_table(b, "solo"))
-    print("\n" + micro_table(b))
-    if b.once_runs:
-        print("\n" + once_table(b))
-    print(f"\n{seconds / 60:.1f} min; {'written to ' + str(args.output) if not args.no_write else 'not written'}")
+    print("\n\n".join(printed))
+    print(f"\n{'written to ' + str(args.output) if not args.no_write else 'not written'}")
     return 0
+
+
+def _write(args: argparse.Namespace, name: str, text: str) -> None:
+    if not args.no_write:
+        write_section(args.output, name, text)
+
+
+def _noop(h: Harness, args: argparse.Namespace, variants: list[str], pools: list[str], rng: random.Random,
+          facts: dict[str, str], command: str) -> str:
+    b = Bench(ns=h.ns, tasks=args.tasks, repeat=args.repeat, threads=args.threads)
+    t0 = time.monotonic()
+    for rep in range(args.repeat):
+        enqueue = h.enqueue_rates(variants, rep)
+        print(f"rep {rep + 1} enqueue " + "  ".join(f"{v} {r:.0f}/s" for v, r in enqueue.items()), flush=True)
+        for pool in pools:
+            for v in scale.shuffled(variants, rng):
+                d = h.drain(v, pool, rep)
+                d.enqueue_rate = enqueue[v]
+                b.drains.append(d)
+                print(f"rep {rep + 1} {pool:7} {v:12} enqueue {d.enqueue_rate:7.0f}/s  drain {d.drain_rate:6.0f}/s"
+                      f"  cpu {d.cpu_ms:5.2f} ms/task  rt {d.round_trips}", flush=True)
+        ledgers = micro_ledgers(h)
+        try:
+            for name, led in ledgers.items():
+                m = micro(name, led, rep, args.micro_ops, args.threads)
+                b.micros.append(m)
+                print(f"rep {rep + 1} micro {name:10} claims {m.claims_1:6.0f}/s ({m.claims_n:6.0f}/s x"
+                      f"{args.threads})  dups {m.dups_1:6.0f}/s ({m.dups_n:6.0f}/s)  p50 {m.dup_p50_us:.0f} µs"
+                      f"  p99 {m.dup_p99_us:.0f} µs", flush=True)
+        finally:
+            for name, led in ledgers.items():
+                if isinstance(led, RedisLedger):
+                    names = list(led.client.scan_iter(f"{led.prefix}:*", count=1000))
+                    for i in range(0, len(names), 500):
+                        led.client.delete(*names[i:i + 500])
+                elif isinstance(led, SQLLedger) and name == "postgresql":
+                    led.drop_table()
+                led.close()
+            (h.tmp / "micro.sqlite3").unlink(missing_ok=True)
+    if "once" in variants and args.once_keys:
+        b.once_keys = args.once_keys
+        b.once_runs, b.once_refused = h.sent_three_times(args.once_keys)
+        print(f"sent three times: body runs {b.once_runs}, refused {b.once_refused}", flush=True)
+    _write(args, "bench", report(b, facts, command, time.monotonic() - t0))
+    out = "## prefork -c 2\n\n" + drain_table(b, "prefork")
+    if "solo" in pools:
+        out += "\n\n## solo\n\n" + drain_table(b, "solo")
+    out += "\n\n" + micro_table(b)
+    if b.once_runs:
+        out += "\n\n" + once_table(b)
+    return out
+
+
+def _io(h: Harness, args: argparse.Namespace, provider: FakeProvider, ledger_redis: str, rng: random.Random,
+        facts: str, command: str) -> str:
+    t0 = time.monotonic()
+    ledgers = [x for x in args.io_ledgers.split(",") if x]
+    variants = ["plain"] + [{"redis": "idem-redis", "postgresql": "idem-pg"}[x] for x in ledgers]
+    latencies = [float(x) for x in args.io_latencies.split(",") if x]
+    runs: list[scale.IoRun] = []
+    for rep in range(args.repeat):
+        for pool, conc in scale.parse_pools(args.io_pools):
+            for latency in latencies:
+                for v in scale.shuffled(variants, rng):
+                    r = scale.io_drain(h, provider, ledger_redis, v, pool, conc, latency, rep, args.io_sends)
+                    runs.append(r)
+                    print(f"rep {rep + 1} io {pool}:{conc} {latency * 1000:.0f} ms {v:10} {r.rate:7.0f} sends/s  "
+                          f"cpu {r.cpu_ms:5.2f} ms/send ({r.cores:.2f} cores, provider {r.provider_cores:.2f})  "
+                          f"delivered {r.deliveries}/{r.sends}",
+                          flush=True)
+    text = scale.io_section(runs, args.io_sends, args.repeat, command, facts, time.monotonic() - t0)
+    _write(args, "bench-io", text)
+    return text
+
+
+def _capacity(h: Harness, args: argparse.Namespace, ledger_redis: str, facts: str, command: str) -> str:
+    t0 = time.monotonic()
+    runs: list[scale.CapacityRun] = []
+    client = redis.Redis.from_url(ledger_redis)
+    led_names = [x for x in args.capacity_ledgers.split(",") if x]
+    buckets = 0
+    try:
+        for rep in range(args.repeat):
+            for name in led_names:
+                if name == "redis":
+                    url, options = ledger_redis, {"prefix": f"{h.ns}.cap{rep}"}
+                else:
+                    url, options = h.ledger_config("idem-pg", f"cap{rep}")
+                led = from_url(url, **options)
+                led.ping()
+                buckets = getattr(led, "buckets", buckets)
+                led.close()
+                for callers in [int(x) for x in args.capacity_callers.split(",") if x]:
+                    r = scale.capacity_run(name, url, options, callers, args.capacity_ops, rep,
+                                           client if name == "redis" else None)
+                    runs.append(r)
+                    extra = f"  redis cpu {r.redis_cpu_us:.1f} µs/send" if r.redis_cpu_us is not None else ""
+                    print(f"rep {rep + 1} capacity {name:10} x{callers:<3} {r.rate:7.0f} sends/s{extra}", flush=True)
+    finally:
+        client.close()
+    text = scale.capacity_section(runs, args.capacity_ops, args.repeat, buckets or 16, command, facts,
+                                  time.monotonic() - t0)
+    _write(args, "bench-capacity", text)
+    return text
+
+
+def _bulk(h: Harness, args: argparse.Namespace, provider: FakeProvider, ledger_redis: str, facts: str,
+          command: str) -> str:
+    t0 = time.monotonic()
+    runs = []
+    for name in [x for x in args.bulk_ledgers.split(",") if x]:
+        r = scale.bulk_run(h, provider, name, ledger_redis, args.bulk_recipients, args.bulk_batch,
+                           args.bulk_kill_at, args.bulk_lease, args.bulk_visibility_timeout)
+        runs.append(r)
+        print(f"bulk {name}: {r.recipients:,} recipients in {r.wall:.0f} s, {r.round_trips:,} ledger round trips, "
+              f"{r.delivered_keys:,} delivered, {r.duplicates} duplicates, states {r.states}", flush=True)
+    text = scale.bulk_section(runs, command, facts, time.monotonic() - t0)
+    _write(args, "bench-bulk", text)
+    return text
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 from idemmail_celery.testing.smtp_sink import SMTPSink
 
 from .procs import WorkerProcess, stop_all, wait_until
-from .workerapp import KEYLESS_TASK, build_app, trace_key, worker_env
+from .workerapp import KEYLESS_TASK, build_app, receipts_key, trace_key, worker_env
 
 REDIS_URL = os.environ.get("CHAOS_REDIS", "redis://127.0.0.1:6379/0")
 RABBITMQ_URL = os.environ.get("CHAOS_RABBITMQ", "amqp://guest:guest@127.0.0.1:5672//")
@@ -55,6 +55,11 @@ HTTP_FAULTS = ("drop_after_accept", "500_after_accept", "503_before_accept", "sl
 SMTP_FAULTS = ("drop_after_data", "stall_after_data", "tempfail_data_command")
 PROVIDERS = ("http", "http-keyless", "smtp")
 FINAL = {State.SENT.value, State.FAILED.value, State.REVIEW.value}
+#: With default settings: more receipts of one task id than this is a storm (a copy waiting out a dead
+#: holder's 30 s lease hops every few seconds below a 10 s visibility timeout: about ten receipts).
+STORM_COPIES = 40
+#: With default settings: the longest a dead worker's intent may wait for its delivery.
+RECOVERY_SECONDS = 90.0
 
 
 @dataclass
@@ -69,6 +74,7 @@ class Scenario:
     copies: int = 3
     workers: int = 3
     concurrency: int = 2
+    pool: str = "prefork"  # prefork | gevent | threads (no pool children to kill: set whole_worker_share=1)
     kills: int = 6
     whole_worker_share: float = 0.35  # of the kills, the share that takes a whole worker down
     kill_interval: float = 2.0  # mean time between kills
@@ -82,6 +88,11 @@ class Scenario:
     loss_seconds: float = 10.0  # ledger-loss drill: how long the loss stands before an operator acknowledges it
     deadline: float = 600.0
     seed: int = 0
+    #: The library's default settings (lease, backoffs, retry budget) instead of the chaos runs' short ones.
+    defaults: bool = False
+    #: How long the provider takes over every send (seconds): a real provider's 50-300 ms keeps sends in
+    #: flight, so a whole-worker kill cuts some short.
+    latency: float = 0.0
 
     @property
     def keyed(self) -> bool:
@@ -130,6 +141,11 @@ class Result:
     lost_seconds: float = 0.0  # from the flush to the acknowledgement
     resends: int = 0  # POSTs for intents already delivered, after the acknowledgement
     resent_deliveries: int = 0
+    max_copies_per_task: int = 0  # the most times the broker handed out one task id (reschedules included)
+    max_concurrent_copies: int = 0  # the most executions of one task id running at the same time
+    killed_executions: int = 0  # executions a whole-worker kill cut short
+    kill_to_delivery: list[float] = field(default_factory=list)  # s from each such kill to its intent's delivery
+    kill_to_settled: list[float] = field(default_factory=list)  # s from each such kill to its intent's final record
     ok: bool = False
     problems: list[str] = field(default_factory=list)
 
@@ -203,14 +219,18 @@ class ProviderUnderTest:
         """(requests, deliveries) for ``keys`` received after the epoch time ``when``."""
         return 0, 0
 
+    def first_delivery_times(self) -> dict[str, float]:
+        """key -> when it was first delivered (epoch seconds); empty where the provider cannot tell."""
+        return {}
+
 
 class HTTPFake(ProviderUnderTest):
     """:class:`FakeProvider`: Resend-compatible, de-duplicating on ``Idempotency-Key`` or not."""
 
     kinds = HTTP_FAULTS
 
-    def __init__(self, *, dedupe: bool, slow_seconds: float, max_records: int) -> None:
-        self.fake = FakeProvider(dedupe=dedupe, slow_seconds=slow_seconds, max_records=max_records)
+    def __init__(self, *, dedupe: bool, slow_seconds: float, max_records: int, latency: float = 0.0) -> None:
+        self.fake = FakeProvider(dedupe=dedupe, slow_seconds=slow_seconds, max_records=max_records, latency=latency)
         self.api_key = DEFAULT_API_KEY
 
     def start(self) -> None:
@@ -238,6 +258,13 @@ class HTTPFake(ProviderUnderTest):
 
     def suppressed(self) -> int:
         return self.fake.duplicates_suppressed()
+
+    def first_delivery_times(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for d in self.fake.deliveries():
+            if d.key and (d.key not in out or d.at < out[d.key]):
+                out[d.key] = d.at
+        return out
 
     def attempts_after(self, when: float, keys: set[str]) -> tuple[int, int]:
         posts = sum(1 for a in self.fake.attempts() if a.at > when and a.key in keys)
@@ -291,7 +318,7 @@ def make_provider(s: Scenario) -> ProviderUnderTest:
         return SMTPFake()
     if s.provider in ("http", "http-keyless"):
         return HTTPFake(dedupe=s.provider == "http", slow_seconds=s.slow_seconds,
-                        max_records=max(10_000, s.intents * s.copies * 4))
+                        max_records=max(10_000, s.intents * s.copies * 4), latency=s.latency)
     raise ValueError(f"unknown provider {s.provider!r} (known: {', '.join(PROVIDERS)})")
 
 
@@ -332,7 +359,7 @@ class LedgerView:
             records = sum(1 for n in names if ":r:" in n)
             # All at one instant (MULTI/EXEC), as a restart without persistence or a FLUSHDB loses them.
             # Deleted batch by batch, a claim could find its record gone and its bucket's epoch marker
-            # still there for a moment: the partial loss the README says markers cannot tell.
+            # still there for a moment: the partial loss docs/operations.md says markers cannot tell.
             pipe = led.client.pipeline(transaction=True)
             for i in range(0, len(names), 500):
                 pipe.delete(*names[i:i + 500])
@@ -437,6 +464,7 @@ class Run:
         self.workers: list[WorkerProcess] = []
         self.child_kills = 0
         self.worker_kills = 0
+        self.worker_kill_times: list[tuple[float, set[int]]] = []
         self.flush_time: float | None = None
         self.ack_time: float | None = None
         self.acked = threading.Event()
@@ -457,6 +485,7 @@ class Run:
             "ns": self.ns, "broker": broker, "ledger": ledger, "provider": self.provider.url,
             "provider_key": self.provider.api_key, "provider_timeout": str(s.provider_timeout),
             "lease": str(s.lease), "visibility_timeout": str(s.visibility_timeout), "trace": REDIS_URL,
+            "defaults": "1" if s.defaults else "",
         }
 
     def task_name(self) -> str:
@@ -532,10 +561,12 @@ class Run:
                 deck = ["worker" if s.whole_worker_share > 0 else "child"] + ["child"] * (size - 1)
                 self.rng.shuffle(deck)
             if deck.pop() == "worker" and len(alive) >= 2:
-                pid = w.pid
+                pid, children = w.pid, w.pool_children()
                 w.kill()
                 self.worker_kills += 1
-                self.log("kill_worker", worker=w.name, pid=pid, signal="SIGKILL", scope="process group")
+                self.log("kill_worker", worker=w.name, pid=pid, children=children, signal="SIGKILL",
+                         scope="process group")
+                self.worker_kill_times.append((time.time(), set(children)))
                 if self.stop.wait(self.rng.uniform(0.5, 2.0)):
                     return
                 t = time.monotonic()
@@ -604,7 +635,7 @@ class Run:
             env = {**os.environ, **worker_env(config), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
             for n in range(s.workers):
                 w = WorkerProcess(f"{self.ns}-w{n}", "chaos.workerapp",
-                                  ["-P", "prefork", "-c", str(s.concurrency)], env, self.log_dir)
+                                  ["-P", s.pool, "-c", str(s.concurrency)], env, self.log_dir)
                 self.workers.append(w)
             targets: list[tuple[str, Callable[[], None]]] = []
             if s.drill:  # every copy is in the queue before the first send: all of them predate the loss
@@ -688,8 +719,9 @@ class Run:
             if n != last:
                 last, since = n, time.monotonic()
 
-    def _trace(self) -> tuple[int, int, int]:
-        """(executions, redelivered executions, redelivered executions that overlapped a running one)."""
+    def _trace(self) -> tuple[int, int, int, int]:
+        """(executions, redelivered executions, redelivered executions that overlapped a running one,
+        the most executions of one task id that ran at one time)."""
         client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
         try:
             lines = [json.loads(x) for x in client.lrange(trace_key(self.ns), 0, -1)]
@@ -705,7 +737,39 @@ class Run:
                     overlapping += 1
                     self.log("concurrent_copy", task_id=run[0], pid=run[1], started=run[2],
                              others=[(o[1], o[2], o[3]) for o in runs if o is not run])
-        return len(lines), sum(1 for line in lines if line[4]), overlapping
+        most = max((sum(1 for o in runs if o[2] <= run[2] <= o[3]) for runs in by_id.values() for run in runs),
+                   default=0)
+        return len(lines), sum(1 for line in lines if line[4]), overlapping, most
+
+    def _receipts(self, r: Result, delivered_at: dict[str, float], settled_at: dict[str, float]) -> None:
+        """Copies per task id, and the time from each whole-worker kill to the delivery of what it cut short."""
+        client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+        try:
+            starts = [json.loads(x) for x in client.lrange(receipts_key(self.ns), 0, -1)]
+            ends = {(line[0], line[1]) for line in map(json.loads, client.lrange(trace_key(self.ns), 0, -1))}
+        finally:
+            client.close()
+        per_task = Counter(line[0] for line in starts)
+        r.max_copies_per_task = max(per_task.values(), default=0)
+        if per_task:
+            worst = per_task.most_common(1)[0]
+            self.log("most_copies", task_id=worst[0], copies=worst[1])
+        # Executions that never ended were cut short by a kill: they end at the kill.
+        for task_id, pid, start, key in starts:
+            if (task_id, pid) in ends:
+                continue
+            for kill_at, children in self.worker_kill_times:
+                if pid in children and start <= kill_at:
+                    r.killed_executions += 1
+                    done = delivered_at.get(key)
+                    if done is not None and done > kill_at:
+                        r.kill_to_delivery.append(round(done - kill_at, 2))
+                    settled = settled_at.get(key)
+                    if settled is not None and settled > kill_at:
+                        r.kill_to_settled.append(round(settled - kill_at, 2))
+                    break
+        r.kill_to_delivery.sort()
+        r.kill_to_settled.sort()
 
     def _judge(self, r: Result, task: Any, view: LedgerView) -> None:
         s = self.s
@@ -740,7 +804,9 @@ class Run:
         r.faults_by_kind = dict(Counter(str(f["kind"]) for f in applied))
         for f in applied:
             self.log("fault_applied", **f)
-        r.executions, r.redelivered, r.overlapping = self._trace()
+        r.executions, r.redelivered, r.overlapping, r.max_concurrent_copies = self._trace()
+        self._receipts(r, self.provider.first_delivery_times(),
+                       {k: rec.updated_at for k, rec in records.items() if rec is not None and rec.state.is_final})
         r.posts = self.provider.requests()
         r.suppressed = self.provider.suppressed()
         r.records_flushed = self.records_flushed
@@ -773,6 +839,12 @@ class Run:
             problems.append(f"{r.duplicates} duplicate deliveries")
         if r.unknown_deliveries:
             problems.append(f"{r.unknown_deliveries} deliveries under keys no intent has")
+        if s.defaults:
+            # A storm multiplies copies of one task id; a held claim of a dead worker must not wait long.
+            if r.max_copies_per_task > STORM_COPIES:
+                problems.append(f"one task id was handed out {r.max_copies_per_task} times (a storm)")
+            if r.kill_to_settled and r.kill_to_settled[-1] > RECOVERY_SECONDS:
+                problems.append(f"an intent cut short by a kill was settled {r.kill_to_settled[-1]:.0f} s later")
         if open_:
             problems.append(f"{open_} records not final")
         if not s.drill:

@@ -39,6 +39,7 @@ ENV = {
     "lease": "CHAOS_LEASE",
     "visibility_timeout": "CHAOS_VT",
     "trace": "CHAOS_TRACE",
+    "defaults": "CHAOS_DEFAULTS",
 }
 """Config name -> environment variable, for :func:`config_from_env` and :func:`worker_env`."""
 
@@ -75,6 +76,7 @@ def broker_options(config: dict[str, str]) -> dict[str, Any]:
         "visibility_timeout": float(config["visibility_timeout"] or 3600),
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        "max_connections": 200,  # a gevent worker acks from each of its greenlets (kombu's default pool: 10)
     }
 
 
@@ -88,6 +90,15 @@ def build_app(config: dict[str, str]) -> Celery:
     """A Celery app for one chaos run, with ``send_email`` and the keyless variant registered."""
     ns = config["ns"] or "chaos"
     app = Celery(f"chaos-{ns}", broker=config["broker"] or "redis://127.0.0.1:6379/0", set_as_current=False)
+    tuned: dict[str, Any] = {} if config.get("defaults") else {
+        # A retry after a fault must not run out: the run is about exactly-once, not budgets.
+        "task_annotations": {TASK_NAME: {"max_retries": 100}, KEYLESS_TASK: {"max_retries": 100}},
+        "idemmail_lease_seconds": float(config["lease"] or 3),
+        "idemmail_inflight_backoff": 0.2,
+        "idemmail_inflight_backoff_max": 1.0,
+        "idemmail_retry_backoff": 0.1,
+        "idemmail_retry_backoff_max": 0.5,
+    }
     app.conf.update(
         task_default_queue=f"{ns}.q",
         task_serializer="json",
@@ -98,20 +109,14 @@ def build_app(config: dict[str, str]) -> Celery:
         worker_send_task_events=False,
         broker_connection_retry_on_startup=True,
         broker_transport_options=broker_options(config),
-        # A retry after a fault must not run out: the run is about exactly-once, not budgets.
-        task_annotations={TASK_NAME: {"max_retries": 100}, KEYLESS_TASK: {"max_retries": 100}},
         idemmail_ledger_url=config["ledger"],
         idemmail_ledger_options=ledger_options(config),
         idemmail_key_secret=KEY_SECRET,
-        idemmail_lease_seconds=float(config["lease"] or 3),
-        idemmail_inflight_backoff=0.2,
-        idemmail_inflight_backoff_max=1.0,
-        idemmail_retry_backoff=0.1,
-        idemmail_retry_backoff_max=0.5,
         idemmail_provider_url=config["provider"] or None,
         idemmail_provider_api_key=config["provider_key"] or None,
         idemmail_provider_timeout=float(config["provider_timeout"] or 1.0),
         idemmail_default_from="Shop <shop@example.com>",
+        **tuned,
     )
     register(app)
     app.task(base=KeylessSendEmail, bind=True, name=KEYLESS_TASK)(_send_keyless)
@@ -131,11 +136,19 @@ def trace_key(ns: str) -> str:
     return f"{ns}.trace"
 
 
+def receipts_key(ns: str) -> str:
+    """One line per execution that started: task id, pid, start, intent key."""
+    return f"{ns}.receipts"
+
+
 @task_prerun.connect
 def _trace_start(task_id: str | None = None, task: Any = None, **_: Any) -> None:
     if _trace is not None and task_id:
+        now = time.time()
         redelivered = bool((task.request.delivery_info or {}).get("redelivered"))
-        _started[task_id] = (time.time(), redelivered)
+        _started[task_id] = (now, redelivered)
+        key = (task.request.headers or {}).get("idempotency_key") or getattr(task.request, "idempotency_key", None)
+        _trace.rpush(receipts_key(_config["ns"]), json.dumps([task_id, os.getpid(), now, key]))
 
 
 @task_postrun.connect

@@ -45,7 +45,7 @@ from celery import Celery
 from celery.beat import EmbeddedService
 from celery.contrib.testing.worker import start_worker
 
-import idemmail_celery  # noqa: F401  # registers send_email on the app
+from idemmail_celery import send_email  # noqa: F401  # registers send_email on the app
 from idemmail_celery.beat import SlotScheduler, aligned, send_digest, slot_of
 from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 

@@ -2,13 +2,19 @@
 
 Routes (JSON in, JSON out):
 
-* ``POST /password-reset`` ``{"email"}``: ``send_email.delay()`` straight from the route. The
-  form's nonce travels as the ``Idempotency-Key`` header, so a double-click or a client retry
-  repeats it: one email (the intent is that nonce and the address). An invalid address is a 400
-  with the typed error; nothing is enqueued. The link's token is random, made by the server, and
-  stored (as a SHA-256 digest) with the address it was made for, an expiry and a used flag;
-  ``POST /password-reset/<token>`` redeems it once. The nonce only de-duplicates the email:
-  it never goes into the link, so knowing it gives nothing.
+* ``POST /accounts`` ``{"email"}``: a customer account (the shop's sign-up), its address checked
+  with :func:`idemmail_celery.email.parse_address` and stored with its de-duplication form
+  (:func:`idemmail_celery.keys.normalize_address`), so two spellings are one account.
+* ``POST /password-reset`` ``{"email"}``: **the typed address only finds the account; the email
+  goes to the address the account has on file**, never to what the requester typed (typing
+  ``"ann@example.com, me@evil.example"`` or a look-alike spelling must never copy anyone on
+  Ann's link). The reply is the same 202 whether or not an account exists, so the route tells
+  nobody who has one; text that is not one address is a 400 with the typed error. The form's
+  nonce travels as the ``Idempotency-Key`` header, so a double-click or a client retry
+  repeats it: one email (the intent is that nonce and the account's address). The link's
+  token is random, made by the server, and stored (as a SHA-256 digest) with the account it
+  was made for, an expiry and a used flag; ``POST /password-reset/<token>`` redeems it once.
+  The nonce only de-duplicates the email: it never goes into the link, so knowing it gives nothing.
 * ``POST /orders`` ``{"email", "total_cents"}``: the order and its confirmation are written in
   one transaction (the outbox): a request that fails after writing sends nothing.
   ``POST /orders/<id>/paid`` is the payment provider's webhook, delivered at least once: one
@@ -20,7 +26,7 @@ Routes (JSON in, JSON out):
   :func:`idemmail_celery.webhooks.verify`): the customer gets one auto-reply per inbound
   message, keyed on its ``MessageID``, however often Postmark delivers the event.
 
-Run it: ``docker compose up`` (README, "Running the stack"), or by hand with Redis on
+Run it: ``docker compose up`` (docs/deployment.md), or by hand with Redis on
 loopback, from the repository root::
 
     python -m idemmail_celery.testing --port 8025 &                          # the mail catcher
@@ -28,11 +34,12 @@ loopback, from the repository root::
     export SHOP_DEV=1                                                        # dev-only webhook secrets (a warning)
     celery -A examples.flask_shop:celery worker -B &                         # worker and beat
     flask --app examples.flask_shop:app run --port 8000
+    curl -X POST localhost:8000/accounts -d '{"email": "ann@example.com"}' -H 'Content-Type: application/json'
     curl -X POST localhost:8000/password-reset -H 'Idempotency-Key: n-1' -d '{"email": "ann@example.com"}' \\
          -H 'Content-Type: application/json'
 
 Settings come from the environment (``examples/_stack.py``); ``SHOP_DATABASE_URL`` (default
-SQLite ``shop.sqlite3``) holds the orders, the reset tokens and the outbox;
+SQLite ``shop.sqlite3``) holds the accounts, the orders, the reset tokens and the outbox;
 ``INBOUND_WEBHOOK_SECRET`` (``user:password``) guards the inbound webhook and
 ``PAYMENT_WEBHOOK_SECRET`` signs the payment one. The module refuses to load without the two
 secrets unless ``SHOP_DEV=1`` (then, with a warning, it uses values everyone knows: for a
@@ -57,6 +64,8 @@ from sqlalchemy.orm import Session
 
 from examples._stack import celery_from_env
 from idemmail_celery import InvalidEmail
+from idemmail_celery.email import format_address
+from idemmail_celery.keys import normalize_address
 from idemmail_celery.mail import register
 from idemmail_celery.outbox import enqueue_email, outbox_table, register_relay
 from idemmail_celery.webhooks import WebhookSignatureError, verify
@@ -101,10 +110,16 @@ orders = sa.Table(
     sa.Column("total_cents", sa.Integer, nullable=False),
     sa.Column("paid", sa.Boolean, nullable=False, default=False),
 )
+accounts = sa.Table(
+    "accounts", metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("email", sa.String(320), nullable=False),  # where the shop writes to: checked at sign-up
+    sa.Column("email_key", sa.String(320), nullable=False, unique=True),  # normalize_address(email): one account
+)
 password_resets = sa.Table(  # the token itself is only in the email; a stolen table row cannot reset anything
     "password_resets", metadata,
     sa.Column("token_sha256", sa.String(64), primary_key=True),
-    sa.Column("email", sa.String(255), nullable=False),
+    sa.Column("account_id", sa.Integer, sa.ForeignKey("accounts.id"), nullable=False),
     sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
     sa.Column("used", sa.Boolean, nullable=False, default=False),
 )
@@ -140,47 +155,71 @@ def sha256(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def typed_address(body: Any, name: str = "email") -> str:
+    """The one address a request typed, checked (:class:`InvalidEmail`, a 400): never several, never a header trick."""
+    value = body.get(name, "") if isinstance(body, dict) else ""
+    return format_address(value, name)
+
+
+@app.post("/accounts")
+def create_account() -> tuple[Any, int]:
+    email = typed_address(request.get_json(silent=True))
+    with Session(engine) as session, session.begin():
+        found = session.execute(sa.select(accounts.c.id).where(accounts.c.email_key == normalize_address(email)))
+        account_id = found.scalar_one_or_none()
+        if account_id is None:
+            account_id = session.execute(sa.insert(accounts).values(email=email, email_key=normalize_address(email))
+                                         .returning(accounts.c.id)).scalar_one()
+    return jsonify(account_id=account_id), 201
+
+
 @app.post("/password-reset")
 def password_reset() -> tuple[Any, int]:
-    email = str((request.get_json(silent=True) or {}).get("email", ""))
+    typed = typed_address(request.get_json(silent=True))  # text that is not one address: 400, nothing else
     # The form's nonce: a double-click or a retry sends it again. Without one, every request is a new intent.
     # It de-duplicates the email (with the address: the intent is event_id, template and recipients) and
     # is never part of the link.
     nonce = (request.headers.get("Idempotency-Key") or uuid.uuid4().hex)[:128]
-    token = secrets.token_urlsafe(32)  # the server's random, stored for this address only
-    with Session(engine) as session, session.begin():  # an invalid address raises in delay(): no row is kept
-        session.execute(sa.insert(password_resets).values(
-            token_sha256=sha256(token), email=email, used=False,
-            expires_at=dt.datetime.now(dt.timezone.utc) + RESET_LINK_LIFETIME))
-        # A double-click stores two tokens; only the first request's email (and link) ships, the other never
-        # leaves the server and expires.
-        result = send_email.delay(to=email, subject="Reset your password", event_id=f"password-reset:{nonce}",
-                                  template="password_reset", text=f"Reset it here: https://shop.example/reset/{token}")
-    return jsonify(task_id=result.id), 202
+    with Session(engine) as session, session.begin():
+        account = session.execute(sa.select(accounts).where(accounts.c.email_key == normalize_address(typed))).first()
+        if account is not None:
+            token = secrets.token_urlsafe(32)  # the server's random, stored for this account only
+            session.execute(sa.insert(password_resets).values(
+                token_sha256=sha256(token), account_id=account.id, used=False,
+                expires_at=dt.datetime.now(dt.timezone.utc) + RESET_LINK_LIFETIME))
+            # To the address on file, never the one typed. A double-click stores two tokens; only the first
+            # request's email (and link) ships, the other never leaves the server and expires.
+            send_email.delay(to=account.email, subject="Reset your password", event_id=f"password-reset:{nonce}",
+                             template="password_reset", text=f"Reset it here: https://shop.example/reset/{token}")
+    # The same answer either way: whether an account has this address is nobody's business here.
+    return jsonify(status="if an account has this address, a reset link is on its way"), 202
 
 
 @app.post("/password-reset/<token>")
 def redeem_password_reset(token: str) -> tuple[Any, int]:
-    """The link's target: valid once, before it expires, for the address it was made for."""
+    """The link's target: valid once, before it expires, for the account it was made for."""
     now = dt.datetime.now(dt.timezone.utc)
     with Session(engine) as session, session.begin():
-        claimed = session.execute(
+        account_id = session.execute(
             sa.update(password_resets)
             .where(password_resets.c.token_sha256 == sha256(token), password_resets.c.used.is_(False),
                    password_resets.c.expires_at > now)
-            .values(used=True).returning(password_resets.c.email)).scalar_one_or_none()
-    if claimed is None:
+            .values(used=True).returning(password_resets.c.account_id)).scalar_one_or_none()
+        email = None if account_id is None else session.execute(
+            sa.select(accounts.c.email).where(accounts.c.id == account_id)).scalar_one()
+    if email is None:
         return jsonify(error="this link is unknown, used or expired"), 404
-    return jsonify(email=claimed), 200  # a real shop now asks for the new password of this account
+    return jsonify(email=email), 200  # a real shop now asks for the new password of this account
 
 
 @app.post("/orders")
 def create_order() -> tuple[Any, int]:
     body = request.get_json(force=True)
+    email = typed_address(body)  # the customer's own address for their own order: still exactly one
     with Session(engine) as session, session.begin():  # the order and its email commit together, or neither
-        order_id = session.execute(sa.insert(orders).values(email=body["email"], total_cents=int(body["total_cents"]))
+        order_id = session.execute(sa.insert(orders).values(email=email, total_cents=int(body["total_cents"]))
                                    .returning(orders.c.id)).scalar_one()
-        enqueue_email(session, app=celery, table=outbox, to=body["email"], subject=f"Order {order_id} confirmed",
+        enqueue_email(session, app=celery, table=outbox, to=email, subject=f"Order {order_id} confirmed",
                       html=f"<p>Thanks! Order {order_id}: {int(body['total_cents']) / 100:.2f} EUR.</p>",
                       event_id=f"order-{order_id}", template="order_confirmation")
         if body.get("simulate_failure"):

@@ -2,18 +2,27 @@
 
 ::
 
-    from idemmail_celery import IdempotentTask
+    from idemmail_celery import IdempotentTask, send_email
 
     @app.task(base=IdempotentTask, idempotency_key=("to", "order_id"))
     def send_confirmation(to, order_id):
         ...
+
+The public surface is what this module exports: the task base class, the ready-made
+``send_email`` and ``send_campaign`` tasks, the ledger and provider factories, and the
+errors a caller catches. Everything else is importable from its own module
+(``idemmail_celery.ledger``, ``idemmail_celery.handler``, ``idemmail_celery.config``, ...).
+
+``send_email`` and ``send_campaign`` are Celery shared tasks: they register themselves on
+every app when first imported from here (``from idemmail_celery import send_email`` in the
+module that defines your app), and not before: importing anything else, the errors
+included, registers nothing.
 """
 
 from __future__ import annotations
 
-from .bulk import send_campaign
-from .config import Settings
-from .email import Attachment, EmailMessage
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     AmbiguousSendError,
     ConfigurationError,
@@ -21,60 +30,59 @@ from .errors import (
     IdempotencyInFlightError,
     IdempotencyKeyError,
     IdempotencyKeyReuseError,
-    IllegalTransitionError,
     InvalidEmail,
     LedgerError,
-    LedgerLostError,
     LedgerUnavailableError,
-    PayloadKeyError,
     PermanentSendError,
-    RecordNotFoundError,
     SendError,
     SendNeedsReview,
-    StaleTokenError,
     TransientSendError,
-    UnknownLedgerSchemeError,
-    UnsafeLedgerError,
-    UnserializableArgumentsError,
 )
-from .ledger import ClaimStatus, Ledger, Record, State, from_url
-from .mail import send_email
+from .ledger import from_url as ledger_from_url
+from .providers import from_url as provider_from_url
 from .task import IdempotentTask
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from celery import Task
+
+    from .mail import SendEmailTask
+
+    send_email: SendEmailTask
+    send_campaign: Task
+
+from ._version import __version__
 
 __all__ = [
     "AmbiguousSendError",
-    "Attachment",
-    "ClaimStatus",
     "ConfigurationError",
-    "EmailMessage",
     "IdemmailError",
     "IdempotencyInFlightError",
     "IdempotencyKeyError",
     "IdempotencyKeyReuseError",
     "IdempotentTask",
-    "IllegalTransitionError",
     "InvalidEmail",
-    "Ledger",
     "LedgerError",
-    "LedgerLostError",
     "LedgerUnavailableError",
-    "PayloadKeyError",
     "PermanentSendError",
-    "Record",
-    "RecordNotFoundError",
     "SendError",
     "SendNeedsReview",
-    "Settings",
-    "StaleTokenError",
-    "State",
     "TransientSendError",
-    "UnknownLedgerSchemeError",
-    "UnsafeLedgerError",
-    "UnserializableArgumentsError",
     "__version__",
-    "from_url",
+    "ledger_from_url",
+    "provider_from_url",
     "send_campaign",
     "send_email",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The two shared tasks register on every app when their module is imported: only when asked for.
+    if name == "send_email":
+        from .mail import send_email
+
+        return send_email
+    if name == "send_campaign":
+        from .bulk import send_campaign
+
+        return send_campaign
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,19 +1,21 @@
-"""Lease renewal while a task body runs.
+"""Lease renewal while a side effect runs.
 
-One daemon thread per process renews every held claim each third of its lease.
-Tasks shorter than that never cause a renewal; tracking a claim costs a dict
-insert. The thread starts lazily, after any fork, in the process that needs it.
+One daemon thread per process (a greenlet under ``-P gevent``) renews every held claim each
+third of its lease, so a 30 s lease survives any send and a crashed holder's claim is free
+again within one lease. Side effects shorter than that never cause a renewal; tracking a
+claim costs a dict insert. The thread starts lazily in the process that needs it, again in
+a forked child, and survives any error of a renewal: a claim whose renewal fails is tried
+again within a couple of seconds, and dropped only when the ledger says another holder has it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
 
-from .errors import LedgerError
+from ._common import after_fork
 from .ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -29,28 +31,40 @@ class _Held:
 
 
 class LeaseKeeper:
-    """Renews the leases of claims whose bodies are still running."""
+    """Renews the leases of claims whose side effects are still running."""
 
     def __init__(self) -> None:
+        self._reset()
+        after_fork(self._reset)
+
+    def _reset(self) -> None:
+        # In a forked child: the parent's thread does not exist here and its lock may be held.
         self._held: dict[tuple[int, str, int], _Held] = {}
         self._cond = threading.Condition()
-        self._pid = 0
+        self._running = False
         self._wake_at = 0.0  # when the renewal thread next wakes up by itself
 
     def hold(self, ledger: Ledger, key: str, token: int, lease_seconds: float) -> None:
+        """Renew this claim every third of ``lease_seconds`` until :meth:`drop`."""
         entry = _Held(ledger, key, token, lease_seconds, time.monotonic() + lease_seconds / 3)
         with self._cond:
             self._held[(id(ledger), key, token)] = entry
-            if self._pid != os.getpid():
-                self._pid = os.getpid()
+            if not self._running:
+                self._running = True
                 self._wake_at = 0.0
                 threading.Thread(target=self._loop, name="idemmail-lease", daemon=True).start()
             elif entry.due < self._wake_at:
                 self._cond.notify()  # only then: waking the thread for every task costs a context switch
 
     def drop(self, ledger: Ledger, key: str, token: int) -> None:
+        """Stop renewing this claim (its side effect ended)."""
         with self._cond:
             self._held.pop((id(ledger), key, token), None)
+
+    def holding(self) -> int:
+        """How many claims are being renewed (for tests and metrics)."""
+        with self._cond:
+            return len(self._held)
 
     def _loop(self) -> None:
         while True:
@@ -64,12 +78,18 @@ class LeaseKeeper:
                 for h in due:
                     h.due = now + h.lease_seconds / 3
             for h in due:
-                try:
-                    if not h.ledger.renew(h.key, h.token, h.lease_seconds):
-                        log.warning("idemmail: lease on %s lost to another holder (token %s)", h.key, h.token)
-                        self.drop(h.ledger, h.key, h.token)
-                except LedgerError as exc:
-                    log.warning("idemmail: could not renew lease on %s: %s", h.key, exc)
+                self._renew(h)
+
+    def _renew(self, h: _Held) -> None:
+        try:
+            if not h.ledger.renew(h.key, h.token, h.lease_seconds):
+                log.warning("idemmail: lease on %s lost to another holder (token %s)", h.key, h.token)
+                self.drop(h.ledger, h.key, h.token)
+        except Exception as exc:  # any error: keep the claim and try again soon, well within the lease
+            log.warning("idemmail: could not renew lease on %s (%s: %s); trying again", h.key,
+                        type(exc).__name__, exc)
+            with self._cond:
+                h.due = min(h.due, time.monotonic() + min(h.lease_seconds / 6, 2.0))
 
 
 keeper = LeaseKeeper()

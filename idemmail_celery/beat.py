@@ -48,8 +48,8 @@ from celery import Celery
 from celery.beat import PersistentScheduler
 from celery.schedules import schedstate, schedule
 
+from ._common import KEY_HEADER
 from .errors import IdemmailError, InvalidEmail
-from .task import KEY_HEADER
 
 log = logging.getLogger("idemmail_celery")
 

@@ -1,44 +1,44 @@
-"""Bulk sends: one campaign to many recipients, claimed in batches.
+"""Bulk sends: one campaign to many recipients, claimed in batches, settled by the one state machine.
 
-``send_campaign`` sends one email per recipient, each under the same intent
-key ``send_email(to=recipient, event_id=campaign_id, template=...)`` would
-have, so a campaign and a single send never double up. Recipients are claimed
-in batches (a Redis pipeline, a multi-row SQL insert), each batch just before
-it is sent: claiming everything up front would let leases run out mid-campaign.
+``send_campaign`` sends one email per recipient, each under the same intent key
+``send_email(to=recipient, event_id=campaign_id, template=...)`` would have, so a
+campaign and a single send never double up. Recipients are de-duplicated by that key
+(two spellings of one mailbox are one recipient) and claimed in batches (a Redis
+pipeline, a multi-row SQL insert), each batch just before it is sent: claiming
+everything up front would let leases run out mid-campaign. Every held claim of a batch is
+renewed until it is settled.
 
-The campaign task can be retried, redelivered or run twice as a whole: a
-recipient already ``sent`` (or ``failed``, or in ``review``) is skipped in the
-batch claim, one whose claim another copy holds is left to that copy and
-looked at again on the next pass, and a crashed copy's batch is recovered by
-the usual lease rules (resent with the same key when the provider
-de-duplicates, parked for review otherwise). Progress is reported as the
-Celery task state ``PROGRESS`` with counts, visible in Flower.
+Each recipient is settled by :class:`~idemmail_celery.handler.Handler`, exactly as a
+single ``send_email`` is: a ledger or provider error settles that recipient (failed,
+review, or pending for the next pass) and the campaign carries on. The campaign task can
+be retried, redelivered or run twice as a whole: a recipient already final is counted
+``duplicate``, one another copy holds is left to it and looked at again on the next pass,
+and a crashed copy's batch is recovered by the usual lease rules (resent with the same key
+when the provider de-duplicates, reconciled or parked for review otherwise). A pass that
+leaves recipients pending (released after a transient error, held by another copy, or
+sent with the record not yet written) retries the campaign, carrying its claim owner and
+those verdicts, so the next pass takes its own claims back and records what it knows.
+Progress is reported as the Celery task state ``PROGRESS`` with counts, visible in Flower.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from celery import Task, shared_task
 
 from . import outcomes, redaction
+from ._common import OWNER_HEADER, VERDICT_HEADER, transport_visibility_timeout
 from ._lease import keeper
-from .errors import (
-    InvalidEmail,
-    LedgerError,
-    PermanentSendError,
-    SendError,
-    SendNeedsReview,
-    TransientSendError,
-)
+from .errors import LedgerError
+from .handler import Action, Delivery, Handler, Outcome, Step, verdict_of
 from .keys import Payload
-from .ledger import Claim, ClaimRequest, ClaimStatus
+from .ledger import Claim, ClaimStatus
 from .ledger.base import new_owner
-from .ledger.sealed import is_sealed, park_unreadable
 from .mail import TASK_NAME as SEND_EMAIL
 from .mail import SendEmailTask
 
@@ -48,106 +48,91 @@ CAMPAIGN_TASK = "idemmail_celery.send_campaign"
 DEFAULT_BATCH = 200
 MAX_PASSES = 30
 
+#: How each recipient's outcome counts in the campaign's result (see :class:`~idemmail_celery.handler.Outcome`).
+_TALLY = {Outcome.SENT: Outcome.SENT, Outcome.DUPLICATE: Outcome.DUPLICATE, Outcome.FAILED: Outcome.FAILED,
+          Outcome.REVIEW: Outcome.REVIEW, Outcome.KEY_REUSE: Outcome.FAILED}
+
+
+class CampaignEffect:
+    """``send_email``'s side effect for one recipient at a time, reported under the campaign task."""
+
+    def __init__(self, sender: SendEmailTask, campaign: Any = None) -> None:
+        self.sender, self.campaign = sender, campaign
+
+    def check(self, payload: Payload) -> None:
+        self.sender.check(payload)
+
+    def perform(self, payload: Payload, key: str) -> Any:
+        return self.sender.deliver(dict(payload.kwargs), key)
+
+    def carries_key(self) -> bool:
+        return self.sender.carries_key()
+
+    def reconcile(self, key: str, payload: Payload) -> Any | None:
+        return self.sender.reconcile(key, payload)
+
+    def report(self, outcome: Outcome, key: str, **fields: Any) -> None:
+        if self.campaign is not None:  # a recipient's outcome: a log line and metrics, no event
+            outcomes.report(self.campaign, outcome, key, event=False, bulk=True, **fields)
+
 
 @dataclass
-class _Recipient:
-    to: str
-    key: str
-    kwargs: dict[str, Any]
-    payload: Payload
+class BatchResult:
+    """What one batch came to: a step per recipient, in order."""
+
+    steps: list[Step]
+
+    def tally(self) -> Counter[Outcome]:
+        """Recipients per outcome: sent, duplicate, failed, review, pending."""
+        return Counter(_TALLY.get(s.outcome, Outcome.PENDING) for s in self.steps)
+
+    def verdicts(self) -> dict[str, dict[str, Any]]:
+        """Verdicts this batch reached and could not record yet (recipient key -> verdict)."""
+        return {s.key: s.carry[VERDICT_HEADER] for s in self.steps if VERDICT_HEADER in s.carry}
 
 
-def _error(exc: BaseException, reason: str, kind: str) -> dict[str, Any]:
-    return {"type": kind, "reason": reason, "message": str(exc)[:500], "cause": type(exc).__name__, "at": time.time()}
+def send_batch(handler: Handler, deliveries: Sequence[Delivery], *, owner: str) -> BatchResult:
+    """Claim a batch in one round trip and settle every recipient; never raises for one recipient.
 
-
-#: Tally words and the outcome each recipient reports (see :mod:`idemmail_celery.outcomes`).
-_STATUS = {"sent": outcomes.SENT, "skipped": outcomes.DUPLICATE, "failed": outcomes.FAILED,
-           "review": outcomes.REVIEW, "retry": outcomes.RETRY, "busy": outcomes.IN_FLIGHT}
-
-
-class _Tally:
-    """Counts per campaign run, and one report per recipient outcome (log line and metrics, no event)."""
-
-    def __init__(self, task: Any, counts: Counter[str]) -> None:
-        self.task, self.counts = task, counts
-
-    def __call__(self, word: str, key: str, *, message_id: Any = None, reason: str | None = None,
-                 **extra: Any) -> None:
-        self.counts["retry" if word == "busy" else word] += 1
-        if self.task is not None:
-            outcomes.report(self.task, _STATUS[word], key, message_id=message_id, reason=reason, event=False,
-                            bulk=True, **extra)
-
-
-def send_batch(sender: SendEmailTask, claims: list[tuple[Claim, _Recipient]], tally: Counter[str],
-               task: Any = None) -> None:
-    """Send every held claim of a batch once, recording each outcome as ``send_email`` would.
-
-    With ``task`` (the campaign task), each recipient's outcome is reported under its name.
+    ``deliveries`` have distinct keys. Raises :class:`LedgerError` only when the batch claim
+    itself fails (nothing was sent; the claims may have landed: retry with ``owner`` as the
+    next pass's ``resume_owner``).
     """
-    ledger, provider = sender.ledger, sender.provider
-    settings = sender.idem_settings
-    carries_key = provider.accepts_idempotency_key
-    count = _Tally(task, tally)
-    for claim, rcpt in claims:
-        key, token = rcpt.key, claim.token
-        if claim.status is not ClaimStatus.ACQUIRED and is_sealed(claim.record.payload):
-            # Sealed, and this process has no payload keys: never run it, never leave it claimed.
-            settled = park_unreadable(ledger, claim)
-            if settled.status is ClaimStatus.DONE:
-                count("review", key, reason="payload_key_unknown")
-            else:
-                count("busy", key)  # the next pass
-            continue
-        if claim.status is ClaimStatus.RECLAIMED and task is not None:
-            outcomes.report(task, outcomes.RECLAIMED, key, reclaims=claim.record.reclaims, event=False, bulk=True)
-        if claim.status is ClaimStatus.RECLAIMED and not carries_key:
-            found = sender.reconcile(key, rcpt.payload)  # a crashed copy may have sent it
-            if found is not None:
-                ledger.complete(key, token, {"value": found, "message_id": found.get("message_id")})
-                count("sent", key, message_id=found.get("message_id"), reason="reconciled")
-            else:
-                ledger.park(key, token, {"type": "SendNeedsReview", "reason": "lease_expired", "at": time.time()})
-                count("review", key, reason="lease_expired")
-            continue
-        # The first payload ships; if an operator erased it (``forget``), this run's is all there is.
-        first = claim.record.payload
-        stored = rcpt.payload if claim.status is ClaimStatus.ACQUIRED or not first else Payload.from_json(first)
-        keeper.hold(ledger, key, token, settings.lease_seconds)
-        try:
-            message = sender.message_from(dict(stored.kwargs))
-            result = provider.send(message, key=key).to_dict()
-        except InvalidEmail as exc:
-            ledger.fail(key, token, _error(exc, "invalid_email", "PermanentSendError"))
-            count("failed", key, reason="invalid_email")
-        except PermanentSendError as exc:
-            ledger.fail(key, token, _error(exc, exc.reason, type(exc).__name__))
-            count("failed", key, reason=exc.reason)
-        except TransientSendError as exc:
-            ledger.release(key, token, _error(exc, exc.reason, "TransientSendError"))
-            count("retry", key, reason=exc.reason)
-        except SendNeedsReview as exc:
-            ledger.park(key, token, _error(exc, exc.reason, "SendNeedsReview"))
-            count("review", key, reason=exc.reason)
-        except Exception as exc:  # ambiguous: it may have been sent
-            reason = exc.reason if isinstance(exc, SendError) else "unexpected_error"
-            if carries_key:
-                ledger.release(key, token, {**_error(exc, reason, "AmbiguousSendError"), "maybe_sent": True})
-                count("retry", key, reason=reason)
-            else:
-                found = sender.reconcile(key, stored)
-                if found is not None:
-                    ledger.complete(key, token, {"value": found, "message_id": found.get("message_id")})
-                    count("sent", key, message_id=found.get("message_id"), reason="reconciled")
-                else:
-                    ledger.park(key, token, _error(exc, reason, "SendNeedsReview"))
-                    count("review", key, reason=reason)
+    steps: dict[int, Step] = {}
+    claimable = []
+    for i, d in enumerate(deliveries):
+        refused = handler.check(d)
+        if refused is not None:
+            steps[i] = refused
         else:
-            ledger.complete(key, token, {"value": result, "message_id": result.get("message_id")})
-            count("sent", key, message_id=result.get("message_id"))
-        finally:
-            keeper.drop(ledger, key, token)
+            claimable.append(i)
+    claims = handler.ledger.claim_many([handler.request(deliveries[i], owner) for i in claimable])
+    held = [(i, c) for i, c in zip(claimable, claims, strict=True) if c.status.holds]
+    lease = handler.policy.lease_seconds
+    for _, c in held:  # renewed while the batch runs, not only while each one is sent
+        keeper.hold(handler.ledger, c.record.key, c.token, lease)
+    try:
+        for i, claim in zip(claimable, claims, strict=True):
+            steps[i] = _settle_one(handler, deliveries[i], claim)
+            if claim.status.holds:
+                keeper.drop(handler.ledger, claim.record.key, claim.token)
+    finally:
+        for _, c in held:
+            keeper.drop(handler.ledger, c.record.key, c.token)
+    return BatchResult([steps[i] for i in range(len(deliveries))])
+
+
+def _settle_one(handler: Handler, d: Delivery, claim: Claim) -> Step:
+    """One recipient: busy is left to its holder for the next pass; everything else as a single send."""
+    if claim.status is ClaimStatus.BUSY:
+        handler.effect.report(Outcome.IN_FLIGHT, d.key)
+        return Step(Outcome.IN_FLIGHT, Action.RESCHEDULE, d.key)
+    try:
+        return handler.settle(d, claim)
+    except Exception as exc:  # a defect must not cancel the campaign: the claim's lease settles this one
+        log.exception("idemmail: settling a campaign recipient failed (%s); its claim is recovered by the lease "
+                      "rules", type(exc).__name__)
+        return Step(Outcome.ERROR, Action.RESCHEDULE, d.key, error=exc)
 
 
 def _send_campaign(
@@ -167,59 +152,90 @@ def _send_campaign(
 ) -> dict[str, Any]:
     """Send one email per recipient, once each, however often this task runs.
 
-    Returns counts: ``sent`` (this run), ``skipped`` (already final), ``failed``,
-    ``review``, ``total``. While it runs the task state is ``PROGRESS`` with the
-    same counts. Recipients held by another copy, or released for a transient
-    error, are retried by rescheduling this task (at most ``MAX_PASSES`` passes).
+    Returns counts by outcome: ``sent`` (this run), ``duplicate`` (already final), ``failed``,
+    ``review``, ``pending``, and ``total`` recipients. While it runs the task state is
+    ``PROGRESS`` with the same counts. Pending recipients (held by another copy, released for
+    a transient error, or waiting for the ledger) are retried by rescheduling this task (at
+    most ``MAX_PASSES`` passes).
     """
     sender: SendEmailTask = self.app.tasks[SEND_EMAIL]
-    builder, settings = sender.key_builder, sender.idem_settings
+    builder = sender.key_builder
     base = {"subject": subject, "text": text, "html": html, "from_": from_, "event_id": campaign_id,
             "template": template, "tenant": tenant, "headers": headers, "tags": tags}
     base = {k: v for k, v in base.items() if v is not None}
     sender.check_call((), {**base, "to": recipients[0]} if recipients else base)  # fail the whole run early
 
-    tally: Counter[str] = Counter()
-    unique = list(dict.fromkeys(recipients))
-    for start in range(0, len(unique), max(1, batch_size)):
-        batch = []
-        for to in unique[start:start + batch_size]:
-            kwargs = {**base, "to": to}
-            payload = builder.payload((), kwargs)
-            batch.append(_Recipient(to, builder.derive(payload, tenant=tenant), kwargs, payload))
-        owner = new_owner(f"{self.request.id or 'campaign'}")
-        try:
-            claims = sender.ledger.claim_many([
-                ClaimRequest(key=r.key, task_name=sender.name, payload=r.payload.to_json(),
-                             fingerprint=builder.fingerprint(r.payload), owner=owner,
-                             lease_seconds=settings.lease_seconds)
-                for r in batch
-            ])
-        except LedgerError as exc:  # fail closed: nothing sent without claims; come back later
-            raise self.retry(exc=exc, countdown=min(60.0, 2.0 ** min(self.request.retries, 6))) from exc
-        held = []
-        count = _Tally(self, tally)
-        for claim, rcpt in zip(claims, batch, strict=True):
-            if claim.status is ClaimStatus.DONE:
-                count("skipped", rcpt.key, message_id=(claim.record.result or {}).get("message_id"),
-                      recorded=claim.record.state.value)
-            elif claim.status is ClaimStatus.BUSY:
-                count("busy", rcpt.key)
-            else:
-                held.append((claim, rcpt))
-        send_batch(sender, held, tally, self)
-        progress = {"total": len(unique), "processed": min(start + batch_size, len(unique)), **tally}
-        self.update_state(state="PROGRESS", meta=progress)
+    request_headers = dict(self.request.headers or {})
+    owner = new_owner(self.request.id or "campaign")
+    carried = request_headers.get(VERDICT_HEADER)
+    verdicts = carried if isinstance(carried, dict) else {}
+    handler = Handler(sender.ledger, builder, sender.policy, CampaignEffect(sender, self))
+    deliveries = _unique(builder, base, recipients, tenant, self.request, request_headers, owner, verdicts)
 
-    if tally["retry"]:
+    tally: Counter[Outcome] = Counter()
+    # Verdicts still to record: those this pass came with, until their recipients are settled, and
+    # those it reaches and cannot record. A pass that stops early carries both on.
+    pending_verdicts: dict[str, dict[str, Any]] = dict(verdicts)
+    size = max(1, int(batch_size))
+    for start in range(0, len(deliveries), size):
+        try:
+            batch = send_batch(handler, deliveries[start:start + size], owner=owner)
+        except Exception as exc:  # the ledger failed (or worse): nothing more sent; this pass's claims are ours
+            if not isinstance(exc, LedgerError):
+                log.exception("idemmail: campaign %s batch failed; retrying the campaign", campaign_id)
+            raise _again(self, exc, owner, pending_verdicts) from exc
+        tally.update(batch.tally())
+        for step in batch.steps:
+            pending_verdicts.pop(step.key, None)
+        pending_verdicts.update(batch.verdicts())
+        progress = {"total": len(deliveries), "processed": min(start + size, len(deliveries)),
+                    **{o.value: n for o, n in tally.items()}}
+        try:
+            self.update_state(state="PROGRESS", meta=progress)
+        except Exception as exc:  # progress is best effort: a result backend blip must not stop the campaign
+            log.warning("idemmail: campaign %s progress not stored: %s", campaign_id, type(exc).__name__)
+
+    if tally[Outcome.PENDING]:
         if self.request.retries >= MAX_PASSES:
             log.error("idemmail: campaign %s still has %d recipients pending after %d passes",
-                      campaign_id, tally["retry"], self.request.retries)
+                      campaign_id, tally[Outcome.PENDING], self.request.retries)
         else:
-            countdown = min(settings.inflight_backoff_max, settings.inflight_backoff * 2 ** self.request.retries)
-            raise self.retry(countdown=countdown)
-    return {"campaign_id": campaign_id, "total": len(unique), "sent": tally["sent"], "skipped": tally["skipped"],
-            "failed": tally["failed"], "review": tally["review"], "pending": tally["retry"]}
+            raise _again(self, None, owner, pending_verdicts)
+    return {"campaign_id": campaign_id, "total": len(deliveries),
+            **{o.value: tally[o] for o in (Outcome.SENT, Outcome.DUPLICATE, Outcome.FAILED, Outcome.REVIEW,
+                                            Outcome.PENDING)}}
+
+
+def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: str | None, request: Any,
+            headers: dict[str, Any], owner: str, verdicts: dict[str, Any]) -> list[Delivery]:
+    """One delivery per intent: recipients whose keys agree (two spellings of one mailbox) are one."""
+    out: dict[str, Delivery] = {}
+    resume = headers.get(OWNER_HEADER) or None
+    for to in recipients:
+        payload = builder.payload((), {**base, "to": to})
+        try:
+            key = builder.derive(payload, tenant=tenant)
+        except Exception:  # an address the key cannot be made of: the check refuses it below, by name
+            key = f"invalid:{len(out)}"
+        if key not in out:
+            out[key] = Delivery(key=key, task_name=SEND_EMAIL, payload=payload, attempt_id=request.id or "",
+                                retries=request.retries or 0, max_retries=MAX_PASSES, owner=owner,
+                                resume_owner=resume, verdict=verdict_of(verdicts.get(key)))
+    return list(out.values())
+
+
+def _again(task: Task, exc: BaseException | None, owner: str, verdicts: dict[str, Any]) -> BaseException:
+    """Retry the campaign; the next pass takes this pass's claims back and records its verdicts."""
+    settings = task.app.tasks[SEND_EMAIL].idem_settings
+    countdown = min(settings.inflight_backoff_max, settings.inflight_backoff * 2 ** task.request.retries)
+    vt = transport_visibility_timeout(task.app)
+    if vt is not None:
+        countdown = min(countdown, vt / 2)
+    headers = {k: v for k, v in (task.request.headers or {}).items() if k not in (OWNER_HEADER, VERDICT_HEADER)}
+    headers[OWNER_HEADER] = owner
+    if verdicts:
+        headers[VERDICT_HEADER] = verdicts
+    return task.retry(exc=exc, countdown=countdown, headers=headers)  # type: ignore[no-any-return]
 
 
 send_campaign: Task = shared_task(

@@ -12,18 +12,42 @@ As a Celery subcommand (the ``celery.commands`` entry point), with the app's set
     celery -A proj idemmail ledger init
     celery -A proj idemmail ledger ack-loss --note "Redis restarted without AOF at 02:10; checked"
 
-or without Celery's loader: ``python -m idemmail_celery --ledger-url redis://... ledger stats``
-(``--release`` then needs ``-A``/``--app`` to re-enqueue).
+or without Celery's loader, with the same commands and help:
+``python -m idemmail_celery [-A proj] --ledger-url redis://... ledger stats``
+(``--release`` needs ``-A``/``--app``, to re-enqueue).
+
+``resolve --release`` publishes the stored first payload **before** it changes the record:
+the copy is queued with a countdown (:data:`RELEASE_COUNTDOWN` seconds) so that it cannot
+arrive before the record is released, then the record goes ``review`` -> ``released``.
+With the broker down nothing is queued and the record stays as it was (exit 8); with the
+ledger failing after the publish, the record stays as it was and the queued copy finds
+it so and sends nothing (exit 4, rerun later). Should releasing take so long that the copy
+may already have come and gone, a second copy is queued at once: a copy too many finds the
+intent taken or sent and sends nothing, while none at all would leave it released with
+nothing queued. A record already ``released`` has a copy queued (a retry, or an earlier
+``--release``): a second ``--release`` refuses (exit 3) rather than queue another.
 
 Keys are hashes; payloads (personal data) are printed only with ``show --payload``.
 ``init`` and ``ack-loss`` concern the Redis ledger's epoch markers (loss detection, see the
-README's "Ledger loss"); SQL ledgers are durable stores and keep none. They are the only
+docs/operations.md, "Ledger loss"); SQL ledgers are durable stores and keep none. They are the only
 commands that write markers: the others build the ledger ``passive``, so that looking at an
 emptied store never starts a new epoch on it (``auto_init``) nor flags it lost.
 
-Exit codes: 0 done, 2 unknown key, 3 illegal transition, 4 ledger unreachable,
-5 (``stats``) the ledger is lost and waits for ``ack-loss``, 6 a record is sealed with a
-payload key this process does not hold (``idemmail_payload_keys``).
+Exit codes (also in ``--help``):
+
+==  ===================================================================================
+0   done
+1   an unexpected error (a bug: please report it with the traceback)
+2   usage error (a wrong option or argument; click's code)
+3   illegal: the move is not allowed from the record's state, or it cannot be done from
+    here (no payload to re-enqueue, task not registered); the record is unchanged
+4   the ledger is unreachable
+5   (``stats``) the ledger lost records and waits for ``ledger ack-loss``
+6   a record is sealed with a payload key this process does not hold
+    (``idemmail_payload_keys``); nothing printed or changed
+7   no record for that key (2 until 0.1: it clashed with usage errors)
+8   (``resolve --release``) the broker did not take the copy (in time); the record is unchanged
+==  ===================================================================================
 """
 
 from __future__ import annotations
@@ -33,24 +57,44 @@ import getpass
 import json
 import socket
 import sys
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
+from ._common import KEY_HEADER
 from .config import Settings
 from .errors import (
     ConfigurationError,
+    IdemmailError,
     IllegalTransitionError,
     LedgerUnavailableError,
     PayloadKeyError,
     RecordNotFoundError,
 )
 from .keys import Payload
-from .ledger import Ledger, Record, State, backend_for, from_url
-from .task import KEY_HEADER
+from .ledger import DetectsLoss, Ledger, Record, State, from_url, passive_options
+from .ledger.sealed import is_sealed
 
-EXIT_UNKNOWN_KEY, EXIT_ILLEGAL, EXIT_UNREACHABLE, EXIT_LOST, EXIT_PAYLOAD_KEY = 2, 3, 4, 5, 6
+EXIT_OK, EXIT_USAGE, EXIT_ILLEGAL, EXIT_UNREACHABLE, EXIT_LOST, EXIT_PAYLOAD_KEY = 0, 2, 3, 4, 5, 6
+EXIT_UNKNOWN_KEY, EXIT_BROKER = 7, 8
+#: Seconds a copy re-enqueued by ``resolve --release`` waits before a worker may run it: time for the
+#: record to be released after the publish (one ledger write). If releasing takes half of it, a second
+#: copy is queued (see the module docstring).
+RELEASE_COUNTDOWN = 5.0
+
+_EXIT_HELP = """\b
+Exit codes:
+  0  done
+  1  unexpected error (a bug)
+  2  usage error
+  3  illegal move, or nothing to re-enqueue: the record is unchanged
+  4  ledger unreachable
+  5  the ledger lost records (stats): run `ledger ack-loss` after checking
+  6  sealed with a payload key this process does not hold
+  7  no record for that key
+  8  resolve --release: the broker did not take the copy in time; record unchanged"""
 
 
 class _Ctx:
@@ -73,16 +117,7 @@ class _Ctx:
         return self._ledger
 
 
-def passive_options(url: str) -> dict[str, Any]:
-    """Options that keep a ledger from writing epoch markers (Redis: ``passive``), for reads and metrics.
-
-    An operator's look at the ledger must not start a new epoch on an emptied store, nor flag
-    one lost: only ``ledger init`` and ``ledger ack-loss`` write markers.
-    """
-    return {"passive": True} if callable(getattr(backend_for(url), "loss_status", None)) else {}
-
-
-def _fail(code: int, message: str) -> None:
+def _fail(code: int, message: str) -> NoReturn:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
 
@@ -105,7 +140,7 @@ def _actor() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-@click.group(name="idemmail")
+@click.group(name="idemmail", epilog=_EXIT_HELP)
 @click.option("--ledger-url", envvar="IDEMMAIL_LEDGER_URL", default=None, help="Ledger URL (default: the app's).")
 @click.option("--prefix", default=None, help="Redis ledger key prefix (default: the app's, else idemmail).")
 @click.option("--table", default=None, help="SQL ledger table (default: the app's, else idemmail_ledger).")
@@ -132,7 +167,7 @@ class _LedgerCommands(click.Group):
         return None
 
 
-@idemmail.group(cls=_LedgerCommands)
+@idemmail.group(cls=_LedgerCommands, epilog=_EXIT_HELP)
 def ledger() -> None:
     """Inspect and resolve ledger records."""
 
@@ -170,6 +205,9 @@ def show(obj: _Ctx, key: str, with_payload: bool) -> None:
         return
     out = record.to_dict()
     out["has_payload"] = bool(record.payload)
+    if with_payload and is_sealed(record.payload):
+        _fail(EXIT_PAYLOAD_KEY, f"record {key}'s payload is sealed and this process holds no idemmail_payload_keys "
+                                "(run with the app's settings, -A, or set IDEMMAIL_PAYLOAD_KEYS); nothing printed")
     if with_payload and record.payload:
         payload = Payload.from_json(record.payload)
         out["payload"] = {"args": payload.args, "kwargs": payload.kwargs}
@@ -180,13 +218,14 @@ def show(obj: _Ctx, key: str, with_payload: bool) -> None:
 @click.argument("key")
 @click.option("--sent", "outcome", flag_value="sent", help="It did go out.")
 @click.option("--failed", "outcome", flag_value="failed", help="It did not, and must not.")
-@click.option("--release", "outcome", flag_value="released", help="It did not: send the stored first payload now.")
+@click.option("--release", "outcome", flag_value="released",
+              help="It did not: queue the stored first payload again (published first; see the exit codes).")
 @click.option("--message-id", default=None, help="With --sent: the provider's message id.")
 @click.option("--note", required=True, help="Why (kept with the record).")
 @click.option("--actor", default=None, help="Who (default: login@host).")
 @click.pass_obj
 def resolve(obj: _Ctx, key: str, outcome: str | None, message_id: str | None, note: str, actor: str | None) -> None:
-    """Decide a record that is not live: review, failed, released, or an expired claim."""
+    """Decide a record that is not live: review, failed, or an expired claim."""
     if outcome is None:
         raise click.UsageError("say what happened: --sent, --failed or --release")
     if message_id and outcome != "sent":
@@ -194,46 +233,82 @@ def resolve(obj: _Ctx, key: str, outcome: str | None, message_id: str | None, no
     if outcome == "released" and obj.app is None:
         raise click.UsageError("--release re-enqueues the stored payload: run it as `celery -A proj idemmail ...`")
     try:
-        if outcome == "released":  # check first: never leave a record released with nothing queued
-            current = obj.ledger.get(key)
-            problem = _requeue_problem(obj, current) if current is not None else None
-            if current is not None and problem:
-                raise IllegalTransitionError(f"record {key} ({current.state.value}): {problem}, "
-                                             "nothing to re-enqueue; left unchanged")
-        result = {"message_id": message_id, "resolved_by_operator": True} if outcome == "sent" else None
-        record = obj.ledger.resolve(key, outcome, result=result, note=note, actor=actor or _actor())
         if outcome == "released":
-            _requeue(obj, record)
+            record = _release(obj, key, note, actor or _actor())
+        else:
+            result = {"message_id": message_id, "resolved_by_operator": True} if outcome == "sent" else None
+            record = obj.ledger.resolve(key, outcome, result=result, note=note, actor=actor or _actor())
     except RecordNotFoundError as exc:
         _fail(EXIT_UNKNOWN_KEY, str(exc))
-        return
     except IllegalTransitionError as exc:
         _fail(EXIT_ILLEGAL, str(exc))
-        return
     except LedgerUnavailableError as exc:
         _fail(EXIT_UNREACHABLE, str(exc))
-        return
     click.echo(f"{key}: {record.state.value}" + (" (re-enqueued)" if outcome == "released" else ""))
+
+
+def _release(obj: _Ctx, key: str, note: str, actor: str) -> Record:
+    """Queue the stored first payload, then release the record; see the module docstring for why in that order."""
+    current = obj.ledger.get(key)
+    if current is None:
+        raise RecordNotFoundError(f"no ledger record for key {key}")
+    problem = _requeue_problem(obj, current)
+    if problem:
+        raise IllegalTransitionError(f"record {key} ({current.state.value}): {problem}; left unchanged")
+    published = time.monotonic()
+    _requeue(obj, current, RELEASE_COUNTDOWN)
+    try:
+        record = obj.ledger.resolve(key, "released", note=note, actor=actor)
+    except (IllegalTransitionError, LedgerUnavailableError) as exc:
+        code = EXIT_UNREACHABLE if isinstance(exc, LedgerUnavailableError) else EXIT_ILLEGAL
+        _fail(code, f"{exc}; the record was not released, and the copy just queued will find it unchanged and "
+                    "send nothing")
+    if time.monotonic() - published >= RELEASE_COUNTDOWN / 2:
+        # The copy may have met the record before it was released, and sent nothing: queue one now.
+        _requeue(obj, record, None, released=True)
+    return record
 
 
 def _requeue_problem(obj: _Ctx, record: Record) -> str | None:
     """Why ``record``'s first payload cannot be re-enqueued from here, or None."""
+    if record.state is State.SENT:
+        return "it was sent"
+    if record.state is State.RELEASED:
+        return ("it is already released, so a copy is queued (a retry, or an earlier --release); releasing it "
+                "again would queue another")
+    if record.state is State.CLAIMED and (record.lease_expires_at or 0) > time.time():
+        return "a worker holds a live claim on it"
     if obj.app.tasks.get(record.task_name) is None:
         return f"its task {record.task_name} is not registered on this app"
     if not record.payload:
-        return "its stored payload is gone (erased by `ledger forget`, or when it was sent)"
+        return "its stored payload is gone (erased by `ledger forget`, or when it was sent), nothing to re-enqueue"
+    if is_sealed(record.payload):
+        raise PayloadKeyError(f"record {record.key}'s payload is sealed with a key this process does not hold; "
+                              "left unchanged")
     return None
 
 
-def _requeue(obj: _Ctx, record: Record) -> None:
-    """Send the stored first payload again under the same key: no retry is waiting in any queue."""
-    problem = _requeue_problem(obj, record)  # checked before resolving: only a concurrent change gets here
-    if problem or not record.payload:
-        raise IllegalTransitionError(f"record {record.key}: {problem or 'no payload'}; released only")
+def _requeue(obj: _Ctx, record: Record, countdown: float | None, *, released: bool = False) -> None:
+    """Publish the stored first payload under the same key, to run ``countdown`` seconds from now.
+
+    Exits 8 when the broker does not take it, and 3 when the task refuses the stored payload (it
+    no longer passes the task's checks): nothing queued, and (unless ``released``) the record
+    unchanged.
+    """
     task = obj.app.tasks[record.task_name]
-    payload = Payload.from_json(record.payload)
-    # The key travels as the header, so the task claims this very record again.
-    task.apply_async(payload.args, payload.kwargs, headers={KEY_HEADER: record.key})
+    payload = Payload.from_json(record.payload or "")
+    state = ("released: it may have nothing queued; check `ledger show` and send it again yourself" if released
+             else "left as it was")
+    try:
+        # The key travels as the header, so the task claims this very record again.
+        task.apply_async(payload.args, payload.kwargs, headers={KEY_HEADER: record.key}, countdown=countdown,
+                         retry=True, retry_policy={"max_retries": 2, "interval_start": 0.5, "interval_step": 0.5,
+                                                   "interval_max": 1.0})
+    except (IdemmailError, TypeError) as exc:
+        _fail(EXIT_ILLEGAL, f"record {record.key}: the task refuses its stored payload ({exc}); {state}")
+    except Exception as exc:  # kombu's OperationalError, a socket error, a timeout: the broker did not take it
+        _fail(EXIT_BROKER, f"the broker did not take the copy of {record.key} ({type(exc).__name__}: {exc}); "
+                           f"nothing queued, the record is {state}")
 
 
 @ledger.command("purge")
@@ -291,9 +366,9 @@ def stats(obj: _Ctx, as_json: bool) -> None:
         sys.exit(EXIT_LOST)
 
 
-def _markers(led: Ledger) -> Any | None:
+def _markers(led: Ledger) -> DetectsLoss | None:
     """The ledger if it keeps epoch markers (Redis), else None (SQL: a durable store keeps none)."""
-    return led if callable(getattr(led, "loss_status", None)) else None
+    return led if isinstance(led, DetectsLoss) else None
 
 
 def _epoch_line(status: dict[str, Any]) -> str:
@@ -351,19 +426,29 @@ def ack_loss(obj: _Ctx, note: str, actor: str | None) -> None:
                "keyless copies enqueued before now go to review (ledger_lost), keyed ones send with their key")
 
 
-def main() -> None:
-    """``python -m idemmail_celery``: the same commands; ``--app`` loads a Celery app for its settings."""
+def standalone() -> click.Group:
+    """The commands as ``python -m idemmail_celery`` runs them: ``idemmail``'s, plus ``-A/--app``.
 
-    @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-    @click.option("-A", "--app", "app_path", default=None, help="Celery app (module:attr), for its settings.")
+    The same group options, subcommands and help as ``celery -A proj idemmail``; ``-A`` loads
+    the Celery app for its settings (ledger URL, payload keys) and for ``resolve --release``.
+    """
+
     @click.pass_context
-    def entry(ctx: click.Context, app_path: str | None) -> None:
+    def load_app(ctx: click.Context, /, app_path: str | None, **options: Any) -> None:
         app = None
         if app_path:
             from celery.app.utils import find_app
 
             app = find_app(app_path)
-        holder = type("Obj", (), {"app": app})()
-        idemmail.main(args=ctx.args, obj=holder, prog_name="python -m idemmail_celery", standalone_mode=True)
+        ctx.obj = type("Obj", (), {"app": app})()
+        ctx.invoke(idemmail.callback, **options)  # type: ignore[arg-type]  # set by the decorator, never None
 
-    entry()
+    app_option = click.Option(["-A", "--app", "app_path"], default=None,
+                              help="Celery app (module:attr): its settings, and the tasks --release re-enqueues.")
+    return click.Group(name="idemmail", commands=idemmail.commands, params=[app_option, *idemmail.params],
+                       callback=load_app, help=idemmail.help, epilog=_EXIT_HELP)
+
+
+def main() -> None:
+    """``python -m idemmail_celery``: see :func:`standalone`."""
+    standalone().main(prog_name="python -m idemmail_celery")

@@ -1,43 +1,13 @@
-"""Settings, read from ``app.conf`` in Celery's style, with per-task overrides.
+"""Settings: one table, read from ``app.conf`` in Celery's style, with per-task overrides.
 
-=================================  ==========================================  ==========================
-``app.conf`` setting               task option (``@app.task(...)``)            default
-=================================  ==========================================  ==========================
-``idemmail_ledger_url``            ``idempotency_ledger_url``                  ``sqlite:///idemmail-ledger.sqlite3``
-``idemmail_ledger_options``        -                                           ``{}`` (backend keywords)
-``idemmail_key_secret``            -                                           env ``IDEMMAIL_KEY_SECRET``, else none
-``idemmail_lease_seconds``         ``idempotency_lease_seconds``               300
-``idemmail_retention_seconds``     -                                           604800 (7 days)
-``idemmail_keep_payload``          -                                           False (erase it on ``sent``)
-``idemmail_payload_keys``          -                                           env ``IDEMMAIL_PAYLOAD_KEYS``, else none
-``idemmail_max_reclaims``          ``idempotency_max_reclaims``                3
-``idemmail_inflight_max_retries``  ``idempotency_inflight_max_retries``        30
-``idemmail_inflight_backoff``      -                                           1.0 s, doubling
-``idemmail_inflight_backoff_max``  -                                           60 s
-``idemmail_retry_backoff``         -                                           2.0 s, doubling
-``idemmail_retry_backoff_max``     -                                           300 s
-``idemmail_outage_max_retries``    -                                           none (retry forever)
-``idemmail_fail_open``             ``idempotency_fail_open``                   False
--                                  ``idempotency_carries_key``                 False
-``idemmail_redact_args``           ``idempotency_redact_args``                 True (arguments never shown)
-``idemmail_metrics``               -                                           False (:mod:`.metrics`)
-``idemmail_metrics_port``          -                                           none (no ``/metrics``)
-``idemmail_metrics_addr``          -                                           ``0.0.0.0``
-=================================  ==========================================  ==========================
+Every setting the library reads is a row of :data:`SETTINGS`: its ``app.conf`` name, the
+task option that overrides it (``@app.task(idempotency_lease_seconds=60)``), the
+environment variable read when ``app.conf`` does not set it, its default, how its value
+is parsed, and what it does. The documentation's configuration reference is generated
+from this table; nothing else reads ``app.conf`` for an ``idemmail_*`` key.
 
-The lease must outlast the slowest side effect (above the provider's timeout);
-the holder renews it every third of its length while the body runs.
-
-The ledger stores each intent's first payload (the task's arguments: personal
-data) so a released claim re-sends exactly the first message. Moving to ``sent``
-erases it unless ``idemmail_keep_payload`` keeps it for audit.
-``idemmail_payload_keys`` (a list of Fernet keys, or one comma-separated string;
-the first seals, all open; a first entry ``"plain"`` seals nothing) encrypts stored
-payloads, results and errors; it needs ``pip install 'idemmail-celery[crypto]'``.
-See README, "Payloads at rest".
-
-Values are parsed strictly, so a loader that yields strings (environment variables,
-INI or YAML files) cannot turn an unsafe value on by accident: a boolean is ``True``/
+Values are parsed strictly, so a loader that yields strings (environment variables, INI
+or YAML files) cannot turn an unsafe value on by accident: a boolean is ``True``/
 ``False``, ``1``/``0`` or one of the strings ``true``/``false``, ``1``/``0``, ``yes``/``no``,
 ``on``/``off`` (any case); a number is a number or a string of one (``"5"``, ``"2.5"``;
 a count must be a whole number). Anything else raises
@@ -45,25 +15,30 @@ a count must be a whole number). Anything else raises
 An empty string means the setting is not set. The boolean and number keywords our
 backends take in ``idemmail_ledger_options`` (``keep_payload``, ``allow_eviction``,
 ``auto_init``, ``create_table``, ``retention_seconds``, ``buckets``) are parsed the same way.
+
+Celery's own retry attributes are honoured: a task with ``retry_backoff`` set retries its
+transient failures on Celery's curve (``retry_backoff`` doubling up to ``retry_backoff_max``,
+``retry_jitter``) instead of ``idemmail_retry_backoff``/``idemmail_retry_backoff_max``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigurationError
+from .sealing import Keyring
 
 DEFAULT_LEDGER_URL = "sqlite:///idemmail-ledger.sqlite3"
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
-_BOOL_FIELDS = ("fail_open", "carries_key", "keep_payload", "redact_args")
-_FLOAT_FIELDS = ("lease_seconds", "retention_seconds", "inflight_backoff", "inflight_backoff_max",
-                 "retry_backoff", "retry_backoff_max")
-_INT_FIELDS = ("max_reclaims", "inflight_max_retries", "outage_max_retries")
+
+Parser = Callable[[str, Any], Any]
 
 
 def parse_bool(name: str, value: Any) -> bool:
@@ -115,11 +90,209 @@ def parse_float(name: str, value: Any) -> float:
     raise ConfigurationError(f"{name} must be a finite number (got a {type(value).__name__} that is not one)")
 
 
+def parse_str(name: str, value: Any) -> str:
+    """A text value (bytes are decoded as UTF-8), stripped."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    if not isinstance(value, str):
+        raise ConfigurationError(f"{name} must be a string (got a {type(value).__name__})")
+    return value.strip()
+
+
+def parse_text_list(name: str, value: Any) -> tuple[str, ...]:
+    """A list of texts, or one comma-separated string (an environment variable); empty entries dropped."""
+    if isinstance(value, (str, bytes)):
+        value = parse_str(name, value).split(",")
+    if not isinstance(value, (list, tuple)):
+        raise ConfigurationError(f"{name} must be a list or a comma-separated string (got a {type(value).__name__})")
+    return tuple(t for t in (parse_str(name, v) for v in value) if t)
+
+
+def parse_secret_list(name: str, value: Any) -> tuple[bytes | None, ...]:
+    """Secrets, newest first: one string, or a list of them (never split on commas: a secret may hold one).
+
+    After the first, ``None`` stands for the plain SHA-256 keys made without a secret (moving from
+    no secret to one is a rotation too).
+    """
+    items = [value] if isinstance(value, (str, bytes)) else value
+    if not isinstance(items, (list, tuple)):
+        raise ConfigurationError(f"{name} must be a string or a list of strings (got a {type(value).__name__})")
+    out: list[bytes | None] = []
+    for item in items:
+        if item is None and out:
+            out.append(None)
+            continue
+        if isinstance(item, str):
+            item = item.encode("utf-8")
+        if not isinstance(item, bytes):
+            raise ConfigurationError(f"{name}: every secret must be a string (got a {type(item).__name__}); "
+                                     "only an older one may be None")
+        if item.strip():
+            out.append(item)
+    return tuple(out)
+
+
+def _at_least(parse: Parser, low: float, *, strict: bool = False) -> Parser:
+    def checked(name: str, value: Any) -> Any:
+        number = parse(name, value)
+        if number < low or (strict and number == low):
+            raise ConfigurationError(f"{name} must be {'>' if strict else '>='} {low:g}, got {number!r}")
+        return number
+
+    return checked
+
+
+positive = _at_least(parse_float, 0, strict=True)
+non_negative_float = _at_least(parse_float, 0)
+count = _at_least(parse_int, 0)
+port = _at_least(parse_int, 0)
+
 #: The typed keywords of our backends (``RedisLedger``, ``SQLLedger``) in ``idemmail_ledger_options``.
-_LEDGER_OPTION_PARSERS = {
+_LEDGER_OPTION_PARSERS: dict[str, Parser] = {
     "keep_payload": parse_bool, "allow_eviction": parse_bool, "auto_init": parse_bool,
     "create_table": parse_bool, "retention_seconds": parse_float, "buckets": parse_int,
+    "policy_recheck_seconds": parse_float,
 }
+
+
+def parse_ledger_options(name: str, options: Any) -> dict[str, Any]:
+    """A mapping of backend keywords; our backends' typed ones parsed like any setting."""
+    if not isinstance(options, Mapping):
+        try:
+            if isinstance(options, (str, bytes)):
+                raise TypeError
+            options = dict(options)
+        except (TypeError, ValueError):
+            raise ConfigurationError(
+                f"{name} must be a mapping of backend keywords (got a {type(options).__name__})"
+            ) from None
+    out = dict(options)
+    for key, parse in _LEDGER_OPTION_PARSERS.items():
+        if key in out and out[key] is not None:
+            out[key] = parse(f"{name}[{key!r}]", out[key])
+    return out
+
+
+def _check_payload_keys(name: str, value: Any) -> tuple[str, ...]:
+    keys = parse_text_list(name, value)
+    if keys:
+        Keyring(keys)  # no cryptography, or a bad key: say so now, in the caller
+    return keys
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the settings table."""
+
+    conf: str                      #: the ``app.conf`` name
+    parse: Parser                  #: ``parse(name, value)``: the parsed value or ConfigurationError
+    default: Any                   #: when nothing sets it
+    doc: str                       #: what it does, for the configuration reference
+    option: str | None = None      #: the task option that overrides it, if any
+    env: str | None = None         #: the environment variable read when ``app.conf`` leaves it unset
+    secret: bool = False           #: never shown: not in a repr, not in the reference's default column
+    optional: bool = False         #: None is a value of its own (unset: no limit, none)
+
+    @property
+    def field(self) -> str:
+        """The :class:`Settings` attribute: the name without ``idemmail_``."""
+        return self.conf.removeprefix("idemmail_")
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # -- the ledger --
+    Setting("idemmail_ledger_url", parse_str, DEFAULT_LEDGER_URL,
+            "Where intents are claimed and outcomes recorded: `redis://`, `rediss://`, `redis+cluster://`, "
+            "`sentinel://`, `postgresql+psycopg://`, `mysql+pymysql://`, `sqlite:///`.",
+            option="idempotency_ledger_url"),
+    Setting("idemmail_ledger_options", parse_ledger_options, {},
+            "Keywords for the ledger backend (`prefix`, `table`, `buckets`, `allow_eviction`, `engine_options`, ...)."),
+    Setting("idemmail_lease_seconds", positive, 30.0,
+            "How long a claim holds without renewal. The holder renews it every third of this while the body runs; "
+            "a crashed holder's intent is taken over once it runs out, so a short lease recovers crashes fast.",
+            option="idempotency_lease_seconds"),
+    Setting("idemmail_retention_seconds", positive, 7 * 24 * 3600.0,
+            "How long `sent` and `failed` records are kept (and duplicates replayed) before they expire."),
+    Setting("idemmail_keep_payload", parse_bool, False,
+            "Keep the first payload (personal data) after `sent`, for audit. Off: it is erased on `sent`."),
+    Setting("idemmail_payload_keys", _check_payload_keys, (),
+            "Fernet keys (a list, or one comma-separated string; the first seals, all open; a first entry "
+            "`plain` seals nothing) that encrypt stored payloads, results and errors. Needs the `crypto` extra.",
+            env="IDEMMAIL_PAYLOAD_KEYS", secret=True),
+    # -- keys --
+    Setting("idemmail_key_secret", parse_secret_list, (),
+            "The HMAC secret of intent keys, or a list of them, newest first: keys are made with the first, and a "
+            "claim also finds records made under the others, so rotating never resends. Unset: plain SHA-256 "
+            "(development only: a key can then be brute-forced back to guessable arguments).",
+            env="IDEMMAIL_KEY_SECRET", secret=True),
+    Setting("idemmail_allow_plain_keys", parse_bool, False,
+            "Allow intent keys without `idemmail_key_secret` on a server ledger (Redis, PostgreSQL, MySQL). "
+            "Off: a missing secret is a ConfigurationError there; the embedded SQLite ledger (development) "
+            "allows it with a warning."),
+    # -- what happens when a claim is not simply acquired --
+    Setting("idemmail_max_reclaims", count, 3,
+            "Holders that may die on one intent before it is parked for review (a poison message).",
+            option="idempotency_max_reclaims"),
+    Setting("idemmail_inflight_max_retries", count, 30,
+            "Reschedules of a copy that finds another holder's live claim before it gives up (the holder's own "
+            "message still carries the intent).", option="idempotency_inflight_max_retries"),
+    Setting("idemmail_inflight_backoff", positive, 1.0,
+            "First wait of such a copy, in seconds, doubling with jitter."),
+    Setting("idemmail_inflight_backoff_max", positive, 60.0,
+            "Longest wait of such a copy, in seconds (always kept below the broker's visibility timeout)."),
+    Setting("idemmail_retry_backoff", positive, 2.0,
+            "First wait before retrying a transient failure, in seconds, doubling with jitter (a task's own "
+            "`retry_backoff` takes precedence)."),
+    Setting("idemmail_retry_backoff_max", positive, 300.0,
+            "Longest wait before retrying a transient failure, in seconds (a task's own `retry_backoff_max` "
+            "takes precedence when it sets `retry_backoff`)."),
+    Setting("idemmail_outage_max_retries", count, None,
+            "Reschedules while the ledger (or the provider's set-up) is unavailable before the message fails; "
+            "unset: until it is back.", optional=True),
+    Setting("idemmail_fail_open", parse_bool, False,
+            "Run the body without a claim while the ledger is unavailable (at-least-once). Off: fail closed.",
+            option="idempotency_fail_open"),
+    Setting("idemmail_carries_key", parse_bool, False,
+            "The body passes the key to a service that de-duplicates on it, so a crashed or ambiguous attempt is "
+            "retried with the same key instead of parked for review.", option="idempotency_carries_key"),
+    Setting("idemmail_redact_args", parse_bool, True,
+            "Show the intent key instead of the arguments wherever Celery shows a message (events, Flower, logs).",
+            option="idempotency_redact_args"),
+    # -- send_email and its provider --
+    Setting("idemmail_provider_url", parse_str, None,
+            "The email provider: `resend://`, `https://...`, `postmark://`, `sendgrid://`, `ses://`, `smtp://`, "
+            "`smtps://`, `file:///dir`, `console://`.", optional=True),
+    Setting("idemmail_provider_api_key", parse_str, None,
+            "The provider's API key (never logged). Unset: each provider reads its own environment variables "
+            "(`IDEMMAIL_PROVIDER_API_KEY`, `RESEND_API_KEY`, ...).", secret=True, optional=True),
+    Setting("idemmail_provider_timeout", positive, None,
+            "Seconds a provider call may take (each provider has its own default).", optional=True),
+    Setting("idemmail_default_from", parse_str, None,
+            "The sender of `send_email` calls that pass no `from_`.", optional=True),
+    Setting("idemmail_max_message_bytes", positive, 10 * 1024 * 1024,
+            "Largest message `send_email` accepts (bodies and attachments), refused at `delay()`."),
+    Setting("idemmail_max_recipients", _at_least(parse_int, 1), 50,
+            "Most recipients (to, cc and bcc together) one `send_email` message may have, refused at `delay()`."),
+    # -- metrics --
+    Setting("idemmail_metrics", parse_bool, False,
+            "Count outcomes and ledger operations into prometheus_client's registry (the `metrics` extra)."),
+    Setting("idemmail_metrics_port", port, 0,
+            "Serve `/metrics` from the worker's main process on this port (0: do not serve)."),
+    Setting("idemmail_metrics_addr", parse_str, "0.0.0.0",
+            "The address `/metrics` listens on."),
+    # -- the transactional outbox relay --
+    Setting("idemmail_outbox_url", parse_str, None,
+            "The database of the outbox table the relay task drains (the application's own database).",
+            optional=True),
+    Setting("idemmail_outbox_table", parse_str, "idemmail_outbox", "The outbox table's name."),
+    Setting("idemmail_outbox_batch_size", _at_least(parse_int, 1), 100, "Rows the relay publishes per transaction."),
+    Setting("idemmail_outbox_max_seconds", positive, 10.0, "How long one run of the relay task may drain."),
+)
+
+
+
+#: Each setting's default, by :class:`Settings` attribute (the table is the one place they are written).
+_D: dict[str, Any] = {s.field: s.default for s in SETTINGS}
 
 
 def _unset(value: Any) -> bool:
@@ -127,69 +300,54 @@ def _unset(value: Any) -> bool:
     return value is None or (isinstance(value, (str, bytes)) and not value.strip())
 
 
-def _ledger_options(options: Any) -> dict[str, Any]:
-    if _unset(options):
-        return {}
-    if not isinstance(options, dict):
-        try:
-            if isinstance(options, (str, bytes)):
-                raise TypeError
-            options = dict(options)
-        except (TypeError, ValueError):
-            raise ConfigurationError(
-                f"idemmail_ledger_options must be a mapping of backend keywords (got a {type(options).__name__})"
-            ) from None
-    out = dict(options)
-    for name, parse in _LEDGER_OPTION_PARSERS.items():
-        if name in out and out[name] is not None:
-            out[name] = parse(f"idemmail_ledger_options[{name!r}]", out[name])
-    return out
-
-
 @dataclass(frozen=True)
 class Settings:
-    """Resolved settings for one task."""
+    """Resolved settings for one task (or for the app, with no task): one attribute per row of :data:`SETTINGS`."""
 
-    ledger_url: str = DEFAULT_LEDGER_URL
+    ledger_url: str = _D["ledger_url"]
     ledger_options: dict[str, Any] = field(default_factory=dict)
-    key_secret: bytes | None = None
-    lease_seconds: float = 300.0
-    retention_seconds: float = 7 * 24 * 3600.0
-    max_reclaims: int = 3
-    inflight_max_retries: int = 30
-    inflight_backoff: float = 1.0
-    inflight_backoff_max: float = 60.0
-    retry_backoff: float = 2.0
-    retry_backoff_max: float = 300.0
-    outage_max_retries: int | None = None
-    fail_open: bool = False
-    carries_key: bool = False
-    keep_payload: bool = False
-    redact_args: bool = True
+    lease_seconds: float = _D["lease_seconds"]
+    retention_seconds: float = _D["retention_seconds"]
+    keep_payload: bool = _D["keep_payload"]
     payload_keys: tuple[str, ...] = field(default=(), repr=False)  # secrets: never in a repr or a log
+    key_secret: tuple[bytes | None, ...] = field(default=(), repr=False)
+    allow_plain_keys: bool = _D["allow_plain_keys"]
+    max_reclaims: int = _D["max_reclaims"]
+    inflight_max_retries: int = _D["inflight_max_retries"]
+    inflight_backoff: float = _D["inflight_backoff"]
+    inflight_backoff_max: float = _D["inflight_backoff_max"]
+    retry_backoff: float = _D["retry_backoff"]
+    retry_backoff_max: float = _D["retry_backoff_max"]
+    outage_max_retries: int | None = None
+    fail_open: bool = _D["fail_open"]
+    carries_key: bool = _D["carries_key"]
+    redact_args: bool = _D["redact_args"]
+    provider_url: str | None = None
+    provider_api_key: str | None = field(default=None, repr=False)
+    provider_timeout: float | None = None
+    default_from: str | None = None
+    max_message_bytes: float = _D["max_message_bytes"]
+    max_recipients: int = _D["max_recipients"]
+    metrics: bool = _D["metrics"]
+    metrics_port: int = _D["metrics_port"]
+    metrics_addr: str = _D["metrics_addr"]
+    outbox_url: str | None = None
+    outbox_table: str = _D["outbox_table"]
+    outbox_batch_size: int = _D["outbox_batch_size"]
+    outbox_max_seconds: float = _D["outbox_max_seconds"]
 
     def __post_init__(self) -> None:
         # Built directly, not by resolve(): the same strict parsing, named by field.
-        for name in _BOOL_FIELDS:
-            object.__setattr__(self, name, parse_bool(name, getattr(self, name)))
-        for name in _FLOAT_FIELDS:
-            object.__setattr__(self, name, parse_float(name, getattr(self, name)))
-        for name in _INT_FIELDS:
-            value = getattr(self, name)
-            if value is not None or name != "outage_max_retries":
-                object.__setattr__(self, name, parse_int(name, value))
-        object.__setattr__(self, "ledger_options", _ledger_options(self.ledger_options))
-        for name in ("lease_seconds", "retention_seconds", "inflight_backoff", "retry_backoff"):
-            if not float(getattr(self, name)) > 0:
-                raise ConfigurationError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.max_reclaims < 0 or self.inflight_max_retries < 0:
-            raise ConfigurationError("max_reclaims and inflight_max_retries must be >= 0")
-        if self.outage_max_retries is not None and self.outage_max_retries < 0:
-            raise ConfigurationError("outage_max_retries must be >= 0 (or unset: retry forever)")
-        if self.payload_keys:
-            from .ledger.sealed import PayloadCodec
+        for setting in SETTINGS:
+            value = getattr(self, setting.field)
+            if value is setting.default or (setting.optional and value is None):
+                continue
+            object.__setattr__(self, setting.field, setting.parse(setting.field, value))
 
-            PayloadCodec(self.payload_keys)  # no cryptography, or a bad key: say so now, in the caller
+    @property
+    def key_secrets(self) -> tuple[bytes | None, ...]:
+        """Every HMAC secret, newest first (empty: plain SHA-256)."""
+        return self.key_secret
 
     def ledger_kwargs(self) -> dict[str, Any]:
         """Keywords for :func:`~idemmail_celery.ledger.from_url`; ``ledger_options`` win.
@@ -203,53 +361,30 @@ class Settings:
         return {**out, **self.ledger_options}
 
     @classmethod
-    def resolve(cls, conf: Any, task: Any) -> Settings:
-        """Task option, else ``app.conf`` setting, else the default."""
-
-        def pick(setting: str, option: str | None, default: Any, parse: Any = None) -> Any:
-            """The task option, else the setting, else ``default``; ``parse(name, value)`` checks a given value."""
-            name, value = setting, None
-            if option is not None:
-                value = getattr(task, option, None)
-                name = option
+    def resolve(cls, conf: Any, task: Any = None) -> Settings:
+        """For each setting: the task option, else the ``app.conf`` setting, else its environment
+        variable, else the default; every given value parsed strictly and named in its error."""
+        values: dict[str, Any] = {}
+        get = conf.get
+        for setting in SETTINGS:
+            name, value = setting.conf, None
+            if setting.option is not None and task is not None:
+                value = getattr(task, setting.option, None)
+                name = setting.option
             if value is None:
-                name, value = setting, conf.get(setting)
-            if value is None or (parse is not None and _unset(value)):
-                return default
-            return value if parse is None else parse(name, value)
+                name, value = setting.conf, get(setting.conf)
+            if _unset(value) and setting.env:
+                name, value = setting.env, os.environ.get(setting.env)
+            if _unset(value):
+                continue
+            values[setting.field] = setting.parse(name, value)
+        return cls._parsed(values)
 
-        secret = conf.get("idemmail_key_secret") or os.environ.get("IDEMMAIL_KEY_SECRET") or None
-        payload_keys = conf.get("idemmail_payload_keys") or os.environ.get("IDEMMAIL_PAYLOAD_KEYS") or ()
-        if isinstance(payload_keys, bytes):
-            payload_keys = payload_keys.decode("ascii")
-        if isinstance(payload_keys, str):
-            payload_keys = payload_keys.split(",")
-        if isinstance(secret, str):
-            secret = secret.encode("utf-8")
-        d = cls()
-        flag, count, number = parse_bool, parse_int, parse_float
-        return cls(
-            ledger_url=pick("idemmail_ledger_url", "idempotency_ledger_url", d.ledger_url),
-            ledger_options=_ledger_options(pick("idemmail_ledger_options", None, {})),
-            key_secret=secret,
-            lease_seconds=pick("idemmail_lease_seconds", "idempotency_lease_seconds", d.lease_seconds, number),
-            retention_seconds=pick("idemmail_retention_seconds", None, d.retention_seconds, number),
-            max_reclaims=pick("idemmail_max_reclaims", "idempotency_max_reclaims", d.max_reclaims, count),
-            inflight_max_retries=pick(
-                "idemmail_inflight_max_retries", "idempotency_inflight_max_retries", d.inflight_max_retries, count
-            ),
-            inflight_backoff=pick("idemmail_inflight_backoff", None, d.inflight_backoff, number),
-            inflight_backoff_max=pick("idemmail_inflight_backoff_max", None, d.inflight_backoff_max, number),
-            retry_backoff=pick("idemmail_retry_backoff", None, d.retry_backoff, number),
-            retry_backoff_max=pick("idemmail_retry_backoff_max", None, d.retry_backoff_max, number),
-            outage_max_retries=pick("idemmail_outage_max_retries", None, None, count),
-            fail_open=pick("idemmail_fail_open", "idempotency_fail_open", False, flag),
-            carries_key=pick("idemmail_carries_key", "idempotency_carries_key", False, flag),
-            keep_payload=pick("idemmail_keep_payload", None, False, flag),
-            redact_args=pick("idemmail_redact_args", "idempotency_redact_args", True, flag),
-            payload_keys=tuple(_text(k) for k in payload_keys if _text(k)),
-        )
-
-
-def _text(key: str | bytes) -> str:
-    return (key.decode("ascii") if isinstance(key, bytes) else str(key)).strip()
+    @classmethod
+    def _parsed(cls, values: dict[str, Any]) -> Settings:
+        """Build without parsing again (``resolve`` parsed every value, under its own name)."""
+        out = cls.__new__(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            object.__setattr__(out, f.name, values.get(f.name, default))
+        return out

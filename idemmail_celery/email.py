@@ -1,21 +1,42 @@
 """The email message: a typed value, checked before anything is enqueued.
 
 :class:`EmailMessage` is what ``send_email`` carries and every provider sends.
-:meth:`EmailMessage.build` validates (addresses with ``email-validator``, syntax
-only, no DNS; CR/LF in any header field; no recipient; no body; size) and raises
-:class:`~idemmail_celery.errors.InvalidEmail` naming the problem. The JSON form
-(:meth:`to_payload`/:meth:`from_payload`) is what travels in the task message
-and is stored as the first payload. :meth:`to_mime` builds the RFC 5322 message
-with the stdlib ``email`` package, deterministically: the same message and key
-give the same bytes, so a retry is byte-identical.
+:meth:`EmailMessage.build` validates and raises :class:`~idemmail_celery.errors.InvalidEmail`
+naming the field (``.field``) and the problem, never quoting an address:
+
+* **Addresses.** A string in ``to``/``cc``/``bcc``/``reply_to`` (and ``from``) is exactly one
+  address, ``local@domain`` or ``Display Name <local@domain>``; several recipients only as a
+  list. Parsed by :func:`parse_address`, which is this module's own and gives the same answer
+  on every Python (``email.utils.getaddresses`` does not: CVE-2023-27043 changed it in patch
+  releases); the addr-spec itself is checked by ``email-validator`` (syntax only, no DNS).
+  Groups, comments, quoted local parts and domain literals are refused. An empty string in
+  cc/bcc/reply_to means none.
+* **Recipients per message:** to, cc and bcc together at most ``max_recipients`` (default
+  :data:`DEFAULT_MAX_RECIPIENTS`, the big providers' limit; ``idemmail_max_recipients``).
+* **Header fields** (subject, display names, ``headers=`` names and values, ``tags``,
+  attachment names and types): no control character of any kind (C0, DEL, C1 with NEL
+  U+0085, VT, FF), no Unicode line or paragraph separator (U+2028, U+2029), no lone
+  surrogate; TAB only inside the subject and header values, where RFC 5322 allows it.
+  ``headers=`` names are RFC 5322 field names (printable ASCII but ``:``), and the names the
+  library or provider sets (:data:`RESERVED_HEADERS`, any ``Content-*``/``Resent-*``) are refused.
+* **Bodies:** no NUL, no lone surrogate; at least one of text and html; the whole message
+  at most ``max_bytes``.
+
+The JSON form (:meth:`to_payload`/:meth:`from_payload`) is what travels in the task message
+and is stored as the first payload; :meth:`from_payload` runs every check again (the worker
+does, so a message published by name cannot skip them). :meth:`to_mime` builds the RFC 5322
+message with the stdlib ``email`` package, deterministically: the same message and key give
+the same bytes, so a retry is byte-identical.
 """
 
 from __future__ import annotations
 
 import base64
 import email.policy
-import email.utils
+import functools
 import hashlib
+import itertools
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from email.headerregistry import Address
@@ -27,7 +48,29 @@ from email_validator import EmailNotValidError, validate_email
 from .errors import InvalidEmail
 
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
-_FORBIDDEN = ("\r", "\n", "\0")
+#: Recipients (to, cc and bcc together) one message may have: Resend, Postmark and SES take 50.
+DEFAULT_MAX_RECIPIENTS = 50
+
+#: Header names a caller may not set through ``headers=``: the library or the provider writes them
+#: (``Content-*`` and ``Resent-*`` are refused as prefixes, ``X-Idemmail-Key`` carries the intent key).
+RESERVED_HEADERS = frozenset({
+    "from", "sender", "to", "cc", "bcc", "reply-to", "subject", "date", "message-id", "mime-version",
+    "return-path", "received", "dkim-signature", "x-idemmail-key",
+})
+_RESERVED_PREFIXES = ("content-", "resent-")
+
+# C0 controls, DEL, C1 controls (NEL U+0085 among them), the Unicode line and paragraph
+# separators, lone surrogates (no encoding can write them: the send would crash at the worker).
+_BAD_IN_FIELD = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+# The same with TAB allowed: white space inside an unstructured value (subject, header values).
+_BAD_IN_TEXT = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_BAD_IN_BODY = re.compile("[\x00\ud800-\udfff]")
+#: RFC 5322 field-name: printable US-ASCII except ":", no longer than fits on a line.
+_FIELD_NAME = re.compile(r"[!-9;-~]{1,76}")
+_MIME_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]{1,64}/[A-Za-z0-9!#$&^_.+-]{1,64}")
+# Outside double quotes, a display name is words of anything but these (RFC 5322 specials; "."
+# stays allowed, as obs-phrase does: "Ann B. Smith").
+_SPECIALS = frozenset('()<>[]:;@\\,"')
 
 
 @dataclass(frozen=True)
@@ -53,7 +96,11 @@ class Attachment:
 
 @dataclass(frozen=True)
 class EmailMessage:
-    """One email. Build it with :meth:`build`, which validates; the fields are then trusted."""
+    """One email. Build it with :meth:`build`, which validates; the fields are then trusted.
+
+    Addresses are stored formatted (``addr`` or ``Name <addr>``, the addr-spec normalised by
+    ``email-validator``); :func:`split_address` takes one apart again.
+    """
 
     sender: str
     to: tuple[str, ...]
@@ -83,21 +130,38 @@ class EmailMessage:
         tags: Mapping[str, str] | None = None,
         attachments: Iterable[Attachment | Mapping[str, Any]] | None = None,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        max_recipients: int = DEFAULT_MAX_RECIPIENTS,
     ) -> EmailMessage:
-        """A validated message, or :class:`InvalidEmail` saying which field is wrong and why."""
+        """A validated message, or :class:`InvalidEmail` saying which field is wrong and why.
+
+        The recipient count is checked before any address is parsed, so an oversized list
+        costs nothing.
+        """
+        listed = {"to": _listed(to, "to", max_recipients), "cc": _listed(cc, "cc", max_recipients),
+                  "bcc": _listed(bcc, "bcc", max_recipients)}
+        total = 0
+        for where, items in listed.items():
+            total += len(items)
+            if total > max_recipients:
+                raise InvalidEmail(
+                    f"more than {max_recipients} recipients (to, cc and bcc together; idemmail_max_recipients): "
+                    "send one message per recipient, or a campaign", field=where)
+        replies = _listed(reply_to, "reply_to", max_recipients)
+        if len(replies) > max_recipients:
+            raise InvalidEmail(f"more than {max_recipients} reply_to addresses", field="reply_to")
         message = cls(
-            sender=_one_address(sender, "from"),
-            to=_addresses(to, "to"),
-            subject=_header_text(subject, "subject"),
+            sender=format_address(sender, "from"),
+            to=_formatted(listed["to"], "to"),
+            subject=_header_text(subject, "subject", tab=True),
             text=_body(text, "text"),
             html=_body(html, "html"),
-            cc=_addresses(cc, "cc"),
-            bcc=_addresses(bcc, "bcc"),
-            reply_to=_addresses(reply_to, "reply_to"),
-            headers=_header_map(headers, "headers"),
-            tags=_header_map(tags, "tags"),
+            cc=_formatted(listed["cc"], "cc"),
+            bcc=_formatted(listed["bcc"], "bcc"),
+            reply_to=_formatted(replies, "reply_to"),
+            headers=_headers(headers),
+            tags=_tags(tags),
             attachments=tuple(
-                a if isinstance(a, Attachment) else Attachment.from_payload(a) for a in (attachments or ())
+                a if isinstance(a, Attachment) else Attachment.from_payload(a) for a in _iterable(attachments)
             ),
         )
         if not (message.to or message.cc or message.bcc):
@@ -106,7 +170,12 @@ class EmailMessage:
             raise InvalidEmail("the message has neither text nor html", field="text")
         for a in message.attachments:
             _header_text(a.filename, "attachments.filename")
-            _header_text(a.content_type, "attachments.content_type")
+            if not a.filename.strip():
+                raise InvalidEmail("an attachment has no file name", field="attachments.filename")
+            if not _MIME_TYPE.fullmatch(_header_text(a.content_type, "attachments.content_type")):
+                raise InvalidEmail("an attachment's content_type is not type/subtype", field="attachments.content_type")
+            if not isinstance(a.content, (bytes, bytearray)):
+                raise InvalidEmail("an attachment's content must be bytes", field="attachments")
         size = message.size()
         if size > max_bytes:
             raise InvalidEmail(f"the message is {size} bytes, over the limit of {max_bytes}", field="size")
@@ -124,18 +193,34 @@ class EmailMessage:
         }
 
     @classmethod
-    def from_payload(cls, data: Mapping[str, Any], *, max_bytes: int = DEFAULT_MAX_BYTES) -> EmailMessage:
+    def from_payload(
+        cls, data: Mapping[str, Any], *, max_bytes: int = DEFAULT_MAX_BYTES,
+        max_recipients: int = DEFAULT_MAX_RECIPIENTS,
+    ) -> EmailMessage:
         """Rebuild (and re-validate) a message from :meth:`to_payload` output."""
         return cls.build(
             sender=data.get("from", ""), to=data.get("to") or (), subject=data.get("subject", ""),
             text=data.get("text"), html=data.get("html"), cc=data.get("cc"), bcc=data.get("bcc"),
             reply_to=data.get("reply_to"), headers=data.get("headers"), tags=data.get("tags"),
-            attachments=data.get("attachments"), max_bytes=max_bytes,
+            attachments=data.get("attachments"), max_bytes=max_bytes, max_recipients=max_recipients,
         )
 
     def recipients(self) -> tuple[str, ...]:
         """Every envelope recipient: to, cc and bcc, addresses only."""
-        return tuple(email.utils.parseaddr(a)[1] for a in (*self.to, *self.cc, *self.bcc))
+        return tuple(split_address(a)[1] for a in (*self.to, *self.cc, *self.bcc))
+
+    def personal_texts(self) -> tuple[str, ...]:
+        """What of this message must never appear in an error text: addresses, display names, subject.
+
+        For :func:`idemmail_celery.redaction.scrub`; short words (under 4 characters) are left
+        out, so that scrubbing them would not garble an error beyond reading.
+        """
+        found: list[str] = []
+        for formatted in (self.sender, *self.to, *self.cc, *self.bcc, *self.reply_to):
+            name, addr = split_address(formatted)
+            found.extend((addr, name, formatted))
+        found.append(self.subject)
+        return tuple(dict.fromkeys(t for t in (s.strip() for s in found) if len(t) >= 4))
 
     def size(self) -> int:
         """Approximate size on the wire: bodies, headers and attachments (base64)."""
@@ -148,14 +233,15 @@ class EmailMessage:
 
         ``message_id`` (e.g. from :func:`message_id_for`) and ``date`` are set when given.
         Bcc is never written into the headers; pass :meth:`recipients` as the envelope.
+        Addresses are handed to the stdlib as parsed ``Address`` objects, never re-parsed by it.
         """
         msg = MIMEMessage(policy=email.policy.SMTP)
-        msg["From"] = self.sender
-        msg["To"] = ", ".join(self.to)
+        msg["From"] = _mime_address(self.sender)
+        msg["To"] = tuple(_mime_address(a) for a in self.to)
         if self.cc:
-            msg["Cc"] = ", ".join(self.cc)
+            msg["Cc"] = tuple(_mime_address(a) for a in self.cc)
         if self.reply_to:
-            msg["Reply-To"] = ", ".join(self.reply_to)
+            msg["Reply-To"] = tuple(_mime_address(a) for a in self.reply_to)
         msg["Subject"] = self.subject
         if message_id:
             msg["Message-ID"] = message_id
@@ -190,16 +276,124 @@ def _fix_boundaries(msg: MIMEMessage, seed: str) -> None:
             part.set_boundary(f"=_idemmail_{seed}_{n}")
 
 
-def _check_text(value: str, where: str) -> str:
-    if any(c in value for c in _FORBIDDEN):
-        raise InvalidEmail(f"{where} contains a line break or NUL (header injection)", field=where)
-    return value
+def parse_address(value: Any, where: str = "address") -> tuple[str, str]:
+    """Exactly one address: ``(display name, addr-spec)``, or :class:`InvalidEmail` (``field=where``).
+
+    Takes ``local@domain`` or ``Display Name <local@domain>`` (the name as plain words, or
+    double-quoted with backslash escapes; non-ASCII is fine). Refuses several addresses, groups,
+    comments, control characters and line separators, and any addr-spec ``email-validator``
+    refuses (syntax only, no DNS; no quoted local part, no domain literal). The addr-spec comes
+    back normalised: domain lower-case and in Unicode (punycode decoded), local part NFC.
+    This module's own parser: the answer is the same on every Python version. Error messages
+    never quote the address.
+    """
+    text = _header_text(value, where).strip(" \t")
+    if not text:
+        raise InvalidEmail(f"{where} is empty", field=where)
+    if text.endswith(">"):
+        start = text.rfind("<")  # an addr-spec holds no "<": the last one opens it
+        if start < 0:
+            raise InvalidEmail(f"{where} has a '>' without a '<'", field=where)
+        name, spec = _phrase(text[:start], where), text[start + 1:-1].strip(" \t")
+        if not spec:
+            raise InvalidEmail(f"{where} has nothing between '<' and '>'", field=where)
+    else:
+        name, spec = "", text
+    if "@" not in spec:
+        raise InvalidEmail(f"{where} is not an email address", field=where)
+    if any(c in spec for c in ",;<> \t"):
+        raise InvalidEmail(f"{where} holds more than one address: pass several recipients as a list", field=where)
+    try:
+        return name, _normalized_spec(spec)
+    except EmailNotValidError as exc:
+        raise InvalidEmail(f"{where} is not a valid address: {exc}", field=where) from None
 
 
-def _header_text(value: Any, where: str) -> str:
+@functools.lru_cache(maxsize=4096)
+def _normalized_spec(spec: str) -> str:
+    """email-validator's normalised form of an addr-spec (raises ``EmailNotValidError``).
+
+    Cached: the sender, and each recipient, come back at ``delay()``, at the worker's check and in
+    the body (about 80 us a validation, most of a message's build).
+    """
+    return str(validate_email(spec, check_deliverability=False).normalized)
+
+
+def format_address(value: Any, where: str = "address") -> str:
+    """One address checked by :func:`parse_address` and written back: ``addr`` or ``Name <addr>``."""
+    name, addr = parse_address(value, where)
+    return _display(name, addr) if name else addr
+
+
+def split_address(formatted: str) -> tuple[str, str]:
+    """``(display name, addr-spec)`` of an address :func:`format_address` wrote (an :class:`EmailMessage` field).
+
+    Cheap, and exact for those; for anything else use :func:`parse_address`, which validates.
+    """
+    if not formatted.endswith(">"):
+        return "", formatted
+    start = formatted.rfind("<")
+    return _phrase(formatted[:start], "address"), formatted[start + 1:-1]
+
+
+def _phrase(text: str, where: str) -> str:
+    """The display name before ``<``: words and quoted strings, joined by single spaces."""
+    words: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in " \t":
+            i += 1
+        elif c == '"':
+            out: list[str] = []
+            i += 1
+            while True:
+                if i >= n:
+                    raise InvalidEmail(f"{where} has an unterminated quoted display name", field=where)
+                c = text[i]
+                if c == "\\" and i + 1 < n:
+                    out.append(text[i + 1])
+                    i += 2
+                elif c == '"':
+                    i += 1
+                    break
+                else:
+                    out.append(c)
+                    i += 1
+            words.append("".join(out))
+        elif c in _SPECIALS:
+            if c in ",;<@":
+                raise InvalidEmail(f"{where} holds more than one address: pass several recipients as a list",
+                                   field=where)
+            raise InvalidEmail(f"{where} has {c!r} in its display name outside double quotes", field=where)
+        else:
+            j = i
+            while j < n and text[j] not in _SPECIALS and text[j] not in " \t":
+                j += 1
+            words.append(text[i:j])
+            i = j
+    return " ".join(words)
+
+
+def _display(name: str, addr: str) -> str:
+    local, _, domain = addr.rpartition("@")
+    return str(Address(display_name=name, username=local, domain=domain))
+
+
+def _mime_address(formatted: str) -> Address:
+    name, addr = split_address(formatted)
+    local, _, domain = addr.rpartition("@")
+    return Address(display_name=name, username=local, domain=domain)
+
+
+def _header_text(value: Any, where: str, *, tab: bool = False) -> str:
     if not isinstance(value, str):
         raise InvalidEmail(f"{where} must be a string, not {type(value).__name__}", field=where)
-    return _check_text(value, where)
+    bad = (_BAD_IN_TEXT if tab else _BAD_IN_FIELD).search(value)
+    if bad:
+        raise InvalidEmail(f"{where} contains U+{ord(bad.group()):04X}, a control character or line break "
+                           "(header injection)", field=where)
+    return value
 
 
 def _body(value: Any, where: str) -> str | None:
@@ -207,56 +401,83 @@ def _body(value: Any, where: str) -> str | None:
         return None
     if not isinstance(value, str):
         raise InvalidEmail(f"{where} must be a string, not {type(value).__name__}", field=where)
+    bad = _BAD_IN_BODY.search(value)
+    if bad:
+        raise InvalidEmail(f"{where} contains U+{ord(bad.group()):04X}, which no email can carry", field=where)
     return value
 
 
-def _header_map(value: Mapping[str, Any] | None, where: str) -> dict[str, str]:
+def _iterable(value: Any) -> Iterable[Any]:
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
+        raise InvalidEmail("attachments must be a list", field="attachments")
+    return value
+
+
+def _listed(value: Any, where: str, limit: int) -> list[str]:
+    """The addresses given for one field, each string one address; at most ``limit + 1`` looked at."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value] if value.strip(" \t") else []  # an empty field is no address
+    if isinstance(value, (bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
+        raise InvalidEmail(f"{where} must be an address or a list of addresses, not {type(value).__name__}",
+                           field=where)
+    items = list(itertools.islice(value, limit + 1))
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise InvalidEmail(f"{where}[{i}] must be a string, not {type(item).__name__}", field=where)
+    return items
+
+
+def _formatted(items: list[str], where: str) -> tuple[str, ...]:
+    out = []
+    for i, item in enumerate(items):
+        try:
+            out.append(format_address(item, where if len(items) == 1 else f"{where}[{i}]"))
+        except InvalidEmail as exc:  # the message says which entry; the field stays "to"
+            raise InvalidEmail(str(exc), field=where) from None
+    return tuple(out)
+
+
+def _headers(value: Any) -> dict[str, str]:
+    out = _mapping(value, "headers")
+    seen: set[str] = set()
+    for name, v in out.items():
+        if not _FIELD_NAME.fullmatch(name):
+            raise InvalidEmail(f"headers name {name!r} is not a header name (printable ASCII except ':', "
+                               "at most 76 characters)", field="headers")
+        lowered = name.lower()
+        if lowered in RESERVED_HEADERS or lowered.startswith(_RESERVED_PREFIXES):
+            raise InvalidEmail(f"headers: {name} is written by the library or the provider; set it through "
+                               "its own argument, if it has one", field="headers")
+        if lowered in seen:
+            raise InvalidEmail(f"headers: {name} is given twice (header names ignore case)", field="headers")
+        seen.add(lowered)
+        _header_text(v, f"headers[{name}]", tab=True)
+    return out
+
+
+def _tags(value: Any) -> dict[str, str]:
+    out = _mapping(value, "tags")
+    for name, v in out.items():
+        _header_text(name, "tags")
+        if not name or ":" in name or any(c.isspace() for c in name):
+            raise InvalidEmail(f"tags name {name!r} is not valid (empty, white space or ':')", field="tags")
+        _header_text(v, f"tags[{name}]")
+    return out
+
+
+def _mapping(value: Any, where: str) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
         raise InvalidEmail(f"{where} must be a mapping", field=where)
-    out: dict[str, str] = {}
     for name, v in value.items():
-        _header_text(name, f"{where} name")
-        if not name or ":" in name or " " in name:
-            raise InvalidEmail(f"{where} name {name!r} is not a valid header name", field=where)
-        out[name] = _header_text(v, f"{where}[{name}]")
-    return out
-
-
-def _one_address(value: Any, where: str) -> str:
-    text = _header_text(value, where).strip()
-    if not text:
-        raise InvalidEmail(f"{where} is empty", field=where)
-    name, addr = email.utils.parseaddr(text)
-    if not addr or "@" not in addr:
-        raise InvalidEmail(f"{where} is not an email address", field=where)
-    try:
-        checked = validate_email(addr, check_deliverability=False)
-    except EmailNotValidError as exc:
-        raise InvalidEmail(f"{where} is not a valid address: {exc}", field=where) from exc
-    normalized = str(checked.normalized)
-    # headerregistry quotes display names and copes with non-ASCII; formataddr does not.
-    return _display(name, normalized) if name else normalized
-
-
-def _addresses(value: str | Iterable[str] | None, where: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, str) else list(value)
-    out: list[str] = []
-    for item in items:
-        _header_text(item, where)
-        for part in _split(item):
-            out.append(_one_address(part, where))
-    return tuple(out)
-
-
-def _split(text: str) -> list[str]:
-    return [_display(name, addr) if name else addr
-            for name, addr in email.utils.getaddresses([text]) if addr] or [text]
-
-
-def _display(name: str, addr: str) -> str:
-    local, _, domain = addr.rpartition("@")
-    return str(Address(display_name=name, username=local, domain=domain))
+        if not isinstance(name, str):
+            raise InvalidEmail(f"{where} names must be strings, not {type(name).__name__}", field=where)
+        if not isinstance(v, str):
+            raise InvalidEmail(f"{where}[{name}] must be a string, not {type(v).__name__}",
+                               field=f"{where}[{name}]")
+    return dict(value)

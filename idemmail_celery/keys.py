@@ -8,13 +8,26 @@ have many. The intent key is a digest of that meaning:
    calls, and defaults, agree) and passed through the task serializer's round
    trip (so tuples become lists in the caller exactly as they do in the worker);
 2. the declared fields are picked (all bound arguments when none are declared),
-   email addresses are normalised (display names dropped, domain lower-cased,
-   recipient lists de-duplicated and sorted);
-3. the values are written as canonical JSON (sorted keys, no whitespace) inside
-   a namespace of task name, tenant and version;
+   email addresses are normalised by :func:`normalize_address` (display names
+   dropped, domain lower-cased and in Unicode, local part NFC; recipient lists
+   de-duplicated and sorted);
+3. the values are written as canonical JSON (sorted keys, no whitespace, a float
+   with an integral value written as the integer: ``1.0`` is ``1``) inside a
+   namespace of task name, tenant and version;
 4. that text is digested with HMAC-SHA256 under ``idemmail_key_secret``, or
    plain SHA-256 when no secret is set (then a key can be brute-forced back to
    a guessable address and order id: set a secret in production).
+
+A caller's own key (``apply_async(idempotency_key=...)``, or a raw
+``idempotency_key`` message header) is checked by :func:`check_explicit_key` and
+goes through steps 3 and 4 the same way (:meth:`IntentKeyBuilder.explicit_key`).
+
+**Secret rotation.** The builder takes several secrets, newest first: keys are
+derived under the first, and :meth:`IntentKeyBuilder.older_keys` gives what the
+same call's key was under each older one (``None`` among them: plain SHA-256,
+for moving off "no secret"), so a claim can find records made before the
+rotation; :meth:`IntentKeyBuilder.fingerprint_matches` does the same for
+must-match fingerprints. With one secret they cost nothing.
 
 The key is 64 lower-case hex characters and carries no raw argument values.
 Changing anything in this module changes keys, which would re-send everything
@@ -25,14 +38,15 @@ from __future__ import annotations
 
 import datetime as _dt
 import decimal
+import functools
 import hashlib
 import hmac
 import inspect
 import json
+import re
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from email.utils import getaddresses
 from typing import Any
 
 from kombu.exceptions import KombuError
@@ -41,7 +55,8 @@ from kombu.serialization import loads as kombu_loads
 from kombu.utils.json import dumps as json_dumps
 from kombu.utils.json import loads as json_loads
 
-from .errors import IdempotencyKeyError, UnserializableArgumentsError
+from .email import parse_address
+from .errors import ConfigurationError, IdempotencyKeyError, InvalidEmail, UnserializableArgumentsError
 
 #: What a task may declare as ``idempotency_key``: nothing (all bound arguments),
 #: argument names, or a function of ``(args, kwargs)`` returning a string.
@@ -51,6 +66,16 @@ KeySpec = Sequence[str] | Callable[[tuple[Any, ...], dict[str, Any]], str] | Non
 DEFAULT_ADDRESS_FIELDS: tuple[str, ...] = ("to", "cc", "bcc", "reply_to", "from_", "sender")
 
 _NAMESPACE = "idemmail/1"
+
+#: Longest key a caller may choose (``idempotency_key=`` or the raw header).
+MAX_EXPLICIT_KEY_LENGTH = 255
+# Control characters, Unicode line/paragraph separators, lone surrogates: a key travels as a
+# message header and shows in logs, so it may hold none of them.
+_BAD_IN_KEY = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_DERIVED_KEY = re.compile("[0-9a-f]{64}")
+# Floats with an integral value up to this size are written as integers (1.0 -> 1); beyond it a
+# float no longer stands for exactly one integer.
+_EXACT_INT = 2**53
 
 
 def _json_plain(value: Any, depth: int = 0) -> bool:
@@ -100,11 +125,51 @@ _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_asci
 
 
 def canonical_json(value: Any) -> str:
-    """Canonical JSON text of ``value``: sorted keys, no whitespace, UTF-8, no NaN."""
+    """Canonical JSON text of ``value``: sorted keys, no whitespace, UTF-8, no NaN, ``1.0`` written ``1``."""
     try:
-        return _CANONICAL.encode(value)
-    except (TypeError, ValueError) as exc:
+        return _CANONICAL.encode(_integral(value, 0))
+    except (TypeError, ValueError, RecursionError) as exc:
         raise UnserializableArgumentsError(f"value has no canonical JSON form: {exc}") from exc
+
+
+def _integral(value: Any, depth: int) -> Any:
+    """``value`` with every float that holds an integer (``1.0``, ``-0.0``) made that int.
+
+    JSON has one number type, and a caller's ``1`` becomes another's ``1.0`` on the way through
+    a form, a database or JavaScript: they are one intent. Returns ``value`` itself (no copy)
+    when nothing changes, which is the common case, and copies only the containers that change.
+    """
+    kind = type(value)
+    if kind is float:
+        return int(value) if value.is_integer() and -_EXACT_INT < value < _EXACT_INT else value
+    if kind is not dict and kind is not list and kind is not tuple:
+        return value  # str, int, bool, None; datetimes, decimals, UUIDs...: _json_default writes them
+    if depth > 100:
+        raise ValueError("nested more than 100 levels deep")
+    if kind is dict:
+        changed: Any = None
+        for k, v in value.items():
+            if type(v) in _SCALARS:
+                continue
+            new = _integral(v, depth + 1)
+            if new is not v:
+                if changed is None:
+                    changed = dict(value)
+                changed[k] = new
+        return value if changed is None else changed
+    items: Any = None
+    for n, v in enumerate(value):
+        if type(v) in _SCALARS:
+            continue
+        new = _integral(v, depth + 1)
+        if new is not v:
+            if items is None:
+                items = list(value)
+            items[n] = new
+    return value if items is None else items
+
+
+_SCALARS = frozenset({str, int, bool, type(None)})
 
 
 #: Characters that never appear in a bare ``local@domain`` address: with none of them, no parsing is needed.
@@ -112,21 +177,43 @@ _BARE_ADDRESS = frozenset('<>",;:()[] \\\t')
 
 
 def normalize_address(text: str) -> str:
-    """``"Ann <Ann@Example.COM>"`` -> ``"Ann@example.com"`` (the local part is case-sensitive)."""
-    if text.count("@") == 1 and _BARE_ADDRESS.isdisjoint(text):
-        local, _, domain = text.partition("@")  # a bare address: no parsing needed
+    """The one form of an address keys and de-duplication compare: ``"Ann <Ann@Example.COM>"`` -> ``"Ann@example.com"``.
+
+    Two spellings of one mailbox give the same string: the display name is dropped, the
+    domain lower-cased and written in Unicode (``xn--`` labels decoded), the local part put
+    in Unicode NFC and otherwise kept as it is (RFC 5321: it may be case-sensitive). Parsed
+    by :func:`idemmail_celery.email.parse_address`, the same on every Python version. Text
+    that is not one valid address is read leniently (what is inside ``<...>``, the part
+    after the last ``@`` lower-cased), so its spellings still agree; it never equals a valid
+    address's form. Use it to de-duplicate recipients (two entries with the same form would
+    claim the same intent key).
+    """
+    if text.isascii() and text.count("@") == 1 and _BARE_ADDRESS.isdisjoint(text) and "xn--" not in text.lower():
+        local, _, domain = text.partition("@")  # a bare ASCII address: nothing to parse or decode
         return f"{local}@{domain.lower()}"
-    pairs = getaddresses([text])
-    addr = pairs[0][1] if len(pairs) == 1 and pairs[0][1] else text
-    addr = addr.strip()
-    local, at, domain = addr.rpartition("@")
-    return f"{local}@{domain.lower()}" if at else addr
+    # Cached: the caller, the worker and every retry normalise the same display forms, and
+    # email-validator takes ~30 us. Only address-sized texts, so the cache stays small.
+    return _parsed(text) if len(text) <= 512 else _parsed.__wrapped__(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(text: str) -> str:
+    try:
+        return parse_address(text)[1]
+    except InvalidEmail:
+        spec = text.strip()
+        if spec.endswith(">") and "<" in spec:
+            spec = spec[spec.rfind("<") + 1:-1].strip()
+        local, at, domain = spec.rpartition("@")
+        return f"{local}@{domain.lower()}" if at else spec
 
 
 def normalize_addresses(value: Any) -> Any:
     """Normalise one address or a list of them into a de-duplicated, sorted list.
 
-    Values that are not strings or lists of strings are returned unchanged.
+    A string with commas outside quotes and angle brackets counts as several addresses
+    (``send_email`` refuses such strings; other tasks' keys keep reading them so). Empty
+    entries are dropped. Values that are not strings or lists of strings are returned unchanged.
     """
     if isinstance(value, str):
         items: list[str] = [value]
@@ -139,8 +226,83 @@ def normalize_addresses(value: Any) -> Any:
         if item.count("@") == 1 and _BARE_ADDRESS.isdisjoint(item):
             found.add(normalize_address(item))
         else:
-            found.update(normalize_address(addr) for _name, addr in getaddresses([item]) if addr)
+            found.update(normalize_address(part) for part in _split_commas(item) if part.strip())
     return sorted(found)
+
+
+def _split_commas(text: str) -> list[str]:
+    """``text`` cut at each comma outside double quotes and angle brackets."""
+    parts, start, quoted, angled, escaped = [], 0, False, False, False
+    for i, c in enumerate(text):
+        if escaped:
+            escaped = False
+        elif quoted:
+            escaped, quoted = c == "\\", c != '"'
+        elif c == '"':
+            quoted = True
+        elif c in "<>":
+            angled = c == "<"
+        elif c == "," and not angled:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def check_explicit_key(value: Any) -> str:
+    """A caller's own intent key (``idempotency_key=``, or a raw ``idempotency_key`` header), checked.
+
+    It must be a ``str`` of 1 to :data:`MAX_EXPLICIT_KEY_LENGTH` characters without control
+    characters, line separators or lone surrogates; :class:`IdempotencyKeyError` says which rule
+    it breaks (never quoting it). It is then namespaced and hashed like a derived key
+    (:meth:`IntentKeyBuilder.explicit_key`): whatever the caller chose never reaches the ledger,
+    a log or a metric as given.
+    """
+    if not isinstance(value, str):
+        raise IdempotencyKeyError(f"idempotency_key must be a str, not {type(value).__name__}")
+    if not value.strip():
+        raise IdempotencyKeyError("idempotency_key is empty")
+    if len(value) > MAX_EXPLICIT_KEY_LENGTH:
+        raise IdempotencyKeyError(
+            f"idempotency_key is {len(value)} characters long, over {MAX_EXPLICIT_KEY_LENGTH}")
+    bad = _BAD_IN_KEY.search(value)
+    if bad:
+        raise IdempotencyKeyError(f"idempotency_key contains U+{ord(bad.group()):04X}, a control character "
+                                  "or line break")
+    return value
+
+
+def is_derived_key(value: Any) -> bool:
+    """Is ``value`` shaped like a key this module made (64 lower-case hex digits)?
+
+    A message that already carries one (a retry, a copy re-enqueued by ``ledger resolve
+    --release``) keeps it; anything else in the ``idempotency_key`` header is a caller's raw
+    key, for :meth:`IntentKeyBuilder.explicit_key`.
+    """
+    return isinstance(value, str) and _DERIVED_KEY.fullmatch(value) is not None
+
+
+def _secret_list(secret: Any) -> tuple[bytes | None, ...]:
+    """The builder's ``secret`` option as a tuple, newest first; ``None`` stands for plain SHA-256."""
+    if secret is None or isinstance(secret, (bytes, str)):
+        values: list[Any] = [secret]
+    elif isinstance(secret, Sequence):
+        values = list(secret)
+    else:
+        raise ConfigurationError(f"idemmail_key_secret must be bytes, str or a list of them, not "
+                                 f"{type(secret).__name__}")
+    if not values:
+        raise ConfigurationError("idemmail_key_secret is an empty list")
+    out: list[bytes | None] = []
+    for v in values:
+        if isinstance(v, str):
+            v = v.encode("utf-8")
+        if v is not None and not (isinstance(v, bytes) and v):
+            raise ConfigurationError("every idemmail_key_secret must be a non-empty str or bytes (or None for "
+                                     "keys made without a secret)")
+        if v not in out:
+            out.append(v)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -165,6 +327,9 @@ class Payload:
         return cls(list(data["args"]), dict(data["kwargs"]))
 
 
+_CURRENT: Any = object()  # "the builder's first secret", for _digest
+
+
 @dataclass(frozen=True)
 class IntentKeyBuilder:
     """Derives intent keys and fingerprints for one task.
@@ -182,12 +347,15 @@ class IntentKeyBuilder:
     address_fields: frozenset[str] = field(default_factory=frozenset)
     must_match: tuple[str, ...] = ()
     serializer: str = "json"
-    secret: bytes | None = None
+    #: One secret, or several newest first (rotation): keys are made under the first; ``None``
+    #: (alone or among the older ones) is plain SHA-256, no secret.
+    secret: bytes | str | Sequence[bytes | str | None] | None = None
     # Worked out once in __post_init__ for the hot path; not options.
-    _plain: tuple[tuple[str, ...], frozenset[str], dict[str, Any]] | None = field(
+    _plain: tuple[tuple[str, ...], tuple[str, ...], frozenset[str], dict[str, Any]] | None = field(
         init=False, repr=False, compare=False, default=None)
     _untenanted: str = field(init=False, repr=False, compare=False, default="")
     _mac: Any = field(init=False, repr=False, compare=False, default=None)
+    _older_macs: tuple[Any, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
         if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 1:
@@ -215,30 +383,39 @@ class IntentKeyBuilder:
         object.__setattr__(self, "_plain", self._plain_signature())
         object.__setattr__(self, "_untenanted", self._namespace(None))
         # The keyed hash with the secret already absorbed: a copy per key costs less than a new HMAC.
-        object.__setattr__(self, "_mac", hmac.new(self.secret, digestmod=hashlib.sha256) if self.secret else None)
+        macs = tuple(None if s is None else hmac.new(s, digestmod=hashlib.sha256) for s in _secret_list(self.secret))
+        object.__setattr__(self, "_mac", macs[0])
+        object.__setattr__(self, "_older_macs", macs[1:])
 
-    def _digest(self, material: str) -> str:
-        """HMAC-SHA256 of ``material`` under this builder's secret; plain SHA-256 when there is none."""
-        if self._mac is None:
+    def _digest(self, material: str, mac: Any = _CURRENT) -> str:
+        """HMAC-SHA256 of ``material`` under this builder's (first) secret; plain SHA-256 when there is none."""
+        if mac is _CURRENT:
+            mac = self._mac
+        if mac is None:
             return hashlib.sha256(material.encode("utf-8")).hexdigest()
-        mac = self._mac.copy()
+        mac = mac.copy()
         mac.update(material.encode("utf-8"))
         return str(mac.hexdigest())
 
-    def _plain_signature(self) -> tuple[tuple[str, ...], frozenset[str], dict[str, Any]] | None:
-        """For a signature of plain parameters (no ``*args``, ``**kw``, keyword-only): their names and
-        their defaults after the serializer round trip, so that :meth:`bound` can skip ``Signature.bind``
-        for a call that fits. None otherwise, or if a default cannot be serialized (``bind`` says so
-        then, for a call that uses it)."""
+    def _plain_signature(self) -> tuple[tuple[str, ...], tuple[str, ...], frozenset[str], dict[str, Any]] | None:
+        """For a signature of plain parameters (positional-or-keyword, then keyword-only; no ``*args``
+        or ``**kw``): the names a positional argument can take, all names, and the defaults after the
+        serializer round trip, so that :meth:`bound` can skip ``Signature.bind`` for a call that fits.
+        None otherwise, or if a default cannot be serialized (``bind`` says so then, for a call that
+        uses it)."""
         params = list(self.signature.parameters.values())
-        if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
+        kinds = [p.kind for p in params]
+        keyword_only = inspect.Parameter.KEYWORD_ONLY
+        positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+        if kinds != [inspect.Parameter.POSITIONAL_OR_KEYWORD] * len(positional) + [keyword_only] * (
+                len(params) - len(positional)):
             return None
         try:
             defaults = round_trip({p.name: p.default for p in params if p.default is not p.empty}, self.serializer)
         except UnserializableArgumentsError:
             return None
         names = tuple(p.name for p in params)
-        return names, frozenset(names), dict(defaults)
+        return tuple(positional), names, frozenset(names), dict(defaults)
 
     def payload(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> Payload:
         """The call's arguments as the worker will receive them."""
@@ -253,9 +430,9 @@ class IntentKeyBuilder:
         """Arguments by name, defaults applied, as the worker will see them."""
         plain = self._plain
         if plain is not None:
-            names, known, defaults = plain
-            values = dict(zip(names, payload.args, strict=False))  # too many: bind() says so
-            if len(payload.args) <= len(names) and all(k in known and k not in values for k in payload.kwargs):
+            positional, names, known, defaults = plain
+            values = dict(zip(positional, payload.args, strict=False))  # too many: bind() says so
+            if len(payload.args) <= len(positional) and all(k in known and k not in values for k in payload.kwargs):
                 values.update(payload.kwargs)
                 if len(values) < len(names):
                     for name in names:
@@ -303,12 +480,50 @@ class IntentKeyBuilder:
         explicit: str | None = None,
         tenant: str | None = None,
     ) -> str:
-        """The intent key for one call.
+        """The intent key for one call, under the first secret.
 
-        ``explicit`` is a caller-chosen key (``apply_async(idempotency_key=...)``),
-        namespaced and digested like a derived one. ``tenant`` overrides the
-        task's tenant argument (the ``idempotency_tenant`` option/header).
+        ``explicit`` is a caller-chosen key (``apply_async(idempotency_key=...)``), checked by
+        :func:`check_explicit_key`, namespaced and digested like a derived one. ``tenant``
+        overrides the task's tenant argument (the ``idempotency_tenant`` option/header).
         """
+        return self._digest(self._material(payload, explicit, tenant))
+
+    def older_keys(
+        self,
+        payload: Payload,
+        *,
+        explicit: str | None = None,
+        tenant: str | None = None,
+    ) -> tuple[str, ...]:
+        """The keys :meth:`derive` gave the same call under each older secret, newest first.
+
+        Empty, without any work, when the builder has one secret: a claim looks these up
+        only during a rotation, so that an intent recorded before it is not sent again.
+        """
+        if not self._older_macs:
+            return ()
+        material = self._material(payload, explicit, tenant)
+        return tuple(self._digest(material, mac) for mac in self._older_macs)
+
+    def explicit_key(self, raw: Any, *, tenant: str | None = None) -> str:
+        """A caller's own key (``idempotency_key=``, a raw ``idempotency_key`` header) as the ledger key.
+
+        Checked by :func:`check_explicit_key` (:class:`IdempotencyKeyError`), then namespaced
+        (task, tenant, version) and digested exactly like :meth:`derive` with ``explicit=``;
+        ``older_keys(payload, explicit=raw, tenant=...)`` gives its forms under older secrets.
+        """
+        return self._digest(self._explicit_head(raw) + self._tail(None if tenant is None else str(tenant)))
+
+    def _explicit_head(self, raw: Any) -> str:
+        try:
+            return '{"explicit":' + canonical_json(check_explicit_key(raw))
+        except IdempotencyKeyError as exc:
+            raise IdempotencyKeyError(f"{self.task_name}: {exc}") from None
+
+    def _tail(self, tenant: str | None) -> str:
+        return self._untenanted if tenant is None else self._namespace(tenant)
+
+    def _material(self, payload: Payload, explicit: Any, tenant: str | None) -> str:
         values: dict[str, Any] | None = None
         if tenant is not None:
             tenant = str(tenant)
@@ -319,9 +534,7 @@ class IntentKeyBuilder:
         # The material is canonical_json({"explicit" or "intent": ..., **namespace}); the namespace's
         # keys sort after both, so its text is encoded once per tenant and appended.
         if explicit is not None:
-            if not isinstance(explicit, str) or not explicit:
-                raise IdempotencyKeyError(f"{self.task_name}: idempotency_key must be a non-empty str")
-            head = '{"explicit":' + canonical_json(explicit)
+            head = self._explicit_head(explicit)
         elif callable(self.spec):
             made = self.spec(tuple(payload.args), dict(payload.kwargs))
             if not isinstance(made, str) or not made:
@@ -332,8 +545,7 @@ class IntentKeyBuilder:
             head = '{"explicit":' + canonical_json(made)
         else:
             head = '{"intent":' + canonical_json(self._intent(self.bound(payload) if values is None else values))
-        tail = self._untenanted if tenant is None else self._namespace(tenant)
-        return self._digest(head + tail)
+        return head + self._tail(tenant)
 
     def _namespace(self, tenant: str | None) -> str:
         """``,"ns":…,"task":…,"tenant":…,"v":…}``: the rest of the canonical key material."""
@@ -348,9 +560,24 @@ class IntentKeyBuilder:
         """
         if not self.must_match:
             return ""
+        return self._digest(self._fingerprint_material(payload))
+
+    def fingerprint_matches(self, stored: str, payload: Payload) -> bool:
+        """Does a record's ``stored`` fingerprint match this call's, under the current or an older secret?
+
+        What a must-match check compares during a rotation: a record made under an older
+        secret holds that secret's fingerprint. True for a task without must-match fields.
+        """
+        if not self.must_match:
+            return True
+        material = self._fingerprint_material(payload)
+        if hmac.compare_digest(stored, self._digest(material)):
+            return True
+        return any(hmac.compare_digest(stored, self._digest(material, mac)) for mac in self._older_macs)
+
+    def _fingerprint_material(self, payload: Payload) -> str:
         values = self._normalised(self.bound(payload))
-        body: dict[str, Any] = {"must_match": {n: values.get(n) for n in self.must_match}}
-        return self._digest(canonical_json(body))
+        return canonical_json({"must_match": {n: values.get(n) for n in self.must_match}})
 
     def mismatched_fields(self, first: Payload, later: Payload) -> tuple[str, ...]:
         """Must-match fields whose values differ between the first call and a later one."""

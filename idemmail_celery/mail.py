@@ -17,11 +17,18 @@ bcc, normalised) and the task's version, never the body text. A retry whose
 body was regenerated (an agent rewrote it) is the same intent, and the body
 of the *first* attempt is the one that ships. Without an ``event_id`` the
 whole content is the intent: two calls are the same intent only if every
-field matches.
+field matches. Spellings of one call agree: ``cc`` omitted, ``None``, ``""`` or
+``[]``; ``event_id=4821`` or ``"4821"``; an address's domain in Unicode or
+punycode, its local part NFC or NFD (see :func:`email_intent`).
 
 The message is validated at ``delay()`` (:class:`~idemmail_celery.errors.InvalidEmail`,
-nothing enqueued). One that reaches a worker anyway (``send_task`` by name)
-ends as ``failed`` with reason ``invalid_email``, never retried.
+nothing enqueued; the rules are in :mod:`idemmail_celery.email`, the recipient cap
+is ``idemmail_max_recipients``, default 50). One that reaches a worker anyway
+(``send_task`` by name) is checked again by the same code and ends as ``failed``
+with reason ``invalid_email``, never retried.
+
+Provider errors reach logs, Flower, the result backend and the ledger without the
+message's addresses, display names or subject (:func:`idemmail_celery.redaction.scrub`).
 
 ``send_email`` is a Celery shared task: it registers itself on every app once
 ``idemmail_celery`` is imported (import it in the module that defines your app),
@@ -31,40 +38,84 @@ or call :func:`register` explicitly.
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from typing import Any
 
 from celery import Celery, shared_task
 
-from .email import DEFAULT_MAX_BYTES, EmailMessage
-from .errors import ConfigurationError, InvalidEmail, PermanentSendError
+from ._common import after_fork
+from .email import EmailMessage
+from .errors import ConfigurationError, InvalidEmail, PermanentSendError, SendError
 from .keys import Payload as _Payload
 from .keys import canonical_json, normalize_addresses
 from .providers import Provider
 from .providers import from_url as provider_from_url
+from .redaction import scrub, scrub_error
 from .task import IdempotentTask
 
 TASK_NAME = "idemmail_celery.send_email"
 
 _RECIPIENTS = ("to", "cc", "bcc")
-_providers: dict[tuple[int, str, str], Provider] = {}
+_providers: dict[tuple[str, str], Provider] = {}
 _providers_lock = threading.Lock()
+
+
+@after_fork
+def _forget_providers() -> None:
+    """A forked pool child builds its own providers: their connections are the parent's."""
+    global _providers_lock
+    _providers.clear()
+    _providers_lock = threading.Lock()
+
+
+#: Arguments whose empty value (``""``, ``[]``, ``{}``) means the same as leaving them out.
+_EMPTY_MEANS_NONE = frozenset({"subject", "reply_to", "headers", "tags", "attachments"})
 
 
 def email_intent(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """The intent of a ``send_email`` call (namespaced and hashed by the caller).
 
     With an ``event_id``: event, template and recipients. Without: all content.
+    One call, one key, however it is spelled: recipients are normalised
+    (:func:`~idemmail_celery.keys.normalize_address`) and an empty recipient field
+    (``None``, ``""``, ``[]``) is no field; an integer ``event_id`` is its decimal
+    string; an empty subject, reply_to, headers, tags or attachments is left out; a
+    float holding an integer is that integer. Raises :class:`InvalidEmail` for an
+    ``event_id`` or ``template`` of the wrong type.
     """
-    fields: dict[str, Any] = {name: normalize_addresses(kwargs.get(name)) for name in _RECIPIENTS}
-    if kwargs.get("event_id") is not None:
-        fields.update(event_id=kwargs["event_id"], template=kwargs.get("template"))
+    fields: dict[str, Any] = {name: _recipient_field(kwargs.get(name)) for name in _RECIPIENTS}
+    event_id = _event_id(kwargs.get("event_id"))
+    if event_id is not None:
+        fields.update(event_id=event_id, template=_template(kwargs.get("template")))
         return canonical_json({"by": "event", **fields})
-    rest = {k: v for k, v in kwargs.items() if k not in _RECIPIENTS and v is not None}
+    rest = {k: v for k, v in kwargs.items()
+            if k not in _RECIPIENTS and v is not None and not (k in _EMPTY_MEANS_NONE and not v)}
     if "from_" in rest:
         rest["from_"] = normalize_addresses(rest["from_"])
     return canonical_json({"by": "content", **fields, **rest})
+
+
+def _recipient_field(value: Any) -> Any:
+    found = normalize_addresses(value)
+    return None if found == [] else found
+
+
+def _event_id(value: Any) -> str | None:
+    """``event_id`` as the key holds it: a non-empty string (an int becomes its decimal string), or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise InvalidEmail(f"event_id must be a str or an int, not {type(value).__name__}", field="event_id")
+    text = str(value)
+    if not text.strip():
+        raise InvalidEmail("event_id is empty: leave it out to make the whole content the intent", field="event_id")
+    return text
+
+
+def _template(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidEmail(f"template must be a str, not {type(value).__name__}", field="template")
+    return value
 
 
 class SendEmailTask(IdempotentTask):
@@ -76,8 +127,8 @@ class SendEmailTask(IdempotentTask):
 
     def message_from(self, kwargs: dict[str, Any]) -> EmailMessage:
         """Build and validate the message a call describes (raises :class:`InvalidEmail`)."""
-        conf = self.app.conf
-        sender = kwargs.get("from_") or conf.get("idemmail_default_from")
+        settings = self.idem_settings
+        sender = kwargs.get("from_") or settings.default_from
         if not sender:
             raise InvalidEmail("no sender: pass from_= or set idemmail_default_from", field="from")
         return EmailMessage.build(
@@ -85,7 +136,7 @@ class SendEmailTask(IdempotentTask):
             text=kwargs.get("text"), html=kwargs.get("html"), cc=kwargs.get("cc"), bcc=kwargs.get("bcc"),
             reply_to=kwargs.get("reply_to"), headers=kwargs.get("headers"), tags=kwargs.get("tags"),
             attachments=kwargs.get("attachments"),
-            max_bytes=int(conf.get("idemmail_max_message_bytes") or DEFAULT_MAX_BYTES),
+            max_bytes=int(settings.max_message_bytes), max_recipients=settings.max_recipients,
         )
 
     def check_call(self, args: Any, kwargs: dict[str, Any]) -> None:
@@ -93,33 +144,79 @@ class SendEmailTask(IdempotentTask):
         if args:
             raise TypeError("send_email takes keyword arguments only: send_email.delay(to=..., subject=...)")
         self.message_from(kwargs)
+        _event_id(kwargs.get("event_id"))
+        _template(kwargs.get("template"))
         self.provider_url()
 
+    def check(self, payload: _Payload) -> None:
+        """At the worker, before the claim: the message must be valid (:class:`InvalidEmail`, also for
+        arguments of the wrong type) and the provider must build (:class:`ConfigurationError`: the
+        message waits on the outage budget, nothing claimed)."""
+        try:
+            super().check(payload)
+        except TypeError as exc:
+            raise InvalidEmail(f"send_email arguments: {exc}", field="arguments") from exc
+        self.provider  # noqa: B018 - built (and cached) now: a missing API key is not a "maybe sent"
+
     def provider_url(self) -> str:
-        url = self.app.conf.get("idemmail_provider_url")
+        """``idemmail_provider_url``, or :class:`ConfigurationError` when it is not set."""
+        url = self.idem_settings.provider_url
         if not url:
             raise ConfigurationError(
                 "set idemmail_provider_url (resend://, https://..., smtp://..., file:///dir, console://)"
             )
         return str(url)
 
+    _idem_provider: tuple[Any, Provider] | None = None  # (the settings it was built for, the provider)
+
     @property
     def provider(self) -> Provider:
-        """This process's provider for ``idemmail_provider_url`` (the API key from settings or env)."""
+        """This process's provider for ``idemmail_provider_url`` (the API key from settings or env).
+
+        Looked up once per task and settings (it is asked for at the worker's check, in the body and
+        by ``carries_key``); providers reset their connections after a fork themselves.
+        """
+        settings = self.idem_settings
+        held = self._idem_provider
+        if held is not None and held[0] is settings:
+            return held[1]
+        provider = self._build_provider(settings)
+        self._idem_provider = (settings, provider)
+        return provider
+
+    def _build_provider(self, settings: Any) -> Provider:
         url = self.provider_url()
-        api_key = self.app.conf.get("idemmail_provider_api_key") or None
-        timeout = self.app.conf.get("idemmail_provider_timeout")
+        api_key = settings.provider_api_key or None
         # The cache key holds a digest of the API key, never the key itself.
         secret_id = hashlib.sha256((api_key or "").encode()).hexdigest()[:12]
-        cache_key = (os.getpid(), url, secret_id)
+        cache_key = (url, secret_id)
         with _providers_lock:
             provider = _providers.get(cache_key)
             if provider is None:
                 options: dict[str, Any] = {"api_key": api_key}
-                if timeout:
-                    options["timeout"] = float(timeout)
+                if settings.provider_timeout:
+                    options["timeout"] = float(settings.provider_timeout)
                 provider = _providers[cache_key] = provider_from_url(url, **options)
             return provider
+
+    def deliver(self, kwargs: dict[str, Any], key: str) -> dict[str, Any]:
+        """Build the message ``kwargs`` describe and send it once under ``key``: the side effect of
+        ``send_email`` and of each recipient of ``send_campaign``. Raises :class:`PermanentSendError`
+        (``invalid_email``) for a message that cannot be built, else what the provider raises, with
+        the message's own addresses and subject scrubbed out."""
+        try:
+            message = self.message_from(kwargs)
+        except InvalidEmail as exc:
+            # from None: the error names the field and the rule, never the address; nothing more to chain.
+            raise PermanentSendError(scrub(str(exc)), reason="invalid_email") from None
+        try:
+            result = self.provider.send(message, key=key)
+        except SendError as exc:
+            # The built-in providers scrub their own texts; this covers one that does not (a custom
+            # provider), before the error reaches the ledger, the logs, Flower and the result backend.
+            scrub_error(exc, message.personal_texts())
+            raise
+        return result.to_dict()
 
     def carries_key(self) -> bool:
         return self.provider.accepts_idempotency_key
@@ -148,15 +245,10 @@ def _send_email(
     tenant: str | None = None,
 ) -> dict[str, Any]:
     """Send one email, once per intent. Returns the provider's message id and name."""
-    try:
-        message = self.message_from({
-            "to": to, "subject": subject, "text": text, "html": html, "from_": from_, "cc": cc, "bcc": bcc,
-            "reply_to": reply_to, "headers": headers, "tags": tags, "attachments": attachments,
-        })
-    except InvalidEmail as exc:
-        raise PermanentSendError(str(exc), reason="invalid_email") from exc
-    result = self.provider.send(message, key=self.request.idempotency_key)
-    return result.to_dict()
+    return self.deliver({
+        "to": to, "subject": subject, "text": text, "html": html, "from_": from_, "cc": cc, "bcc": bcc,
+        "reply_to": reply_to, "headers": headers, "tags": tags, "attachments": attachments,
+    }, self.request.idempotency_key)
 
 
 send_email: SendEmailTask = shared_task(base=SendEmailTask, bind=True, name=TASK_NAME)(_send_email)

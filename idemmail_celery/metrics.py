@@ -38,7 +38,6 @@ the ledger's non-expiring records at most every ``RECORDS_TTL`` seconds.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import tempfile
@@ -49,8 +48,6 @@ from typing import Any
 
 log = logging.getLogger("idemmail_celery")
 
-LEDGER_OPS = ("claim", "claim_many", "complete", "fail", "park", "release", "renew", "get",
-              "confirm_sent", "resolve")
 LEDGER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 RECORDS_TTL = 30.0
 #: States whose records never expire: what is in flight, waiting, or waiting for a person.
@@ -88,6 +85,7 @@ class Metrics:
         self.ledger_errors = Counter("idemmail_ledger_errors_total", "Ledger operations that raised",
                                      ["op", "backend", "error"], registry=registry)
         self._children: dict[tuple[str, str], Any] = {}
+        self._observers: dict[tuple[str, str], Any] = {}
 
     def outcome(self, task: str, status: str) -> None:
         """Count one report of :mod:`idemmail_celery.outcomes` (never raises)."""
@@ -115,56 +113,20 @@ class Metrics:
         except Exception as exc:
             broken(exc)
 
-    def instrument(self, ledger: Any) -> Any:
-        """Time ``ledger``'s operations (its bound methods, replaced on the instance); returns it."""
-        if getattr(ledger, "_idemmail_timed", False):
-            return ledger
-        backend = backend_label(ledger)
-        for op in LEDGER_OPS:
-            method = getattr(ledger, op, None)
-            if method is not None:
-                setattr(ledger, op, self._timed(method, op, backend))
-        ledger._idemmail_timed = True
-        return ledger
+    def ledger_call(self, op: str, backend: str, seconds: float, error: str | None) -> None:
+        """Time one ledger operation (and count it if it raised ``error``); never raises.
 
-    def _timed(self, method: Callable[..., Any], op: str, backend: str) -> Callable[..., Any]:
-        histogram, errors, clock = self.ledger_seconds, self.ledger_errors, time.perf_counter
-        observe: Callable[[float], None] | None = None
-
-        def record(elapsed: float, error: str | None) -> None:
-            # Guarded: a metrics failure (a missing multiprocess dir, a full disk) must never
-            # replace the ledger call's result or exception, nor stop a send.
-            nonlocal observe
-            if _broken:
-                return
-            try:
-                if observe is None:
-                    observe = histogram.labels(op, backend).observe
-                observe(elapsed)
-                if error is not None:
-                    errors.labels(op, backend, error).inc()
-            except Exception as exc:
-                broken(exc)
-
-        @functools.wraps(method)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = clock()
-            try:
-                result = method(*args, **kwargs)
-            except Exception as exc:
-                record(clock() - start, type(exc).__name__)
-                raise
-            record(clock() - start, None)
-            return result
-
-        return timed
-
-
-def backend_label(ledger: Any) -> str:
-    """``redis``, ``sql``: a sealed ledger (payload encryption) is labelled by the backend it wraps."""
-    while getattr(ledger, "inner", None) is not None and type(ledger).__name__ == "SealedLedger":
-        ledger = ledger.inner
-    return type(ledger).__name__.removesuffix("Ledger").lower() or "ledger"
+        Called by :class:`~idemmail_celery.ledger.metered.MeteredLedger`.
+        """
+        try:
+            observe = self._observers.get((op, backend))
+            if observe is None:
+                observe = self._observers[(op, backend)] = self.ledger_seconds.labels(op, backend).observe
+            observe(seconds)
+            if error is not None:
+                self.ledger_errors.labels(op, backend, error).inc()
+        except Exception as exc:
+            broken(exc)
 
 
 def available() -> bool:
@@ -177,7 +139,8 @@ def available() -> bool:
 
 
 def enable() -> Metrics:
-    """Turn metrics on in this process (idempotent) and time the ledgers already open.
+    """Turn metrics on in this process (idempotent): every ledger opened through
+    :func:`idemmail_celery.ledger.shared`, before or after, is timed from now on.
 
     Raises :class:`~idemmail_celery.errors.ConfigurationError` without ``prometheus_client``.
     """
@@ -190,23 +153,7 @@ def enable() -> Metrics:
                 raise ConfigurationError("idemmail metrics need prometheus-client: "
                                          "pip install idemmail-celery[metrics]")
             active = Metrics()
-            from .task import _ledgers
-
-            for ledger in list(_ledgers.values()):
-                active.instrument(ledger)
         return active
-
-
-def watch(ledger: Any) -> Any:
-    """Time ``ledger`` if metrics are on (called for every ledger a task opens); returns it."""
-    m = active
-    if m is None:
-        return ledger
-    try:
-        return m.instrument(ledger)
-    except Exception as exc:  # never keep a task from its ledger
-        broken(exc)
-        return ledger
 
 
 def broken(exc: BaseException) -> None:
@@ -279,11 +226,11 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
-def serve(port: int, addr: str = "0.0.0.0", app: Any = None) -> Any:
+def serve(port: int, addr: str = "0.0.0.0", ledger: Callable[[], Any] | None = None) -> Any:
     """Serve ``/metrics`` on ``addr:port`` from this process, in a daemon thread (idempotent).
 
-    With ``PROMETHEUS_MULTIPROC_DIR`` the page sums every process's files; with
-    ``app``, it also carries the record gauges of the app's ledger.
+    With ``PROMETHEUS_MULTIPROC_DIR`` the page sums every process's files; with ``ledger``
+    (a function returning the app's ledger), it also carries the record gauges.
     """
     from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
@@ -297,8 +244,8 @@ def serve(port: int, addr: str = "0.0.0.0", app: Any = None) -> Any:
             multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         else:
             registry = REGISTRY
-        if app is not None:
-            registry.register(RecordsCollector(_app_ledger(app)))
+        if ledger is not None:
+            registry.register(RecordsCollector(ledger))
         server = start_http_server(port, addr=addr, registry=registry)
         _servers[(addr, port)] = server
         log.info("idemmail metrics on http://%s:%d/metrics%s", addr, port,
@@ -306,37 +253,19 @@ def serve(port: int, addr: str = "0.0.0.0", app: Any = None) -> Any:
         return server
 
 
-def _app_ledger(app: Any) -> Callable[[], Any]:
-    def ledger() -> Any:
-        from .cli import passive_options
-        from .config import Settings
-        from .task import get_ledger
-
-        s = Settings.resolve(app.conf, None)
-        # The tasks' own options (payload keys, keep_payload, backend options), as the CLI opens it;
-        # passive: a scrape reads the markers and never writes them (no new epoch on an emptied store).
-        return get_ledger(s.ledger_url, {**s.ledger_kwargs(), **passive_options(s.ledger_url)})
-
-    return ledger
-
-
-def configure_worker(app: Any, worker: Any) -> None:
-    """On ``worker_init`` (main process, before the pool starts): enable and serve as the app says.
+def prepare_worker(*, port: int, pool: str) -> bool:
+    """On ``worker_init`` (main process, before the pool starts): turn metrics on; False if they stay off.
 
     Never raises (Celery would swallow it, and half-enabled metrics could fail tasks): a
     multiprocess dir that is missing or not writable leaves metrics off with an ERROR line.
     """
-    conf = app.conf
-    port = int(conf.get("idemmail_metrics_port") or 0)
-    if not (_flag(conf.get("idemmail_metrics")) or port):
-        return
     path = multiprocess_dir()
     if path:
         problem = check_multiprocess_dir(path)
         if problem:
             log.error("idemmail metrics: %s; metrics are OFF for this worker (sends go on). Create the "
                       "directory, empty, writable by the worker, before starting it", problem)
-            return
+            return False
         stale = [n for n in os.listdir(path) if n.endswith(".db")]
         if stale:
             log.warning("idemmail metrics: PROMETHEUS_MULTIPROC_DIR=%s already holds %d .db files: their counts "
@@ -345,24 +274,12 @@ def configure_worker(app: Any, worker: Any) -> None:
         enable()
     except Exception as exc:
         log.error("idemmail metrics: cannot enable them (%s); metrics are OFF for this worker", exc)
-        return
-    pool = str(getattr(worker, "pool_cls", "") or "")
+        return False
     if "prefork" in pool and not path:
         log.warning("idemmail metrics: a prefork worker counts in its pool processes; set "
                     "PROMETHEUS_MULTIPROC_DIR before starting it, or %s stays empty",
                     "/metrics" if port else "what this process exposes")
-    if port:
-        try:
-            serve(port, str(conf.get("idemmail_metrics_addr") or "0.0.0.0"), app)
-        except Exception as exc:
-            log.error("idemmail metrics: cannot serve /metrics on port %d: %s", port, exc)
-
-
-def _flag(value: Any) -> bool:
-    """A setting that may come from the environment as a string."""
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
+    return True
 
 
 def _on_process_shutdown(pid: int | None = None, **_: Any) -> None:

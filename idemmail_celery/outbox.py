@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -64,8 +63,9 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, scoped_session
 
+from ._common import KEY_HEADER, after_fork, backoff
+from .config import Settings
 from .errors import ConfigurationError
-from .task import KEY_HEADER, backoff
 
 log = logging.getLogger("idemmail_celery")
 
@@ -560,17 +560,24 @@ def purge_dispatched(engine: Engine, *, older_than: float, table: sa.Table | str
 
 # -- the relay as a Celery task --
 
-_engines: dict[tuple[int, str], Engine] = {}
+_engines: dict[str, Engine] = {}
 _engines_lock = threading.Lock()
 
 
+@after_fork
+def _forget_engines() -> None:
+    """A forked pool child must not share its parent's sockets: it builds its own engines."""
+    global _engines_lock
+    _engines.clear()  # dropped, not disposed: the connections are the parent's
+    _engines_lock = threading.Lock()
+
+
 def _engine_for(url: str) -> Engine:
-    # One engine per URL and process: a forked pool child must not share its parent's sockets.
-    key = (os.getpid(), url)
+    """One engine per URL and process."""
     with _engines_lock:
-        engine = _engines.get(key)
+        engine = _engines.get(url)
         if engine is None:
-            engine = _engines[key] = sa.create_engine(url, pool_pre_ping=True)
+            engine = _engines[url] = sa.create_engine(url, pool_pre_ping=True)
         return engine
 
 
@@ -599,15 +606,15 @@ def register_relay(
     """
 
     def outbox_relay() -> int:
-        conf = app.conf
-        db_url = url or conf.get("idemmail_outbox_url")
+        settings = Settings.resolve(app.conf)
+        db_url = url or settings.outbox_url
         if not db_url:
             raise ConfigurationError("set idemmail_outbox_url (or pass url= to register_relay)")
         return drain(
             _engine_for(str(db_url)), app,
-            batch_size=int(batch_size or conf.get("idemmail_outbox_batch_size") or 100),
-            table=table or conf.get("idemmail_outbox_table") or DEFAULT_TABLE,
-            max_seconds=float(max_seconds or conf.get("idemmail_outbox_max_seconds") or 10.0),
+            batch_size=batch_size or settings.outbox_batch_size,
+            table=table or settings.outbox_table,
+            max_seconds=max_seconds or settings.outbox_max_seconds,
         )
 
     outbox_relay.__doc__ = "Publish committed outbox rows to the broker (idemmail_celery.outbox.drain)."

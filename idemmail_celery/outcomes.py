@@ -31,43 +31,30 @@ address, a subject or a payload.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from celery.signals import worker_init
 
 from . import metrics
+from ._common import after_fork
+from .config import Settings
+from .handler import Outcome
+from .ledger import passive_options, shared
 
 log = logging.getLogger("idemmail_celery.outcome")
 
 EVENT = "task-idemmail"
 
-# The statuses a report can have (``sent`` and ``duplicate`` are also what the task returns).
-SENT = "sent"                              # the body ran and its result is recorded
-DUPLICATE = "duplicate"                    # a final record was replayed; the body did not run
-REVIEW = "review"                          # parked: the outcome cannot be known, a person decides
-FAILED = "failed"                          # recorded as failed for good; duplicates get the error
-RETRY = "retry"                            # nothing left the process (or the key travels): retried
-IN_FLIGHT = "in_flight"                    # another worker holds a live claim: rescheduled
-IN_FLIGHT_GAVE_UP = "in_flight_gave_up"    # ...and the in-flight budget ran out
-LEDGER_UNAVAILABLE = "ledger_unavailable"  # fail closed: rescheduled until the ledger is back
-RECLAIMED = "reclaimed"                    # a dead holder's expired lease was taken over
-KEY_REUSE = "key_reuse"                    # refused: the key came back with other must-match values
-FAIL_OPEN = "fail_open"                    # the ledger was down and fail_open ran the body without a claim
-LEDGER_GAVE_UP = "ledger_unavailable_gave_up"  # the outage budget ran out: the message is dropped (failed)
-
-STATUSES = (SENT, DUPLICATE, REVIEW, FAILED, RETRY, IN_FLIGHT, IN_FLIGHT_GAVE_UP, LEDGER_UNAVAILABLE, RECLAIMED,
-            KEY_REUSE, FAIL_OPEN, LEDGER_GAVE_UP)
-
-_WARN = {REVIEW, FAILED, IN_FLIGHT_GAVE_UP, KEY_REUSE, FAIL_OPEN}
-_ERROR = {LEDGER_GAVE_UP}
+_WARN = {Outcome.REVIEW, Outcome.FAILED, Outcome.IN_FLIGHT_GAVE_UP, Outcome.KEY_REUSE, Outcome.FAIL_OPEN}
+_ERROR = {Outcome.LEDGER_GAVE_UP}
 #: Outcomes whose task ends in FAILURE or RETRY: only they need a ``task-idemmail`` event, since a
 #: task that succeeds carries its outcome as its result (``task-succeeded``).
-_EVENTFUL = {REVIEW, FAILED, RETRY, IN_FLIGHT, IN_FLIGHT_GAVE_UP, LEDGER_UNAVAILABLE, LEDGER_GAVE_UP, KEY_REUSE}
+_EVENTFUL = {Outcome.REVIEW, Outcome.FAILED, Outcome.RETRY, Outcome.IN_FLIGHT, Outcome.IN_FLIGHT_GAVE_UP,
+             Outcome.LEDGER_UNAVAILABLE, Outcome.LEDGER_GAVE_UP, Outcome.KEY_REUSE}
 _REASON = re.compile(r"[a-z0-9_]{1,40}(,[a-z0-9_]{1,40})*")
-_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 
 
 class _Worker:
@@ -75,7 +62,7 @@ class _Worker:
     task_events = False
 
 
-def report(task: Any, status: str, key: str, *, message_id: Any = None, reason: str | None = None,
+def report(task: Any, status: Outcome | str, key: str, *, message_id: Any = None, reason: str | None = None,
            event: bool = True, **extra: Any) -> None:
     """Tell the log, Flower and metrics what this run of ``task`` came to.
 
@@ -83,6 +70,7 @@ def report(task: Any, status: str, key: str, *, message_id: Any = None, reason: 
     ``action``). ``event=False``: no ``task-idemmail`` event (a campaign's recipients,
     whose task id is the campaign's). Never raises: reporting must not change an outcome.
     """
+    status = Outcome(status)
     request = task.request
     name = task.name
     attempts = (request.retries or 0) + 1
@@ -93,18 +81,19 @@ def report(task: Any, status: str, key: str, *, message_id: Any = None, reason: 
     unrecorded = extra.get("recorded") == "false"
     try:
         level = _level(status, unrecorded, routine=event and reason is None and (
-            (status == SENT and not unrecorded) or (status == DUPLICATE and extra.get("recorded") == "sent")))
+            (status is Outcome.SENT and not unrecorded)
+            or (status is Outcome.DUPLICATE and extra.get("recorded") == "sent")))
         if log.isEnabledFor(level):
             _log(level, status, name, key, request.id, message_id, reason, attempts, extra)
         active = metrics.active
         if active is not None:
-            if status == RECLAIMED:  # a step, not an outcome: the run goes on to one (counted once)
+            if status is Outcome.RECLAIMED:  # a step, not an outcome: the run goes on to one (counted once)
                 active.reclaimed(name)
             else:
-                active.outcome(name, status)
+                active.outcome(name, status.value)
                 if unrecorded:
-                    active.unrecorded(name, status, reason or "other")
-        replayed_failure = status == DUPLICATE and extra.get("recorded") in ("failed", "review")
+                    active.unrecorded(name, status.value, reason or "other")
+        replayed_failure = status is Outcome.DUPLICATE and extra.get("recorded") in ("failed", "review")
         if event and _Worker.task_events and request.hostname and (status in _EVENTFUL or unrecorded
                                                                    or replayed_failure):
             _event(task, status, key, message_id, reason, attempts, extra)
@@ -121,24 +110,19 @@ def clean_reason(reason: Any) -> str:
     return text if _REASON.fullmatch(text) else "other"
 
 
-def snake(name: str) -> str:
-    """``LedgerUnavailableError`` -> ``ledger_unavailable_error`` (exception types as reason words)."""
-    return _CAMEL.sub("_", name).lower()
-
-
-def _level(status: str, unrecorded: bool, *, routine: bool) -> int:
+def _level(status: Outcome, unrecorded: bool, *, routine: bool) -> int:
     if routine:
         return logging.DEBUG  # Celery's "succeeded" line shows this outcome: the task's result is it
-    if status in _ERROR or (unrecorded and status == SENT):
+    if status in _ERROR or (unrecorded and status is Outcome.SENT):
         return logging.ERROR  # dropped, or sent and the ledger does not know it (maybe twice)
     if status in _WARN or unrecorded:
         return logging.WARNING
     return logging.INFO
 
 
-def _log(level: int, status: str, name: str, key: str, task_id: str | None, message_id: str | None,
+def _log(level: int, status: Outcome, name: str, key: str, task_id: str | None, message_id: str | None,
          reason: str | None, attempts: int, extra: dict[str, Any]) -> None:
-    fields: dict[str, Any] = {"status": status, "task": name, "key": key, "message_id": message_id,
+    fields: dict[str, Any] = {"status": status.value, "task": name, "key": key, "message_id": message_id,
                               "task_id": task_id, "attempts": attempts}
     if reason:
         fields["reason"] = reason
@@ -161,15 +145,15 @@ def _logfmt(value: Any) -> str:
     return text
 
 
-def _event(task: Any, status: str, key: str, message_id: str | None, reason: str | None, attempts: int,
+def _event(task: Any, status: Outcome, key: str, message_id: str | None, reason: str | None, attempts: int,
            extra: dict[str, Any]) -> None:
-    shown = {"status": status, "key": key, "message_id": message_id}
+    shown = {"status": status.value, "key": key, "message_id": message_id}
     if reason:
         shown["reason"] = reason
     shown.update(extra)
     # Flower lists only Celery's own task fields: ``result`` is the one an event may fill.
     request = task.request
-    fields = {"status": status, "key": key, "message_id": message_id, "reason": reason, "attempts": attempts,
+    fields = {"status": status.value, "key": key, "message_id": message_id, "reason": reason, "attempts": attempts,
               "result": repr(shown), **extra}
     _Events.send(task.app, request.hostname, request.id, fields)
 
@@ -178,22 +162,21 @@ class _Events:
     """One event dispatcher per process (``Task.send_event`` builds one per event: ~60 us more each).
 
     Shared by the process's threads (or greenlets) under a lock: a per-thread one would leak a
-    connection per greenlet. Keyed on the pid: a forked pool child never writes on its parent's
-    connection, it drops (never closes: the socket is the parent's too) what it inherited.
+    connection per greenlet. A forked pool child never writes on its parent's connection: it
+    drops (never closes: the socket is the parent's too) what it inherited, right after the fork.
     """
 
     lock = threading.Lock()
     dispatcher: Any = None
-    pid = 0
     hostname: str | None = None
 
     @classmethod
     def send(cls, app: Any, hostname: str, task_id: str | None, fields: dict[str, Any]) -> None:
         with cls.lock:
-            if cls.dispatcher is None or cls.pid != os.getpid() or cls.hostname != hostname:
+            if cls.dispatcher is None or cls.hostname != hostname:
                 cls.dispatcher = app.events.Dispatcher(app.connection_for_write(), hostname=hostname, enabled=True,
                                                        buffer_while_offline=False)
-                cls.pid, cls.hostname = os.getpid(), hostname
+                cls.hostname = hostname
             try:
                 cls.dispatcher.send(EVENT, uuid=task_id, retry=False, **fields)
             except Exception:
@@ -202,17 +185,47 @@ class _Events:
 
     @classmethod
     def after_fork(cls) -> None:
-        cls.lock, cls.dispatcher, cls.pid = threading.Lock(), None, 0
+        cls.lock, cls.dispatcher = threading.Lock(), None
 
 
-os.register_at_fork(after_in_child=_Events.after_fork)
+after_fork(_Events.after_fork)
 
 
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     _Worker.task_events = bool(getattr(sender, "task_events", False))
     app = getattr(sender, "app", None)
     if app is not None:
-        metrics.configure_worker(app, sender)
+        configure_metrics(app, sender)
+
+
+def configure_metrics(app: Any, worker: Any) -> None:
+    """On ``worker_init``: turn metrics on and serve ``/metrics`` as the app's settings say (never raises)."""
+    try:
+        settings = Settings.resolve(app.conf)
+    except Exception as exc:  # a bad setting elsewhere is the task's to report; metrics stay off
+        log.error("idemmail metrics: settings could not be read (%s); metrics are OFF for this worker", exc)
+        return
+    port = settings.metrics_port
+    if not (settings.metrics or port):
+        return
+    if not metrics.prepare_worker(port=port, pool=str(getattr(worker, "pool_cls", "") or "")):
+        return
+    if port:
+        try:
+            metrics.serve(port, settings.metrics_addr, app_ledger(app))
+        except Exception as exc:
+            log.error("idemmail metrics: cannot serve /metrics on port %d: %s", port, exc)
+
+
+def app_ledger(app: Any) -> Callable[[], Any]:
+    """The app's ledger as the metrics endpoint reads it: the tasks' own options (payload keys,
+    keep_payload, backend options), opened passive (a scrape reads the loss markers and never
+    writes them: no new epoch on an emptied store)."""
+    def ledger() -> Any:
+        s = Settings.resolve(app.conf, None)
+        return shared(s.ledger_url, {**s.ledger_kwargs(), **passive_options(s.ledger_url)})
+
+    return ledger
 
 
 worker_init.connect(_on_worker_init, weak=False)

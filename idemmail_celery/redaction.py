@@ -1,6 +1,14 @@
-"""Keep a task's arguments (addresses, subjects, bodies) out of what Celery shows of a message.
+"""Keep personal data (addresses, subjects, bodies) out of what Celery and the library show.
 
-Celery copies a message's ``argsrepr``/``kwargsrepr`` headers into its task events
+**Error texts.** :func:`scrub` takes addresses (anything shaped ``local@domain``) and the
+message's own addresses, display names and subject out of a text; :func:`scrub_error` does
+it to a :class:`~idemmail_celery.errors.SendError` in place, and :func:`scrubbed` wraps a
+provider's ``send`` so that every error it raises, and a stored response text, is scrubbed
+before it reaches a log line, an exception, a Flower event, the result backend or the
+ledger's ``error`` field. Every built-in provider's ``send`` is wrapped, and ``send_email``
+scrubs again whatever a custom provider raises.
+
+**Task arguments.** Celery copies a message's ``argsrepr``/``kwargsrepr`` headers into its task events
 (Flower) and worker logs, and builds them from the real arguments unless the sender
 gave its own. ``IdempotentTask.apply_async`` gives its own, but a message can be
 published by other paths: ``app.send_task(name, ...)``, the outbox relay for a task
@@ -21,16 +29,106 @@ real arguments.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import logging
+import re
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from celery.signals import before_task_publish
 
+from ._common import KEY_HEADER
+from .errors import SendError
+
+if TYPE_CHECKING:
+    from .email import EmailMessage
+    from .providers.base import Provider, SendResult
+
+__all__ = ["ADDRESS_MARK", "ARGSREPR", "KEY_HEADER", "PERSONAL_MARK", "kwargsrepr", "redacts", "register", "scrub",
+           "scrub_error", "scrubbed"]
+
 log = logging.getLogger("idemmail_celery")
 
-KEY_HEADER = "idempotency_key"
+#: What an address becomes in a scrubbed text.
+ADDRESS_MARK = "<address>"
+#: What a personal text of the message (a display name, the subject) becomes.
+PERSONAL_MARK = "<redacted>"
+#: Anything shaped like an address ("550 5.1.1 <bob@example.com>: unknown", JSON, prose).
+_ADDRESS = re.compile(r"<?[^\s<>()\[\],;:\"'`]+@[^\s<>()\[\],;:\"'`]+>?")
+
+
+def scrub(text: str, personal: Iterable[str] = ()) -> str:
+    """``text`` without addresses, and without any of ``personal`` (the message's names, subject).
+
+    ``personal`` texts are matched ignoring case, also as JSON writes them (escaped quotes,
+    ``\\uXXXX``), longest first; texts under 4 characters are left alone (replacing "Hi"
+    everywhere would garble the error and protect nothing). Addresses are replaced by
+    :data:`ADDRESS_MARK` wherever they appear.
+    """
+    forms: set[str] = set()
+    for item in personal:
+        item = item.strip()
+        if len(item) >= 4:
+            forms.update((item, json.dumps(item)[1:-1], json.dumps(item, ensure_ascii=False)[1:-1]))
+    for form in sorted(forms, key=len, reverse=True):
+        text = re.sub(re.escape(form), PERSONAL_MARK, text, flags=re.IGNORECASE)
+    return _ADDRESS.sub(ADDRESS_MARK, text)
+
+
+_E = TypeVar("_E", bound=SendError)
+
+
+def scrub_error(exc: _E, personal: Iterable[str] = ()) -> _E:
+    """Scrub ``exc``'s message in place (its ``args`` too, which Celery serializes); returns it.
+
+    An exception chained to it (``__cause__``/``__context__``) whose text would leak is cut
+    off: tracebacks print every link of the chain.
+    """
+    personal = tuple(personal)
+    clean = scrub(exc.message, personal)
+    if clean != exc.message:
+        exc.message = clean
+        exc.args = (clean, *exc.args[1:])
+    link = exc.__cause__ or exc.__context__
+    while link is not None:
+        if scrub(str(link), personal) != str(link):
+            exc.__cause__, exc.__suppress_context__ = None, True
+            break
+        link = link.__cause__ or link.__context__
+    return exc
+
+
+_Send = TypeVar("_Send", bound=Callable[..., Any])
+
+
+def scrubbed(send: _Send) -> _Send:
+    """Decorate a provider's ``send(self, message, *, key)``: what it raises or stores is scrubbed.
+
+    A :class:`~idemmail_celery.errors.SendError` leaves with :func:`scrub_error` applied
+    (the message's addresses, display names and subject); a result's ``extra["response"]``
+    (the raw text of an answer that had no message id) is scrubbed the same way.
+    """
+
+    @functools.wraps(send)
+    def wrapper(self: Provider, message: EmailMessage, **kwargs: Any) -> SendResult:
+        try:
+            result: SendResult = send(self, message, **kwargs)
+        except SendError as exc:
+            scrub_error(exc, message.personal_texts())
+            raise
+        response = result.extra.get("response") if result.extra else None
+        if isinstance(response, str):
+            extra = {**result.extra, "response": scrub(response, message.personal_texts())}
+            result = dataclasses.replace(result, extra=extra)
+        return result
+
+    return cast(_Send, wrapper)
+
+
+
 ARGSREPR = "<redacted>"
 
 _lock = threading.Lock()

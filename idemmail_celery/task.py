@@ -1,123 +1,73 @@
-"""``IdempotentTask``: the state machine that makes a task run once per intent.
+"""``IdempotentTask``: the Celery adapter of the state machine in :mod:`idemmail_celery.handler`.
 
-Read top to bottom, this module is the guarantee:
+* ``apply_async`` (caller's process) validates the call and derives the intent key before
+  anything is enqueued, and sends it as the ``idempotency_key`` header; bad input fails here.
+* ``__call__`` (worker) describes the delivery to the :class:`~idemmail_celery.handler.Handler`
+  and carries out its answer: return, raise, ``retry()`` (the task's own budget), reschedule
+  (no budget spent), or drop a redundant copy. Every countdown it sets stays below the
+  broker's visibility timeout (Redis, SQS): a longer wait is split into hops the broker
+  keeps, so a message is never handed out again while a worker still holds it.
 
-* ``apply_async`` (caller's process) derives the intent key before anything is
-  enqueued and sends it as the ``idempotency_key`` header; bad input fails here.
-* ``__call__`` (worker) claims the key in the ledger, then by what the ledger says:
-
-  ===========================  ==============================================================
-  ledger answer                what happens
-  ===========================  ==============================================================
-  new key                      run the body, record ``sent`` with its result, return it
-  released claim               run the *stored first payload*, as above
-  ``sent``                     do not run; return the stored result (status ``duplicate``)
-  ``failed``                   do not run; raise the stored :class:`PermanentSendError`
-  ``review``                   do not run; raise :class:`SendNeedsReview`
-  live claim of another        reschedule with backoff (own budget), then replay
-  expired claim (holder died)  key carried downstream: run again with the same key and the
-                               stored payload; otherwise park as ``review``, do not send
-  ===========================  ==============================================================
-
-* what the body raises decides the record: :class:`TransientSendError` releases the
-  claim and retries; :class:`PermanentSendError` records ``failed``;
-  :class:`AmbiguousSendError` and any unexpected exception mean "maybe sent":
-  retried with the same key when the key travels downstream, parked as
-  ``review`` otherwise. Nothing is ever dropped: every exhausted budget parks
-  the record with its payload.
+The decisions themselves (claim, replay, reclaim, record, park) live in the handler.
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import hashlib
 import inspect
 import logging
-import random
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from celery import Task
-from celery.exceptions import Retry
+from celery.exceptions import Ignore, Retry
 from celery.signals import worker_init
 
 from . import keys as keys_mod
-from . import metrics as _metrics
 from . import outcomes, redaction
-from ._lease import keeper
+from ._common import (
+    CHAIN_HEADERS,
+    ENQUEUED_HEADER,
+    HOP_HEADER,
+    INFLIGHT_HEADER,
+    KEY_HEADER,
+    NOT_BEFORE_HEADER,
+    OLDER_KEYS_HEADER,
+    OUTAGE_HEADER,
+    OWNER_HEADER,
+    TENANT_HEADER,
+    VERDICT_HEADER,
+    transport_visibility_timeout,
+)
 from .config import Settings
 from .errors import (
-    SEND_ERRORS,
-    AmbiguousSendError,
     ConfigurationError,
-    IdempotencyInFlightError,
-    IdempotencyKeyReuseError,
+    IdemmailError,
     LedgerError,
-    LedgerLostError,
-    LedgerUnavailableError,
-    PayloadKeyError,
     PermanentSendError,
-    SendError,
-    SendNeedsReview,
-    StaleTokenError,
     TransientSendError,
     UnsafeLedgerError,
-    UnserializableArgumentsError,
 )
+from .handler import Action, Delivery, Handler, Outcome, Policy, Step, verdict_of
 from .keys import IntentKeyBuilder, KeySpec, Payload
-from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State, backend_for, from_url
+from .ledger import Ledger, backend_for, shared
 from .ledger.base import new_owner
-from .ledger.sealed import PAYLOAD_KEY_UNKNOWN, is_sealed, park_unreadable
 
 log = logging.getLogger("idemmail_celery")
 
-KEY_HEADER = "idempotency_key"
-TENANT_HEADER = "idempotency_tenant"
-INFLIGHT_HEADER = "idemmail_inflight"
-OUTAGE_HEADER = "idemmail_outage"
-ENQUEUED_HEADER = "idemmail_enqueued"  # when the intent was first enqueued (caller's clock, epoch seconds)
+#: Of the broker's visibility timeout, the most a countdown may take (the rest is margin for the
+#: time a message waits in the worker before its countdown starts).
+VISIBILITY_SHARE = 0.5
 
-#: After an acknowledged ledger loss, a message that does not say when it was enqueued (sent by
-#: name, or by an older version) counts as possibly older than the loss for this long.
-UNDATED_AFTER_LOSS_SECONDS = 24 * 3600.0
-
-_ledgers: dict[tuple[str, str], Ledger] = {}
-_ledgers_lock = threading.Lock()
-_reported_unreachable: set[str] = set()
 _warned_no_secret = False
+_warned_lock = threading.Lock()
 
 
 def get_ledger(url: str, options: dict[str, Any] | None = None) -> Ledger:
-    """The process-wide ledger for ``url`` (one connection pool per URL and options)."""
-    # A digest, not the options: they hold the payload keys, which must not sit in a dict key.
-    cache_key = (url, hashlib.sha256(repr(sorted((options or {}).items())).encode()).hexdigest())
-    with _ledgers_lock:
-        ledger = _ledgers.get(cache_key)
-        if ledger is None:
-            ledger = _ledgers[cache_key] = _metrics.watch(from_url(url, **(options or {})))
-        return ledger
-
-
-def backoff(attempt: int, base: float, cap: float) -> float:
-    """Exponential backoff with jitter: between half and all of ``min(cap, base * 2**attempt)``."""
-    ceiling = min(cap, base * (2 ** min(attempt, 30)))
-    return float(ceiling * random.uniform(0.5, 1.0))
-
-
-def _error_record(exc: BaseException, reason: str, state_type: type[SendError]) -> dict[str, Any]:
-    return {
-        "type": state_type.__name__,
-        "reason": reason,
-        "message": str(exc)[:500],
-        "cause": type(exc).__name__,
-        "at": time.time(),
-    }
-
-
-def _iso(ts: float | None) -> str | None:
-    return None if not ts else dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat()
+    """The process-wide ledger for ``url`` (see :func:`idemmail_celery.ledger.shared`)."""
+    return shared(url, options)
 
 
 class IdempotentTask(Task):  # type: ignore[misc]
@@ -147,12 +97,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         is safely retried instead of parked for review.
     ``idempotency_redact_args``
         True (the default) shows the intent key instead of the arguments (addresses,
-        bodies) wherever Celery shows them: task events, Flower, worker logs
-        (``argsrepr`` and ``kwargsrepr``), on every publish path (``apply_async``,
-        ``send_task``, the outbox relay; see :mod:`idemmail_celery.redaction`).
-        False shows them. Default: the app setting ``idemmail_redact_args``, else True.
+        bodies) wherever Celery shows them: task events, Flower, worker logs.
 
-    plus the per-task settings listed in :mod:`idemmail_celery.config`.
+    plus the per-task settings in :data:`idemmail_celery.config.SETTINGS`, and Celery's own
+    ``max_retries``, ``retry_backoff``, ``retry_backoff_max`` and ``retry_jitter`` for the
+    retries of transient failures.
 
     The body reads its key as ``self.request.idempotency_key``. Callers pass an
     explicit key with ``apply_async(..., idempotency_key="order-4821:confirm")``.
@@ -180,6 +129,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     _idem_settings: Settings | None = None
     _idem_builder: IntentKeyBuilder | None = None
     _idem_ledger: Ledger | None = None
+    _idem_handler: Handler | None = None
 
     # -- configuration, resolved once per task --
 
@@ -199,6 +149,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             spec = self.idempotency_key
             if isinstance(spec, list):
                 spec = tuple(spec)
+            secrets = self.idem_settings.key_secrets
             self._idem_builder = IntentKeyBuilder(
                 task_name=self.name,
                 signature=signature,
@@ -208,7 +159,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 address_fields=keys_mod.address_fields_for(signature, self.idempotency_address_fields),
                 must_match=tuple(self.idempotency_must_match or ()),
                 serializer=self.serializer or self.app.conf.task_serializer or "json",
-                secret=self.idem_settings.key_secret,
+                secret=secrets or None,  # newest first: keys are made with the first, found under all
             )
         return self._idem_builder
 
@@ -225,21 +176,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 f"{self.name}: autoretry_for={unsafe!r} would retry sends that may have gone out; "
                 "raise TransientSendError (retried) or AmbiguousSendError (made safe) instead"
             )
-        if settings.key_secret is None and not _warned_no_secret:
-            _warned_no_secret = True
-            log.warning(
-                "idemmail: no idemmail_key_secret set; intent keys are plain SHA-256 and can be "
-                "brute-forced back to guessable arguments. Set idemmail_key_secret in production."
+        if settings.key_secrets:
+            return
+        if not (settings.allow_plain_keys or settings.ledger_url.startswith("sqlite")):
+            raise ConfigurationError(
+                f"{self.name}: idemmail_key_secret is not set. Without it intent keys are plain SHA-256, which can "
+                "be brute-forced back to guessable arguments (addresses, order ids). Set idemmail_key_secret "
+                "(or IDEMMAIL_KEY_SECRET); idemmail_allow_plain_keys=True accepts plain keys on purpose"
             )
-
-    def carries_key(self) -> bool:
-        """Does the side effect pass the key to a service that de-duplicates on it?
-
-        Decides whether a crashed or ambiguous attempt is retried with the same key
-        (True) or parked for review (False). Subclasses whose downstream is chosen
-        at run time (``send_email`` asks its provider) override this.
-        """
-        return self.idem_settings.carries_key
+        with _warned_lock:
+            if not _warned_no_secret:
+                _warned_no_secret = True
+                log.warning(
+                    "idemmail: no idemmail_key_secret set; intent keys are plain SHA-256 and can be "
+                    "brute-forced back to guessable arguments. Fine for development (the embedded SQLite "
+                    "ledger); set idemmail_key_secret in production."
+                )
 
     @property
     def ledger(self) -> Ledger:
@@ -248,6 +200,29 @@ class IdempotentTask(Task):  # type: ignore[misc]
             s = self.idem_settings
             self._idem_ledger = get_ledger(s.ledger_url, s.ledger_kwargs())
         return self._idem_ledger
+
+    @property
+    def policy(self) -> Policy:
+        """The state machine's numbers: this task's settings, and Celery's own retry attributes."""
+        s = self.idem_settings
+        celery_backoff = getattr(self, "retry_backoff", False)
+        if celery_backoff:  # the task asked for Celery's curve: honour all three attributes
+            factor = 1.0 if celery_backoff is True else float(celery_backoff)
+            maximum = float(getattr(self, "retry_backoff_max", 600) or 600)
+        else:
+            factor, maximum = s.retry_backoff, s.retry_backoff_max
+        return Policy(lease_seconds=s.lease_seconds, max_reclaims=s.max_reclaims,
+                      inflight_max_retries=s.inflight_max_retries, inflight_backoff=s.inflight_backoff,
+                      inflight_backoff_max=s.inflight_backoff_max, retry_backoff=factor, retry_backoff_max=maximum,
+                      retry_jitter=bool(getattr(self, "retry_jitter", True)),
+                      outage_max_retries=s.outage_max_retries, fail_open=s.fail_open)
+
+    @property
+    def handler(self) -> Handler:
+        """This task's :class:`~idemmail_celery.handler.Handler` (the task lends it the side effect)."""
+        if self._idem_handler is None:
+            self._idem_handler = Handler(self.ledger, self.key_builder, self.policy, self, passthrough=(Retry,))
+        return self._idem_handler
 
     # -- the caller's side --
 
@@ -258,12 +233,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def check_call(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Validate a call before it is accepted (a hook: ``send_email`` checks the message here).
 
-        Raise a typed error; nothing has been enqueued or written yet.
+        Raise a typed error; nothing has been enqueued or written yet. Also run by the worker
+        before the claim, for messages that did not come through ``apply_async``.
         """
 
     def intent_headers(
         self, args: Any = None, kwargs: Any = None, *, explicit: str | None = None, tenant: str | None = None
-    ) -> dict[str, str]:
+    ) -> dict[str, Any]:
         """Validate a call and derive its intent: the message headers it will travel with.
 
         What ``apply_async`` does before enqueueing, and what the transactional
@@ -276,8 +252,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         payload = builder.payload(args, kwargs)
         if builder.serializer != "json":
             payload.to_json()  # the ledger stores JSON: fail now if it cannot (json proved it already)
-        headers = {KEY_HEADER: builder.derive(payload, explicit=explicit, tenant=tenant),
-                   ENQUEUED_HEADER: f"{time.time():.3f}"}
+        headers: dict[str, Any] = {KEY_HEADER: builder.derive(payload, explicit=explicit, tenant=tenant),
+                                   ENQUEUED_HEADER: f"{time.time():.3f}"}
+        older = builder.older_keys(payload, explicit=explicit, tenant=tenant)  # () unless rotating
+        if older:
+            headers[OLDER_KEYS_HEADER] = list(older)
         if tenant is not None:
             headers[TENANT_HEADER] = str(tenant)
         return headers
@@ -305,7 +284,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         explicit = options.pop("idempotency_key", None)
         tenant = options.pop("idempotency_tenant", None)
         headers = dict(options.get("headers") or {})
-        if explicit is not None or KEY_HEADER not in headers:  # a retry already carries its key
+        raw = headers.get(KEY_HEADER)
+        if explicit is None and raw is not None and not keys_mod.is_derived_key(raw):
+            explicit = raw  # apply_async(headers={"idempotency_key": ...}): checked and hashed like idempotency_key=
+        if explicit is not None or KEY_HEADER not in headers:  # a retry (or resolve --release) carries its key
             headers.update(self.intent_headers(args, kwargs, explicit=explicit, tenant=tenant))
         options["headers"] = headers
         if self.idem_settings.redact_args:  # the task option, else idemmail_redact_args, parsed strictly
@@ -319,199 +301,161 @@ class IdempotentTask(Task):  # type: ignore[misc]
         request = self.request
         if request.called_directly:
             return self.run(*args, **kwargs)
-        settings = self.idem_settings
-        builder = self.key_builder
-        headers = request.headers or {}
+        headers = dict(request.headers or {})
+        self._wait_until_due(headers)
         payload = Payload(list(args), dict(kwargs))
         key = headers.get(KEY_HEADER) or getattr(request, KEY_HEADER, None)
-        if not key:
-            key = builder.derive(payload, tenant=headers.get(TENANT_HEADER))
+        if key and not keys_mod.is_derived_key(key):  # a raw key (send_task(headers=...)): hash it as apply_async does
+            key = self._raw_key(key, headers)
+        if not key:  # sent by name without a key: derive it as apply_async would have
+            try:
+                key = self.key_builder.derive(payload, tenant=headers.get(TENANT_HEADER))
+            except IdemmailError as exc:
+                raise PermanentSendError(f"cannot derive an intent key: {exc}", reason="invalid_arguments") from exc
+        key, older = self._rotated(key, payload, headers)
         request.idempotency_key = key
+        request.idemmail_owner = owner = new_owner(request.id or "")
+        step = self.handler.handle(Delivery(
+            older_keys=older,
+            key=key, task_name=self.name, payload=payload, attempt_id=request.id or "",
+            retries=request.retries or 0, max_retries=self.max_retries,
+            inflight=_count(headers.get(INFLIGHT_HEADER)), outage=_count(headers.get(OUTAGE_HEADER)),
+            enqueued_at=_number(headers.get(ENQUEUED_HEADER)), resume_owner=headers.get(OWNER_HEADER) or None,
+            verdict=verdict_of(headers.get(VERDICT_HEADER)), hop=str(headers.get(HOP_HEADER) or request.id or ""),
+            owner=owner,
+        ))
+        return self._carry_out(step, headers)
 
-        ledger = self.ledger
-        try:
-            claim = ledger.claim(ClaimRequest(
-                key=key,
-                task_name=self.name,
-                payload=payload.to_json(),
-                fingerprint=builder.fingerprint(payload),
-                owner=new_owner(request.id or ""),
-                lease_seconds=settings.lease_seconds,
-            ))
-        except (LedgerUnavailableError, UnsafeLedgerError) as exc:
-            # Fail closed: nothing is sent without a claim, and the message is not lost.
-            return self._ledger_down(exc, key, args, kwargs)
+    def _rotated(self, key: str, payload: Payload, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+        """During a key-secret rotation: the key to claim under, and the older keys to look for first.
 
-        status = claim.status
-        if status in (ClaimStatus.REOPENED, ClaimStatus.RECLAIMED) and is_sealed(claim.record.payload):
-            self._unreadable(claim)  # this process has no payload keys: never run it, never strand it
-        if status is ClaimStatus.DONE:
-            self._check_reuse(claim.record, payload)
-            return self._replay(claim.record)
-        if status is ClaimStatus.BUSY:
-            self._check_reuse(claim.record, payload)
-            self._reschedule_in_flight(claim.record)
-        if status is ClaimStatus.RECLAIMED:
-            outcome = self._after_crash(claim)
-            if outcome is not None:
-                return outcome
-        if status is ClaimStatus.ACQUIRED and _older_than(headers, ledger.recovered_at):
-            outcome = self._after_loss(claim)
-            if outcome is not None:
-                return outcome
-        # The first payload ships; if an operator erased it (``forget``), this delivery's is all there is.
-        first = claim.record.payload
-        stored = payload if status is ClaimStatus.ACQUIRED or not first else Payload.from_json(first)
-        if status is ClaimStatus.REOPENED:
-            try:
-                self._check_reuse(claim.record, payload)
-            except IdempotencyKeyReuseError:
-                ledger.release(key, claim.token)  # nothing ran; the first payload's own retry will
-                raise
-        return self._run_claimed(claim, stored)
-
-    def _unreadable(self, claim: Claim) -> NoReturn:
-        """A held claim whose first payload is sealed, in a process without ``idemmail_payload_keys``.
-
-        Parked as ``review`` (reason ``payload_key_unknown``), as a process with the wrong keys
-        does, and :class:`PayloadKeyError` raised; if parking fails, rescheduled as in flight,
-        so this delivery meets the record again once the claim's lease runs out.
+        The caller sends the older keys (it knows an explicit key). A message without them (sent by
+        name, by an older release, or enqueued before the rotation under an older secret) has them
+        worked out here, for a key derived from the arguments only: an explicit key's other forms
+        cannot be, and a derived key must not stand in for one. Either way a new record goes under
+        the newest key, and one made under any secret is found. Nothing to do with one secret.
         """
-        key = claim.record.key
-        after = park_unreadable(self.ledger, claim)
-        if after.status is ClaimStatus.BUSY:
-            self._reschedule_in_flight(after.record)
-        outcomes.report(self, outcomes.REVIEW, key, reason=PAYLOAD_KEY_UNKNOWN)
-        raise PayloadKeyError(
-            f"ledger record {key} is sealed but this process has no idemmail_payload_keys (parked for review); "
-            "configure the same payload keys as the other workers, then resolve it"
-        )
+        sent = headers.get(OLDER_KEYS_HEADER)
+        if isinstance(sent, list):
+            return key, tuple(str(k) for k in sent if keys_mod.is_derived_key(k))
+        builder = self.key_builder
+        tenant = headers.get(TENANT_HEADER)
+        older = builder.older_keys(payload, tenant=tenant)  # () without a rotation: no work
+        if not older:
+            return key, ()
+        newest = builder.derive(payload, tenant=tenant)
+        if key == newest or key in older:
+            return newest, older
+        return key, ()
 
-    def _run_claimed(self, claim: Claim, payload: Payload) -> dict[str, Any]:
-        """Run the body under the claim and record what came of it."""
-        key, token, ledger = claim.record.key, claim.token, self.ledger
-        settings = self.idem_settings
-        keeper.hold(ledger, key, token, settings.lease_seconds)
-        try:
-            value = self.run(*payload.args, **payload.kwargs)
-        except Retry:
-            # The body chose to retry itself: by Celery's contract nothing was sent.
-            self._record(ledger.release, key, token, {"reason": "body_retried", "at": time.time()})
-            raise
-        except PermanentSendError as exc:
-            self._record(ledger.fail, key, token, _error_record(exc, exc.reason, type(exc)))
-            exc.with_key(key)
-            raise
-        except SendNeedsReview as exc:
-            self._record(ledger.park, key, token, _error_record(exc, exc.reason, SendNeedsReview))
-            exc.with_key(key)
-            raise
-        except TransientSendError as exc:
-            return self._retry_or_park(claim, exc, exc.reason, sent_maybe=False)
-        except Exception as exc:  # anything else: the side effect may have happened
-            reason = exc.reason if isinstance(exc, AmbiguousSendError) else "unexpected_error"
-            return self._retry_or_park(claim, exc, reason, sent_maybe=True)
-        finally:
-            keeper.drop(ledger, key, token)
-        return self._record_sent(claim.record, token, value)
+    def _raw_key(self, raw: Any, headers: dict[str, Any]) -> str:
+        """The ledger key for a raw ``idempotency_key`` header: namespaced and hashed (an invalid one is refused).
 
-    def _record_sent(self, record: Record, token: int, value: Any, *, reconciled: bool = False) -> dict[str, Any]:
-        key, ledger = record.key, self.ledger
-        stored = {"value": value, "message_id": _message_id(value)}
-        unrecorded: str | None = None  # why the ledger does not hold this send, if it does not
-        for attempt in range(4):
-            try:
-                ledger.complete(key, token, stored)
-                break
-            except UnserializableArgumentsError:
-                # The send happened; a result JSON cannot hold must not keep it from being recorded.
-                stored = {"value": None, "message_id": None, "unserializable": type(value).__name__}
-            except StaleTokenError as exc:
-                # Our lease was taken over while we ran. If the newer holder already
-                # recorded sent, the intent went out twice: say so loudly.
-                log.error("idemmail: %s completed after losing its lease: %s", key, exc)
-                unrecorded = "lease_lost"
-                break
-            except LedgerUnavailableError as exc:
-                if attempt == 3:
-                    # The send happened; the claim stays with its lease. When it expires the
-                    # next claimer resends with the same key or parks it for review.
-                    log.error("idemmail: %s was sent but could not be recorded: %s", key, exc)
-                    unrecorded = "unrecorded"
-                    break
-                time.sleep(0.2 * 2**attempt)
-        outcome = self._outcome("sent", key, stored, time.time())
-        if unrecorded:  # maybe sent twice (lease lost), or a later claimer may send again: said apart
-            outcomes.report(self, outcomes.SENT, key, message_id=outcome["message_id"], reason=unrecorded,
-                            recorded="false")
-        else:
-            outcomes.report(self, outcomes.SENT, key, message_id=outcome["message_id"],
-                            reason="reconciled" if reconciled else None)
-        return outcome
-
-    def _retry_or_park(self, claim: Claim, exc: Exception, reason: str, *, sent_maybe: bool) -> dict[str, Any]:
-        """A failed attempt: release and retry while budget and safety allow, else reconcile or park."""
-        key, token, ledger = claim.record.key, claim.token, self.ledger
-        settings = self.idem_settings
-        retry_safe = not sent_maybe or self.carries_key()
-        budget_left = self.max_retries is None or self.request.retries < self.max_retries
-        if retry_safe and budget_left:
-            note = {**_error_record(exc, reason, type(exc) if isinstance(exc, SendError) else SendError),
-                    "maybe_sent": sent_maybe}
-            self._record(ledger.release, key, token, note)
-            countdown = backoff(self.request.retries, settings.retry_backoff, settings.retry_backoff_max)
-            if isinstance(exc, SendError) and exc.retry_after:
-                countdown = max(countdown, exc.retry_after)
-            raise self.retry(exc=exc, countdown=countdown)
-        if sent_maybe:
-            found = self._reconciled(claim.record)
-            if found is not None:
-                return self._record_sent(claim.record, token, found, reconciled=True)
-            why = "retries_exhausted" if retry_safe else reason
-            self._record(ledger.park, key, token, _error_record(exc, why, SendNeedsReview))
-            raise SendNeedsReview(f"outcome unknown ({reason}): {exc}", reason=why, key=key) from exc
-        self._record(ledger.fail, key, token, _error_record(exc, "retries_exhausted", PermanentSendError))
-        raise PermanentSendError(f"gave up after {self.request.retries} retries: {exc}",
-                                 reason="retries_exhausted", key=key) from exc
-
-    def _after_crash(self, claim: Claim) -> dict[str, Any] | None:
-        """A reclaimed expired lease: its holder died, maybe mid-send."""
-        record, settings = claim.record, self.idem_settings
-        outcomes.report(self, outcomes.RECLAIMED, record.key, reclaims=record.reclaims)
-        if record.reclaims > settings.max_reclaims:
-            reason = "reclaim_limit"  # a poison message that kills its worker every time
-        elif not self.carries_key():
-            found = self._reconciled(record)
-            if found is not None:  # the provider has it: record the truth, do not send again
-                return self._record_sent(record, claim.token, found, reconciled=True)
-            reason = "lease_expired"  # it may have sent, and nothing downstream would dedupe
-        else:
-            log.warning("idemmail: %s reclaimed after an expired lease; resending with the same key", record.key)
-            return None
-        message = f"previous holder {record.owner} lost its lease (reclaims: {record.reclaims})"
-        self._park_unknown(claim, reason, message)
-
-    def _after_loss(self, claim: Claim) -> dict[str, Any] | None:
-        """A new claim for a message enqueued before an acknowledged ledger loss.
-
-        The intent may have been sent and recorded in what was lost. With the key carried
-        downstream it is sent with that key (the service de-duplicates); otherwise it is
-        reconciled, or parked for review: never sent on a guess.
+        Before this release a raw header was the ledger key as given: a record made that way keeps it,
+        so a copy enqueued before the upgrade finds it (one extra read, on this path only).
         """
-        if self.carries_key():
-            return None
-        found = self._reconciled(claim.record)
-        if found is not None:
-            return self._record_sent(claim.record, claim.token, found, reconciled=True)
-        self._park_unknown(claim, "ledger_lost", "enqueued before an acknowledged ledger loss: it may have been "
-                                                 "sent, and the record of it lost")
+        try:
+            key = self.key_builder.explicit_key(raw, tenant=headers.get(TENANT_HEADER))
+        except IdemmailError as exc:
+            raise PermanentSendError(f"bad idempotency_key header: {exc}", reason="invalid_arguments") from exc
+        try:
+            if self.ledger.get(key) is None and self.ledger.get(raw) is not None:
+                return str(raw)
+        except (LedgerError, UnsafeLedgerError):
+            pass  # the claim meets the same outage and fails closed
+        return key
 
-    def _park_unknown(self, claim: Claim, reason: str, message: str) -> NoReturn:
-        """Park a claim whose outcome cannot be known, and say so to the caller."""
-        key = claim.record.key
-        err = {"type": "SendNeedsReview", "reason": reason, "at": time.time(), "message": message}
-        self._record(self.ledger.park, key, claim.token, err)
-        raise SendNeedsReview(message, reason=reason, key=key)
+    def _carry_out(self, step: Step, headers: dict[str, Any]) -> Any:
+        action = step.action
+        if action is Action.RETURN:
+            return step.value
+        if action is Action.DROP:
+            raise Ignore()  # acknowledged, no result stored: the copy that published the next hop carries on
+        if action is Action.RETRY:
+            raise self.retry(exc=step.error, countdown=step.countdown, headers=_chain(headers, step.carry, keep=False))
+        if action is Action.RESCHEDULE:
+            why = f"{step.outcome.value}: {step.error}" if step.error is not None else step.outcome.value
+            assert isinstance(step.error, Exception)
+            self._publish_again(step.countdown, _chain(headers, step.carry, keep=True), why, step.error)
+        assert step.error is not None
+        raise step.error
+
+    def retry(self, args: Any = None, kwargs: Any = None, exc: Any = None, throw: bool = True,
+              eta: Any = None, countdown: Any = None, max_retries: Any = None, **options: Any) -> Any:
+        """Celery's ``retry()``, for a body's own call too: a new reschedule chain (its budgets start
+        again), and a countdown past the broker's visibility timeout split into hops (see module doc)."""
+        headers = options.pop("headers", None)
+        if headers is None:
+            # A body asking to retry: its claim is released after this returns; should the release
+            # fail, the retry takes the claim back (its owner travels) instead of waiting on it.
+            owner = getattr(self.request, "idemmail_owner", None)
+            headers = _chain(dict(self.request.headers or {}), {OWNER_HEADER: owner} if owner else {}, keep=False)
+        if countdown is None and eta is None:
+            countdown = self.default_retry_delay
+        if eta is not None:
+            countdown, eta = max(0.0, eta.timestamp() - time.time()), None
+        countdown = self._split(float(countdown), headers)
+        return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
+
+    def _split(self, countdown: float, headers: dict[str, Any]) -> float:
+        """The countdown to publish with: at most the cap below the visibility timeout; a longer
+        wait travels as ``idemmail_not_before`` and the message hops until then."""
+        headers[HOP_HEADER] = uuid.uuid4().hex
+        cap = self._countdown_cap()
+        if cap is not None and countdown > cap:
+            headers[NOT_BEFORE_HEADER] = f"{time.time() + countdown:.3f}"
+            return cap
+        headers.pop(NOT_BEFORE_HEADER, None)
+        return countdown
+
+    def _countdown_cap(self) -> float | None:
+        vt = transport_visibility_timeout(self.app)
+        return None if vt is None else max(vt * VISIBILITY_SHARE, 0.1)
+
+    def _wait_until_due(self, headers: dict[str, Any]) -> None:
+        """A hop of a long wait that is early: publish the next hop and stop here (nothing claimed)."""
+        due = _number(headers.get(NOT_BEFORE_HEADER))
+        if due is None:
+            return
+        left = due - time.time()
+        if left <= 0.05:
+            return
+        self._publish_again(left, headers, "waiting", TransientSendError("waiting", reason="waiting"))
+
+    def _publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception) -> NoReturn:
+        """Requeue this message like ``retry()``, without spending the task's ``max_retries``.
+
+        ``reason`` is what monitors show for the retry (Flower: state RETRY, its repr as the exception).
+        """
+        request = self.request
+        countdown = self._split(countdown, headers)
+        sig = self.signature_from_request(request, countdown=countdown, retries=request.retries, headers=headers)
+        if request.is_eager:  # ``Task.apply``: nothing is published (Celery would re-apply ``sig`` in-line, for ever)
+            raise Retry(why, exc=reason, when=countdown)
+        sig.apply_async()
+        raise Retry(why, exc=reason, when=countdown, sig=sig)
+
+    # -- what the task lends the handler (handler.SideEffect) --
+
+    def check(self, payload: Payload) -> None:
+        """At the worker, before the claim: the call must fit the task (see :meth:`check_call`)."""
+        self.key_builder.bound(payload)  # wrong argument names or count: refused, never stored
+        if type(self).check_call is not IdempotentTask.check_call:
+            self.check_call(tuple(payload.args), dict(payload.kwargs))
+
+    def perform(self, payload: Payload, key: str) -> Any:
+        """Run the body (it reads its key as ``self.request.idempotency_key``)."""
+        self.request.idempotency_key = key  # an older key, when the intent was recorded before a rotation
+        return self.run(*payload.args, **payload.kwargs)
+
+    def carries_key(self) -> bool:
+        """Does the side effect pass the key to a service that de-duplicates on it?
+
+        Decides whether a crashed or ambiguous attempt is retried with the same key
+        (True) or parked for review (False). Subclasses whose downstream is chosen
+        at run time (``send_email`` asks its provider) override this.
+        """
+        return self.idem_settings.carries_key
 
     def reconcile(self, key: str, payload: Payload) -> Any | None:
         """Ask the side effect's service whether this intent already happened.
@@ -523,157 +467,32 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
         return None
 
-    def _reconciled(self, record: Record) -> Any | None:
-        try:
-            return self.reconcile(record.key, Payload.from_json(record.payload or ""))
-        except Exception as exc:  # asking is best effort; review is the safe answer
-            log.warning("idemmail: reconciling %s failed: %s", record.key, exc)
-            return None
-
-    def _reschedule_in_flight(self, record: Record) -> NoReturn:
-        """Another worker holds a live claim: come back later, on a budget of our own."""
-        request, settings = self.request, self.idem_settings
-        headers = dict(request.headers or {})
-        count = int(headers.get(INFLIGHT_HEADER) or 0)
-        if count >= settings.inflight_max_retries:
-            outcomes.report(self, outcomes.IN_FLIGHT_GAVE_UP, record.key, reschedules=count)
-            raise IdempotencyInFlightError(
-                f"{record.key} still held by {record.owner} after {count} reschedules"
-            )
-        headers[INFLIGHT_HEADER] = count + 1
-        countdown = backoff(count, settings.inflight_backoff, settings.inflight_backoff_max)
-        outcomes.report(self, outcomes.IN_FLIGHT, record.key, reschedules=count + 1)
-        reason = IdempotencyInFlightError(f"in_flight: {record.key} held by another worker, reschedule {count + 1}")
-        self._reschedule(countdown, headers, f"in_flight: held by another worker ({count + 1})", reason)
-
-    def _ledger_down(self, exc: LedgerError | UnsafeLedgerError, key: str, args: Any, kwargs: Any) -> Any:
-        url = self.idem_settings.ledger_url
-        if url not in _reported_unreachable:
-            _reported_unreachable.add(url)
-            what = "lost (see the CRITICAL log line)" if isinstance(exc, LedgerLostError) else "unreachable"
-            log.error("idemmail: ledger %s (%s); tasks retry until it is back", what, exc)
-        if self.idem_settings.fail_open:
-            log.warning("idemmail: fail_open: running %s without a claim", key)
-            try:
-                value = self.run(*args, **kwargs)
-            except BaseException as body_exc:
-                outcomes.report(self, outcomes.FAIL_OPEN, key, reason=outcomes.snake(type(exc).__name__),
-                                recorded="false", error=outcomes.snake(type(body_exc).__name__))
-                raise
-            outcomes.report(self, outcomes.FAIL_OPEN, key, message_id=_message_id(value),
-                            reason=outcomes.snake(type(exc).__name__), recorded="false")
-            return value
-        self._retry_when_ledger_back(exc, key)
-
-    def _retry_when_ledger_back(self, exc: LedgerError | UnsafeLedgerError, key: str) -> NoReturn:
-        """Requeue this message on the outage budget (``idemmail_outage_max_retries``) until the ledger answers."""
-        request, settings = self.request, self.idem_settings
-        headers = dict(request.headers or {})
-        count = int(headers.get(OUTAGE_HEADER) or 0)
-        if settings.outage_max_retries is not None and count >= settings.outage_max_retries:
-            outcomes.report(self, outcomes.LEDGER_GAVE_UP, key, reason=outcomes.snake(type(exc).__name__),
-                            reschedules=count)
-            raise exc
-        headers[OUTAGE_HEADER] = count + 1
-        countdown = backoff(count, settings.inflight_backoff, settings.inflight_backoff_max)
-        outcomes.report(self, outcomes.LEDGER_UNAVAILABLE, key, reason=outcomes.snake(type(exc).__name__),
-                        reschedules=count + 1)
-        self._reschedule(countdown, headers, f"ledger_unavailable: {exc}", exc)
-
-    def _reschedule(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception) -> NoReturn:
-        """Requeue this message like ``retry()``, without spending the task's ``max_retries``.
-
-        ``reason`` is what monitors show for the retry (Flower: state RETRY, its repr as the exception).
-        """
-        request = self.request
-        sig = self.signature_from_request(request, countdown=countdown, retries=request.retries, headers=headers)
-        exc = Retry(why, exc=reason, when=countdown, sig=sig)
-        if request.is_eager:
-            sig.apply()
-        else:
-            sig.apply_async()
-        raise exc
-
-    def _check_reuse(self, record: Record, payload: Payload) -> None:
-        builder = self.key_builder
-        if not builder.must_match or record.fingerprint == builder.fingerprint(payload):
-            return
-        if record.payload is None or is_sealed(record.payload):
-            # Erased on sent, forgotten, or sealed with keys this process lacks: the fingerprint covers them.
-            fields = tuple(builder.must_match)
-            outcomes.report(self, outcomes.KEY_REUSE, record.key, reason=",".join(fields))
-            raise IdempotencyKeyReuseError(
-                f"key {record.key} was first used with other values of {' or '.join(fields)} "
-                "(its first payload is erased or sealed, so they could not be compared one by one)",
-                key=record.key, fields=fields,
-            )
-        differ = builder.mismatched_fields(Payload.from_json(record.payload), payload)
-        if differ:
-            outcomes.report(self, outcomes.KEY_REUSE, record.key, reason=",".join(differ))
-            raise IdempotencyKeyReuseError(
-                f"key {record.key} was first used with other values of {', '.join(differ)}",
-                key=record.key, fields=differ,
-            )
-
-    def _replay(self, record: Record) -> dict[str, Any]:
-        """The stored outcome of a final record, as a duplicate sees it."""
-        outcomes.report(self, outcomes.DUPLICATE, record.key, message_id=(record.result or {}).get("message_id"),
-                        reason=(record.error or {}).get("reason"), recorded=record.state.value)
-        if record.state is State.SENT:
-            return self._outcome("duplicate", record.key, record.result or {}, record.updated_at)
-        error = record.error or {}
-        message = str(error.get("message") or error.get("reason") or record.state.value)
-        reason = str(error.get("reason") or "")
-        if record.state is State.REVIEW:
-            raise SendNeedsReview(message, reason=reason, key=record.key)
-        cls = SEND_ERRORS.get(str(error.get("type")), PermanentSendError)
-        if not issubclass(cls, PermanentSendError):
-            cls = PermanentSendError
-        raise cls(message, reason=reason, key=record.key)
-
-    @staticmethod
-    def _outcome(status: str, key: str, stored: dict[str, Any], at: float) -> dict[str, Any]:
-        return {
-            "status": status,
-            "key": key,
-            "message_id": stored.get("message_id"),
-            "sent_at": _iso(at),
-            "result": stored.get("value"),
-        }
-
-    def _record(self, move: Any, key: str, token: int, info: dict[str, Any]) -> None:
-        """Apply a ledger transition on an error path, and report it.
-
-        If the ledger cannot take a final verdict (``failed``, ``review``), this message
-        comes back later instead of being acknowledged: the claim, once its lease runs
-        out, is then settled by the reclaim rules (resent with the key, or parked for
-        review), so the intent never stays claimed with nobody left to finish it. A
-        failed ``release`` needs nothing: the retry it precedes is that later delivery.
-        """
-        landed: dict[str, Any] = {}
-        try:
-            move(key, token, info)
-        except LedgerError as exc:
-            log.error("idemmail: could not record %s for %s: %s", move.__name__, key, exc)
-            if move.__name__ in ("fail", "park") and isinstance(exc, LedgerUnavailableError):
-                self._retry_when_ledger_back(exc, key)
-            landed = {"recorded": "false", "error": outcomes.snake(type(exc).__name__)}
-        outcomes.report(self, _MOVE_OUTCOMES.get(move.__name__, move.__name__), key, reason=info.get("reason"),
-                        **landed)
+    def report(self, outcome: Outcome, key: str, **fields: Any) -> None:
+        """One outcome to the log, Flower and metrics (:mod:`idemmail_celery.outcomes`)."""
+        outcomes.report(self, outcome, key, **fields)
 
 
-#: What an error-path ledger move means for the run (see :mod:`idemmail_celery.outcomes`).
-_MOVE_OUTCOMES = {"fail": outcomes.FAILED, "park": outcomes.REVIEW, "release": outcomes.RETRY}
+def _chain(headers: dict[str, Any], carry: dict[str, Any], *, keep: bool) -> dict[str, Any]:
+    """The headers of the next delivery: this one's, less its chain state (all of it for a new
+    chain, ``keep=False``; the one-shot parts otherwise), plus what the handler carries."""
+    drop = CHAIN_HEADERS if not keep else (OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, NOT_BEFORE_HEADER)
+    out = {k: v for k, v in headers.items() if k not in drop}
+    out.update(carry)
+    return out
 
 
-def _older_than(headers: dict[str, Any], recovered_at: float | None) -> bool:
-    """Was this message enqueued before ``recovered_at`` (an acknowledged ledger loss)?"""
-    if recovered_at is None:
-        return False
+def _count(value: Any) -> int:
     try:
-        return float(headers[ENQUEUED_HEADER]) < recovered_at
-    except (KeyError, TypeError, ValueError):  # undated: suspect while the loss is recent
-        return time.time() - recovered_at < UNDATED_AFTER_LOSS_SECONDS
+        return max(int(value or 0), 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _prepare_ledgers(sender: Any = None, **_: Any) -> None:
@@ -704,9 +523,3 @@ def _prepare_ledgers(sender: Any = None, **_: Any) -> None:
 
 # outcomes (imported above) connected its worker_init handler first: metrics are on before this opens ledgers.
 worker_init.connect(_prepare_ledgers, weak=False)
-
-
-def _message_id(value: Any) -> Any:
-    if isinstance(value, dict):
-        return value.get("message_id") or value.get("id")
-    return None

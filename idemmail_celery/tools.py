@@ -36,7 +36,8 @@ steered by a prompt injection cannot add arguments the application did not offer
 ``email_tool`` offers ``to``, ``subject``, ``text``, ``html`` and ``reply_to``; the sender,
 ``cc``, ``bcc``, ``tenant``, ``event_id`` and ``template`` are the application's to bind.
 
-**What the agent sees** (a JSON-able dict): ``status`` is ``sent`` (this call ran the
+**What the agent sees** (a JSON-able dict): ``status`` is an
+:class:`~idemmail_celery.handler.Outcome` value: ``sent`` (this call ran the
 side effect), ``duplicate`` (an earlier call did; its result is replayed), ``pending``
 (not finished within ``timeout``; calling again is safe), ``invalid`` (refused before
 anything was enqueued: an unknown, bound or missing argument, an invalid address), ``failed`` (a permanent
@@ -58,9 +59,11 @@ from celery import Celery
 from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
+from ._common import KEY_HEADER
 from .errors import ConfigurationError, IdemmailError, PermanentSendError, SendNeedsReview
+from .handler import Outcome
 from .mail import TASK_NAME
-from .task import KEY_HEADER, IdempotentTask
+from .task import IdempotentTask
 
 __all__ = ["IdempotentTool", "KeySource", "ToolArgumentError", "email_tool", "idempotent_tool", "parameters_of"]
 
@@ -182,18 +185,18 @@ class IdempotentTool:
         try:
             key, async_result = self.submit(arguments, call_id=call_id)
         except (IdemmailError, TypeError) as exc:
-            return {"status": "invalid", "key": None, "error": _error(exc)}
+            return {"status": Outcome.INVALID.value, "key": None, "error": _error(exc)}
         try:
             value = async_result.get(timeout=self.timeout if timeout is None else timeout, propagate=False)
         except CeleryTimeoutError:
-            return {"status": "pending", "key": key, "task_id": async_result.id,
+            return {"status": Outcome.PENDING.value, "key": key, "task_id": async_result.id,
                     "note": "still running; calling again with the same arguments (and call_id) will not repeat it"}
         if isinstance(value, SendNeedsReview):
-            return {"status": "review", "key": key, "error": _error(value)}
+            return {"status": Outcome.REVIEW.value, "key": key, "error": _error(value)}
         if isinstance(value, PermanentSendError):
-            return {"status": "failed", "key": key, "error": _error(value)}
+            return {"status": Outcome.FAILED.value, "key": key, "error": _error(value)}
         if isinstance(value, BaseException) or not isinstance(value, dict):
-            return {"status": "error", "key": key, "error": _error(value)}
+            return {"status": Outcome.ERROR.value, "key": key, "error": _error(value)}
         return dict(value)
 
 

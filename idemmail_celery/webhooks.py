@@ -21,64 +21,77 @@ ses        ``eventType`` (or ``notificationType``) ``"Send"`` or     ``mail.tags
 
 Other events (bounces, opens, ...) and events without the key return None.
 
-**Who may post.** :func:`handle_webhook` and :func:`webhook_app` refuse anything
-not authenticated with the shared ``secret``, raising
-:class:`WebhookSignatureError` (HTTP 401). What each provider can actually offer:
+**Who may post.** :func:`handle_webhook`, :func:`webhook_app` (WSGI) and
+:func:`webhook_asgi_app` (ASGI: Starlette, FastAPI, any asyncio server) refuse anything not
+authenticated by one of the schemes configured for the provider, raising
+:class:`WebhookSignatureError` (HTTP 401); nothing is read from the body first except, for
+SNS, the signed envelope itself. What each provider offers, and what to configure
+(:class:`WebhookAuth`, or ``secret=`` alone for the shared-secret schemes):
 
-* **Postmark** signs nothing. Its webhooks can carry HTTP basic auth (credentials
-  in the webhook URL, ``https://user:password@host/path``, or the webhook's
-  ``HttpAuth``) and custom headers (``HttpHeaders``). Accepted: ``Authorization:
-  Basic`` matching ``secret="user:password"``, or the header
-  ``X-Idemmail-Webhook-Secret: <secret>``. Both are a shared secret sent with
-  every request: use HTTPS; there is no body integrity beyond TLS and no replay
-  window (a replayed delivery event only re-confirms the truth).
-* **SendGrid** signs its Event Webhook with ECDSA (P-256, SHA-256 over timestamp +
-  body, headers ``X-Twilio-Email-Event-Webhook-Signature``/``-Timestamp``).
-  Verifying that needs an elliptic-curve library, which this package does not
-  depend on, so it is **not verified here**. Accepted instead: the HMAC scheme
-  below, from a relay (an API gateway, a function) that verified SendGrid's
-  signature and forwards the body unchanged. A request straight from SendGrid is
-  refused (fail closed).
-* **SES** publishes events through SNS, which signs messages with RSA and an
-  X.509 certificate fetched from ``SigningCertURL``; that is **not verified
-  here** either (no network fetches, no X.509 parser in the standard library).
-  SNS HTTPS subscriptions support basic auth in the endpoint URL
-  (``https://user:password@host/path``; SNS first expects a 401 challenge, which
-  the WSGI app sends), so accepted are ``Authorization: Basic`` matching
-  ``secret="user:password"``, or the HMAC scheme from a verifying relay.
-  Subscription confirmations are logged with their ``SubscribeURL`` for an
+* **Postmark** signs nothing. Its webhooks can carry HTTP basic auth (credentials in the
+  webhook URL, ``https://user:password@host/path``, or the webhook's ``HttpAuth``) and
+  custom headers (``HttpHeaders``). Accepted: ``Authorization: Basic`` matching
+  ``secret="user:password"``, or the header ``X-Idemmail-Webhook-Secret: <secret>``. Both
+  are a shared secret sent with every request: use HTTPS; no body integrity beyond TLS and
+  no replay window (a replayed delivery event only re-confirms the truth).
+* **SendGrid** signs its Event Webhook with ECDSA (P-256, SHA-256 over timestamp + raw body;
+  headers ``X-Twilio-Email-Event-Webhook-Signature``/``-Timestamp``). Verified with the
+  ``cryptography`` package (the ``crypto`` extra) against ``sendgrid_public_key``, the
+  verification key SendGrid shows for the webhook (base64 DER, or PEM), with the timestamp
+  within ``tolerance``. Also accepted: the HMAC scheme below, from a relay.
+* **SES** publishes events through SNS, which signs every message with RSA (``SignatureVersion``
+  1: SHA1, 2: SHA256) and a certificate at ``SigningCertURL``. Verified with ``cryptography``
+  when ``sns_topic_arns`` lists the topics you subscribed: the message's ``TopicArn`` must be
+  one of them (any AWS account can get a message signed by SNS for a topic of its own), and
+  the certificate URL must be ``https://sns.<region>.amazonaws.com/...pem`` in the topic's
+  region; the certificate is fetched once per URL and process (``sns_certificates`` replaces
+  the fetch, for tests or an offline cache) and must be within its validity dates. Also
+  accepted: ``Authorization: Basic`` matching ``secret="user:password"`` (SNS HTTPS endpoints
+  take basic auth in the URL; SNS first expects a 401 challenge, which the apps send), and
+  the HMAC scheme. Subscription confirmations are logged with their ``SubscribeURL`` for an
   operator to confirm; nothing is fetched.
 
-**The HMAC scheme** (``hmac-sha256-v1``): headers ``X-Idemmail-Timestamp: <unix
-seconds>`` and ``X-Idemmail-Signature: v1=<hex HMAC-SHA256(secret, timestamp + "." +
-raw body)>``, with the timestamp within ``tolerance`` (300 s) of now.
-:func:`hmac_headers` makes them. ``secret`` may be a list, to rotate secrets.
+**The HMAC scheme** (``hmac-sha256-v1``), for a relay (an API gateway, a function) that
+verified the provider and forwards the body unchanged: headers ``X-Idemmail-Timestamp:
+<unix seconds>`` and ``X-Idemmail-Signature: v1=<hex HMAC-SHA256(secret, timestamp + "." +
+raw body)>``, with the timestamp within ``tolerance`` (300 s) of now. :func:`hmac_headers`
+makes them. ``secret`` may be a list, to rotate secrets.
+
+**Bad requests are 4xx, never a 500.** A timestamp that is not 1 to 12 ASCII digits, a
+``Content-Length`` that is not a number, a body over ``max_body``, JSON that does not parse
+(huge numbers included) or nests deeper than :data:`MAX_DEPTH`, a key that is not an intent
+key's shape: 401, 411, 413 or 400, with a one-line reason and no traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
 import hmac
 import json
 import logging
+import re
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
+from ._common import KEY_TAG
 from .errors import ConfigurationError, IdemmailError, LedgerError, RecordNotFoundError
 from .ledger.base import Ledger, Record
-from .providers.postmark import KEY_TAG
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
 __all__ = [
-    "PROVIDERS", "SECRET_HEADER", "SIGNATURE_HEADER", "TIMESTAMP_HEADER", "DeliveryEvidence", "WebhookOutcome",
+    "MAX_DEPTH", "PROVIDERS", "SECRET_HEADER", "SENDGRID_SIGNATURE_HEADER", "SENDGRID_TIMESTAMP_HEADER",
+    "SIGNATURE_HEADER", "TIMESTAMP_HEADER", "DeliveryEvidence", "WebhookAuth", "WebhookOutcome",
     "WebhookPayloadError", "WebhookSignatureError", "evidence", "handle_webhook", "hmac_headers", "reconcile",
-    "verify", "webhook_app",
+    "verify", "webhook_app", "webhook_asgi_app",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,16 +100,26 @@ PROVIDERS = ("postmark", "sendgrid", "ses")
 SIGNATURE_HEADER = "X-Idemmail-Signature"
 TIMESTAMP_HEADER = "X-Idemmail-Timestamp"
 SECRET_HEADER = "X-Idemmail-Webhook-Secret"
+SENDGRID_SIGNATURE_HEADER = "X-Twilio-Email-Event-Webhook-Signature"
+SENDGRID_TIMESTAMP_HEADER = "X-Twilio-Email-Event-Webhook-Timestamp"
 DEFAULT_TOLERANCE = 300.0
 DEFAULT_MAX_BODY = 1024 * 1024
+#: Deepest nesting of a webhook body (objects and arrays) that is read; providers send 4 or 5 levels.
+MAX_DEPTH = 32
 
 #: How each provider may authenticate its requests (see the module docstring).
 SCHEMES: Mapping[str, tuple[str, ...]] = {
     "postmark": ("basic", "header"),
-    "sendgrid": ("hmac",),
-    "ses": ("basic", "hmac"),
+    "sendgrid": ("ecdsa", "hmac"),
+    "ses": ("basic", "hmac", "sns"),
 }
 _CONFIRMING = {"postmark": ("Delivery",), "sendgrid": ("processed", "delivered"), "ses": ("Send", "Delivery")}
+_STAMP = re.compile(r"[0-9]{1,12}")
+_LENGTH = re.compile(r"[0-9]{1,12}")
+_SNS_HOST = re.compile(r"sns\.([a-z0-9-]{1,32})\.amazonaws\.com")
+_TOPIC_ARN = re.compile(r"arn:aws:sns:([a-z0-9-]{1,32}):[0-9]{12}:[A-Za-z0-9_.-]{1,256}")
+_MAX_MESSAGE_ID = 998
+_MAX_CERTIFICATE = 64 * 1024
 
 
 class WebhookSignatureError(IdemmailError):
@@ -107,7 +130,7 @@ class WebhookSignatureError(IdemmailError):
 
 
 class WebhookPayloadError(IdemmailError, ValueError):
-    """The authenticated webhook body is not what the provider sends (not JSON, wrong shape). Answer 400."""
+    """The webhook body is not what the provider sends (not JSON, too deep, wrong shape). Answer 400."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +155,27 @@ class WebhookOutcome:
 # -- reading events --
 
 
+def loads(body: bytes | str, what: str = "webhook body") -> Any:
+    """``body`` parsed as JSON, or :class:`WebhookPayloadError`: never a RecursionError or a digit-limit error."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, an integer past Python's digit limit, too deep
+        raise WebhookPayloadError(f"the {what} is not JSON this endpoint reads") from None
+    if _depth_over(data, MAX_DEPTH):
+        raise WebhookPayloadError(f"the {what} nests deeper than {MAX_DEPTH} levels")
+    return data
+
+
+def _depth_over(data: Any, limit: int) -> bool:
+    level: list[Any] = [data]
+    for _ in range(limit + 1):
+        level = [v for item in level if isinstance(item, (list, dict))
+                 for v in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            return False
+    return True
+
+
 def _provider_of(event: Mapping[str, Any]) -> str | None:
     if "RecordType" in event:
         return "postmark"
@@ -151,10 +195,7 @@ def _unwrap_sns(event: Mapping[str, Any]) -> Mapping[str, Any] | None:
     if event.get("Type") == "SubscriptionConfirmation":
         return None
     if event.get("Type") == "Notification":
-        try:
-            inner = json.loads(str(event.get("Message", "")))
-        except ValueError:
-            raise WebhookPayloadError("the SNS notification's Message is not JSON") from None
+        inner = loads(str(event.get("Message", "")), "SNS notification's Message")
         return inner if isinstance(inner, Mapping) else None
     return event
 
@@ -163,7 +204,8 @@ def evidence(event: Mapping[str, Any], *, provider: str | None = None) -> Delive
     """What a parsed, verified provider event proves, or None (not a confirming event, or no key).
 
     The provider is recognised from the event's shape; ``provider`` insists on one
-    (:class:`WebhookPayloadError` if the event is another's).
+    (:class:`WebhookPayloadError` if the event is another's). A message id longer than
+    998 characters or with control characters proves nothing.
     """
     found = _provider_of(event)
     if provider is not None and found is not None and found != provider:
@@ -190,7 +232,14 @@ def evidence(event: Mapping[str, Any], *, provider: str | None = None) -> Delive
         message_id = _text(mail.get("messageId"))
     if found is None or kind not in _CONFIRMING[found] or key is None or message_id is None:
         return None
+    if len(message_id) > _MAX_MESSAGE_ID or not message_id.isprintable():
+        return None
     return DeliveryEvidence(found, key, message_id, kind)
+
+
+def _plausible_key(key: str) -> bool:
+    """Could a ledger hold ``key``? (Derived keys are 64 hex digits; the SQL column takes 128 characters.)"""
+    return len(key) <= 128 and key.isascii() and key.isprintable() and " " not in key
 
 
 def reconcile(event: Mapping[str, Any], *, ledger: Ledger, provider: str | None = None) -> Record | None:
@@ -199,12 +248,16 @@ def reconcile(event: Mapping[str, Any], *, ledger: Ledger, provider: str | None 
     A confirming event moves the intent's record to ``sent`` with
     ``{"message_id", "provider", "via": "webhook"}`` (a ``sent`` record is returned
     unchanged). Raises :class:`RecordNotFoundError` when the ledger has no record
-    for the key (expired past retention, another ledger, or never claimed), and
-    :class:`WebhookPayloadError` for an event of another provider than ``provider``.
+    for the key (expired past retention, another ledger, never claimed, or a key no
+    ledger can hold: the ledger is not asked then), and :class:`WebhookPayloadError`
+    for an event of another provider than ``provider``.
     """
     found = evidence(event, provider=provider)
     if found is None:
         return None
+    if not _plausible_key(found.key):
+        raise RecordNotFoundError(f"{found.provider} reports {found.event} of message {found.message_id} for a "
+                                  "key no ledger holds (more than 128 characters, or not printable ASCII)")
     result = {"message_id": found.message_id, "provider": found.provider, "via": "webhook"}
     try:
         record = ledger.confirm_sent(found.key, result, note=f"{found.provider} {found.event} webhook",
@@ -244,54 +297,259 @@ def _any_equal(presented: bytes, secrets: list[bytes]) -> bool:
     return sum(hmac.compare_digest(presented, s) for s in secrets) > 0
 
 
+def _fresh(stamp: str, what: str, now: float | None, tolerance: float) -> None:
+    if not _STAMP.fullmatch(stamp):
+        raise WebhookSignatureError(f"the {what} needs a timestamp in unix seconds (1 to 12 digits)")
+    if abs((time.time() if now is None else now) - int(stamp)) > tolerance:
+        raise WebhookSignatureError(f"the {what}'s timestamp is more than {tolerance:.0f} s from now")
+
+
+def _crypto() -> Any:
+    try:
+        from cryptography import x509
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+    except ImportError:
+        raise ConfigurationError("verifying SendGrid and SNS signatures needs the cryptography package: "
+                                 "pip install 'idemmail-celery[crypto]'") from None
+    return type("crypto", (), {"x509": x509, "InvalidSignature": InvalidSignature, "hashes": hashes,
+                               "serialization": serialization, "ec": ec, "padding": padding, "rsa": rsa})
+
+
+_certificates: dict[str, Any] = {}
+_certificates_lock = threading.Lock()
+
+
+def _fetch_certificate(url: str) -> bytes:
+    """GET the (already pinned) SNS signing certificate over verified TLS."""
+    import httpx
+
+    try:
+        response = httpx.get(url, timeout=5.0, follow_redirects=False)
+    except httpx.HTTPError as exc:
+        raise WebhookSignatureError(f"the SNS signing certificate could not be fetched ({type(exc).__name__})") \
+            from None
+    if response.status_code != 200 or len(response.content) > _MAX_CERTIFICATE:
+        raise WebhookSignatureError(f"the SNS signing certificate could not be fetched (HTTP {response.status_code})")
+    return response.content
+
+
+@dataclass(frozen=True)
+class WebhookAuth:
+    """What a webhook endpoint accepts as proof of origin; see the module docstring for each provider.
+
+    ``secret`` (one, or a list to rotate) for basic auth, the secret header and the HMAC
+    scheme; ``sendgrid_public_key`` (base64 DER or PEM) for SendGrid's own ECDSA signature;
+    ``sns_topic_arns`` (the topics you subscribed the endpoint to) for SNS's RSA signature,
+    ``sns_certificates`` to replace the certificate fetch (a function of the pinned URL
+    returning PEM bytes). :class:`ConfigurationError` for a value that cannot work, or
+    when ``cryptography`` is missing for a signature scheme.
+    """
+
+    secret: str | Sequence[str] | None = field(default=None, repr=False)
+    sendgrid_public_key: str | None = field(default=None, repr=False)
+    sns_topic_arns: Sequence[str] = ()
+    sns_certificates: Callable[[str], bytes] | None = field(default=None, repr=False)
+    _keys: list[bytes] = field(init=False, repr=False, compare=False, default_factory=list)
+    _ecdsa_key: Any = field(init=False, repr=False, compare=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.secret is not None:
+            object.__setattr__(self, "_keys", _secrets(self.secret))
+        if self.sendgrid_public_key is not None:
+            object.__setattr__(self, "_ecdsa_key", _ecdsa_public_key(self.sendgrid_public_key))
+        if isinstance(self.sns_topic_arns, str):
+            object.__setattr__(self, "sns_topic_arns", (self.sns_topic_arns,))
+        for arn in self.sns_topic_arns:
+            if not (isinstance(arn, str) and _TOPIC_ARN.fullmatch(arn)):
+                raise ConfigurationError(f"not an SNS topic ARN: {arn!r} (arn:aws:sns:REGION:ACCOUNT:NAME)")
+        if self.sns_topic_arns:
+            _crypto()
+
+    def schemes(self, provider: str) -> tuple[str, ...]:
+        """The schemes ``provider``'s requests may use with what is configured here."""
+        have = {"basic": bool(self._keys), "header": bool(self._keys), "hmac": bool(self._keys),
+                "ecdsa": self._ecdsa_key is not None, "sns": bool(self.sns_topic_arns)}
+        return tuple(s for s in SCHEMES[provider] if have[s])
+
+    def verify(self, provider: str, headers: Mapping[str, str], body: bytes, *, now: float | None = None,
+               tolerance: float = DEFAULT_TOLERANCE) -> str:
+        """The scheme that authenticated the request, or :class:`WebhookSignatureError`. See :func:`verify`."""
+        if provider not in SCHEMES:
+            raise ConfigurationError(f"no webhook support for {provider!r} (known: {', '.join(PROVIDERS)})")
+        schemes = self.schemes(provider)
+        if not schemes:
+            raise ConfigurationError(f"nothing configured that authenticates {provider} webhooks "
+                                     f"(it can use: {', '.join(SCHEMES[provider])})")
+        lowered = {name.lower(): value for name, value in headers.items()}
+        authorization = lowered.get("authorization", "")
+        if "basic" in schemes and authorization[:6].lower() == "basic ":
+            try:
+                presented = base64.b64decode(authorization[6:].strip(), validate=True)
+            except (binascii.Error, ValueError):
+                raise WebhookSignatureError("the basic auth credentials are malformed") from None
+            if not _any_equal(presented, self._keys):
+                raise WebhookSignatureError("the basic auth credentials do not match")
+            return "basic"
+        if "header" in schemes and SECRET_HEADER.lower() in lowered:
+            if not _any_equal(lowered[SECRET_HEADER.lower()].encode("utf-8", "replace"), self._keys):
+                raise WebhookSignatureError(f"the {SECRET_HEADER} header does not match")
+            return "header"
+        if "hmac" in schemes and SIGNATURE_HEADER.lower() in lowered:
+            stamp = lowered.get(TIMESTAMP_HEADER.lower(), "")
+            _fresh(stamp, "signature", now, tolerance)
+            offered = [part.strip()[3:].encode("ascii", "replace")
+                       for part in lowered[SIGNATURE_HEADER.lower()].split(",") if part.strip().startswith("v1=")]
+            expected = [_signature(k, stamp, body).encode("ascii") for k in self._keys]
+            if not any(_any_equal(o, expected) for o in offered):
+                raise WebhookSignatureError("the signature does not match the body")
+            return "hmac"
+        if "ecdsa" in schemes and SENDGRID_SIGNATURE_HEADER.lower() in lowered:
+            stamp = lowered.get(SENDGRID_TIMESTAMP_HEADER.lower(), "")
+            _fresh(stamp, "SendGrid signature", now, tolerance)
+            self._check_ecdsa(lowered[SENDGRID_SIGNATURE_HEADER.lower()], stamp, body)
+            return "ecdsa"
+        if "sns" in schemes and b'"SigningCertURL"' in body:
+            self._check_sns(body, now)
+            return "sns"
+        wanted = {"basic": "Authorization: Basic", "header": SECRET_HEADER, "hmac": SIGNATURE_HEADER,
+                  "ecdsa": SENDGRID_SIGNATURE_HEADER, "sns": "an SNS signature"}
+        raise WebhookSignatureError(f"unauthenticated {provider} webhook: expected "
+                                    f"{' or '.join(wanted[s] for s in schemes)}")
+
+    def _check_ecdsa(self, signature: str, stamp: str, body: bytes) -> None:
+        crypto = _crypto()
+        try:
+            der = base64.b64decode(signature.strip(), validate=True)
+            self._ecdsa_key.verify(der, stamp.encode("ascii") + body, crypto.ec.ECDSA(crypto.hashes.SHA256()))
+        except (binascii.Error, ValueError, crypto.InvalidSignature):
+            raise WebhookSignatureError("the SendGrid signature does not match the body") from None
+
+    def _check_sns(self, body: bytes, now: float | None) -> None:
+        crypto = _crypto()
+        try:
+            message = loads(body, "SNS message")
+        except WebhookPayloadError as exc:
+            raise WebhookSignatureError(f"unauthenticated: {exc}") from None
+        if not isinstance(message, Mapping):
+            raise WebhookSignatureError("unauthenticated: the SNS message is not a JSON object")
+        topic = message.get("TopicArn")
+        if topic not in self.sns_topic_arns:
+            raise WebhookSignatureError("the SNS message's TopicArn is not one this endpoint is subscribed to")
+        region = _TOPIC_ARN.fullmatch(str(topic)).group(1)  # type: ignore[union-attr]  # in the allow-list
+        url = message.get("SigningCertURL")
+        if not isinstance(url, str) or not _pinned_certificate_url(url, region):
+            raise WebhookSignatureError(f"the SNS SigningCertURL is not https://sns.{region}.amazonaws.com/...pem")
+        version = message.get("SignatureVersion")
+        digest = {"1": crypto.hashes.SHA1, "2": crypto.hashes.SHA256}.get(version if isinstance(version, str) else "")
+        if digest is None:
+            raise WebhookSignatureError("unknown SNS SignatureVersion (1 or 2 are known)")
+        signed = _sns_string_to_sign(message)
+        try:
+            signature = base64.b64decode(str(message.get("Signature", "")), validate=True)
+            certificate = self._certificate(url, crypto)
+            valid_now = certificate.not_valid_before_utc.timestamp() <= (time.time() if now is None else now) \
+                <= certificate.not_valid_after_utc.timestamp()
+            public_key = certificate.public_key()
+            if not valid_now or not isinstance(public_key, crypto.rsa.RSAPublicKey):
+                raise WebhookSignatureError("the SNS signing certificate is expired or not an RSA key")
+            public_key.verify(signature, signed.encode("utf-8"), crypto.padding.PKCS1v15(), digest())
+        except (binascii.Error, ValueError, crypto.InvalidSignature):
+            raise WebhookSignatureError("the SNS signature does not match the message") from None
+
+    def _certificate(self, url: str, crypto: Any) -> Any:
+        with _certificates_lock:
+            cached = _certificates.get(url) if self.sns_certificates is None else None
+        if cached is not None:
+            return cached
+        pem = (self.sns_certificates or _fetch_certificate)(url)
+        try:
+            certificate = crypto.x509.load_pem_x509_certificate(pem)
+        except ValueError:
+            raise WebhookSignatureError("the SNS signing certificate is not a PEM certificate") from None
+        if self.sns_certificates is None:
+            with _certificates_lock:
+                if len(_certificates) > 64:  # AWS rotates them rarely; keep the cache small all the same
+                    _certificates.clear()
+                _certificates[url] = certificate
+        return certificate
+
+
+def _ecdsa_public_key(text: str) -> Any:
+    crypto = _crypto()
+    try:
+        raw = text.strip().encode("ascii")
+        key = (crypto.serialization.load_pem_public_key(raw) if raw.startswith(b"-----BEGIN")
+               else crypto.serialization.load_der_public_key(base64.b64decode(raw, validate=True)))
+    except (ValueError, binascii.Error, UnicodeError):
+        raise ConfigurationError("sendgrid_public_key is not a public key (base64 DER or PEM)") from None
+    if not isinstance(key, crypto.ec.EllipticCurvePublicKey):
+        raise ConfigurationError("sendgrid_public_key is not an elliptic-curve key")
+    return key
+
+
+def _pinned_certificate_url(url: str, region: str) -> bool:
+    """Is ``url`` SNS's own certificate location for ``region`` (https, sns.<region>.amazonaws.com, a .pem)?"""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return False
+    host = _SNS_HOST.fullmatch(parts.hostname or "")
+    return (parts.scheme == "https" and host is not None and host.group(1) == region
+            and parts.netloc == parts.hostname and port is None and parts.path.endswith(".pem")
+            and not parts.query and not parts.fragment)
+
+
+_SNS_SIGNED_FIELDS = {
+    "Notification": ("Message", "MessageId", "Subject", "Timestamp", "TopicArn", "Type"),
+    "SubscriptionConfirmation": ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token", "TopicArn", "Type"),
+    "UnsubscribeConfirmation": ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token", "TopicArn", "Type"),
+}
+
+
+def _sns_string_to_sign(message: Mapping[str, Any]) -> str:
+    """What SNS signed: ``name\\nvalue\\n`` for each signed field present, in AWS's order."""
+    fields = _SNS_SIGNED_FIELDS.get(str(message.get("Type")))
+    if fields is None:
+        raise WebhookSignatureError("unknown SNS message Type")
+    out = []
+    for name in fields:
+        value = message.get(name)
+        if value is None and name == "Subject":
+            continue
+        if not isinstance(value, str):
+            raise WebhookSignatureError(f"the SNS message has no {name}")
+        out.append(f"{name}\n{value}\n")
+    return "".join(out)
+
+
+def _auth(auth: WebhookAuth | None, secret: str | Sequence[str] | None) -> WebhookAuth:
+    if auth is not None and secret is not None:
+        raise ConfigurationError("pass secret= or auth=, not both")
+    return auth if auth is not None else WebhookAuth(secret=secret)
+
+
 def verify(
     provider: str,
     headers: Mapping[str, str],
     body: bytes,
     *,
-    secret: str | Sequence[str],
+    secret: str | Sequence[str] | None = None,
+    auth: WebhookAuth | None = None,
     now: float | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
 ) -> str:
-    """Check that a webhook request comes from whoever holds ``secret``; the scheme that matched.
+    """Check where a webhook request comes from; the scheme that matched (``basic``, ``header``, ``hmac``...).
 
-    ``headers`` are the request's (any case), ``body`` its raw bytes. The schemes
-    ``provider`` may use are in :data:`SCHEMES`. Raises :class:`WebhookSignatureError`
-    when none is presented, or the one presented does not match.
+    ``headers`` are the request's (any case), ``body`` its raw bytes. ``secret`` is
+    shorthand for ``auth=WebhookAuth(secret=...)``. The schemes ``provider`` may use are
+    in :data:`SCHEMES`. Raises :class:`WebhookSignatureError` when none is presented, or
+    the one presented does not match; :class:`ConfigurationError` when nothing configured
+    can authenticate ``provider``.
     """
-    if provider not in SCHEMES:
-        raise ConfigurationError(f"no webhook support for {provider!r} (known: {', '.join(PROVIDERS)})")
-    keys = _secrets(secret)
-    lowered = {name.lower(): value for name, value in headers.items()}
-    schemes = SCHEMES[provider]
-    authorization = lowered.get("authorization", "")
-    if "basic" in schemes and authorization[:6].lower() == "basic ":
-        try:
-            presented = base64.b64decode(authorization[6:].strip(), validate=True)
-        except (binascii.Error, ValueError):
-            raise WebhookSignatureError("the basic auth credentials are malformed") from None
-        if not _any_equal(presented, keys):
-            raise WebhookSignatureError("the basic auth credentials do not match")
-        return "basic"
-    if "header" in schemes and SECRET_HEADER.lower() in lowered:
-        if not _any_equal(lowered[SECRET_HEADER.lower()].encode("utf-8"), keys):
-            raise WebhookSignatureError(f"the {SECRET_HEADER} header does not match")
-        return "header"
-    if "hmac" in schemes and SIGNATURE_HEADER.lower() in lowered:
-        stamp = lowered.get(TIMESTAMP_HEADER.lower(), "")
-        if not stamp.isdigit():
-            raise WebhookSignatureError(f"the signature needs a {TIMESTAMP_HEADER} header in unix seconds")
-        if abs((time.time() if now is None else now) - int(stamp)) > tolerance:
-            raise WebhookSignatureError(f"the signature's timestamp is more than {tolerance:.0f} s from now")
-        offered = [part.strip()[3:].encode("ascii", "replace") for part in lowered[SIGNATURE_HEADER.lower()].split(",")
-                   if part.strip().startswith("v1=")]
-        expected = [_signature(k, stamp, body).encode("ascii") for k in keys]
-        if not any(_any_equal(o, expected) for o in offered):
-            raise WebhookSignatureError("the signature does not match the body")
-        return "hmac"
-    wanted = {"basic": "Authorization: Basic", "header": SECRET_HEADER, "hmac": SIGNATURE_HEADER}
-    expected_text = " or ".join(wanted[s] for s in schemes)
-    raise WebhookSignatureError(f"unauthenticated {provider} webhook: expected {expected_text}")
+    return _auth(auth, secret).verify(provider, headers, body, now=now, tolerance=tolerance)
 
 
 # -- one request, end to end --
@@ -309,8 +567,9 @@ def handle_webhook(
     headers: Mapping[str, str],
     body: bytes,
     *,
-    secret: str | Sequence[str],
     ledger: Ledger,
+    secret: str | Sequence[str] | None = None,
+    auth: WebhookAuth | None = None,
     now: float | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
 ) -> WebhookOutcome:
@@ -322,24 +581,21 @@ def handle_webhook(
     retries). Keys the ledger does not know are reported, not raised, so one stale
     event does not make the provider retry a whole batch.
     """
-    verify(provider, headers, body, secret=secret, now=now, tolerance=tolerance)
-    try:
-        data = json.loads(body)
-    except ValueError:
-        raise WebhookPayloadError(f"the {provider} webhook body is not JSON") from None
+    verify(provider, headers, body, secret=secret, auth=auth, now=now, tolerance=tolerance)
+    data = loads(body, f"{provider} webhook body")
     confirmed: list[Record] = []
     unknown: list[str] = []
     ignored = 0
     for event in _events(provider, data):
         if event.get("Type") == "SubscriptionConfirmation":
-            logger.warning("idemmail: SNS asks to confirm a subscription to %s: visit %s",
+            logger.warning("idemmail: SNS asks to confirm a subscription to %r: visit %r",
                            event.get("TopicArn"), event.get("SubscribeURL"))
         try:
             record = reconcile(event, ledger=ledger, provider=provider)
         except RecordNotFoundError as exc:
             logger.warning("idemmail: %s", exc)
             found = evidence(event, provider=provider)
-            unknown.append(found.key if found else "")
+            unknown.append(found.key[:128] if found else "")
             continue
         if record is None:
             ignored += 1
@@ -348,11 +604,59 @@ def handle_webhook(
     return WebhookOutcome(confirmed, unknown, ignored)
 
 
+_Reply = tuple[str, dict[str, Any], list[tuple[str, str]]]
+
+
+def _check_request(method: str, length: str | None, max_body: int, *, length_required: bool) -> _Reply | None:
+    """The answer to a request refused before its body is read, or None."""
+    if method != "POST":
+        return "405 Method Not Allowed", {"error": "POST only"}, [("Allow", "POST")]
+    if length is None or length == "":
+        return ("411 Length Required", {"error": "send a Content-Length"}, []) if length_required else None
+    if not _LENGTH.fullmatch(length):
+        return "400 Bad Request", {"error": "the Content-Length is not a number"}, []
+    if int(length) > max_body:
+        return "413 Content Too Large", {"error": f"body over {max_body} bytes"}, []
+    return None
+
+
+def _answer(provider: str, headers: Mapping[str, str], body: bytes, ledger: Ledger, auth: WebhookAuth,
+            tolerance: float) -> _Reply:
+    """Handle one read request; every outcome a status line, a JSON payload and extra headers."""
+    try:
+        outcome = handle_webhook(provider, headers, body, auth=auth, ledger=ledger, tolerance=tolerance)
+    except WebhookSignatureError as exc:
+        basic = "basic" in auth.schemes(provider)
+        challenge = [("WWW-Authenticate", 'Basic realm="idemmail-webhooks"')] if basic else []
+        return "401 Unauthorized", {"error": str(exc)}, challenge
+    except WebhookPayloadError as exc:
+        return "400 Bad Request", {"error": str(exc)}, []
+    except LedgerError as exc:
+        logger.error("idemmail: %s webhook could not be recorded: %s", provider, exc)
+        return "503 Service Unavailable", {"error": "ledger unavailable; retry later"}, []
+    except Exception as exc:  # a bug, or a ledger failing in a way it should have typed: no traceback to the caller
+        logger.error("idemmail: %s webhook failed: %s", provider, type(exc).__name__)
+        return "500 Internal Server Error", {"error": "internal error; retry later"}, []
+    return "200 OK", {"confirmed": len(outcome.confirmed), "unknown": len(outcome.unknown_keys),
+                      "ignored": outcome.ignored}, []
+
+
+def _configured(provider: str, auth: WebhookAuth | None, secret: str | Sequence[str] | None) -> WebhookAuth:
+    if provider not in SCHEMES:
+        raise ConfigurationError(f"no webhook support for {provider!r} (known: {', '.join(PROVIDERS)})")
+    checked = _auth(auth, secret)
+    if not checked.schemes(provider):
+        raise ConfigurationError(f"nothing configured that authenticates {provider} webhooks "
+                                 f"(it can use: {', '.join(SCHEMES[provider])})")
+    return checked
+
+
 def webhook_app(
     ledger: Ledger,
     provider: str = "postmark",
     *,
-    secret: str | Sequence[str],
+    secret: str | Sequence[str] | None = None,
+    auth: WebhookAuth | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
     max_body: int = DEFAULT_MAX_BODY,
 ) -> Callable[[WSGIEnvironment, StartResponse], Iterable[bytes]]:
@@ -360,45 +664,92 @@ def webhook_app(
 
     Answers ``200 {"confirmed": n, "unknown": m, "ignored": k}``; 401 when the
     request is not authenticated (with a basic auth challenge where the provider
-    uses basic auth); 400 for a body that is not the provider's JSON; 405, 411, 413
-    for a wrong method, no length, a body over ``max_body``; 503 when the ledger
-    fails, so the provider retries later.
+    uses basic auth); 400 for a body that is not the provider's JSON or a bad
+    ``Content-Length``; 405, 411, 413 for a wrong method, no length, a body over
+    ``max_body``; 503 when the ledger fails, so the provider retries later.
     """
-    if provider not in SCHEMES:
-        raise ConfigurationError(f"no webhook support for {provider!r} (known: {', '.join(PROVIDERS)})")
-    _secrets(secret)
+    checked = _configured(provider, auth, secret)
 
-    def reply(start_response: StartResponse, status: str, payload: Mapping[str, Any],
-              extra: Sequence[tuple[str, str]] = ()) -> list[bytes]:
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        refused = _check_request(str(environ.get("REQUEST_METHOD")), str(environ.get("CONTENT_LENGTH") or ""),
+                                 max_body, length_required=True)
+        if refused is None:
+            body = environ["wsgi.input"].read(int(environ["CONTENT_LENGTH"]))
+            headers = {key[5:].replace("_", "-").lower(): str(value)
+                       for key, value in environ.items() if key.startswith("HTTP_")}
+            if environ.get("CONTENT_TYPE"):
+                headers["content-type"] = str(environ["CONTENT_TYPE"])
+            refused = _answer(provider, headers, body, ledger, checked, tolerance)
+        status, payload, extra = refused
         data = json.dumps(payload).encode("utf-8")
         start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(data))), *extra])
         return [data]
 
-    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
-        if environ.get("REQUEST_METHOD") != "POST":
-            return reply(start_response, "405 Method Not Allowed", {"error": "POST only"}, [("Allow", "POST")])
-        length = str(environ.get("CONTENT_LENGTH") or "")
-        if not length.isdigit():
-            return reply(start_response, "411 Length Required", {"error": "send a Content-Length"})
-        if int(length) > max_body:
-            return reply(start_response, "413 Content Too Large", {"error": f"body over {max_body} bytes"})
-        body = environ["wsgi.input"].read(int(length))
-        headers = {key[5:].replace("_", "-").lower(): str(value)
-                   for key, value in environ.items() if key.startswith("HTTP_")}
-        if environ.get("CONTENT_TYPE"):
-            headers["content-type"] = str(environ["CONTENT_TYPE"])
-        try:
-            outcome = handle_webhook(provider, headers, body, secret=secret, ledger=ledger, tolerance=tolerance)
-        except WebhookSignatureError as exc:
-            basic = "basic" in SCHEMES[provider]
-            challenge = [("WWW-Authenticate", 'Basic realm="idemmail-webhooks"')] if basic else []
-            return reply(start_response, "401 Unauthorized", {"error": str(exc)}, challenge)
-        except WebhookPayloadError as exc:
-            return reply(start_response, "400 Bad Request", {"error": str(exc)})
-        except LedgerError as exc:
-            logger.error("idemmail: %s webhook could not be recorded: %s", provider, exc)
-            return reply(start_response, "503 Service Unavailable", {"error": "ledger unavailable; retry later"})
-        return reply(start_response, "200 OK", {"confirmed": len(outcome.confirmed),
-                                                "unknown": len(outcome.unknown_keys), "ignored": outcome.ignored})
+    return app
+
+
+_ASGIReceive = Callable[[], Awaitable[dict[str, Any]]]
+_ASGISend = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def webhook_asgi_app(
+    ledger: Ledger,
+    provider: str = "postmark",
+    *,
+    secret: str | Sequence[str] | None = None,
+    auth: WebhookAuth | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    max_body: int = DEFAULT_MAX_BODY,
+) -> Callable[[dict[str, Any], _ASGIReceive, _ASGISend], Awaitable[None]]:
+    """The same endpoint as :func:`webhook_app`, as an ASGI 3 application (no framework needed).
+
+    Mount it in Starlette/FastAPI (``app.mount("/hooks/ses", webhook_asgi_app(ledger, "ses",
+    auth=...))``) or serve it alone (it answers the ``lifespan`` protocol). The body is read
+    up to ``max_body`` (a chunked request needs no ``Content-Length``); verifying and the
+    ledger call run in a worker thread (``asyncio.to_thread``), so the event loop never
+    blocks on the ledger. Same answers as the WSGI app.
+    """
+    checked = _configured(provider, auth, secret)
+
+    async def reply(send: _ASGISend, answer: _Reply) -> None:
+        status, payload, extra = answer
+        data = json.dumps(payload).encode("utf-8")
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode("ascii")),
+                   *((name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in extra)]
+        await send({"type": "http.response.start", "status": int(status.split()[0]), "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+    async def app(scope: dict[str, Any], receive: _ASGIReceive, send: _ASGISend) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            raise ValueError(f"the idemmail webhook app serves HTTP, not {scope['type']}")
+        headers = {bytes(name).decode("latin-1").lower(): bytes(value).decode("latin-1")
+                   for name, value in scope.get("headers") or ()}
+        refused = _check_request(str(scope.get("method")), headers.get("content-length"), max_body,
+                                 length_required=False)
+        if refused is not None:
+            return await reply(send, refused)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body") or b""
+            size += len(chunk)
+            if size > max_body:
+                return await reply(send, ("413 Content Too Large", {"error": f"body over {max_body} bytes"}, []))
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        answer = await asyncio.to_thread(_answer, provider, headers, b"".join(chunks), ledger, checked, tolerance)
+        await reply(send, answer)
 
     return app

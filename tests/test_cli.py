@@ -19,10 +19,11 @@ import redis
 import sqlalchemy as sa
 from click.testing import CliRunner
 
-from idemmail_celery.cli import EXIT_ILLEGAL, EXIT_UNKNOWN_KEY, idemmail
+from idemmail_celery.cli import EXIT_BROKER, EXIT_ILLEGAL, EXIT_UNKNOWN_KEY, EXIT_UNREACHABLE, idemmail
 from idemmail_celery.ledger import ClaimRequest, Ledger, State, from_url
 from idemmail_celery.ledger.redis import RedisLedger
 from idemmail_celery.ledger.sql import SQLLedger
+from idemmail_celery.ledger.wrapper import LedgerWrapper
 
 from .conftest import POSTGRES_URL, REDIS_URL, drop_ledger, make_ledger, service_missing
 
@@ -44,6 +45,8 @@ def cli_ledger(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def url_args(ledger: Ledger) -> list[str]:
+    if isinstance(ledger, LedgerWrapper):  # a task's ledger is timed for metrics: the store is inside
+        ledger = ledger.backend
     if isinstance(ledger, RedisLedger):
         kw = ledger.client.connection_pool.connection_kwargs
         return ["--ledger-url", f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}", "--prefix", ledger.prefix]
@@ -135,7 +138,9 @@ def test_forget_and_purge(cli_ledger: Ledger) -> None:
         short.close()
     sent(cli_ledger, "fresh")
     time.sleep(0.5)
-    assert cli_ledger.get("old") is None and stored(cli_ledger, "old")  # expired, not yet purged
+    assert cli_ledger.get("old") is None
+    # Expired, not yet purged: an SQL row stays until purge; a Redis record goes by its TTL (purge counts it).
+    assert stored(cli_ledger, "old") is not isinstance(cli_ledger, RedisLedger)
 
     out = run(cli_ledger, "ledger", "purge", "--expired")
     assert out.exit_code == 0, out.output
@@ -271,3 +276,153 @@ def test_release_of_a_forgotten_payload_refuses_and_changes_nothing(
     # Still decidable the other ways.
     failed = run(led, "ledger", "resolve", key, "--failed", "--note", "cannot resend", "--actor", "ana")
     assert failed.exit_code == 0, failed.output
+
+
+# -- operator safety (issue 14) and the standalone CLI (issue 15) --
+
+
+def test_release_with_the_broker_down_leaves_the_record_in_review(release_app: ReleaseApp) -> None:
+    """Published first: the broker refuses, so nothing is queued and the record is exactly as it was."""
+    key = park_first(release_app.workerapp, "cat@example.com", 7)
+    led = release_app.workerapp.send.ledger
+    before = led.get(key)
+    down = {**release_app.env, "IDEMMAIL_TEST_BROKER": "redis://127.0.0.1:9/0"}  # nothing listens on port 9
+    done = celery_cli(down, "resolve", key, "--release", "--note", "provider: not delivered")
+    assert done.returncode == EXIT_BROKER, (done.stdout, done.stderr)
+    assert "nothing queued, the record is left as it was" in done.stderr and "Traceback" not in done.stderr
+    assert led.get(key) == before  # still review, same token, no resolution
+    assert queued(release_app) == []
+
+
+def test_a_second_release_does_not_queue_a_second_copy(release_app: ReleaseApp) -> None:
+    key = park_first(release_app.workerapp, "dan@example.com", 8)
+    first = celery_cli(release_app.env, "resolve", key, "--release", "--note", "provider: not delivered")
+    assert first.returncode == 0, first.stderr
+    released = release_app.workerapp.send.ledger.get(key)
+    again = celery_cli(release_app.env, "resolve", key, "--release", "--note", "once more")
+    assert again.returncode == EXIT_ILLEGAL, (again.stdout, again.stderr)
+    assert "already released, so a copy is queued" in again.stderr
+    assert len(queued(release_app)) == 1
+    assert release_app.workerapp.send.ledger.get(key) == released
+
+
+def test_the_released_copy_cannot_arrive_before_the_record_is_released(release_app: ReleaseApp) -> None:
+    """The copy is published with a countdown; releasing happens within it."""
+    from idemmail_celery.cli import RELEASE_COUNTDOWN
+
+    key = park_first(release_app.workerapp, "eve@example.com", 9)
+    before_publish = time.time()
+    assert celery_cli(release_app.env, "resolve", key, "--release", "--note", "n").returncode == 0
+    [message] = queued(release_app)
+    eta = message["headers"]["eta"]
+    assert eta is not None
+    import datetime as dt
+
+    assert dt.datetime.fromisoformat(eta).timestamp() >= before_publish + RELEASE_COUNTDOWN - 1
+    record = release_app.workerapp.send.ledger.get(key)
+    assert record is not None and record.state is State.RELEASED and record.updated_at < before_publish + 5
+
+
+def test_release_that_cannot_record_after_publishing_leaves_the_record_as_it_was(
+    release_app: ReleaseApp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ledger fails between the publish and the release: exit 4, record unchanged; the queued copy will
+    meet the record in review and send nothing (a delivery of a review record replays it)."""
+    from idemmail_celery.errors import LedgerUnavailableError
+
+    key = park_first(release_app.workerapp, "fay@example.com", 10)
+    led = release_app.workerapp.send.ledger
+    before = led.get(key)
+
+    class Holder:
+        app = release_app.workerapp.app
+
+    def down(*_: Any, **__: Any) -> Any:
+        raise LedgerUnavailableError("connection refused (injected after the publish)")
+
+    from idemmail_celery.ledger.base import Ledger as LedgerBase
+
+    monkeypatch.setattr(LedgerBase, "resolve", down)  # the store's answer to the release step only
+    failed = CliRunner().invoke(idemmail, ["ledger", "resolve", key, "--release", "--note", "n"], obj=Holder())
+    monkeypatch.undo()
+    assert failed.exit_code == EXIT_UNREACHABLE, failed.output
+    assert "will find it unchanged and send nothing" in failed.output
+    assert led.get(key) == before
+    assert [m["headers"]["idempotency_key"] for m in queued(release_app)] == [key]
+
+
+def test_a_slow_release_queues_a_second_copy_so_something_is_queued_after_it(
+    release_app: ReleaseApp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Releasing took half the countdown: the first copy may have met the record unreleased and sent nothing,
+    so a second copy (no countdown) is queued behind the release. A copy too many only replays."""
+    from idemmail_celery import cli
+    from idemmail_celery.ledger.base import Ledger as LedgerBase
+
+    key = park_first(release_app.workerapp, "hal@example.com", 12)
+    original = LedgerBase.resolve
+
+    def slow(self: Any, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.3)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cli, "RELEASE_COUNTDOWN", 0.4)
+    monkeypatch.setattr(LedgerBase, "resolve", slow)
+
+    class Holder:
+        app = release_app.workerapp.app
+
+    done = CliRunner().invoke(idemmail, ["ledger", "resolve", key, "--release", "--note", "n"], obj=Holder())
+    assert done.exit_code == 0, done.output
+    copies = queued(release_app)
+    assert [m["headers"]["idempotency_key"] for m in copies] == [key, key]
+    assert sorted(m["headers"]["eta"] is None for m in copies) == [False, True]  # one delayed, one at once
+    assert release_app.workerapp.send.ledger.get(key).state is State.RELEASED  # type: ignore[union-attr]
+
+
+def test_show_payload_of_a_sealed_record_without_keys_exits_6_without_a_traceback(cli_ledger: Ledger) -> None:
+    from cryptography.fernet import Fernet
+
+    from idemmail_celery.cli import EXIT_PAYLOAD_KEY
+
+    sealed = same_store(cli_ledger, payload_keys=[Fernet.generate_key().decode()])
+    try:
+        parked(sealed, "k-sealed")
+    finally:
+        sealed.close()
+    shown = run(cli_ledger, "ledger", "show", "k-sealed")
+    assert shown.exit_code == 0 and json.loads(shown.output)["has_payload"] is True
+    with_payload = run(cli_ledger, "ledger", "show", "k-sealed", "--payload")
+    assert with_payload.exit_code == EXIT_PAYLOAD_KEY, with_payload.output
+    assert "sealed" in with_payload.output and isinstance(with_payload.exception, SystemExit)
+    assert "a@x.org" not in with_payload.output
+
+
+def test_exit_codes_are_distinct_from_usage_errors(cli_ledger: Ledger) -> None:
+    from idemmail_celery import cli
+
+    codes = {name: getattr(cli, name) for name in dir(cli) if name.startswith("EXIT_")}
+    assert len(set(codes.values())) == len(codes), codes
+    assert run(cli_ledger, "ledger", "show", "nope").exit_code == EXIT_UNKNOWN_KEY != 2
+    assert run(cli_ledger, "ledger", "resolve", "nope", "--sent").exit_code == 2  # --note missing: click's usage
+
+
+def test_python_m_shows_every_subcommand_as_the_celery_subcommand_does(request: pytest.FixtureRequest) -> None:
+    env: dict[str, str] = request.getfixturevalue("worker_env")
+
+    def out(*args: str) -> str:
+        done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    celery = ["-m", "celery", "-A", "tests.integration.workerapp", "idemmail"]
+    standalone = ["-m", "idemmail_celery"]
+    top = out(*standalone, "--help")
+    assert "ledger" in top and "-A, --app" in top and "--ledger-url" in top and "7  no record for that key" in top
+    subcommands = ("list", "show", "resolve", "purge", "forget", "stats", "init", "ack-loss")
+    for argv in (standalone, celery):
+        listing = out(*argv, "ledger", "--help")
+        assert all(f"  {name} " in listing for name in subcommands), listing
+    for name in subcommands:
+        assert out(*standalone, "ledger", name, "--help").split("Options:")[1] == out(
+            *celery, "ledger", name, "--help").split("Options:")[1]

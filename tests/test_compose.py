@@ -44,7 +44,9 @@ IMAGE_PORTS = {"redis": 6379, "postgres": 5432}
 
 
 def settings_the_package_reads() -> set[str]:
-    return set(re.findall(r"""(?:conf\.get|pick)\(\s*["'](idemmail_[a-z_]+)["']""", PACKAGE_SOURCES))
+    from idemmail_celery.config import SETTINGS
+
+    return {s.conf for s in SETTINGS}
 
 
 def celery_commands() -> Iterator[tuple[str, list[str]]]:

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
 
-from idemmail_celery.email import Attachment, EmailMessage, message_id_for
+from idemmail_celery.email import (
+    DEFAULT_MAX_RECIPIENTS,
+    Attachment,
+    EmailMessage,
+    format_address,
+    message_id_for,
+    parse_address,
+    split_address,
+)
 from idemmail_celery.errors import InvalidEmail
 
 
@@ -50,7 +59,7 @@ def test_size_limit() -> None:
 
 
 def test_addresses_are_checked_and_normalised() -> None:
-    m = build(to=["Ann <ann@Example.COM>", "bob@example.org, cat@example.net"], bcc="hidden@example.com")
+    m = build(to=["Ann <ann@Example.COM>", "bob@example.org", "cat@example.net"], bcc="hidden@example.com")
     assert m.to == ("Ann <ann@example.com>", "bob@example.org", "cat@example.net")
     assert m.recipients() == ("ann@example.com", "bob@example.org", "cat@example.net", "hidden@example.com")
 
@@ -72,3 +81,211 @@ def test_international_addresses_are_accepted() -> None:
     m = build(sender="Zoë <zoe@exämple.com>", to='"Jürgen, Sales" <jürgen@example.com>')
     assert m.sender == "Zoë <zoe@exämple.com>"
     assert m.to == ('"Jürgen, Sales" <jürgen@example.com>',)
+
+
+# -- one address per string (issue 14): several recipients only as a list --
+
+SEVERAL = [
+    "ann@example.com, attacker@evil.com",
+    "ann@example.com,attacker@evil.com",
+    "ann@example.com; attacker@evil.com",
+    "ann@example.com attacker@evil.com",
+    "Ann <ann@example.com>, attacker@evil.com",
+    "Ann <ann@example.com>, Eve <attacker@evil.com>",
+    '"Ann" <ann@example.com>, "Eve" <attacker@evil.com>',
+    "<ann@example.com> <attacker@evil.com>",
+    "ann@example.com <attacker@evil.com>",
+    "alice@example.org)<attacker@evil.com>",  # CVE-2023-27043's shape: parsed differently by patch level
+    "alice@example.org<attacker@evil.com>",
+    "Team: ann@example.com, attacker@evil.com;",  # a group
+    "ann@example.com (Ann)",  # a comment
+    "ann@example.com\tattacker@evil.com",
+]
+
+
+@pytest.mark.parametrize("text", SEVERAL)
+@pytest.mark.parametrize("field", ["to", "cc", "bcc", "reply_to"])
+def test_a_string_is_exactly_one_address_never_several(text: str, field: str) -> None:
+    with pytest.raises(InvalidEmail) as info:
+        build(**{field: text})
+    assert info.value.field == field
+    assert "attacker" not in str(info.value) and "ann@" not in str(info.value)  # errors never quote addresses
+
+
+@pytest.mark.parametrize("text", SEVERAL)
+def test_the_sender_is_one_address_too(text: str) -> None:
+    with pytest.raises(InvalidEmail) as info:
+        build(sender=text)
+    assert info.value.field == "from"
+
+
+@pytest.mark.parametrize("text,name,addr", [
+    ("ann@Example.COM", "", "ann@example.com"),
+    ("  ann@example.com  ", "", "ann@example.com"),
+    ("<ann@example.com>", "", "ann@example.com"),
+    ("Ann <ann@example.com>", "Ann", "ann@example.com"),
+    ("Ann B. Smith <ann@example.com>", "Ann B. Smith", "ann@example.com"),
+    ("Ann   Smith<ann@example.com>", "Ann Smith", "ann@example.com"),
+    ('"Smith, Ann" <ann@example.com>', "Smith, Ann", "ann@example.com"),
+    ('"Ann \\"The\\" Smith" <ann@example.com>', 'Ann "The" Smith', "ann@example.com"),
+    ('"ann@example.com" <ann@example.com>', "ann@example.com", "ann@example.com"),
+    ("Zoë <zoe@EXÄMPLE.com>", "Zoë", "zoe@exämple.com"),
+    ("zoe@xn--exmple-cua.com", "", "zoe@exämple.com"),  # punycode read back as Unicode
+    ("j\u0075\u0308rgen@example.com", "", "j\u00fcrgen@example.com"),  # NFD local part made NFC
+])
+def test_one_address_parses_the_same_everywhere(text: str, name: str, addr: str) -> None:
+    assert parse_address(text) == (name, addr)
+    formatted = format_address(text)
+    assert split_address(formatted) == (name, addr)
+    assert format_address(formatted) == formatted  # idempotent: a stored message re-validates unchanged
+
+
+def test_no_stdlib_address_parsing_is_relied_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """getaddresses/parseaddr behave differently by Python patch level (CVE-2023-27043): never called."""
+    import email.utils
+
+    from idemmail_celery.keys import normalize_address, normalize_addresses
+
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise AssertionError("email.utils address parsing used")
+
+    monkeypatch.setattr(email.utils, "getaddresses", refuse)
+    monkeypatch.setattr(email.utils, "parseaddr", refuse)
+    for name, module in list(sys.modules.items()):  # and every copy imported by name
+        if name.startswith("idemmail_celery"):
+            for attr in ("getaddresses", "parseaddr"):
+                if hasattr(module, attr):
+                    monkeypatch.setattr(module, attr, refuse)
+    m = build(sender='"Shop, Inc." <shop@example.com>', to=["Ann <ann@example.com>", "bob@example.org"],
+              cc="Zoë <zoe@exämple.com>", reply_to="help@example.com")
+    assert m.recipients() == ("ann@example.com", "bob@example.org", "zoe@exämple.com")
+    m.to_mime(message_id="<k@example.com>").as_bytes(policy=__import__("email").policy.SMTPUTF8)
+    assert normalize_address("Ann <Ann@Example.COM>") == "Ann@example.com"
+    assert normalize_addresses(["Ann <a@B.com>", "b@c.com"]) == ["a@b.com", "b@c.com"]
+
+
+def test_an_empty_cc_bcc_or_reply_to_string_is_no_address() -> None:
+    m = build(cc="", bcc="  ", reply_to="")
+    assert (m.cc, m.bcc, m.reply_to) == ((), (), ())
+    with pytest.raises(InvalidEmail) as info:
+        build(to="", cc=None)
+    assert info.value.field == "to"
+    with pytest.raises(InvalidEmail) as info:
+        build(cc=["a@example.com", ""])  # inside a list, an empty entry is a mistake
+    assert info.value.field == "cc" and "cc[1]" in str(info.value)
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"to": 42}, "to"),
+    ({"to": b"ann@example.com"}, "to"),
+    ({"cc": {"ann@example.com": 1}}, "cc"),
+    ({"bcc": ["ann@example.com", 7]}, "bcc"),
+])
+def test_recipients_must_be_strings_or_lists_of_them(kw: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidEmail) as info:
+        build(**kw)
+    assert info.value.field == field
+
+
+# -- recipients per message --
+
+
+def addresses(n: int, prefix: str = "r") -> list[str]:
+    return [f"{prefix}{i}@example.com" for i in range(n)]
+
+
+def test_recipient_cap_counts_to_cc_and_bcc_together() -> None:
+    assert DEFAULT_MAX_RECIPIENTS == 50
+    assert len(build(to=addresses(30), cc=addresses(10, "c"), bcc=addresses(10, "b")).recipients()) == 50
+    for kw, field in [({"to": addresses(51)}, "to"),
+                      ({"to": addresses(30), "cc": addresses(21, "c")}, "cc"),
+                      ({"to": addresses(30), "cc": addresses(10, "c"), "bcc": addresses(11, "b")}, "bcc"),
+                      ({"reply_to": addresses(51)}, "reply_to")]:
+        with pytest.raises(InvalidEmail, match="more than 50") as info:
+            build(**kw)
+        assert info.value.field == field
+    with pytest.raises(InvalidEmail, match="more than 3"):
+        build(to=addresses(4), max_recipients=3)
+
+
+def test_recipient_cap_is_checked_before_parsing_a_huge_list() -> None:
+    def endless() -> Any:
+        n = 0
+        while True:
+            n += 1
+            yield f"r{n}@example.com"
+
+    with pytest.raises(InvalidEmail, match="more than 50"):
+        build(to=endless())
+
+
+# -- header fields: no control character or line separator anywhere, strict header names --
+
+SEPARATORS = ["\u2028", "\u2029", "\u0085", "\x0b", "\x0c", "\x1b", "\x7f", "\x9b", "\r", "\n", "\0", "\ud800"]
+
+
+@pytest.mark.parametrize("char", SEPARATORS, ids=lambda c: f"U+{ord(c):04X}")
+def test_every_control_and_line_separator_is_refused_in_every_header_field(char: str) -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"subject": f"Hi{char}Bcc: victim@example.com"}, "subject"),
+        ({"sender": f"Shop{char}Bcc <shop@example.com>"}, "from"),
+        ({"to": f"Ann{char} <ann@example.com>"}, "to"),
+        ({"cc": [f"Ann{char} <ann@example.com>"]}, "cc"),
+        ({"reply_to": f"ann@example.com{char}"}, "reply_to"),
+        ({"headers": {"X-Campaign": f"nov{char}Bcc: victim@example.com"}}, "headers[X-Campaign]"),
+        ({"headers": {f"X-Camp{char}aign": "nov"}}, "headers"),
+        ({"tags": {"k": f"v{char}"}}, "tags[k]"),
+        ({"tags": {f"k{char}": "v"}}, "tags"),
+        ({"attachments": [Attachment(f"a{char}.txt", b"x")]}, "attachments.filename"),
+        ({"attachments": [Attachment("a.txt", b"x", f"text/plain{char}")]}, "attachments.content_type"),
+    ]
+    for kw, field in cases:
+        with pytest.raises(InvalidEmail) as info:
+            build(**kw)
+        assert info.value.field == field, kw
+
+
+def test_tab_is_allowed_where_rfc_5322_allows_it_and_nowhere_else() -> None:
+    m = build(subject="Order\t4821", headers={"X-Note": "a\tb"})
+    assert m.subject == "Order\t4821" and m.headers == {"X-Note": "a\tb"}
+    for kw, field in [({"to": "Ann\t<ann@example.com>"}, "to"), ({"tags": {"k": "a\tb"}}, "tags[k]"),
+                      ({"headers": {"X-A\tB": "v"}}, "headers")]:
+        with pytest.raises(InvalidEmail) as info:
+            build(**kw)
+        assert info.value.field == field
+
+
+@pytest.mark.parametrize("name", [
+    "From", "to", "CC", "Bcc", "Subject", "Sender", "Message-ID", "message-id", "Date", "Reply-To",
+    "Content-Type", "content-transfer-encoding", "Content-Disposition", "MIME-Version", "Return-Path",
+    "Received", "Resent-To", "DKIM-Signature", "X-Idemmail-Key",
+])
+def test_reserved_header_names_are_refused(name: str) -> None:
+    with pytest.raises(InvalidEmail) as info:
+        build(headers={name: "v"})
+    assert info.value.field == "headers"
+
+
+@pytest.mark.parametrize("name", ["X-Ünicode", "X:Y", "", "X Y", "X" * 77])
+def test_header_names_are_rfc_5322_field_names(name: str) -> None:
+    with pytest.raises(InvalidEmail) as info:
+        build(headers={name: "v"})
+    assert info.value.field == "headers"
+
+
+def test_ordinary_headers_pass_and_reach_the_mime_message() -> None:
+    extra = {"X-Campaign": "nov", "List-Unsubscribe": "<https://shop.example/u/1>", "In-Reply-To": "<a@b.c>",
+             "References": "<a@b.c>"}
+    mime = build(headers=extra).to_mime().as_bytes()
+    assert b"X-Campaign: nov" in mime and b"List-Unsubscribe: <https://shop.example/u/1>" in mime
+    with pytest.raises(InvalidEmail, match="twice") as info:
+        build(headers={"X-Tag": "a", "x-tag": "b"})
+    assert info.value.field == "headers"
+
+
+def test_bodies_refuse_what_no_email_can_carry() -> None:
+    for kw, field in [({"text": "a\0b"}, "text"), ({"html": "<p>\ud800</p>"}, "html")]:
+        with pytest.raises(InvalidEmail) as info:
+            build(**kw)
+        assert info.value.field == field
+    assert build(text="line one\nline two\u2028still body").text  # bodies are not headers

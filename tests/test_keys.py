@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import hashlib
+import hmac
 import inspect
+import re
+import unicodedata
 import uuid
 from typing import Any
 
@@ -12,12 +16,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from idemmail_celery.errors import IdempotencyKeyError, UnserializableArgumentsError
+from idemmail_celery.errors import ConfigurationError, IdempotencyKeyError, InvalidEmail, UnserializableArgumentsError
 from idemmail_celery.keys import (
+    MAX_EXPLICIT_KEY_LENGTH,
     IntentKeyBuilder,
     Payload,
     address_fields_for,
     canonical_json,
+    check_explicit_key,
+    is_derived_key,
     normalize_address,
     normalize_addresses,
 )
@@ -73,9 +80,6 @@ def test_golden_vectors_are_stable() -> None:
 
 
 def test_key_format_is_the_documented_digest() -> None:
-    import hashlib
-    import hmac
-
     material = (
         '{"intent":{"order_id":4821,"to":["ann@example.com"]},'
         '"ns":"idemmail/1","task":"app.send","tenant":null,"v":1}'
@@ -225,6 +229,23 @@ def test_plain_signatures_bind_as_inspect_does() -> None:
         assert b.bound(p) == dict(ba.arguments)
 
 
+def test_keyword_only_signatures_bind_as_inspect_does_and_refuse_what_it_refuses() -> None:
+    """send_email's shape: keyword-only arguments take the fast path too, with the same answers."""
+    def mail(to: Any, *, subject: str = "", cc: Any = None, event_id: Any = None) -> None: ...
+
+    sig = inspect.signature(mail)
+    b = IntentKeyBuilder(task_name="tests.mail", signature=sig, secret=b"s")
+    assert b._plain is not None
+    for args, kwargs in [(("a@example.com",), {"subject": "Hi"}), ((), {"to": "a@example.com", "event_id": 7})]:
+        p = b.payload(args, kwargs)
+        ba = sig.bind(*p.args, **p.kwargs)
+        ba.apply_defaults()
+        assert b.bound(p) == dict(ba.arguments)
+    for args, kwargs in [(("a@example.com", "Hi"), {}), ((), {"subject": "Hi"}), ((), {"to": "a", "bcc": "b"})]:
+        with pytest.raises(IdempotencyKeyError):  # a keyword-only one given by position, a missing or unknown one
+            b.bound(b.payload(args, kwargs))
+
+
 def test_unserialisable_arguments_are_rejected() -> None:
     b = builder()
     with pytest.raises(UnserializableArgumentsError):
@@ -246,3 +267,204 @@ def test_must_match_reports_differing_fields() -> None:
     assert b.derive(first) == b.derive(later)
     assert b.mismatched_fields(first, later) == ("to",)
     assert b.mismatched_fields(first, b.payload(("a@example.com", "t3", 1), {})) == ()
+
+
+# -- one intent, one key (issue 13): spellings of one call agree, already-canonical keys stay --
+
+#: Canonical inputs whose keys this release must not change (computed with the release before).
+UNCHANGED = [
+    (({}, ("zoe@exämple.com", "t", 1), {}, None, None),
+     "bef241400e2f66184bde19bdca10838801636e81dd39d2a14e0b7fc7023053ab"),
+    (({"spec": ("to", "order_id")}, ("Jürgen <jürgen@Exämple.com>", "t", 1), {}, None, None),
+     "1f8c272cb8e672b244de98ab4f6b761098932c6f40af680ddfdcd4081dc0ebcc"),
+    (({}, ("a@example.com", "t", 1), {"extra": {"amount": 2.5, "n": [1, 2.25]}}, None, None),
+     "b7898a3b42d09570f1f1c8933c51fb406fc8ec1c48bf055d6d9e27864b4b2483"),
+    (({"secret": b"k"}, (["Ann <ann@example.com>", "bob@example.org"], "t", 7), {"locale": "de"}, None, None),
+     "c8f626a47ce3a675d718220e437e8632d5870b3eadcfd67cc5d8412912361994"),
+    (({}, ("a@example.com", "t", 1), {}, "Order 4821 / confirmation ✓", "acme"),
+     "99ec05378ab0fad84922999d45ffa6e0d8720839e3994682837f31412a49b2ce"),
+]
+
+
+@pytest.mark.parametrize("case,expected", UNCHANGED)
+def test_keys_of_canonical_inputs_did_not_change(case: Any, expected: str) -> None:
+    opts, args, kwargs, explicit, tenant = case
+    b = builder(**opts)
+    assert b.derive(b.payload(args, kwargs), explicit=explicit, tenant=tenant) == expected
+
+
+@pytest.mark.parametrize("one,other", [
+    ("zoe@exämple.com", "zoe@xn--exmple-cua.com"),  # IDN in Unicode and in punycode
+    ("zoe@exämple.com", "Zoë <zoe@XN--EXMPLE-CUA.com>"),
+    ("jürgen@example.com", unicodedata.normalize("NFD", "jürgen@example.com")),  # NFC and NFD
+    ("Ann <ann@example.com>", '"Ann" <ann@EXAMPLE.com>'),
+])
+def test_spellings_of_one_mailbox_give_one_key(one: str, other: str) -> None:
+    assert normalize_address(one) == normalize_address(other)
+    b = builder(spec=("to", "order_id"))
+    assert key(b, one, "t", 1) == key(b, other, "t", 1)
+
+
+def test_one_and_one_point_zero_give_one_key() -> None:
+    b = builder()
+    assert key(b, "a@example.com", "t", 1, extra=1) == key(b, "a@example.com", "t", 1, extra=1.0)
+    assert key(b, "a@example.com", "t", 1, extra={"n": [2, -0.0]}) == key(b, "a@example.com", "t", 1,
+                                                                             extra={"n": [2.0, 0]})
+    assert key(b, "a@example.com", "t", 1, extra=1.5) != key(b, "a@example.com", "t", 1, extra=1)
+    assert canonical_json([1.0, 2.5, 1e300, 2.0**60]) == "[1,2.5,1e+300,1.152921504606847e+18]"
+
+
+def test_normalize_address_is_the_de_duplication_form() -> None:
+    assert normalize_address("Ann Example <Ann.X@Example.COM>") == "Ann.X@example.com"  # local part kept
+    assert normalize_address(" ann@example.com ") == "ann@example.com"
+    assert normalize_address("Ann <not-an-address>") == "not-an-address"  # read leniently, never valid
+    assert normalize_address("Ann <x.@Example.com>") == normalize_address("x.@example.com")
+    assert normalize_addresses(["", "a@b.com", " "]) == ["a@b.com"]
+    assert normalize_addresses('"Smith, Ann" <ann@example.com>, bob@example.com') == [
+        "ann@example.com", "bob@example.com"]
+
+
+# -- send_email's intent: one call, one key, however it is spelled --
+
+
+@pytest.fixture
+def send_email_task() -> Any:
+    from celery import Celery
+
+    from idemmail_celery.mail import register
+
+    app = Celery("keys-test", set_as_current=False)
+    app.conf.idemmail_provider_url = "console://"
+    return register(app)
+
+
+#: send_email calls whose keys this release must not change (computed with the release before).
+SEND_EMAIL_UNCHANGED = [
+    ({"to": "ann@example.com", "subject": "Your receipt", "html": "<p>Thanks</p>", "event_id": "order_4821",
+      "template": "receipt"}, "0fcd1234dde60515d73dea437925e916747d3777431b8ef00608d4b541e7220a"),
+    ({"to": ["Ann <ann@Example.COM>", "bob@example.org"], "cc": "c@example.com", "subject": "s", "text": "t",
+      "event_id": "e-1"}, "c947ae3205c66f2344fe28fb0ac650fdd7da8581518e311daf170e0fc3ee2d5d"),
+    ({"to": "ann@example.com", "subject": "Reset", "text": "link"},
+     "89ba8065d1cac2f947a16ca99567076b04e416216530d4a012aef29830e352b0"),
+    ({"to": "zoe@exämple.com", "subject": "Hi", "text": "t", "from_": "Shop <shop@example.com>",
+      "reply_to": "help@example.com", "headers": {"X-A": "1"}, "tags": {"k": "v"}, "tenant": "acme"},
+     "4ec94ec4f6ea097527122d230c394b3ae54fcf7568d3f1728d84e09fa21c7500"),
+]
+
+
+@pytest.mark.parametrize("kwargs,expected", SEND_EMAIL_UNCHANGED)
+def test_send_email_keys_of_canonical_calls_did_not_change(send_email_task: Any, kwargs: dict[str, Any],
+                                                          expected: str) -> None:
+    assert send_email_task.intent_key(**kwargs) == expected
+
+
+@pytest.mark.parametrize("base,variants", [
+    ({"to": "ann@example.com", "subject": "s", "text": "t", "event_id": "4821"},
+     [{"cc": None}, {"cc": []}, {"cc": ""}, {"bcc": []}, {"event_id": 4821}, {"to": ["ann@example.com"]},
+      {"to": "Ann <ann@EXAMPLE.com>"}, {"subject": "other"}]),
+    ({"to": "zoe@exämple.com", "subject": "s", "text": "t", "event_id": "e"},
+     [{"to": "zoe@xn--exmple-cua.com"}, {"to": "Zoë <zoe@Exämple.com>"}]),
+    ({"to": "jürgen@example.com", "subject": "s", "text": "t", "event_id": "e"},
+     [{"to": unicodedata.normalize("NFD", "jürgen@example.com")}]),
+    ({"to": "ann@example.com", "subject": "s", "text": "t"},  # no event_id: the whole content is the intent
+     [{"cc": []}, {"cc": ""}, {"reply_to": []}, {"headers": {}}, {"tags": {}}, {"attachments": []}]),
+    ({"to": "ann@example.com", "text": "t"}, [{"subject": ""}]),
+])
+def test_send_email_spellings_of_one_call_give_one_key(send_email_task: Any, base: dict[str, Any],
+                                                      variants: list[dict[str, Any]]) -> None:
+    expected = send_email_task.intent_key(**base)
+    for change in variants:
+        assert send_email_task.intent_key(**{**base, **change}) == expected, change
+
+
+@pytest.mark.parametrize("change", [{"event_id": 1.0}, {"event_id": True}, {"event_id": ""}, {"event_id": [1]},
+                                    {"template": 3}])
+def test_send_email_refuses_event_ids_that_have_no_single_spelling(send_email_task: Any,
+                                                                   change: dict[str, Any]) -> None:
+    kwargs = {"to": "ann@example.com", "subject": "s", "text": "t", "event_id": "e", **change}
+    with pytest.raises(InvalidEmail) as info:
+        send_email_task.intent_key(**kwargs)
+    assert info.value.field in ("event_id", "template")
+    with pytest.raises(InvalidEmail):
+        send_email_task.check_call((), kwargs)
+
+
+# -- secret rotation --
+
+
+def test_rotation_derives_under_the_first_secret_and_gives_the_older_keys() -> None:
+    call = (("ann@example.com", "t", 1), {})
+    new, old = builder(secret=b"new"), builder(secret=b"old")
+    rotating = builder(secret=[b"new", b"old"])
+    p = rotating.payload(*call)
+    assert rotating.derive(p) == new.derive(p)
+    assert rotating.older_keys(p) == (old.derive(p),)
+    assert rotating.older_keys(p, explicit="order-1", tenant="acme") == (old.derive(p, explicit="order-1",
+                                                                                    tenant="acme"),)
+    leaving_plain = builder(secret=["new", None])  # str secrets too; None: keys made without a secret
+    assert leaving_plain.older_keys(p) == (builder().derive(p),)
+    assert builder(secret=[b"new", b"new"]).older_keys(p) == ()  # a repeat is one secret
+
+
+def test_older_keys_cost_nothing_with_one_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    b = builder(secret=b"only")
+
+    def no_work(*_: Any) -> str:
+        raise AssertionError("older_keys derived something with a single secret")
+
+    monkeypatch.setattr(IntentKeyBuilder, "_material", no_work)
+    assert b.older_keys(b.payload(("a@example.com", "t", 1), {})) == ()
+
+
+def test_fingerprints_made_under_an_older_secret_still_match() -> None:
+    old = builder(spec=("order_id",), must_match=("to",), secret=b"old")
+    rotating = builder(spec=("order_id",), must_match=("to",), secret=[b"new", b"old"])
+    p = old.payload(("a@example.com", "t", 1), {})
+    assert rotating.fingerprint(p) != old.fingerprint(p)
+    assert rotating.fingerprint_matches(old.fingerprint(p), p)
+    assert rotating.fingerprint_matches(rotating.fingerprint(p), p)
+    assert not rotating.fingerprint_matches(old.fingerprint(old.payload(("b@example.com", "t", 1), {})), p)
+
+
+@pytest.mark.parametrize("secret", [b"", [], ["new", ""], 42])
+def test_bad_secrets_are_configuration_errors(secret: Any) -> None:
+    with pytest.raises(ConfigurationError):
+        builder(secret=secret)
+
+
+# -- explicit and raw keys: validated, namespaced and hashed --
+
+
+def test_an_explicit_key_is_namespaced_and_hashed_like_a_derived_one() -> None:
+    b = builder(secret=b"s")
+    p = b.payload(("a@example.com", "t", 1), {})
+    k = b.explicit_key("order-4821:confirmation")
+    assert k == b.derive(p, explicit="order-4821:confirmation") and is_derived_key(k)
+    assert "4821" not in k
+    material = '{"explicit":"order-4821:confirmation","ns":"idemmail/1","task":"app.send","tenant":"acme","v":1}'
+    assert b.explicit_key("order-4821:confirmation", tenant="acme") == hmac.new(
+        b"s", material.encode(), hashlib.sha256).hexdigest()
+    other_task = IntentKeyBuilder(task_name="app.other", signature=b.signature, secret=b"s")
+    assert other_task.explicit_key("order-4821:confirmation") != k  # namespaced per task
+
+
+@pytest.mark.parametrize("raw,why", [
+    (4821, "must be a str"), (b"order", "must be a str"), (None, "must be a str"), ("", "empty"), ("   ", "empty"),
+    ("x" * (MAX_EXPLICIT_KEY_LENGTH + 1), "over 255"), ("order\n1", "U+000A"), ("order\u20281", "U+2028"),
+    ("order\x001", "U+0000"), ("order\x851", "U+0085"),
+])
+def test_explicit_keys_are_checked_with_a_typed_error(raw: Any, why: str) -> None:
+    b = builder()
+    with pytest.raises(IdempotencyKeyError, match=re.escape(why)):
+        b.explicit_key(raw)
+    if raw is not None:  # derive(explicit=None) means "no explicit key"
+        with pytest.raises(IdempotencyKeyError, match=re.escape(why)):
+            b.derive(b.payload(("a@example.com", "t", 1), {}), explicit=raw)
+    with pytest.raises(IdempotencyKeyError, match=re.escape(why)):
+        check_explicit_key(raw)
+
+
+def test_derived_keys_are_recognised() -> None:
+    assert is_derived_key(key(builder(), "a@example.com", "t", 1))
+    for other in ("order-1", "A" * 64, "a" * 63, 42, None, "g" * 64):
+        assert not is_derived_key(other)

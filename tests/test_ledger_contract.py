@@ -296,13 +296,25 @@ def test_claim_many_races_single_claims(ledger: Ledger) -> None:
     assert statuses.count(ClaimStatus.BUSY) == 2 * len(keys)
 
 
-def test_reusing_a_request_object_never_claims_twice(ledger: Ledger) -> None:
+def test_a_request_run_twice_finds_its_own_claim_and_a_move_run_twice_is_done(ledger: Ledger) -> None:
+    """A client that runs a claim or a move again after its reply was lost (the store ran the first)
+    finds its own work: the claim comes back held (a new token: the first is void), not busy with
+    itself; the move comes back done, not stale. Nobody else has this request's owner (its nonce)."""
     same = req("reuse")
-    assert ledger.claim(same).status is ClaimStatus.ACQUIRED
-    assert ledger.claim(same).status is ClaimStatus.BUSY
+    first = ledger.claim(same)
+    assert first.status is ClaimStatus.ACQUIRED
+    again = ledger.claim(same)
+    assert again.status is ClaimStatus.RESUMED and again.token > first.token
+    with pytest.raises(StaleTokenError):
+        ledger.release("reuse", first.token)
+    assert ledger.claim(req("reuse")).status is ClaimStatus.BUSY  # another owner: busy, as ever
+    ledger.complete("reuse", again.token, {"message_id": "m-1"})
+    ledger.complete("reuse", again.token, {"message_id": "m-1"})  # run twice: done, not stale
+    record = ledger.get("reuse")
+    assert record is not None and record.state is State.SENT and record.result == {"message_id": "m-1"}
     batch = [req("reuse-b1"), req("reuse-b2")]
     assert [c.status for c in ledger.claim_many(batch)] == [ClaimStatus.ACQUIRED] * 2
-    assert [c.status for c in ledger.claim_many(batch)] == [ClaimStatus.BUSY] * 2
+    assert [c.status for c in ledger.claim_many(batch)] == [ClaimStatus.RESUMED] * 2
 
 
 def test_results_with_typed_values_are_stored_and_unstorable_ones_refused(ledger: Ledger) -> None:
@@ -386,3 +398,113 @@ def test_stats_count_each_state_and_leave_expired_records_out(ledger: Ledger) ->
     }
     time.sleep(0.5)  # past retention: sent and failed no longer count (their keys are free again)
     assert {k: v for k, v in ledger.stats().items() if v} == {"review": 1, "claimed": 1, "released": 1}
+
+
+def test_resume_owner_takes_back_its_own_live_claim_once(ledger: Ledger) -> None:
+    first = ledger.claim(req("rs1", owner="host:1:task-a:aaaa"))
+    assert first.status is ClaimStatus.ACQUIRED
+    # Another owner: busy. The chain's own next delivery (resume_owner) takes it back.
+    assert ledger.claim(req("rs1", owner="host:2:x:bbbb")).status is ClaimStatus.BUSY
+    back = ledger.claim(req("rs1", owner="host:1:task-a:cccc", resume_owner="host:1:task-a:aaaa"))
+    assert back.status is ClaimStatus.RESUMED
+    assert back.record.token > first.token and back.record.owner == "host:1:task-a:cccc"
+    assert back.record.reclaims == 0 and back.record.payload == '{"args":[1],"kwargs":{}}'
+    # A second copy of the same message (same resume_owner) finds the claim busy now.
+    again = ledger.claim(req("rs1", owner="host:3:task-a:dddd", resume_owner="host:1:task-a:aaaa"))
+    assert again.status is ClaimStatus.BUSY
+    with pytest.raises(StaleTokenError):
+        ledger.release("rs1", first.token)
+    ledger.complete("rs1", back.token, {"message_id": "m-rs1"})
+    done = ledger.claim(req("rs1", owner="host:1:task-a:eeee", resume_owner="host:1:task-a:cccc"))
+    assert done.status is ClaimStatus.DONE and done.record.state is State.SENT
+
+
+def test_resume_owner_takes_back_its_own_expired_claim_without_a_reclaim(ledger: Ledger) -> None:
+    first = ledger.claim(req("rs2", owner="host:1:task-b:aaaa", lease_seconds=0.2))
+    time.sleep(0.35)
+    back = ledger.claim(req("rs2", owner="host:1:task-b:bbbb", resume_owner="host:1:task-b:aaaa"))
+    assert back.status is ClaimStatus.RESUMED
+    assert back.record.token > first.token and back.record.reclaims == 0
+    # Someone else's expired claim is still a reclaim, whatever resume_owner says.
+    other = ledger.claim(req("rs3", owner="host:9:task-z:zzzz", lease_seconds=0.2))
+    time.sleep(0.35)
+    taken = ledger.claim(req("rs3", owner="host:1:task-b:cccc", resume_owner="host:1:task-b:aaaa"))
+    assert taken.status is ClaimStatus.RECLAIMED and taken.record.token > other.token
+
+
+def test_resume_owner_on_a_new_or_released_key_claims_as_usual(ledger: Ledger) -> None:
+    fresh = ledger.claim(req("rs4", owner="o:new", resume_owner="o:lost-reply-never-landed"))
+    assert fresh.status is ClaimStatus.ACQUIRED
+    ledger.release("rs4", fresh.token)
+    again = ledger.claim(req("rs4", owner="o:next", resume_owner="o:new"))
+    assert again.status is ClaimStatus.REOPENED
+
+
+def test_claim_many_honours_resume_owner(ledger: Ledger) -> None:
+    first = ledger.claim(req("rs5", owner="campaign:1:aaaa"))
+    claims = ledger.claim_many([req("rs5", owner="campaign:1:bbbb", resume_owner="campaign:1:aaaa"),
+                                req("rs6", owner="campaign:1:bbbb", resume_owner="campaign:1:aaaa")])
+    assert [c.status for c in claims] == [ClaimStatus.RESUMED, ClaimStatus.ACQUIRED]
+    assert claims[0].record.token > first.token
+
+
+def test_mark_hop_is_true_once_per_key_and_hop(ledger: Ledger) -> None:
+    assert ledger.mark_hop("hp1", "task-1:3", 60) is True
+    assert ledger.mark_hop("hp1", "task-1:3", 60) is False
+    assert ledger.mark_hop("hp1", "task-1:4", 60) is True
+    assert ledger.mark_hop("hp2", "task-1:3", 60) is True
+
+
+def test_mark_hop_is_atomic_across_threads(ledger: Ledger) -> None:
+    wins: list[bool | None] = []
+    lock = threading.Lock()
+
+    def mark() -> None:
+        got = ledger.mark_hop("hp3", "task-9:1", 60)
+        with lock:
+            wins.append(got)
+
+    threads = [threading.Thread(target=mark) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(wins, key=str) == [False] * 7 + [True]
+
+
+def test_mark_hop_expires(ledger: Ledger) -> None:
+    assert ledger.mark_hop("hp4", "task-2:1", 0.3) is True
+    time.sleep(0.5)
+    assert ledger.mark_hop("hp4", "task-2:1", 0.3) is True
+
+
+def test_forget_erases_payload_and_free_text_but_keeps_the_guarantee(ledger: Ledger) -> None:
+    c = ledger.claim(req("fg1"))
+    ledger.park("fg1", c.token, {"type": "SendNeedsReview", "reason": "timeout", "at": 1.0,
+                                 "message": "550 <ann@example.com> mailbox full: Your invoice 4821"})
+    ledger.resolve("fg1", State.FAILED, note="Ann asked us by phone", actor="ops@example.com")
+    s = ledger.claim(req("fg2"))
+    ledger.complete("fg2", s.token, {"message_id": "m-fg2", "value": {"to": "ann@example.com"}})
+    assert ledger.forget("fg1") is True and ledger.forget("fg2") is True
+    assert ledger.forget("fg1") is True  # idempotent
+    failed, sent = ledger.get("fg1"), ledger.get("fg2")
+    assert failed is not None and sent is not None
+    assert failed.payload is None and failed.state is State.FAILED
+    assert failed.error is not None and "message" not in failed.error and failed.error["reason"] == "timeout"
+    assert failed.error["resolution"] == {"from": "review", "to": "failed", "at": failed.error["resolution"]["at"],
+                                          "by": "ops@example.com"}
+    assert sent.result == {"message_id": "m-fg2", "forgotten": True}
+    assert "ann@example.com" not in repr(failed) + repr(sent)
+    # The key still protects: a duplicate replays, it does not send again.
+    assert ledger.claim(req("fg2")).status is ClaimStatus.DONE
+    assert ledger.forget("never-was") is False
+
+
+def test_forget_on_a_live_claim_keeps_the_claim_working(ledger: Ledger) -> None:
+    c = ledger.claim(req("fg3"))
+    assert ledger.forget("fg3") is True
+    assert ledger.claim(req("fg3")).status is ClaimStatus.BUSY
+    assert ledger.renew("fg3", c.token, 30) is True
+    ledger.complete("fg3", c.token, {"message_id": "m-fg3"})
+    record = ledger.get("fg3")
+    assert record is not None and record.state is State.SENT and record.result == {"message_id": "m-fg3"}

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from idemmail_celery.cli import EXIT_ILLEGAL, EXIT_LOST, idemmail
+from idemmail_celery.cli import EXIT_ILLEGAL, EXIT_LOST, EXIT_UNKNOWN_KEY, idemmail
 from idemmail_celery.errors import LedgerLostError, LedgerUnavailableError, UnsafeLedgerError
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State, from_url
 from idemmail_celery.ledger.redis import RedisLedger
@@ -280,7 +280,7 @@ def test_read_only_cli_commands_never_start_an_epoch_on_an_emptied_store(prefix:
     assert cli(strict, "ledger", "stats").exit_code == 0
     listed = cli(strict, "ledger", "list")
     assert listed.exit_code == 0 and listed.output == "", listed.output
-    assert cli(strict, "ledger", "show", "k").exit_code == 2
+    assert cli(strict, "ledger", "show", "k").exit_code == EXIT_UNKNOWN_KEY
     assert cli(strict, "ledger", "purge", "--expired").exit_code == 0
     assert not names(strict), names(strict)  # not a marker written
     with pytest.raises(LedgerLostError, match="not initialised"):
@@ -316,17 +316,18 @@ def test_read_only_cli_commands_on_a_lost_store_report_and_write_no_flag(prefix:
 
 
 def test_the_metrics_scrape_never_starts_an_epoch(prefix: str) -> None:
-    from idemmail_celery.metrics import RecordsCollector, _app_ledger
+    from idemmail_celery.metrics import RecordsCollector
+    from idemmail_celery.outcomes import app_ledger
 
     strict = open_ledger(prefix, auto_init=False)
     app = type("App", (), {"conf": {"idemmail_ledger_url": REDIS_URL,
                                     "idemmail_ledger_options": {"prefix": prefix, "auto_init": False}}})()
-    counts = RecordsCollector(_app_ledger(app), ttl=0).counts()
+    counts = RecordsCollector(app_ledger(app), ttl=0).counts()
     assert counts == {"claimed": 0, "released": 0, "review": 0}, counts  # read, and reported
     assert not names(strict)
     # Also with auto_init on (the default): a scrape is not a worker.
     app.conf["idemmail_ledger_options"] = {"prefix": prefix}
-    assert RecordsCollector(_app_ledger(app), ttl=0).counts() is not None
+    assert RecordsCollector(app_ledger(app), ttl=0).counts() is not None
     assert not names(strict)
     with pytest.raises(LedgerLostError, match="not initialised"):
         strict.claim(req("k"))

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from idemmail_celery import StaleTokenError, from_url
-from idemmail_celery.ledger import ClaimRequest, Ledger
+from idemmail_celery.errors import StaleTokenError
+from idemmail_celery.ledger import ClaimRequest, Ledger, from_url
+from idemmail_celery.ledger.metered import MeteredLedger
 from idemmail_celery.metrics import Metrics, RecordsCollector
 from idemmail_celery.outcomes import _logfmt
 
@@ -37,15 +38,17 @@ def test_metrics_off_imports_no_prometheus_client_and_leaves_ledgers_untouched()
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
 
 
-def test_instrumented_ledger_times_every_operation_and_counts_errors(sqlite_ledger: Ledger) -> None:
+def test_metered_ledger_times_every_operation_and_counts_errors(sqlite_ledger: Ledger,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from idemmail_celery import metrics
+
     registry = CollectorRegistry()
-    m = Metrics(registry)
-    assert m.instrument(sqlite_ledger) is sqlite_ledger
-    m.instrument(sqlite_ledger)  # once only
-    token = claim(sqlite_ledger, "k1")
-    sqlite_ledger.complete("k1", token, {"value": None, "message_id": "m"})
+    monkeypatch.setattr(metrics, "active", Metrics(registry))
+    metered = MeteredLedger(sqlite_ledger)
+    token = claim(metered, "k1")
+    metered.complete("k1", token, {"value": None, "message_id": "m"})
     with pytest.raises(StaleTokenError):
-        sqlite_ledger.fail("k1", token, {"reason": "x"})
+        metered.fail("k1", token, {"reason": "x"})
 
     def count(op: str) -> float | None:
         return registry.get_sample_value("idemmail_ledger_operation_seconds_count", {"op": op, "backend": "sql"})
@@ -53,7 +56,9 @@ def test_instrumented_ledger_times_every_operation_and_counts_errors(sqlite_ledg
     assert (count("claim"), count("complete"), count("fail")) == (1, 1, 1)
     assert registry.get_sample_value(
         "idemmail_ledger_errors_total", {"op": "fail", "backend": "sql", "error": "StaleTokenError"}) == 1
-    assert sqlite_ledger.complete.__name__ == "complete"  # task.py logs moves by name
+    monkeypatch.setattr(metrics, "active", None)  # off: nothing counted, the call still goes through
+    claim(metered, "k2")
+    assert count("claim") == 1
 
 
 def test_outcomes_count_in_flight_and_reclaims_separately() -> None:
@@ -136,7 +141,7 @@ def test_a_failing_observe_does_not_replace_the_ledger_result(sqlite_ledger: Led
     monkeypatch.setattr(metrics, "_broken", False)
     m = Metrics(CollectorRegistry())
     monkeypatch.setattr(metrics, "active", m)
-    m.instrument(sqlite_ledger)
+    sqlite_ledger = MeteredLedger(sqlite_ledger)
     token = claim(sqlite_ledger, "k1")
     sqlite_ledger.complete("k1", token, {"value": None, "message_id": "m"})
     assert sqlite_ledger.get("k1").state.value == "sent"  # type: ignore[union-attr]
@@ -149,7 +154,7 @@ def test_worker_start_refuses_a_bad_multiprocess_dir_with_an_error(
 ) -> None:
     from types import SimpleNamespace
 
-    from idemmail_celery import metrics
+    from idemmail_celery import metrics, outcomes
 
     path = {"missing": str(tmp_path / "missing"), "file": str(tmp_path / "f"), "/proc": "/proc"}[where]
     (tmp_path / "f").write_text("")
@@ -158,7 +163,7 @@ def test_worker_start_refuses_a_bad_multiprocess_dir_with_an_error(
     enabled: list[bool] = []
     monkeypatch.setattr(metrics, "enable", lambda: enabled.append(True))
     app = SimpleNamespace(conf={"idemmail_metrics": True})
-    metrics.configure_worker(app, SimpleNamespace(pool_cls="celery.concurrency.prefork:TaskPool"))
+    outcomes.configure_metrics(app, SimpleNamespace(pool_cls="celery.concurrency.prefork:TaskPool"))
     assert enabled == []
     assert any(r.levelname == "ERROR" and "metrics are OFF" in r.getMessage() for r in caplog.records)
 
@@ -168,13 +173,13 @@ def test_worker_start_warns_of_stale_files_in_the_multiprocess_dir(
 ) -> None:
     from types import SimpleNamespace
 
-    from idemmail_celery import metrics
+    from idemmail_celery import metrics, outcomes
 
     (tmp_path / "counter_123.db").write_bytes(b"")
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     enabled: list[bool] = []
     monkeypatch.setattr(metrics, "enable", lambda: enabled.append(True))
-    metrics.configure_worker(SimpleNamespace(conf={"idemmail_metrics": True}), SimpleNamespace(pool_cls="solo"))
+    outcomes.configure_metrics(SimpleNamespace(conf={"idemmail_metrics": True}), SimpleNamespace(pool_cls="solo"))
     assert enabled == [True]
     assert any(r.levelname == "WARNING" and "already holds 1 .db files" in r.getMessage() for r in caplog.records)
 
@@ -184,23 +189,25 @@ def test_metrics_without_a_port_on_prefork_without_a_multiprocess_dir_warn(
 ) -> None:
     from types import SimpleNamespace
 
-    from idemmail_celery import metrics
+    from idemmail_celery import metrics, outcomes
 
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     monkeypatch.setattr(metrics, "enable", lambda: None)
-    metrics.configure_worker(SimpleNamespace(conf={"idemmail_metrics": "true"}),
+    outcomes.configure_metrics(SimpleNamespace(conf={"idemmail_metrics": "true"}),
                              SimpleNamespace(pool_cls="<class 'celery.concurrency.prefork.TaskPool'>"))
     assert any("PROMETHEUS_MULTIPROC_DIR" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
 
 
-def test_a_sealed_ledger_is_labelled_by_its_backend(tmp_path: Path) -> None:
+def test_a_sealed_ledger_is_labelled_by_its_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from cryptography.fernet import Fernet
+
+    from idemmail_celery import metrics
 
     registry = CollectorRegistry()
     ledger = from_url(f"sqlite:///{tmp_path / 's.sqlite3'}", payload_keys=[Fernet.generate_key().decode()])
     assert type(ledger).__name__ == "SealedLedger"
-    Metrics(registry).instrument(ledger)
-    claim(ledger, "k")
+    monkeypatch.setattr(metrics, "active", Metrics(registry))
+    claim(MeteredLedger(ledger), "k")
     assert registry.get_sample_value("idemmail_ledger_operation_seconds_count", {"op": "claim", "backend": "sql"}) == 1
 
 
@@ -210,14 +217,14 @@ def test_the_records_gauge_opens_the_ledger_with_the_tasks_options(tmp_path: Pat
 
     from cryptography.fernet import Fernet
 
-    from idemmail_celery import metrics, task
+    from idemmail_celery import outcomes as outcomes_mod
 
     seen: list[dict[str, object]] = []
-    monkeypatch.setattr(task, "get_ledger", lambda url, options: seen.append(options) or object())
+    monkeypatch.setattr(outcomes_mod, "shared", lambda url, options: seen.append(options) or object())
     key = Fernet.generate_key().decode()
     conf = {"idemmail_ledger_url": "redis://127.0.0.1:6379/0", "idemmail_payload_keys": [key],
             "idemmail_keep_payload": True, "idemmail_ledger_options": {"prefix": "shop"}}
-    metrics._app_ledger(SimpleNamespace(conf=conf))()
+    outcomes_mod.app_ledger(SimpleNamespace(conf=conf))()
     [options] = seen
     assert options["payload_keys"] == [key] and options["keep_payload"] is True
     assert options["prefix"] == "shop" and options["passive"] is True

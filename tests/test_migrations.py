@@ -1,43 +1,109 @@
-"""The shipped migration scripts match the table the ledger creates, and apply cleanly."""
+"""The shipped migration scripts match the tables the ledger creates, and apply cleanly."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, from_url
-from idemmail_celery.ledger.sql import schema_sql
+from idemmail_celery.ledger.sql import MIGRATIONS, SQLLedger, migration_file, schema_sql
 
 from .conftest import MARIADB_URL, POSTGRES_URL, service_missing
 
-MIGRATIONS = Path(__file__).resolve().parents[1] / "idemmail_celery" / "ledger" / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "idemmail_celery" / "ledger" / "migrations"
+STEPS = range(1, len(MIGRATIONS) + 1)
+DIALECTS = [("postgresql", POSTGRES_URL), ("mysql", MARIADB_URL), ("sqlite", None)]
 
 
+@pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("dialect", ["postgresql", "mysql", "sqlite"])
-def test_shipped_migration_matches_table_definition(dialect: str) -> None:
-    assert (MIGRATIONS / f"001_create_ledger.{dialect}.sql").read_text() == schema_sql(dialect)
+def test_shipped_migration_matches_table_definition(dialect: str, step: int) -> None:
+    assert (MIGRATIONS_DIR / migration_file(dialect, step)).read_text() == schema_sql(dialect, step=step)
 
 
-@pytest.mark.parametrize("dialect,url", [("postgresql", POSTGRES_URL), ("mysql", MARIADB_URL), ("sqlite", None)])
-def test_migration_applies_and_ledger_uses_it(dialect: str, url: str | None, tmp_path: Path) -> None:
-    url = url or f"sqlite:///{tmp_path / 'm.sqlite3'}"
-    table = f"mig_{tmp_path.name[-12:].replace('-', '_')}"
+def test_every_shipped_file_is_a_known_step() -> None:
+    shipped = sorted(p.name for p in MIGRATIONS_DIR.glob("*.sql"))
+    assert shipped == sorted(migration_file(d, s) for d in ("postgresql", "mysql", "sqlite") for s in STEPS)
+
+
+def _apply(url: str, dialect: str, table: str, steps: range) -> sa.Engine:
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
-            for statement in schema_sql(dialect, table).split(";"):
-                body = "\n".join(ln for ln in statement.splitlines() if not ln.startswith("--")).strip()
-                if body:
-                    conn.execute(sa.text(body))
+            for step in steps:
+                for statement in schema_sql(dialect, table, step=step).split(";"):
+                    body = "\n".join(ln for ln in statement.splitlines() if not ln.startswith("--")).strip()
+                    if body:
+                        conn.execute(sa.text(body))
     except sa.exc.OperationalError as exc:
         service_missing(dialect, exc)
+    return engine
+
+
+def _table_name(tmp_path: Path) -> str:
+    return f"mig_{tmp_path.name[-12:].replace('-', '_')}"
+
+
+@pytest.mark.parametrize("dialect,url", DIALECTS)
+def test_migration_applies_and_ledger_uses_it(dialect: str, url: str | None, tmp_path: Path) -> None:
+    url = url or f"sqlite:///{tmp_path / 'm.sqlite3'}"
+    table = _table_name(tmp_path)
+    engine = _apply(url, dialect, table, STEPS)
     ledger = from_url(url, table=table, create_table=False)
     try:
         assert ledger.claim(ClaimRequest(key="k", task_name="t", payload="{}", fingerprint="f")).status \
             is ClaimStatus.ACQUIRED
+        assert ledger.mark_hop("k", "task:1", 60) is True
+        assert ledger.mark_hop("k", "task:1", 60) is False
     finally:
         ledger.drop_table()  # type: ignore[attr-defined]
+        ledger.close()
+        engine.dispose()
+
+
+@pytest.mark.parametrize("dialect,url", DIALECTS)
+def test_a_ledger_without_step_2_still_claims_and_keeps_no_marks_until_applied(
+    dialect: str, url: str | None, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A hand-managed schema from before mark_hop: claims work, marks are off (None), with a warning."""
+    url = url or f"sqlite:///{tmp_path / 'm.sqlite3'}"
+    table = _table_name(tmp_path)
+    engine = _apply(url, dialect, table, range(1, 2))
+    ledger = SQLLedger(url, table=table, create_table=False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="idemmail_celery"):
+            assert ledger.mark_hop("k", "task:1", 60) is None
+        assert migration_file(dialect, 2) in caplog.text
+        assert ledger.claim(ClaimRequest(key="k", task_name="t", payload="{}", fingerprint="f")).status \
+            is ClaimStatus.ACQUIRED
+        ledger.close()
+        engine.dispose()
+        engine = _apply(url, dialect, table, range(2, 3))  # the operator applies 002
+        upgraded = SQLLedger(url, table=table, create_table=False)
+        assert upgraded.mark_hop("k", "task:1", 60) is True
+        assert upgraded.mark_hop("k", "task:1", 60) is False
+        upgraded.close()
+    finally:
+        ledger.drop_table()
+        ledger.close()
+        engine.dispose()
+
+
+@pytest.mark.parametrize("dialect,url", DIALECTS)
+def test_an_auto_created_ledger_from_before_gains_its_marks_table(dialect: str, url: str | None,
+                                                                  tmp_path: Path) -> None:
+    """A deployment whose ledger table the library created before mark_hop existed: the next start adds it."""
+    url = url or f"sqlite:///{tmp_path / 'm.sqlite3'}"
+    table = _table_name(tmp_path)
+    engine = _apply(url, dialect, table, range(1, 2))
+    ledger = SQLLedger(url, table=table)
+    try:
+        assert ledger.mark_hop("k", "task:1", 60) is True
+        assert sa.inspect(engine).has_table(f"{table}_hops")
+    finally:
+        ledger.drop_table()
         ledger.close()
         engine.dispose()

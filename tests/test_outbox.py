@@ -22,8 +22,14 @@ from celery import Celery
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
-import idemmail_celery  # also registers send_email on every app
-from idemmail_celery import IdempotentTask, InvalidEmail
+from idemmail_celery import (
+    ConfigurationError,
+    IdempotencyKeyError,
+    IdempotentTask,
+    InvalidEmail,
+    send_email,  # noqa: F401  # registers send_email on every app
+)
+from idemmail_celery._common import ENQUEUED_HEADER, KEY_HEADER, TENANT_HEADER
 from idemmail_celery.mail import TASK_NAME
 from idemmail_celery.outbox import (
     DISPATCHED,
@@ -39,7 +45,6 @@ from idemmail_celery.outbox import (
     relay,
     schema_sql,
 )
-from idemmail_celery.task import ENQUEUED_HEADER, KEY_HEADER, TENANT_HEADER
 
 from .conftest import MARIADB_URL, POSTGRES_URL, REDIS_URL, service_missing, unique
 
@@ -180,7 +185,7 @@ def test_bad_input_raises_before_anything_is_written(engine: sa.Engine, table: s
             enqueue(session, charge, ("c", 1), table=table, link=plain.s())
         with pytest.raises(TypeError, match="not both"):
             enqueue(session, charge, ("c", 1), table=table, countdown=5, eta=dt.datetime.now(dt.timezone.utc))
-        with pytest.raises(idemmail_celery.IdempotencyKeyError):
+        with pytest.raises(IdempotencyKeyError):
             enqueue(session, charge, ("c",), {"nope": 1}, table=table)
         # The caller's transaction is intact: what it writes next still commits.
         enqueue(session, charge, ("c", 1), table=table)
@@ -346,7 +351,7 @@ def test_registered_relay_task_drains_the_configured_outbox(tmp_path: Path, app:
 
 def test_relay_task_without_a_database_url_says_what_to_set(app: Celery) -> None:
     task = register_relay(app, name=unique("relay"))
-    with pytest.raises(idemmail_celery.ConfigurationError, match="idemmail_outbox_url"):
+    with pytest.raises(ConfigurationError, match="idemmail_outbox_url"):
         task()
 
 

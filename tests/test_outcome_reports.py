@@ -16,15 +16,9 @@ import pytest
 from celery import Celery
 from prometheus_client import CollectorRegistry
 
-from idemmail_celery import (
-    AmbiguousSendError,
-    IdempotentTask,
-    LedgerUnavailableError,
-    PermanentSendError,
-    StaleTokenError,
-    metrics,
-)
-from idemmail_celery import task as task_mod
+from idemmail_celery import AmbiguousSendError, IdempotentTask, LedgerUnavailableError, PermanentSendError, metrics
+from idemmail_celery import handler as handler_mod
+from idemmail_celery.errors import StaleTokenError
 from idemmail_celery.outcomes import _logfmt, clean_reason
 
 from .conftest import unique
@@ -85,27 +79,43 @@ def test_the_outage_budget_running_out_is_reported_before_the_intent_is_dropped(
         "idemmail_outcomes_total", {"task": send.name, "outcome": "ledger_unavailable_gave_up"}) == 1
 
 
-@pytest.mark.parametrize(("error", "reason"), [
-    (StaleTokenError("lease taken over"), "lease_lost"),
-    (LedgerUnavailableError("down"), "unrecorded"),
-])
-def test_a_send_the_ledger_did_not_record_is_told_apart(
+def test_a_send_after_losing_the_lease_is_told_apart(
         app: Celery, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
-        error: Exception, reason: str) -> None:
+) -> None:
     @app.task(base=IdempotentTask, name=unique("ls"))
     def send(to: str) -> dict[str, Any]:
         return {"message_id": "m-2"}
 
     def complete(*_: Any, **__: Any) -> None:
-        raise error
+        raise StaleTokenError("lease taken over")
 
     monkeypatch.setattr(send.ledger, "complete", complete)
-    monkeypatch.setattr(task_mod.time, "sleep", lambda s: None)
     assert send.apply(("a@example.com",)).get()["status"] == "sent"
     [(level, line)] = lines(caplog)
-    assert level == "ERROR" and "status=sent" in line and f"reason={reason} recorded=false" in line
-    assert unrecorded(registry, send.name, "sent", reason) == 1
+    assert level == "ERROR" and "status=sent" in line and "reason=lease_lost recorded=false" in line
+    assert unrecorded(registry, send.name, "sent", "lease_lost") == 1
     assert registry.get_sample_value("idemmail_outcomes_total", {"task": send.name, "outcome": "sent"}) == 1
+
+
+def test_a_send_the_ledger_cannot_record_yet_travels_with_a_reschedule(
+        app: Celery, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sent, and the ledger is down: said loudly, and the verdict goes with the next delivery (not acked as done)."""
+    @app.task(base=IdempotentTask, name=unique("lu"))
+    def send(to: str) -> dict[str, Any]:
+        return {"message_id": "m-3"}
+
+    def complete(*_: Any, **__: Any) -> None:
+        raise LedgerUnavailableError("down")
+
+    monkeypatch.setattr(send.ledger, "complete", complete)
+    monkeypatch.setattr(handler_mod.time, "sleep", lambda s: None)
+    result = send.apply(("a@example.com",))
+    assert result.state == "RETRY"
+    (level, line), (_, then) = lines(caplog)
+    assert level == "ERROR" and "status=sent" in line and "reason=unrecorded recorded=false" in line
+    assert "status=ledger_unavailable" in then and "reschedules=1" in then
+    assert unrecorded(registry, send.name, "sent", "unrecorded") == 1
 
 
 def test_a_verdict_the_ledger_refused_says_recorded_false(

@@ -23,7 +23,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+import idemmail_celery.providers.base as base_module
 import idemmail_celery.providers.http as http_module
+from idemmail_celery._common import _run_after_fork
 from idemmail_celery.email import Attachment, EmailMessage
 from idemmail_celery.errors import (
     AmbiguousSendError,
@@ -77,7 +79,7 @@ def provider(fake: FakeProvider) -> Iterator[HTTPProvider]:
 @pytest.fixture(autouse=True)
 def _fresh_auth_log(monkeypatch: pytest.MonkeyPatch) -> None:
     # The auth error is logged once per process; each test starts as a new process would.
-    monkeypatch.setattr(http_module, "_auth_logged_pid", None)
+    monkeypatch.setattr(base_module, "_logged", set())
 
 
 # -- success and de-duplication --
@@ -369,13 +371,11 @@ def test_a_provider_echoing_the_authorization_header_does_not_leak_the_key() -> 
         server.server_close()
 
 
-def test_a_forked_process_gets_its_own_connection_pool(
-    fake: FakeProvider, provider: HTTPProvider, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_forked_process_gets_its_own_connection_pool(fake: FakeProvider, provider: HTTPProvider) -> None:
     provider.send(receipt(), key=new_key())
     parent_client = provider._client
     assert parent_client is not None
-    monkeypatch.setattr(os, "getpid", lambda: -1)  # what a child after fork() sees
+    _run_after_fork()  # what a child runs right after fork()
     provider.send(receipt(), key=new_key())
 
     assert provider._client is not parent_client

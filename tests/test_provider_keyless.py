@@ -13,7 +13,6 @@ import base64
 import hashlib
 import json
 import logging
-import os
 import re
 import socket
 import threading
@@ -24,7 +23,8 @@ from typing import Any
 
 import pytest
 
-import idemmail_celery.providers.postmark as postmark_module
+import idemmail_celery.providers.base as base_module
+from idemmail_celery._common import _run_after_fork
 from idemmail_celery.email import Attachment, EmailMessage
 from idemmail_celery.errors import (
     AmbiguousSendError,
@@ -107,7 +107,7 @@ def provider(request: pytest.FixtureRequest, fake: FakeKeylessProvider) -> Itera
 @pytest.fixture(autouse=True)
 def _fresh_auth_log(monkeypatch: pytest.MonkeyPatch) -> None:
     # The auth error is logged once per process and provider; each test starts as a new process would.
-    monkeypatch.setattr(postmark_module, "_auth_logged", {})
+    monkeypatch.setattr(base_module, "_logged", set())
 
 
 @pytest.fixture
@@ -539,7 +539,7 @@ def test_environment_credentials_reach_the_wire(fake: FakeKeylessProvider, monke
 
 
 def test_a_forked_process_gets_its_own_connection_pool(
-    fake: FakeKeylessProvider, provider: KeylessHTTPProvider, monkeypatch: pytest.MonkeyPatch
+    fake: FakeKeylessProvider, provider: KeylessHTTPProvider
 ) -> None:
     provider.send(receipt(), key=new_key())
     parent_client = provider._client
@@ -547,7 +547,7 @@ def test_a_forked_process_gets_its_own_connection_pool(
     held = provider._client_lock
     held.acquire()  # as if a parent thread held the lock at fork(): the child must not wait for it
     try:
-        monkeypatch.setattr(os, "getpid", lambda: -1)  # what a child after fork() sees
+        _run_after_fork()  # what a child runs right after fork()
         provider.send(receipt(), key=new_key())
     finally:
         held.release()

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
+import idemmail_celery.providers.base as base_module
 from idemmail_celery.email import EmailMessage
 from idemmail_celery.errors import AmbiguousSendError, ConfigurationError, PermanentSendError, TransientSendError
 from idemmail_celery.providers import from_url
-from idemmail_celery.providers import smtp as smtp_module
 from idemmail_celery.providers.smtp import PASSWORD_ENV, SMTPProvider
 from idemmail_celery.testing.smtp_sink import SMTPSink
 
@@ -307,7 +307,7 @@ def test_login_with_password_from_the_environment(monkeypatch: pytest.MonkeyPatc
 
 def test_auth_failure_is_transient_logged_once_and_never_shows_the_password(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(smtp_module, "_auth_error_logged", False)
+    monkeypatch.setattr(base_module, "_logged", set())
     caplog.set_level(logging.DEBUG)
     with SMTPSink(credentials=("ann", "the-real-one")) as server:
         provider = from_url(f"smtp://ann@127.0.0.1:{server.port}", password=PASSWORD, timeout=2)

@@ -16,10 +16,10 @@ from celery import Celery
 
 import idemmail_celery  # noqa: F401  (registers send_email and send_campaign on every app)
 from idemmail_celery import IdempotentTask
+from idemmail_celery._common import KEY_HEADER
 from idemmail_celery.bulk import CAMPAIGN_TASK
 from idemmail_celery.mail import TASK_NAME
 from idemmail_celery.outbox import create_outbox_table, enqueue, relay
-from idemmail_celery.task import KEY_HEADER
 
 from .conftest import REDIS_URL, service_missing, unique
 
@@ -114,3 +114,128 @@ def test_send_email_and_campaign_by_name_show_no_recipient_subject_or_body(app: 
     for headers in sent:
         text = shown(headers)
         assert ADDRESS not in text and "Your receipt" not in text and "Thanks" not in text
+
+
+# -- provider error texts: no address, display name or subject of the message (issue 14) --
+
+RECIPIENT, NAME, SUBJECT = "ann.private@example.com", "Ann Privateperson", "Your diagnosis results for Ann"
+ECHO = (f"Invalid `to` field: {NAME} <{RECIPIENT}> is not allowed (subject \"{SUBJECT}\"); "
+        f"also cc {RECIPIENT.upper()} and {json.dumps(SUBJECT)}")
+
+
+def quoting_message() -> Any:
+    from idemmail_celery.email import EmailMessage
+
+    return EmailMessage.build(sender="Shop <shop@example.com>", to=f"{NAME} <{RECIPIENT}>", subject=SUBJECT,
+                              text="hello")
+
+
+def assert_scrubbed(exc: BaseException) -> None:
+    """Nothing of the message in the exception's text, its args (what Celery stores) or its chain."""
+    import traceback
+
+    shown = "\n".join([str(exc), repr(exc.args), *traceback.format_exception(exc)])
+    for leaked in (RECIPIENT, RECIPIENT.upper(), NAME, SUBJECT, "example.com>"):
+        assert leaked not in shown, (leaked, shown)
+    assert "<address>" in str(exc) or "<redacted>" in str(exc)
+
+
+def test_scrub_takes_out_addresses_names_and_subject() -> None:
+    from idemmail_celery.redaction import scrub
+
+    text = scrub(ECHO, quoting_message().personal_texts())
+    assert RECIPIENT not in text and NAME not in text and SUBJECT not in text and "ANN.PRIVATE" not in text
+    assert text.startswith("Invalid `to` field:")
+    assert scrub("550 5.1.1 <bob@example.org>: no such user") == "550 5.1.1 <address>: no such user"
+    assert scrub("Hi there", ["Hi"]) == "Hi there"  # too short to be personal; scrubbing it would garble
+
+
+def test_scrub_error_cuts_a_chained_exception_that_would_leak() -> None:
+    from idemmail_celery.errors import PermanentSendError
+    from idemmail_celery.redaction import scrub_error
+
+    try:
+        try:
+            raise ValueError(f"server said {RECIPIENT}")
+        except ValueError as cause:
+            raise PermanentSendError(f"refused {RECIPIENT}", "rejected", "k") from cause
+    except PermanentSendError as exc:
+        scrub_error(exc)
+        assert_scrubbed(exc)
+        assert exc.reason == "rejected" and exc.args[1:3] == ("rejected", "k")
+
+
+def test_resend_compatible_provider_422_is_scrubbed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from idemmail_celery.errors import PermanentSendError
+    from idemmail_celery.providers import from_url
+    from idemmail_celery.testing import fake_provider
+    from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
+
+    monkeypatch.setitem(fake_provider._BEFORE_ACCEPT, "422", (422, "validation_error", ECHO))
+    with FakeProvider() as fake:
+        fake.fail_next("422")
+        provider = from_url(fake.url, api_key=DEFAULT_API_KEY, timeout=2)
+        with pytest.raises(PermanentSendError) as info:
+            provider.send(quoting_message(), key="k" * 64)
+    assert info.value.reason == "rejected"
+    assert_scrubbed(info.value)
+
+
+@pytest.mark.parametrize("name", ["postmark", "sendgrid", "ses"])
+def test_keyless_provider_refusal_is_scrubbed(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from idemmail_celery.errors import PermanentSendError
+    from idemmail_celery.providers import from_url
+    from idemmail_celery.testing import fake_keyless
+    from idemmail_celery.testing.fake_keyless import FakeKeylessProvider
+
+    refusals = dict(fake_keyless._BEFORE_ACCEPT["422"])
+    refusals[name] = (refusals[name][0], refusals[name][1], ECHO)
+    monkeypatch.setitem(fake_keyless._BEFORE_ACCEPT, "422", refusals)
+    with FakeKeylessProvider() as fake:
+        creds = fake.aws_credentials
+        api_key = {"postmark": fake.postmark_token, "sendgrid": fake.sendgrid_api_key,
+                   "ses": f"{creds.access_key_id}:{creds.secret_access_key}"}[name]
+        url = {"postmark": "postmark://", "sendgrid": "sendgrid://", "ses": "ses://eu-west-1"}[name]
+        provider = from_url(url, api_key=api_key, base_url=fake.url, timeout=2)
+        fake.fail_next("422")
+        with pytest.raises(PermanentSendError) as info:
+            provider.send(quoting_message(), key="k" * 64)
+    assert_scrubbed(info.value)
+
+
+def test_smtp_refusal_quoting_the_message_is_scrubbed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from idemmail_celery.errors import PermanentSendError
+    from idemmail_celery.providers import from_url
+    from idemmail_celery.testing import smtp_sink
+    from idemmail_celery.testing.smtp_sink import SMTPSink
+
+    monkeypatch.setitem(smtp_sink._DATA_FAULTS, "reject_data", f"554 5.6.0 {ECHO}")
+    with SMTPSink() as sink:
+        sink.fail_next("reject_data")
+        with pytest.raises(PermanentSendError) as info:
+            from_url(sink.url, timeout=2).send(quoting_message(), key="k" * 64)
+    assert_scrubbed(info.value)
+
+
+def test_a_custom_providers_error_is_scrubbed_by_send_email(app: Celery) -> None:
+    """send_email scrubs what any provider raises, before the state machine records it."""
+    from idemmail_celery.errors import PermanentSendError
+    from idemmail_celery.providers import Provider, SendResult, register_provider
+
+    class Echoing(Provider):
+        def __init__(self, url: str, **_: Any) -> None: ...
+
+        def send(self, message: Any, *, key: str) -> SendResult:
+            raise PermanentSendError(ECHO, "rejected", key)
+
+    register_provider("echoing", f"{__name__}:_Echoing")
+    globals()["_Echoing"] = Echoing
+    app.conf.idemmail_provider_url = "echoing://"
+    task = app.tasks[TASK_NAME]
+    outcome = task.apply(kwargs={"to": f"{NAME} <{RECIPIENT}>", "subject": SUBJECT, "text": "hello"})
+    assert isinstance(outcome.result, PermanentSendError)
+    assert_scrubbed(outcome.result)
+    record = task.ledger.get(outcome.result.key)
+    assert record is not None and record.state.value == "failed"
+    stored = json.dumps(record.error)
+    assert RECIPIENT not in stored and SUBJECT not in stored and NAME not in stored

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from idemmail_celery.errors import UnsafeLedgerError
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, from_url
@@ -15,24 +20,43 @@ from idemmail_celery.ledger import ClaimRequest, ClaimStatus, from_url
 from .conftest import wait_for
 
 
-def _redis_server(tmp_path: Path, policy: str) -> Iterator[str]:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def redis_server(directory: Path, *args: str, port: int = 0, ready: bool = True) -> Iterator[str]:
+    """A private redis-server on loopback (a free port unless given), stopped on exit; yields its URL.
+
+    ``args`` are redis-server options after the defaults (no persistence, 64 MB, noeviction), so they
+    override them. ``ready``: wait until it answers PING (False: until it answers anything, e.g. LOADING).
+    """
+    port = port or free_port()
     proc = subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path), "--maxmemory", "64mb", "--maxmemory-policy", policy],
+         "--dir", str(directory), "--maxmemory", "64mb", "--maxmemory-policy", "noeviction", *args],
         stdout=subprocess.DEVNULL,
     )
     url = f"redis://127.0.0.1:{port}/0"
     try:
-        import redis
-
-        wait_for(lambda: _pings(redis.Redis.from_url(url)), timeout=10)
+        probe = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0))
+        wait_for(lambda: _pings(probe) if ready else _answers(probe), timeout=10)
+        probe.close()
         yield url
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _redis_server(tmp_path: Path, policy: str) -> Iterator[str]:
+    with redis_server(tmp_path, "--maxmemory-policy", policy) as url:
+        yield url
 
 
 @pytest.fixture
@@ -50,6 +74,19 @@ def _pings(client: object) -> bool:
         return bool(client.ping())  # type: ignore[attr-defined]
     except Exception:
         return False
+
+
+def _answers(client: object) -> bool:
+    """The server is up and replies, if only with an error (LOADING, MASTERDOWN)."""
+    import redis
+
+    try:
+        client.ping()  # type: ignore[attr-defined]
+    except (redis.ResponseError, redis.exceptions.BusyLoadingError):
+        return True
+    except redis.RedisError:
+        return False
+    return True
 
 
 def test_evicting_policy_is_refused(evicting_redis: str) -> None:
@@ -144,3 +181,67 @@ def test_a_forked_child_never_writes_on_its_parents_connections(private_redis: s
     assert proc.exitcode == 0
     assert replies == [r.key for r in done]
     assert parent == [ClaimStatus.ACQUIRED] * 300
+
+
+def test_a_server_without_persistence_gets_a_warning_at_worker_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "aof").mkdir()
+    with redis_server(tmp_path) as bare, redis_server(tmp_path / "aof", "--appendonly", "yes") as durable:
+        with caplog.at_level(logging.WARNING, logger="idemmail_celery.ledger.redis"):
+            from_url(bare).prepare()
+        assert [r for r in caplog.records if "no copy on disk" in r.getMessage()]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="idemmail_celery.ledger.redis"):
+            from_url(durable).prepare()
+            from_url(bare, passive=True).prepare()  # an operator's look: no warning
+        assert not [r for r in caplog.records if "no copy on disk" in r.getMessage()]
+
+
+def test_an_evicting_policy_set_at_runtime_is_refused_until_set_back(private_redis: str) -> None:
+    ledger = from_url(private_redis, policy_recheck_seconds=0)  # read again on every claim
+    held = ledger.claim(ClaimRequest(key="held", task_name="t", payload="{}", fingerprint="f"))
+    admin = redis.Redis.from_url(private_redis)
+    admin.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        with pytest.raises(UnsafeLedgerError, match="allkeys-lru"):
+            ledger.claim(ClaimRequest(key="new", task_name="t", payload="{}", fingerprint="f"))
+        with pytest.raises(UnsafeLedgerError, match="allkeys-lru"):
+            ledger.claim_many([ClaimRequest(key="new2", task_name="t", payload="{}", fingerprint="f")])
+        ledger.complete("held", held.token, {"message_id": "m"})  # what was sent is still recorded
+    finally:
+        admin.config_set("maxmemory-policy", "noeviction")
+    assert ledger.get("new") is None and ledger.get("new2") is None
+    assert ledger.claim(ClaimRequest(key="new", task_name="t", payload="{}", fingerprint="f")).status \
+        is ClaimStatus.ACQUIRED
+
+
+def test_between_rechecks_the_claim_path_refuses_from_what_it_read(private_redis: str) -> None:
+    ledger = from_url(private_redis, policy_recheck_seconds=3600)
+    ledger.prepare()
+    ledger.policy_recheck_seconds = 0
+    admin = redis.Redis.from_url(private_redis)
+    admin.config_set("maxmemory-policy", "volatile-lru")
+    try:
+        ledger._policy_due = 0  # due now: this claim reads it and refuses
+        with pytest.raises(UnsafeLedgerError, match="volatile-lru"):
+            ledger.claim(ClaimRequest(key="a", task_name="t", payload="{}", fingerprint="f"))
+        ledger.policy_recheck_seconds = 3600
+        ledger._policy_due = float("inf")  # not due: refused from what it knows
+        admin.config_set("maxmemory-policy", "noeviction")
+        with pytest.raises(UnsafeLedgerError, match="volatile-lru"):
+            ledger.claim(ClaimRequest(key="a", task_name="t", payload="{}", fingerprint="f"))
+    finally:
+        admin.config_set("maxmemory-policy", "noeviction")
+
+
+def test_config_disabled_on_a_managed_redis_is_warned_about_and_claims_go_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with redis_server(tmp_path, "--rename-command", "CONFIG", "") as url:
+        ledger = from_url(url, policy_recheck_seconds=0)
+        with caplog.at_level(logging.WARNING, logger="idemmail_celery.ledger.redis"):
+            ledger.prepare()
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "cannot read Redis maxmemory-policy" in said and "persistence settings" in said
+        for key in ("a", "b"):  # each claim due for a recheck: still no error
+            assert ledger.claim(ClaimRequest(key=key, task_name="t", payload="{}", fingerprint="f")).status \
+                is ClaimStatus.ACQUIRED

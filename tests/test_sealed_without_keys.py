@@ -6,6 +6,7 @@ bulk send, and a sealed ledger whose attempt to park fails.
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from collections import Counter
@@ -14,9 +15,11 @@ from typing import Any
 import pytest
 from cryptography.fernet import Fernet
 
-from idemmail_celery import LedgerUnavailableError, PayloadKeyError, Settings
-from idemmail_celery.bulk import _Recipient, send_batch
-from idemmail_celery.keys import Payload
+from idemmail_celery import LedgerUnavailableError
+from idemmail_celery.bulk import send_batch
+from idemmail_celery.errors import PayloadKeyError
+from idemmail_celery.handler import Delivery, Handler, Outcome, Policy
+from idemmail_celery.keys import IntentKeyBuilder, Payload
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger, State
 from idemmail_celery.ledger.sealed import PAYLOAD_KEY_UNKNOWN, SEALED_PREFIX, PayloadCodec, SealedLedger
 
@@ -32,36 +35,37 @@ def req(key: str, to: str = "ann@example.com", lease: float = 30) -> ClaimReques
                         fingerprint="f" * 64, lease_seconds=lease)
 
 
-class _Result:
-    def __init__(self, to: str) -> None:
-        self.to = to
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"message_id": f"m-{self.to}"}
-
-
-class _Provider:
-    accepts_idempotency_key = False
+class _Mailer:
+    """The side effect of a bulk send, as the handler sees it: records who it sent to (no provider de-duplication)."""
 
     def __init__(self) -> None:
         self.sent: list[str] = []
 
-    def send(self, message: dict[str, Any], key: str) -> _Result:
-        self.sent.append(message["to"])
-        return _Result(message["to"])
+    def check(self, payload: Payload) -> None:
+        return None
 
+    def perform(self, payload: Payload, key: str) -> dict[str, Any]:
+        self.sent.append(payload.kwargs["to"])
+        return {"message_id": f"m-{payload.kwargs['to']}"}
 
-class _Sender:
-    """What send_batch uses of send_email: its ledger, provider, settings, reconcile and message_from."""
-
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger, self.provider, self.idem_settings = ledger, _Provider(), Settings(lease_seconds=30)
+    def carries_key(self) -> bool:
+        return False
 
     def reconcile(self, key: str, payload: Payload) -> None:
         return None
 
-    def message_from(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        return kwargs
+    def report(self, outcome: Outcome, key: str, **fields: Any) -> None:
+        return None
+
+
+def batch_handler(ledger: Ledger) -> tuple[Handler, _Mailer]:
+    builder = IntentKeyBuilder(task_name="tests.send", signature=inspect.signature(lambda to, **kw: None))
+    mailer = _Mailer()
+    return Handler(ledger, builder, Policy(lease_seconds=30), mailer), mailer
+
+
+def delivery(key: str, to: str) -> Delivery:
+    return Delivery(key=key, task_name="tests.send", payload=payload_for(to))
 
 
 def released_sealed(ledger: Ledger, key: str, to: str = "ann@example.com") -> None:
@@ -73,13 +77,10 @@ def released_sealed(ledger: Ledger, key: str, to: str = "ann@example.com") -> No
 
 def test_bulk_without_payload_keys_parks_a_sealed_record_and_sends_the_rest(ledger: Ledger) -> None:
     released_sealed(ledger, "b-sealed", "ann@example.com")
-    rcpts = [_Recipient(to, f"b-{name}", {"to": to}, payload_for(to))
-             for name, to in (("sealed", "ann@example.com"), ("fresh", "bob@example.com"))]
-    claims = ledger.claim_many([req(r.key, r.to) for r in rcpts])
-    assert claims[0].status is ClaimStatus.REOPENED and claims[0].record.payload.startswith(SEALED_PREFIX)
-    sender, tally = _Sender(ledger), Counter[str]()
-    send_batch(sender, list(zip(claims, rcpts, strict=True)), tally)  # type: ignore[arg-type]
-    assert tally == Counter(review=1, sent=1) and sender.provider.sent == ["bob@example.com"]
+    handler, mailer = batch_handler(ledger)
+    batch = send_batch(handler, [delivery("b-sealed", "ann@example.com"), delivery("b-fresh", "bob@example.com")],
+                       owner="campaign:1")
+    assert batch.tally() == Counter({Outcome.REVIEW: 1, Outcome.SENT: 1}) and mailer.sent == ["bob@example.com"]
     parked = ledger.get("b-sealed")
     assert parked is not None and parked.state is State.REVIEW
     assert parked.error is not None and parked.error["reason"] == PAYLOAD_KEY_UNKNOWN
@@ -94,12 +95,10 @@ def test_bulk_ships_this_runs_payload_when_the_stored_one_was_forgotten(ledger: 
     c = ledger.claim(req("b-forgot", "cat@example.com"))
     ledger.release("b-forgot", c.token, {"reason": "connect"})
     assert ledger.forget("b-forgot")
-    rcpt = _Recipient("cat@example.com", "b-forgot", {"to": "cat@example.com"}, payload_for("cat@example.com"))
-    claims = ledger.claim_many([req(rcpt.key, rcpt.to)])
-    assert claims[0].status is ClaimStatus.REOPENED and claims[0].record.payload is None
-    sender, tally = _Sender(ledger), Counter[str]()
-    send_batch(sender, [(claims[0], rcpt)], tally)  # type: ignore[arg-type]
-    assert tally == Counter(sent=1) and sender.provider.sent == ["cat@example.com"]
+    assert ledger.get("b-forgot").payload is None  # type: ignore[union-attr]
+    handler, mailer = batch_handler(ledger)
+    batch = send_batch(handler, [delivery("b-forgot", "cat@example.com")], owner="campaign:1")
+    assert batch.tally() == Counter({Outcome.SENT: 1}) and mailer.sent == ["cat@example.com"]
 
 
 def _failing_park(ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -8,8 +8,9 @@ import pytest
 from celery import Celery
 from cryptography.fernet import Fernet
 
-from idemmail_celery import ConfigurationError, IdempotentTask, Settings
-from idemmail_celery import task as task_mod
+from idemmail_celery import ConfigurationError, IdempotentTask
+from idemmail_celery import ledger as ledger_mod
+from idemmail_celery.config import Settings
 from idemmail_celery.ledger.sql import SQLLedger
 
 BOOLS = [("idemmail_fail_open", "fail_open"), ("idemmail_keep_payload", "keep_payload"),
@@ -138,13 +139,13 @@ def test_redact_args_setting_given_as_false_string_does_not_redact_and_true_stri
 
 def test_ledger_cache_key_holds_a_digest_not_the_payload_keys() -> None:
     secret = Fernet.generate_key().decode()
-    before = set(task_mod._ledgers)
+    before = set(ledger_mod._shared)
     try:
-        led = task_mod.get_ledger("sqlite://", {"payload_keys": [secret], "retention_seconds": 60.0})
-        assert task_mod.get_ledger("sqlite://", {"retention_seconds": 60.0, "payload_keys": [secret]}) is led
-        assert task_mod.get_ledger("sqlite://", {"retention_seconds": 61.0, "payload_keys": [secret]}) is not led
-        new = set(task_mod._ledgers) - before
+        led = ledger_mod.shared("sqlite://", {"payload_keys": [secret], "retention_seconds": 60.0})
+        assert ledger_mod.shared("sqlite://", {"retention_seconds": 60.0, "payload_keys": [secret]}) is led
+        assert ledger_mod.shared("sqlite://", {"retention_seconds": 61.0, "payload_keys": [secret]}) is not led
+        new = set(ledger_mod._shared) - before
         assert len(new) == 2 and all(secret not in repr(k) for k in new)
     finally:
-        for k in set(task_mod._ledgers) - before:
-            task_mod._ledgers.pop(k).close()
+        for k in set(ledger_mod._shared) - before:
+            ledger_mod._shared.pop(k).close()

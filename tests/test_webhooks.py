@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -438,3 +439,360 @@ def test_wsgi_app_called_directly_with_an_environ(ledger: Ledger) -> None:
 def test_webhook_app_refuses_bad_configuration(ledger: Ledger, provider: str, secret: Any) -> None:
     with pytest.raises(ConfigurationError):
         webhook_app(ledger, provider, secret=secret)
+
+
+# -- malformed requests are 4xx, never a 500 (issue 14) --
+
+
+def environ_for(body: bytes, length: str | None = None, **headers: str) -> dict[str, Any]:
+    environ: dict[str, Any] = {"REQUEST_METHOD": "POST", "wsgi.input": io.BytesIO(body),
+                               "CONTENT_LENGTH": str(len(body)) if length is None else length}
+    environ.update({"HTTP_" + name.upper().replace("-", "_"): value for name, value in headers.items()})
+    return environ
+
+
+def call_wsgi(app: Any, environ: dict[str, Any]) -> tuple[int, Any]:
+    seen: list[str] = []
+
+    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable[[bytes], object]:
+        seen.append(status)
+        return lambda data: None
+
+    body = b"".join(app(environ, start_response))
+    return int(seen[0].split()[0]), json.loads(body)
+
+
+@pytest.mark.parametrize("stamp", ["\u00b2\u00b3", "\u0661\u0662\u0663", "9" * 5000, "-5", "1e9", "", " 12"])
+def test_a_malformed_timestamp_is_a_401(ledger: Ledger, stamp: str) -> None:
+    body = body_for("sendgrid", new_key(), "m")
+    app = webhook_app(ledger, "sendgrid", secret=SECRET)
+    signature = hmac_headers(body, SECRET)[SIGNATURE_HEADER]
+    status, reply = call_wsgi(app, environ_for(body, **{TIMESTAMP_HEADER: stamp, SIGNATURE_HEADER: signature}))
+    assert status == 401 and "timestamp" in reply["error"]
+
+
+@pytest.mark.parametrize("length,status", [("\u00b2", 400), ("-1", 400), ("1e3", 400), ("9" * 40, 400), ("", 411)])
+def test_a_malformed_content_length_is_a_4xx(ledger: Ledger, length: str, status: int) -> None:
+    app = webhook_app(ledger, "postmark", secret=BASIC)
+    assert call_wsgi(app, environ_for(b"{}", length))[0] == status
+
+
+@pytest.mark.parametrize("body", [
+    b"[" * 200_000 + b"]" * 200_000,  # past the parser's recursion limit
+    b"[" * 40 + b"]" * 40,  # parses, but deeper than MAX_DEPTH
+    b'{"RecordType": "Delivery", "MessageID": ' + b"9" * 5000 + b"}",  # past Python's integer digit limit
+    b'{"RecordType": "Delivery"' + b"\xff\xfe" + b"}",  # not UTF-8
+], ids=["deep-recursion", "too-deep", "huge-number", "not-utf8"])
+def test_malformed_json_is_a_400(ledger: Ledger, body: bytes) -> None:
+    app = webhook_app(ledger, "postmark", secret=BASIC)
+    status, reply = call_wsgi(app, environ_for(body, Authorization=basic(BASIC)["Authorization"]))
+    assert status == 400, reply
+
+
+def test_a_deeply_nested_sns_message_is_a_400(ledger: Ledger) -> None:
+    event = ses_event(new_key(), "m")
+    event["Message"] = "[" * 100_000 + "]" * 100_000
+    body = json.dumps(event).encode()
+    status, _ = call_wsgi(webhook_app(ledger, "ses", secret=SECRET), environ_for(body, **hmac_headers(body, SECRET)))
+    assert status == 400
+
+
+def test_keys_and_message_ids_no_ledger_holds_are_not_asked_for(ledger: Ledger) -> None:
+    class Watching:
+        asked: list[str] = []
+
+        def confirm_sent(self, key: str, *args: Any, **kwargs: Any) -> Any:
+            self.asked.append(key)
+            raise RecordNotFoundError(key)
+
+    watching = Watching()
+    body = json.dumps([sendgrid_event("k" * 5000, "m"), sendgrid_event(new_key(), "m" * 5000),
+                       sendgrid_event("bad\nkey", "m")]).encode()
+    outcome = handle_webhook("sendgrid", hmac_headers(body, SECRET), body, secret=SECRET,
+                             ledger=watching)  # type: ignore[arg-type]
+    assert (len(outcome.confirmed), len(outcome.unknown_keys), outcome.ignored) == (0, 2, 1)
+    assert watching.asked == []
+
+
+def test_a_bug_behind_the_app_is_a_500_without_a_traceback(ledger: Ledger) -> None:
+    class Broken:
+        def confirm_sent(self, *args: Any, **kwargs: Any) -> Any:
+            raise KeyError("internal detail")
+
+    body = body_for("sendgrid", new_key(), "m")
+    status, reply = call_wsgi(webhook_app(Broken(), "sendgrid", secret=SECRET),  # type: ignore[arg-type]
+                              environ_for(body, **hmac_headers(body, SECRET)))
+    assert status == 500 and reply == {"error": "internal error; retry later"}
+
+
+# -- SendGrid's own ECDSA signature, verified with cryptography --
+
+from cryptography import x509  # noqa: E402
+from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa  # noqa: E402
+from cryptography.x509.oid import NameOID  # noqa: E402
+
+from idemmail_celery.webhooks import (  # noqa: E402
+    SENDGRID_SIGNATURE_HEADER,
+    SENDGRID_TIMESTAMP_HEADER,
+    WebhookAuth,
+    webhook_asgi_app,
+)
+
+
+@pytest.fixture(scope="module")
+def sendgrid_key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def public_b64(key: ec.EllipticCurvePrivateKey) -> str:
+    der = key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return base64.b64encode(der).decode()
+
+
+def sendgrid_signed(key: ec.EllipticCurvePrivateKey, body: bytes, stamp: int | None = None) -> dict[str, str]:
+    ts = str(int(time.time()) if stamp is None else stamp)
+    signature = key.sign(ts.encode() + body, ec.ECDSA(hashes.SHA256()))
+    return {SENDGRID_SIGNATURE_HEADER: base64.b64encode(signature).decode(), SENDGRID_TIMESTAMP_HEADER: ts}
+
+
+def test_sendgrid_ecdsa_signature_confirms(ledger: Ledger, sendgrid_key: ec.EllipticCurvePrivateKey) -> None:
+    key = new_key()
+    parked(ledger, key)
+    body = body_for("sendgrid", key, "sg-1")
+    auth = WebhookAuth(sendgrid_public_key=public_b64(sendgrid_key))
+    outcome = handle_webhook("sendgrid", sendgrid_signed(sendgrid_key, body), body, auth=auth, ledger=ledger)
+    assert len(outcome.confirmed) == 1 and ledger.get(key).state is State.SENT  # type: ignore[union-attr]
+    pem = sendgrid_key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                 serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+    assert WebhookAuth(sendgrid_public_key=pem).verify("sendgrid", sendgrid_signed(sendgrid_key, body), body) == "ecdsa"
+
+
+def test_sendgrid_ecdsa_refusals(ledger: Ledger, sendgrid_key: ec.EllipticCurvePrivateKey) -> None:
+    key = new_key()
+    parked(ledger, key)
+    before = ledger.get(key)
+    body = body_for("sendgrid", key, "sg-1")
+    auth = WebhookAuth(sendgrid_public_key=public_b64(sendgrid_key))
+    other = ec.generate_private_key(ec.SECP256R1())
+    good = sendgrid_signed(sendgrid_key, body)
+    cases = [
+        (sendgrid_signed(sendgrid_key, body), body.replace(b"sg-1", b"sg-2"), "does not match"),
+        (sendgrid_signed(other, body), body, "does not match"),
+        (sendgrid_signed(sendgrid_key, body, stamp=int(time.time()) - 3600), body, "from now"),
+        ({**good, SENDGRID_SIGNATURE_HEADER: "%%%not base64"}, body, "does not match"),
+        ({**good, SENDGRID_TIMESTAMP_HEADER: str(int(good[SENDGRID_TIMESTAMP_HEADER]) + 1)}, body, "does not match"),
+        ({SENDGRID_SIGNATURE_HEADER: good[SENDGRID_SIGNATURE_HEADER]}, body, "timestamp"),
+    ]
+    for headers, sent_body, why in cases:
+        with pytest.raises(WebhookSignatureError, match=why):
+            handle_webhook("sendgrid", headers, sent_body, auth=auth, ledger=ledger)
+    assert ledger.get(key) == before
+
+
+@pytest.mark.parametrize("auth", [
+    {"sendgrid_public_key": "not a key"},
+    {"sendgrid_public_key": base64.b64encode(b"\x30\x03\x02\x01\x01").decode()},
+    {"sns_topic_arns": ["arn:aws:sqs:eu-west-1:123456789012:q"]},
+    {"sns_topic_arns": ["*"]},
+    {"secret": ""},
+])
+def test_webhook_auth_refuses_what_cannot_work(auth: dict[str, Any]) -> None:
+    with pytest.raises(ConfigurationError):
+        WebhookAuth(**auth)
+
+
+def test_an_app_with_nothing_that_authenticates_its_provider_is_refused(ledger: Ledger,
+                                                                      sendgrid_key: ec.EllipticCurvePrivateKey) -> None:
+    with pytest.raises(ConfigurationError, match="nothing configured"):
+        webhook_app(ledger, "postmark", auth=WebhookAuth(sendgrid_public_key=public_b64(sendgrid_key)))
+    with pytest.raises(ConfigurationError, match="nothing configured"):
+        webhook_asgi_app(ledger, "sendgrid")
+
+
+# -- SNS's RSA signature, verified with cryptography; the certificate URL pinned --
+
+TOPIC = "arn:aws:sns:eu-west-1:123456789012:ses-events"
+CERT_URL = "https://sns.eu-west-1.amazonaws.com/SimpleNotificationService-0123456789abcdef.pem"
+
+
+@dataclass
+class SNSSigner:
+    key: rsa.RSAPrivateKey
+    pem: bytes
+    fetched: list[str] = field(default_factory=list)
+
+    def certificates(self, url: str) -> bytes:
+        self.fetched.append(url)
+        return self.pem
+
+    def sign(self, message: dict[str, Any], version: str = "1", url: str = CERT_URL) -> dict[str, Any]:
+        message = {**message, "SignatureVersion": version, "SigningCertURL": url}
+        fields = (["Message", "MessageId", "Subject", "Timestamp", "TopicArn", "Type"]
+                  if message["Type"] == "Notification" else
+                  ["Message", "MessageId", "SubscribeURL", "Timestamp", "Token", "TopicArn", "Type"])
+        text = "".join(f"{name}\n{message[name]}\n" for name in fields if name in message)
+        digest = hashes.SHA1() if version == "1" else hashes.SHA256()  # SNS's version 1 is SHA1
+        message["Signature"] = base64.b64encode(self.key.sign(text.encode(), padding.PKCS1v15(), digest)).decode()
+        return message
+
+
+def self_signed(key: rsa.RSAPrivateKey, days: tuple[int, int] = (-1, 365)) -> bytes:
+    import datetime as dt
+
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "sns.amazonaws.com")])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now + dt.timedelta(days=days[0]))
+            .not_valid_after(now + dt.timedelta(days=days[1])).sign(key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+@pytest.fixture(scope="module")
+def sns_key() -> rsa.RSAPrivateKey:
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+@pytest.fixture
+def sns(sns_key: rsa.RSAPrivateKey) -> SNSSigner:
+    return SNSSigner(sns_key, self_signed(sns_key))
+
+
+def sns_auth(signer: SNSSigner) -> WebhookAuth:
+    return WebhookAuth(sns_topic_arns=[TOPIC], sns_certificates=signer.certificates)
+
+
+def sns_notification(key: str, message_id: str, **extra: Any) -> dict[str, Any]:
+    return {**ses_event(key, message_id), "TopicArn": TOPIC, **extra}
+
+
+@pytest.mark.parametrize("version", ["1", "2"])
+def test_sns_signed_notification_confirms(ledger: Ledger, sns: SNSSigner, version: str) -> None:
+    key = new_key()
+    parked(ledger, key)
+    body = json.dumps(sns.sign(sns_notification(key, "ses-1", Subject="Amazon SES Email Event"), version)).encode()
+    outcome = handle_webhook("ses", {}, body, auth=sns_auth(sns), ledger=ledger)
+    assert len(outcome.confirmed) == 1 and ledger.get(key).state is State.SENT  # type: ignore[union-attr]
+    assert sns.fetched == [CERT_URL]
+
+
+@pytest.mark.parametrize("url", [
+    "http://sns.eu-west-1.amazonaws.com/cert.pem",
+    "https://sns.eu-west-1.amazonaws.com.evil.example/cert.pem",
+    "https://evil.example/sns.eu-west-1.amazonaws.com/cert.pem",
+    "https://sns.us-east-1.amazonaws.com/cert.pem",  # not the topic's region
+    "https://user@sns.eu-west-1.amazonaws.com/cert.pem",
+    "https://sns.eu-west-1.amazonaws.com:8443/cert.pem",
+    "https://sns.eu-west-1.amazonaws.com/cert.txt",
+    "https://sns.eu-west-1.amazonaws.com/cert.pem?x=1",
+    "https://evil.amazonaws.com/cert.pem",
+])
+def test_sns_certificate_url_is_pinned_to_sns_in_the_topics_region(ledger: Ledger, sns: SNSSigner, url: str) -> None:
+    key = new_key()
+    parked(ledger, key)
+    before = ledger.get(key)
+    body = json.dumps(sns.sign(sns_notification(key, "ses-1"), url=url)).encode()
+    with pytest.raises(WebhookSignatureError, match="SigningCertURL"):
+        handle_webhook("ses", {}, body, auth=sns_auth(sns), ledger=ledger)
+    assert sns.fetched == []  # refused before anything is fetched
+    assert ledger.get(key) == before
+
+
+def test_sns_refusals(ledger: Ledger, sns: SNSSigner, sns_key: rsa.RSAPrivateKey) -> None:
+    key = new_key()
+    parked(ledger, key)
+    before = ledger.get(key)
+    signed_message = sns.sign(sns_notification(key, "ses-1"))
+    tampered = {**signed_message, "Message": signed_message["Message"].replace("ses-1", "ses-2")}
+    other_topic = sns.sign({**sns_notification(key, "ses-1"), "TopicArn": "arn:aws:sns:eu-west-1:999999999999:x"})
+    other_key = SNSSigner(rsa.generate_private_key(public_exponent=65537, key_size=2048), sns.pem)
+    expired = SNSSigner(sns_key, self_signed(sns_key, days=(-30, -1)))
+    cases: list[tuple[dict[str, Any], SNSSigner, str]] = [
+        (tampered, sns, "does not match"),
+        (other_topic, sns, "TopicArn"),
+        (other_key.sign(sns_notification(key, "ses-1")), sns, "does not match"),
+        ({**signed_message, "SignatureVersion": "3"}, sns, "SignatureVersion"),
+        ({**signed_message, "Signature": "%%%"}, sns, "does not match"),
+        (sns.sign(sns_notification(key, "ses-1")), expired, "expired"),
+    ]
+    for message, signer, why in cases:
+        with pytest.raises(WebhookSignatureError, match=why):
+            handle_webhook("ses", {}, json.dumps(message).encode(), auth=sns_auth(signer), ledger=ledger)
+    assert ledger.get(key) == before
+
+
+def test_sns_subscription_confirmation_is_verified_then_logged_not_fetched(
+    ledger: Ledger, sns: SNSSigner, caplog: pytest.LogCaptureFixture
+) -> None:
+    message = sns.sign({"Type": "SubscriptionConfirmation", "MessageId": "1", "Token": "tok", "TopicArn": TOPIC,
+                        "Message": "You have chosen to subscribe", "SubscribeURL": "https://sns.eu-west-1.amazonaws.com/?Action=ConfirmSubscription",
+                        "Timestamp": "2026-01-01T10:00:00.000Z"})
+    with caplog.at_level("WARNING", logger="idemmail_celery.webhooks"):
+        outcome = handle_webhook("ses", {}, json.dumps(message).encode(), auth=sns_auth(sns), ledger=ledger)
+    assert outcome.ignored == 1 and "ConfirmSubscription" in caplog.text
+    forged = {**message, "SubscribeURL": "https://evil.example/"}
+    with pytest.raises(WebhookSignatureError):
+        handle_webhook("ses", {}, json.dumps(forged).encode(), auth=sns_auth(sns), ledger=ledger)
+
+
+def test_sns_with_basic_auth_too_accepts_either(ledger: Ledger, sns: SNSSigner) -> None:
+    auth = WebhookAuth(secret=BASIC, sns_topic_arns=[TOPIC], sns_certificates=sns.certificates)
+    key = new_key()
+    parked(ledger, key)
+    unsigned = json.dumps(sns_notification(key, "ses-1")).encode()
+    assert auth.verify("ses", basic(BASIC), unsigned) == "basic"
+    assert auth.verify("ses", {}, json.dumps(sns.sign(sns_notification(key, "ses-1"))).encode()) == "sns"
+    with pytest.raises(WebhookSignatureError):
+        auth.verify("ses", {}, unsigned)
+
+
+# -- the ASGI app, driven through httpx's ASGI transport (no server, no framework) --
+
+
+def asgi_post(app: Any, method: str = "POST", body: bytes = b"", headers: dict[str, Any] | None = None) -> Any:
+    import asyncio
+
+    async def go() -> Any:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://hooks.test") as client:
+            return await client.request(method, "/hooks/ses", content=body, headers=headers or {})
+
+    return asyncio.run(go())
+
+
+def test_asgi_app_confirms_and_refuses_like_the_wsgi_app(ledger: Ledger, sns: SNSSigner) -> None:
+    app = webhook_asgi_app(ledger, "ses", auth=WebhookAuth(secret=BASIC, sns_topic_arns=[TOPIC],
+                                                           sns_certificates=sns.certificates), max_body=100_000)
+    key = new_key()
+    parked(ledger, key)
+    before = ledger.get(key)
+    body = json.dumps(sns.sign(sns_notification(key, "ses-9"))).encode()
+
+    unsigned = asgi_post(app, body=json.dumps(sns_notification(key, "ses-9")).encode())
+    assert unsigned.status_code == 401 and unsigned.headers["www-authenticate"].startswith("Basic ")
+    assert asgi_post(app, body=b"[" * 50_000 + b"]" * 50_000, headers=basic(BASIC)).status_code == 400
+    assert asgi_post(app, body=b"x" * 100_001, headers=basic(BASIC)).status_code == 413
+    assert asgi_post(app, "GET").status_code == 405
+    assert asgi_post(app, body=b"{}", headers={**basic(BASIC), "Content-Length": b"\xb2"}).status_code == 400
+    assert ledger.get(key) == before
+
+    ok = asgi_post(app, body=body)
+    assert ok.status_code == 200 and ok.json() == {"confirmed": 1, "unknown": 0, "ignored": 0}
+    assert ledger.get(key).state is State.SENT  # type: ignore[union-attr]
+
+
+def test_asgi_app_answers_the_lifespan_protocol(ledger: Ledger) -> None:
+    import asyncio
+
+    app = webhook_asgi_app(ledger, "postmark", secret=BASIC)
+    inbox = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return inbox.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(app({"type": "lifespan"}, receive, send))
+    assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]

@@ -15,15 +15,17 @@ schemes with :func:`register_backend`.
 
 from __future__ import annotations
 
+import hashlib
+import threading
 from typing import Any
 
 from .._registry import load, scheme_of
 from ..errors import UnknownLedgerSchemeError
-from .base import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
+from .base import Claim, ClaimRequest, ClaimStatus, DetectsLoss, Ledger, Record, State
 
 __all__ = [
-    "Claim", "ClaimRequest", "ClaimStatus", "Ledger", "Record", "State",
-    "backend_for", "from_url", "register_backend",
+    "Claim", "ClaimRequest", "ClaimStatus", "DetectsLoss", "Ledger", "Record", "State",
+    "backend_for", "from_url", "passive_options", "register_backend", "shared",
 ]
 
 _BACKENDS: dict[str, str] = {
@@ -72,3 +74,30 @@ def from_url(url: str, **options: Any) -> Ledger:
         return SealedLedger(backend(url, **options), codec)
     ledger: Ledger = backend(url, **options)
     return ledger
+
+
+_shared: dict[tuple[str, str], Ledger] = {}
+_shared_lock = threading.Lock()
+
+
+def shared(url: str, options: dict[str, Any] | None = None) -> Ledger:
+    """The process-wide ledger for ``url`` and ``options``: one connection pool each, timed by
+    :mod:`idemmail_celery.metrics` whenever metrics are on (:class:`~.metered.MeteredLedger`).
+
+    What tasks, bulk sends and the metrics endpoint use. Backends reconnect after a fork.
+    """
+    # A digest, not the options: they hold the payload keys, which must not sit in a dict key.
+    cache_key = (url, hashlib.sha256(repr(sorted((options or {}).items())).encode()).hexdigest())
+    with _shared_lock:
+        ledger = _shared.get(cache_key)
+        if ledger is None:
+            from .metered import MeteredLedger
+
+            ledger = _shared[cache_key] = MeteredLedger(from_url(url, **(options or {})))
+        return ledger
+
+
+def passive_options(url: str) -> dict[str, Any]:
+    """Keywords that open ``url``'s ledger for reading only (operators, metrics scrapes): a ledger
+    that detects store loss then reads its markers and never writes them."""
+    return {"passive": True} if issubclass(backend_for(url), DetectsLoss) else {}

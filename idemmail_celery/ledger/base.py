@@ -10,6 +10,7 @@ A ledger maps an intent key to one :class:`Record`. Its states::
         |          |  |   \\-(park)-----> review   (final until a person resolves it)
         +-(release)+  |
                       +-- lease expired: reclaimed by the next claimer (new token)
+                      +-- claimed by the caller's own earlier delivery: resumed (new token, new owner)
 
 ``sent`` and ``failed`` records expire after the retention period; ``claimed``,
 ``released`` and ``review`` never expire by time, because an expiring record
@@ -37,12 +38,16 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
+from .._common import after_fork
 from ..errors import IllegalTransitionError, RecordNotFoundError
 from ..keys import canonical_json
 
-DEFAULT_LEASE_SECONDS = 300.0
+#: Short, because a crashed holder's intent waits this long before anyone may take it over; the
+#: holder renews it every third of its length while its body runs (see ``_lease``), so a long
+#: send never loses it. 30 s: a SIGKILLed worker's intents are recovered within about a minute.
+DEFAULT_LEASE_SECONDS = 30.0
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
 
 
@@ -72,12 +77,14 @@ class ClaimStatus(str, enum.Enum):
     ACQUIRED = "acquired"    # no record (or an expired final one): the caller holds a new claim
     REOPENED = "reopened"    # a released claim: the caller holds it; run the stored payload
     RECLAIMED = "reclaimed"  # a claim whose lease expired: the caller holds it with a new token
+    RESUMED = "resumed"      # a claim held by ``request.resume_owner`` (live or not): the caller holds it again
     BUSY = "busy"            # another holder's lease is live: try later
     DONE = "done"            # a final record: replay it
 
     @property
     def holds(self) -> bool:
-        return self in (ClaimStatus.ACQUIRED, ClaimStatus.REOPENED, ClaimStatus.RECLAIMED)
+        """Does the caller now hold the claim (and must settle it)?"""
+        return self in (ClaimStatus.ACQUIRED, ClaimStatus.REOPENED, ClaimStatus.RECLAIMED, ClaimStatus.RESUMED)
 
 
 @dataclass(frozen=True)
@@ -133,18 +140,29 @@ class ClaimRequest:
     fingerprint: str
     owner: str = field(default_factory=lambda: new_owner())
     lease_seconds: float = DEFAULT_LEASE_SECONDS
+    #: The owner this delivery's own chain claimed under before (carried in the message's headers),
+    #: when it may hold a claim it could not settle: the claim's reply was lost, or its release
+    #: failed. A ``claimed`` record whose owner is this, live or expired, is taken back as
+    #: ``RESUMED``: the token goes up, ``owner`` becomes :attr:`owner` (so a second copy of the
+    #: same message, carrying the same ``resume_owner``, finds it busy), ``reclaims`` stays.
+    resume_owner: str | None = None
 
 
-_owner: tuple[int, str] = (0, "")
+_owner = ""
 
 
 def default_owner() -> str:
-    """``host:pid`` of this process."""
+    """``host:pid`` of this process (worked out once per process)."""
     global _owner
-    pid = os.getpid()
-    if _owner[0] != pid:  # once per process (a forked child has its own pid)
-        _owner = (pid, f"{socket.gethostname()}:{pid}")
-    return _owner[1]
+    if not _owner:
+        _owner = f"{socket.gethostname()}:{os.getpid()}"
+    return _owner
+
+
+@after_fork
+def _forget_owner() -> None:
+    global _owner
+    _owner = ""  # a forked child has a pid of its own
 
 
 def new_owner(detail: str = "") -> str:
@@ -170,11 +188,56 @@ def dumps_json(value: dict[str, Any] | None) -> str | None:
     return None if value is None else canonical_json(value)
 
 
+#: What :meth:`Ledger.forget` keeps of an error: machine-readable words and times, never free text.
+FORGET_KEEPS_ERROR = ("type", "reason", "cause", "at", "maybe_sent")
+#: ... and of a resolution (who decided, when): its note is free text.
+FORGET_KEEPS_RESOLUTION = ("from", "to", "at", "by")
+
+
+def forgotten(result: dict[str, Any] | None,
+              error: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """A record's result and error with every free text erased (see :meth:`Ledger.forget`).
+
+    The result keeps its ``message_id`` (what a duplicate is told), the error its
+    :data:`FORGET_KEEPS_ERROR` fields and its resolution's :data:`FORGET_KEEPS_RESOLUTION`.
+    Both are marked ``"forgotten": True``.
+    """
+    kept_result = None
+    if result is not None:
+        kept_result = {"message_id": result.get("message_id"), "forgotten": True}
+    kept_error = None
+    if error is not None:
+        kept_error = {k: error[k] for k in FORGET_KEEPS_ERROR if k in error}
+        resolution = error.get("resolution")
+        if isinstance(resolution, dict):
+            kept_error["resolution"] = {k: resolution[k] for k in FORGET_KEEPS_RESOLUTION if k in resolution}
+        kept_error["forgotten"] = True
+    return kept_result, kept_error
+
+
 def loads_json(text: str | bytes | None) -> dict[str, Any] | None:
     if text is None or text == "" or text == b"":
         return None
     out = json.loads(text)
     return out if isinstance(out, dict) else {"value": out}
+
+
+@runtime_checkable
+class DetectsLoss(Protocol):
+    """A ledger that can tell when its store lost records (the Redis ledger's epoch markers).
+
+    Operator tools open such a ledger ``passive`` (reading markers, never writing them) and
+    offer ``init`` and ``ack-loss``; ``recovered_at`` says when a loss was acknowledged.
+    """
+
+    def loss_status(self) -> dict[str, Any]:
+        """What the store's markers say (epoch, lost flags, acknowledgements)."""
+
+    def init_store(self, *, actor: str = "") -> dict[str, Any]:
+        """Write the markers of a new, empty store."""
+
+    def acknowledge_loss(self, *, note: str, actor: str = "") -> dict[str, Any]:
+        """Accept that records were lost and start a new epoch."""
 
 
 class Ledger(ABC):
@@ -234,6 +297,18 @@ class Ledger(ABC):
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         """Extend the lease of a claim still held with ``token``. False if it is not."""
 
+    def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
+        """Note that the reschedule ``hop`` of a copy of ``key`` is being published, once.
+
+        True the first time ``(key, hop)`` is marked, False for every later call within
+        ``ttl_seconds``: a second copy of one broker message (redelivered by a Redis or SQS
+        transport while the first still waited for its countdown) then drops instead of
+        publishing a second reschedule, so waiting copies never multiply. None: this backend
+        keeps no marks (the caller reschedules; countdowns below the visibility timeout keep
+        copies from multiplying). One round trip; called only when a claim is busy.
+        """
+        return None
+
     # -- reads and operator actions --
 
     @abstractmethod
@@ -248,12 +323,36 @@ class Ledger(ABC):
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
         """Replace the record if its token is still ``expected_token`` (operator changes)."""
 
-    @abstractmethod
     def forget(self, key: str) -> bool:
-        """Erase the stored payload of ``key`` (a data-subject request); False if there is no record.
+        """Erase the personal data of ``key`` (a data-subject request); False if there is no record.
 
-        The record, its state and fingerprint stay, so the key keeps protecting
-        against a resend; an operator can no longer re-enqueue the first payload.
+        Erases the stored first payload and every free text the record holds: the result is
+        cut down to its message id, the error to its machine-readable fields (type, reason,
+        cause, times; see :func:`forgotten`). The record, its state and fingerprint stay, so
+        the key keeps protecting against a resend; an operator can no longer re-enqueue the
+        first payload. Idempotent.
+        """
+        for _ in range(5):
+            record = self._readable(key)
+            if record is None:
+                return False
+            result, error = forgotten(record.result, record.error)
+            if self._erase(key, record.token, result, error):
+                return True
+        raise IllegalTransitionError(f"record {key} kept changing while forgetting; try again")
+
+    def _readable(self, key: str) -> Record | None:
+        """The record as :meth:`forget` reads it: every field this process can read (a sealed
+        ledger's override leaves out those sealed with keys it does not hold)."""
+        return self.get(key)
+
+    @abstractmethod
+    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+               error: dict[str, Any] | None) -> bool:
+        """Drop the stored payload and set ``result`` and ``error``, atomically, if the record's
+        token is still ``expected_token``; False (nothing written) otherwise or without a record.
+
+        Never creates a record and changes nothing else (state, lease, token, expiry).
         """
 
     def stats(self) -> dict[str, int]:

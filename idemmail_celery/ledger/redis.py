@@ -1,20 +1,37 @@
 """Redis ledger: ``redis://``, ``rediss://``, ``redis+cluster://`` and ``sentinel://``.
 
-Each record is a hash; every transition is one Lua script (loaded once, called
-with EVALSHA), so a claim, a completion or a replay is one atomic round trip.
+Each record is a hash; every transition is one Lua script (``ledger/lua/*.lua``, registered
+with the client's script support and called with EVALSHA, loaded again on NOSCRIPT), so a
+claim, a completion or a replay is one atomic round trip.
 Lease times come from the Redis server's clock (``TIME``), so worker clocks do
 not have to agree.
 
 **Buckets.** Keys are spread over ``buckets`` hash-tagged buckets (16 by default)
 so that every script touches keys of one hash slot, as Redis Cluster requires::
 
-    <prefix>:{<bb>}:r:<key>        the record (a hash)
-    <prefix>:{<bb>}:i:<state>      the bucket's index of records in that state (a sorted set)
-    <prefix>:{<bb>}:epoch          the bucket's epoch marker (a hash)
+    <prefix>:{<bb>}:r:<packed key>   the record (a hash)
+    <prefix>:{<bb>}:p:<packed key>   its first payload (a string; gone on sent unless keep_payload)
+    <prefix>:{<bb>}:i:<state>        the bucket's index of claimed, released, failed or review records
+    <prefix>:{<bb>}:c:sent           the bucket's count of sent records, by expiry (a hash)
+    <prefix>:{<bb>}:h:<digest>       a reschedule's mark (see ``mark_hop``; expires)
+    <prefix>:{<bb>}:epoch            the bucket's epoch marker (a hash)
 
 ``bb`` is the bucket number in two hex digits, chosen by CRC32 of the intent key.
 On one Redis the buckets cost nothing on the hot path; listing, stats and purge
 visit every bucket.
+
+**A lean record.** Most records are ``sent`` and stay for the retention period, so a
+``sent`` record holds only itself: no index (it expires by TTL; listing ``sent`` scans the
+buckets; :meth:`RedisLedger.stats` reads the counters, which count a record until its
+expiry's granule ends, at most 1% of the retention late), short field names (see
+``lua/prelude.lua``), times as integer microseconds, a 64-hex key or fingerprint packed in
+43 base64url characters (anything else as ``~`` + itself), the owner, task name, result and
+error in chunks of at most 64 bytes, and the payload in a string of its own: every value
+stays within Redis's ``hash-max-listpack-value``, so the hash stays compact (listpack).
+Measured (``python -m tests.redis_memory``, 100,000 ``send_email`` records as workers write
+them): about 550 bytes each in ``INFO memory`` (488 by ``MEMORY USAGE``), from about 1,510
+before (a hashtable, plus the ``sent`` index); 425 with a result of the message id alone.
+The floor of any key with a TTL holding nothing is about 150.
 
 **Loss detection.** A Redis without persistence can be flushed or restart
 empty, silently reopening every key. Each bucket holds an epoch marker; every
@@ -28,31 +45,46 @@ marker lost, so processes that start later stop too. A process that has seen a
 loss remembers it: from then on it accepts only an epoch an operator acknowledged,
 never a "new" store (emptied again, flags and all) nor an unacknowledged fresh
 epoch. What is detected and what is not is in :meth:`RedisLedger.loss_status` and
-the README ("Ledger loss").
+docs/operations.md ("Ledger loss").
 
 Operator tools and the metrics scrape build the ledger ``passive``: they read the
 markers and never write them (no ``auto_init``, no lost flags); only
 :meth:`~RedisLedger.init_store` and :meth:`~RedisLedger.acknowledge_loss` do.
 
-**Old layout.** Versions before the buckets kept ``<prefix>:r:<key>`` and
+**Old layouts.** Versions before the buckets kept ``<prefix>:r:<key>`` and
 ``<prefix>:i:<state>``. This version would not see those records, so at first use
 it looks for the old index keys and refuses (:class:`UnsafeLedgerError`) if any exist.
+Versions with buckets but before the lean record (layout 1: long field names, a
+``sent`` index) are told by their epoch markers, which carry no ``layout``: this version
+refuses them too, at first use, naming the step: stop the workers and run
+:meth:`RedisLedger.migrate_layout` once, which rewrites every record in place, keeping its
+state, token, lease and TTL, and then marks the layout. Refusing, rather than reading both
+layouts, keeps every script single-minded and the hot path as short as it was.
 
 The store must not evict keys: an evicted ``sent`` record reopens its key and
 the next duplicate sends again. At first use the ledger reads
 ``maxmemory-policy`` and refuses anything but ``noeviction`` unless built with
-``allow_eviction=True``. Run Redis with AOF persistence for the same reason.
+``allow_eviction=True``; the claim path reads it again every ``policy_recheck_seconds``
+(30 s), so a policy changed at runtime is refused too, until it is set back. Run Redis
+with AOF persistence for the same reason: a worker that meets a server with neither AOF
+nor RDB save points logs a warning at start. Where CONFIG is disabled or renamed (managed
+Redis), both checks log that they could not look, and the ledger carries on.
 """
 
 from __future__ import annotations
 
+import base64
+import functools
+import hashlib
 import logging
-import os
+import re
 import secrets
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Iterator, Sequence
+from importlib import resources
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -60,9 +92,11 @@ import redis as redis_lib
 from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
+from .._common import after_fork
 from ..errors import (
     ConfigurationError,
     IllegalTransitionError,
+    LedgerError,
     LedgerLostError,
     LedgerUnavailableError,
     RecordNotFoundError,
@@ -86,171 +120,107 @@ from .base import (
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = 16
-_CANNOT_WRITE_NOW = (
-    redis_lib.ConnectionError, redis_lib.TimeoutError,
-    redis_lib.exceptions.OutOfMemoryError, redis_lib.exceptions.ReadOnlyError,
+#: Error replies meaning "not now", each refused before the script wrote anything: out of memory
+#: (maxmemory with noeviction), a replica after a failover (READONLY), too few replicas acknowledging
+#: (min-replicas-to-write), the last RDB/AOF write failed (MISCONF), a script or function running past
+#: busy-reply-threshold (BUSY), a replica cut from its primary (MASTERDOWN), a dataset still loading
+#: after a restart (LOADING), a cluster resharding or down (TRYAGAIN, CLUSTERDOWN).
+_UNAVAILABLE_REPLIES = frozenset({
+    "OOM", "READONLY", "NOREPLICAS", "MISCONF", "BUSY", "MASTERDOWN", "LOADING", "TRYAGAIN", "CLUSTERDOWN",
+})
+# ... as redis-py raises those it knows (it strips their code from the message), and the
+# unreachable (a connection refused or lost, a timeout: LOADING is a ConnectionError there too).
+_UNAVAILABLE_TYPES = (
+    redis_lib.ConnectionError, redis_lib.TimeoutError, redis_lib.exceptions.OutOfMemoryError,
+    redis_lib.exceptions.ReadOnlyError, redis_lib.exceptions.TryAgainError, redis_lib.exceptions.ClusterError,
+    redis_lib.exceptions.ClusterDownError,
 )
+# The code of an error reply: its first word, or (a Redis 6 script error) the word after a '-'.
+_REPLY_CODE = re.compile(r"^([A-Z]+)\b|\s-([A-Z]+)\s")
 
-# KEYS: record, the bucket's index of each state in State order, the bucket's epoch marker.
-# ARGV[1] is always the epoch the caller expects.
-_PRELUDE = """
-local function now()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
-local IDX = {claimed=KEYS[2], released=KEYS[3], sent=KEYS[4], failed=KEYS[5], review=KEYS[6]}
-local function move(id, from, to, score)
-  if from then redis.call('ZREM', IDX[from], id) end
-  redis.call('ZADD', IDX[to], score, id)
-end
-local function lost()
-  local m = redis.call('HMGET', KEYS[7], 'epoch', 'lost')
-  return m[1] ~= ARGV[1] or m[2] ~= false
-end
-"""
+#: The scripts in ``lua/``, each one atomic transition; record scripts start with ``prelude.lua``.
+_RECORD_SCRIPTS = ("claim", "finish", "renew", "force")
 
-# ARGV: epoch, id, task, owner, payload, fingerprint, lease_seconds
-_CLAIM = _PRELUDE + """
-if lost() then return {'lost'} end
-local rec, id = KEYS[1], ARGV[2]
-local n = now()
-local lease = n + tonumber(ARGV[7])
-local state = redis.call('HGET', rec, 'state')
-if not state then
-  redis.call('HSET', rec, 'task', ARGV[3], 'state', 'claimed', 'token', 1, 'owner', ARGV[4],
-             'lease', lease, 'attempts', 1, 'reclaims', 0, 'payload', ARGV[5], 'fp', ARGV[6],
-             'created', n, 'updated', n)
-  move(id, nil, 'claimed', n)
-  return {'acquired', tostring(n), tostring(lease)}
-end
-if state == 'claimed' and tonumber(redis.call('HGET', rec, 'lease')) > n then
-  return {'busy', redis.call('HGETALL', rec)}
-end
-if state == 'claimed' or state == 'released' then
-  local status = 'reopened'
-  if state == 'claimed' then
-    status = 'reclaimed'
-    redis.call('HINCRBY', rec, 'reclaims', 1)
-  end
-  redis.call('HINCRBY', rec, 'token', 1)
-  redis.call('HINCRBY', rec, 'attempts', 1)
-  redis.call('HSET', rec, 'state', 'claimed', 'owner', ARGV[4], 'lease', lease, 'updated', n)
-  move(id, state, 'claimed', n)
-  return {status, redis.call('HGETALL', rec)}
-end
-return {'done', redis.call('HGETALL', rec)}
-"""
 
-# ARGV: epoch, id, token, target, result, error, retention_seconds, drop_payload ('1' erases it on sent)
-# One HMGET, one HSET, one HDEL: every redis.call costs the server about a microsecond, per completion.
-_FINISH = _PRELUDE + """
-if lost() then return {'lost'} end
-local rec, id, token, target = KEYS[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local cur = redis.call('HMGET', rec, 'state', 'token')
-local state = cur[1]
-if not state then return {'missing'} end
-local held = tonumber(cur[2])
-local mine = state == 'claimed' and held == token
-local late_truth = target == 'sent' and token < held and
-  (state == 'review' or state == 'released' or state == 'claimed')
-if not (mine or late_truth) then return {'stale', state, tostring(held)} end
-local n = now()
-local final = target == 'sent' or target == 'failed'
-local ttl = tonumber(ARGV[7])
-local fields = {'state', target, 'updated', n}
-if ARGV[5] ~= '' then table.insert(fields, 'result'); table.insert(fields, ARGV[5]) end
-if ARGV[6] ~= '' then table.insert(fields, 'error'); table.insert(fields, ARGV[6]) end
-if final then table.insert(fields, 'expires'); table.insert(fields, n + ttl) end
-redis.call('HSET', rec, unpack(fields))
-if target == 'sent' and ARGV[8] == '1' then
-  redis.call('HDEL', rec, 'lease', 'payload')
-else
-  redis.call('HDEL', rec, 'lease')
-end
-if final then
-  redis.call('PEXPIRE', rec, math.floor(ttl * 1000))
-  move(id, state, target, n + ttl)
-else
-  redis.call('PERSIST', rec)
-  move(id, state, target, n)
-end
-return {'ok'}
-"""
+@functools.cache
+def _lua(name: str) -> str:
+    """The text of ``lua/<name>.lua`` (read once per process), after the prelude for a record script."""
+    text = (resources.files(__package__) / "lua" / f"{name}.lua").read_text("utf-8")
+    return _lua("prelude") + text if name in _RECORD_SCRIPTS else text
 
-# ARGV: epoch, token, lease_seconds
-_RENEW = _PRELUDE + """
-if lost() then return {'lost'} end
-local rec = KEYS[1]
-if redis.call('HGET', rec, 'state') ~= 'claimed' or
-   tonumber(redis.call('HGET', rec, 'token')) ~= tonumber(ARGV[2]) then
-  return {'no'}
-end
-redis.call('HSET', rec, 'lease', now() + tonumber(ARGV[3]))
-return {'ok'}
-"""
-
-# An operator's change: replace the record if its token is still the expected one; never creates one.
-# ARGV: id, expected_token, state, token, owner, result, error, updated, expires ('' = never), drop_payload
-_FORCE = _PRELUDE + """
-local rec, id = KEYS[1], ARGV[1]
-local old = redis.call('HGET', rec, 'state')
-if not old or tonumber(redis.call('HGET', rec, 'token')) ~= tonumber(ARGV[2]) then return 0 end
-redis.call('HSET', rec, 'state', ARGV[3], 'token', ARGV[4], 'owner', ARGV[5], 'result', ARGV[6],
-           'error', ARGV[7], 'updated', ARGV[8], 'expires', ARGV[9])
-redis.call('HDEL', rec, 'lease')
-if ARGV[10] == '1' then redis.call('HDEL', rec, 'payload') end
-if ARGV[9] ~= '' then
-  move(id, old, ARGV[3], tonumber(ARGV[9]))
-  redis.call('PEXPIRE', rec, math.max(1, math.floor((tonumber(ARGV[9]) - tonumber(ARGV[8])) * 1000)))
-else
-  move(id, old, ARGV[3], tonumber(ARGV[8]))
-  redis.call('PERSIST', rec)
-end
-return 1
-"""
-
-# KEYS: record, the index it was found in. ARGV: id, state of that index, now.
-_PURGE = """
-local st = redis.call('HGET', KEYS[1], 'state')
-if st == ARGV[2] then
-  if tonumber(redis.call('HGET', KEYS[1], 'expires') or '0') > tonumber(ARGV[3]) then return 0 end
-  redis.call('DEL', KEYS[1])
-end
-redis.call('ZREM', KEYS[2], ARGV[1])
-return 1
-"""
-
-# KEYS: record. Erase the payload of an existing record; never creates one.
-_FORGET = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HDEL', KEYS[1], 'payload')
-return 1
-"""
-
-# KEYS: a bucket's marker. ARGV: '1' to replace it ('0': only where there is none), then field, value, ...
-_MARK = """
-if ARGV[1] == '1' or redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('DEL', KEYS[1])
-  redis.call('HSET', KEYS[1], unpack(ARGV, 2))
-end
-return 1
-"""
-
-# KEYS: a bucket's marker. Flag it lost unless an operator acknowledged a newer epoch there.
-# ARGV: the epoch the flagging process knows to be dead ('' if none), reason, by, at
-_FLAG = """
-local m = redis.call('HMGET', KEYS[1], 'epoch', 'acked_at', 'lost')
-if m[3] then return 0 end
-if m[2] and m[1] ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'lost', ARGV[2], 'lost_by', ARGV[3], 'lost_at', ARGV[4])
-return 1
-"""
 
 _STATES = (State.CLAIMED, State.RELEASED, State.SENT, State.FAILED, State.REVIEW)
+#: States with an index (a sorted set per bucket): those an operator acts on, and ``failed`` for purge.
+#: ``sent`` has none: its records expire by TTL, a counter keeps their number, listing them scans.
+_INDEXED = (State.CLAIMED, State.RELEASED, State.FAILED, State.REVIEW)
+#: This layout's version, in every epoch marker; a marker without it was written by the layout before.
+LAYOUT = "2"
+#: Longest value kept in a record field: Redis keeps a hash compact (listpack) while every value is at
+#: most ``hash-max-listpack-value`` (64 by default), so longer results and errors are stored in chunks.
+_CHUNK = 64
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-def _num(value: Any, default: float | None = None) -> float | None:
-    return default if value is None or value == "" else float(value)
+def _seconds(value: str | None) -> float | None:
+    """A stored time in seconds: the server's clock in integer microseconds, or (written by an operator's
+    change, which keeps the caller's clock exactly) seconds with a point."""
+    if value is None or value == "":
+        return None
+    return float(value) if "." in value or "e" in value else int(value) / 1_000_000
+
+
+def _pack(text: str) -> str:
+    """A 64-hex digest (every intent key and fingerprint the library makes) as 43 base64url characters,
+    anything else as ``~`` + itself: shorter key names and fields, and never two texts packed alike."""
+    if len(text) == 64 and _HEX64.fullmatch(text):
+        return base64.urlsafe_b64encode(bytes.fromhex(text))[:43].decode("ascii")
+    return "~" + text if text else ""
+
+
+def _unpack(packed: str) -> str:
+    if not packed or packed[0] == "~":
+        return packed[1:]
+    return base64.urlsafe_b64decode(packed + "=").hex()
+
+
+def _chunked(value: dict[str, Any] | None) -> list[Any]:
+    """The canonical JSON of ``value`` as script arguments: how many chunks, then the chunks."""
+    return _counted(dumps_json(value) or "")
+
+
+def _counted(text: str) -> list[Any]:
+    """``text`` as script arguments: how many chunks, then the chunks."""
+    parts = _chunks(text)
+    return [len(parts), *parts]
+
+
+def _chunks(text: str) -> list[str]:
+    """``text`` in pieces of at most :data:`_CHUNK` bytes of UTF-8, cut between characters."""
+    if text.isascii():
+        parts = [text[i:i + _CHUNK] for i in range(0, len(text), _CHUNK)]
+    else:
+        parts, part, size = [], "", 0
+        for ch in text:
+            n = len(ch.encode("utf-8"))
+            if size + n > _CHUNK:
+                parts.append(part)
+                part, size = "", 0
+            part, size = part + ch, size + n
+        if part:
+            parts.append(part)
+    return parts
+
+
+def _joined(h: dict[str, str], base: str) -> str | None:
+    """A chunked field read back: ``base``, ``base2``, ``base3``, ... joined."""
+    first = h.get(base)
+    if first is None:
+        return None
+    parts, i = [first], 2
+    while f"{base}{i}" in h:
+        parts.append(h[f"{base}{i}"])
+        i += 1
+    return "".join(parts)
 
 
 def _connect(url: str, master_name: str | None, options: dict[str, Any]) -> Any:
@@ -272,6 +242,28 @@ def _connect(url: str, master_name: str | None, options: dict[str, Any]) -> Any:
         return sentinel.master_for(  # type: ignore[no-untyped-call]
             master_name, decode_responses=True, db=db, username=user, password=password)
     return redis_lib.Redis.from_url(url, decode_responses=True, **options)
+
+
+def _layout1_fields(h: dict[str, str]) -> list[str]:
+    """A record of layout 1 (long names, seconds) as this layout's fields, flat."""
+    out: list[Any] = ["s", h["state"], "t", h["token"], "a", h.get("attempts", "1"), "c", h.get("reclaims", "0"),
+                      "f", _pack(h.get("fp", ""))]
+    for name, new in (("lease", "l"), ("created", "k"), ("updated", "u")):
+        if h.get(name):
+            out += [new, int(float(h[name]) * 1_000_000)]
+    for name, base in (("task", "n"), ("owner", "o"), ("result", "r"), ("error", "e")):
+        for i, part in enumerate(_chunks(h.get(name) or ""), start=1):
+            out += [base if i == 1 else f"{base}{i}", part]
+    return out
+
+
+def _check_client(client: Any) -> None:
+    """A caller's client must be a redis-py client that decodes replies to str, as the ledger's own do."""
+    encoder = getattr(client, "get_encoder", None)
+    if encoder is None or not callable(getattr(client, "register_script", None)):
+        raise ConfigurationError(f"a Redis ledger's client must be a redis-py client, not {type(client).__name__}")
+    if not encoder().decode_responses:
+        raise ConfigurationError("a Redis ledger's client must decode replies: build it with decode_responses=True")
 
 
 def _hosts(url: str, default_port: int) -> tuple[list[tuple[str, int]], str | None, str | None, int]:
@@ -306,21 +298,32 @@ class RedisLedger(Ledger):
     while no worker ran from a new one), ``passive`` (default False: never write epoch
     markers, neither ``auto_init`` nor lost flags; for operator reads and metrics, which
     report what the markers say), ``allow_eviction`` (accept an evicting
-    ``maxmemory-policy``; unsafe), ``keep_payload`` (keep the first payload after
+    ``maxmemory-policy``; unsafe), ``policy_recheck_seconds`` (default 30: how often the
+    claim path reads ``maxmemory-policy`` again, so that a policy changed to an evicting one
+    at runtime is refused too), ``keep_payload`` (keep the first payload after
     ``sent``, for audit), ``master_name`` (Sentinel), and any redis-py client keyword
     (timeouts default to 5 s).
+
+    ``client``: a redis-py client of your own (``Redis``, ``RedisCluster`` or a Sentinel's
+    ``master_for``, built with ``decode_responses=True``) instead of one built from the URL, so
+    that your pool limits, timeouts and instrumentation (OpenTelemetry) apply to every ledger
+    command. The URL is then optional and client keywords are refused. The ledger neither
+    closes it nor bypasses it: the hot path's connections of its own (see ``_direct``) serve
+    only clients it built.
     """
 
     def __init__(
         self,
-        url: str,
+        url: str | None = None,
         *,
+        client: Any = None,
         prefix: str = "idemmail",
         buckets: int = DEFAULT_BUCKETS,
         retention_seconds: float = DEFAULT_RETENTION_SECONDS,
         auto_init: bool = True,
         passive: bool = False,
         allow_eviction: bool = False,
+        policy_recheck_seconds: float = 30.0,
         keep_payload: bool = False,
         master_name: str | None = None,
         **client_options: Any,
@@ -331,14 +334,32 @@ class RedisLedger(Ledger):
         buckets = int(buckets)
         if not 1 <= buckets <= 256:
             raise ConfigurationError(f"buckets must be between 1 and 256, not {buckets}")
-        client_options.setdefault("socket_timeout", 5.0)
-        client_options.setdefault("socket_connect_timeout", 5.0)
-        self.client: Any = _connect(url, master_name, client_options)
+        #: Built here from the URL (closed by :meth:`close`, hot path on connections of its own), or
+        #: the caller's, which every command goes through: its pool limits and instrumentation apply.
+        self._own_client = client is None
+        if client is not None:
+            if client_options or master_name:
+                named = ", ".join(client_options) or "master_name"
+                raise ConfigurationError(f"a Redis ledger given a client takes no client options ({named}): "
+                                         "set them on the client")
+            _check_client(client)
+        elif url is None:
+            raise ConfigurationError("a Redis ledger needs a URL or a client")
+        else:
+            client_options.setdefault("socket_timeout", 5.0)
+            client_options.setdefault("socket_connect_timeout", 5.0)
+            client = _connect(url, master_name, client_options)
+        #: The redis-py client every command goes through (``Redis``, ``RedisCluster``, or a Sentinel's).
+        self.client: Any = client
         self.prefix = prefix
         self.buckets = buckets
         self.auto_init = bool(auto_init) if not isinstance(auto_init, str) else auto_init.lower() == "true"
         self.passive = bool(passive)
         self.allow_eviction = allow_eviction
+        #: How often (seconds) the claim path reads ``maxmemory-policy`` again, one round trip each time.
+        self.policy_recheck_seconds = float(policy_recheck_seconds)
+        self._policy_due = 0.0
+        self._policy_refusal = ""
         self._checked = False
         self._check_lock = threading.Lock()
         self._epoch: str | None = None  # the epoch this process holds; None before the check or while lost
@@ -347,21 +368,25 @@ class RedisLedger(Ledger):
         # flags and all, looks "new"). Cleared when an acknowledged epoch is adopted.
         self._dead_epoch: str | None = None
         self._lost_reason = ""
-        # Hot-path connections of our own (see _direct); plain single-server clients only.
-        self._direct_ok = type(getattr(self.client, "connection_pool", None)) is redis_lib.ConnectionPool
+        # Hot-path connections of our own (see _direct); plain single-server clients we built only.
+        pool = getattr(client, "connection_pool", None)
+        self._direct_ok = self._own_client and type(pool) is redis_lib.ConnectionPool
         self._spare: list[Any] = []
-        self._spare_pid = os.getpid()
-        self._claim = self.client.register_script(_CLAIM)
-        self._finish_script = self.client.register_script(_FINISH)
-        self._renew = self.client.register_script(_RENEW)
-        self._force_script = self.client.register_script(_FORCE)
-        self._purge = self.client.register_script(_PURGE)
-        self._forget = self.client.register_script(_FORGET)
-        self._flag = self.client.register_script(_FLAG)
-        self._mark = self.client.register_script(_MARK)
+        _live.add(self)
+        # redis-py Script objects: EVALSHA, loading the script on NOSCRIPT (a restarted server).
+        self._claim = self.client.register_script(_lua("claim"))
+        self._finish_script = self.client.register_script(_lua("finish"))
+        self._renew = self.client.register_script(_lua("renew"))
+        self._force_script = self.client.register_script(_lua("force"))
+        self._purge = self.client.register_script(_lua("purge"))
+        self._erase_script = self.client.register_script(_lua("erase"))
+        self._flag = self.client.register_script(_lua("flag"))
+        self._mark = self.client.register_script(_lua("mark"))
+        self._migrate = self.client.register_script(_lua("migrate"))
         # Per bucket, built once: the record key's stem and the bucket's other keys (indexes, marker).
         self._stems = [f"{prefix}:{{{b:02x}}}:" for b in range(buckets)]
-        self._tails = [[*(f"{stem}i:{s.value}" for s in _STATES), f"{stem}epoch"] for stem in self._stems]
+        self._tails = [[*(f"{stem}i:{s.value}" for s in _INDEXED), f"{stem}c:sent", f"{stem}epoch"]
+                       for stem in self._stems]
 
     # -- keys --
 
@@ -369,14 +394,29 @@ class RedisLedger(Ledger):
         return zlib.crc32(key.encode()) % self.buckets
 
     def _rec(self, key: str) -> str:
-        return f"{self._stems[self._bucket(key)]}r:{key}"
+        return f"{self._stems[self._bucket(key)]}r:{_pack(key)}"
+
+    def _payload(self, key: str) -> str:
+        """The name of the string holding the record's first payload (beside it, in its bucket)."""
+        return f"{self._stems[self._bucket(key)]}p:{_pack(key)}"
 
     def _keys(self, key: str) -> list[str]:
+        """A record script's KEYS: record, indexes, sent counter, epoch marker, payload."""
         b = zlib.crc32(key.encode()) % self.buckets
-        return [f"{self._stems[b]}r:{key}", *self._tails[b]]
+        packed = _pack(key)
+        return [f"{self._stems[b]}r:{packed}", *self._tails[b], f"{self._stems[b]}p:{packed}"]
 
     def _index(self, bucket: int, state: State) -> str:
-        return self._tails[bucket][_STATES.index(state)]
+        """The name of the bucket's index of ``state`` (``sent`` has none: that name is never written)."""
+        return f"{self._stems[bucket]}i:{state.value}"
+
+    def _counter(self, bucket: int) -> str:
+        """The bucket's count of ``sent`` records: a hash of expiry granule (ms) -> records."""
+        return self._tails[bucket][-2]
+
+    def _granule_ms(self) -> int:
+        """Width of a counter granule (µs): a record counts until the end of its expiry's granule (<= 1% late)."""
+        return max(1, min(60_000_000, int(self.retention_seconds * 10_000)))
 
     def _marker(self, bucket: int) -> str:
         return self._tails[bucket][-1]
@@ -416,8 +456,6 @@ class RedisLedger(Ledger):
         restarted server) through ``Script``, which loads it, and a broken connection (closed by
         the server, a restart) through the client, which retries on a fresh one, as before.
         """
-        if self._spare_pid != os.getpid():  # forked: never write on the parent's sockets
-            self._spare, self._spare_pid = [], os.getpid()
         try:
             conn = self._spare.pop()
         except IndexError:
@@ -444,25 +482,74 @@ class RedisLedger(Ledger):
         with self._check_lock:
             if self._checked:
                 return
-            try:
-                policies = self._config_get("maxmemory-policy")
-            except (redis_lib.ConnectionError, redis_lib.TimeoutError) as exc:
-                raise LedgerUnavailableError(f"Redis ledger unreachable: {exc}") from exc
-            except redis_lib.ResponseError as exc:  # CONFIG disabled (managed Redis)
-                log.warning("idemmail: cannot read Redis maxmemory-policy (%s); make sure it is noeviction", exc)
-                policies = []
-            bad = sorted({p for p in policies if p != "noeviction"})
-            if bad and not self.allow_eviction:
-                raise UnsafeLedgerError(
-                    f"Redis maxmemory-policy is {bad[0]!r}: evicted ledger records would reopen "
-                    "their keys and re-send. Set it to 'noeviction' (or pass allow_eviction=True)."
-                )
+            self._check_policy(warn=True)
+            if not self.passive:  # a worker, not an operator's look or a metrics scrape
+                self._check_persistence()
             self._check_layout()
             self._look(expected=None)
             self._checked = True
 
-    def _check_layout(self) -> None:
-        """Refuse a store that still holds the pre-bucket key layout (one pipeline, at first use)."""
+    def _settings(self, name: str, *, warn: bool) -> list[str] | None:
+        """A setting on every primary, or None when CONFIG is disabled or renamed (managed Redis: an
+        unknown command, or no permission), with a warning if ``warn``. Unreachable: raises."""
+        try:
+            return self._config_get(name)
+        except redis_lib.RedisError as exc:
+            error = _ledger_error(exc)
+            if isinstance(error, LedgerUnavailableError):
+                raise error from exc
+            if warn:
+                log.warning("idemmail: cannot read Redis %s (%s); check it by hand (see the Redis ledger's docs)",
+                            name, exc)
+            return None
+
+    def _check_policy(self, *, warn: bool = False) -> None:
+        """Refuse an evicting ``maxmemory-policy`` (at first use, then on the claim path every
+        ``policy_recheck_seconds``: a policy changed at runtime is refused too, until set back)."""
+        self._policy_due = time.monotonic() + self.policy_recheck_seconds
+        bad = sorted({p for p in self._settings("maxmemory-policy", warn=warn) or [] if p != "noeviction"})
+        if bad and not self.allow_eviction:
+            self._policy_refusal = (
+                f"Redis maxmemory-policy is {bad[0]!r}: evicted ledger records would reopen "
+                "their keys and re-send. Set it to 'noeviction' (or pass allow_eviction=True)."
+            )
+            if self._checked:  # it changed at runtime
+                log.error("idemmail: Redis ledger %s refuses new claims: %s", self.prefix, self._policy_refusal)
+            raise UnsafeLedgerError(self._policy_refusal)
+        self._policy_refusal = ""
+
+    def _watch_policy(self) -> None:
+        """On the claim path: refuse while the policy is known bad; read it again when due (one
+        round trip per ``policy_recheck_seconds`` per process, nothing in between)."""
+        if time.monotonic() >= self._policy_due:
+            try:
+                self._check_policy()
+            except LedgerUnavailableError:
+                return  # the claim meets the outage itself
+        elif self._policy_refusal:
+            raise UnsafeLedgerError(self._policy_refusal)
+
+    def _check_persistence(self) -> None:
+        """Warn (not refuse) when a server keeps no copy on disk: no AOF and no RDB save point.
+
+        A restart then empties the ledger; the epoch markers detect it and stop every claim until
+        an operator acknowledges the loss, but every intent recorded before it is forgotten.
+        """
+        aof = self._settings("appendonly", warn=False)
+        saves = self._settings("save", warn=False)
+        if aof is None or saves is None:
+            log.warning("idemmail: cannot read the Redis persistence settings; make sure AOF is on (appendonly yes)")
+            return
+        if "yes" not in aof and not any(v.strip() for v in saves):
+            log.warning(
+                "idemmail: Redis ledger %s: the server keeps no copy on disk (appendonly no, no save points): a "
+                "restart empties the ledger, and every intent recorded before it is forgotten (the loss is "
+                "detected and claims stop until `idemmail ledger ack-loss`). Turn on AOF: appendonly yes.",
+                self.prefix)
+
+    def _check_layout(self, *, allow_old: bool = False) -> None:
+        """Refuse a store that still holds the pre-bucket key layout (one pipeline, at first use), or
+        (unless ``allow_old``) one whose markers were written by the earlier record layout."""
         old = [f"{self.prefix}:i:{s.value}" for s in _STATES]
         found = [name for name, n in zip(old, self._pipeline([("exists", (name,)) for name in old]), strict=True)
                  if int(n)]
@@ -473,6 +560,16 @@ class RedisLedger(Ledger):
                 "intent recorded there would look new and send again. Drain the old ledger first (stop the old "
                 "workers, let its claims and reviews be resolved and its sent records expire, delete the old keys), "
                 "or give this version a new `prefix`."
+            )
+        epoch, layout = self._raw(self.client.hmget, self._marker(0), "epoch", "layout")
+        if epoch and layout != LAYOUT and not allow_old:
+            raise UnsafeLedgerError(
+                f"Redis ledger prefix {self.prefix!r} was written by an earlier version (record layout "
+                f"{layout or '1'}; this version reads layout {LAYOUT}, compact records without a sent index) and "
+                "would not find its records, so every intent recorded there would look new and send again. "
+                "Stop the old workers, then convert it once: "
+                "`python -c 'from idemmail_celery.ledger import from_url; "
+                f"from_url(URL, prefix={self.prefix!r}).migrate_layout()'` (idempotent; safe to run again)."
             )
 
     def _config_get(self, name: str) -> list[str]:
@@ -495,11 +592,10 @@ class RedisLedger(Ledger):
     def _raw(fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except _CANNOT_WRITE_NOW as exc:
-            # Unreachable, out of memory (maxmemory with noeviction), or a replica after a
-            # failover: Redis refused before the script wrote anything. Fail closed and retry,
-            # like an outage; a raw error would fail the task and ack the message.
-            raise LedgerUnavailableError(f"Redis ledger unavailable: {exc}") from exc
+        except redis_lib.RedisError as exc:
+            # Never a raw redis-py error: a caller catches LedgerUnavailableError to fail closed and
+            # retry (a raw error would fail the task and ack the message), LedgerError for the rest.
+            raise _ledger_error(exc) from exc
 
     def _run_scripts(self, script: Any, calls: Sequence[tuple[list[str], list[Any]]], *,
                      partial: bool = False) -> list[Any]:
@@ -530,24 +626,27 @@ class RedisLedger(Ledger):
         flat = ["1" if replace else "0", *(x for kv in fields.items() for x in kv)]
         self._run_scripts(self._mark, [([self._marker(b)], flat) for b in range(self.buckets)])
 
-    def _record(self, key: str, flat: list[str] | dict[str, str]) -> Record:
+    def _record(self, key: str, flat: list[str] | dict[str, str], payload: str | None) -> Record:
         h = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2], strict=True))
+        state = State(h["s"])
+        updated = _seconds(h.get("u")) or 0.0
         return Record(
             key=key,
-            task_name=h.get("task", ""),
-            state=State(h["state"]),
-            token=int(h["token"]),
-            owner=h.get("owner", ""),
-            lease_expires_at=_num(h.get("lease")),
-            attempts=int(h.get("attempts", 0)),
-            reclaims=int(h.get("reclaims", 0)),
-            payload=h.get("payload"),
-            fingerprint=h.get("fp", ""),
-            result=loads_json(h.get("result")),
-            error=loads_json(h.get("error")),
-            created_at=_num(h.get("created"), 0.0) or 0.0,
-            updated_at=_num(h.get("updated"), 0.0) or 0.0,
-            expires_at=_num(h.get("expires")),
+            task_name=_joined(h, "n") or "",
+            state=state,
+            token=int(h["t"]),
+            owner=_joined(h, "o") or "",
+            lease_expires_at=_seconds(h.get("l")),
+            attempts=int(h.get("a", 0)),
+            reclaims=int(h.get("c", 0)),
+            payload=payload or None,
+            fingerprint=_unpack(h.get("f", "")),
+            result=loads_json(_joined(h, "r")),
+            error=loads_json(_joined(h, "e")),
+            created_at=_seconds(h.get("k")) or 0.0,
+            updated_at=updated,
+            # Not stored (the TTL holds it): the retention this process knows, from the last update.
+            expires_at=updated + self.retention_seconds if state.expires else None,
         )
 
     # -- epoch markers: loss detection --
@@ -556,6 +655,7 @@ class RedisLedger(Ledger):
         return self._pipeline([("hgetall", (self._marker(b),)) for b in range(self.buckets)])
 
     def _has_records(self) -> bool:
+        """Any index or sent counter in any bucket (one pipeline)."""
         checks = [("exists", (idx,)) for b in range(self.buckets) for idx in self._tails[b][:-1]]
         return any(self._pipeline(checks))
 
@@ -670,7 +770,7 @@ class RedisLedger(Ledger):
 
     def _create_markers(self, actor: str, note: str) -> dict[str, Any]:
         """A new ledger's markers. Concurrent creators converge on the epoch bucket 0 got first."""
-        fields = {"epoch": secrets.token_hex(8), "buckets": self.buckets, "created_at": time.time(),
+        fields = {"epoch": secrets.token_hex(8), "buckets": self.buckets, "layout": LAYOUT, "created_at": time.time(),
                   "created_by": actor, "note": note}
         marker0 = self._marker(0)
         self._run_scripts(self._mark, [([marker0], ["0", *(x for kv in fields.items() for x in kv)])])
@@ -693,6 +793,53 @@ class RedisLedger(Ledger):
             f"Redis ledger {self.prefix!r} is lost: {self._lost_reason or 'its epoch marker changed'}. "
             "Nothing is claimed until an operator runs `idemmail ledger ack-loss --note ...`."
         )
+
+    def migrate_layout(self) -> dict[str, int]:
+        """Convert a ledger written by the earlier record layout (1) to this one, in place; idempotent.
+
+        Run it once with every worker stopped (old ones would keep writing the old layout; new ones
+        refuse until it is done): ``RedisLedger(url, prefix=...).migrate_layout()``. Each record is
+        rewritten atomically under its own bucket (so a cluster is fine) keeping its TTL, token and
+        state; a record that changes meanwhile is left for a second run. The markers then say
+        layout 2. Returns how many records were converted per state, and ``left`` (changed meanwhile).
+        """
+        self._check_layout(allow_old=True)
+        granule = self._granule_ms()
+        done = {s.value: 0 for s in State}
+        done["left"] = 0
+        for b in range(self.buckets):
+            stem = self._stems[b]
+            for state in _STATES:
+                index = self._index(b, state)
+                ids = list(self._raw(self.client.zrange, index, 0, -1))
+                for i in range(0, len(ids), 500):
+                    chunk = ids[i:i + 500]
+                    olds = self._pipeline([("hgetall", (f"{stem}r:{k}",)) for k in chunk])
+                    calls = []
+                    for key, h in zip(chunk, olds, strict=True):
+                        if not h:
+                            if state is State.SENT:  # expired: its entry goes
+                                self._raw(self.client.zrem, index, key)
+                            continue
+                        if h.get("state") != state.value:
+                            continue  # met again under its own state's index
+                        fields = _layout1_fields(h)
+                        score = int(float(h.get("updated") or 0) * 1_000_000)
+                        if state.expires and h.get("expires"):
+                            score = int(float(h["expires"]) * 1_000_000)
+                        calls.append(([f"{stem}r:{key}", self._rec(key), index, self._counter(b), self._payload(key)],
+                                      [key, h.get("token", ""), state.value, score, granule, h.get("payload") or "",
+                                       *fields]))
+                    for out in self._run_scripts(self._migrate, calls):
+                        done[state.value if int(out) else "left"] += 1
+            if not self._raw(self.client.zcard, self._index(b, State.SENT)):
+                self._raw(self.client.delete, self._index(b, State.SENT))
+        if not done["left"]:
+            markers = self._markers()
+            self._pipeline([("hset", (self._marker(b), "layout", LAYOUT)) for b, m in enumerate(markers)
+                            if m.get("epoch")])
+        log.warning("idemmail: Redis ledger %s: layout migrated: %s", self.prefix, done)
+        return done
 
     def init_store(self, *, actor: str = "") -> dict[str, Any]:
         """Create the epoch markers of a new (empty) ledger; a no-op on an initialised one.
@@ -720,7 +867,7 @@ class RedisLedger(Ledger):
         if before["state"] != "lost":
             raise IllegalTransitionError(f"the ledger is not lost (state {before['state']}): nothing to acknowledge")
         now = time.time()
-        fields = {"epoch": secrets.token_hex(8), "buckets": self.buckets, "created_at": now,
+        fields = {"epoch": secrets.token_hex(8), "buckets": self.buckets, "layout": LAYOUT, "created_at": now,
                   "created_by": actor or default_owner(), "acked_at": now, "acked_by": actor or default_owner(),
                   "note": note, "previous": before.get("epoch") or "", "loss": before["reason"]}
         self._write_markers(fields, replace=True)
@@ -732,6 +879,8 @@ class RedisLedger(Ledger):
     # -- contract --
 
     def claim(self, request: ClaimRequest) -> Claim:
+        if self._checked:
+            self._watch_policy()
         out = self._eval(self._claim, self._keys(request.key), self._claim_args(request))
         return self._claim_result(request, out)
 
@@ -742,6 +891,8 @@ class RedisLedger(Ledger):
             return []
         if not self._checked:
             self._check_store()
+        else:
+            self._watch_policy()
 
         def run() -> tuple[list[Any], str]:
             epoch = self._epoch or ""
@@ -752,7 +903,7 @@ class RedisLedger(Ledger):
                 # A node failed (a cluster node down mid-batch) after the others ran their claims.
                 try:
                     self._release_held(requests, outs, epoch, "batch_met_failed_node")
-                except (redis_lib.RedisError, LedgerUnavailableError) as exc:  # their leases will run out
+                except LedgerError as exc:  # their leases will run out
                     log.warning("idemmail: Redis ledger %s: could not hand back a failed batch's claims: %s",
                                 self.prefix, exc)
                 raise _ledger_error(failed)
@@ -776,20 +927,25 @@ class RedisLedger(Ledger):
         ``acquired`` and ``reopened`` claims are released: nothing had been sent for them. A
         ``reclaimed`` claim took over an expired lease whose holder may have sent: it stays
         claimed with its lease ended, so that the next claim reclaims it and the reclaim rules
-        decide, as they would have here (released, the next claim would reopen it and send).
+        decide, as they would have here (released, the next claim would reopen it and send). A
+        ``resumed`` claim stays as it is, held by this batch's owner: its chain may carry a verdict
+        for it (sent, not yet recorded), which the chain's next pass records when it resumes it.
         """
-        error = dumps_json({"reason": reason, "at": time.time()})
+        error = {"reason": reason, "at": time.time()}
         release: list[tuple[list[str], list[Any]]] = []
         expire: list[tuple[list[str], list[Any]]] = []
         for r, out in zip(requests, outs, strict=True):
             if isinstance(out, Exception) or out[0] == "lost" or not ClaimStatus(out[0]).holds:
                 continue
+            status = ClaimStatus(out[0])
+            if status is ClaimStatus.RESUMED:
+                continue
             token = self._claim_result(r, out).token
-            if ClaimStatus(out[0]) is ClaimStatus.RECLAIMED:
+            if status is ClaimStatus.RECLAIMED:
                 expire.append((self._keys(r.key), [epoch, token, 0]))
             else:
-                release.append((self._keys(r.key), [epoch, r.key, token, State.RELEASED.value, "", error,
-                                                    self.retention_seconds, "0"]))
+                release.append((self._keys(r.key), [epoch, *self._finish_args(r.key, token, State.RELEASED,
+                                                                               None, error)]))
         if release:
             self._run_scripts(self._finish_script, release)
         if expire:
@@ -797,13 +953,13 @@ class RedisLedger(Ledger):
 
     @staticmethod
     def _claim_args(request: ClaimRequest) -> list[Any]:
-        return [request.key, request.task_name, request.owner, request.payload, request.fingerprint,
-                request.lease_seconds]
+        return [request.key, request.payload, _pack(request.fingerprint), int(request.lease_seconds * 1000),
+                request.resume_owner or "", *_counted(request.task_name), *_counted(request.owner)]
 
     def _claim_result(self, request: ClaimRequest, out: list[Any]) -> Claim:
         status = ClaimStatus(out[0])
         if status is ClaimStatus.ACQUIRED:
-            now, lease = float(out[1]), float(out[2])
+            now, lease = int(out[1]) / 1_000_000, int(out[2]) / 1_000_000
             record = Record(
                 key=request.key, task_name=request.task_name, state=State.CLAIMED, token=1,
                 owner=request.owner, lease_expires_at=lease, attempts=1, reclaims=0,
@@ -811,7 +967,7 @@ class RedisLedger(Ledger):
                 created_at=now, updated_at=now,
             )
             return Claim(status, record)
-        return Claim(status, self._record(request.key, out[1]))
+        return Claim(status, self._record(request.key, out[1], out[2]))
 
     def _finish(
         self,
@@ -822,11 +978,7 @@ class RedisLedger(Ledger):
         result: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
     ) -> None:
-        out = self._eval(
-            self._finish_script, self._keys(key),
-            [key, token, state.value, dumps_json(result) or "", dumps_json(error) or "",
-             self.retention_seconds, "0" if self.keep_payload else "1"],
-        )
+        out = self._eval(self._finish_script, self._keys(key), self._finish_args(key, token, state, result, error))
         if out[0] == "missing":
             raise RecordNotFoundError(f"no ledger record for key {key}")
         if out[0] == "stale":
@@ -834,63 +986,105 @@ class RedisLedger(Ledger):
                 f"token {token} no longer holds {key}: it is {out[1]} with token {out[2]}"
             )
 
+    def _finish_args(self, key: str, token: int, state: State, result: dict[str, Any] | None,
+                     error: dict[str, Any] | None) -> list[Any]:
+        return [key, token, state.value, int(self.retention_seconds * 1000), "0" if self.keep_payload else "1",
+                self._granule_ms(), *_chunked(result), *_chunked(error)]
+
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
-        return bool(self._eval(self._renew, self._keys(key), [token, lease_seconds])[0] == "ok")
+        return bool(self._eval(self._renew, self._keys(key), [token, int(lease_seconds * 1000)])[0] == "ok")
 
     def get(self, key: str) -> Record | None:
-        h = self._call(self.client.hgetall, self._rec(key))
-        return self._record(key, h) if h else None
+        if not self._checked:
+            self._check_store()
+        h, payload = self._pipeline([("hgetall", (self._rec(key),)), ("get", (self._payload(key),))])
+        return self._record(key, h, payload) if h else None
 
     def iter_records(self, state: State | None = None) -> Iterator[Record]:
+        """Indexed states from their indexes; ``sent`` (no index) and all records by SCAN of the buckets."""
         if not self._checked:
             self._check_store()
         for b in range(self.buckets):
-            for s in [state] if state else list(_STATES):
-                ids = self._call(self.client.zrange, self._index(b, s), 0, -1)
-                for i in range(0, len(ids), 500):
-                    chunk = ids[i:i + 500]
-                    for key, h in zip(chunk, self._pipeline([("hgetall", (self._rec(k),)) for k in chunk]),
-                                      strict=True):
-                        if h and h.get("state") == s.value:
-                            yield self._record(key, h)
+            if state in _INDEXED:
+                assert state is not None
+                keys = list(self._call(self.client.zrange, self._index(b, state), 0, -1))
+            else:
+                pattern = _glob_escape(f"{self._stems[b]}r:") + "*"
+                stem = len(self._stems[b]) + 2
+                keys = [_unpack(name[stem:]) for name in self._call(self._scan, pattern)]
+            for i in range(0, len(keys), 500):
+                chunk = keys[i:i + 500]
+                commands = [(c, (name,)) for k in chunk for c, name in (("hgetall", self._rec(k)),
+                                                                       ("get", self._payload(k)))]
+                read = self._pipeline(commands)
+                for key, h, payload in zip(chunk, read[::2], read[1::2], strict=True):
+                    if h and (state is None or h.get("s") == state.value):
+                        yield self._record(key, h, payload)
+
+    def _scan(self, pattern: str) -> list[str]:
+        return list(self.client.scan_iter(match=pattern, count=1000))
 
     def stats(self) -> dict[str, int]:
-        """Records per state, from the indexes (one pipeline); expired ``sent``/``failed`` excluded."""
+        """Records per state, from the indexes and the sent counters (one pipeline); expired
+        ``sent``/``failed`` excluded (a ``sent`` record counts until the end of its expiry's granule,
+        at most 1% of the retention, or a minute, after it expired)."""
         if not self._checked:
             self._check_store()
-        now = time.time()
-        commands: list[tuple[str, tuple[Any, ...]]] = [
-            ("zcount", (self._index(b, s), now if s.expires else "-inf", "+inf"))
-            for b in range(self.buckets) for s in _STATES
-        ]
+        now_us = time.time() * 1_000_000
+        commands: list[tuple[str, tuple[Any, ...]]] = []
+        for b in range(self.buckets):
+            commands += [("zcount", (self._index(b, s), now_us if s.expires else "-inf", "+inf")) for s in _INDEXED]
+            commands.append(("hgetall", (self._counter(b),)))
         counts = {s.value: 0 for s in State}
         for (_, (name, *_)), n in zip(commands, self._pipeline(commands), strict=True):
-            counts[name.rsplit(":", 1)[1]] += int(n)
+            if isinstance(n, dict):
+                counts[State.SENT.value] += sum(int(v) for k, v in n.items() if int(k) > now_us)
+            else:
+                counts[name.rsplit(":", 1)[1]] += int(n)
         return counts
 
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
-        args = [key, expected_token, new.state.value, new.token, new.owner, dumps_json(new.result) or "",
-                dumps_json(new.error) or "", new.updated_at, "" if new.expires_at is None else new.expires_at,
-                "1" if new.payload is None or (new.state is State.SENT and not self.keep_payload) else "0"]
+        ttl = "" if new.expires_at is None else int((new.expires_at - new.updated_at) * 1000)
+        drop = new.payload is None or (new.state is State.SENT and not self.keep_payload)
+        args = [key, expected_token, new.state.value, new.token, repr(float(new.updated_at)), ttl,
+                "1" if drop else "0", self._granule_ms(), *_counted(new.owner), *_chunked(new.result),
+                *_chunked(new.error)]
         return bool(self._call(self._force_script, keys=self._keys(key), args=args))
 
-    def forget(self, key: str) -> bool:
-        return bool(self._call(self._forget, keys=[self._rec(key)]))
+    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+               error: dict[str, Any] | None) -> bool:
+        args = [expected_token, *_chunked(result), *_chunked(error)]
+        return bool(self._call(self._erase_script, keys=[self._rec(key), self._payload(key)], args=args))
+
+    def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool:
+        """SET NX PX on a mark in the key's bucket, named by a digest of key and hop (no raw text)."""
+        digest = hashlib.blake2b(f"{key}\0{hop}".encode(), digest_size=16).hexdigest()
+        mark = f"{self._stems[self._bucket(key)]}h:{digest}"
+        return bool(self._call(self.client.set, mark, "1", nx=True, px=max(1, int(ttl_seconds * 1000))))
 
     def purge_expired(self, now: float | None = None) -> int:
+        """Expired ``failed`` records' index entries, and the sent counters' spent granules.
+
+        ``sent`` and ``failed`` records go by themselves (TTL); this keeps the ``failed`` index
+        and the counters from growing. Returns how many expired records it accounted for: the
+        ``failed`` entries removed, and the ``sent`` records the spent granules counted.
+        """
         if not self._checked:
             self._check_store()
-        if now is None:
-            now = time.time()
+        now_us = (time.time() if now is None else now) * 1_000_000
         gone = 0
         for b in range(self.buckets):
-            for s in (State.SENT, State.FAILED):
-                index = self._index(b, s)
-                ids = self._call(self.client.zrangebyscore, index, "-inf", now)
-                for i in range(0, len(ids), 500):
-                    chunk = ids[i:i + 500]
-                    gone += sum(self._run_scripts(self._purge, [([self._rec(k), index], [k, s.value, now])
-                                                                for k in chunk]))
+            index = self._index(b, State.FAILED)
+            ids = self._call(self.client.zrangebyscore, index, "-inf", now_us)
+            for i in range(0, len(ids), 500):
+                chunk = ids[i:i + 500]
+                gone += sum(self._run_scripts(self._purge, [([self._rec(k), index, self._payload(k)],
+                                                             [k, State.FAILED.value]) for k in chunk]))
+            counter = self._counter(b)
+            spent = {k: int(v) for k, v in self._call(self.client.hgetall, counter).items() if int(k) <= now_us}
+            if spent:
+                self._call(self.client.hdel, counter, *spent)
+                gone += sum(spent.values())
         return gone
 
     def ping(self) -> None:
@@ -903,19 +1097,54 @@ class RedisLedger(Ledger):
 
     def close(self) -> None:
         spare, self._spare = self._spare, []
-        if self._spare_pid == os.getpid():
-            for conn in spare:
-                conn.disconnect()
-        self.client.close()
+        for conn in spare:
+            conn.disconnect()
+        if self._own_client:
+            self.client.close()
+
+    def _after_fork(self) -> None:
+        """In a forked child: the spare connections are the parent's sockets (dropped, not closed), and
+        a lock one of its threads held (a metrics scrape checking the store) would never be released.
+        redis-py's own pool notices the fork by itself."""
+        self._spare, self._check_lock = [], threading.Lock()
 
 
-def _ledger_error(exc: Exception) -> Exception:
-    """A connection or timeout error as :class:`LedgerUnavailableError` (tasks fail closed); others as they are."""
-    if isinstance(exc, (redis_lib.ConnectionError, redis_lib.TimeoutError)):
-        unavailable = LedgerUnavailableError(f"Redis ledger unreachable: {exc}")
-        unavailable.__cause__ = exc
-        return unavailable
-    return exc
+_live: weakref.WeakSet[RedisLedger] = weakref.WeakSet()
+
+
+@after_fork
+def _reset_after_fork() -> None:
+    for ledger in list(_live):
+        ledger._after_fork()
+
+
+def _ledger_error(exc: Exception) -> LedgerError:
+    """A redis-py error as a ledger error: :class:`LedgerUnavailableError` (tasks fail closed and
+    retry) when the store cannot be reached or refused for a passing reason (:data:`_UNAVAILABLE_REPLIES`),
+    :class:`LedgerError` for anything else (a bug, a wrong type under a ledger key, no permission).
+    The message names the reply's code."""
+    if isinstance(exc, LedgerError):
+        return exc
+    code = getattr(exc, "status_code", None) or ""
+    if not code and isinstance(exc, redis_lib.ResponseError):
+        # A pipeline's error says "Command # 1 (HGETALL ...) of pipeline caused error: <reply>".
+        found = _REPLY_CODE.search(str(exc).rsplit("caused error: ", 1)[-1])
+        code = (found[1] or found[2]) if found else ""
+    said = f"{code} {exc}" if code and not str(exc).startswith(code) else str(exc)
+    error: LedgerError
+    if isinstance(exc, (redis_lib.ConnectionError, redis_lib.TimeoutError)) and not code:
+        error = LedgerUnavailableError(f"Redis ledger unreachable: {said}")
+    elif isinstance(exc, _UNAVAILABLE_TYPES) or code in _UNAVAILABLE_REPLIES:
+        error = LedgerUnavailableError(f"Redis ledger unavailable: {said}")
+    else:
+        error = LedgerError(f"Redis ledger error: {type(exc).__name__}: {said}")
+    error.__cause__ = exc
+    return error
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally in a SCAN pattern."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 def _ranges(numbers: list[int]) -> str:

@@ -17,7 +17,7 @@ and timestamps.
 
 Keys are Fernet keys (AES-128-CBC with HMAC-SHA256, ``cryptography``). The first key
 seals; every key opens, so rotation is: add the new key second, deploy, move it first,
-deploy; drop the old key only when nothing sealed with it remains (see the README). A first
+deploy; drop the old key only when nothing sealed with it remains (see docs/payloads.md). A first
 entry ``"plain"`` seals nothing and still opens: the step for turning encryption on or off.
 A record sealed with a key no longer configured raises :class:`PayloadKeyError`; a
 claim that finds one parks it for review instead of running garbage. So does a process
@@ -35,17 +35,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..errors import ConfigurationError, LedgerError, PayloadKeyError
+from ..errors import LedgerError, PayloadKeyError
 from ..keys import canonical_json
+from ..sealing import INSTALL_HINT, PLAIN, Keyring  # noqa: F401  # re-exported: part of this module's API
 from .base import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State, loads_json
+from .wrapper import LedgerWrapper
 
 log = logging.getLogger("idemmail_celery")
 
 SEALED_PREFIX = "fernet:"
 SEALED_FIELD = "$fernet"
-INSTALL_HINT = "pip install 'idemmail-celery[crypto]'"
-#: As the first of the payload keys: write plaintext, open with the keys that follow.
-PLAIN = "plain"
 #: The review reason of a claim parked because its record could not be opened.
 PAYLOAD_KEY_UNKNOWN = "payload_key_unknown"
 
@@ -77,53 +76,9 @@ def park_unreadable(ledger: Ledger, claim: Claim) -> Claim:
     return Claim(ClaimStatus.DONE, parked)
 
 
-class PayloadCodec:
-    """Seals and opens ledger fields with a list of Fernet keys: the first seals, all open.
-
-    A first entry ``"plain"`` seals nothing and opens with the keys after it: the step
-    that lets every process read sealed records before any writes one (turning
-    encryption on), or writes plaintext again while old records still open (turning it off).
-    """
-
-    def __init__(self, keys: Sequence[str | bytes]) -> None:
-        try:
-            from cryptography.fernet import Fernet, InvalidToken, MultiFernet
-        except ImportError as exc:
-            raise ConfigurationError(
-                f"idemmail_payload_keys is set but the cryptography package is missing: {INSTALL_HINT}"
-            ) from exc
-        first = keys[0] if keys else ""
-        self.sealing = (first.decode("ascii", "replace") if isinstance(first, bytes) else first) != PLAIN
-        keys = list(keys if self.sealing else keys[1:])
-        if not keys:
-            raise ConfigurationError("idemmail_payload_keys names no key: give at least one Fernet key")
-        fernets = []
-        for n, key in enumerate(keys, start=1):
-            try:
-                fernets.append(Fernet(key))
-            except (ValueError, TypeError):
-                # Never echo the key itself: it would end up in logs.
-                raise ConfigurationError(
-                    f"idemmail_payload_keys: key {n} of {len(keys)} is not a Fernet key "
-                    "(32 url-safe base64-encoded bytes; make one with "
-                    "`python -c 'from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())'`)"
-                ) from None
-        self._fernet = MultiFernet(fernets)
-        self._invalid = InvalidToken
-
-    def seal(self, text: str) -> str:
-        """The Fernet token of ``text`` under the first key."""
-        return self._fernet.encrypt(text.encode("utf-8")).decode("ascii")
-
-    def open(self, token: str) -> str:
-        """The text sealed in ``token``; :class:`PayloadKeyError` if no configured key opens it."""
-        try:
-            return self._fernet.decrypt(token.encode("ascii")).decode("utf-8")
-        except (self._invalid, UnicodeError):
-            raise PayloadKeyError(
-                "a ledger record was sealed with a key that is not in idemmail_payload_keys "
-                "(removed too early?); put the old key back after the current one"
-            ) from None
+class PayloadCodec(Keyring):
+    """Seals and opens ledger fields (first payloads, results, errors) with a
+    :class:`~idemmail_celery.sealing.Keyring`."""
 
     def seal_payload(self, payload: str) -> str:
         return SEALED_PREFIX + self.seal(payload) if self.sealing else payload
@@ -163,7 +118,7 @@ class PayloadCodec:
         return replace(record, **fields), ok
 
 
-class SealedLedger(Ledger):
+class SealedLedger(LedgerWrapper):
     """A ledger whose payloads, results and errors are sealed before they reach ``inner``.
 
     Everything else (renew, forget, purge, stats, ping, and any attribute of the
@@ -171,19 +126,9 @@ class SealedLedger(Ledger):
     ``from_url(url, payload_keys=[...])``.
     """
 
-    # No Ledger.__init__: retention_seconds, keep_payload and the rest are the backend's,
-    # read through __getattr__, so the two can never disagree.
     def __init__(self, inner: Ledger, codec: PayloadCodec) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.codec = codec
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("inner", "codec"):  # not set yet (unpickling, a failed __init__)
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __repr__(self) -> str:
-        return f"SealedLedger({self.inner!r})"
 
     # -- in: seal --
 
@@ -254,25 +199,15 @@ class SealedLedger(Ledger):
                 log.warning("idemmail: record %s is sealed with a key not in idemmail_payload_keys", record.key)
                 yield record
 
-    # -- the backend's own --
+    def _readable(self, key: str) -> Record | None:
+        """Erasing needs no key: what this process cannot open is erased whole (a result without
+        its message id, an error without its reason) rather than kept."""
+        record = self.inner.get(key)
+        return None if record is None else self.codec.open_readable(record)[0]
 
-    def renew(self, key: str, token: int, lease_seconds: float) -> bool:
-        return self.inner.renew(key, token, lease_seconds)
+    # -- the backend's own, but what it stores is sealed --
 
-    def forget(self, key: str) -> bool:
-        return self.inner.forget(key)
-
-    def stats(self) -> dict[str, int]:
-        return self.inner.stats()
-
-    def purge_expired(self, now: float | None = None) -> int:
-        return self.inner.purge_expired(now)
-
-    def ping(self) -> None:
-        self.inner.ping()
-
-    def prepare(self) -> None:
-        self.inner.prepare()
-
-    def close(self) -> None:
-        self.inner.close()
+    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+               error: dict[str, Any] | None) -> bool:
+        c = self.codec
+        return self.inner._erase(key, expected_token, c.seal_dict(result), c.seal_dict(error))

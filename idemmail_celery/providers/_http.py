@@ -13,16 +13,18 @@
 from __future__ import annotations
 
 import email.utils
-import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from urllib.parse import SplitResult, urlsplit
 
 import httpx
 
+from .._common import after_fork
 from ..errors import AmbiguousSendError, ConfigurationError, SendError, TransientSendError
+from ..redaction import scrub as redact
 from .base import Provider
 
 #: Response headers that may carry the provider's request id, in order of preference.
@@ -46,34 +48,40 @@ class HTTPClientProvider(Provider):
         self.timeout = timeout
         self._user_agent = user_agent()
         self._client: httpx.Client | None = None
-        self._client_pid: int | None = None
         self._client_lock = threading.Lock()
+        _live.add(self)
+
+    def _drop_after_fork(self) -> None:
+        # A client inherited through fork() shares its sockets (and TLS state) with the parent: abandon
+        # it without closing, which would disturb the parent's connections. The parent's lock may have
+        # been held by one of its threads at that moment: nobody here would ever release it.
+        self._client, self._client_lock = None, threading.Lock()
 
     def _http(self) -> httpx.Client:
-        pid = os.getpid()
-        if self._client_pid is not None and self._client_pid != pid:
-            # First use after fork(): a parent thread may have held the inherited lock at that moment,
-            # and nobody in this process would ever release it. At worst two child threads each build
-            # a client and one is dropped.
-            self._client_lock = threading.Lock()
         with self._client_lock:
-            if self._client is None or self._client_pid != pid:
-                # A client inherited through fork() shares its sockets (and TLS state) with the parent:
-                # abandon it without closing, which would disturb the parent's connections.
+            if self._client is None:
                 self._client = httpx.Client(timeout=self.timeout, follow_redirects=False)
-                self._client_pid = pid
             return self._client
 
     def close(self) -> None:
         """Close the connection pool; the next request opens a new one."""
         with self._client_lock:
             client, self._client = self._client, None
-            if client is not None and self._client_pid == os.getpid():
-                client.close()
+        if client is not None:
+            client.close()
 
     def _request_id(self, response: httpx.Response) -> str | None:
         """The provider's id for the request, from the first of :data:`REQUEST_ID_HEADERS` it answered with."""
         return next((response.headers[h] for h in REQUEST_ID_HEADERS if h in response.headers), None)
+
+
+_live: weakref.WeakSet[HTTPClientProvider] = weakref.WeakSet()
+
+
+@after_fork
+def _drop_clients() -> None:
+    for provider in list(_live):
+        provider._drop_after_fork()
 
 
 def transport_error(
@@ -99,14 +107,16 @@ def transport_error(
 
 
 def scrub(text: str, secrets: Iterable[str], mark: str) -> str:
-    """``text`` with every non-empty one of ``secrets`` replaced by ``mark``.
+    """``text`` with every non-empty one of ``secrets`` replaced by ``mark``, and no address left in it.
 
-    A provider (or a proxy in front of it) may echo a credential in an error.
+    A provider (or a proxy in front of it) may echo a credential in an error, and quote the
+    recipient (a 422: "invalid 'to' address ann@..."); the subject and display names, which
+    only the message knows, are scrubbed by :func:`~idemmail_celery.redaction.scrubbed`.
     """
     for secret in secrets:
         if secret:
             text = text.replace(secret, mark)
-    return text
+    return redact(text)
 
 
 def user_agent() -> str:

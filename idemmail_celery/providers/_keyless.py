@@ -18,21 +18,18 @@ from urllib.parse import SplitResult, parse_qs, urlsplit, urlunsplit
 
 import httpx
 
+from .._common import KEY_TAG
 from ..email import EmailMessage
 from ..errors import AmbiguousSendError, ConfigurationError, PermanentSendError, TransientSendError
+from ..redaction import scrubbed
 from ._http import MAX_ERROR_TEXT, HTTPClientProvider, netloc, retry_after, scrub, split_url, transport_error
-from .base import SendResult, is_loopback, log_once_lock
+from .base import SendResult, first_time, is_loopback
 
 __all__ = ["KEY_HEADER", "KEY_TAG", "KeylessHTTPProvider", "tagged_headers"]
 
-# Logged under postmark's name, where these messages have always come from, so that logging
-# configured for it keeps applying.
-logger = logging.getLogger("idemmail_celery.providers.postmark")
 
 #: The email header that carries the intent key.
 KEY_HEADER = "X-Idemmail-Key"
-#: The name of the intent key in the provider's metadata (Metadata, custom_args, EmailTags).
-KEY_TAG = "idemmail_key"
 
 
 class KeylessHTTPProvider(HTTPClientProvider):
@@ -80,6 +77,11 @@ class KeylessHTTPProvider(HTTPClientProvider):
                            5.0, "connect_timeout")
         super().__init__(httpx.Timeout(read, connect=connect, pool=connect))
 
+    @property
+    def log(self) -> logging.Logger:
+        """The logger of the concrete provider's module (``idemmail_celery.providers.sendgrid``, ...)."""
+        return logging.getLogger(type(self).__module__)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(base_url={self.base_url!r}, api_key=<hidden>)"
 
@@ -113,6 +115,7 @@ class KeylessHTTPProvider(HTTPClientProvider):
 
     # -- sending --
 
+    @scrubbed
     def send(self, message: EmailMessage, *, key: str) -> SendResult:
         """Send ``message`` once, tagged with ``key`` (header and provider metadata).
 
@@ -120,7 +123,8 @@ class KeylessHTTPProvider(HTTPClientProvider):
         accepted: connect failed, credentials refused, rate limited),
         ``PermanentSendError`` (the message was refused for good) or
         ``AmbiguousSendError`` (it may have been accepted: never resend it blindly,
-        ask :meth:`find_sent` or wait for the webhook).
+        ask :meth:`find_sent` or wait for the webhook). Error texts hold no address, display
+        name or subject of the message: :func:`~idemmail_celery.redaction.scrubbed`.
         """
         if not key:
             raise PermanentSendError(f"the {self.name} provider needs the intent key to tag the message", "missing_key")
@@ -190,7 +194,7 @@ class KeylessHTTPProvider(HTTPClientProvider):
 
     def _accepted_without_id(self, response: httpx.Response, key: str) -> SendResult:
         # Accepted all the same: raising would make the caller treat something that went out as failed.
-        logger.warning("%s accepted the message for %s but its answer has no message id (HTTP %s)",
+        self.log.warning("%s accepted the message for %s but its answer has no message id (HTTP %s)",
                        self.name, key, response.status_code)
         return SendResult(message_id="", provider=self.name, request_id=self._request_id(response),
                           extra={"response": self._scrub(response.text[:MAX_ERROR_TEXT])})
@@ -217,16 +221,9 @@ class KeylessHTTPProvider(HTTPClientProvider):
         return scrub(text, self._secrets(self.__secret), "<credential>")
 
     def _log_auth_once(self, status: int) -> None:
-        # The memory is postmark's ``_auth_logged``, where it has always been, so that resetting it
-        # there (to start as a new process would) keeps working. Imported here, not at the top,
-        # because postmark imports this module.
-        from . import postmark
-
-        with log_once_lock():
-            if postmark._auth_logged.get(self.name) == os.getpid():
-                return
-            postmark._auth_logged[self.name] = os.getpid()
-        logger.error(
+        if not first_time(f"auth:{self.name}"):
+            return
+        self.log.error(
             "%s rejected the credentials (HTTP %s from %s); nothing was sent. Check idemmail_provider_api_key "
             "or %s. Sends are retried until it is fixed.",
             self.name, status, self.base_url, " / ".join(self.api_key_env_vars),

@@ -28,12 +28,12 @@ credentials).
 from __future__ import annotations
 
 import ipaddress
-import os
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._common import after_fork
 from ..email import EmailMessage
 
 
@@ -90,21 +90,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-_log_once_lock = threading.Lock()
+_logged: set[str] = set()
+_logged_lock = threading.Lock()
 
 
-def log_once_lock() -> threading.Lock:
-    """The lock to hold while checking and marking "already logged in this process".
+def first_time(what: str) -> bool:
+    """True the first time ``what`` is asked about in this process (a forked child starts afresh).
 
-    Asked for at each use rather than imported once: a forked child gets a new one.
+    For errors worth one line per process, such as rejected credentials: every send would
+    otherwise repeat them.
     """
-    return _log_once_lock
+    with _logged_lock:
+        if what in _logged:
+            return False
+        _logged.add(what)
+        return True
 
 
-def _after_fork_in_child() -> None:
-    global _log_once_lock
-    _log_once_lock = threading.Lock()  # a parent thread may have held it at fork()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX only
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+@after_fork
+def _forget_logged() -> None:
+    global _logged_lock
+    _logged.clear()
+    _logged_lock = threading.Lock()  # a parent thread may have held it at fork()

@@ -28,6 +28,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from ..email import EmailMessage, message_id_for
 from ..errors import ConfigurationError, TransientSendError
+from ..redaction import scrubbed
 from .base import Provider, SendResult
 from .smtp import message_id_domain
 
@@ -68,6 +69,7 @@ class ConsoleProvider(Provider):
     def __repr__(self) -> str:
         return f"ConsoleProvider(domain={self.domain!r})"
 
+    @scrubbed
     def send(self, message: EmailMessage, *, key: str) -> SendResult:
         """Write the message; returns ``SendResult(message_id="<key@domain>", provider="console")``."""
         message_id = message_id_for(key, message_id_domain(message, self.domain))
@@ -140,6 +142,7 @@ class FileProvider(Provider):
             name = "sha256-" + hashlib.sha256(key.encode("utf-8")).hexdigest()
         return self.directory / f"{name}.eml"
 
+    @scrubbed
     def send(self, message: EmailMessage, *, key: str) -> SendResult:
         """Write ``<key>.eml`` unless it exists; see the class docstring."""
         target = self.path_for(key)

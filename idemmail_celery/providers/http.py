@@ -38,8 +38,9 @@ from ..errors import (
     SendNeedsReview,
     TransientSendError,
 )
+from ..redaction import scrubbed
 from ._http import MAX_ERROR_TEXT, HTTPClientProvider, netloc, retry_after, scrub, split_url, transport_error
-from .base import SendResult, is_loopback, log_once_lock
+from .base import SendResult, first_time, is_loopback
 
 __all__ = ["RESEND_API_URL", "HTTPProvider", "build_request_body"]
 
@@ -51,7 +52,6 @@ API_KEY_ENV_VARS = ("IDEMMAIL_PROVIDER_API_KEY", "RESEND_API_KEY")
 IN_FLIGHT_RETRY_AFTER = 1.0
 
 # "Once per process", also in forked workers: remember which pid logged.
-_auth_logged_pid: int | None = None
 
 
 def build_request_body(message: EmailMessage) -> bytes:
@@ -120,6 +120,7 @@ class HTTPProvider(HTTPClientProvider):
 
     # -- sending --
 
+    @scrubbed
     def send(self, message: EmailMessage, *, key: str) -> SendResult:
         """POST ``message`` once under ``key``; a retry with the same key sends the same bytes.
 
@@ -128,6 +129,8 @@ class HTTPProvider(HTTPClientProvider):
         ``PermanentSendError`` (rejected), ``AmbiguousSendError`` (5xx, timeout or
         connection lost after the request was written: retry with the same key)
         or ``SendNeedsReview`` (the provider holds another payload under the key).
+        Error texts hold no address, display name or subject of the message (a 422 often
+        quotes them): :func:`~idemmail_celery.redaction.scrubbed`.
         """
         if not key:
             raise PermanentSendError("the HTTP provider needs the intent key to send", "missing_key")
@@ -210,11 +213,8 @@ class HTTPProvider(HTTPClientProvider):
         return scrub(text, (self.__api_key,), "<api key>")
 
     def _log_auth_once(self, status: int) -> None:
-        global _auth_logged_pid
-        with log_once_lock():
-            if _auth_logged_pid == os.getpid():
-                return
-            _auth_logged_pid = os.getpid()
+        if not first_time("auth:http"):
+            return
         logger.error(
             "provider rejected the API key (HTTP %s from %s); nothing was sent. "
             "Check idemmail_provider_api_key or %s; sends are retried within their budget meanwhile.",

@@ -70,7 +70,6 @@ POSTMARK_API_URL = "https://api.postmarkapp.com"
 
 # Which keyless provider (by name) has logged refused credentials, and in which process: once per
 # process and provider, also in forked workers. Kept and used by KeylessHTTPProvider._log_auth_once.
-_auth_logged: dict[str, int] = {}
 
 
 class PostmarkProvider(KeylessHTTPProvider):

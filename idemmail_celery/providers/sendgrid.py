@@ -30,13 +30,12 @@ not 422, for a message it refuses: ``PermanentSendError``, reason ``rejected``).
 
 from __future__ import annotations
 
-import email.utils
 from collections.abc import Mapping
 from typing import Any
 
 import httpx
 
-from ..email import EmailMessage
+from ..email import EmailMessage, split_address
 from ._keyless import KEY_TAG, KeylessHTTPProvider, tagged_headers
 from .base import SendResult
 
@@ -51,7 +50,7 @@ def activity_query(key: str) -> str:
 
 
 def _address(text: str) -> dict[str, str]:
-    name, addr = email.utils.parseaddr(text)
+    name, addr = split_address(text)
     return {"email": addr, "name": name} if name else {"email": addr}
 
 

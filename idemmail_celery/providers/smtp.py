@@ -72,9 +72,10 @@ import ssl
 from typing import Any, NoReturn
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from ..email import EmailMessage, message_id_for
+from ..email import EmailMessage, message_id_for, split_address
 from ..errors import AmbiguousSendError, ConfigurationError, PermanentSendError, TransientSendError
-from .base import Provider, SendResult, is_loopback, log_once_lock
+from ..redaction import scrub, scrubbed
+from .base import Provider, SendResult, first_time, is_loopback
 
 __all__ = ["PASSWORD_ENV", "SMTPProvider", "message_id_domain"]
 
@@ -88,12 +89,11 @@ _URL_OPTIONS = frozenset({"starttls", "timeout", "domain", "local_hostname"})
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
-_auth_error_logged = False
 
 
 def message_id_domain(message: EmailMessage, domain: str | None = None) -> str:
     """The domain for the Message-ID: ``domain`` if given, else the sender's (IDNA-encoded)."""
-    name = domain or email.utils.parseaddr(message.sender)[1].rpartition("@")[2]
+    name = domain or split_address(message.sender)[1].rpartition("@")[2]
     try:
         return name.encode("idna").decode("ascii").lower()
     except UnicodeError:
@@ -183,6 +183,7 @@ class SMTPProvider(Provider):
 
     # -- sending --
 
+    @scrubbed
     def send(self, message: EmailMessage, *, key: str) -> SendResult:
         """Send ``message`` in one SMTP transaction; Message-ID ``<key@domain>``, Date now.
 
@@ -197,7 +198,7 @@ class SMTPProvider(Provider):
         ledger. Raises as in the module's table.
         """
         message_id = message_id_for(key, message_id_domain(message, self.domain))
-        sender = email.utils.parseaddr(message.sender)[1]
+        sender = split_address(message.sender)[1]
         recipients = list(dict.fromkeys(message.recipients()))
         international = not all(a.isascii() for a in (sender, *recipients))
         mime = message.to_mime(message_id=message_id, date=email.utils.formatdate(usegmt=True))
@@ -396,11 +397,8 @@ def _refuse_before_data(command: str, code: int, reply: bytes, key: str) -> NoRe
 
 
 def _log_auth_failure_once(message: str) -> None:
-    global _auth_error_logged
-    with log_once_lock():
-        if _auth_error_logged:
-            return
-        _auth_error_logged = True
+    if not first_time("auth:smtp"):
+        return
     log.error("idemmail smtp: %s; sends are retried (then parked as failed) until the credentials are fixed", message)
 
 
@@ -410,14 +408,10 @@ def _dot_stuff(raw: bytes) -> bytes:
     return stuffed if stuffed.endswith(b"\r\n") else stuffed + b"\r\n"
 
 
-#: Anything shaped like an address in a server's reply ("550 5.1.1 <bob@example.com>: unknown").
-_ADDRESS = re.compile(r"<?[^\s<>()\[\],;:\"']+@[^\s<>()\[\],;:\"']+>?")
-
-
 def _text(reply: bytes | str) -> str:
     """A server reply on one line, addresses replaced by ``<address>`` (it reaches logs, Flower, the ledger)."""
     text = reply.decode("utf-8", "replace") if isinstance(reply, bytes) else reply
-    return _ADDRESS.sub("<address>", text.replace("\r", " ").replace("\n", " "))
+    return scrub(text.replace("\r", " ").replace("\n", " "))
 
 
 def _reply(code: int, reply: bytes | str) -> str:

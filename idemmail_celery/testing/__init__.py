@@ -5,8 +5,8 @@ Resend-compatible API, with idempotency keys, delivery counts and fault
 injection, so a test can prove "one delivery per intent" over real sockets; :class:`FakeAPI`
 records every POST for any other side effect (a CRM, Slack). ``python -m
 idemmail_celery.testing`` runs the fake provider as a server of its own (a mail catcher).
-pytest users load the fixtures with
-``pytest_plugins = ["idemmail_celery.testing.fixtures"]``.
+pytest loads the fixtures (:mod:`.fixtures`) by itself wherever the package is installed
+(a ``pytest11`` entry point).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ It behaves like a provider that de-duplicates on ``Idempotency-Key``:
 
 Another process reads the counters with ``GET /_fake/stats``, the accepted messages
 (recipients, subject, key, message id, time) with ``GET /_fake/deliveries``, and queues faults
-with ``POST /_fake/faults`` (``{"kind": "slow", "times": 1}``); ``POST /_fake/reset``
+with ``POST /_fake/faults`` (``{"kind": "slow", "times": 1}``; ``{"latency": 0.05}`` sets the
+time every send is held); ``POST /_fake/reset``
 forgets everything. These endpoints need no API key.
 """
 
@@ -101,7 +102,9 @@ class FakeProvider(FakeHTTPServer):
 
     ``api_key`` is the bearer token it expects (None accepts any non-empty one);
     ``dedupe_window`` is how long a key is remembered (seconds); ``slow_seconds``
-    is how long a ``"slow"`` fault holds a request; ``port`` 0 picks a free one,
+    is how long a ``"slow"`` fault holds a request; ``latency`` is how long every send
+    is held before it is answered, as a real provider's processing time (seconds, default
+    0; with ``"slow"`` the two add up); ``port`` 0 picks a free one,
     kept across :meth:`stop`/:meth:`start` so :attr:`url` stays valid; ``host`` is the
     address to listen on (``0.0.0.0`` to serve other containers). At most
     ``max_records`` deliveries and attempts are kept as records; the counters stay exact.
@@ -121,11 +124,15 @@ class FakeProvider(FakeHTTPServer):
         port: int = 0,
         max_records: int = 10_000,
         host: str = "127.0.0.1",
+        latency: float = 0.0,
     ) -> None:
+        if latency < 0:
+            raise ValueError("latency must not be negative")
         self.api_key = api_key
         self.dedupe = dedupe
         self.dedupe_window = dedupe_window
         self.slow_seconds = slow_seconds
+        self.latency = latency
         super().__init__(port=port, host=host)
         self._deliveries: deque[Delivery] = deque(maxlen=max_records)
         self._attempts: deque[Attempt] = deque(maxlen=max_records)
@@ -284,7 +291,8 @@ class FakeProvider(FakeHTTPServer):
         if conflict is not None:
             return finish(conflict[0], conflict[1], fault)
 
-        if fault == "slow" and self._stopping.wait(self.slow_seconds):
+        hold = self.latency + (self.slow_seconds if fault == "slow" else 0.0)
+        if hold > 0 and self._stopping.wait(hold):
             # Stopped mid-request: a provider that went down before accepting.
             with self._lock:
                 if key is not None:
@@ -319,12 +327,18 @@ class FakeProvider(FakeHTTPServer):
             data = json.loads(body or b"{}")
             if "slow_seconds" in data:
                 self.slow_seconds = float(data["slow_seconds"])
+            if "latency" in data:
+                latency = float(data["latency"])
+                if latency < 0:
+                    raise ValueError("latency must not be negative")
+                self.latency = latency
             if "kind" in data:
                 self.fail_next(str(data["kind"]), int(data.get("times", 1)))
         except (ValueError, TypeError, AttributeError) as exc:
             return _error(400, "bad_fault", str(exc))
         with self._lock:
-            return Reply(200, {"pending_faults": list(self._faults), "slow_seconds": self.slow_seconds})
+            return Reply(200, {"pending_faults": list(self._faults), "slow_seconds": self.slow_seconds,
+                               "latency": self.latency})
 
 
 def _validate(body: bytes) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-import idemmail_celery  # noqa: F401  # registers send_email on this app
+from idemmail_celery import send_campaign, send_email  # noqa: F401  # registers both on this app
 from idemmail_celery.beat import SLOT_HEADER, aligned, send_digest, slot_of
 from idemmail_celery.outbox import RELAY_TASK, register_relay
 from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY

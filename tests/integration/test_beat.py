@@ -30,7 +30,7 @@ from celery import Celery
 from celery.beat import ScheduleEntry, Scheduler
 from celery.schedules import crontab
 
-import idemmail_celery  # noqa: F401  # registers send_email on every app
+from idemmail_celery import send_email  # noqa: F401  # registers send_email on every app
 from idemmail_celery.beat import (
     SLOT_HEADER,
     SlotMissingError,

@@ -48,7 +48,7 @@ def test_campaign_sends_each_recipient_once_and_matches_single_sends(
     out = results([app.tasks[CAMPAIGN_TASK].delay(
         campaign_id="nov-news", recipients=recipients + recipients[:5], subject="Nov", text="news", batch_size=20,
     )])[0]
-    assert out["total"] == 50 and out["sent"] == 49 and out["skipped"] == 1  # user7 already had it
+    assert out["total"] == 50 and out["sent"] == 49 and out["duplicate"] == 1  # user7 already had it
     assert fake.delivery_count() == 50
     assert sorted(d.recipients[0] for d in fake.deliveries()) == sorted(recipients)
 
@@ -94,7 +94,7 @@ def test_campaign_reports_each_recipient_outcome_without_addresses(
                                                event_id="dec-news")])[0]["status"] == "sent"
     out = results([app.tasks[CAMPAIGN_TASK].delay(campaign_id="dec-news", recipients=recipients, subject="Dec",
                                                   text="news", batch_size=5)])[0]
-    assert (out["sent"], out["skipped"]) == (11, 1)
+    assert (out["sent"], out["duplicate"]) == (11, 1)
     metrics = scrape(port)
 
     def outcome(status: str) -> float:

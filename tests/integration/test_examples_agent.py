@@ -35,7 +35,8 @@ def test_agent_retrying_and_repeating_tool_calls_causes_one_side_effect_each() -
         assert "emails delivered: 1 ['Ticket T-981 is resolved']" in out, out  # the first wording shipped
         tries = re.findall(r"^turn 1 call_1 update_deal try (\d): (\w+)", out, re.MULTILINE)
         assert tries[:2] == [("1", "pending"), ("2", "pending")] and tries[2][1] in ("sent", "duplicate"), out
-        assert "call_3 send_email try 1: invalid (InvalidEmail: to)" in out, out
+        # The model tried to pick the recipient: refused, the application bound it to the ticket's customer.
+        assert "call_3 send_email try 1: invalid (ToolArgumentError: to)" in out, out
         tries_of = {call: re.findall(rf"^turn \d {call} \w+ try \d: (\w+)", out, re.MULTILINE)
                     for call in ("call_1", "call_2", "call_4", "call_5", "call_6")}
         for call in ("call_5", "call_6"):  # asked again: "pending" while a busy worker catches up, then "duplicate"

@@ -60,6 +60,13 @@ class Shop:
             headers["X-Shop-Signature"] = "sha256=" + hmac.new(secret.encode(), raw, hashlib.sha256).hexdigest()
         return self.module.app.test_client().post(f"/orders/{order_id}/paid", data=raw, headers=headers)
 
+    def resets(self, nonce: str) -> list[str]:
+        """The ids of the send_email tasks the password-reset requests with ``nonce`` published, in order."""
+        return [task_id for task_id, kw in self.sent_kwargs.items() if kw.get("event_id") == f"password-reset:{nonce}"]
+
+    def task_outcomes(self, task_ids: list[str]) -> list[Any]:
+        return results([AsyncResult(t, app=self.module.celery) for t in task_ids], timeout=30)
+
     def reset_token(self, task_id: str) -> str:
         match = re.search(r"/reset/(\S+)$", self.sent_kwargs[task_id]["text"])
         assert match, self.sent_kwargs[task_id]
@@ -125,51 +132,87 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
         r.delete(*keys)
 
 
+def account(shop: Shop, email: str) -> int:
+    reply = shop.post("/accounts", {"email": email})
+    assert reply.status_code == 201, reply.json
+    return int(reply.json["account_id"])
+
+
 def test_double_clicked_password_reset_sends_one_email(shop: Shop) -> None:
+    account(shop, "Ann <ann@example.com>")
     before = len(shop.published)
     replies = [shop.post("/password-reset", {"email": "ann@example.com"}, {"Idempotency-Key": "nonce-1"})
                for _ in range(2)]
     assert [r.status_code for r in replies] == [202, 202]
     assert len(shop.published) - before == 2  # both clicks enqueued a message; the ledger decides
 
-    outcomes = shop.outcomes(replies)
-    key = shop.key(to="ann@example.com", event_id="password-reset:nonce-1", template="password_reset")
+    sends = shop.resets("nonce-1")
+    outcomes = shop.task_outcomes(sends)
+    key = shop.key(to="Ann <ann@example.com>", event_id="password-reset:nonce-1", template="password_reset")
     assert sorted(o["status"] for o in outcomes) == ["duplicate", "sent"]
     assert {o["key"] for o in outcomes} == {key}
     assert shop.fake.delivery_count(key) == 1
-    assert shop.delivered_to("ann@example.com") == ["Reset your password"]
+    assert shop.delivered_to("Ann <ann@example.com>") == ["Reset your password"]
     record = shop.ledger.get(key)
     assert record is not None and record.state is State.SENT
 
-    # The link: the server's random token, good once, for ann only.
-    shipped = next(r.json["task_id"] for r, o in zip(replies, outcomes, strict=True) if o["status"] == "sent")
+    # The link: the server's random token, good once, for ann's account only.
+    shipped = next(t for t, o in zip(sends, outcomes, strict=True) if o["status"] == "sent")
     token = shop.reset_token(shipped)
     redeem = shop.module.app.test_client().post
-    assert redeem(f"/password-reset/{token}").json == {"email": "ann@example.com"}
+    assert redeem(f"/password-reset/{token}").json == {"email": "Ann <ann@example.com>"}
     assert redeem(f"/password-reset/{token}").status_code == 404  # used
     assert redeem("/password-reset/" + "A" * 43).status_code == 404
 
 
 def test_knowing_anothers_nonce_gives_a_link_for_ones_own_address_only(shop: Shop) -> None:
-    """The nonce de-duplicates; it never made the link. Same nonce, other address: another email, another token."""
-    ann = shop.post("/password-reset", {"email": "ann@example.com"}, {"Idempotency-Key": "nonce-3"})
-    mallory = shop.post("/password-reset", {"email": "mallory@example.com"}, {"Idempotency-Key": "nonce-3"})
-    assert sorted(o["status"] for o in shop.outcomes([ann, mallory])) == ["sent", "sent"]  # two intents
+    """The nonce de-duplicates; it never made the link. Same nonce, other account: another email, another token."""
+    account(shop, "ann@example.com")
+    account(shop, "mallory@example.com")
+    shop.post("/password-reset", {"email": "ann@example.com"}, {"Idempotency-Key": "nonce-3"})
+    shop.post("/password-reset", {"email": "mallory@example.com"}, {"Idempotency-Key": "nonce-3"})
+    sends = shop.resets("nonce-3")
+    assert sorted(o["status"] for o in shop.task_outcomes(sends)) == ["sent", "sent"]  # two intents
     assert shop.key(to="ann@example.com", event_id="password-reset:nonce-3", template="password_reset") != shop.key(
         to="mallory@example.com", event_id="password-reset:nonce-3", template="password_reset")
-    tokens = [shop.reset_token(r.json["task_id"]) for r in (ann, mallory)]
+    tokens = [shop.reset_token(t) for t in sends]
     assert tokens[0] != tokens[1]
     assert shop.module.app.test_client().post(f"/password-reset/{tokens[1]}").json == {"email": "mallory@example.com"}
+
+
+@pytest.mark.parametrize("typed", [
+    "ann@example.com, mallory@example.com",  # issue 14: a second recipient riding along
+    "ann@example.com;mallory@example.com",
+    "Ann <ann@example.com> <mallory@example.com>",
+    "ann@example.com\r\nBcc: mallory@example.com",
+])
+def test_a_reset_never_goes_to_an_address_the_requester_typed_for_anothers_account(shop: Shop, typed: str) -> None:
+    """Text that is not one address is a 400 and enqueues nothing; one address only finds the account."""
+    account(shop, "ann@example.com")
+    before = len(shop.published)
+    reply = shop.post("/password-reset", {"email": typed}, {"Idempotency-Key": "nonce-4"})
+    assert reply.status_code == 400 and reply.json["error"] == "InvalidEmail" and reply.json["field"] == "email"
+    assert len(shop.published) == before
+
+
+def test_a_reset_goes_to_the_address_on_file_and_says_nothing_about_who_has_an_account(shop: Shop) -> None:
+    account(shop, "Zoë Doe <zoe@exämple.com>")
+    spelled = shop.post("/password-reset", {"email": "ZOE <zoe@XN--EXMPLE-CUA.com>"}, {"Idempotency-Key": "nonce-5"})
+    nobody = shop.post("/password-reset", {"email": "nobody@example.com"}, {"Idempotency-Key": "nonce-5"})
+    assert (spelled.status_code, spelled.json) == (nobody.status_code, nobody.json) == (
+        202, {"status": "if an account has this address, a reset link is on its way"})
+    sends = shop.resets("nonce-5")
+    assert [shop.sent_kwargs[t]["to"] for t in sends] == ["Zoë Doe <zoe@exämple.com>"]  # as on file, not as typed
+    assert [o["status"] for o in shop.task_outcomes(sends)] == ["sent"]
 
 
 def test_invalid_address_is_a_400_with_the_typed_error_and_nothing_enqueued(shop: Shop) -> None:
     before = len(shop.published)
     reply = shop.post("/password-reset", {"email": "ann@@example"}, {"Idempotency-Key": "nonce-2"})
     assert reply.status_code == 400
-    assert reply.json["error"] == "InvalidEmail" and reply.json["field"] == "to"
+    assert reply.json["error"] == "InvalidEmail" and reply.json["field"] == "email"
     assert len(shop.published) == before
-    assert shop.ledger.get(shop.key(to="ann@@example", event_id="password-reset:nonce-2",
-                                    template="password_reset")) is None
+    assert shop.resets("nonce-2") == []
 
 
 def test_outbox_order_and_email_commit_together_and_a_thrice_delivered_payment_sends_one_receipt(shop: Shop) -> None:

@@ -74,8 +74,8 @@ def test_after_the_acknowledgement_a_keyless_copy_from_before_it_is_parked_not_r
 ) -> None:
     """Without a key downstream (think SMTP), a copy enqueued before the acknowledgement may be a
     copy of an intent sent and forgotten: it goes to review. One enqueued after it is a new send."""
-    from idemmail_celery import SendNeedsReview, State
-    from idemmail_celery.ledger import from_url
+    from idemmail_celery import SendNeedsReview
+    from idemmail_celery.ledger import State, from_url
 
     app_module = request.getfixturevalue("app_module")
     start_worker("-P", "prefork", "-c", "2")

@@ -6,8 +6,8 @@ from typing import Any
 
 from cryptography.fernet import Fernet
 
-from idemmail_celery import PayloadKeyError, State
-from idemmail_celery.ledger import ClaimRequest, ClaimStatus
+from idemmail_celery.errors import PayloadKeyError
+from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State
 from idemmail_celery.ledger.sealed import PAYLOAD_KEY_UNKNOWN, SEALED_PREFIX, PayloadCodec, SealedLedger
 
 from .conftest import results

@@ -9,12 +9,15 @@ from typing import Any
 
 import pytest
 
-from idemmail_celery import ConfigurationError, InvalidEmail, PermanentSendError, SendNeedsReview, State
+from idemmail_celery import ConfigurationError, InvalidEmail, PermanentSendError, SendNeedsReview
 from idemmail_celery.email import EmailMessage
+from idemmail_celery.ledger import State
 from idemmail_celery.mail import TASK_NAME
+from idemmail_celery.testing import fake_provider
 from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 from idemmail_celery.testing.smtp_sink import SMTPSink
 
+from ..conftest import wait_for
 from .conftest import results
 
 
@@ -125,6 +128,93 @@ def test_invalid_email_reaching_a_worker_ends_failed_not_retried(
     assert isinstance(out, PermanentSendError) and out.reason == "invalid_email"
     assert fake.attempt_count() == 0
     assert b"retry:" not in worker.log()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"to": "ann@example.com, attacker@evil.com", "subject": "Reset", "text": "link"},
+    {"to": "ann@example.com", "subject": "Hi\u2028Bcc: attacker@evil.com", "text": "t"},
+    {"to": "ann@example.com", "subject": "Hi", "text": "t", "headers": {"Bcc": "attacker@evil.com"}},
+    {"to": [f"r{i}@example.com" for i in range(51)], "subject": "Hi", "text": "t"},
+], ids=["two-addresses-in-one-string", "line-separator-in-subject", "reserved-header", "over-the-cap"])
+def test_what_delay_refuses_is_refused_again_at_the_worker(
+    kwargs: dict[str, Any], http_env: dict[str, str], fake: FakeProvider, request: pytest.FixtureRequest,
+    start_worker: Any,
+) -> None:
+    app_module = request.getfixturevalue("app_module")
+    with pytest.raises(InvalidEmail):
+        send_email(app_module).delay(**kwargs)
+    start_worker("-P", "prefork", "-c", "1")
+    # send_task by name skips the caller-side checks, as another service might: the worker checks again.
+    out = results([app_module.app.send_task(TASK_NAME, kwargs=kwargs)])[0]
+    assert isinstance(out, PermanentSendError) and out.reason == "invalid_email"
+    assert "attacker" not in str(out)
+    assert fake.attempt_count() == 0
+
+
+def test_a_provider_error_quoting_the_message_reaches_no_log_result_or_ledger(
+    http_env: dict[str, str], fake: FakeProvider, request: pytest.FixtureRequest, start_worker: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 422 that quotes recipient and subject: the worker log, the result backend and the ledger never see them."""
+    address, name, subject = "ann.private@example.com", "Ann Privateperson", "Results of your blood test"
+    monkeypatch.setitem(fake_provider._BEFORE_ACCEPT, "422", (
+        422, "validation_error", f"Invalid `to` field: {name} <{address}>; subject '{subject}' refused"))
+    app_module = request.getfixturevalue("app_module")
+    worker = start_worker("-P", "prefork", "-c", "1", "--loglevel=DEBUG")
+    fake.fail_next("422")
+    task = send_email(app_module)
+    ar = task.delay(to=f"{name} <{address}>", subject=subject, text="t", event_id="lab-7")
+    out = results([ar])[0]
+    assert isinstance(out, PermanentSendError) and out.reason == "rejected"
+    stored = app_module.app.backend.get_task_meta(ar.id)
+    record = task.ledger.get(out.key)
+    assert record is not None and record.state is State.FAILED
+    for shown in (str(out), repr(out.args), json.dumps(stored, default=str), json.dumps(record.error),
+                  worker.log().decode("utf-8", "replace")):
+        for secret in (address, name, subject):
+            assert secret not in shown
+
+
+def test_bad_input_reaching_a_worker_ends_failed_before_anything_is_stored(
+    http_env: dict[str, str], fake: FakeProvider, request: pytest.FixtureRequest, start_worker: Any
+) -> None:
+    """A 50 MB body, arguments of the wrong type, an unknown argument: refused before the claim."""
+    app_module = request.getfixturevalue("app_module")
+    start_worker("-P", "prefork", "-c", "1")
+    app = app_module.app
+    huge = "x" * (50 * 1024 * 1024)
+    calls = [
+        {"to": "ann@example.com", "subject": "Big", "text": huge, "event_id": "big-1"},
+        {"to": "ann@example.com", "subject": 4821, "text": "t", "event_id": "typed-1"},
+        {"to": ["ann@example.com", 7], "subject": "Hi", "text": "t", "event_id": "typed-2"},
+        {"to": "ann@example.com", "subject": "Hi", "text": "t", "event_id": "extra-1", "bcc_everyone": True},
+    ]
+    out = results([app.send_task(TASK_NAME, kwargs=kw) for kw in calls], timeout=120)
+    for kw, o in zip(calls, out, strict=True):
+        assert isinstance(o, PermanentSendError) and o.reason in ("invalid_email", "invalid_arguments"), (kw, o)
+    assert fake.attempt_count() == 0
+    ledger = send_email(app_module).ledger
+    assert list(ledger.iter_records()) == []  # nothing stored, for seven days or at all
+
+
+def test_a_provider_that_cannot_be_built_waits_unclaimed_and_sends_once_fixed(
+    fake: FakeProvider, worker_env: dict[str, str], request: pytest.FixtureRequest, start_worker: Any
+) -> None:
+    """No API key at the worker: the message waits on the outage budget, nothing claimed; then it is sent."""
+    worker_env.update(IDEMMAIL_TEST_PROVIDER=fake.url, IDEMMAIL_TEST_PROVIDER_KEY="",
+                      IDEMMAIL_TEST_PROVIDER_TIMEOUT="0.5")
+    app_module = request.getfixturevalue("app_module")
+    broken = start_worker("-P", "prefork", "-c", "1")
+    task = send_email(app_module)
+    ar = task.delay(to="ann@example.com", subject="Hi", text="t", event_id="misconfigured-1")
+    wait_for(lambda: broken.log().count(b"status=ledger_unavailable") >= 2, timeout=30)
+    assert list(task.ledger.iter_records()) == []  # not claimed: nothing held, nothing "maybe sent"
+    assert fake.attempt_count() == 0
+    broken.stop()
+    worker_env.update(IDEMMAIL_TEST_PROVIDER_KEY=DEFAULT_API_KEY)  # an operator fixes the key, restarts
+    start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_PROVIDER_KEY": DEFAULT_API_KEY})
+    assert results([ar])[0]["status"] == "sent"
+    assert fake.delivery_count() == 1
 
 
 def test_smtp_crash_after_data_is_parked_for_review(

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from idemmail_celery import SendNeedsReview, State
+from idemmail_celery import SendNeedsReview
+from idemmail_celery.ledger import State
 
 from ..conftest import RABBITMQ_URL, REDIS_URL, service_missing, wait_for
 from .conftest import results

@@ -18,7 +18,7 @@ import redis
 from celery import Celery
 from celery.signals import task_postrun
 
-from idemmail_celery import AmbiguousSendError, IdempotentTask, TransientSendError
+from idemmail_celery import AmbiguousSendError, IdempotentTask, TransientSendError, send_campaign, send_email  # noqa: F401
 
 NS = os.environ.get("IDEMMAIL_TEST_NS", "default")
 BROKER = os.environ.get("IDEMMAIL_TEST_BROKER", "redis://127.0.0.1:6379/0")
@@ -39,6 +39,8 @@ app.conf.update(
         "visibility_timeout": float(os.environ.get("IDEMMAIL_TEST_VT", "3600")),
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        # Threads and gevent pools ack from every thread or greenlet: the pool must hold that many (kombu: 10).
+        "max_connections": int(os.environ.get("IDEMMAIL_TEST_MAX_CONNECTIONS", "10")),
     },
     idemmail_ledger_url=LEDGER,
     idemmail_ledger_options=(
@@ -46,10 +48,6 @@ app.conf.update(
     ),
     idemmail_key_secret="test-secret",
     idemmail_lease_seconds=float(os.environ.get("IDEMMAIL_TEST_LEASE", "30")),
-    idemmail_inflight_backoff=0.2,
-    idemmail_inflight_backoff_max=1.0,
-    idemmail_retry_backoff=0.1,
-    idemmail_retry_backoff_max=0.5,
     # send_email (registered on this app as a shared task when idemmail_celery is imported)
     idemmail_provider_url=os.environ.get("IDEMMAIL_TEST_PROVIDER") or None,
     idemmail_provider_api_key=os.environ.get("IDEMMAIL_TEST_PROVIDER_KEY") or None,
@@ -59,6 +57,10 @@ app.conf.update(
     idemmail_metrics_port=int(os.environ.get("IDEMMAIL_TEST_METRICS_PORT") or 0) or None,
     idemmail_metrics_addr="127.0.0.1",
 )
+
+if not os.environ.get("IDEMMAIL_TEST_DEFAULT_BACKOFF"):  # short waits keep the tests short
+    app.conf.update(idemmail_inflight_backoff=0.2, idemmail_inflight_backoff_max=1.0, idemmail_retry_backoff=0.1,
+                    idemmail_retry_backoff_max=0.5)
 
 r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
 

@@ -1,0 +1,154 @@
+"""Redis memory and CPU per ``sent`` record of the Redis ledger, measured on a private redis-server.
+
+Part ``memory`` of ``make bench`` (:func:`section`); alone: ``python -m bench.memory [--records 100000]
+[--short-result]``. Starts ``redis-server`` on a
+free loopback port (no persistence), sends ``--records`` intents through the ledger (claim, then
+complete, as a worker does), and prints, per record:
+
+- ``info_bytes``: growth of ``INFO memory`` used_memory, everything included (keys, expiry
+  entries, indexes, counters, the dictionaries' tables);
+- ``memory_usage_bytes``: ``MEMORY USAGE`` of a sample of record keys, plus every other key
+  the ledger wrote (indexes, counters) divided by the records;
+- ``cpu_usec_per_send``: the server's ``INFO commandstats`` CPU for the claim and the completion
+  (EVALSHA's, which holds the commands the scripts call).
+
+The record is what ``send_email`` stores: a 64-hex intent key and fingerprint, a worker's owner
+(host:pid:task id:nonce), the provider result under ``value`` and its message id
+(``--short-result``: the message id alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import redis
+
+from idemmail_celery.ledger import ClaimRequest, from_url
+from idemmail_celery.ledger.base import new_owner
+from idemmail_celery.ledger.redis import RedisLedger
+
+PAYLOAD = json.dumps({"args": [], "kwargs": {"to": "ann@example.com", "subject": "Your receipt",
+                                             "html": "<p>" + "x" * 200, "event_id": "o-4821"}})
+
+
+def measure(records: int, short_result: bool, port: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as directory:
+        proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", directory], stdout=subprocess.DEVNULL)
+        try:
+            admin = redis.Redis(port=port, decode_responses=True)
+            for _ in range(100):
+                try:
+                    admin.ping()
+                    break
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+            led = from_url(f"redis://127.0.0.1:{port}/0")
+            assert isinstance(led, RedisLedger)
+            led.prepare()
+            led.claim_many([ClaimRequest(key="warm", task_name="t", payload="{}", fingerprint="")])
+            admin.config_resetstat()
+            before = int(admin.info("memory")["used_memory"])
+            names_before = set(admin.scan_iter(count=1000))
+            keys = []
+            for _ in range(records):
+                key = os.urandom(32).hex()
+                claim = led.claim(ClaimRequest(key=key, task_name="idemmail_celery.send_email", payload=PAYLOAD,
+                                               fingerprint=os.urandom(32).hex(), owner=new_owner(str(uuid.uuid4()))))
+                message_id = str(uuid.uuid4())
+                result: dict[str, Any] = {"message_id": message_id}
+                if not short_result:
+                    result["value"] = {"message_id": message_id, "provider": "postmark"}
+                led.complete(key, claim.token, result)
+                keys.append(key)
+            after = int(admin.info("memory")["used_memory"])
+            stats = admin.info("commandstats")
+            cpu = stats["cmdstat_evalsha"]["usec"]  # the scripts' commands run inside it
+            # Per command, per send: the scripts' own commands (inside EVALSHA's figure) and the rest.
+            calls = {k[8:]: round(v["usec"] / records, 2) for k, v in stats.items() if k.startswith("cmdstat_")}
+            record_names = {led._rec(k) for k in keys}
+            sample = keys[:: max(1, records // 1000)]
+            per_record = sum(int(admin.memory_usage(led._rec(k)) or 0) for k in sample) / len(sample)
+            others = [n for n in admin.scan_iter(count=1000) if n not in record_names and n not in names_before]
+            shared = sum(int(admin.memory_usage(n) or 0) for n in others)
+            encoding = admin.object("encoding", led._rec(sample[0]))
+            led.close()
+            return {
+                "records": records, "result": "message id" if short_result else "send_email result",
+                "info_bytes": round((after - before) / records, 1),
+                "memory_usage_bytes": round(per_record + shared / records, 1),
+                "record_key_bytes": round(per_record, 1), "other_keys": len(others),
+                "encoding": encoding, "cpu_usec_per_send": round(cpu / records, 2), "usec_per_send_by_command": calls,
+            }
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def section(records: int, short: str, command: str) -> str:
+    """The ``bench-memory`` section of docs/benchmarks.md: both result shapes, measured now."""
+    rows = [measure(records, short_result, free_port()) for short_result in (False, True)]
+    lines = "\n".join(
+        f"| {r['result']} | {r['records']:,} | {r['info_bytes']:,.0f} | {r['memory_usage_bytes']:,.0f} | "
+        f"{r['encoding']} | {r['cpu_usec_per_send']:.1f} |" for r in rows)
+    return f"""## Redis memory per `sent` record (`make bench`)
+
+```
+{command}
+```
+
+Run on {short}. A private `redis-server` (no persistence) holding nothing but the ledger;
+{records:,} intents sent through it as a worker sends them (claim, then complete), each record what
+`send_email` stores: a 64-hex intent key and fingerprint, a worker's owner (`host:pid:task id:nonce`),
+the provider's result and its message id.
+
+| stored result | records | bytes/record, `INFO memory` | bytes/record, `MEMORY USAGE` | encoding | Redis CPU µs/send |
+|---|---:|---:|---:|---|---:|
+{lines}
+
+`INFO memory` is the growth of `used_memory` over the run divided by the records: everything (the
+records, their expiry entries, the per-bucket counters that replace a `sent` index, the dictionaries'
+tables). `MEMORY USAGE` samples the record keys and adds every other key the ledger wrote, shared
+out. About 150 bytes of each record are Redis's own cost of a key with a TTL (the key object, its
+dictionary entry and its expiry entry) before any field; the record's fields are packed (one-letter
+names, 43-character packed keys and fingerprints, integer microsecond times) and kept in Redis's
+compact listpack encoding (every value under 64 bytes). Redis CPU: the `EVALSHA` calls' time in
+`INFO commandstats` (the scripts' commands run inside it) per claim + completion.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--records", type=int, default=100_000)
+    parser.add_argument("--short-result", action="store_true")
+    parser.add_argument("--port", type=int, default=0, help="default: a free port")
+    args = parser.parse_args(argv)
+    port = args.port
+    if not port:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    print(json.dumps(measure(args.records, args.short_result, port), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""MkDocs hooks: the pages generated from the code, so they cannot drift from it.
+
+* ``configuration.md``: the ``<!-- settings-table -->`` marker becomes the table of every
+  setting, read from ``idemmail_celery.config.SETTINGS`` (one ``Setting`` record per setting:
+  ``conf``, ``option``, ``env``, ``default``, ``doc``; a ``secret`` one's default is not shown);
+  ``<!-- settings-notes -->`` becomes the rest of ``config.py``'s docstring (how values are parsed).
+* ``changelog.md``: ``CHANGELOG.md`` from the repository root, as it is.
+* A link from a page to a repository file outside ``docs/`` (``[handler.py](../idemmail_celery/handler.py)``,
+  which works when the page is read in the repository) keeps its text on the site, without the link;
+  a link to a file that does not exist is left alone, for ``--strict`` to report.
+* A page the navigation names that another change has not written yet gets a stub, so
+  ``mkdocs build --strict`` stays green in between.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = "<!-- settings-table -->"
+NOTES = "<!-- settings-notes -->"
+#: Pages written elsewhere (the design and security work); stubbed until they land.
+PENDING = {"architecture.md": "Architecture", "security.md": "Security"}
+
+
+def _cell(value: Any) -> str:
+    if value is None or value == "":
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"`{value}`"
+
+
+def _default(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"`{value!r}`" if not isinstance(value, str) or not value else f"`{value}`"
+
+
+def _row(s: Any) -> list[str]:
+    secret = getattr(s, "secret", False)
+    default = ("(not shown)" if s.default else "unset") if secret else _default(s.default)
+    return [_cell(s.conf), _cell(s.option), _cell(s.env), default, " ".join(str(s.doc or "").split())]
+
+
+def settings_table() -> str:
+    """Every setting as a Markdown table."""
+    from idemmail_celery.config import SETTINGS
+
+    rows = [_row(s) for s in SETTINGS]
+    head = ["`app.conf` setting", "task option", "environment", "default", "what it does"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def settings_notes() -> str:
+    """``config.py``'s module docstring after its first paragraph (how values are parsed), as Markdown."""
+    import idemmail_celery.config as config
+
+    text = (config.__doc__ or "").split("\n\n", 1)[-1].strip()
+    text = re.sub(r":\w+:`~?(?:[\w.]+\.)?(\w+)`", r"`\1`", text)
+    return text.replace("``", "`")
+
+
+def on_files(files: Files, config: Any) -> Files:
+    files.append(File.generated(config, "changelog.md", content=(ROOT / "CHANGELOG.md").read_text()))
+    for page, title in PENDING.items():
+        if files.get_file_from_path(page) is None:
+            files.append(File.generated(config, page, content=f"# {title}\n\nThis page is being written.\n"))
+    return files
+
+
+_REPO_LINK = re.compile(r"\[([^\]]+)\]\((\.\./[^)\s#]+)\)")
+
+
+def _unlink_repository_files(markdown: str, page_dir: Path) -> str:
+    def text(match: re.Match[str]) -> str:
+        target = (page_dir / match.group(2)).resolve()
+        inside = ROOT in target.parents and (ROOT / "docs") not in target.parents
+        return match.group(1) if inside and target.exists() else match.group(0)
+
+    return _REPO_LINK.sub(text, markdown)
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
+    markdown = _unlink_repository_files(markdown, (ROOT / "docs" / page.file.src_uri).parent)
+    if page.file.src_uri == "configuration.md":
+        if MARKER not in markdown:
+            raise RuntimeError(f"configuration.md lost its {MARKER} marker")
+        markdown = markdown.replace(MARKER, settings_table()).replace(NOTES, settings_notes())
+    return markdown

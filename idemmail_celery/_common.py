@@ -1,0 +1,109 @@
+"""Plumbing shared by the adapters: message header names, backoff, and one after-fork registry.
+
+Nothing here knows about ledgers or tasks; every other module may import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("idemmail_celery")
+
+# -- message headers: what travels with a message between the caller, the broker and workers --
+
+#: The intent key (a keyed hash), set by ``apply_async`` before anything is enqueued.
+KEY_HEADER = "idempotency_key"
+#: During a key-secret rotation: the keys the same call had under the older secrets (a claim finds
+#: records made before the rotation under them, so rotating never sends an intent again).
+OLDER_KEYS_HEADER = "idemmail_older_keys"
+#: The tenant that namespaces the key, when the caller named one.
+TENANT_HEADER = "idempotency_tenant"
+#: When the intent was first enqueued (caller's clock, epoch seconds).
+ENQUEUED_HEADER = "idemmail_enqueued"
+#: How many times this chain was rescheduled because another holder's claim was live.
+INFLIGHT_HEADER = "idemmail_inflight"
+#: How many times this chain was rescheduled because the ledger (or the provider's set-up) was unavailable.
+OUTAGE_HEADER = "idemmail_outage"
+#: The owner this chain's last claim was made under, when it may still hold it (see ``ClaimRequest.resume_owner``).
+OWNER_HEADER = "idemmail_owner"
+#: A verdict this chain reached but could not record (the ledger was down): recorded by the next delivery.
+VERDICT_HEADER = "idemmail_verdict"
+#: The id of this published reschedule: two copies of one broker message share it (see ``Ledger.mark_hop``).
+HOP_HEADER = "idemmail_hop"
+#: Epoch seconds before which this message only waits (a long countdown split into hops the broker keeps).
+NOT_BEFORE_HEADER = "idemmail_not_before"
+
+#: The name of the intent key in a provider's message metadata (Postmark Metadata, SendGrid custom_args,
+#: SES EmailTags): what a delivery webhook reads the key back from.
+KEY_TAG = "idemmail_key"
+
+#: Headers that belong to one reschedule chain: a ``retry()`` starts a new chain without them.
+CHAIN_HEADERS = (INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, NOT_BEFORE_HEADER)
+
+
+def backoff(attempt: int, base: float, cap: float, *, jitter: bool = True) -> float:
+    """Exponential backoff: ``min(cap, base * 2**attempt)``, with jitter between half and all of it.
+
+    The curve of Celery's ``retry_backoff`` (``factor * 2**retries`` up to a maximum), in fractions
+    of a second as well as whole seconds. Celery's jitter draws anywhere from nothing to the whole
+    step; this one never waits less than half of it, so a retry is never immediate.
+    """
+    ceiling = min(cap, base * (2 ** min(max(attempt, 0), 30)))
+    return float(ceiling * random.uniform(0.5, 1.0)) if jitter else float(ceiling)
+
+
+# -- fork safety: one registry, one os.register_at_fork --
+
+_after_fork: list[Callable[[], None]] = []
+_after_fork_lock = threading.Lock()
+
+
+def after_fork(callback: Callable[[], None]) -> Callable[[], None]:
+    """Run ``callback`` in every child right after ``fork()`` (usable as a decorator).
+
+    Modules that hold sockets, threads or locks reset them here instead of comparing
+    pids on every call: a pool child must never write on its parent's connections, and a
+    lock held by a parent thread at the fork would never be released in the child.
+    A callback that raises is logged and the others still run.
+    """
+    with _after_fork_lock:
+        _after_fork.append(callback)
+    return callback
+
+
+def _run_after_fork() -> None:
+    global _after_fork_lock
+    _after_fork_lock = threading.Lock()  # the parent may have held it while forking
+    for callback in list(_after_fork):
+        try:
+            callback()
+        except Exception:  # pragma: no cover - a broken reset must not stop the others
+            log.exception("idemmail: after-fork reset %r failed", callback)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_run_after_fork)
+
+
+def transport_visibility_timeout(app: Any) -> float | None:
+    """The broker's visibility timeout in seconds, for transports that redeliver unacknowledged
+    messages after it (Redis, SQS); None for those that do not (AMQP) or when it cannot be told.
+
+    A message the worker holds longer than this (waiting for its countdown, say) is handed out
+    again while still held: every countdown the library sets stays below it.
+    """
+    try:
+        url = str(app.conf.broker_url or "")
+        scheme = url.split("://", 1)[0].split("+", 1)[0].lower() if "://" in url else url.lower()
+        if scheme not in ("redis", "rediss", "sentinel", "sqs"):
+            return None
+        options = app.conf.broker_transport_options or {}
+        value = options.get("visibility_timeout")
+        return 3600.0 if value is None else float(value)  # kombu's default for both transports
+    except Exception:  # an unusual conf object: no cap rather than a crash on the task path
+        return None

@@ -1,0 +1,702 @@
+"""The idempotency handler: every decision of the state machine, and no Celery in it.
+
+One :class:`Handler` per task (or per bulk campaign) owns the guarantee. An adapter (the
+Celery task, ``send_campaign``, agent tools through the task) describes a delivery as a
+:class:`Delivery`, lends the side effect through :class:`SideEffect`, and carries out the
+:class:`Step` that comes back: return a value, raise an error, retry, reschedule, or drop
+a redundant copy. Read top to bottom, :meth:`Handler.handle` is the guarantee:
+
+1. **check** the call before anything is stored: bad input ends ``failed`` (never stored,
+   never retried); a side effect that cannot be set up (a provider without its API key)
+   waits on the outage budget like an unavailable ledger.
+2. **claim** the key (taking back this chain's own earlier claim, see ``resume_owner``).
+   An unavailable ledger fails closed: rescheduled on the outage budget, nothing sent
+   (or run without a claim when ``fail_open`` says so).
+3. **settle** by what the ledger says:
+
+   ============================  ==========================================================
+   claim status                  what happens
+   ============================  ==========================================================
+   ``acquired``                  run the body (after an acknowledged ledger loss, a message
+                                 enqueued before it is reconciled or parked unless the key
+                                 travels downstream)
+   ``reopened``/``resumed``      run the *stored first payload* (``resumed`` with a verdict
+                                 this chain could not record: record it, run nothing)
+   ``done``                      replay: return the stored result, or raise the stored error
+   ``busy``                      another holder is live: reschedule (own budget); a second
+                                 copy of the same reschedule drops
+   ``reclaimed``                 the holder died: run again with the same key if it travels
+                                 downstream; else reconcile, or park as ``review``
+   ============================  ==========================================================
+
+4. **record** what the body did: a result is ``sent``; :class:`TransientSendError`
+   releases and retries; :class:`PermanentSendError` is ``failed``; :class:`SendNeedsReview`,
+   :class:`AmbiguousSendError` and any unexpected exception mean "maybe sent": retried
+   with the same key when it travels downstream, reconciled or parked as ``review``
+   otherwise. A verdict the ledger cannot take right now travels with the next delivery
+   (``Step.carry``), which records it: an intent is never left claimed by nobody.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from ._common import INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff
+from ._lease import keeper
+from .errors import (
+    SEND_ERRORS,
+    AmbiguousSendError,
+    ConfigurationError,
+    IdempotencyInFlightError,
+    IdempotencyKeyError,
+    IdempotencyKeyReuseError,
+    InvalidEmail,
+    LedgerError,
+    LedgerLostError,
+    LedgerUnavailableError,
+    PayloadKeyError,
+    PermanentSendError,
+    SendError,
+    SendNeedsReview,
+    StaleTokenError,
+    TransientSendError,
+    UnsafeLedgerError,
+    UnserializableArgumentsError,
+)
+from .keys import IntentKeyBuilder, Payload
+from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
+from .ledger.base import new_owner
+from .ledger.sealed import PAYLOAD_KEY_UNKNOWN, is_sealed, park_unreadable
+from .redaction import scrub
+
+log = logging.getLogger("idemmail_celery")
+
+#: After an acknowledged ledger loss, a message that does not say when it was enqueued (sent by
+#: name, or by an older version) counts as possibly older than the loss for this long.
+UNDATED_AFTER_LOSS_SECONDS = 24 * 3600.0
+#: How long a reschedule's mark is kept (``Ledger.mark_hop``): longer than any copy waits.
+HOP_TTL_SECONDS = 3600.0
+#: Attempts at recording ``sent`` before the verdict travels with the next delivery instead.
+COMPLETE_ATTEMPTS = 3
+
+
+class Outcome(str, enum.Enum):
+    """What one delivery of an intent came to: the one vocabulary of logs, Flower events,
+    metrics, bulk tallies, agent tools and the CLI."""
+
+    SENT = "sent"                              #: the side effect ran and its result is recorded
+    DUPLICATE = "duplicate"                    #: a final record was replayed; nothing ran
+    FAILED = "failed"                          #: failed for good (or refused as invalid); replayed to duplicates
+    REVIEW = "review"                          #: parked: the outcome cannot be known, a person decides
+    RETRY = "retry"                            #: nothing left the process (or the key travels): retried
+    IN_FLIGHT = "in_flight"                    #: another holder's claim is live: rescheduled
+    IN_FLIGHT_GAVE_UP = "in_flight_gave_up"    #: ...and the in-flight budget ran out
+    COPY_DROPPED = "copy_dropped"              #: a second copy of a reschedule already published: dropped
+    LEDGER_UNAVAILABLE = "ledger_unavailable"  #: fail closed: rescheduled until the ledger (or set-up) is back
+    LEDGER_GAVE_UP = "ledger_unavailable_gave_up"  #: the outage budget ran out: the message fails
+    RECLAIMED = "reclaimed"                    #: a dead holder's expired lease was taken over (a step)
+    KEY_REUSE = "key_reuse"                    #: refused: the key came back with other must-match values
+    FAIL_OPEN = "fail_open"                    #: the ledger was down and fail_open ran the body without a claim
+    INVALID = "invalid"                        #: refused before anything was enqueued (agent tools)
+    PENDING = "pending"                        #: not settled within the caller's wait; asking again is safe
+    ERROR = "error"                            #: the task failed in a way none of the above describes
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Action(enum.Enum):
+    """What the adapter does with a :class:`Step`."""
+
+    RETURN = "return"          #: return ``Step.value`` (the task succeeds)
+    RAISE = "raise"            #: raise ``Step.error`` (the task fails; re-raised as is)
+    RETRY = "retry"            #: retry after ``Step.countdown`` on the task's own retry budget
+    RESCHEDULE = "reschedule"  #: publish again after ``Step.countdown``, on no retry budget
+    DROP = "drop"              #: acknowledge, record no result: another copy carries on
+
+
+@dataclass(frozen=True)
+class Step:
+    """The handler's answer for one delivery."""
+
+    outcome: Outcome
+    action: Action
+    key: str
+    value: Any = None
+    error: BaseException | None = None
+    countdown: float = 0.0
+    #: Headers for the next delivery of this chain (RETRY and RESCHEDULE): the owner to take
+    #: back, a verdict to record, the chain's budgets. The adapter drops every other chain header.
+    carry: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The numbers the state machine works with (from :class:`~idemmail_celery.config.Settings`)."""
+
+    lease_seconds: float = 30.0
+    max_reclaims: int = 3
+    inflight_max_retries: int = 30
+    inflight_backoff: float = 1.0
+    inflight_backoff_max: float = 60.0
+    retry_backoff: float = 2.0
+    retry_backoff_max: float = 300.0
+    retry_jitter: bool = True
+    outage_max_retries: int | None = None
+    fail_open: bool = False
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One delivery of an intent, as the adapter knows it."""
+
+    key: str
+    task_name: str
+    payload: Payload
+    #: Who is delivering (a task id): part of every claim owner, so operators can tell them apart.
+    attempt_id: str = ""
+    #: ``retry()`` calls spent on this intent so far, and how many the task allows (None: no limit).
+    retries: int = 0
+    max_retries: int | None = 3
+    #: This chain's reschedules so far: because a claim was busy, and because something was unavailable.
+    inflight: int = 0
+    outage: int = 0
+    #: When the intent was first enqueued (caller's clock), for the ledger-loss rule; None: not said.
+    enqueued_at: float | None = None
+    #: The claim owner this chain may still hold (``ClaimRequest.resume_owner``), and the verdict it
+    #: could not record (``{"state": "sent", "result": ...}`` or ``{"state": "failed"|"review", "error": ...}``).
+    resume_owner: str | None = None
+    verdict: dict[str, Any] | None = None
+    #: The id of the published message this delivery is a copy of (``Ledger.mark_hop``).
+    hop: str = ""
+    #: The owner this delivery claims under (a new one is made when empty).
+    owner: str = ""
+    #: During a key-secret rotation, the keys this intent had under the older secrets, newest first:
+    #: an intent recorded under one of them is claimed (and replayed) there, never sent again.
+    older_keys: tuple[str, ...] = ()
+
+
+class SideEffect(Protocol):
+    """What an adapter lends the handler: the side effect and what it knows about it."""
+
+    def check(self, payload: Payload) -> None:
+        """Refuse a call before anything is stored: raise :class:`InvalidEmail`,
+        :class:`IdempotencyKeyError` or ``TypeError`` for bad input (it ends ``failed``), or
+        :class:`ConfigurationError` when the side effect cannot be set up (it waits on the
+        outage budget)."""
+
+    def perform(self, payload: Payload, key: str) -> Any:
+        """Run the side effect once under ``key``; return what to record, raise a :class:`SendError`."""
+
+    def carries_key(self) -> bool:
+        """Does the side effect pass the key to a service that de-duplicates on it?"""
+
+    def reconcile(self, key: str, payload: Payload) -> Any | None:
+        """Ask the service whether the intent already happened: its result, or None (not proof)."""
+
+    def report(self, outcome: Outcome, key: str, **fields: Any) -> None:
+        """Tell logs, events and metrics (never raises)."""
+
+
+#: Exceptions from ``check`` that mean the call itself is wrong: ``failed``, never retried.
+INVALID_INPUT: tuple[type[BaseException], ...] = (InvalidEmail, IdempotencyKeyError, TypeError, ValueError)
+
+
+def error_record(exc: BaseException, reason: str, kind: type[SendError] | str) -> dict[str, Any]:
+    """The ``error`` a ledger stores for a failed, parked or released attempt."""
+    return {
+        "type": kind if isinstance(kind, str) else kind.__name__,
+        "reason": reason,
+        "message": scrub(str(exc))[:500],  # no address of a task's own exception reaches the ledger
+        "cause": type(exc).__name__,
+        "at": time.time(),
+    }
+
+
+def message_id_of(value: Any) -> Any:
+    """The provider's message id in a side effect's result, if it says one."""
+    if isinstance(value, dict):
+        return value.get("message_id") or value.get("id")
+    return None
+
+
+def snake(name: str) -> str:
+    """``LedgerUnavailableError`` -> ``ledger_unavailable_error`` (exception types as reason words)."""
+    return "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(name))
+
+
+class Handler:
+    """The state machine for one task's intents against one :class:`Ledger`.
+
+    Thread-safe: it keeps nothing per call. ``passthrough`` names exceptions a body raises
+    to hand control back to its framework (Celery's ``Retry``): the claim is released, the
+    exception re-raised, and nothing recorded as sent.
+    """
+
+    def __init__(self, ledger: Ledger, builder: IntentKeyBuilder, policy: Policy, effect: SideEffect, *,
+                 passthrough: tuple[type[BaseException], ...] = ()) -> None:
+        self.ledger, self.builder, self.policy, self.effect = ledger, builder, policy, effect
+        self.passthrough = passthrough
+
+    # -- the whole path --
+
+    def handle(self, d: Delivery) -> Step:
+        """Check, claim, settle and record one delivery."""
+        refused = self.check(d)
+        if refused is not None:
+            return refused
+        if d.older_keys:
+            d = self.recorded_key(d)
+        owner = d.owner or new_owner(d.attempt_id)
+        try:
+            claim = self.ledger.claim(self.request(d, owner))
+        except (LedgerUnavailableError, UnsafeLedgerError) as exc:
+            # Fail closed. The claim may have landed with its reply lost: the next delivery takes it back.
+            return self.unavailable(d, exc, carry={OWNER_HEADER: owner})
+        if _said_unreachable:  # the ledger answers again: its next outage gets its ERROR line too
+            _said_unreachable.discard(id(self.ledger))
+        return self.settle(d, claim)
+
+    def check(self, d: Delivery) -> Step | None:
+        """None if the call may be claimed; else the step that ends it, with nothing stored."""
+        try:
+            self.effect.check(d.payload)
+        except ConfigurationError as exc:
+            return self.unavailable(d, exc)
+        except INVALID_INPUT as exc:
+            reason = "invalid_email" if isinstance(exc, InvalidEmail) else "invalid_arguments"
+            self.effect.report(Outcome.FAILED, d.key, reason=reason, recorded="false")
+            error = PermanentSendError(scrub(str(exc))[:500], reason=reason, key=d.key)
+            error.__cause__ = exc
+            return Step(Outcome.FAILED, Action.RAISE, d.key, error=error)
+        return None
+
+    def recorded_key(self, d: Delivery) -> Delivery:
+        """During a rotation: the delivery under the older key its intent is recorded with, if any
+        (one read per older secret, only while rotating). An unreadable ledger leaves the new key:
+        the claim then meets the same outage and fails closed."""
+        for old in d.older_keys:
+            try:
+                if self.ledger.get(old) is not None:
+                    return replace(d, key=old, older_keys=())
+            except (LedgerError, UnsafeLedgerError):
+                break
+        return d
+
+    def request(self, d: Delivery, owner: str) -> ClaimRequest:
+        """The claim a delivery makes."""
+        payload = d.payload
+        return ClaimRequest(key=d.key, task_name=d.task_name, payload=payload.to_json(),
+                            fingerprint=self.builder.fingerprint(payload), owner=owner,
+                            lease_seconds=self.policy.lease_seconds, resume_owner=d.resume_owner)
+
+    def settle(self, d: Delivery, claim: Claim) -> Step:
+        """Everything after the claim (bulk sends call this for each claim of a batch)."""
+        status, record = claim.status, claim.record
+        if status is ClaimStatus.DONE:
+            return self.check_reuse(d, record) or self.replay(record)
+        if status is ClaimStatus.BUSY:
+            return self.check_reuse(d, record) or self.in_flight(d, record)
+        if d.verdict is not None:  # this chain decided, and could not record it: record it, never run again
+            return self.record_verdict(d, claim, d.verdict)
+        if status is not ClaimStatus.ACQUIRED and is_sealed(record.payload):
+            return self.unreadable(d, claim)  # this process has no payload keys: never run it, never strand it
+        # A resumed claim with a dead holder behind it: this chain's own reclaim whose reply was lost.
+        if status is ClaimStatus.RECLAIMED or (status is ClaimStatus.RESUMED and record.reclaims > 0):
+            step = self.after_crash(d, claim)
+            if step is not None:
+                return step
+        if status is ClaimStatus.ACQUIRED and self.older_than_loss(d):
+            step = self.after_loss(d, claim)
+            if step is not None:
+                return step
+        if status in (ClaimStatus.REOPENED, ClaimStatus.RESUMED):
+            refused = self.check_reuse(d, record)
+            if refused is not None:  # nothing ran: the first payload's own retry will
+                self.guarded(lambda: self.ledger.release(d.key, claim.token))
+                return refused
+        # The first payload ships; if an operator erased it (``forget``), this delivery's is all there is.
+        first = record.payload
+        payload = d.payload if status is ClaimStatus.ACQUIRED or not first else Payload.from_json(first)
+        return self.run(d, claim, payload)
+
+    # -- running the side effect --
+
+    def run(self, d: Delivery, claim: Claim, payload: Payload) -> Step:
+        """Run the side effect under the claim and record what came of it; the lease is renewed
+        throughout, recording and reconciling included (they may wait on a slow store or provider)."""
+        keeper.hold(self.ledger, d.key, claim.token, self.policy.lease_seconds)
+        try:
+            return self.attempt(d, claim, payload)
+        finally:
+            keeper.drop(self.ledger, d.key, claim.token)
+
+    def attempt(self, d: Delivery, claim: Claim, payload: Payload) -> Step:
+        """Run the side effect once and record what came of it (see :meth:`run`)."""
+        key = d.key
+        try:
+            value = self.effect.perform(payload, key)
+        except self.passthrough as exc:
+            # The body handed control back (Celery's retry()): by that contract nothing was sent.
+            self.released(d, claim, {"reason": "body_retried", "at": time.time()})
+            return Step(Outcome.RETRY, Action.RAISE, key, error=exc)
+        except PermanentSendError as exc:
+            return self.record_final(d, claim, State.FAILED, error_record(exc, exc.reason, type(exc)),
+                                     exc.with_key(key))
+        except SendNeedsReview as exc:
+            return self.record_final(d, claim, State.REVIEW, error_record(exc, exc.reason, SendNeedsReview),
+                                     exc.with_key(key))
+        except TransientSendError as exc:
+            return self.retry_or_park(d, claim, exc, exc.reason, sent_maybe=False)
+        except Exception as exc:  # anything else: the side effect may have happened
+            reason = exc.reason if isinstance(exc, AmbiguousSendError) else "unexpected_error"
+            return self.retry_or_park(d, claim, exc, reason, sent_maybe=True)
+        return self.record_sent(d, claim, value)
+
+    def retry_or_park(self, d: Delivery, claim: Claim, exc: Exception, reason: str, *, sent_maybe: bool) -> Step:
+        """A failed attempt: release and retry while budget and safety allow, else reconcile or park."""
+        key = d.key
+        retry_safe = not sent_maybe or self.effect.carries_key()
+        budget_left = d.max_retries is None or d.retries < d.max_retries
+        if retry_safe and budget_left:
+            note = {**error_record(exc, reason, type(exc) if isinstance(exc, SendError) else SendError),
+                    "maybe_sent": sent_maybe}
+            self.released(d, claim, note)
+            countdown = self.retry_countdown(d.retries)
+            if isinstance(exc, SendError) and exc.retry_after:
+                countdown = max(countdown, exc.retry_after)
+            # If the release did not land, the retry takes its own claim back instead of waiting on it.
+            return Step(Outcome.RETRY, Action.RETRY, key, error=exc, countdown=countdown,
+                        carry={OWNER_HEADER: claim.record.owner})
+        if sent_maybe:
+            found = self.reconciled(d, claim.record)
+            if found is not None:
+                return self.record_sent(d, claim, found, reconciled=True)
+            why = "retries_exhausted" if retry_safe else reason
+            parked = SendNeedsReview(f"outcome unknown ({reason}): {exc}", reason=why, key=key)
+            parked.__cause__ = exc
+            return self.record_final(d, claim, State.REVIEW, error_record(exc, why, SendNeedsReview), parked)
+        failed = PermanentSendError(f"gave up after {d.retries} retries: {exc}", reason="retries_exhausted", key=key)
+        failed.__cause__ = exc
+        return self.record_final(d, claim, State.FAILED, error_record(exc, "retries_exhausted", PermanentSendError),
+                                 failed)
+
+    def retry_countdown(self, retries: int) -> float:
+        p = self.policy
+        return backoff(retries, p.retry_backoff, p.retry_backoff_max, jitter=p.retry_jitter)
+
+    # -- recording --
+
+    def record_sent(self, d: Delivery, claim: Claim, value: Any, *, reconciled: bool = False) -> Step:
+        """Record ``sent`` with the side effect's result; the step returns the outcome."""
+        key, token = d.key, claim.token
+        stored = {"value": value, "message_id": message_id_of(value)}
+        unrecorded: str | None = None  # why the ledger does not hold this send, if it does not
+        for attempt in range(COMPLETE_ATTEMPTS + 1):
+            try:
+                self.ledger.complete(key, token, stored)
+                break
+            except UnserializableArgumentsError:
+                # The send happened; a result JSON cannot hold must not keep it from being recorded.
+                stored = {"value": None, "message_id": stored["message_id"], "unserializable": type(value).__name__}
+            except StaleTokenError as exc:
+                # Our lease was taken over while we ran; the newer holder's record wins. If it also
+                # sent (no key downstream), the intent went out twice: said loudly.
+                log.error("idemmail: %s completed after losing its lease: %s", key, exc)
+                unrecorded = "lease_lost"
+                break
+            except LedgerError as exc:
+                if attempt < COMPLETE_ATTEMPTS and isinstance(exc, LedgerUnavailableError):
+                    time.sleep(0.1 * 2 ** attempt)
+                    continue
+                log.error("idemmail: %s was sent but could not be recorded yet: %s", key, exc)
+                unrecorded = "unrecorded"
+                break
+        outcome = sent_outcome("sent", key, stored, time.time())
+        if unrecorded == "unrecorded":
+            # The verdict travels with the next delivery, which takes this claim back and records it;
+            # meanwhile the lease keeps any copy from sending again.
+            self.effect.report(Outcome.SENT, key, message_id=outcome["message_id"], reason=unrecorded,
+                               recorded="false")
+            return self.unavailable(d, LedgerUnavailableError(f"{key}: sent, not yet recorded"), carry={
+                OWNER_HEADER: claim.record.owner, VERDICT_HEADER: {"state": "sent", "result": stored}},
+                value=outcome)
+        if unrecorded:
+            self.effect.report(Outcome.SENT, key, message_id=outcome["message_id"], reason=unrecorded,
+                               recorded="false")
+        else:
+            self.effect.report(Outcome.SENT, key, message_id=outcome["message_id"],
+                               reason="reconciled" if reconciled else None)
+        return Step(Outcome.SENT, Action.RETURN, key, value=outcome)
+
+    def record_final(self, d: Delivery, claim: Claim, state: State, error: dict[str, Any],
+                     exc: BaseException) -> Step:
+        """Record ``failed`` or ``review`` and raise ``exc``; a ledger that cannot take it now
+        gets it from the next delivery of this chain (the claim is never left to nobody)."""
+        outcome = Outcome.FAILED if state is State.FAILED else Outcome.REVIEW
+        move = self.ledger.fail if state is State.FAILED else self.ledger.park
+        reason = str(error.get("reason") or "")
+        try:
+            move(d.key, claim.token, error)
+        except LedgerUnavailableError as exc_ledger:
+            log.error("idemmail: could not record %s for %s yet: %s", state.value, d.key, exc_ledger)
+            self.effect.report(outcome, d.key, reason=reason, recorded="false", error=snake(type(exc_ledger).__name__))
+            return self.unavailable(d, exc_ledger, carry={
+                OWNER_HEADER: claim.record.owner, VERDICT_HEADER: {"state": state.value, "error": error}},
+                error=exc)
+        except LedgerError as exc_ledger:  # the claim was taken over: the newer holder's record wins
+            log.error("idemmail: could not record %s for %s: %s", state.value, d.key, exc_ledger)
+            self.effect.report(outcome, d.key, reason=reason, recorded="false", error=snake(type(exc_ledger).__name__))
+            return Step(outcome, Action.RAISE, d.key, error=exc)
+        self.effect.report(outcome, d.key, reason=reason)
+        return Step(outcome, Action.RAISE, d.key, error=exc)
+
+    def record_verdict(self, d: Delivery, claim: Claim, verdict: dict[str, Any]) -> Step:
+        """Record what an earlier delivery of this chain decided and could not record."""
+        state = str(verdict.get("state"))
+        if state == State.SENT.value:
+            result = verdict.get("result") or {}
+            return self.record_sent(d, claim, result.get("value"), reconciled=False)
+        error = verdict.get("error") or {}
+        reason = str(error.get("reason") or state)
+        message = str(error.get("message") or reason)
+        if state == State.FAILED.value:
+            return self.record_final(d, claim, State.FAILED, error, PermanentSendError(message, reason, d.key))
+        return self.record_final(d, claim, State.REVIEW, error, SendNeedsReview(message, reason, d.key))
+
+    def released(self, d: Delivery, claim: Claim, note: dict[str, Any]) -> None:
+        """Release the claim (nothing left the process); reported as a retry. A release that fails
+        needs nothing more: the retry it precedes carries the owner and takes the claim back."""
+        self.guarded(lambda: self.ledger.release(d.key, claim.token, note),
+                     report=lambda **landed: self.effect.report(Outcome.RETRY, d.key, reason=note.get("reason"),
+                                                                **landed))
+
+    def guarded(self, move: Callable[[], Any], report: Callable[..., None] | None = None) -> None:
+        """Run a ledger move whose failure changes nothing the caller does; say what landed."""
+        landed: dict[str, Any] = {}
+        try:
+            move()
+        except LedgerError as exc:
+            log.warning("idemmail: a ledger move failed (%s: %s)", type(exc).__name__, exc)
+            landed = {"recorded": "false", "error": snake(type(exc).__name__)}
+        if report is not None:
+            report(**landed)
+
+    # -- what the other statuses lead to --
+
+    def replay(self, record: Record) -> Step:
+        """A final record, as a duplicate sees it."""
+        self.effect.report(Outcome.DUPLICATE, record.key, message_id=(record.result or {}).get("message_id"),
+                           reason=(record.error or {}).get("reason"), recorded=record.state.value)
+        if record.state is State.SENT:
+            return Step(Outcome.DUPLICATE, Action.RETURN, record.key,
+                        value=sent_outcome("duplicate", record.key, record.result or {}, record.updated_at))
+        error = record.error or {}
+        message = str(error.get("message") or error.get("reason") or record.state.value)
+        reason = str(error.get("reason") or "")
+        exc: SendError
+        if record.state is State.REVIEW:
+            exc = SendNeedsReview(message, reason=reason, key=record.key)
+        else:
+            cls = SEND_ERRORS.get(str(error.get("type")), PermanentSendError)
+            if not issubclass(cls, PermanentSendError):
+                cls = PermanentSendError
+            exc = cls(message, reason=reason, key=record.key)
+        return Step(Outcome.DUPLICATE, Action.RAISE, record.key, error=exc)
+
+    def in_flight(self, d: Delivery, record: Record) -> Step:
+        """Another holder's claim is live: come back later, on a budget of this chain's own."""
+        p, key = self.policy, d.key
+        if d.inflight >= p.inflight_max_retries:
+            self.effect.report(Outcome.IN_FLIGHT_GAVE_UP, key, reschedules=d.inflight)
+            return Step(Outcome.IN_FLIGHT_GAVE_UP, Action.RAISE, key, error=IdempotencyInFlightError(
+                f"{key} still held by {record.owner} after {d.inflight} reschedules"))
+        if d.hop:
+            try:
+                first = self.ledger.mark_hop(key, d.hop, HOP_TTL_SECONDS)
+            except LedgerError:
+                first = None  # cannot tell: reschedule (a countdown below the visibility timeout keeps copies few)
+            if first is False:  # a copy of this message already rescheduled it: this one drops
+                self.effect.report(Outcome.COPY_DROPPED, key, reschedules=d.inflight)
+                return Step(Outcome.COPY_DROPPED, Action.DROP, key)
+        countdown = backoff(d.inflight, p.inflight_backoff, p.inflight_backoff_max)
+        if record.lease_expires_at:  # no use waiting past the holder's lease: then it can be taken over
+            countdown = min(countdown, max(record.lease_expires_at - time.time(), 0.0) + 0.5)
+        self.effect.report(Outcome.IN_FLIGHT, key, reschedules=d.inflight + 1)
+        return Step(Outcome.IN_FLIGHT, Action.RESCHEDULE, key, countdown=countdown,
+                    error=IdempotencyInFlightError(f"in_flight: {key} held by another worker, "
+                                                   f"reschedule {d.inflight + 1}"),
+                    carry={INFLIGHT_HEADER: d.inflight + 1, OUTAGE_HEADER: d.outage})
+
+    def unavailable(self, d: Delivery, exc: Exception, *, carry: dict[str, Any] | None = None,
+                    value: Any = None, error: BaseException | None = None) -> Step:
+        """The ledger (or the side effect's set-up) cannot be used now: reschedule on the outage budget.
+
+        ``carry`` travels with the next delivery (an owner to take back, a verdict to record).
+        When the budget runs out the step returns ``value`` or raises ``error`` (default ``exc``).
+        """
+        p, key = self.policy, d.key
+        word = snake(type(exc).__name__)
+        if isinstance(exc, (LedgerUnavailableError, UnsafeLedgerError)):
+            _say_unreachable_once(self.ledger, exc)
+        if p.fail_open and isinstance(exc, (LedgerUnavailableError, UnsafeLedgerError)) and VERDICT_HEADER not in (
+                carry or {}):
+            return self.fail_open(d, exc)
+        if p.outage_max_retries is not None and d.outage >= p.outage_max_retries:
+            self.effect.report(Outcome.LEDGER_GAVE_UP, key, reason=word, reschedules=d.outage)
+            if value is not None:
+                return Step(Outcome.SENT, Action.RETURN, key, value=value)
+            return Step(Outcome.LEDGER_GAVE_UP, Action.RAISE, key, error=error or exc)
+        countdown = backoff(d.outage, p.inflight_backoff, p.inflight_backoff_max)
+        if carry and VERDICT_HEADER in carry:  # back before the claim's lease can run out: no copy may take it
+            countdown = min(countdown, p.lease_seconds / 3)
+        self.effect.report(Outcome.LEDGER_UNAVAILABLE, key, reason=word, reschedules=d.outage + 1)
+        return Step(Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE, key, countdown=countdown, error=exc,
+                    carry={INFLIGHT_HEADER: d.inflight, OUTAGE_HEADER: d.outage + 1, **(carry or {})})
+
+    def fail_open(self, d: Delivery, exc: Exception) -> Step:
+        """``fail_open``: run the side effect without a claim (at-least-once, by the operator's choice)."""
+        log.warning("idemmail: fail_open: running %s without a claim", d.key)
+        reason = snake(type(exc).__name__)
+        try:
+            value = self.effect.perform(d.payload, d.key)
+        except BaseException as body_exc:
+            self.effect.report(Outcome.FAIL_OPEN, d.key, reason=reason, recorded="false",
+                               error=snake(type(body_exc).__name__))
+            raise
+        self.effect.report(Outcome.FAIL_OPEN, d.key, message_id=message_id_of(value), reason=reason, recorded="false")
+        return Step(Outcome.FAIL_OPEN, Action.RETURN, d.key, value=value)
+
+    def after_crash(self, d: Delivery, claim: Claim) -> Step | None:
+        """A reclaimed expired lease: its holder died, maybe mid-send. None: run again with the key."""
+        record = claim.record
+        self.effect.report(Outcome.RECLAIMED, d.key, reclaims=record.reclaims)
+        if record.reclaims > self.policy.max_reclaims:
+            reason = "reclaim_limit"  # a poison message that kills its worker every time
+        elif not self.effect.carries_key():
+            found = self.reconciled(d, record)
+            if found is not None:  # the provider has it: record the truth, do not send again
+                return self.record_sent(d, claim, found, reconciled=True)
+            reason = "lease_expired"  # it may have sent, and nothing downstream would dedupe
+        else:
+            log.warning("idemmail: %s reclaimed after an expired lease; resending with the same key", d.key)
+            return None
+        return self.park_unknown(d, claim, reason, f"previous holder {record.owner} lost its lease "
+                                                   f"(reclaims: {record.reclaims})")
+
+    def older_than_loss(self, d: Delivery) -> bool:
+        """Was this message enqueued before an acknowledged ledger loss (``Ledger.recovered_at``)?"""
+        recovered_at = self.ledger.recovered_at
+        if recovered_at is None:
+            return False
+        if d.enqueued_at is None:  # undated: suspect while the loss is recent
+            return time.time() - recovered_at < UNDATED_AFTER_LOSS_SECONDS
+        return d.enqueued_at < recovered_at
+
+    def after_loss(self, d: Delivery, claim: Claim) -> Step | None:
+        """A new claim for a message enqueued before an acknowledged ledger loss.
+
+        The intent may have been sent and recorded in what was lost. With the key carried
+        downstream it is sent with that key (None: run); otherwise reconciled, or parked.
+        """
+        if self.effect.carries_key():
+            return None
+        found = self.reconciled(d, claim.record)
+        if found is not None:
+            return self.record_sent(d, claim, found, reconciled=True)
+        return self.park_unknown(d, claim, "ledger_lost", "enqueued before an acknowledged ledger loss: it may have "
+                                                          "been sent, and the record of it lost")
+
+    def park_unknown(self, d: Delivery, claim: Claim, reason: str, message: str) -> Step:
+        """Park a claim whose outcome cannot be known."""
+        error = {"type": "SendNeedsReview", "reason": reason, "at": time.time(), "message": message}
+        return self.record_final(d, claim, State.REVIEW, error, SendNeedsReview(message, reason=reason, key=d.key))
+
+    def unreadable(self, d: Delivery, claim: Claim) -> Step:
+        """A held claim whose first payload is sealed, in a process without payload keys: parked
+        for review (``payload_key_unknown``); if parking fails, rescheduled as in flight, so a
+        later delivery meets the record again once the claim's lease runs out."""
+        after = park_unreadable(self.ledger, claim)
+        if after.status is ClaimStatus.BUSY:
+            return self.in_flight(d, after.record)
+        self.effect.report(Outcome.REVIEW, d.key, reason=PAYLOAD_KEY_UNKNOWN)
+        return Step(Outcome.REVIEW, Action.RAISE, d.key, error=PayloadKeyError(
+            f"ledger record {d.key} is sealed but this process has no idemmail_payload_keys (parked for review); "
+            "configure the same payload keys as the other workers, then resolve it"))
+
+    def reconciled(self, d: Delivery, record: Record) -> Any | None:
+        """The side effect's service says it happened (its result), or None; asking is best effort."""
+        try:
+            return self.effect.reconcile(d.key, Payload.from_json(record.payload) if record.payload else d.payload)
+        except Exception as exc:  # review is the safe answer
+            log.warning("idemmail: reconciling %s failed: %s", d.key, type(exc).__name__)
+            return None
+
+    def check_reuse(self, d: Delivery, record: Record) -> Step | None:
+        """A key reused with other must-match values is refused (None: it is not)."""
+        builder = self.builder
+        if not builder.must_match or builder.fingerprint_matches(record.fingerprint, d.payload):
+            return None
+        if record.payload is None or is_sealed(record.payload):
+            # Erased on sent, forgotten, or sealed with keys this process lacks: the fingerprint covers them.
+            fields = tuple(builder.must_match)
+            detail = "(its first payload is erased or sealed, so they could not be compared one by one)"
+            message = f"key {record.key} was first used with other values of {' or '.join(fields)} {detail}"
+        else:
+            fields = builder.mismatched_fields(Payload.from_json(record.payload), d.payload)
+            if not fields:
+                return None
+            message = f"key {record.key} was first used with other values of {', '.join(fields)}"
+        self.effect.report(Outcome.KEY_REUSE, record.key, reason=",".join(fields))
+        return Step(Outcome.KEY_REUSE, Action.RAISE, record.key,
+                    error=IdempotencyKeyReuseError(message, key=record.key, fields=fields))
+
+
+_said_unreachable: set[int] = set()
+_said_lock = threading.Lock()
+
+
+def _say_unreachable_once(ledger: Ledger, exc: Exception) -> None:
+    """One ERROR line per process and ledger when it stops answering; each delivery then reports INFO."""
+    with _said_lock:
+        if id(ledger) in _said_unreachable:
+            return
+        _said_unreachable.add(id(ledger))
+    what = "lost (see the CRITICAL log line)" if isinstance(exc, LedgerLostError) else "unreachable"
+    log.error("idemmail: ledger %s (%s); tasks retry until it is back", what, exc)
+
+
+def sent_outcome(status: str, key: str, stored: dict[str, Any], at: float) -> dict[str, Any]:
+    """What a task returns for a ``sent`` or ``duplicate`` outcome (and agent tools show)."""
+    return {
+        "status": status,
+        "key": key,
+        "message_id": stored.get("message_id"),
+        "sent_at": _iso(at),
+        "result": stored.get("value"),
+    }
+
+
+def _iso(ts: float | None) -> str | None:
+    import datetime as dt
+
+    return None if not ts else dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat()
+
+
+def verdict_of(header: Any) -> dict[str, Any] | None:
+    """A verdict header as the broker returns it (a dict, or JSON text); None when absent or malformed."""
+    if isinstance(header, str):
+        try:
+            header = json.loads(header)
+        except ValueError:
+            return None
+    if isinstance(header, dict) and header.get("state") in (State.SENT.value, State.FAILED.value, State.REVIEW.value):
+        return header
+    return None

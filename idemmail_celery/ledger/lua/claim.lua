@@ -1,0 +1,48 @@
+-- Runs after prelude.lua.
+-- ARGV: epoch, id, payload, fingerprint, lease (ms), resume_owner ('' for none), then the task
+-- name's chunks (their count first), then the owner's.
+if lost() then return {'lost'} end
+local rec, id = KEYS[1], ARGV[2]
+local n = now()
+local lease = n + tonumber(ARGV[5]) * 1000
+local h = redis.call('HGETALL', rec)
+if #h == 0 then
+  move(id, nil, 'claimed', n)
+  local fields = {'s', 'claimed', 't', 1, 'l', lease, 'a', 1, 'c', 0, 'f', ARGV[4], 'k', n, 'u', n}
+  chunks(fields, 'o', chunks(fields, 'n', 7))
+  redis.call('HSET', rec, unpack(fields))
+  redis.call('SET', KEYS[8], ARGV[3])
+  return {'acquired', n, lease}
+end
+local f = fields_of(h)
+local state = f.s
+local status = 'reopened'
+if state == 'claimed' then
+  local holder = joined(f, 'o')
+  local at = 8 + tonumber(ARGV[7])
+  local own = table.concat({unpack(ARGV, at + 1, at + tonumber(ARGV[at]))})
+  -- Resumed: this chain's earlier claim (resume_owner), or this very request run twice (a client
+  -- that retried after the reply was lost): the owner carries a nonce, so nobody else matches.
+  if (ARGV[6] ~= '' and holder == ARGV[6]) or holder == own then
+    status = 'resumed'
+  elseif tonumber(f.l or 0) > n then
+    return {'busy', h, redis.call('GET', KEYS[8])}
+  else
+    status = 'reclaimed'
+    redis.call('HINCRBY', rec, 'c', 1)
+  end
+elseif state ~= 'released' then
+  return {'done', h, redis.call('GET', KEYS[8])}
+end
+move(id, state, 'claimed', n)
+redis.call('HINCRBY', rec, 't', 1)
+redis.call('HINCRBY', rec, 'a', 1)
+local old = {}  -- the owner's chunks: the new owner's may be fewer
+for name in pairs(f) do
+  if string.byte(name) == O then old[#old + 1] = name end
+end
+if #old > 0 then redis.call('HDEL', rec, unpack(old)) end
+local fields = {'s', 'claimed', 'l', lease, 'u', n}
+chunks(fields, 'o', 8 + tonumber(ARGV[7]))
+redis.call('HSET', rec, unpack(fields))
+return {status, redis.call('HGETALL', rec), redis.call('GET', KEYS[8])}

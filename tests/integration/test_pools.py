@@ -1,0 +1,145 @@
+"""The library under the pools email senders run: ``-P threads`` and ``-P gevent``, real workers.
+
+One worker process runs many tasks at once there, so what prefork keeps apart by process is
+shared: the ledger's connections (one per call under way), the lease renewal thread (a greenlet
+under gevent), the one ``task-idemmail`` event dispatcher, and the metrics registry (no
+multiprocess directory needed). Each test runs once per pool, on a Redis broker whose transport
+pool is raised to the concurrency (see docs/deployment.md, "Pools").
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from idemmail_celery import SendNeedsReview
+from idemmail_celery.ledger import State
+
+from ..conftest import wait_for
+from .conftest import WorkerProcess, results
+from .test_monitoring import free_port, scrape
+
+CONCURRENCY = {"threads": "20", "gevent": "100"}
+
+
+@pytest.fixture(params=sorted(CONCURRENCY))
+def pool(request: pytest.FixtureRequest) -> str:
+    if request.param == "gevent":
+        pytest.importorskip("gevent")
+    return str(request.param)
+
+
+def pool_worker(start_worker: Callable[..., WorkerProcess], pool: str, *args: str, **env: str) -> WorkerProcess:
+    return start_worker("-P", pool, "-c", CONCURRENCY[pool], *args,
+                        env={"IDEMMAIL_TEST_MAX_CONNECTIONS": str(2 * int(CONCURRENCY[pool])), **env})
+
+
+class EventTap:
+    """Every event on the app's broker, received in a thread of the test process."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.events: list[dict[str, Any]] = []
+        self.conn = app.connection_for_read()
+        self.receiver = app.events.Receiver(self.conn, handlers={"*": self.events.append})
+        self.thread = threading.Thread(target=self._run, name="event-tap", daemon=True)
+
+    def _run(self) -> None:
+        self.receiver.capture(limit=None, timeout=None, wakeup=False)
+
+    def start(self) -> EventTap:
+        self.thread.start()
+        # Events are fanned out: only those sent after the tap's queue exists arrive. Probe until one does.
+        with self.app.connection_for_write() as conn:
+            dispatcher = self.app.events.Dispatcher(conn, hostname="event-tap-probe")
+
+            def seen() -> bool:
+                dispatcher.send("tap-probe")
+                return any(e["type"] == "tap-probe" for e in self.events[:])
+
+            wait_for(seen, timeout=20, interval=0.2)
+            dispatcher.close()
+        return self
+
+    def of_type(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events[:] if e["type"] == kind]
+
+    def stop(self) -> None:
+        self.receiver.should_stop = True
+        self.thread.join(timeout=10)
+        self.conn.release()
+
+
+@pytest.fixture
+def event_tap(app_module: Any) -> Iterator[EventTap]:
+    tap = EventTap(app_module.app).start()
+    try:
+        yield tap
+    finally:
+        tap.stop()
+
+
+def test_copies_enqueued_at_once_deliver_each_intent_once(
+    pool: str, app_module: Any, sink: Any, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    """60 intents, 3 copies each, all in the queue before the worker starts: claims race inside one process."""
+    send = app_module.send
+    ars = [send.delay(f"user{i}@example.com", i) for i in range(60) for _ in range(3)]
+    pool_worker(start_worker, pool)
+    out = results(ars, timeout=120)
+    assert Counter(o["status"] for o in out) == {"sent": 60, "duplicate": 120}
+    deliveries = sink.deliveries()
+    assert len(deliveries) == 60
+    assert len({d.split("|")[0] for d in deliveries}) == 60
+    keys = {send.intent_key(f"user{i}@example.com", i) for i in range(60)}
+    assert {send.ledger.get(k).state for k in keys} == {State.SENT}  # type: ignore[union-attr]
+
+
+def test_a_body_outliving_its_lease_keeps_its_claim(
+    pool: str, app_module: Any, sink: Any, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    """Lease 2 s, body 5 s: the renewal thread (a greenlet under gevent) keeps the claim, so the copy
+    that arrives meanwhile waits and replays instead of reclaiming (which, with no key downstream,
+    would park the intent for review)."""
+    pool_worker(start_worker, pool, IDEMMAIL_TEST_LEASE="2")
+    sink.control("hold", "5")
+    first = app_module.send.delay("lee@example.com", 11)
+    wait_for(lambda: sink.pids())
+    second = app_module.send.delay("lee@example.com", 11)
+    out = results([first, second], timeout=90)
+    assert [o["status"] for o in out] == ["sent", "duplicate"]
+    assert len(sink.deliveries()) == 1
+    record = app_module.send.ledger.get(app_module.send.intent_key("lee@example.com", 11))
+    assert record is not None and record.state is State.SENT and record.reclaims == 0
+
+
+def test_outcome_events_and_metrics_from_concurrent_tasks(
+    pool: str, app_module: Any, sink: Any, start_worker: Callable[..., WorkerProcess], event_tap: EventTap
+) -> None:
+    """Ten sends that end in review at once: ten task-idemmail events through the one shared dispatcher,
+    and the outcome counters served from the worker's own registry."""
+    port = free_port()
+    pool_worker(start_worker, pool, "-E", IDEMMAIL_TEST_METRICS_PORT=str(port))
+    send = app_module.send
+    for _ in range(10):
+        sink.push_failure("ambiguous")
+    reviews = results([send.delay(f"rev{i}@example.com", 100 + i) for i in range(10)], timeout=90)
+    assert all(isinstance(o, SendNeedsReview) for o in reviews), reviews
+    sent = results([send.delay(f"ok{i}@example.com", 200 + i) for i in range(5) for _ in range(2)], timeout=90)
+    assert Counter(o["status"] for o in sent) == {"sent": 5, "duplicate": 5}
+
+    wait_for(lambda: len([e for e in event_tap.of_type("task-idemmail") if e["status"] == "review"]) >= 10)
+    events = [e for e in event_tap.of_type("task-idemmail") if e["status"] == "review"]
+    assert len(events) == 10
+    assert {e["key"] for e in events} == {send.intent_key(f"rev{i}@example.com", 100 + i) for i in range(10)}
+
+    def outcome(status: str) -> float:
+        metrics = scrape(port)
+        return metrics.get(("idemmail_outcomes_total", (("outcome", status), ("task", send.name))), 0.0)
+
+    wait_for(lambda: outcome("duplicate") == 5)
+    assert (outcome("review"), outcome("sent"), outcome("duplicate")) == (10, 5, 5)

@@ -1,0 +1,336 @@
+"""The state machine without Celery: every decision of the handler, on every real backend.
+
+A :class:`Mailbox` stands in for the side effect (it counts what it was asked to send and can
+be told to fail); the ledgers are real (Redis, PostgreSQL, MariaDB, SQLite). Where a ledger
+must fail at one move, a :class:`LedgerWrapper` refuses that move, as a store that just went
+away would, and passes everything else to the real backend.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+import pytest
+
+from idemmail_celery._common import INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER
+from idemmail_celery.errors import (
+    AmbiguousSendError,
+    ConfigurationError,
+    IdempotencyInFlightError,
+    InvalidEmail,
+    LedgerUnavailableError,
+    PermanentSendError,
+    SendNeedsReview,
+    TransientSendError,
+)
+from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Policy, Step
+from idemmail_celery.keys import IntentKeyBuilder, Payload
+from idemmail_celery.ledger import ClaimRequest, Ledger, State
+from idemmail_celery.ledger.wrapper import LedgerWrapper
+
+
+class Mailbox:
+    """The side effect: records each send; ``fail_with`` makes the next sends raise."""
+
+    def __init__(self, *, carries_key: bool = False) -> None:
+        self.sent: list[tuple[str, Any]] = []
+        self.fail_with: BaseException | None = None
+        self.invalid: BaseException | None = None
+        self.keyed = carries_key
+        self.found: Any = None
+        self.reports: list[tuple[Outcome, dict[str, Any]]] = []
+
+    def check(self, payload: Payload) -> None:
+        if self.invalid is not None:
+            raise self.invalid
+
+    def perform(self, payload: Payload, key: str) -> Any:
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.sent.append((key, payload.kwargs.get("body")))
+        return {"message_id": f"m-{len(self.sent)}"}
+
+    def carries_key(self) -> bool:
+        return self.keyed
+
+    def reconcile(self, key: str, payload: Payload) -> Any:
+        return self.found
+
+    def report(self, outcome: Outcome, key: str, **fields: Any) -> None:
+        self.reports.append((outcome, fields))
+
+
+class Refusing(LedgerWrapper):
+    """A real ledger that refuses the named moves while ``down`` holds them (the store went away)."""
+
+    def __init__(self, inner: Ledger) -> None:
+        super().__init__(inner)
+        self.down: set[str] = set()
+
+    def claim(self, request: ClaimRequest) -> Any:
+        if "claim_lost_reply" in self.down:  # the store runs it; its reply never comes back
+            self.inner.claim(request)
+            raise LedgerUnavailableError("reply lost")
+        return self.inner.claim(request)
+
+    def _finish(self, key: str, token: int, state: State, **kw: Any) -> None:
+        if state.value in self.down:
+            raise LedgerUnavailableError(f"store went away ({state.value})")
+        self.inner._finish(key, token, state, **kw)
+
+
+def build(ledger: Ledger, mailbox: Mailbox | None = None, **policy: Any) -> tuple[Handler, Mailbox]:
+    builder = IntentKeyBuilder(task_name="tests.mail", signature=inspect.signature(lambda to, body="": None))
+    box = mailbox or Mailbox()
+    policy.setdefault("lease_seconds", 30.0)
+    return Handler(ledger, builder, Policy(**policy), box), box
+
+
+def delivery(key: str, body: str = "first", **kw: Any) -> Delivery:
+    kw.setdefault("max_retries", 3)
+    return Delivery(key=key, task_name="tests.mail", payload=Payload([], {"to": "ann@example.com", "body": body}),
+                    attempt_id="task-1", **kw)
+
+
+def next_of(d: Delivery, step: Step, **kw: Any) -> Delivery:
+    """The next delivery of a chain, as the adapter would make it from ``step.carry``."""
+    carry = step.carry
+    return delivery(d.key, d.payload.kwargs["body"], inflight=carry.get(INFLIGHT_HEADER, 0),
+                    outage=carry.get(OUTAGE_HEADER, 0), resume_owner=carry.get(OWNER_HEADER),
+                    verdict=carry.get(VERDICT_HEADER), **kw)
+
+
+def test_first_delivery_sends_and_duplicates_replay_it(ledger: Ledger) -> None:
+    handler, box = build(ledger)
+    first = handler.handle(delivery("h1"))
+    assert (first.outcome, first.action) == (Outcome.SENT, Action.RETURN)
+    assert first.value["status"] == "sent" and first.value["message_id"] == "m-1"
+    again = handler.handle(delivery("h1", "rewritten"))
+    assert (again.outcome, again.action) == (Outcome.DUPLICATE, Action.RETURN)
+    assert again.value["message_id"] == "m-1" and box.sent == [("h1", "first")]
+
+
+def test_transient_failure_releases_and_the_retry_sends_the_first_payload(ledger: Ledger) -> None:
+    handler, box = build(ledger)
+    box.fail_with = TransientSendError("connect refused", reason="connect")
+    step = handler.handle(delivery("h2"))
+    assert (step.outcome, step.action) == (Outcome.RETRY, Action.RETRY) and step.countdown > 0
+    record = ledger.get("h2")
+    assert record is not None and record.state is State.RELEASED
+    box.fail_with = None
+    done = handler.handle(delivery("h2", "regenerated", retries=1, resume_owner=step.carry[OWNER_HEADER]))
+    assert done.outcome is Outcome.SENT and box.sent == [("h2", "first")]
+
+
+def test_transient_failures_past_the_budget_end_failed(ledger: Ledger) -> None:
+    handler, box = build(ledger)
+    box.fail_with = TransientSendError("still down", reason="connect")
+    step = handler.handle(delivery("h3", retries=3, max_retries=3))
+    assert (step.outcome, step.action) == (Outcome.FAILED, Action.RAISE)
+    assert isinstance(step.error, PermanentSendError) and step.error.reason == "retries_exhausted"
+    record = ledger.get("h3")
+    assert record is not None and record.state is State.FAILED
+
+
+def test_permanent_failure_is_recorded_and_replayed(ledger: Ledger) -> None:
+    handler, box = build(ledger)
+    box.fail_with = PermanentSendError("mailbox unavailable", reason="rejected")
+    step = handler.handle(delivery("h4"))
+    assert (step.outcome, step.action) == (Outcome.FAILED, Action.RAISE)
+    box.fail_with = None
+    dup = handler.handle(delivery("h4"))
+    assert dup.outcome is Outcome.DUPLICATE and isinstance(dup.error, PermanentSendError)
+    assert dup.error.reason == "rejected" and box.sent == []
+
+
+@pytest.mark.parametrize("carries_key", [False, True])
+def test_a_maybe_sent_failure_is_parked_unless_the_key_travels(ledger: Ledger, carries_key: bool) -> None:
+    handler, box = build(ledger, Mailbox(carries_key=carries_key))
+    box.fail_with = AmbiguousSendError("read timeout", reason="timeout")
+    step = handler.handle(delivery("h5"))
+    record = ledger.get("h5")
+    assert record is not None
+    if carries_key:
+        assert step.action is Action.RETRY and record.state is State.RELEASED
+    else:
+        assert (step.outcome, step.action) == (Outcome.REVIEW, Action.RAISE) and record.state is State.REVIEW
+        assert isinstance(step.error, SendNeedsReview)
+
+
+def test_a_maybe_sent_failure_the_provider_confirms_is_recorded_sent(ledger: Ledger) -> None:
+    handler, box = build(ledger)
+    box.fail_with = AmbiguousSendError("read timeout", reason="timeout")
+    box.found = {"message_id": "m-found"}
+    step = handler.handle(delivery("h6"))
+    assert step.outcome is Outcome.SENT and step.value["message_id"] == "m-found"
+    record = ledger.get("h6")
+    assert record is not None and record.state is State.SENT
+
+
+def test_invalid_input_ends_failed_and_stores_nothing(ledger: Ledger) -> None:
+    handler, box = build(ledger)
+    box.invalid = InvalidEmail("header injection in subject", field="subject")
+    step = handler.handle(delivery("h7"))
+    assert (step.outcome, step.action) == (Outcome.FAILED, Action.RAISE)
+    assert isinstance(step.error, PermanentSendError) and step.error.reason == "invalid_email"
+    assert ledger.get("h7") is None and box.sent == []
+
+
+def test_a_side_effect_that_cannot_be_set_up_waits_on_the_outage_budget_unclaimed(ledger: Ledger) -> None:
+    handler, box = build(ledger, outage_max_retries=2)
+    box.invalid = ConfigurationError("no API key")
+    step = handler.handle(delivery("h8"))
+    assert (step.outcome, step.action) == (Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE)
+    assert step.carry[OUTAGE_HEADER] == 1 and ledger.get("h8") is None
+    last = handler.handle(delivery("h8", outage=2))
+    assert (last.outcome, last.action) == (Outcome.LEDGER_GAVE_UP, Action.RAISE)
+    assert isinstance(last.error, ConfigurationError) and ledger.get("h8") is None
+
+
+def test_a_live_claim_reschedules_within_the_holders_lease_and_gives_up_on_budget(ledger: Ledger) -> None:
+    handler, box = build(ledger, inflight_backoff=50.0, inflight_backoff_max=60.0, inflight_max_retries=2)
+    ledger.claim(ClaimRequest(key="h9", task_name="tests.mail", payload='{"args":[],"kwargs":{}}', fingerprint="",
+                              owner="other:1", lease_seconds=5.0))
+    step = handler.handle(delivery("h9", hop="msg-1"))
+    assert (step.outcome, step.action) == (Outcome.IN_FLIGHT, Action.RESCHEDULE)
+    assert step.countdown <= 5.5  # not past the holder's lease: then it can be taken over
+    assert step.carry[INFLIGHT_HEADER] == 1
+    gave_up = handler.handle(delivery("h9", inflight=2, hop="msg-3"))
+    assert gave_up.outcome is Outcome.IN_FLIGHT_GAVE_UP and isinstance(gave_up.error, IdempotencyInFlightError)
+    assert box.sent == []
+
+
+def test_a_second_copy_of_one_reschedule_drops(ledger: Ledger) -> None:
+    handler, _ = build(ledger)
+    ledger.claim(ClaimRequest(key="h10", task_name="tests.mail", payload='{"args":[],"kwargs":{}}',
+                              fingerprint="", owner="other:1", lease_seconds=30.0))
+    first = handler.handle(delivery("h10", hop="published-1"))
+    copy = handler.handle(delivery("h10", hop="published-1"))  # the broker handed the same message out twice
+    assert first.action is Action.RESCHEDULE
+    assert (copy.outcome, copy.action) == (Outcome.COPY_DROPPED, Action.DROP)
+    other = handler.handle(delivery("h10", hop="published-2"))
+    assert other.action is Action.RESCHEDULE
+
+
+def test_a_claim_whose_reply_was_lost_is_taken_back_by_the_next_delivery(ledger: Ledger) -> None:
+    refusing = Refusing(ledger)
+    handler, box = build(refusing)
+    refusing.down.add("claim_lost_reply")
+    d = delivery("h11")
+    step = handler.handle(d)
+    assert (step.outcome, step.action) == (Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE)
+    record = ledger.get("h11")
+    assert record is not None and record.state is State.CLAIMED  # the store ran it
+    refusing.down.clear()
+    done = handler.handle(next_of(d, step))
+    assert done.outcome is Outcome.SENT and box.sent == [("h11", "first")]  # not "in flight", not review
+
+
+def test_a_release_that_failed_is_taken_back_by_the_retry(ledger: Ledger) -> None:
+    refusing = Refusing(ledger)
+    handler, box = build(refusing)
+    refusing.down.add("released")
+    box.fail_with = TransientSendError("connect refused", reason="connect")
+    d = delivery("h12")
+    step = handler.handle(d)
+    assert step.action is Action.RETRY
+    record = ledger.get("h12")
+    assert record is not None and record.state is State.CLAIMED  # still held: the release did not land
+    refusing.down.clear()
+    box.fail_with = None
+    done = handler.handle(next_of(d, step, retries=1))
+    assert done.outcome is Outcome.SENT and box.sent == [("h12", "first")]
+
+
+@pytest.mark.parametrize("state", ["review", "failed"])
+def test_a_verdict_the_ledger_refused_is_recorded_by_the_next_delivery_without_running(
+    ledger: Ledger, state: str
+) -> None:
+    refusing = Refusing(ledger)
+    handler, box = build(refusing)
+    refusing.down.add(state)
+    box.fail_with = (AmbiguousSendError("read timeout", reason="timeout") if state == "review"
+                     else PermanentSendError("rejected", reason="rejected"))
+    d = delivery("h13")
+    step = handler.handle(d)
+    assert (step.outcome, step.action) == (Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE)
+    assert step.carry[VERDICT_HEADER]["state"] == state
+    refusing.down.clear()
+    box.fail_with = None
+    settled = handler.handle(next_of(d, step))
+    assert settled.action is Action.RAISE and box.sent == []
+    record = ledger.get("h13")
+    assert record is not None and record.state.value == state
+
+
+def test_a_send_the_ledger_could_not_record_is_recorded_by_the_next_delivery_once(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refusing = Refusing(ledger)
+    handler, box = build(refusing)
+    refusing.down.add("sent")
+    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
+    d = delivery("h14")
+    step = handler.handle(d)
+    assert (step.outcome, step.action) == (Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE)
+    assert step.carry[VERDICT_HEADER]["state"] == "sent" and len(box.sent) == 1
+    # Meanwhile a duplicate finds the claim held: it waits, it does not send.
+    assert handler.handle(delivery("h14", hop="dup-1")).outcome is Outcome.IN_FLIGHT
+    refusing.down.clear()
+    done = handler.handle(next_of(d, step))
+    assert done.outcome is Outcome.SENT and done.value["message_id"] == "m-1"
+    record = ledger.get("h14")
+    assert record is not None and record.state is State.SENT and len(box.sent) == 1
+
+
+@pytest.mark.parametrize("carries_key", [False, True])
+def test_a_dead_holders_claim_is_resent_with_the_key_or_parked(ledger: Ledger, carries_key: bool) -> None:
+    handler, box = build(ledger, Mailbox(carries_key=carries_key))
+    ledger.claim(ClaimRequest(key="h15", task_name="tests.mail", payload=delivery("h15").payload.to_json(),
+                              fingerprint="", owner="dead:1", lease_seconds=0.2))
+    time.sleep(0.35)
+    step = handler.handle(delivery("h15"))
+    record = ledger.get("h15")
+    assert record is not None
+    if carries_key:
+        assert step.outcome is Outcome.SENT and len(box.sent) == 1 and record.state is State.SENT
+    else:
+        assert step.outcome is Outcome.REVIEW and box.sent == [] and record.state is State.REVIEW
+        assert record.error is not None and record.error["reason"] == "lease_expired"
+
+
+def test_a_body_that_hands_back_control_releases_its_claim(ledger: Ledger) -> None:
+    class Handback(Exception):
+        pass
+
+    builder = IntentKeyBuilder(task_name="tests.mail", signature=inspect.signature(lambda to, body="": None))
+    box = Mailbox()
+    handler = Handler(ledger, builder, Policy(), box, passthrough=(Handback,))
+    box.fail_with = Handback()
+    step = handler.handle(delivery("h16"))
+    assert (step.outcome, step.action) == (Outcome.RETRY, Action.RAISE) and isinstance(step.error, Handback)
+    record = ledger.get("h16")
+    assert record is not None and record.state is State.RELEASED
+
+
+def test_an_intent_recorded_under_an_older_secret_is_found_during_a_rotation(ledger: Ledger) -> None:
+    handler, box = build(ledger)
+    first = handler.handle(delivery("old-key"))  # sent before the rotation, under the old secret's key
+    assert first.outcome is Outcome.SENT
+    again = handler.handle(delivery("new-key", older_keys=("older-still", "old-key")))
+    assert again.outcome is Outcome.DUPLICATE and again.key == "old-key" and len(box.sent) == 1
+    fresh = handler.handle(delivery("new-key-2", older_keys=("never-used",)))
+    assert fresh.outcome is Outcome.SENT and fresh.key == "new-key-2"
+    assert ledger.get("never-used") is None
+
+
+def test_a_carried_verdict_is_recorded_whatever_the_claim_finds_and_nothing_runs_again(ledger: Ledger) -> None:
+    handler, box = build(ledger)
+    sent = {"state": "sent", "result": {"value": {"message_id": "m-earlier"}, "message_id": "m-earlier"}}
+    # The record went away meanwhile (an operator released it, or it was purged): still not sent again.
+    step = handler.handle(delivery("h17", resume_owner="gone:1", verdict=sent))
+    assert step.outcome is Outcome.SENT and box.sent == []
+    record = ledger.get("h17")
+    assert record is not None and record.state is State.SENT and record.result["message_id"] == "m-earlier"  # type: ignore[index]

@@ -1,0 +1,82 @@
+"""The Celery adapter's own rules: countdowns below the visibility timeout, budgets per chain,
+Celery's retry attributes honoured."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from idemmail_celery import IdempotentTask
+from idemmail_celery._common import (
+    ENQUEUED_HEADER,
+    HOP_HEADER,
+    INFLIGHT_HEADER,
+    KEY_HEADER,
+    NOT_BEFORE_HEADER,
+    OUTAGE_HEADER,
+    OWNER_HEADER,
+    VERDICT_HEADER,
+)
+from idemmail_celery.task import _chain
+
+
+def make_app(broker: str, **transport: Any) -> Celery:
+    app = Celery("adapter", broker=broker, set_as_current=False)
+    app.conf.update(idemmail_ledger_url="sqlite://", idemmail_key_secret="s", broker_transport_options=transport)
+    return app
+
+
+@pytest.mark.parametrize(("broker", "options", "cap"), [
+    ("redis://127.0.0.1:6379/0", {"visibility_timeout": 10}, 5.0),
+    ("redis://127.0.0.1:6379/0", {}, 1800.0),  # kombu's default: one hour
+    ("sqs://", {"visibility_timeout": 30}, 15.0),
+    ("amqp://guest:guest@127.0.0.1:5672//", {"visibility_timeout": 10}, None),  # AMQP never redelivers a held one
+])
+def test_every_countdown_stays_below_the_visibility_timeout(broker: str, options: dict[str, Any],
+                                                            cap: float | None) -> None:
+    app = make_app(broker, **options)
+
+    @app.task(base=IdempotentTask, name="adapter.t", shared=False)
+    def t(to: str) -> None: ...
+
+    headers: dict[str, Any] = {KEY_HEADER: "k"}
+    before = time.time()
+    countdown = t._split(7200.0, headers)
+    if cap is None:
+        assert countdown == 7200.0 and NOT_BEFORE_HEADER not in headers
+    else:
+        assert countdown == cap
+        assert float(headers[NOT_BEFORE_HEADER]) == pytest.approx(before + 7200.0, abs=2)  # the rest hops
+    assert headers[HOP_HEADER]  # every publish has an id of its own
+    short: dict[str, Any] = {NOT_BEFORE_HEADER: "1"}
+    assert t._split(1.0, short) == 1.0 and NOT_BEFORE_HEADER not in short
+
+
+def test_a_retry_starts_a_new_chain_and_a_reschedule_keeps_its_budgets() -> None:
+    headers = {KEY_HEADER: "k", ENQUEUED_HEADER: "1.0", INFLIGHT_HEADER: 7, OUTAGE_HEADER: 3, OWNER_HEADER: "o:1",
+               VERDICT_HEADER: {"state": "sent"}, HOP_HEADER: "h", NOT_BEFORE_HEADER: "9"}
+    retry = _chain(headers, {OWNER_HEADER: "o:2"}, keep=False)
+    assert retry == {KEY_HEADER: "k", ENQUEUED_HEADER: "1.0", OWNER_HEADER: "o:2"}  # budgets count per chain
+    again = _chain(headers, {INFLIGHT_HEADER: 8, OUTAGE_HEADER: 3}, keep=True)
+    assert again == {KEY_HEADER: "k", ENQUEUED_HEADER: "1.0", INFLIGHT_HEADER: 8, OUTAGE_HEADER: 3}
+
+
+def test_celerys_retry_attributes_set_the_curve_of_transient_retries() -> None:
+    app = make_app("memory://")
+
+    @app.task(base=IdempotentTask, name="adapter.celery_curve", shared=False, retry_backoff=3, retry_backoff_max=20,
+              retry_jitter=False)
+    def curve(to: str) -> None: ...
+
+    @app.task(base=IdempotentTask, name="adapter.own_curve", shared=False)
+    def own(to: str) -> None: ...
+
+    p = curve.policy
+    assert (p.retry_backoff, p.retry_backoff_max, p.retry_jitter) == (3.0, 20.0, False)
+    assert [curve.handler.retry_countdown(n) for n in range(4)] == [3.0, 6.0, 12.0, 20.0]
+    q = own.policy  # without retry_backoff: the idemmail settings (2 s doubling to 300 s, jittered)
+    assert (q.retry_backoff, q.retry_backoff_max, q.retry_jitter) == (2.0, 300.0, True)
+    assert 8.0 <= own.handler.retry_countdown(3) <= 16.0
