@@ -175,10 +175,9 @@ def test_reclaim_limit_parks_a_poison_message(app_module: Any, sink: Any, start_
     ledger = app_module.send.ledger
     key = app_module.send.intent_key("poison@example.com", 13)
     payload = app_module.send.key_builder.payload(("poison@example.com", 13), {})
-    req = ClaimRequest(key=key, task_name=app_module.send.name, payload=payload.to_json(),
-                       fingerprint="f" * 64, lease_seconds=0.05)
-    for _ in range(4):  # four holders that died holding the claim
-        ledger.claim(req)
+    for _ in range(4):  # four holders that died holding the claim (each its own owner)
+        ledger.claim(ClaimRequest(key=key, task_name=app_module.send.name, payload=payload.to_json(),
+                                  fingerprint="f" * 64, lease_seconds=0.05))
         time.sleep(0.1)
     assert ledger.get(key).reclaims == 3
     # The next delivery reclaims a fourth time, beyond the limit of 3: parked.
