@@ -32,12 +32,12 @@ from typing import Any
 from celery import Task, shared_task
 
 from . import outcomes, redaction
-from ._common import OWNER_HEADER, VERDICT_HEADER, transport_visibility_timeout
+from ._common import OWNER_HEADER, VERDICT_HEADER, backoff, transport_visibility_timeout
 from ._lease import keeper
-from .errors import LedgerError
-from .handler import Action, Delivery, Handler, Outcome, Step, verdict_of
+from .errors import LedgerError, SendNeedsReview
+from .handler import Action, Delivery, Handler, Outcome, Step, error_record, verdict_of
 from .keys import Payload
-from .ledger import Claim, ClaimStatus
+from .ledger import Claim
 from .ledger.base import new_owner
 from .mail import TASK_NAME as SEND_EMAIL
 from .mail import SendEmailTask
@@ -78,34 +78,46 @@ class CampaignEffect:
 
 @dataclass
 class BatchResult:
-    """What one batch came to: a step per recipient, in order."""
+    """What one batch came to: a step per recipient, in order.
+
+    ``keys`` are the deliveries' own keys, in the same order: a step's key differs from its
+    delivery's during a key-secret rotation (the recipient was found under an older key).
+    """
 
     steps: list[Step]
+    keys: list[str]
 
     def tally(self) -> Counter[Outcome]:
         """Recipients per outcome: sent, duplicate, failed, review, pending."""
         return Counter(_TALLY.get(s.outcome, Outcome.PENDING) for s in self.steps)
 
     def verdicts(self) -> dict[str, dict[str, Any]]:
-        """Verdicts this batch reached and could not record yet (recipient key -> verdict)."""
-        return {s.key: s.carry[VERDICT_HEADER] for s in self.steps if VERDICT_HEADER in s.carry}
+        """Verdicts this batch reached and could not record yet (delivery key -> verdict)."""
+        return {k: s.carry[VERDICT_HEADER] for k, s in zip(self.keys, self.steps, strict=True)
+                if VERDICT_HEADER in s.carry}
 
 
-def send_batch(handler: Handler, deliveries: Sequence[Delivery], *, owner: str) -> BatchResult:
+
+def send_batch(handler: Handler, deliveries: Sequence[Delivery], *, owner: str, last: bool = False) -> BatchResult:
     """Claim a batch in one round trip and settle every recipient; never raises for one recipient.
 
     ``deliveries`` have distinct keys. Raises :class:`LedgerError` only when the batch claim
     itself fails (nothing was sent; the claims may have landed: retry with ``owner`` as the
-    next pass's ``resume_owner``).
+    next pass's ``resume_owner``). On the ``last`` pass nothing is left held for a next one:
+    a recipient whose settling failed unexpectedly is parked for review.
     """
     steps: dict[int, Step] = {}
     claimable = []
+    keys = [d.key for d in deliveries]
+    deliveries = list(deliveries)
     for i, d in enumerate(deliveries):
         refused = handler.check(d)
         if refused is not None:
             steps[i] = refused
-        else:
-            claimable.append(i)
+            continue
+        if d.older_keys:  # during a key-secret rotation: a recipient recorded under an older key stays there
+            deliveries[i] = handler.recorded_key(d)
+        claimable.append(i)
     claims = handler.ledger.claim_many([handler.request(deliveries[i], owner) for i in claimable])
     held = [(i, c) for i, c in zip(claimable, claims, strict=True) if c.status.holds]
     lease = handler.policy.lease_seconds
@@ -113,26 +125,35 @@ def send_batch(handler: Handler, deliveries: Sequence[Delivery], *, owner: str) 
         keeper.hold(handler.ledger, c.record.key, c.token, lease)
     try:
         for i, claim in zip(claimable, claims, strict=True):
-            steps[i] = _settle_one(handler, deliveries[i], claim)
+            steps[i] = _settle_one(handler, deliveries[i], claim, last=last)
             if claim.status.holds:
                 keeper.drop(handler.ledger, claim.record.key, claim.token)
     finally:
         for _, c in held:
             keeper.drop(handler.ledger, c.record.key, c.token)
-    return BatchResult([steps[i] for i in range(len(deliveries))])
+    return BatchResult([steps[i] for i in range(len(deliveries))], keys)
 
 
-def _settle_one(handler: Handler, d: Delivery, claim: Claim) -> Step:
-    """One recipient: busy is left to its holder for the next pass; everything else as a single send."""
-    if claim.status is ClaimStatus.BUSY:
-        handler.effect.report(Outcome.IN_FLIGHT, d.key)
-        return Step(Outcome.IN_FLIGHT, Action.RESCHEDULE, d.key)
+def _settle_one(handler: Handler, d: Delivery, claim: Claim, *, last: bool) -> Step:
+    """One recipient, exactly as a single send (a busy one is left to its holder for the next pass)."""
     try:
         return handler.settle(d, claim)
-    except Exception as exc:  # a defect must not cancel the campaign: the claim's lease settles this one
-        log.exception("idemmail: settling a campaign recipient failed (%s); its claim is recovered by the lease "
-                      "rules", type(exc).__name__)
-        return Step(Outcome.ERROR, Action.RESCHEDULE, d.key, error=exc)
+    except Exception as exc:  # a defect must not cancel the campaign
+        log.exception("idemmail: settling a campaign recipient failed (%s)", type(exc).__name__)
+        if not claim.status.holds or (handler.effect.carries_key() and not last):
+            # Not ours, or running it again sends under the same key, which the provider de-duplicates:
+            # the next pass takes the claim back (or meets the holder's record).
+            return Step(Outcome.ERROR, Action.RESCHEDULE, d.key, error=exc)
+        # It may have been sent, and nothing downstream would de-duplicate a second try: never run
+        # it again. Parked now; if even that fails, the next pass records the verdict instead.
+        error = error_record(exc, "unexpected_error", SendNeedsReview)
+        try:
+            return handler.park_unknown(d, claim, "unexpected_error",
+                                        f"settling failed ({type(exc).__name__}); it may have been sent")
+        except Exception:
+            log.exception("idemmail: parking a campaign recipient failed; the next pass records it")
+            return Step(Outcome.ERROR, Action.RESCHEDULE, d.key, error=exc,
+                        carry={VERDICT_HEADER: {"state": "review", "error": error}})
 
 
 def _send_campaign(
@@ -156,7 +177,8 @@ def _send_campaign(
     ``review``, ``pending``, and ``total`` recipients. While it runs the task state is
     ``PROGRESS`` with the same counts. Pending recipients (held by another copy, released for
     a transient error, or waiting for the ledger) are retried by rescheduling this task (at
-    most ``MAX_PASSES`` passes).
+    most ``MAX_PASSES`` passes; a verdict of this campaign's own that the ledger has not taken
+    yet is carried until it has, within the outage budget).
     """
     sender: SendEmailTask = self.app.tasks[SEND_EMAIL]
     builder = sender.key_builder
@@ -176,17 +198,19 @@ def _send_campaign(
     # Verdicts still to record: those this pass came with, until their recipients are settled, and
     # those it reaches and cannot record. A pass that stops early carries both on.
     pending_verdicts: dict[str, dict[str, Any]] = dict(verdicts)
+    passes = self.request.retries or 0
+    last = passes >= MAX_PASSES
     size = max(1, int(batch_size))
     for start in range(0, len(deliveries), size):
         try:
-            batch = send_batch(handler, deliveries[start:start + size], owner=owner)
+            batch = send_batch(handler, deliveries[start:start + size], owner=owner, last=last)
         except Exception as exc:  # the ledger failed (or worse): nothing more sent; this pass's claims are ours
             if not isinstance(exc, LedgerError):
                 log.exception("idemmail: campaign %s batch failed; retrying the campaign", campaign_id)
-            raise _again(self, exc, owner, pending_verdicts) from exc
+            raise _again(self, handler, exc, owner, pending_verdicts) from exc
         tally.update(batch.tally())
-        for step in batch.steps:
-            pending_verdicts.pop(step.key, None)
+        for key in batch.keys:
+            pending_verdicts.pop(key, None)
         pending_verdicts.update(batch.verdicts())
         progress = {"total": len(deliveries), "processed": min(start + size, len(deliveries)),
                     **{o.value: n for o, n in tally.items()}}
@@ -195,12 +219,13 @@ def _send_campaign(
         except Exception as exc:  # progress is best effort: a result backend blip must not stop the campaign
             log.warning("idemmail: campaign %s progress not stored: %s", campaign_id, type(exc).__name__)
 
-    if tally[Outcome.PENDING]:
-        if self.request.retries >= MAX_PASSES:
-            log.error("idemmail: campaign %s still has %d recipients pending after %d passes",
-                      campaign_id, tally[Outcome.PENDING], self.request.retries)
-        else:
-            raise _again(self, None, owner, pending_verdicts)
+    if pending_verdicts or (tally[Outcome.PENDING] and not last):
+        # Verdicts of this campaign's own sends are never given up on (the outage budget aside):
+        # the claims they hold would otherwise be left to nobody.
+        raise _again(self, handler, None, owner, pending_verdicts)
+    if tally[Outcome.PENDING]:  # held by other deliveries after MAX_PASSES: theirs to settle
+        log.warning("idemmail: campaign %s leaves %d recipients to the deliveries holding them after %d passes",
+                    campaign_id, tally[Outcome.PENDING], passes)
     return {"campaign_id": campaign_id, "total": len(deliveries),
             **{o.value: tally[o] for o in (Outcome.SENT, Outcome.DUPLICATE, Outcome.FAILED, Outcome.REVIEW,
                                             Outcome.PENDING)}}
@@ -213,21 +238,36 @@ def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: s
     resume = headers.get(OWNER_HEADER) or None
     for to in recipients:
         payload = builder.payload((), {**base, "to": to})
+        older: tuple[str, ...] = ()
         try:
             key = builder.derive(payload, tenant=tenant)
+            older = builder.older_keys(payload, tenant=tenant)  # () unless the key secret is being rotated
         except Exception:  # an address the key cannot be made of: the check refuses it below, by name
             key = f"invalid:{len(out)}"
         if key not in out:
             out[key] = Delivery(key=key, task_name=SEND_EMAIL, payload=payload, attempt_id=request.id or "",
                                 retries=request.retries or 0, max_retries=MAX_PASSES, owner=owner,
-                                resume_owner=resume, verdict=verdict_of(verdicts.get(key)))
+                                resume_owner=resume, verdict=verdict_of(verdicts.get(key)), older_keys=older)
     return list(out.values())
 
 
-def _again(task: Task, exc: BaseException | None, owner: str, verdicts: dict[str, Any]) -> BaseException:
-    """Retry the campaign; the next pass takes this pass's claims back and records its verdicts."""
-    settings = task.app.tasks[SEND_EMAIL].idem_settings
-    countdown = min(settings.inflight_backoff_max, settings.inflight_backoff * 2 ** task.request.retries)
+def _again(task: Task, handler: Handler, exc: BaseException | None, owner: str,
+           verdicts: dict[str, Any]) -> BaseException:
+    """Retry the campaign; the next pass takes this pass's claims back and records its verdicts.
+
+    A pass cut short by the ledger waits on the outage budget (``idemmail_outage_max_retries``,
+    unlimited by default), any other pass on ``MAX_PASSES``; past its budget the campaign fails
+    with the error. Campaigns never fail open.
+    """
+    policy, passes = handler.policy, task.request.retries or 0
+    if exc is not None:
+        budget = policy.outage_max_retries if isinstance(exc, LedgerError) else MAX_PASSES
+        if budget is not None and passes >= budget:
+            log.error("idemmail: campaign gives up after %d passes: %s", passes, type(exc).__name__)
+            return exc
+    countdown = backoff(passes, policy.inflight_backoff, policy.inflight_backoff_max)
+    if verdicts:  # back before the claims' leases can run out: no other delivery may take them over
+        countdown = min(countdown, policy.lease_seconds / 3)
     vt = transport_visibility_timeout(task.app)
     if vt is not None:
         countdown = min(countdown, vt / 2)

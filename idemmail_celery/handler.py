@@ -380,10 +380,11 @@ class Handler:
             if found is not None:
                 return self.record_sent(d, claim, found, reconciled=True)
             why = "retries_exhausted" if retry_safe else reason
-            parked = SendNeedsReview(f"outcome unknown ({reason}): {exc}", reason=why, key=key)
+            parked = SendNeedsReview(f"outcome unknown ({reason}): {scrub(str(exc))}", reason=why, key=key)
             parked.__cause__ = exc
             return self.record_final(d, claim, State.REVIEW, error_record(exc, why, SendNeedsReview), parked)
-        failed = PermanentSendError(f"gave up after {d.retries} retries: {exc}", reason="retries_exhausted", key=key)
+        failed = PermanentSendError(f"gave up after {d.retries} retries: {scrub(str(exc))}", reason="retries_exhausted",
+                                    key=key)
         failed.__cause__ = exc
         return self.record_final(d, claim, State.FAILED, error_record(exc, "retries_exhausted", PermanentSendError),
                                  failed)

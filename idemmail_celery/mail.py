@@ -45,7 +45,7 @@ from celery import Celery, shared_task
 
 from ._common import after_fork
 from .email import EmailMessage
-from .errors import ConfigurationError, InvalidEmail, PermanentSendError, SendError
+from .errors import AmbiguousSendError, ConfigurationError, InvalidEmail, PermanentSendError, SendError
 from .keys import Payload as _Payload
 from .keys import canonical_json, normalize_addresses
 from .providers import Provider
@@ -216,6 +216,11 @@ class SendEmailTask(IdempotentTask):
             # provider), before the error reaches the ledger, the logs, Flower and the result backend.
             scrub_error(exc, message.personal_texts())
             raise
+        except Exception as exc:
+            # Anything else from a provider (a custom one's own exception) may have sent, and its text
+            # may quote the message: it leaves as "maybe sent", scrubbed, with the original cut off.
+            text = scrub(f"{type(exc).__name__}: {exc}", message.personal_texts())
+            raise AmbiguousSendError(text, reason="unexpected_error") from None
         return result.to_dict()
 
     def carries_key(self) -> bool:

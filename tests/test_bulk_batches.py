@@ -21,6 +21,7 @@ from idemmail_celery.bulk import CAMPAIGN_TASK, send_batch
 from idemmail_celery.handler import Delivery, Outcome
 from idemmail_celery.keys import Payload
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger, State
+from idemmail_celery.ledger.wrapper import LedgerWrapper
 
 from .test_handler import Mailbox, Refusing, build
 
@@ -135,3 +136,85 @@ def test_two_spellings_of_one_mailbox_are_one_recipient(tmp_path: Any) -> None:
         "ann@example.com", "ann@EXAMPLE.com", "Ann Smith <ann@example.com>", "bob@example.com"]}).get()
     assert (out["total"], out["sent"]) == (2, 2)
     assert len(list((tmp_path / "out").iterdir())) == 2
+
+
+def campaign_app(tmp_path: Any, secret: Any, name: str = "bulk") -> tuple[Celery, Any]:
+    """A real app on a SQLite ledger and a file provider (one file per delivered email)."""
+    app = Celery(name, set_as_current=False)
+    app.conf.update(idemmail_ledger_url=f"sqlite:///{tmp_path / 'l.sqlite3'}", idemmail_key_secret=secret,
+                    idemmail_provider_url=f"file://{tmp_path / 'out'}", idemmail_default_from="shop@example.com")
+    from idemmail_celery.bulk import _send_campaign
+    from idemmail_celery.mail import register
+
+    register(app)
+    return app, app.task(bind=True, name=CAMPAIGN_TASK, max_retries=None)(_send_campaign)
+
+
+def test_a_campaign_after_a_key_secret_rotation_sends_no_recipient_again(tmp_path: Any) -> None:
+    people = ["ann@example.com", "bob@example.com"]
+    _, before = campaign_app(tmp_path, "old-secret", "bulk-rot-1")
+    first = before.apply(kwargs={"campaign_id": "c-rot", "subject": "Hi", "text": "x", "recipients": people}).get()
+    assert first["sent"] == 2
+    app, after = campaign_app(tmp_path, ["new-secret", "old-secret"], "bulk-rot-2")
+    again = after.apply(kwargs={"campaign_id": "c-rot", "subject": "Hi", "text": "x",
+                                "recipients": [*people, "cy@example.com"]}).get()
+    assert (again["sent"], again["duplicate"]) == (1, 2)
+    assert len(list((tmp_path / "out").iterdir())) == 3  # one email per recipient, ever
+    # A single send of the same intent agrees with the campaign.
+    single = app.tasks["idemmail_celery.send_email"].apply(
+        kwargs={"to": "cy@example.com", "subject": "Hi", "text": "x", "event_id": "c-rot"}).get()
+    assert single["status"] == "duplicate" and len(list((tmp_path / "out").iterdir())) == 3
+
+
+class BrokenComplete(LedgerWrapper):
+    """A real ledger whose completion of ``key`` fails with a defect (not a ledger error) after the send."""
+
+    def __init__(self, inner: Ledger, key: str) -> None:
+        super().__init__(inner)
+        self.key = key
+
+    def complete(self, key: str, token: int, result: Any = None) -> None:
+        if key == self.key:
+            raise RuntimeError("a driver bug")
+        self.inner.complete(key, token, result)
+
+
+def test_a_recipient_whose_settling_broke_after_the_send_is_parked_not_sent_again(ledger: Ledger) -> None:
+    ds = recipients(3, "b5")
+    handler, box = build(BrokenComplete(ledger, ds[1].key))  # the provider does not de-duplicate
+    batch = send_batch(handler, ds, owner="camp:5:aaaa")
+    assert [s.outcome for s in batch.steps] == [Outcome.SENT, Outcome.REVIEW, Outcome.SENT]
+    parked = ledger.get(ds[1].key)
+    assert parked is not None and parked.state is State.REVIEW
+    assert parked.error["reason"] == "unexpected_error"  # type: ignore[index]
+    again = [replace(d, resume_owner="camp:5:aaaa", retries=1) for d in ds]
+    second = send_batch(handler, again, owner="camp:5:bbbb")
+    assert second.tally() == Counter({Outcome.DUPLICATE: 3}) and len(box.sent) == 3  # nothing sent twice
+
+
+def test_a_campaign_never_ends_with_a_verdict_it_could_not_record(tmp_path: Any) -> None:
+    from idemmail_celery.bulk import MAX_PASSES
+    from idemmail_celery.errors import LedgerUnavailableError
+
+    app, campaign = campaign_app(tmp_path, "s", "bulk-verdict")
+    sender = app.tasks["idemmail_celery.send_email"]
+    real = sender.ledger
+
+    class DownOnce(LedgerWrapper):  # the store goes away for the first completion of one recipient
+        refused = 0
+
+        def complete(self, key: str, token: int, result: Any = None) -> None:
+            if self.refused < 4:  # every attempt of the first pass (the handler tries 4 times)
+                self.refused += 1
+                raise LedgerUnavailableError("connection reset")
+            self.inner.complete(key, token, result)
+
+    sender._idem_ledger = DownOnce(real)
+    # The last pass a campaign has: it must still come back to record what it sent (Celery's apply()
+    # runs the retry at once), not return with the recipient's claim held and nothing recorded.
+    out = campaign.apply(kwargs={"campaign_id": "c-v", "subject": "Hi", "text": "x",
+                                 "recipients": ["ann@example.com"]}, retries=MAX_PASSES).get()
+    assert (out["sent"], out["pending"]) == (1, 0)  # recorded by the pass that came back for it
+    record = real.get(sender.intent_key(to="ann@example.com", subject="Hi", text="x", event_id="c-v"))
+    assert record is not None and record.state is State.SENT
+    assert len(list((tmp_path / "out").iterdir())) == 1
