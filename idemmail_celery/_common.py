@@ -104,6 +104,8 @@ def transport_visibility_timeout(app: Any) -> float | None:
             return None
         options = app.conf.broker_transport_options or {}
         value = options.get("visibility_timeout")
-        return 3600.0 if value is None else float(value)  # kombu's default for both transports
+        if value is None:  # kombu's defaults: the Redis transport's, and SQS's own (a queue's may differ)
+            return 1800.0 if scheme == "sqs" else 3600.0
+        return float(value)
     except Exception:  # an unusual conf object: no cap rather than a crash on the task path
         return None
