@@ -56,10 +56,12 @@ SMTP_FAULTS = ("drop_after_data", "stall_after_data", "tempfail_data_command")
 PROVIDERS = ("http", "http-keyless", "smtp")
 FINAL = {State.SENT.value, State.FAILED.value, State.REVIEW.value}
 #: With default settings: more receipts of one task id than this is a storm (a copy waiting out a dead
-#: holder's 30 s lease hops every few seconds below a 10 s visibility timeout: about ten receipts).
-STORM_COPIES = 40
-#: With default settings: the longest a dead worker's intent may wait for its delivery.
-RECOVERY_SECONDS = 90.0
+#: holder's 30 s lease reschedules a few times below a 10 s visibility timeout; 3,268 were seen before
+#: countdowns were capped and copies of one reschedule dropped).
+STORM_COPIES = 12
+#: With default settings: the longest a dead worker's intent may wait for its final record (the 10 s
+#: visibility timeout, then the 30 s lease of its last renewal, then one reschedule's countdown).
+RECOVERY_SECONDS = 75.0
 
 
 @dataclass
@@ -746,7 +748,8 @@ class Run:
         client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
         try:
             starts = [json.loads(x) for x in client.lrange(receipts_key(self.ns), 0, -1)]
-            ends = {(line[0], line[1]) for line in map(json.loads, client.lrange(trace_key(self.ns), 0, -1))}
+            # An execution is its task id, process and start: one task id may run again in the same process.
+            ends = {(line[0], line[1], line[2]) for line in map(json.loads, client.lrange(trace_key(self.ns), 0, -1))}
         finally:
             client.close()
         per_task = Counter(line[0] for line in starts)
@@ -756,7 +759,7 @@ class Run:
             self.log("most_copies", task_id=worst[0], copies=worst[1])
         # Executions that never ended were cut short by a kill: they end at the kill.
         for task_id, pid, start, key in starts:
-            if (task_id, pid) in ends:
+            if (task_id, pid, start) in ends:
                 continue
             for kill_at, children in self.worker_kill_times:
                 if pid in children and start <= kill_at:
@@ -843,6 +846,8 @@ class Run:
             # A storm multiplies copies of one task id; a held claim of a dead worker must not wait long.
             if r.max_copies_per_task > STORM_COPIES:
                 problems.append(f"one task id was handed out {r.max_copies_per_task} times (a storm)")
+            if self.worker_kill_times and not r.killed_executions:
+                problems.append("no whole-worker kill cut an execution short: the recovery time measured nothing")
             if r.kill_to_settled and r.kill_to_settled[-1] > RECOVERY_SECONDS:
                 problems.append(f"an intent cut short by a kill was settled {r.kill_to_settled[-1]:.0f} s later")
         if open_:

@@ -258,3 +258,28 @@ def test_keyless_provider_ambiguous_send_is_reconciled_or_parked(
         else:  # not found (search lags): absence is not proof, so review
             assert isinstance(out, SendNeedsReview) and out.reason == "connection_dropped"
             assert task.ledger.get(out.key).state is State.REVIEW
+
+
+def test_spellings_of_one_intent_reach_the_provider_once(
+    http_env: dict[str, str], fake: FakeProvider, request: pytest.FixtureRequest, start_worker: Any
+) -> None:
+    """cc omitted or empty, an event id as int or text, an IDN domain in Unicode or punycode, a local
+    part in NFC or NFD: each pair is one intent, so one email, through a real worker."""
+    app_module = request.getfixturevalue("app_module")
+    start_worker("-P", "threads", "-c", "4")
+    task = send_email(app_module)
+    base = {"subject": "Receipt", "text": "Thanks"}
+    pairs = [
+        ({**base, "to": "ann@example.com", "event_id": "sp-1"}, {**base, "to": "ann@example.com", "event_id": "sp-1",
+                                                                 "cc": []}),
+        ({**base, "to": "bob@example.com", "event_id": 4821}, {**base, "to": "bob@example.com", "event_id": "4821"}),
+        ({**base, "to": "cy@bücher.example", "event_id": "sp-3"},
+         {**base, "to": "cy@xn--bcher-kva.example", "event_id": "sp-3"}),
+        ({**base, "to": "jos\u00e9@example.com", "event_id": "sp-4"},
+         {**base, "to": "jose\u0301@example.com", "event_id": "sp-4"}),
+    ]
+    out = results([task.delay(**kw) for pair in pairs for kw in pair])
+    assert fake.delivery_count() == len(pairs)
+    for first, second in zip(out[::2], out[1::2], strict=True):
+        assert first["key"] == second["key"]
+        assert sorted((first["status"], second["status"])) == ["duplicate", "sent"]
