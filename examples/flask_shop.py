@@ -23,8 +23,13 @@ Routes (JSON in, JSON out):
   401 (or 400), and nothing is written. The relay task (on beat, every 2 s) publishes committed
   outbox rows.
 * ``POST /webhooks/inbound``: Postmark's inbound-email webhook (HTTP basic auth, checked with
-  :func:`idemmail_celery.webhooks.verify`): the customer gets one auto-reply per inbound
-  message, keyed on its ``MessageID``, however often Postmark delivers the event.
+  :func:`idemmail_celery.webhooks.verify`): a customer gets one auto-reply per inbound
+  message, keyed on its ``MessageID``, however often Postmark delivers the event. Anyone can
+  write any ``From``, so the reply is never an echo: it goes only to a customer on file (at
+  the address on file), carries a fixed subject and text (nothing of the inbound message),
+  is marked ``Auto-Submitted: auto-replied``, and is not sent to automatic mail (RFC 3834:
+  ``Auto-Submitted``, ``Precedence: bulk``, mailing lists). Otherwise an attacker could
+  make the shop mail anyone, under its name, a subject of the attacker's choosing (backscatter).
 
 Run it: ``docker compose up`` (docs/deployment.md), or by hand with Redis on
 loopback, from the repository root::
@@ -252,6 +257,14 @@ def order_paid(order_id: int) -> tuple[Any, int]:
     return jsonify(order_id=order_id, paid=True), 200
 
 
+def automatic(event: dict[str, Any]) -> bool:
+    """Is the inbound message itself automatic (an auto-reply, a bounce, a list)? RFC 3834 says: never answer it."""
+    headers = {str(h.get("Name", "")).lower(): str(h.get("Value", "")).strip().lower()
+               for h in event.get("Headers") or () if isinstance(h, dict)}
+    return (headers.get("auto-submitted", "no") != "no" or headers.get("precedence") in ("bulk", "junk", "list")
+            or "list-id" in headers)
+
+
 @app.post("/webhooks/inbound")
 def inbound_email() -> tuple[Any, int]:
     try:
@@ -259,10 +272,21 @@ def inbound_email() -> tuple[Any, int]:
     except WebhookSignatureError as exc:
         return jsonify(error=str(exc)), 401
     event = request.get_json(force=True)
+    # Answer 200 whatever happens below: a 4xx would make Postmark redeliver the event forever.
+    if automatic(event):
+        return jsonify(replied=False, reason="automatic mail is never answered"), 200
     try:
-        result = send_email.delay(to=event["From"], subject=f"Re: {event.get('Subject', '')}".strip(),
-                         text="Thanks for writing. A person will answer within one working day.",
-                         event_id=f"inbound:{event['MessageID']}", template="auto_reply")
-    except InvalidEmail as exc:  # answer 200 anyway: a 4xx would make Postmark redeliver it forever
-        return jsonify(ignored=str(exc)), 200
+        sender = typed_address(event, "From")  # exactly one address, or InvalidEmail
+    except InvalidEmail as exc:
+        return jsonify(replied=False, reason=str(exc)), 200
+    with Session(engine) as session:
+        on_file = session.execute(
+            sa.select(accounts.c.email).where(accounts.c.email_key == normalize_address(sender))).scalar_one_or_none()
+    if on_file is None:  # From is whatever the sender wrote: answering strangers mails anyone the shop's reply
+        return jsonify(replied=False, reason="not a customer"), 200
+    # Fixed words only: an echoed subject would carry the sender's text, in the shop's name, to a forged From.
+    result = send_email.delay(to=on_file, subject="We received your message",
+                              text="Thanks for writing. A person will answer within one working day.",
+                              headers={"Auto-Submitted": "auto-replied"},
+                              event_id=f"inbound:{event['MessageID']}", template="auto_reply")
     return jsonify(replied=True, task_id=result.id), 200

@@ -50,6 +50,7 @@ from celery.schedules import schedstate, schedule
 
 from ._common import KEY_HEADER
 from .errors import IdemmailError, InvalidEmail
+from .redaction import scrub
 
 log = logging.getLogger("idemmail_celery")
 
@@ -308,8 +309,11 @@ def send_digest(
 
     A recipient whose message is invalid (:class:`~idemmail_celery.errors.InvalidEmail`)
     is skipped and reported, so one bad address does not hold back everyone
-    else's digest. Returns ``{"slot", "event_id", "enqueued": {recipient: key},
-    "invalid": {recipient: reason}}``.
+    else's digest. Returns ``{"slot", "event_id", "enqueued": [key, ...], "invalid":
+    [{"position": i, "reason": text}, ...]}``: the intent key of each message enqueued, in
+    the order of ``recipients``, and each skipped recipient by its position in
+    ``recipients``. No address is in the result or the log (the result is stored by the
+    result backend and shown by Flower): find a recipient by its position in your own list.
     """
     from .mail import TASK_NAME
 
@@ -317,9 +321,9 @@ def send_digest(
         raise SlotMissingError("send_digest needs the slot (use slot_of(self.request, ...))")
     task = app.tasks[TASK_NAME]
     event_id = f"{template}:{slot}"
-    enqueued: dict[str, str] = {}
-    invalid: dict[str, str] = {}
-    for recipient in recipients:
+    enqueued: list[str] = []
+    invalid: list[dict[str, Any]] = []
+    for position, recipient in enumerate(recipients):
         kwargs: dict[str, Any] = {
             **email,
             **build_body(recipient, slot),
@@ -332,11 +336,13 @@ def send_digest(
             # Derived once here and sent as the header, so apply_async does not derive it again.
             headers = task.intent_headers((), kwargs)
         except InvalidEmail as exc:
-            log.error("idemmail: digest %s: skipping %r: %s", event_id, recipient, exc)
-            invalid[recipient] = str(exc)
+            # InvalidEmail never quotes the address; scrubbed all the same, as every text that reaches a log.
+            reason = scrub(str(exc), (str(recipient), *str(recipient).rpartition("@")[::2]))
+            log.error("idemmail: digest %s: skipping recipient #%d: %s", event_id, position, reason)
+            invalid.append({"position": position, "reason": reason})
             continue
         publish = dict(options or {})
         publish["headers"] = {**(publish.get("headers") or {}), **headers}
         task.apply_async((), kwargs, **publish)
-        enqueued[recipient] = headers[KEY_HEADER]
+        enqueued.append(headers[KEY_HEADER])
     return {"slot": slot, "event_id": event_id, "enqueued": enqueued, "invalid": invalid}

@@ -19,6 +19,13 @@ naming the field (``.field``) and the problem, never quoting an address:
   surrogate; TAB only inside the subject and header values, where RFC 5322 allows it.
   ``headers=`` names are RFC 5322 field names (printable ASCII but ``:``), and the names the
   library or provider sets (:data:`RESERVED_HEADERS`, any ``Content-*``/``Resent-*``) are refused.
+* **RFC 2047 encoded words** (``=?charset?q?...?=``) are refused in every header field: the
+  stdlib decodes them wherever it meets them, and a decoded CR LF would start a header of the
+  sender's choosing (CVE-2024-6923: Pythons before 3.11.10, 3.12.5 and 3.13 write it out raw).
+  A field holding ``=?`` and, later, ``?=`` is refused; an address (display name included) may
+  not hold ``=?`` at all, because the stdlib reads a whole list of addresses as one text, and
+  one address's ``=?`` could pair with the next one's ``?=``. Non-ASCII needs no encoding by
+  the caller: :meth:`EmailMessage.to_mime` does it.
 * **Bodies:** no NUL, no lone surrogate; at least one of text and html; the whole message
   at most ``max_bytes``.
 
@@ -65,6 +72,11 @@ _BAD_IN_FIELD = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 # The same with TAB allowed: white space inside an unstructured value (subject, header values).
 _BAD_IN_TEXT = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _BAD_IN_BODY = re.compile("[\x00\ud800-\udfff]")
+# Anything the stdlib could take for an RFC 2047 encoded word: it decodes one inside an unstructured
+# value, a display name, a quoted string or a local part, even in the middle of a word, with white
+# space inside it, and writes a CR LF it decoded as a raw line break before CVE-2024-6923 was fixed.
+# Broader than its own pattern on purpose: what it counts as one has changed between versions.
+_ENCODED_WORD = re.compile(r"=\?.*\?=", re.DOTALL)
 #: RFC 5322 field-name: printable US-ASCII except ":", no longer than fits on a line.
 _FIELD_NAME = re.compile(r"[!-9;-~]{1,76}")
 _MIME_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]{1,64}/[A-Za-z0-9!#$&^_.+-]{1,64}")
@@ -233,7 +245,12 @@ class EmailMessage:
 
         ``message_id`` (e.g. from :func:`message_id_for`) and ``date`` are set when given.
         Bcc is never written into the headers; pass :meth:`recipients` as the envelope.
-        Addresses are handed to the stdlib as parsed ``Address`` objects, never re-parsed by it.
+
+        The stdlib parses every header value it is given, addresses too (it formats each
+        ``Address`` and reads the text back), and decodes any RFC 2047 encoded word it finds:
+        :meth:`build` refuses them for that reason. As a last line, a header that would fold
+        into a line of its own (not a continuation) raises :class:`InvalidEmail` here, so a
+        message made without :meth:`build` cannot add a header line either.
         """
         msg = MIMEMessage(policy=email.policy.SMTP)
         msg["From"] = _mime_address(self.sender)
@@ -261,12 +278,35 @@ class EmailMessage:
             msg.add_attachment(a.content, maintype=maintype or "application",
                                subtype=subtype or "octet-stream", filename=a.filename)
         _fix_boundaries(msg, seed=hashlib.sha256(repr(self.to_payload()).encode()).hexdigest()[:24])
+        _refuse_injected_lines(msg)
         return msg
 
 
 def message_id_for(key: str, domain: str) -> str:
     """A Message-ID derived from the intent key: ``<key@domain>`` (the key is already a hash)."""
     return f"<{key}@{domain}>"
+
+
+#: The field of :class:`EmailMessage` a MIME header comes from, for :func:`_refuse_injected_lines`.
+_FIELD_OF_HEADER = {"from": "from", "to": "to", "cc": "cc", "reply-to": "reply_to", "subject": "subject",
+                    "content-disposition": "attachments.filename"}
+
+
+def _refuse_injected_lines(msg: MIMEMessage) -> None:
+    # Belt and braces behind build()'s checks: fold each header as the generator will and look for
+    # a line that is not a continuation. The stdlib decodes encoded words while it folds, and writes
+    # a CR LF it decoded as a raw line break (CVE-2024-6923), so only the folded text tells.
+    policy = msg.policy
+    for part in msg.walk():
+        for name, value in part.items():
+            lines = policy.fold(name, value).split(policy.linesep)
+            if lines[-1] == "":
+                lines.pop()
+            if any("\r" in line or "\n" in line for line in lines) or any(
+                    line[:1] not in (" ", "\t") for line in lines[1:]):
+                where = _FIELD_OF_HEADER.get(name.lower(), f"headers[{name}]")
+                raise InvalidEmail(f"{where} would write a header line of its own (header injection through an "
+                                   "RFC 2047 encoded word)", field=where)
 
 
 def _fix_boundaries(msg: MIMEMessage, seed: str) -> None:
@@ -290,6 +330,9 @@ def parse_address(value: Any, where: str = "address") -> tuple[str, str]:
     text = _header_text(value, where).strip(" \t")
     if not text:
         raise InvalidEmail(f"{where} is empty", field=where)
+    if "=?" in text:  # even unpaired: the stdlib reads a list of addresses as one text
+        raise InvalidEmail(f"{where} contains '=?', which starts an RFC 2047 encoded word (header injection)",
+                           field=where)
     if text.endswith(">"):
         start = text.rfind("<")  # an addr-spec holds no "<": the last one opens it
         if start < 0:
@@ -393,6 +436,9 @@ def _header_text(value: Any, where: str, *, tab: bool = False) -> str:
     if bad:
         raise InvalidEmail(f"{where} contains U+{ord(bad.group()):04X}, a control character or line break "
                            "(header injection)", field=where)
+    if _ENCODED_WORD.search(value):
+        raise InvalidEmail(f"{where} contains an RFC 2047 encoded word ('=?...?='), which the stdlib would decode "
+                           "(header injection); give the text itself, non-ASCII is encoded for you", field=where)
     return value
 
 
@@ -448,6 +494,7 @@ def _headers(value: Any) -> dict[str, str]:
         if not _FIELD_NAME.fullmatch(name):
             raise InvalidEmail(f"headers name {name!r} is not a header name (printable ASCII except ':', "
                                "at most 76 characters)", field="headers")
+        _header_text(name, "headers")
         lowered = name.lower()
         if lowered in RESERVED_HEADERS or lowered.startswith(_RESERVED_PREFIXES):
             raise InvalidEmail(f"headers: {name} is written by the library or the provider; set it through "

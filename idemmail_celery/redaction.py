@@ -37,6 +37,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
+from urllib.parse import quote
 
 from celery.signals import before_task_publish
 
@@ -58,24 +59,37 @@ ADDRESS_MARK = "<address>"
 PERSONAL_MARK = "<redacted>"
 #: Anything shaped like an address ("550 5.1.1 <bob@example.com>: unknown", JSON, prose).
 _ADDRESS = re.compile(r"<?[^\s<>()\[\],;:\"'`]+@[^\s<>()\[\],;:\"'`]+>?")
+#: An address as a URL writes it ("?to=ann%40example.com&", "%3Cann%40example.com%3E"): the local
+#: part stops at "=", "&", "/", "?" and an encoded space; the domain takes escapes of non-ASCII only.
+_URL_ADDRESS = re.compile(r"(?<!%)(?<!%[0-9A-F])(?:[\w.!$'*+~-]|%(?!20|40)[0-9A-F]{2})+%40(?:[\w-]|%[89A-F][0-9A-F])+"
+                          r"(?:\.(?:[\w-]|%[89A-F][0-9A-F])+)*(?:%3E)?", re.IGNORECASE)
+# Between the words of a personal text: any run of white space, also as JSON (\t, \n) or a URL
+# (%20, +) writes it. Providers collapse, re-wrap and escape the white space of what they quote,
+# so a subject with two spaces or a TAB must not escape its match by it.
+_GAP = r"(?:\s|\\[tnrf]|\\u00[aA]0|%20|%09|%0[aAdD]|\+)+"
+# The ways a provider writes a word it quotes: as given, as JSON (both ways), URL-encoded.
+_SPELLINGS: tuple[Callable[[str], str], ...] = (
+    lambda w: w, lambda w: json.dumps(w)[1:-1], lambda w: json.dumps(w, ensure_ascii=False)[1:-1],
+    lambda w: quote(w, safe=""),
+)
 
 
 def scrub(text: str, personal: Iterable[str] = ()) -> str:
     """``text`` without addresses, and without any of ``personal`` (the message's names, subject).
 
-    ``personal`` texts are matched ignoring case, also as JSON writes them (escaped quotes,
-    ``\\uXXXX``), longest first; texts under 4 characters are left alone (replacing "Hi"
-    everywhere would garble the error and protect nothing). Addresses are replaced by
-    :data:`ADDRESS_MARK` wherever they appear.
+    ``personal`` texts are matched ignoring case, also as JSON or a URL writes them (escaped
+    quotes, ``\\uXXXX``, ``%20``), whatever white space stands between their words (a provider
+    may collapse two spaces or a TAB into one space), longest first; texts under 4 characters
+    are left alone (replacing "Hi" everywhere would garble the error and protect nothing).
+    Addresses, also URL-encoded (``ann%40example.com``), are replaced by :data:`ADDRESS_MARK`
+    wherever they appear.
     """
-    forms: set[str] = set()
-    for item in personal:
-        item = item.strip()
-        if len(item) >= 4:
-            forms.update((item, json.dumps(item)[1:-1], json.dumps(item, ensure_ascii=False)[1:-1]))
-    for form in sorted(forms, key=len, reverse=True):
-        text = re.sub(re.escape(form), PERSONAL_MARK, text, flags=re.IGNORECASE)
-    return _ADDRESS.sub(ADDRESS_MARK, text)
+    items = {t for t in (item.strip() for item in personal) if len(t) >= 4}
+    for item in sorted(items, key=len, reverse=True):
+        words = item.split()
+        forms = {_GAP.join(re.escape(spell(w)) for w in words) for spell in _SPELLINGS}
+        text = re.sub("|".join(sorted(forms, key=len, reverse=True)), PERSONAL_MARK, text, flags=re.IGNORECASE)
+    return _URL_ADDRESS.sub(ADDRESS_MARK, _ADDRESS.sub(ADDRESS_MARK, text))
 
 
 _E = TypeVar("_E", bound=SendError)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import email
+import email.policy
 import sys
 from typing import Any
 
@@ -289,3 +292,88 @@ def test_bodies_refuse_what_no_email_can_carry() -> None:
             build(**kw)
         assert info.value.field == field
     assert build(text="line one\nline two\u2028still body").text  # bodies are not headers
+
+
+# -- RFC 2047 encoded words: the stdlib decodes them, and a decoded CR LF would be a header line of its own --
+
+# CR LF, then "Reply-To: evil@attacker.example", as a q-encoded word (CVE-2024-6923 on an unpatched Python).
+INJECTION = "=?utf-8?q?x=0D=0AReply-To=3A_evil=40attacker.example?="
+# The same through two addresses of one list: the first opens the encoded word, the second closes it.
+OPENER = "=?utf-8?b?" + base64.b64encode(b"\r\nBcc: eve@evil.example").decode() + " <ann@example.com>"
+CLOSER = "x?= <bob@example.com>"
+
+ENCODED_WORDS: list[tuple[dict[str, Any], str]] = [
+    ({"subject": INJECTION}, "subject"),
+    ({"subject": f"Your order {INJECTION} has shipped"}, "subject"),
+    ({"subject": f"Order{INJECTION}"}, "subject"),  # inside a word: the stdlib decodes that too
+    ({"sender": f"{INJECTION} <shop@example.com>"}, "from"),
+    ({"to": f"{INJECTION} <ann@example.com>"}, "to"),
+    ({"to": f'"{INJECTION}" <ann@example.com>'}, "to"),  # inside a quoted display name too
+    ({"to": f"{INJECTION}@example.com"}, "to"),  # a local part may hold "=" and "?"
+    ({"to": [OPENER, CLOSER]}, "to"),
+    ({"cc": [f"{INJECTION} <cc@example.com>"]}, "cc"),
+    ({"bcc": f"{INJECTION} <bcc@example.com>"}, "bcc"),
+    ({"reply_to": [OPENER, CLOSER]}, "reply_to"),
+    ({"headers": {"X-Campaign": INJECTION}}, "headers[X-Campaign]"),
+    ({"tags": {"k": INJECTION}}, "tags[k]"),
+    ({"attachments": [Attachment(f"{INJECTION}.pdf", b"%PDF")]}, "attachments.filename"),
+]
+
+
+def unchecked(**kw: Any) -> EmailMessage:
+    """A message made without :meth:`EmailMessage.build`: what a message published by name arrives as."""
+    fields: dict[str, Any] = {"sender": "Shop <shop@example.com>", "to": ("ann@example.com",), "subject": "Hi",
+                              "text": "hello"}
+    fields.update({k: (v,) if k in ("to", "cc", "bcc", "reply_to") and isinstance(v, str) else
+                   tuple(v) if isinstance(v, list) else v for k, v in kw.items()})
+    return EmailMessage(**fields)
+
+
+def header_lines(raw: bytes) -> list[bytes]:
+    """The header block of a generated message, one entry per header (continuation lines joined)."""
+    lines: list[bytes] = []
+    for line in raw.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line[:1] in (b" ", b"\t"):
+            lines[-1] += line
+        else:
+            lines.append(line)
+    return lines
+
+
+@pytest.mark.parametrize("kw,field", ENCODED_WORDS)
+def test_an_encoded_word_is_refused_in_every_header_field_at_delay_and_again_at_the_worker(
+        kw: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidEmail) as info:
+        build(**kw)  # delay()
+    assert info.value.field == field
+    assert "encoded word" in str(info.value) and "attacker" not in str(info.value) and "ann@" not in str(info.value)
+    with pytest.raises(InvalidEmail) as info:
+        EmailMessage.from_payload(unchecked(**kw).to_payload())  # the worker, whoever published the message
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize("kw,field", ENCODED_WORDS)
+def test_to_mime_never_writes_an_injected_header_line_even_for_a_message_build_did_not_check(
+        kw: dict[str, Any], field: str) -> None:
+    message = unchecked(**kw)
+    if field in ("bcc", "tags[k]"):  # never written into the headers: nothing to inject into
+        raw = message.to_mime().as_bytes()
+        assert b"attacker" not in raw and [line.split(b":")[0] for line in header_lines(raw)] == [
+            b"From", b"To", b"Subject", b"Content-Type", b"Content-Transfer-Encoding", b"MIME-Version"]
+        return
+    with pytest.raises(InvalidEmail) as info:
+        message.to_mime().as_bytes()
+    assert info.value.field == field
+
+
+def test_text_that_only_resembles_an_encoded_word_is_sent_as_written_and_adds_no_header() -> None:
+    m = build(subject="Quiz: 2+2=? Grüße aus Köln, " + "und noch mehr Text " * 6, headers={"X-Note": "a=?b"},
+              to="Zoë Doe <zoe@example.com>", cc="cc@example.com", reply_to="help@example.com",
+              attachments=[Attachment("Bericht (März)=?.pdf", b"%PDF", "application/pdf")])
+    raw = m.to_mime().as_bytes()
+    names = [line.split(b":", 1)[0] for line in header_lines(raw)]
+    assert names == [b"From", b"To", b"Cc", b"Reply-To", b"Subject", b"X-Note", b"MIME-Version", b"Content-Type"]
+    parsed = email.message_from_bytes(raw, policy=email.policy.default)
+    assert parsed["Subject"] == m.subject and parsed["X-Note"] == "a=?b"
+    assert [str(a) for a in parsed["To"].addresses] == ["Zoë Doe <zoe@example.com>"]
+    assert [p.get_filename() for p in parsed.iter_attachments()] == ["Bericht (März)=?.pdf"]

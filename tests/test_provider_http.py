@@ -371,6 +371,47 @@ def test_a_provider_echoing_the_authorization_header_does_not_leak_the_key() -> 
         server.server_close()
 
 
+# A subject with two spaces and a TAB: a provider quoting it, and the provider's own one-line error text,
+# put other white space between its words than the message has.
+ODD_SUBJECT = "Your  test\tresults are ready, Ann"
+
+
+@pytest.mark.parametrize("quoted", [
+    ODD_SUBJECT,  # as sent: the error text's white space is collapsed before it is shown
+    " ".join(ODD_SUBJECT.split()),  # the provider collapsed it itself
+    "p" * (http_module.MAX_ERROR_TEXT - 21) + " " + ODD_SUBJECT,  # across the cut to MAX_ERROR_TEXT
+], ids=["as-sent", "collapsed", "at-the-cut"])
+def test_a_refusal_quoting_the_subject_with_other_white_space_shows_none_of_it(quoted: str) -> None:
+    class Quoting(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = json.dumps({"name": "validation_error", "message": f"subject {quoted} is not allowed"}).encode()
+            self.send_response(422)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: object) -> None:
+            return None
+
+    message = EmailMessage.build(sender="shop@example.com", to="ann@example.com", subject=ODD_SUBJECT, text="x")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Quoting)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        provider = HTTPProvider(f"http://127.0.0.1:{server.server_address[1]}", api_key=SECRET, timeout=2.0)
+        with pytest.raises(PermanentSendError) as info:
+            provider.send(message, key=new_key())
+        provider.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    shown = f"{info.value} {info.value.args!r}"
+    assert "<redacted>" in shown
+    for word in ("test", "results", "ready"):
+        assert word not in shown, shown
+    assert "Your tes" not in shown and "Your  tes" not in shown
+
+
 def test_a_forked_process_gets_its_own_connection_pool(fake: FakeProvider, provider: HTTPProvider) -> None:
     provider.send(receipt(), key=new_key())
     parent_client = provider._client

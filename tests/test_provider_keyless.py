@@ -34,6 +34,7 @@ from idemmail_celery.errors import (
     TransientSendError,
 )
 from idemmail_celery.providers import backend_for, from_url
+from idemmail_celery.providers._http import MAX_ERROR_TEXT
 from idemmail_celery.providers.base import Provider
 from idemmail_celery.providers.postmark import POSTMARK_API_URL, KeylessHTTPProvider, PostmarkProvider
 from idemmail_celery.providers.sendgrid import SENDGRID_API_URL, SendGridProvider
@@ -374,6 +375,33 @@ def test_a_provider_echoing_the_credential_does_not_leak_it(canned: Any) -> None
     assert "<credential>" in str(info.value)
     assert secret not in str(info.value) and secret not in repr(info.value) and secret not in repr(provider)
     assert info.value.__cause__ is None  # an httpx error would carry the request and its credential
+
+
+# A subject with two spaces and a TAB: a provider quoting it, and the provider's own one-line error text,
+# put other white space between its words than the message has.
+ODD_SUBJECT = "Your  test\tresults are ready, Ann"
+QUOTED = {
+    "as-sent": ODD_SUBJECT,  # the error text's white space is collapsed before it is shown
+    "collapsed": " ".join(ODD_SUBJECT.split()),  # the provider collapsed it itself
+    "at-the-cut": "p" * (MAX_ERROR_TEXT - 21) + " " + ODD_SUBJECT,  # across the cut to MAX_ERROR_TEXT
+}
+
+
+@pytest.mark.parametrize("name", PROVIDERS)
+@pytest.mark.parametrize("quoted", list(QUOTED))
+def test_a_refusal_quoting_the_subject_with_other_white_space_shows_none_of_it(
+        canned: Any, name: str, quoted: str) -> None:
+    text = f"subject {QUOTED[quoted]} is not allowed"
+    url = canned(lambda h: (422, {"ErrorCode": 300, "Message": text, "message": text}))
+    message = EmailMessage.build(sender="shop@example.com", to="ann@example.com", subject=ODD_SUBJECT, text="x")
+    provider = make(name, url, "AKIDEXAMPLE:wJalrXUtnFEMI-K7MDENG" if name == "ses" else f"{name}-token-0123")
+    with pytest.raises(PermanentSendError) as info:
+        provider.send(message, key=new_key())
+    provider.close()
+    shown = f"{info.value} {info.value.args!r}"
+    assert "<redacted>" in shown
+    for word in ("test", "results", "ready"):
+        assert word not in shown, shown
 
 
 # -- reconciliation: find_sent --

@@ -150,6 +150,29 @@ def test_scrub_takes_out_addresses_names_and_subject() -> None:
     assert scrub("Hi there", ["Hi"]) == "Hi there"  # too short to be personal; scrubbing it would garble
 
 
+@pytest.mark.parametrize("quoted", [
+    "Your test results are ready",  # the provider collapsed the two spaces and the TAB
+    "your  TEST\nresults are   ready",  # re-wrapped, other case
+    "Your  test\\tresults are ready",  # JSON writes the TAB as \\t
+    "Your%20%20test%09results%20are%20ready",  # a URL writes it
+    "Your+test+results+are+ready",
+])
+def test_scrub_matches_a_personal_text_whatever_white_space_stands_between_its_words(quoted: str) -> None:
+    from idemmail_celery.redaction import scrub
+
+    subject = "Your  test\tresults are ready"
+    assert scrub(f"422: subject {quoted} refused", [subject]) == "422: subject <redacted> refused"
+
+
+def test_scrub_takes_out_url_encoded_addresses() -> None:
+    from idemmail_celery.redaction import scrub
+
+    text = ("GET /v3/suppressions?email=ann.private%40example.com&x=1 failed; to=Ann%20%3Cann%2Btag%40EXAMPLE.com%3E; "
+            "z%C3%B6e%40ex%C3%A4mple.com bounced; package /%40scope%2Fname")
+    assert scrub(text) == ("GET /v3/suppressions?email=<address>&x=1 failed; to=Ann%20<address>; "
+                           "<address> bounced; package /%40scope%2Fname")
+
+
 def test_scrub_error_cuts_a_chained_exception_that_would_leak() -> None:
     from idemmail_celery.errors import PermanentSendError
     from idemmail_celery.redaction import scrub_error

@@ -21,6 +21,7 @@ import httpx
 from .._common import KEY_TAG
 from ..email import EmailMessage
 from ..errors import AmbiguousSendError, ConfigurationError, PermanentSendError, TransientSendError
+from ..redaction import scrub as redact
 from ..redaction import scrubbed
 from ._http import MAX_ERROR_TEXT, HTTPClientProvider, netloc, retry_after, scrub, split_url, transport_error
 from .base import SendResult, first_time, is_loopback
@@ -30,6 +31,8 @@ __all__ = ["KEY_HEADER", "KEY_TAG", "KeylessHTTPProvider", "tagged_headers"]
 
 #: The email header that carries the intent key.
 KEY_HEADER = "X-Idemmail-Key"
+#: How much of an answer is scrubbed before it is cut to ``MAX_ERROR_TEXT`` (a proxy's 5xx page can be large).
+SCRUB_WINDOW = 64 * 1024
 
 
 class KeylessHTTPProvider(HTTPClientProvider):
@@ -131,7 +134,7 @@ class KeylessHTTPProvider(HTTPClientProvider):
         path, payload = self._build(message, key)
         body = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         response = self._call("POST", path, key, content=body)
-        self._check(response, key)
+        self._check(response, key, personal=message.personal_texts())
         return self._result(response, key)
 
     def _call(
@@ -157,12 +160,17 @@ class KeylessHTTPProvider(HTTPClientProvider):
             # "from None": the httpx exception holds the request, credentials included.
             raise transport_error(exc, f"{self.name} at {self.base_url}", key, self._scrub, search=search) from None
 
-    def _check(self, response: httpx.Response, key: str, *, search: bool = False) -> None:
-        """Raise the contract's error for a non-2xx answer (for a search, always ``TransientSendError``)."""
+    def _check(self, response: httpx.Response, key: str, *, search: bool = False,
+               personal: tuple[str, ...] = ()) -> None:
+        """Raise the contract's error for a non-2xx answer (for a search, always ``TransientSendError``).
+
+        ``personal`` (the message's :meth:`~idemmail_celery.email.EmailMessage.personal_texts`) is
+        scrubbed out of the provider's text before anything else is done to it.
+        """
         status = response.status_code
         if 200 <= status < 300:
             return
-        name, text = self._error_detail(response)
+        name, text = self._error_detail(response, personal)
         detail = (f"{self.name} answered {status}" + (f" ({name})" if name else "") + (f": {text}" if text else ""))
         throttled = any(word in name for word in ("Throttl", "TooManyRequests", "LimitExceeded"))
         if status in (401, 403):
@@ -197,10 +205,14 @@ class KeylessHTTPProvider(HTTPClientProvider):
         self.log.warning("%s accepted the message for %s but its answer has no message id (HTTP %s)",
                        self.name, key, response.status_code)
         return SendResult(message_id="", provider=self.name, request_id=self._request_id(response),
-                          extra={"response": self._scrub(response.text[:MAX_ERROR_TEXT])})
+                          extra={"response": self._scrub(response.text[:SCRUB_WINDOW])[:MAX_ERROR_TEXT]})
 
-    def _error_detail(self, response: httpx.Response) -> tuple[str, str]:
-        """The provider's error name and message, from any of the three shapes, credentials scrubbed."""
+    def _error_detail(self, response: httpx.Response, personal: tuple[str, ...] = ()) -> tuple[str, str]:
+        """The provider's error name and message (any of the three shapes), without credentials or ``personal``.
+
+        Scrubbed before white space is collapsed and the text is cut: a subject quoted with its
+        two spaces or TAB, or cut in the middle, would no longer match.
+        """
         name = response.headers.get("x-amzn-errortype", "").split(":", 1)[0]
         try:
             data = response.json()
@@ -215,10 +227,11 @@ class KeylessHTTPProvider(HTTPClientProvider):
                 text = "; ".join(str(e.get("message", "")) for e in errors if isinstance(e, Mapping)) or text
         else:
             text = response.text
-        return self._scrub(str(name))[:100], self._scrub(" ".join(str(text).split()))[:MAX_ERROR_TEXT]
+        clean = self._scrub(str(text)[:SCRUB_WINDOW], personal)
+        return self._scrub(str(name), personal)[:100], " ".join(clean.split())[:MAX_ERROR_TEXT]
 
-    def _scrub(self, text: str) -> str:
-        return scrub(text, self._secrets(self.__secret), "<credential>")
+    def _scrub(self, text: str, personal: tuple[str, ...] = ()) -> str:
+        return redact(scrub(text, self._secrets(self.__secret), "<credential>"), personal)
 
     def _log_auth_once(self, status: int) -> None:
         if not first_time(f"auth:{self.name}"):

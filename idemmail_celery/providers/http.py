@@ -38,6 +38,7 @@ from ..errors import (
     SendNeedsReview,
     TransientSendError,
 )
+from ..redaction import scrub as redact
 from ..redaction import scrubbed
 from ._http import MAX_ERROR_TEXT, HTTPClientProvider, netloc, retry_after, scrub, split_url, transport_error
 from .base import SendResult, first_time, is_loopback
@@ -50,6 +51,8 @@ RESEND_API_URL = "https://api.resend.com/emails"
 API_KEY_ENV_VARS = ("IDEMMAIL_PROVIDER_API_KEY", "RESEND_API_KEY")
 #: Wait suggested to a caller when the provider says the same key is still being processed.
 IN_FLIGHT_RETRY_AFTER = 1.0
+#: How much of an answer is scrubbed before it is cut to ``MAX_ERROR_TEXT`` (a proxy's 5xx page can be large).
+SCRUB_WINDOW = 64 * 1024
 
 # "Once per process", also in forked workers: remember which pid logged.
 
@@ -147,13 +150,13 @@ class HTTPProvider(HTTPClientProvider):
         except httpx.HTTPError as exc:
             # "from None": the httpx exception holds the request, Authorization header included.
             raise transport_error(exc, self.url, key, self._scrub) from None
-        return self._outcome(response, key)
+        return self._outcome(response, key, message.personal_texts())
 
-    def _outcome(self, response: httpx.Response, key: str) -> SendResult:
+    def _outcome(self, response: httpx.Response, key: str, personal: tuple[str, ...] = ()) -> SendResult:
         status = response.status_code
         if 200 <= status < 300:
-            return self._result(response)
-        name, text = self._error_detail(response)
+            return self._result(response, personal)
+        name, text = self._error_detail(response, personal)
         detail = f"{self.url} answered {status}" + (f" ({name})" if name else "") + (f": {text}" if text else "")
         if status in (400, 422):
             raise PermanentSendError(detail, "rejected", key)
@@ -180,7 +183,7 @@ class HTTPProvider(HTTPClientProvider):
         # 5xx, and anything else unexpected: the request was delivered and we cannot tell what became of it.
         raise AmbiguousSendError(detail, f"http_{status}", key)
 
-    def _result(self, response: httpx.Response) -> SendResult:
+    def _result(self, response: httpx.Response, personal: tuple[str, ...] = ()) -> SendResult:
         request_id = self._request_id(response)
         try:
             data = response.json()
@@ -191,11 +194,15 @@ class HTTPProvider(HTTPClientProvider):
             return SendResult(message_id=message_id, provider=self.name, request_id=request_id)
         # Accepted all the same: raising would make the caller retry something that went out.
         logger.warning("%s accepted the message but its response has no id (HTTP %s)", self.url, response.status_code)
-        text = self._scrub(response.text[:MAX_ERROR_TEXT])
+        text = self._scrub(response.text[:SCRUB_WINDOW], personal)[:MAX_ERROR_TEXT]
         return SendResult(message_id="", provider=self.name, request_id=request_id, extra={"response": text})
 
-    def _error_detail(self, response: httpx.Response) -> tuple[str, str]:
-        """The provider's error name (``name`` or ``type``) and message, with the API key scrubbed."""
+    def _error_detail(self, response: httpx.Response, personal: tuple[str, ...] = ()) -> tuple[str, str]:
+        """The provider's error name (``name`` or ``type``) and message, scrubbed of the API key and ``personal``.
+
+        Scrubbed before white space is collapsed and the text is cut: a subject quoted with its
+        two spaces or TAB, or cut in the middle, would no longer match.
+        """
         try:
             data = response.json()
         except ValueError:
@@ -207,10 +214,11 @@ class HTTPProvider(HTTPClientProvider):
             text = source.get("message") or (error if isinstance(error, str) else "") or ""
         else:
             name, text = "", response.text
-        return self._scrub(str(name))[:100], self._scrub(" ".join(str(text).split()))[:MAX_ERROR_TEXT]
+        clean = self._scrub(str(text)[:SCRUB_WINDOW], personal)
+        return self._scrub(str(name), personal)[:100], " ".join(clean.split())[:MAX_ERROR_TEXT]
 
-    def _scrub(self, text: str) -> str:
-        return scrub(text, (self.__api_key,), "<api key>")
+    def _scrub(self, text: str, personal: tuple[str, ...] = ()) -> str:
+        return redact(scrub(text, (self.__api_key,), "<api key>"), personal)
 
     def _log_auth_once(self, status: int) -> None:
         if not first_time("auth:http"):

@@ -248,21 +248,51 @@ def test_outbox_order_and_email_commit_together_and_a_thrice_delivered_payment_s
             (k, "dispatched") for k in keys)
 
 
+BASIC = {"Authorization": "Basic " + base64.b64encode(WEBHOOK_SECRET.encode()).decode()}
+
+
 def test_replayed_inbound_webhook_sends_one_auto_reply(shop: Shop) -> None:
-    event = {"MessageID": "7f3c9a10-5b7e-4c1e-9d2a-2a1f0c6b8e41", "From": "dan@example.com",
+    account(shop, "Dan <dan@example.com>")
+    event = {"MessageID": "7f3c9a10-5b7e-4c1e-9d2a-2a1f0c6b8e41", "From": "dan@EXAMPLE.com",
              "Subject": "Where is my parcel?", "TextBody": "It has been a week."}
-    basic = {"Authorization": "Basic " + base64.b64encode(WEBHOOK_SECRET.encode()).decode()}
     before = len(shop.published)
     assert shop.post("/webhooks/inbound", event).status_code == 401
     assert shop.post("/webhooks/inbound", event, {"Authorization": "Basic Zm9vOmJhcg=="}).status_code == 401
     assert len(shop.published) == before  # unauthenticated: nothing read, nothing enqueued
 
-    replies = [shop.post("/webhooks/inbound", event, basic) for _ in range(2)]  # Postmark delivers it again
+    replies = [shop.post("/webhooks/inbound", event, BASIC) for _ in range(2)]  # Postmark delivers it again
     assert [r.status_code for r in replies] == [200, 200]
     outcomes = shop.outcomes(replies)
     assert sorted(o["status"] for o in outcomes) == ["duplicate", "sent"]
-    key = shop.key(to="dan@example.com", event_id=f"inbound:{event['MessageID']}", template="auto_reply")
+    key = shop.key(to="Dan <dan@example.com>", event_id=f"inbound:{event['MessageID']}", template="auto_reply")
     assert shop.fake.delivery_count(key) == 1
-    assert shop.delivered_to("dan@example.com") == ["Re: Where is my parcel?"]
+    assert shop.delivered_to("Dan <dan@example.com>") == ["We received your message"]  # to the address on file
     record = shop.ledger.get(key)
     assert record is not None and record.state is State.SENT
+
+
+@pytest.mark.parametrize("event", [
+    # A stranger, or a forged From: answering would mail anyone the shop's reply (backscatter).
+    {"MessageID": "m-stranger", "From": "victim@example.net", "Subject": "Cheap pills at evil.example"},
+    # Automatic mail (RFC 3834): an auto-reply loop, a bounce, a list.
+    {"MessageID": "m-auto", "From": "ann@example.com", "Subject": "Out of office",
+     "Headers": [{"Name": "Auto-Submitted", "Value": "auto-replied"}]},
+    {"MessageID": "m-list", "From": "ann@example.com", "Subject": "[list] news",
+     "Headers": [{"Name": "List-Id", "Value": "<news.example.net>"}]},
+    {"MessageID": "m-bad", "From": "ann@example.com, victim@example.net", "Subject": "two"},
+], ids=["stranger", "auto-submitted", "mailing-list", "not-one-address"])
+def test_inbound_mail_from_a_stranger_or_a_machine_gets_no_reply(shop: Shop, event: dict[str, Any]) -> None:
+    account(shop, "ann@example.com")
+    before = len(shop.published)
+    reply = shop.post("/webhooks/inbound", event, BASIC)
+    assert reply.status_code == 200 and reply.json["replied"] is False  # 200: Postmark must not redeliver it
+    assert len(shop.published) == before
+
+
+def test_an_auto_reply_never_carries_the_inbound_subject(shop: Shop) -> None:
+    account(shop, "erin@example.com")
+    event = {"MessageID": "m-echo", "From": "erin@example.com", "Subject": "Cheap pills at evil.example"}
+    [task_id] = [shop.post("/webhooks/inbound", event, BASIC).json["task_id"]]
+    assert [o["status"] for o in shop.task_outcomes([task_id])] == ["sent"]
+    assert shop.delivered_to("erin@example.com") == ["We received your message"]
+    assert shop.sent_kwargs[task_id]["headers"] == {"Auto-Submitted": "auto-replied"}
