@@ -262,3 +262,28 @@ def test_a_custom_providers_error_is_scrubbed_by_send_email(app: Celery) -> None
     assert record is not None and record.state.value == "failed"
     stored = json.dumps(record.error)
     assert RECIPIENT not in stored and SUBJECT not in stored and NAME not in stored
+
+
+def test_a_custom_providers_own_exception_leaves_scrubbed_as_maybe_sent(app: Celery) -> None:
+    """An exception that is not a SendError (a custom provider's own) may have sent, and may quote the
+    message: it reaches the result, the ledger and the logs as a scrubbed "maybe sent", parked."""
+    from idemmail_celery.errors import SendNeedsReview
+    from idemmail_celery.providers import Provider, SendResult, register_provider
+
+    class Raising(Provider):
+        def __init__(self, url: str, **_: Any) -> None: ...
+
+        def send(self, message: Any, *, key: str) -> SendResult:
+            raise RuntimeError(ECHO)
+
+    register_provider("raising", f"{__name__}:_Raising")
+    globals()["_Raising"] = Raising
+    app.conf.idemmail_provider_url = "raising://"
+    task = app.tasks[TASK_NAME]
+    outcome = task.apply(kwargs={"to": f"{NAME} <{RECIPIENT}>", "subject": SUBJECT, "text": "hello"})
+    assert isinstance(outcome.result, SendNeedsReview)  # console-like provider: no key downstream, so parked
+    assert_scrubbed(outcome.result)
+    record = task.ledger.get(outcome.result.key)
+    assert record is not None and record.state.value == "review"
+    stored = json.dumps(record.error)
+    assert RECIPIENT not in stored and SUBJECT not in stored and NAME not in stored
