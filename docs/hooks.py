@@ -4,6 +4,8 @@
   setting, read from ``idemmail_celery.config.SETTINGS`` (one ``Setting`` record per setting:
   ``conf``, ``option``, ``env``, ``default``, ``doc``; a ``secret`` one's default is not shown);
   ``<!-- settings-notes -->`` becomes the rest of ``config.py``'s docstring (how values are parsed).
+* ``operations.md``: the ``<!-- exit-codes -->`` marker becomes the table of the operator CLI's
+  exit codes, read from ``idemmail_celery.cli.EXIT_CODES`` (the one place they are written).
 * ``changelog.md``: ``CHANGELOG.md`` from the repository root, as it is.
 * A link from a page to a repository file outside ``docs/`` (``[handler.py](../idemmail_celery/handler.py)``,
   which works when the page is read in the repository) keeps its text on the site, without the link;
@@ -23,6 +25,7 @@ from mkdocs.structure.files import File, Files
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "<!-- settings-table -->"
 NOTES = "<!-- settings-notes -->"
+EXIT_CODES = "<!-- exit-codes -->"
 #: Pages written elsewhere (the design and security work); stubbed until they land.
 PENDING = {"architecture.md": "Architecture", "security.md": "Security"}
 
@@ -57,6 +60,15 @@ def settings_table() -> str:
     head = ["`app.conf` setting", "task option", "environment", "default", "what it does"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def exit_codes_table() -> str:
+    """The operator CLI's exit codes as a Markdown table."""
+    from idemmail_celery.cli import EXIT_CODES as codes
+
+    out = ["| exit | meaning |", "|---|---|"]
+    out += ["| " + str(code) + " | " + meaning.replace("|", "\\|") + " |" for code, meaning in codes.items()]
     return "\n".join(out)
 
 
@@ -95,4 +107,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         if MARKER not in markdown:
             raise RuntimeError(f"configuration.md lost its {MARKER} marker")
         markdown = markdown.replace(MARKER, settings_table()).replace(NOTES, settings_notes())
+    if page.file.src_uri == "operations.md":
+        if EXIT_CODES not in markdown:
+            raise RuntimeError(f"operations.md lost its {EXIT_CODES} marker")
+        markdown = markdown.replace(EXIT_CODES, exit_codes_table())
     return markdown

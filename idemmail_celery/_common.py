@@ -18,6 +18,9 @@ log = logging.getLogger("idemmail_celery")
 
 #: The intent key (a keyed hash), set by ``apply_async`` before anything is enqueued.
 KEY_HEADER = "idempotency_key"
+#: Beside :data:`KEY_HEADER` when the library put the key there (``IntentKeyBuilder.key_mark``): the message
+#: is claimed under that key as it is. Without it the header is a caller's own key, checked and hashed.
+KEY_MARK_HEADER = "idemmail_key_mark"
 #: During a key-secret rotation: the keys the same call had under the older secrets (a claim finds
 #: records made before the rotation under them, so rotating never sends an intent again).
 OLDER_KEYS_HEADER = "idemmail_older_keys"

@@ -16,9 +16,12 @@ or without Celery's loader, with the same commands and help:
 ``python -m idemmail_celery [-A proj] --ledger-url redis://... ledger stats``
 (``--release`` needs ``-A``/``--app``, to re-enqueue).
 
-``resolve --release`` publishes the stored first payload **before** it changes the record:
-the copy is queued with a countdown (:data:`RELEASE_COUNTDOWN` seconds) so that it cannot
-arrive before the record is released, then the record goes ``review`` -> ``released``.
+``resolve --release`` checks the stored first payload as ``apply_async`` checks a new call
+(a payload the task refuses today, stored before a rule was tightened, exits 3 with nothing
+changed), then publishes it **before** it changes the record: the copy is queued with a
+countdown (:func:`release_countdown`: :data:`RELEASE_COUNTDOWN` seconds, less below a short
+broker visibility timeout) so that it cannot arrive before the record is released, then the
+record goes ``review`` -> ``released``.
 With the broker down nothing is queued and the record stays as it was (exit 8); with the
 ledger failing after the publish, the record stays as it was and the queued copy finds
 it so and sends nothing (exit 4, rerun later). Should releasing take so long that the copy
@@ -33,21 +36,8 @@ docs/operations.md, "Ledger loss"); SQL ledgers are durable stores and keep none
 commands that write markers: the others build the ledger ``passive``, so that looking at an
 emptied store never starts a new epoch on it (``auto_init``) nor flags it lost.
 
-Exit codes (also in ``--help``):
-
-==  ===================================================================================
-0   done
-1   an unexpected error (a bug: please report it with the traceback)
-2   usage error (a wrong option or argument; click's code)
-3   illegal: the move is not allowed from the record's state, or it cannot be done from
-    here (no payload to re-enqueue, task not registered); the record is unchanged
-4   the ledger is unreachable
-5   (``stats``) the ledger lost records and waits for ``ledger ack-loss``
-6   a record is sealed with a payload key this process does not hold
-    (``idemmail_payload_keys``); nothing printed or changed
-7   no record for that key (2 until 0.1: it clashed with usage errors)
-8   (``resolve --release``) the broker did not take the copy (in time); the record is unchanged
-==  ===================================================================================
+Exit codes: :data:`EXIT_CODES`, the one table of them (``--help`` prints it, and the
+documentation's docs/operations.md, "Exit codes", is rendered from it).
 """
 
 from __future__ import annotations
@@ -57,13 +47,14 @@ import getpass
 import json
 import socket
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import click
 
-from ._common import KEY_HEADER
+from ._common import transport_visibility_timeout
 from .config import Settings
 from .errors import (
     ConfigurationError,
@@ -76,25 +67,53 @@ from .errors import (
 from .keys import Payload
 from .ledger import DetectsLoss, Ledger, Record, State, from_url, passive_options
 from .ledger.sealed import is_sealed
+from .redaction import scrub
+from .task import VISIBILITY_SHARE, IdempotentTask
 
-EXIT_OK, EXIT_USAGE, EXIT_ILLEGAL, EXIT_UNREACHABLE, EXIT_LOST, EXIT_PAYLOAD_KEY = 0, 2, 3, 4, 5, 6
-EXIT_UNKNOWN_KEY, EXIT_BROKER = 7, 8
+EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_ILLEGAL, EXIT_UNREACHABLE, EXIT_LOST = 0, 1, 2, 3, 4, 5
+EXIT_PAYLOAD_KEY, EXIT_UNKNOWN_KEY, EXIT_BROKER = 6, 7, 8
+
+#: Every exit code and what it means: the one table (``--help`` and docs/operations.md are made from it).
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "done",
+    EXIT_UNEXPECTED: "an unexpected error (a bug: please report it with the traceback)",
+    EXIT_USAGE: "usage error: a wrong option or argument, or settings that do not parse (click's code)",
+    EXIT_ILLEGAL: "illegal: the move is not allowed from the record's state, or cannot be done from here (no "
+                  "payload to re-enqueue, task not registered, the task refuses the stored payload); the record "
+                  "is unchanged",
+    EXIT_UNREACHABLE: "the ledger is unreachable",
+    EXIT_LOST: "(stats) the ledger lost records and waits for `ledger ack-loss`",
+    EXIT_PAYLOAD_KEY: "a record is sealed with a payload key this process does not hold (idemmail_payload_keys); "
+                      "nothing printed or changed",
+    EXIT_UNKNOWN_KEY: "no record for that key (2 until 0.1: it clashed with usage errors)",
+    EXIT_BROKER: "(resolve --release) the broker did not take the copy in time; the record is unchanged",
+}
+
 #: Seconds a copy re-enqueued by ``resolve --release`` waits before a worker may run it: time for the
-#: record to be released after the publish (one ledger write). If releasing takes half of it, a second
-#: copy is queued (see the module docstring).
+#: record to be released after the publish (one ledger write). Less when the broker's visibility timeout
+#: is short (see :func:`release_countdown`). If releasing takes half of it, a second copy is queued (see
+#: the module docstring).
 RELEASE_COUNTDOWN = 5.0
 
-_EXIT_HELP = """\b
-Exit codes:
-  0  done
-  1  unexpected error (a bug)
-  2  usage error
-  3  illegal move, or nothing to re-enqueue: the record is unchanged
-  4  ledger unreachable
-  5  the ledger lost records (stats): run `ledger ack-loss` after checking
-  6  sealed with a payload key this process does not hold
-  7  no record for that key
-  8  resolve --release: the broker did not take the copy in time; record unchanged"""
+
+def release_countdown(app: Any) -> float:
+    """The countdown of a released copy: :data:`RELEASE_COUNTDOWN`, capped like every countdown the
+    library sets at a share of the broker's visibility timeout (Redis, SQS), so the copy is never handed
+    out again while a worker holds it waiting."""
+    vt = transport_visibility_timeout(app)
+    return RELEASE_COUNTDOWN if vt is None else min(RELEASE_COUNTDOWN, vt * VISIBILITY_SHARE)
+
+
+def _exit_help() -> str:
+    lines = ["\b", "Exit codes:"]
+    for code, meaning in EXIT_CODES.items():
+        wrapped = textwrap.wrap(meaning, 76)
+        lines.append(f"  {code}  {wrapped[0]}")
+        lines += [f"     {more}" for more in wrapped[1:]]
+    return "\n".join(lines)
+
+
+_EXIT_HELP = _exit_help()
 
 
 class _Ctx:
@@ -107,12 +126,15 @@ class _Ctx:
     @property
     def ledger(self) -> Ledger:
         if self._ledger is None:
-            conf = self.app.conf if self.app is not None else {}
-            url = self.ledger_url or conf.get("idemmail_ledger_url")
-            if not url:
-                raise click.UsageError("no ledger: pass --ledger-url or use -A with idemmail_ledger_url set")
+            if not self.ledger_url and self.app is None:
+                raise click.UsageError("no ledger: pass --ledger-url, or -A for the app's")
+            try:  # the settings table, as the app's workers read it (the default ledger URL included)
+                settings = Settings.resolve(self.app.conf if self.app is not None else {}, None)
+            except ConfigurationError as exc:
+                raise click.UsageError(str(exc)) from exc
+            url = self.ledger_url or settings.ledger_url
             # The app's retention, keep_payload and payload keys (to open sealed records), then --prefix/--table.
-            options = {**Settings.resolve(conf, None).ledger_kwargs(), **self.overrides, **passive_options(url)}
+            options = {**settings.ledger_kwargs(), **self.overrides, **passive_options(url)}
             self._ledger = from_url(url, **options)
         return self._ledger
 
@@ -255,15 +277,16 @@ def _release(obj: _Ctx, key: str, note: str, actor: str) -> Record:
     problem = _requeue_problem(obj, current)
     if problem:
         raise IllegalTransitionError(f"record {key} ({current.state.value}): {problem}; left unchanged")
+    countdown = release_countdown(obj.app)
     published = time.monotonic()
-    _requeue(obj, current, RELEASE_COUNTDOWN)
+    _requeue(obj, current, countdown)
     try:
         record = obj.ledger.resolve(key, "released", note=note, actor=actor)
     except (IllegalTransitionError, LedgerUnavailableError) as exc:
         code = EXIT_UNREACHABLE if isinstance(exc, LedgerUnavailableError) else EXIT_ILLEGAL
         _fail(code, f"{exc}; the record was not released, and the copy just queued will find it unchanged and "
                     "send nothing")
-    if time.monotonic() - published >= RELEASE_COUNTDOWN / 2:
+    if time.monotonic() - published >= countdown / 2:
         # The copy may have met the record before it was released, and sent nothing: queue one now.
         _requeue(obj, record, None, released=True)
     return record
@@ -278,13 +301,24 @@ def _requeue_problem(obj: _Ctx, record: Record) -> str | None:
                 "again would queue another")
     if record.state is State.CLAIMED and (record.lease_expires_at or 0) > time.time():
         return "a worker holds a live claim on it"
-    if obj.app.tasks.get(record.task_name) is None:
+    task = obj.app.tasks.get(record.task_name)
+    if task is None:
         return f"its task {record.task_name} is not registered on this app"
+    if not isinstance(task, IdempotentTask):
+        return f"its task {record.task_name} is not an IdempotentTask on this app"
     if not record.payload:
         return "its stored payload is gone (erased by `ledger forget`, or when it was sent), nothing to re-enqueue"
     if is_sealed(record.payload):
         raise PayloadKeyError(f"record {record.key}'s payload is sealed with a key this process does not hold; "
                               "left unchanged")
+    payload = Payload.from_json(record.payload)
+    try:
+        # What apply_async checks of a new call, and the worker before its claim: a payload stored
+        # before a rule was tightened would be refused by the worker after the record is released,
+        # leaving it released with nothing queued.
+        task.key_builder.bound(task.validate_call(payload.args, payload.kwargs))
+    except (IdemmailError, TypeError) as exc:
+        return f"the task refuses its stored payload ({type(exc).__name__}: {scrub(str(exc))}), nothing to re-enqueue"
     return None
 
 
@@ -300,8 +334,8 @@ def _requeue(obj: _Ctx, record: Record, countdown: float | None, *, released: bo
     state = ("released: it may have nothing queued; check `ledger show` and send it again yourself" if released
              else "left as it was")
     try:
-        # The key travels as the header, so the task claims this very record again.
-        task.apply_async(payload.args, payload.kwargs, headers={KEY_HEADER: record.key}, countdown=countdown,
+        # The record's key travels marked as the library's own: the task claims this very record again.
+        task.apply_async(payload.args, payload.kwargs, headers=task.key_headers(record.key), countdown=countdown,
                          retry=True, retry_policy={"max_retries": 2, "interval_start": 0.5, "interval_step": 0.5,
                                                    "interval_max": 1.0})
     except (IdemmailError, TypeError) as exc:

@@ -81,8 +81,6 @@ log = logging.getLogger("idemmail_celery")
 #: After an acknowledged ledger loss, a message that does not say when it was enqueued (sent by
 #: name, or by an older version) counts as possibly older than the loss for this long.
 UNDATED_AFTER_LOSS_SECONDS = 24 * 3600.0
-#: How long a reschedule's mark is kept (``Ledger.mark_hop``): longer than any copy waits.
-HOP_TTL_SECONDS = 3600.0
 #: Attempts at recording ``sent`` before the verdict travels with the next delivery instead.
 COMPLETE_ATTEMPTS = 3
 
@@ -151,6 +149,9 @@ class Policy:
     retry_jitter: bool = True
     outage_max_retries: int | None = None
     fail_open: bool = False
+    #: How long a reschedule's mark is kept (``Ledger.mark_hop``): longer than a copy of the message can
+    #: come back (the broker's visibility timeout and its restore delay), so a late copy still drops.
+    hop_ttl_seconds: float = 3600.0
 
 
 @dataclass(frozen=True)
@@ -521,7 +522,7 @@ class Handler:
                 f"{key} still held by {record.owner} after {d.inflight} reschedules"))
         if d.hop:
             try:
-                first = self.ledger.mark_hop(key, d.hop, HOP_TTL_SECONDS)
+                first = self.ledger.mark_hop(key, d.hop, p.hop_ttl_seconds)
             except LedgerError:
                 first = None  # cannot tell: reschedule (a countdown below the visibility timeout keeps copies few)
             if first is False:  # a copy of this message already rescheduled it: this one drops

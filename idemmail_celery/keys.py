@@ -21,6 +21,9 @@ have many. The intent key is a digest of that meaning:
 A caller's own key (``apply_async(idempotency_key=...)``, or a raw
 ``idempotency_key`` message header) is checked by :func:`check_explicit_key` and
 goes through steps 3 and 4 the same way (:meth:`IntentKeyBuilder.explicit_key`).
+A key the library itself puts on a message travels with a *mark*
+(:meth:`IntentKeyBuilder.key_mark`, a keyed digest of task name and key), which
+is how ``apply_async`` and the worker tell it from a caller's header.
 
 **Secret rotation.** The builder takes several secrets, newest first: keys are
 derived under the first, and :meth:`IntentKeyBuilder.older_keys` gives what the
@@ -29,6 +32,13 @@ for moving off "no secret"), so a claim can find records made before the
 rotation; :meth:`IntentKeyBuilder.fingerprint_matches` does the same for
 must-match fingerprints. With one secret they cost nothing.
 
+Arguments pass through the task serializer's round trip (step 1). For JSON this module
+does it itself, in kombu's form (datetimes, dates, times, decimals, UUIDs and bytes stay
+typed; :func:`json_round_trip`), and stores payloads in the ledger in the same form
+(:meth:`Payload.to_json`), so the state machine never needs Celery; the Celery adapter
+passes kombu's own round trip (``round_trip=``), which also covers other serializers and
+types registered with kombu.
+
 The key is 64 lower-case hex characters and carries no raw argument values.
 Changing anything in this module changes keys, which would re-send everything
 in flight after an upgrade: ``tests/test_keys.py`` pins golden vectors.
@@ -36,6 +46,7 @@ in flight after an upgrade: ``tests/test_keys.py`` pins golden vectors.
 
 from __future__ import annotations
 
+import base64
 import datetime as _dt
 import decimal
 import functools
@@ -48,12 +59,6 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-from kombu.exceptions import KombuError
-from kombu.serialization import dumps as kombu_dumps
-from kombu.serialization import loads as kombu_loads
-from kombu.utils.json import dumps as json_dumps
-from kombu.utils.json import loads as json_loads
 
 from .email import parse_address
 from .errors import ConfigurationError, IdempotencyKeyError, InvalidEmail, UnserializableArgumentsError
@@ -93,17 +98,93 @@ def _json_plain(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def round_trip(value: Any, serializer: str) -> Any:
-    """Return ``value`` as the worker will see it after the task serializer's round trip."""
-    if serializer == "json" and _json_plain(value):
+def is_json_plain(value: Any) -> bool:
+    """True if ``value`` is made only of types a JSON round trip returns unchanged (no copy needed)."""
+    return _json_plain(value)
+
+
+#: A message serializer's round trip: a value in, the value the worker will see out. Raises
+#: :class:`~idemmail_celery.errors.UnserializableArgumentsError` for what it cannot carry.
+RoundTrip = Callable[[Any], Any]
+
+
+# -- JSON with kombu's typed values, in the standard library --
+#
+# Celery's JSON (kombu.utils.json) writes datetimes, dates, times, decimals, UUIDs and bytes as
+# {"__type__": ..., "__value__": ...} and reads them back typed. Payloads are stored in the ledger
+# in that form, and the key of a call is made of what the worker will see, so this module writes
+# and reads the same text without importing kombu: the state machine (handler) imports it, and
+# must not need Celery. Types registered with kombu's register_type only are the adapter's
+# business (IdempotentTask passes kombu's own round trip to the builder).
+
+
+def _typed(kind: str, value: Any) -> dict[str, Any]:
+    return {"__type__": kind, "__value__": value}
+
+
+class _TypedEncoder(json.JSONEncoder):
+    """kombu's ``JSONEncoder`` for its default types: the same text, byte for byte."""
+
+    def default(self, o: Any) -> Any:
+        reducer = getattr(o, "__json__", None)
+        if reducer is not None:
+            return reducer()
+        # Order matters: a datetime is also a date.
+        if isinstance(o, _dt.datetime):
+            return _typed("datetime", o.isoformat())
+        if isinstance(o, _dt.date):
+            return _typed("date", o.isoformat())
+        if isinstance(o, _dt.time):
+            return _typed("time", o.isoformat())
+        if isinstance(o, decimal.Decimal):
+            return _typed("decimal", str(o))
+        if isinstance(o, uuid.UUID):
+            return _typed("uuid", {"hex": o.hex})
+        if isinstance(o, bytes):
+            try:
+                return _typed("bytes", o.decode("utf-8"))
+            except UnicodeDecodeError:
+                return _typed("base64", base64.b64encode(o).decode("utf-8"))
+        return super().default(o)
+
+
+_DECODERS: dict[str, Callable[[Any], Any]] = {
+    "datetime": _dt.datetime.fromisoformat,
+    "date": lambda v: _dt.datetime.fromisoformat(v).date(),
+    "time": _dt.time.fromisoformat,
+    "decimal": decimal.Decimal,
+    "uuid": lambda v: uuid.UUID(**v),
+    "bytes": lambda v: v.encode("utf-8"),
+    "base64": lambda v: base64.b64decode(v.encode("utf-8")),
+}
+
+
+def _typed_hook(o: dict[str, Any]) -> Any:
+    if o.keys() == {"__type__", "__value__"}:
+        decode = _DECODERS.get(o["__type__"])
+        if decode is not None:
+            return decode(o["__value__"])
+    return o  # an envelope of a type registered with kombu only stays a dict
+
+
+def typed_json_dumps(value: Any) -> str:
+    """``value`` as kombu's JSON writes it (typed values in ``__type__`` envelopes); ``TypeError`` otherwise."""
+    return json.dumps(value, cls=_TypedEncoder)
+
+
+def typed_json_loads(text: str | bytes) -> Any:
+    """Text written by :func:`typed_json_dumps` (or by kombu's JSON), typed values restored."""
+    return json.loads(text, object_hook=_typed_hook)
+
+
+def json_round_trip(value: Any) -> Any:
+    """What Celery's JSON serializer does to ``value`` (its default typed values included)."""
+    if _json_plain(value):
         return value  # the round trip would be the identity: skip two encodings per delay()
     try:
-        content_type, encoding, data = kombu_dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
-        return kombu_loads(data, content_type, encoding, accept={content_type})  # type: ignore[no-untyped-call]
-    except (KombuError, TypeError, ValueError) as exc:
-        raise UnserializableArgumentsError(
-            f"task arguments cannot be serialized with {serializer!r}: {exc}"
-        ) from exc
+        return typed_json_loads(typed_json_dumps(value))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UnserializableArgumentsError(f"task arguments cannot be serialized with 'json': {exc}") from exc
 
 
 def _json_default(value: Any) -> Any:
@@ -275,9 +356,9 @@ def check_explicit_key(value: Any) -> str:
 def is_derived_key(value: Any) -> bool:
     """Is ``value`` shaped like a key this module made (64 lower-case hex digits)?
 
-    A message that already carries one (a retry, a copy re-enqueued by ``ledger resolve
-    --release``) keeps it; anything else in the ``idempotency_key`` header is a caller's raw
-    key, for :meth:`IntentKeyBuilder.explicit_key`.
+    The shape alone does not say who put it on a message (a caller may choose such a key):
+    :meth:`IntentKeyBuilder.is_marked` does. A worker still claims under an unmarked one as
+    it is, as releases before marks wrote them so (see :class:`~idemmail_celery.IdempotentTask`).
     """
     return isinstance(value, str) and _DERIVED_KEY.fullmatch(value) is not None
 
@@ -313,17 +394,17 @@ class Payload:
     kwargs: dict[str, Any]
 
     def to_json(self) -> str:
-        """JSON text for the ledger; kombu's encoder keeps datetimes, decimals and UUIDs typed."""
+        """JSON text for the ledger, in kombu's form: datetimes, decimals, UUIDs and bytes stay typed."""
         try:
-            return str(json_dumps({"args": self.args, "kwargs": self.kwargs}))  # type: ignore[no-untyped-call]
-        except (TypeError, ValueError) as exc:
+            return typed_json_dumps({"args": self.args, "kwargs": self.kwargs})
+        except (TypeError, ValueError, RecursionError) as exc:
             raise UnserializableArgumentsError(
                 f"task arguments cannot be stored as JSON in the ledger: {exc}"
             ) from exc
 
     @classmethod
     def from_json(cls, text: str) -> Payload:
-        data = json_loads(text)  # type: ignore[no-untyped-call]
+        data = typed_json_loads(text)
         return cls(list(data["args"]), dict(data["kwargs"]))
 
 
@@ -350,16 +431,24 @@ class IntentKeyBuilder:
     #: One secret, or several newest first (rotation): keys are made under the first; ``None``
     #: (alone or among the older ones) is plain SHA-256, no secret.
     secret: bytes | str | Sequence[bytes | str | None] | None = None
+    #: The task serializer's round trip (:data:`RoundTrip`); the Celery adapter passes kombu's.
+    #: None: :func:`json_round_trip`, which only a ``"json"`` serializer may use.
+    round_trip: RoundTrip | None = field(default=None, repr=False, compare=False)
     # Worked out once in __post_init__ for the hot path; not options.
     _plain: tuple[tuple[str, ...], tuple[str, ...], frozenset[str], dict[str, Any]] | None = field(
         init=False, repr=False, compare=False, default=None)
     _untenanted: str = field(init=False, repr=False, compare=False, default="")
     _mac: Any = field(init=False, repr=False, compare=False, default=None)
     _older_macs: tuple[Any, ...] = field(init=False, repr=False, compare=False, default=())
+    _round: Any = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 1:
             raise IdempotencyKeyError(f"{self.task_name}: idempotency_version must be an int >= 1")
+        if self.round_trip is None and self.serializer != "json":
+            raise ConfigurationError(f"{self.task_name}: the {self.serializer!r} serializer needs its round trip "
+                                     "(round_trip=); only 'json' has one here")
+        object.__setattr__(self, "_round", self.round_trip or json_round_trip)
         params = self.signature.parameters
         has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
         declared = list(self.must_match)
@@ -387,6 +476,10 @@ class IntentKeyBuilder:
         object.__setattr__(self, "_mac", macs[0])
         object.__setattr__(self, "_older_macs", macs[1:])
 
+    def _through(self, value: Any) -> Any:
+        """``value`` as the worker will see it, after the task serializer's round trip."""
+        return self._round(value)
+
     def _digest(self, material: str, mac: Any = _CURRENT) -> str:
         """HMAC-SHA256 of ``material`` under this builder's (first) secret; plain SHA-256 when there is none."""
         if mac is _CURRENT:
@@ -411,7 +504,7 @@ class IntentKeyBuilder:
                 len(params) - len(positional)):
             return None
         try:
-            defaults = round_trip({p.name: p.default for p in params if p.default is not p.empty}, self.serializer)
+            defaults = self._through({p.name: p.default for p in params if p.default is not p.empty})
         except UnserializableArgumentsError:
             return None
         names = tuple(p.name for p in params)
@@ -421,7 +514,7 @@ class IntentKeyBuilder:
         """The call's arguments as the worker will receive them."""
         arg_list, kwarg_dict = list(args or ()), dict(kwargs or {})
         call = [arg_list, kwarg_dict]
-        rt = round_trip(call, self.serializer)
+        rt = self._through(call)
         if rt is call:  # plain JSON: the copies just made are what the worker will see
             return Payload(arg_list, kwarg_dict)
         return Payload(list(rt[0]), dict(rt[1]))
@@ -451,7 +544,7 @@ class IntentKeyBuilder:
         values = dict(ba.arguments)
         defaults = {name: v for name, v in values.items() if name not in given}
         if defaults:  # defaults never went through the serializer: send them through too
-            values.update(round_trip(defaults, self.serializer))
+            values.update(self._through(defaults))
         for p in self.signature.parameters.values():
             if p.kind is p.VAR_KEYWORD:  # **extra: flatten, so f(a=1) and f(**{"a": 1}) agree
                 values.update(values.pop(p.name, {}))
@@ -509,10 +602,22 @@ class IntentKeyBuilder:
         """A caller's own key (``idempotency_key=``, a raw ``idempotency_key`` header) as the ledger key.
 
         Checked by :func:`check_explicit_key` (:class:`IdempotencyKeyError`), then namespaced
-        (task, tenant, version) and digested exactly like :meth:`derive` with ``explicit=``;
-        ``older_keys(payload, explicit=raw, tenant=...)`` gives its forms under older secrets.
+        (task, ``tenant`` as given, version) and digested like :meth:`derive` with ``explicit=``.
+        Unlike :meth:`derive`, a task's tenant argument is not read (a worker hashing a raw
+        header has only the header's tenant): for a task with ``idempotency_tenant`` the two
+        agree when ``tenant`` is given. :meth:`older_explicit_keys` gives its forms under older secrets.
         """
         return self._digest(self._explicit_head(raw) + self._tail(None if tenant is None else str(tenant)))
+
+    def older_explicit_keys(self, raw: Any, *, tenant: str | None = None) -> tuple[str, ...]:
+        """The keys :meth:`explicit_key` gave ``raw`` under each older secret, newest first.
+
+        Empty, without any work, with one secret (see :meth:`older_keys`).
+        """
+        if not self._older_macs:
+            return ()
+        material = self._explicit_head(raw) + self._tail(None if tenant is None else str(tenant))
+        return tuple(self._digest(material, mac) for mac in self._older_macs)
 
     def _explicit_head(self, raw: Any) -> str:
         try:
@@ -550,6 +655,30 @@ class IntentKeyBuilder:
     def _namespace(self, tenant: str | None) -> str:
         """``,"ns":…,"task":…,"tenant":…,"v":…}``: the rest of the canonical key material."""
         return "," + canonical_json({"ns": _NAMESPACE, "task": self.task_name, "tenant": tenant, "v": self.version})[1:]
+
+    def key_mark(self, key: str) -> str:
+        """The mark that says this library put ``key`` on a message as its ledger key.
+
+        A keyed digest (under the first secret) of the task name and ``key``: a message whose
+        ``idempotency_key`` header comes with its mark is claimed under that key as it is, and
+        ``apply_async`` republishes it unchanged (a retry, a reschedule, ``ledger resolve --release``);
+        any other header is a caller's own key, checked and hashed. Without a secret the mark is
+        plain SHA-256: it tells the library's messages from a caller's mistakes, not from forgeries.
+        """
+        return self._digest(self._mark_material(key))
+
+    def is_marked(self, key: Any, mark: Any) -> bool:
+        """Did :meth:`key_mark` make ``mark`` for ``key``, under the current secret or an older one?"""
+        if not isinstance(key, str) or not isinstance(mark, str) or not mark.isascii():
+            return False
+        material = self._mark_material(key)
+        if hmac.compare_digest(mark, self._digest(material)):
+            return True
+        return any(hmac.compare_digest(mark, self._digest(material, mac)) for mac in self._older_macs)
+
+    def _mark_material(self, key: str) -> str:
+        # Never canonical JSON (key and fingerprint material start with "{"): no mark is ever a key.
+        return f"idemmail/key-mark\n{self.task_name}\n{key}"
 
     def fingerprint(self, payload: Payload) -> str:
         """Digest of the must-match fields' normalised values, which a later call must repeat.

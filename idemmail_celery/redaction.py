@@ -12,8 +12,8 @@ scrubs again whatever a custom provider raises.
 (Flower) and worker logs, and builds them from the real arguments unless the sender
 gave its own. ``IdempotentTask.apply_async`` gives its own, but a message can be
 published by other paths: ``app.send_task(name, ...)``, the outbox relay for a task
-it does not know, canvas primitives, a retry. A ``before_task_publish`` handler
-therefore redacts every message, whatever the path, of
+it does not know, canvas primitives, a retry. :func:`on_before_publish`, Celery's
+``before_task_publish`` handler, therefore redacts every message, whatever the path, of
 
 * a task registered here as redacting: every ``IdempotentTask`` whose
   ``redact_args`` setting is on (the default), and ``send_campaign``;
@@ -25,6 +25,11 @@ Not covered: ``task_send_sent_event`` builds its ``task-sent`` event before the
 signal, from what the sender gave (``apply_async`` gives the redacted text; a bare
 ``send_task`` does not), and a result backend with ``result_extended`` stores the
 real arguments.
+
+This module imports nothing from Celery: the Celery-free state machine
+(:mod:`idemmail_celery.handler`) scrubs with it. The adapter, :mod:`idemmail_celery.task`,
+connects :func:`on_before_publish` to the signal when it is imported, which importing
+anything from the package does.
 """
 
 from __future__ import annotations
@@ -39,8 +44,6 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import quote
 
-from celery.signals import before_task_publish
-
 from ._common import KEY_HEADER
 from .errors import SendError
 
@@ -48,8 +51,8 @@ if TYPE_CHECKING:
     from .email import EmailMessage
     from .providers.base import Provider, SendResult
 
-__all__ = ["ADDRESS_MARK", "ARGSREPR", "KEY_HEADER", "PERSONAL_MARK", "kwargsrepr", "redacts", "register", "scrub",
-           "scrub_error", "scrubbed"]
+__all__ = ["ADDRESS_MARK", "ARGSREPR", "KEY_HEADER", "PERSONAL_MARK", "kwargsrepr", "on_before_publish", "redacts",
+           "register", "scrub", "scrub_error", "scrubbed"]
 
 log = logging.getLogger("idemmail_celery")
 
@@ -173,7 +176,12 @@ def redacts(name: str | None, headers: dict[str, Any]) -> bool:
         return True
 
 
-def _on_before_publish(sender: str | None = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+def on_before_publish(sender: str | None = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """Celery's ``before_task_publish`` handler: redact ``headers`` (``argsrepr``/``kwargsrepr``) in place.
+
+    ``sender`` is the task name. A message :func:`redacts` says yes to shows :data:`ARGSREPR` and
+    :func:`kwargsrepr` of its intent key; one ``apply_async`` already redacted is left alone.
+    """
     if not headers:
         return
     args_done = str(headers.get("argsrepr") or "").startswith("<redacted")
@@ -184,6 +192,3 @@ def _on_before_publish(sender: str | None = None, headers: dict[str, Any] | None
         headers["argsrepr"] = ARGSREPR
     if not kwargs_done:
         headers["kwargsrepr"] = kwargsrepr(headers.get(KEY_HEADER))
-
-
-before_task_publish.connect(_on_before_publish, weak=False)

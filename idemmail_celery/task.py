@@ -1,7 +1,10 @@
 """``IdempotentTask``: the Celery adapter of the state machine in :mod:`idemmail_celery.handler`.
 
 * ``apply_async`` (caller's process) validates the call and derives the intent key before
-  anything is enqueued, and sends it as the ``idempotency_key`` header; bad input fails here.
+  anything is enqueued, and sends it as the ``idempotency_key`` header with its mark
+  (``idemmail_key_mark``, :meth:`IdempotentTask.key_headers`); bad input fails here. A header
+  the caller set is the caller's own key, checked and hashed whatever it looks like; only a
+  marked one (what the library republishes: retries, reschedules, released copies) is kept.
 * ``__call__`` (worker) describes the delivery to the :class:`~idemmail_celery.handler.Handler`
   and carries out its answer: return, raise, ``retry()`` (the task's own budget), reschedule
   (no budget spent), or drop a redundant copy. Every countdown it sets stays below the
@@ -23,7 +26,10 @@ from typing import Any, NoReturn
 
 from celery import Task
 from celery.exceptions import Ignore, Retry
-from celery.signals import worker_init
+from celery.signals import before_task_publish, worker_init
+from kombu.exceptions import KombuError
+from kombu.serialization import dumps as kombu_dumps
+from kombu.serialization import loads as kombu_loads
 
 from . import keys as keys_mod
 from . import outcomes, redaction
@@ -33,6 +39,7 @@ from ._common import (
     HOP_HEADER,
     INFLIGHT_HEADER,
     KEY_HEADER,
+    KEY_MARK_HEADER,
     NOT_BEFORE_HEADER,
     OLDER_KEYS_HEADER,
     OUTAGE_HEADER,
@@ -49,9 +56,10 @@ from .errors import (
     PermanentSendError,
     TransientSendError,
     UnsafeLedgerError,
+    UnserializableArgumentsError,
 )
 from .handler import Action, Delivery, Handler, Outcome, Policy, Step, verdict_of
-from .keys import IntentKeyBuilder, KeySpec, Payload
+from .keys import IntentKeyBuilder, KeySpec, Payload, RoundTrip
 from .ledger import Ledger, backend_for, shared
 from .ledger.base import new_owner
 
@@ -63,6 +71,26 @@ VISIBILITY_SHARE = 0.5
 
 _warned_no_secret = False
 _warned_lock = threading.Lock()
+
+
+def serializer_round_trip(serializer: str) -> RoundTrip:
+    """What Celery's ``serializer`` (kombu's registry: ``json``, ``pickle``, ``msgpack``, ``yaml``) does
+    to a value between the caller and the worker, for :class:`~idemmail_celery.keys.IntentKeyBuilder`:
+    a key is made of what the worker will see. Raises
+    :class:`~idemmail_celery.errors.UnserializableArgumentsError` for what it cannot carry."""
+
+    def through(value: Any) -> Any:
+        if serializer == "json" and keys_mod.is_json_plain(value):
+            return value  # the round trip would be the identity: skip two encodings per delay()
+        try:
+            content_type, encoding, data = kombu_dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
+            return kombu_loads(data, content_type, encoding, accept={content_type})  # type: ignore[no-untyped-call]
+        except (KombuError, TypeError, ValueError) as exc:
+            raise UnserializableArgumentsError(
+                f"task arguments cannot be serialized with {serializer!r}: {exc}"
+            ) from exc
+
+    return through
 
 
 def get_ledger(url: str, options: dict[str, Any] | None = None) -> Ledger:
@@ -150,6 +178,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if isinstance(spec, list):
                 spec = tuple(spec)
             secrets = self.idem_settings.key_secrets
+            serializer = self.serializer or self.app.conf.task_serializer or "json"
             self._idem_builder = IntentKeyBuilder(
                 task_name=self.name,
                 signature=signature,
@@ -158,8 +187,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 version=self.idempotency_version,
                 address_fields=keys_mod.address_fields_for(signature, self.idempotency_address_fields),
                 must_match=tuple(self.idempotency_must_match or ()),
-                serializer=self.serializer or self.app.conf.task_serializer or "json",
+                serializer=serializer,
                 secret=secrets or None,  # newest first: keys are made with the first, found under all
+                round_trip=serializer_round_trip(serializer),
             )
         return self._idem_builder
 
@@ -246,20 +276,44 @@ class IdempotentTask(Task):  # type: ignore[misc]
         outbox stores with a row. Raises :class:`~idemmail_celery.errors.IdemmailError`
         subclasses (and ``TypeError`` from ``check_call``) on bad input.
         """
-        if type(self).check_call is not IdempotentTask.check_call:  # the base's accepts everything
-            self.check_call(tuple(args or ()), dict(kwargs or {}))
+        payload = self.validate_call(args, kwargs)
         builder = self.key_builder
-        payload = builder.payload(args, kwargs)
-        if builder.serializer != "json":
-            payload.to_json()  # the ledger stores JSON: fail now if it cannot (json proved it already)
-        headers: dict[str, Any] = {KEY_HEADER: builder.derive(payload, explicit=explicit, tenant=tenant),
-                                   ENQUEUED_HEADER: f"{time.time():.3f}"}
-        older = builder.older_keys(payload, explicit=explicit, tenant=tenant)  # () unless rotating
-        if older:
-            headers[OLDER_KEYS_HEADER] = list(older)
+        headers = self.key_headers(builder.derive(payload, explicit=explicit, tenant=tenant),
+                                   builder.older_keys(payload, explicit=explicit, tenant=tenant))  # () unless rotating
+        headers[ENQUEUED_HEADER] = f"{time.time():.3f}"
         if tenant is not None:
             headers[TENANT_HEADER] = str(tenant)
         return headers
+
+    def key_headers(self, key: str, older: Sequence[str] = ()) -> dict[str, Any]:
+        """The headers that put an intent key the library derived on a message, marked as such.
+
+        ``apply_async`` sends a message carrying them as it is (no new key, no validation: it
+        was validated when the key was derived) and the worker claims under ``key`` itself:
+        what retries, reschedules and ``ledger resolve --release`` publish. ``older`` are its
+        forms under older key secrets, during a rotation. A header without its mark is a
+        caller's own key, checked and hashed (see :meth:`apply_async`).
+        """
+        headers: dict[str, Any] = {KEY_HEADER: key, KEY_MARK_HEADER: self.key_builder.key_mark(key)}
+        if older:
+            headers[OLDER_KEYS_HEADER] = list(older)
+        return headers
+
+    def validate_call(self, args: Any, kwargs: Any) -> Payload:
+        """Validate a call as ``apply_async`` does before anything is enqueued, and return its arguments as
+        the worker will see them.
+
+        Runs :meth:`check_call` and proves the arguments can be serialized and stored; raises
+        :class:`~idemmail_celery.errors.IdemmailError` subclasses (and ``TypeError`` from ``check_call``).
+        The worker runs the same check (with the signature's) before its claim, for messages that did not
+        come through ``apply_async``; ``ledger resolve --release`` runs it on the stored first payload.
+        """
+        if type(self).check_call is not IdempotentTask.check_call:  # the base's accepts everything
+            self.check_call(tuple(args or ()), dict(kwargs or {}))
+        payload = self.key_builder.payload(args, kwargs)
+        if not keys_mod.is_json_plain([payload.args, payload.kwargs]):
+            payload.to_json()  # the ledger stores JSON in kombu's typed form: fail now if it cannot
+        return payload
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -274,20 +328,34 @@ class IdempotentTask(Task):  # type: ignore[misc]
             redaction.register(name, redacts)
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        """Enqueue like Celery, with the intent key derived first and sent as a header.
+        """Enqueue like Celery, with the call validated and its intent key derived first, sent as a header.
 
         Extra options: ``idempotency_key`` (an explicit key, namespaced and hashed
-        like a derived one) and ``idempotency_tenant``. Raises
+        like a derived one) and ``idempotency_tenant``. A raw ``idempotency_key`` header
+        (``headers={"idempotency_key": ...}``) is the same as ``idempotency_key=``, whatever
+        it looks like; only a key the library marked (:meth:`key_headers`: a retry, a
+        reschedule, a released copy, an outbox row) travels unchanged. Raises
         :class:`~idemmail_celery.errors.IdempotencyKeyError` (and subclasses) or
         :class:`~idemmail_celery.errors.ConfigurationError` before enqueueing.
         """
         explicit = options.pop("idempotency_key", None)
         tenant = options.pop("idempotency_tenant", None)
         headers = dict(options.get("headers") or {})
-        raw = headers.get(KEY_HEADER)
-        if explicit is None and raw is not None and not keys_mod.is_derived_key(raw):
-            explicit = raw  # apply_async(headers={"idempotency_key": ...}): checked and hashed like idempotency_key=
-        if explicit is not None or KEY_HEADER not in headers:  # a retry (or resolve --release) carries its key
+        carried = headers.get(KEY_HEADER)
+        if explicit is None and carried is not None:
+            if self.key_builder.is_marked(carried, headers.get(KEY_MARK_HEADER)):
+                pass  # the library's own key (see key_headers): validated when it was derived
+            elif keys_mod.is_derived_key(carried) and ENQUEUED_HEADER in headers:
+                # Intent headers a release before marks derived (an outbox row written before the
+                # upgrade): hashing the key again would give the intent a second key and send it
+                # twice. The call is still validated.
+                self.key_builder.bound(self.validate_call(args, kwargs))
+                headers.update(self.key_headers(carried))
+            else:
+                explicit = carried  # the caller's own key: checked and hashed like idempotency_key=
+        if explicit is not None or carried is None:
+            for stale in (KEY_MARK_HEADER, OLDER_KEYS_HEADER):  # belong to whatever key the caller copied
+                headers.pop(stale, None)
             headers.update(self.intent_headers(args, kwargs, explicit=explicit, tenant=tenant))
         options["headers"] = headers
         if self.idem_settings.redact_args:  # the task option, else idemmail_redact_args, parsed strictly
@@ -302,17 +370,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if request.called_directly:
             return self.run(*args, **kwargs)
         headers = dict(request.headers or {})
-        self._wait_until_due(headers)
         payload = Payload(list(args), dict(kwargs))
-        key = headers.get(KEY_HEADER) or getattr(request, KEY_HEADER, None)
-        if key and not keys_mod.is_derived_key(key):  # a raw key (send_task(headers=...)): hash it as apply_async does
-            key = self._raw_key(key, headers)
-        if not key:  # sent by name without a key: derive it as apply_async would have
-            try:
-                key = self.key_builder.derive(payload, tenant=headers.get(TENANT_HEADER))
-            except IdemmailError as exc:
-                raise PermanentSendError(f"cannot derive an intent key: {exc}", reason="invalid_arguments") from exc
-        key, older = self._rotated(key, payload, headers)
+        key, older = self._claim_key(payload, headers)
+        # Whatever this delivery publishes next (a retry, a reschedule, the next hop of a wait)
+        # carries the key it claims under, marked: apply_async sends it unchanged.
+        request.idemmail_key_headers = self.key_headers(key, older)
+        headers.update(request.idemmail_key_headers)
+        self._wait_until_due(headers)
         request.idempotency_key = key
         request.idemmail_owner = owner = new_owner(request.id or "")
         step = self.handler.handle(Delivery(
@@ -325,6 +389,30 @@ class IdempotentTask(Task):  # type: ignore[misc]
             owner=owner,
         ))
         return self._carry_out(step, headers)
+
+    def _claim_key(self, payload: Payload, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+        """The key this delivery claims under, and the older keys to look for first (a rotation).
+
+        * a key the library marked (:meth:`key_headers`): as it is;
+        * an unmarked key of 64 lower-case hex digits: as it is too. Releases before marks put
+          derived keys on messages so (retries, reschedules, released copies still queued), and
+          hashing one again would give its intent a second key: sent twice. A caller who sends
+          such a key by name (``send_task``) gets it as the ledger key, as before;
+        * any other key: the caller's own (``send_task(headers=...)``): checked, namespaced and
+          hashed (:meth:`_raw_key`);
+        * none (sent by name without one): derived from the arguments, as ``apply_async`` would.
+        """
+        carried = headers.get(KEY_HEADER) or getattr(self.request, KEY_HEADER, None)
+        if carried and (keys_mod.is_derived_key(carried)
+                        or self.key_builder.is_marked(carried, headers.get(KEY_MARK_HEADER))):
+            return self._rotated(str(carried), payload, headers)
+        if carried:
+            return self._raw_key(carried, headers)
+        try:
+            key = self.key_builder.derive(payload, tenant=headers.get(TENANT_HEADER))
+        except IdemmailError as exc:
+            raise PermanentSendError(f"cannot derive an intent key: {exc}", reason="invalid_arguments") from exc
+        return self._rotated(key, payload, headers)
 
     def _rotated(self, key: str, payload: Payload, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
         """During a key-secret rotation: the key to claim under, and the older keys to look for first.
@@ -348,22 +436,27 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return newest, older
         return key, ()
 
-    def _raw_key(self, raw: Any, headers: dict[str, Any]) -> str:
-        """The ledger key for a raw ``idempotency_key`` header: namespaced and hashed (an invalid one is refused).
+    def _raw_key(self, raw: Any, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+        """A raw ``idempotency_key`` header's ledger key, namespaced and hashed (an invalid one is refused),
+        and its forms under older key secrets (during a rotation: a record made before it is found).
 
-        Before this release a raw header was the ledger key as given: a record made that way keeps it,
-        so a copy enqueued before the upgrade finds it (one extra read, on this path only).
+        The tenant is the header's (:meth:`~idemmail_celery.keys.IntentKeyBuilder.explicit_key`), as
+        workers have always hashed a raw header. Before marks, a raw header was the ledger key as
+        given: a record made that way keeps it, so a copy enqueued before the upgrade finds it (one
+        extra read, on this path only).
         """
+        tenant = headers.get(TENANT_HEADER)
+        builder = self.key_builder
         try:
-            key = self.key_builder.explicit_key(raw, tenant=headers.get(TENANT_HEADER))
+            key = builder.explicit_key(raw, tenant=tenant)
         except IdemmailError as exc:
             raise PermanentSendError(f"bad idempotency_key header: {exc}", reason="invalid_arguments") from exc
         try:
             if self.ledger.get(key) is None and self.ledger.get(raw) is not None:
-                return str(raw)
+                return str(raw), ()
         except (LedgerError, UnsafeLedgerError):
             pass  # the claim meets the same outage and fails closed
-        return key
+        return key, builder.older_explicit_keys(raw, tenant=tenant)
 
     def _carry_out(self, step: Step, headers: dict[str, Any]) -> Any:
         action = step.action
@@ -390,6 +483,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # fail, the retry takes the claim back (its owner travels) instead of waiting on it.
             owner = getattr(self.request, "idemmail_owner", None)
             headers = _chain(dict(self.request.headers or {}), {OWNER_HEADER: owner} if owner else {}, keep=False)
+            headers.update(getattr(self.request, "idemmail_key_headers", None) or {})  # the key claimed, marked
         if countdown is None and eta is None:
             countdown = self.default_retry_delay
         if eta is not None:
@@ -523,3 +617,6 @@ def _prepare_ledgers(sender: Any = None, **_: Any) -> None:
 
 # outcomes (imported above) connected its worker_init handler first: metrics are on before this opens ledgers.
 worker_init.connect(_prepare_ledgers, weak=False)
+# Every publish path (apply_async, send_task by name, the outbox relay, canvas, retries) passes this signal. The
+# rules are in redaction, which stays Celery-free for the handler; the hook belongs to the adapter.
+before_task_publish.connect(redaction.on_before_publish, weak=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import getpass
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -401,8 +402,9 @@ def test_show_payload_of_a_sealed_record_without_keys_exits_6_without_a_tracebac
 def test_exit_codes_are_distinct_from_usage_errors(cli_ledger: Ledger) -> None:
     from idemmail_celery import cli
 
-    codes = {name: getattr(cli, name) for name in dir(cli) if name.startswith("EXIT_")}
+    codes = {name: getattr(cli, name) for name in dir(cli) if name.startswith("EXIT_") and name != "EXIT_CODES"}
     assert len(set(codes.values())) == len(codes), codes
+    assert set(codes.values()) == set(cli.EXIT_CODES)  # every code has its meaning in the one table
     assert run(cli_ledger, "ledger", "show", "nope").exit_code == EXIT_UNKNOWN_KEY != 2
     assert run(cli_ledger, "ledger", "resolve", "nope", "--sent").exit_code == 2  # --note missing: click's usage
 
@@ -426,3 +428,115 @@ def test_python_m_shows_every_subcommand_as_the_celery_subcommand_does(request: 
     for name in subcommands:
         assert out(*standalone, "ledger", name, "--help").split("Options:")[1] == out(
             *celery, "ledger", name, "--help").split("Options:")[1]
+
+
+def test_the_exit_codes_are_written_once_and_help_and_docs_are_made_from_them() -> None:
+    import importlib.util
+
+    from idemmail_celery import cli
+
+    help_text = CliRunner().invoke(cli.standalone(), ["--help"]).output
+    listed = re.findall(r"^\s+(\d+)  \S", help_text.split("Exit codes:")[1], re.MULTILINE)
+    assert [int(code) for code in listed] == list(cli.EXIT_CODES)
+    assert " ".join(help_text.split()).count(" ".join(cli.EXIT_CODES[cli.EXIT_ILLEGAL].split())) == 1
+    assert ":data:`EXIT_CODES`" in (cli.__doc__ or "")  # the docstring points to the table, no copy of it:
+    assert not re.search(r"^[0-9]\s{2,}\S", cli.__doc__ or "", re.MULTILINE)
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = (ROOT / "docs" / "operations.md").read_text()
+    assert page.count(hooks.EXIT_CODES) == 1 and "| exit |" not in page
+    rows = hooks.exit_codes_table().splitlines()[2:]
+    assert rows == [f"| {code} | {meaning} |" for code, meaning in cli.EXIT_CODES.items()]
+
+
+def test_release_of_a_stored_payload_the_task_now_refuses_exits_3_and_leaves_it_in_review(
+    release_app: ReleaseApp,
+) -> None:
+    """A payload stored before a rule was tightened (two addresses in one string): checked as apply_async
+    checks a new call, before anything is published or changed. Released, the worker would refuse the
+    copy before its claim: the record would stay released with nothing queued, and a second --release
+    would be refused as "a copy is queued"."""
+    send_email = release_app.workerapp.app.tasks["idemmail_celery.send_email"]
+    led = send_email.ledger
+    key = "5e" * 32
+    stale = {"to": "ann@x.com, eve@y.com", "subject": "Your receipt", "text": "t", "event_id": "order-9"}
+    c = led.claim(ClaimRequest(key=key, task_name=send_email.name, fingerprint="",
+                               payload=json.dumps({"args": [], "kwargs": stale})))
+    led.park(key, c.token, {"reason": "lease_expired"})
+    before = led.get(key)
+    env = {**release_app.env, "IDEMMAIL_TEST_PROVIDER": "console://"}
+    done = celery_cli(env, "resolve", key, "--release", "--note", "provider: not delivered")
+    assert done.returncode == EXIT_ILLEGAL, (done.stdout, done.stderr)
+    assert "the task refuses its stored payload (InvalidEmail: to holds more than one address" in done.stderr
+    assert "ann@x.com" not in done.stderr and "Traceback" not in done.stderr
+    assert queued(release_app) == []
+    assert led.get(key) == before  # still review: decidable the other ways
+
+
+def test_the_release_countdown_stays_below_the_brokers_visibility_timeout(
+    release_app: ReleaseApp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy held back longer than the visibility timeout is handed out again (Redis, SQS) while the first
+    worker still waits on it: the countdown takes at most half of it, like every countdown the library sets."""
+    app = release_app.workerapp.app
+    monkeypatch.setitem(app.conf.broker_transport_options, "visibility_timeout", 3)
+    key = park_first(release_app.workerapp, "ivy@example.com", 13)
+
+    class Holder:
+        app = release_app.workerapp.app
+
+    before = time.time()
+    done = CliRunner().invoke(idemmail, ["ledger", "resolve", key, "--release", "--note", "n"], obj=Holder())
+    assert done.exit_code == 0, done.output
+    import datetime as dt
+
+    etas = sorted(dt.datetime.fromisoformat(m["headers"]["eta"]).timestamp() for m in queued(release_app)
+                  if m["headers"]["eta"])
+    assert etas and all(eta <= before + 1.5 + 1.0 for eta in etas), (etas, before)
+    from idemmail_celery.cli import release_countdown
+
+    assert release_countdown(app) == 1.5
+    monkeypatch.setitem(app.conf.broker_transport_options, "visibility_timeout", 3600)
+    assert release_countdown(app) == 5.0  # the usual countdown when the timeout is long
+
+
+def test_a_released_copy_of_a_record_made_under_a_raw_key_claims_that_very_record(release_app: ReleaseApp) -> None:
+    """Records an older release made under a caller's raw key keep it: the copy carries it marked, so the
+    worker claims it as it is instead of hashing it into another key."""
+    send = release_app.workerapp.send
+    key = "order-14:confirmation"
+    c = send.ledger.claim(ClaimRequest(key=key, task_name=send.name, fingerprint="f",
+                                       payload=send.key_builder.payload(("jo@example.com", 14), {}).to_json()))
+    send.ledger.park(key, c.token, {"reason": "lease_expired"})
+    done = celery_cli(release_app.env, "resolve", key, "--release", "--note", "n")
+    assert done.returncode == 0, done.stderr
+    [message] = queued(release_app)
+    assert message["headers"]["idempotency_key"] == key
+    assert send.key_builder.is_marked(key, message["headers"]["idemmail_key_mark"])
+
+
+def test_the_ledger_url_is_read_through_the_settings_table(tmp_path: Path) -> None:
+    """-A: the app's ledger as its workers resolve it (idemmail_* settings parsed strictly, so a value a
+    loader padded still works and one that is not a URL is a usage error, not a traceback)."""
+    from celery import Celery
+
+    path = tmp_path / "ledger.sqlite3"
+    led = from_url(f"sqlite:///{path}")
+    parked(led, "k-settings")
+
+    class Holder:
+        app = Celery("cli-settings", set_as_current=False)
+
+    Holder.app.conf.idemmail_ledger_url = f"  sqlite:///{path}\n"  # as an env-file loader may hand it over
+    out = CliRunner().invoke(idemmail, ["ledger", "list", "--state", "review"], obj=Holder())
+    assert out.exit_code == 0, out.output
+    assert "k-settings" in out.output
+    Holder.app.conf.idemmail_ledger_url = 42
+    bad = CliRunner().invoke(idemmail, ["ledger", "list"], obj=Holder())
+    assert bad.exit_code == 2 and "idemmail_ledger_url must be a string" in bad.output
+    none = CliRunner().invoke(idemmail, ["ledger", "list"], obj=_Obj())
+    assert none.exit_code == 2 and "no ledger" in none.output
+    led.close()

@@ -10,7 +10,7 @@ import pytest
 from celery import Celery
 
 from idemmail_celery import ConfigurationError, IdempotentTask
-from idemmail_celery._common import KEY_HEADER, OLDER_KEYS_HEADER
+from idemmail_celery._common import KEY_HEADER, OLDER_KEYS_HEADER, TENANT_HEADER
 
 from .conftest import REDIS_URL, unique
 
@@ -66,3 +66,24 @@ def test_a_server_ledger_without_a_key_secret_is_refused_before_anything_is_enqu
     with caplog.at_level(logging.WARNING):
         dev = sender(app_with(f"sqlite:///{tmp_path / 'dev.sqlite3'}"), sent, unique("dev"))
         assert dev.intent_headers(("ann@example.com", 1), {})[KEY_HEADER]  # the development default
+
+
+def test_a_raw_header_sent_by_name_during_a_rotation_finds_the_intent_recorded_before_it(tmp_path: Path) -> None:
+    """`send_task(headers={"idempotency_key": "order-1"})` reaches the worker with no older keys: it works
+    them out from the raw key itself (the arguments do not make an explicit key)."""
+    ledger = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    sent: list[str] = []
+    name = unique("rawrot")
+    before = sender(app_with(ledger, idemmail_key_secret="old-secret"), sent, name)
+    first = before.apply(("ann@example.com", 1), headers={KEY_HEADER: "order-1"}).get()
+    assert first["status"] == "sent" and first["key"] == before.key_builder.explicit_key("order-1")
+    after = sender(app_with(ledger, idemmail_key_secret=["new-secret", "old-secret"]), sent, name)
+    for tenant in ({}, {TENANT_HEADER: "acme"}):  # the header's tenant namespaces every form alike
+        if tenant:
+            before.apply(("ann@example.com", 1), headers={KEY_HEADER: "order-1", **tenant}).get()
+        replay = after.apply(("ann@example.com", 1), headers={KEY_HEADER: "order-1", **tenant}).get()
+        assert replay["status"] == "duplicate"
+    assert sent == ["ann@example.com", "ann@example.com"]  # once untenanted, once for acme: never again
+    # A new raw key during the rotation goes under the new secret.
+    fresh = after.apply(("ann@example.com", 1), headers={KEY_HEADER: "order-2"}).get()
+    assert fresh["status"] == "sent" and fresh["key"] == after.key_builder.explicit_key("order-2")

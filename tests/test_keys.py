@@ -468,3 +468,78 @@ def test_derived_keys_are_recognised() -> None:
     assert is_derived_key(key(builder(), "a@example.com", "t", 1))
     for other in ("order-1", "A" * 64, "a" * 63, 42, None, "g" * 64):
         assert not is_derived_key(other)
+
+
+# -- Celery-free: the state machine imports this module, and it writes what kombu wrote --
+
+
+@pytest.mark.parametrize("module", [
+    "keys",
+    "redaction",
+    "handler",
+])
+def test_the_state_machines_modules_import_without_celery_or_kombu(module: str) -> None:
+    """Imported in a process where importing celery or kombu fails (the package's __init__, which
+    registers tasks, is skipped: it is the adapters' door, not the handler's)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "idemmail_celery"
+    code = (
+        "import sys, types, importlib.abc\n"
+        "class NoCelery(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('celery', 'kombu'):\n"
+        "            raise ImportError(f'{name} imported')\n"
+        "sys.meta_path.insert(0, NoCelery())\n"
+        "pkg = types.ModuleType('idemmail_celery'); pkg.__path__ = [sys.argv[1]]\n"
+        "sys.modules['idemmail_celery'] = pkg\n"
+        f"import idemmail_celery.{module}\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('celery', 'kombu')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(package)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def typed_values() -> list[Any]:
+    return [
+        dt.datetime(2026, 11, 21, 12, 0, 5, 123, tzinfo=dt.timezone.utc), dt.datetime(2026, 1, 2, 3, 4),
+        dt.date(2026, 11, 21), dt.time(12, 30, 1), decimal.Decimal("9.90"), decimal.Decimal("-1E+3"),
+        uuid.UUID(int=7), b"plain bytes", b"\xff\xfe not utf-8", "é ✓", 1.5, 10**20, None, True,
+        {"nested": [dt.date(2026, 1, 1), {"amount": decimal.Decimal("0.1")}]}, (1, 2),
+    ]
+
+
+def test_payloads_are_stored_in_the_text_kombus_json_wrote_and_read_back_alike() -> None:
+    from kombu.utils.json import dumps as kombu_dumps
+    from kombu.utils.json import loads as kombu_loads
+
+    payload = Payload(typed_values(), {"at": dt.datetime(2026, 11, 21, tzinfo=dt.timezone.utc), "raw": b"\x00\xff"})
+    text = payload.to_json()
+    assert text == kombu_dumps({"args": payload.args, "kwargs": payload.kwargs})
+    back = Payload.from_json(text)
+    expected = kombu_loads(text)
+    assert (back.args, back.kwargs) == (expected["args"], expected["kwargs"])
+
+
+def test_the_builders_own_json_round_trip_gives_the_keys_celerys_gives() -> None:
+    """Without the adapter (the handler, these tests) and with it (kombu's serializer registry), one key."""
+    from celery import Celery
+
+    from idemmail_celery import IdempotentTask
+
+    app = Celery("keys-round-trip", set_as_current=False)
+    app.conf.update(idemmail_ledger_url="sqlite://", idemmail_key_secret="s")
+
+    @app.task(name="app.send", shared=False, base=IdempotentTask)
+    def adapter_send(to: Any, template: str, order_id: int, locale: str = "en", extra: Any = None) -> None: ...
+
+    plain = builder(secret=b"s")
+    for value in typed_values():
+        call = (("a@example.com", "t", 1), {"extra": {"v": value, "l": [value]}})
+        assert plain.payload(*call) == adapter_send.key_builder.payload(*call)
+        assert key(plain, *call[0], **call[1]) == adapter_send.intent_key(*call[0], **call[1])
+    with pytest.raises(ConfigurationError, match="round trip"):
+        builder(serializer="pickle")  # only the adapter knows kombu's other serializers

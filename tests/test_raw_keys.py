@@ -6,6 +6,7 @@ the task in process (``Task.apply``) against a real SQLite ledger.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,10 +17,11 @@ import redis
 from celery import Celery
 
 from idemmail_celery import IdempotentTask
-from idemmail_celery._common import KEY_HEADER
-from idemmail_celery.errors import IdempotencyKeyError, PermanentSendError
+from idemmail_celery._common import ENQUEUED_HEADER, KEY_HEADER, KEY_MARK_HEADER
+from idemmail_celery.errors import IdempotencyKeyError, InvalidEmail, PermanentSendError
 from idemmail_celery.keys import is_derived_key
 from idemmail_celery.ledger import ClaimRequest
+from idemmail_celery.mail import register
 
 from .conftest import REDIS_URL, service_missing, unique
 
@@ -71,12 +73,65 @@ def test_a_bad_raw_header_key_is_refused_before_anything_is_published(app: Celer
     assert published(app) == []
 
 
-def test_a_derived_key_header_travels_unchanged(app: Celery) -> None:
-    """A retry, or a copy re-enqueued by `ledger resolve --release`, keeps its key."""
+def test_a_caller_header_shaped_like_a_derived_key_is_hashed_too(app: Celery) -> None:
+    """64 lower-case hex digits (a SHA-256 of the caller's own) is still the caller's key, not a ledger key."""
+    charge = charge_task(app)
+    raw = hashlib.sha256(b"order-1").hexdigest()
+    charge.apply_async((1,), headers={KEY_HEADER: raw})
+    charge.apply_async((1,), idempotency_key=raw)
+    [from_header, explicit] = published(app)
+    assert from_header[KEY_HEADER] == explicit[KEY_HEADER] == charge.key_builder.explicit_key(raw) != raw
+    assert charge.key_builder.is_marked(from_header[KEY_HEADER], from_header[KEY_MARK_HEADER])
+
+
+def test_a_caller_header_shaped_like_a_derived_key_is_validated_before_anything_is_published(app: Celery) -> None:
+    app.conf.update(idemmail_provider_url="console://", idemmail_default_from="shop@example.com")
+    send_email = register(app)
+    bad = {"to": "ann@x.com, eve@y.com", "subject": "s", "text": "t"}
+    with pytest.raises(InvalidEmail, match="more than one address"):
+        send_email.apply_async(kwargs=bad, headers={KEY_HEADER: "ab" * 32})
+    assert published(app) == []
+
+
+def test_a_key_the_library_marked_travels_unchanged_and_a_forged_mark_does_not(app: Celery) -> None:
+    """A retry, a reschedule or a copy re-enqueued by `ledger resolve --release` keeps its key (and the
+    mark says so); a mark made for another key or another task vouches for nothing."""
+    charge = charge_task(app)
+    other = charge_task(app)
+    derived = charge.intent_key(1)
+    charge.apply_async((1,), headers=charge.key_headers(derived))
+    charge.apply_async((1,), headers={KEY_HEADER: derived, KEY_MARK_HEADER: "0" * 64})
+    charge.apply_async((1,), headers={KEY_HEADER: derived, KEY_MARK_HEADER: other.key_builder.key_mark(derived)})
+    kept, forged, borrowed = published(app)
+    assert kept[KEY_HEADER] == derived and kept[KEY_MARK_HEADER] == charge.key_builder.key_mark(derived)
+    assert forged[KEY_HEADER] == borrowed[KEY_HEADER] == charge.key_builder.explicit_key(derived)
+
+
+def test_intent_headers_of_a_release_before_marks_keep_their_key_and_are_still_validated(app: Celery) -> None:
+    """An outbox row written before the upgrade carries an unmarked derived key beside idemmail_enqueued:
+    hashing it again would give its intent a second key. Its call is still checked."""
     charge = charge_task(app)
     derived = charge.intent_key(1)
-    charge.apply_async((1,), headers={KEY_HEADER: derived})
-    assert published(app)[0][KEY_HEADER] == derived
+    charge.apply_async((1,), headers={KEY_HEADER: derived, ENQUEUED_HEADER: "1700000000.000"})
+    [row] = published(app)
+    assert row[KEY_HEADER] == derived and charge.key_builder.is_marked(derived, row[KEY_MARK_HEADER])
+    app.conf.update(idemmail_provider_url="console://", idemmail_default_from="shop@example.com")
+    send_email = register(app)
+    with pytest.raises(InvalidEmail):
+        send_email.apply_async(kwargs={"to": "ann@x.com, eve@y.com", "subject": "s", "text": "t"},
+                               headers={KEY_HEADER: "cd" * 32, ENQUEUED_HEADER: "1700000000.000"})
+    assert len(published(app)) == 1
+
+
+def test_the_worker_claims_an_unmarked_derived_key_as_it_is(app: Celery) -> None:
+    """A message a release before marks enqueued (or a retry of it) carries its derived key unmarked:
+    the worker claims under it, so a copy of the intent sent under it is found."""
+    charge = charge_task(app)
+    derived = charge.intent_key(1)
+    first = charge.apply((1,), headers={KEY_HEADER: derived}).get()
+    assert first["status"] == "sent" and first["key"] == derived
+    again = charge.apply((1,), headers=charge.key_headers(derived)).get()
+    assert again["status"] == "duplicate" and again["key"] == derived
 
 
 def test_the_worker_hashes_a_raw_header_and_keeps_a_record_made_under_it_before(app: Celery) -> None:

@@ -280,10 +280,35 @@ def test_a_custom_providers_own_exception_leaves_scrubbed_as_maybe_sent(app: Cel
     globals()["_Raising"] = Raising
     app.conf.idemmail_provider_url = "raising://"
     task = app.tasks[TASK_NAME]
-    outcome = task.apply(kwargs={"to": f"{NAME} <{RECIPIENT}>", "subject": SUBJECT, "text": "hello"})
+    outcome = task.apply(kwargs={"to": f"{NAME} <{RECIPIENT}>", "subject": SUBJECT, "text": "hello",
+                                 "event_id": "own-exception"})  # an intent of its own: the ledger is shared
     assert isinstance(outcome.result, SendNeedsReview)  # console-like provider: no key downstream, so parked
     assert_scrubbed(outcome.result)
     record = task.ledger.get(outcome.result.key)
     assert record is not None and record.state.value == "review"
     stored = json.dumps(record.error)
     assert RECIPIENT not in stored and SUBJECT not in stored and NAME not in stored
+
+
+# -- where the rules and the hook live: the rules Celery-free, the hook with the adapter --
+
+
+def run_python(code: str) -> str:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root).stdout
+
+
+def test_importing_anything_of_the_package_connects_the_publish_hook() -> None:
+    """Whatever a process imports first (here only the redaction rules), every publish is redacted."""
+    out = run_python(
+        "import idemmail_celery.redaction\n"
+        "from celery.signals import before_task_publish\n"
+        "headers = {'idempotency_key': 'k-1', 'argsrepr': \"('ann@example.com',)\", 'kwargsrepr': '{}'}\n"
+        "before_task_publish.send(sender='elsewhere.charge', body=None, headers=headers)\n"
+        "print(headers['argsrepr'], '|', headers['kwargsrepr'])\n"
+    )
+    assert out.strip() == "<redacted> | <redacted: idempotency key k-1>"

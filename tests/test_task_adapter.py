@@ -3,11 +3,15 @@ Celery's retry attributes honoured."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
+from celery.exceptions import Retry
 
 from idemmail_celery import IdempotentTask
 from idemmail_celery._common import (
@@ -15,12 +19,16 @@ from idemmail_celery._common import (
     HOP_HEADER,
     INFLIGHT_HEADER,
     KEY_HEADER,
+    KEY_MARK_HEADER,
     NOT_BEFORE_HEADER,
+    OLDER_KEYS_HEADER,
     OUTAGE_HEADER,
     OWNER_HEADER,
     VERDICT_HEADER,
 )
 from idemmail_celery.task import _chain
+
+from .conftest import REDIS_URL, service_missing, unique
 
 
 def make_app(broker: str, **transport: Any) -> Celery:
@@ -80,3 +88,48 @@ def test_celerys_retry_attributes_set_the_curve_of_transient_retries() -> None:
     q = own.policy  # without retry_backoff: the idemmail settings (2 s doubling to 300 s, jittered)
     assert (q.retry_backoff, q.retry_backoff_max, q.retry_jitter) == (2.0, 300.0, True)
     assert 8.0 <= own.handler.retry_countdown(3) <= 16.0
+
+
+def test_a_retry_keeps_the_key_and_its_mark_and_a_reschedule_too() -> None:
+    headers = {KEY_HEADER: "k", KEY_MARK_HEADER: "m", OLDER_KEYS_HEADER: ["o"], INFLIGHT_HEADER: 1}
+    for keep in (False, True):
+        assert {KEY_HEADER: "k", KEY_MARK_HEADER: "m", OLDER_KEYS_HEADER: ["o"]}.items() <= _chain(
+            headers, {}, keep=keep).items()
+
+
+def test_a_bodys_own_retry_of_a_message_from_before_marks_is_published_with_its_key_marked(tmp_path: Path) -> None:
+    """The message (a release before marks, sent by name) carries its derived key unmarked and undated; the
+    body calls ``self.retry()``. The copy published to the broker carries the same key, marked: apply_async
+    would otherwise take the key for a caller's own and hash it (a second key for one intent)."""
+    app = Celery(unique("adapter"), broker=REDIS_URL, set_as_current=False)
+    queue = unique("q")
+    app.conf.update(task_default_queue=queue, idemmail_ledger_url=f"sqlite:///{tmp_path / 'l.sqlite3'}",
+                    idemmail_key_secret="s")
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        r.ping()
+    except redis.ConnectionError as exc:
+        service_missing("redis", exc)
+
+    @app.task(base=IdempotentTask, name=unique("adapter.retrying"), shared=False, bind=True)
+    def retrying(self: Any, to: str) -> None:
+        raise self.retry(countdown=0)
+
+    key = retrying.intent_key("ann@example.com")
+    # What Celery's tracer does for a delivery: push the request, call the task.
+    retrying.push_request(id="delivery-1", args=["ann@example.com"], kwargs={}, headers={KEY_HEADER: key},
+                          retries=0, is_eager=False, called_directly=False,
+                          delivery_info={"exchange": "", "routing_key": queue})
+    try:
+        with pytest.raises(Retry):
+            retrying("ann@example.com")
+    finally:
+        retrying.pop_request()
+    try:
+        [raw] = r.lrange(queue, 0, -1)
+        headers = json.loads(raw)["headers"]
+        assert headers[KEY_HEADER] == key
+        assert retrying.key_builder.is_marked(key, headers[KEY_MARK_HEADER])
+        assert headers["retries"] == 1
+    finally:
+        r.delete(queue)
