@@ -245,7 +245,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
                       inflight_max_retries=s.inflight_max_retries, inflight_backoff=s.inflight_backoff,
                       inflight_backoff_max=s.inflight_backoff_max, retry_backoff=factor, retry_backoff_max=maximum,
                       retry_jitter=bool(getattr(self, "retry_jitter", True)),
-                      outage_max_retries=s.outage_max_retries, fail_open=s.fail_open)
+                      outage_max_retries=s.outage_max_retries, fail_open=s.fail_open,
+                      hop_ttl_seconds=self._hop_ttl())
+
+    def _hop_ttl(self) -> float:
+        """How long a reschedule's mark must last: past the moment a copy of the message can come back
+        (the visibility timeout, then the transport's restore delay), an hour at least."""
+        vt = transport_visibility_timeout(self.app)
+        return 3600.0 if vt is None else max(3600.0, 2 * vt + 600.0)
 
     @property
     def handler(self) -> Handler:
@@ -376,7 +383,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # carries the key it claims under, marked: apply_async sends it unchanged.
         request.idemmail_key_headers = self.key_headers(key, older)
         headers.update(request.idemmail_key_headers)
-        self._wait_until_due(headers)
+        self._wait_until_due(key, headers)
         request.idempotency_key = key
         request.idemmail_owner = owner = new_owner(request.id or "")
         step = self.handler.handle(Delivery(
@@ -506,14 +513,27 @@ class IdempotentTask(Task):  # type: ignore[misc]
         vt = transport_visibility_timeout(self.app)
         return None if vt is None else max(vt * VISIBILITY_SHARE, 0.1)
 
-    def _wait_until_due(self, headers: dict[str, Any]) -> None:
-        """A hop of a long wait that is early: publish the next hop and stop here (nothing claimed)."""
+    def _wait_until_due(self, key: str, headers: dict[str, Any]) -> None:
+        """A hop of a long wait that is early: publish the next hop and stop here (nothing claimed).
+
+        A second copy of the same hop (the broker handed it out again after its visibility
+        timeout) drops instead of publishing a second next hop: waits never multiply.
+        """
         due = _number(headers.get(NOT_BEFORE_HEADER))
         if due is None:
             return
         left = due - time.time()
         if left <= 0.05:
             return
+        hop = headers.get(HOP_HEADER)
+        if hop:
+            try:
+                first = self.ledger.mark_hop(key, f"wait:{hop}", self.policy.hop_ttl_seconds)
+            except (LedgerError, UnsafeLedgerError):
+                first = None  # cannot tell: publish (a copy too many waits harmlessly, below the timeout)
+            if first is False:
+                self.report(Outcome.COPY_DROPPED, key, reason="waiting")
+                raise Ignore()
         self._publish_again(left, headers, "waiting", TransientSendError("waiting", reason="waiting"))
 
     def _publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception) -> NoReturn:

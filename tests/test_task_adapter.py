@@ -133,3 +133,41 @@ def test_a_bodys_own_retry_of_a_message_from_before_marks_is_published_with_its_
         assert headers["retries"] == 1
     finally:
         r.delete(queue)
+
+
+def test_a_second_copy_of_one_hop_of_a_long_wait_drops_instead_of_publishing_another(tmp_path: Path) -> None:
+    """A wait longer than the visibility timeout travels in hops; the broker may hand one hop out
+    twice (its timeout passed while a worker held it). The first copy publishes the next hop, the
+    second drops: a wait never becomes two."""
+    app = make_app("redis://127.0.0.1:6379/0", visibility_timeout=10)
+    app.conf.idemmail_ledger_url = f"sqlite:///{tmp_path / 'l.sqlite3'}"
+    ran: list[str] = []
+
+    @app.task(base=IdempotentTask, name=unique("adapter.waits"), shared=False)
+    def waits(to: str) -> None:
+        ran.append(to)
+
+    headers = {**waits.intent_headers(("ann@example.com",), {}), HOP_HEADER: "hop-1",
+               NOT_BEFORE_HEADER: f"{time.time() + 3600:.3f}"}
+    first = waits.apply(("ann@example.com",), headers=dict(headers))
+    assert first.state == "RETRY"  # published the next hop (Task.apply: in-line, nothing queued)
+    second = waits.apply(("ann@example.com",), headers=dict(headers))
+    assert second.state == "IGNORED" and ran == []  # the same hop again: dropped, nothing run
+    other = waits.apply(("ann@example.com",), headers={**headers, HOP_HEADER: "hop-2"})
+    assert other.state == "RETRY"  # a hop of its own waits on
+    assert waits.policy.hop_ttl_seconds >= 3600.0
+
+
+def test_a_reschedule_mark_outlives_the_visibility_timeout() -> None:
+    app = make_app("redis://127.0.0.1:6379/0", visibility_timeout=7200)
+
+    @app.task(base=IdempotentTask, name=unique("adapter.marks"), shared=False)
+    def t(to: str) -> None: ...
+
+    assert t.policy.hop_ttl_seconds > 2 * 7200  # a copy restored after the timeout still finds the mark
+    amqp = make_app("amqp://guest:guest@127.0.0.1:5672//")
+
+    @amqp.task(base=IdempotentTask, name=unique("adapter.amqp"), shared=False)
+    def u(to: str) -> None: ...
+
+    assert u.policy.hop_ttl_seconds == 3600.0  # AMQP never hands a held message out again
