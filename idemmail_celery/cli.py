@@ -401,8 +401,9 @@ def stats(obj: _Ctx, as_json: bool) -> None:
 
 
 def _markers(led: Ledger) -> DetectsLoss | None:
-    """The ledger if it keeps epoch markers (Redis), else None (SQL: a durable store keeps none)."""
-    return led if isinstance(led, DetectsLoss) else None
+    """The store if it keeps epoch markers (Redis), else None (SQL: a durable store keeps none)."""
+    store = led.backend  # past any wrapper: the markers are the store's, and isinstance must see it
+    return store if isinstance(store, DetectsLoss) else None
 
 
 def _epoch_line(status: dict[str, Any]) -> str:

@@ -393,3 +393,25 @@ def test_another_bucket_count_is_refused(prefix: str) -> None:
     open_ledger(prefix).claim(req("k"))
     with pytest.raises(UnsafeLedgerError, match="buckets"):
         open_ledger(prefix, buckets=32).claim(req("k"))
+
+
+def test_the_cli_finds_the_loss_markers_behind_the_sealed_wrapper(prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With payload keys the CLI's ledger is a SealedLedger around the Redis one: ``stats`` must still
+    see the loss (exit 5) and ``ack-loss`` still end it. Since Python 3.12 a runtime-checkable protocol
+    no longer sees methods a wrapper forwards, so the capability is asked of ``ledger.backend``."""
+    from cryptography.fernet import Fernet
+
+    from idemmail_celery.cli import _markers
+    from idemmail_celery.ledger import DetectsLoss
+    from idemmail_celery.ledger.metered import MeteredLedger
+    from idemmail_celery.ledger.sealed import PayloadCodec, SealedLedger
+
+    led = seen_lost(prefix)
+    wrapped = MeteredLedger(SealedLedger(led, PayloadCodec([Fernet.generate_key().decode()])))
+    assert wrapped.backend is led and _markers(wrapped) is led and isinstance(_markers(wrapped), DetectsLoss)
+    monkeypatch.setenv("IDEMMAIL_PAYLOAD_KEYS", Fernet.generate_key().decode())
+    stats = cli(led, "ledger", "stats")
+    assert stats.exit_code == EXIT_LOST and "LOST" in stats.output, stats.output
+    out = cli(led, "ledger", "ack-loss", "--note", "restarted empty", "--actor", "ana")
+    assert out.exit_code == 0, out.output
+    assert led.claim(req("k")).status is ClaimStatus.ACQUIRED

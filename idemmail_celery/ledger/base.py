@@ -370,6 +370,13 @@ class Ledger(ABC):
     def ping(self) -> None:
         """Raise :class:`LedgerUnavailableError` if the store cannot be reached."""
 
+    @property
+    def backend(self) -> Ledger:
+        """The store itself: this ledger, or what a wrapper (sealed, metered) wraps. Ask it for an
+        optional capability (``isinstance(ledger.backend, DetectsLoss)``): since Python 3.12 a
+        runtime-checkable protocol no longer sees what a wrapper forwards through ``__getattr__``."""
+        return self
+
     def close(self) -> None:
         """Release connections. The ledger reconnects if used again."""
         return None
