@@ -78,9 +78,6 @@ MAX_EXPLICIT_KEY_LENGTH = 255
 # message header and shows in logs, so it may hold none of them.
 _BAD_IN_KEY = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _DERIVED_KEY = re.compile("[0-9a-f]{64}")
-# Floats with an integral value up to this size are written as integers (1.0 -> 1); beyond it a
-# float no longer stands for exactly one integer.
-_EXACT_INT = 2**53
 
 
 def _json_plain(value: Any, depth: int = 0) -> bool:
@@ -222,7 +219,10 @@ def _integral(value: Any, depth: int) -> Any:
     """
     kind = type(value)
     if kind is float:
-        return int(value) if value.is_integer() and -_EXACT_INT < value < _EXACT_INT else value
+        # Every finite integral float is exactly one integer (2.0**60 is 2**60), however large: the
+        # same number in either type is one intent. (Past 2**53 a float also stands for its neighbours
+        # as a caller rounded them: 2**60 + 1 sent as a float arrives as 2**60, whatever the key does.)
+        return int(value) if value.is_integer() else value
     if kind is not dict and kind is not list and kind is not tuple:
         return value  # str, int, bool, None; datetimes, decimals, UUIDs...: _json_default writes them
     if depth > 100:
