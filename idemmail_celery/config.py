@@ -295,6 +295,29 @@ SETTINGS: tuple[Setting, ...] = (
 _D: dict[str, Any] = {s.field: s.default for s in SETTINGS}
 
 
+_KNOWN = frozenset(s.conf for s in SETTINGS)
+
+
+def _refuse_unknown(conf: Any) -> None:
+    """An ``idemmail_*`` key this table does not know is a typo until proven otherwise: a misspelt
+    ``idemmail_payload_keys`` would store payloads in the clear, a misspelt ``idemmail_key_secret``
+    would leave keys unkeyed. Refused by name, with the setting it most likely meant."""
+    try:
+        names = [str(k) for k in conf.keys()]
+    except Exception:  # a conf object without keys(): nothing to look through
+        return
+    unknown = sorted(n for n in names if n.lower().startswith("idemmail_") and n not in _KNOWN)
+    if unknown:
+        import difflib
+
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name.lower(), _KNOWN, n=1, cutoff=0.6)
+            hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+        raise ConfigurationError(f"unknown idemmail setting(s): {', '.join(hints)}; the settings are listed in "
+                                 "the configuration reference (docs/configuration.md)")
+
+
 def _unset(value: Any) -> bool:
     """None, or an empty string (an environment variable set to nothing)."""
     return value is None or (isinstance(value, (str, bytes)) and not value.strip())
@@ -364,6 +387,7 @@ class Settings:
     def resolve(cls, conf: Any, task: Any = None) -> Settings:
         """For each setting: the task option, else the ``app.conf`` setting, else its environment
         variable, else the default; every given value parsed strictly and named in its error."""
+        _refuse_unknown(conf)
         values: dict[str, Any] = {}
         get = conf.get
         for setting in SETTINGS:

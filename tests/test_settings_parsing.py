@@ -149,3 +149,18 @@ def test_ledger_cache_key_holds_a_digest_not_the_payload_keys() -> None:
     finally:
         for k in set(ledger_mod._shared) - before:
             ledger_mod._shared.pop(k).close()
+
+
+def test_a_misspelt_setting_is_refused_at_delay_naming_the_one_it_meant() -> None:
+    """``idemmail_payload_keys`` misspelt would store payloads in the clear: never silently ignored."""
+    app = Celery("typo", broker="memory://", set_as_current=False)
+    app.conf.update(idemmail_ledger_url="sqlite://", idemmail_key_secret="s", idemmail_payload_kyes=["k"])
+
+    @app.task(base=IdempotentTask, name="typo.t", shared=False)
+    def t(to: str) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="idemmail_payload_kyes .did you mean idemmail_payload_keys"):
+        t.delay("ann@example.com")
+    app.conf.idemmail_payload_kyes = None
+    del app.conf["idemmail_payload_kyes"]
+    assert Settings.resolve(app.conf).ledger_url == "sqlite://"  # known settings only: resolved
