@@ -162,9 +162,8 @@ def due_time(entry: Any, tz: dt.tzinfo | None = None) -> dt.datetime:
     sched = entry.schedule
     # An entry that never ran (RedBeat stores no last run for a new one) is due for the next slot.
     last_run_at = entry.last_run_at or sched.now()
-    exact = getattr(sched, "due_after", None)
-    if exact is not None:
-        due: dt.datetime = exact(last_run_at)
+    if isinstance(sched, aligned):
+        due: dt.datetime = sched.due_after(last_run_at)
     else:
         remaining = sched.remaining_estimate(last_run_at)
         now = sched.maybe_make_aware(sched.now())

@@ -303,8 +303,8 @@ def _refuse_unknown(conf: Any) -> None:
     ``idemmail_payload_keys`` would store payloads in the clear, a misspelt ``idemmail_key_secret``
     would leave keys unkeyed. Refused by name, with the setting it most likely meant."""
     try:
-        names = [str(k) for k in conf.keys()]
-    except Exception:  # a conf object without keys(): nothing to look through
+        names = [str(k) for k in conf]
+    except Exception:  # a conf object that cannot be listed: nothing to look through
         return
     unknown = sorted(n for n in names if n.lower().startswith("idemmail_") and n not in _KNOWN)
     if unknown:

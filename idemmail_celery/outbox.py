@@ -66,6 +66,7 @@ from sqlalchemy.orm import Session, scoped_session
 from ._common import KEY_HEADER, after_fork, backoff
 from .config import Settings
 from .errors import ConfigurationError
+from .task import IdempotentTask
 
 log = logging.getLogger("idemmail_celery")
 
@@ -228,8 +229,7 @@ def _row(
     options: dict[str, Any],
 ) -> dict[str, Any]:
     """Validate a call the way ``apply_async`` would and return the row that stands for it."""
-    intent_headers = getattr(task, "intent_headers", None)
-    if intent_headers is None:
+    if not isinstance(task, IdempotentTask):
         raise TypeError(
             f"{getattr(task, 'name', task)!r} is not an IdempotentTask: the outbox relays at least once, "
             "and only a task that claims its key in the ledger turns that into exactly once"
@@ -238,7 +238,7 @@ def _row(
     if unknown:
         raise TypeError(f"options the outbox cannot store: {', '.join(unknown)} (allowed: {sorted(ALLOWED_OPTIONS)})")
     headers: dict[str, Any] = dict(options.pop("headers", None) or {})
-    headers.update(intent_headers(args, kwargs, explicit=idempotency_key, tenant=idempotency_tenant))
+    headers.update(task.intent_headers(args, kwargs, explicit=idempotency_key, tenant=idempotency_tenant))
     now = _utcnow()
     # Relative times become absolute now: a row relayed late (or twice) still means what the caller meant.
     aware_now = dt.datetime.now(dt.timezone.utc)
