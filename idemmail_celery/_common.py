@@ -41,6 +41,9 @@ HOP_HEADER = "idemmail_hop"
 #: Epoch seconds before which this message only waits (a long countdown split into hops the broker keeps).
 NOT_BEFORE_HEADER = "idemmail_not_before"
 
+#: The time a beat entry was due (ISO 8601, the app's timezone): the slot a digest is keyed by.
+SLOT_HEADER = "idemmail_slot"
+
 #: The name of the intent key in a provider's message metadata (Postmark Metadata, SendGrid custom_args,
 #: SES EmailTags): what a delivery webhook reads the key back from.
 KEY_TAG = "idemmail_key"

@@ -48,7 +48,7 @@ from celery import Celery
 from celery.beat import PersistentScheduler
 from celery.schedules import schedstate, schedule
 
-from ._common import KEY_HEADER
+from ._common import KEY_HEADER, SLOT_HEADER
 from .errors import IdemmailError, InvalidEmail
 from .redaction import scrub
 
@@ -67,8 +67,6 @@ __all__ = [
     "slot_of",
 ]
 
-#: The message header carrying the time an entry was due (ISO 8601, app timezone).
-SLOT_HEADER = "idemmail_slot"
 
 #: Slot periods :func:`slot_of` and :func:`format_slot` know, and how each is written.
 PERIODS: Mapping[str, str] = {
