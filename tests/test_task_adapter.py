@@ -117,7 +117,9 @@ def test_a_bodys_own_retry_of_a_message_from_before_marks_is_published_with_its_
 
     key = retrying.intent_key("ann@example.com")
     # What Celery's tracer does for a delivery: push the request, call the task.
-    retrying.push_request(id="delivery-1", args=["ann@example.com"], kwargs={}, headers={KEY_HEADER: key},
+    # This delivery had been rescheduled 7 times waiting on another holder and 3 times on an outage.
+    retrying.push_request(id="delivery-1", args=["ann@example.com"], kwargs={},
+                          headers={KEY_HEADER: key, INFLIGHT_HEADER: 7, OUTAGE_HEADER: 3},
                           retries=0, is_eager=False, called_directly=False,
                           delivery_info={"exchange": "", "routing_key": queue})
     try:
@@ -131,6 +133,8 @@ def test_a_bodys_own_retry_of_a_message_from_before_marks_is_published_with_its_
         assert headers[KEY_HEADER] == key
         assert retrying.key_builder.is_marked(key, headers[KEY_MARK_HEADER])
         assert headers["retries"] == 1
+        # A retry starts a new reschedule chain: its in-flight and outage budgets start again.
+        assert INFLIGHT_HEADER not in headers and OUTAGE_HEADER not in headers
     finally:
         r.delete(queue)
 
