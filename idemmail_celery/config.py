@@ -24,6 +24,7 @@ transient failures on Celery's curve (``retry_backoff`` doubling up to ``retry_b
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -114,6 +115,12 @@ def parse_secret_list(name: str, value: Any) -> tuple[bytes | None, ...]:
     After the first, ``None`` stands for the plain SHA-256 keys made without a secret (moving from
     no secret to one is a rotation too).
     """
+    if isinstance(value, str) and name.isupper() and value.lstrip().startswith("["):
+        # An environment variable holds one string: a rotation there is a JSON array, newest first.
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ConfigurationError(f"{name}: starts with '[' but is not a JSON array of secrets") from None
     items = [value] if isinstance(value, (str, bytes)) else value
     if not isinstance(items, (list, tuple)):
         raise ConfigurationError(f"{name} must be a string or a list of strings (got a {type(value).__name__})")
@@ -222,7 +229,8 @@ SETTINGS: tuple[Setting, ...] = (
     # -- keys --
     Setting("idemmail_key_secret", parse_secret_list, (),
             "The HMAC secret of intent keys, or a list of them, newest first: keys are made with the first, and a "
-            "claim also finds records made under the others, so rotating never resends. Unset: plain SHA-256 "
+            "claim also finds records made under the others, so rotating never resends (in the environment "
+            "variable, a list is a JSON array: `[\"new\", \"old\"]`). Unset: plain SHA-256 "
             "(development only: a key can then be brute-forced back to guessable arguments).",
             env="IDEMMAIL_KEY_SECRET", secret=True),
     Setting("idemmail_allow_plain_keys", parse_bool, False,

@@ -159,8 +159,22 @@ def test_a_misspelt_setting_is_refused_at_delay_naming_the_one_it_meant() -> Non
     @app.task(base=IdempotentTask, name="typo.t", shared=False)
     def t(to: str) -> None: ...
 
-    with pytest.raises(ConfigurationError, match="idemmail_payload_kyes .did you mean idemmail_payload_keys"):
+    with pytest.raises(ConfigurationError, match=r"idemmail_payload_kyes \(did you mean idemmail_payload_keys\?\)"):
         t.delay("ann@example.com")
     app.conf.idemmail_payload_kyes = None
     del app.conf["idemmail_payload_kyes"]
     assert Settings.resolve(app.conf).ledger_url == "sqlite://"  # known settings only: resolved
+
+
+def test_the_key_secret_environment_variable_rotates_with_a_json_array(monkeypatch: pytest.MonkeyPatch) -> None:
+    app = Celery("env-rotation", set_as_current=False)
+    monkeypatch.setenv("IDEMMAIL_KEY_SECRET", '["new-secret", "old-secret"]')
+    assert Settings.resolve(app.conf).key_secrets == (b"new-secret", b"old-secret")
+    monkeypatch.setenv("IDEMMAIL_KEY_SECRET", "one, with a comma")  # one secret: never split
+    assert Settings.resolve(app.conf).key_secrets == (b"one, with a comma",)
+    monkeypatch.setenv("IDEMMAIL_KEY_SECRET", '["unclosed"')
+    with pytest.raises(ConfigurationError, match="IDEMMAIL_KEY_SECRET: starts with"):
+        Settings.resolve(app.conf)
+    monkeypatch.setenv("IDEMMAIL_KEY_SECRET", "")
+    app.conf.idemmail_key_secret = '["looks", "like json"]'  # app.conf takes a real list: this is one secret
+    assert Settings.resolve(app.conf).key_secrets == (b'["looks", "like json"]',)
