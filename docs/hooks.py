@@ -10,8 +10,6 @@
 * A link from a page to a repository file outside ``docs/`` (``[handler.py](../idemmail_celery/handler.py)``,
   which works when the page is read in the repository) keeps its text on the site, without the link;
   a link to a file that does not exist is left alone, for ``--strict`` to report.
-* A page the navigation names that another change has not written yet gets a stub, so
-  ``mkdocs build --strict`` stays green in between.
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MARKER = "<!-- settings-table -->"
 NOTES = "<!-- settings-notes -->"
 EXIT_CODES = "<!-- exit-codes -->"
-#: Pages written elsewhere (the design and security work); stubbed until they land.
-PENDING = {"architecture.md": "Architecture", "security.md": "Security"}
 
 
 def _cell(value: Any) -> str:
@@ -83,9 +79,6 @@ def settings_notes() -> str:
 
 def on_files(files: Files, config: Any) -> Files:
     files.append(File.generated(config, "changelog.md", content=(ROOT / "CHANGELOG.md").read_text()))
-    for page, title in PENDING.items():
-        if files.get_file_from_path(page) is None:
-            files.append(File.generated(config, page, content=f"# {title}\n\nThis page is being written.\n"))
     return files
 
 

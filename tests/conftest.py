@@ -7,10 +7,13 @@ the run, whatever it left in the shared Redis is swept (every name holds ``t<RUN
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import NoReturn
 
 import pytest
 import redis
@@ -50,12 +53,24 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         pass  # no Redis, nothing of ours in it
 
 
-def service_missing(what: str, exc: BaseException) -> None:
-    """Fail under CI, skip on a developer machine without the service."""
-    message = f"{what} unreachable: {exc}"
+def _absent(message: str) -> NoReturn:
+    """Fail under CI, where everything the suite needs is installed and running; skip elsewhere."""
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(message)
     pytest.skip(message)
+
+
+def service_missing(what: str, exc: BaseException) -> None:
+    """Fail under CI, skip on a developer machine without the service."""
+    _absent(f"{what} unreachable: {exc}")
+
+
+def require_module(name: str) -> ModuleType:
+    """Import a test-only dependency (``gevent``): fail under CI without it, skip on a developer machine."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        _absent(f"{name} is not installed: {exc}")
 
 
 def wait_for(condition: Callable[[], object], timeout: float = 20.0, interval: float = 0.05) -> object:

@@ -1,12 +1,15 @@
-"""The documentation's generated part: the configuration reference is rendered from ``config.SETTINGS``.
+"""The documentation: its generated parts (the configuration reference from ``config.SETTINGS``, the
+exit codes from ``cli.EXIT_CODES``), and no passage kept in two places.
 
 (The whole site is built with ``mkdocs build --strict`` by ``make docs`` in CI.)
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
+import itertools
 import re
 from pathlib import Path
 from types import ModuleType
@@ -63,3 +66,64 @@ def test_links_to_repository_files_keep_their_text_and_others_stay() -> None:
     page = "See [`handler.py`](../idemmail_celery/handler.py), [gone](../nothing.py) and [Ledgers](ledgers.md)."
     assert hooks._unlink_repository_files(page, ROOT / "docs") == (
         "See `handler.py`, [gone](../nothing.py) and [Ledgers](ledgers.md).")
+
+
+def test_the_exit_codes_table_has_every_code_of_the_cli() -> None:
+    from idemmail_celery.cli import EXIT_CODES
+
+    table = load_hooks().exit_codes_table().splitlines()
+    assert table[:2] == ["| exit | meaning |", "|---|---|"]
+    assert [int(line.split("|")[1]) for line in table[2:]] == list(EXIT_CODES)
+
+
+# -- one text, one place --
+
+#: Longest run of words a page may share with another page (the README included). The README's
+#: tagline once stood word for word on the home page (24 words): a page links instead.
+PAGE_RUN = 20
+#: Longest run of words a page may share with the package's docstrings. A definition may be said
+#: alike in both; a paragraph copied from a module docstring (31 and 43 words, once) may not: the
+#: docstring speaks to a maintainer, the page to a user, and copies drift apart.
+DOCSTRING_RUN = 30
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9_']+", text.lower())
+
+
+def page_prose(path: Path) -> list[str]:
+    """A Markdown page's words outside its code blocks (an example may show the same call as a docstring)."""
+    return words(re.sub(r"^```.*?^```", " ", path.read_text(), flags=re.S | re.M))
+
+
+def docstring_words(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    nodes = (n for n in ast.walk(tree) if isinstance(n, kinds))
+    return words("\n".join(filter(None, (ast.get_docstring(n) for n in nodes))))
+
+
+def shared_run(a: list[str], b: list[str], limit: int) -> str | None:
+    """A run of more than ``limit`` words that stands in both, or None."""
+    n = limit + 1
+    runs = {tuple(b[i:i + n]) for i in range(len(b) - n + 1)}
+    return next((" ".join(a[i:i + n]) for i in range(len(a) - n + 1) if tuple(a[i:i + n]) in runs), None)
+
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_no_passage_of_one_page_is_repeated_on_another() -> None:
+    prose = {path: page_prose(path) for path in PAGES}
+    copies = [f"{a.relative_to(ROOT)} ~ {b.relative_to(ROOT)}: {run}"
+              for (a, wa), (b, wb) in itertools.combinations(prose.items(), 2)
+              if (run := shared_run(wa, wb, PAGE_RUN))]
+    assert not copies, "\n".join(copies)
+
+
+def test_no_page_copies_a_docstring() -> None:
+    sources = {path: docstring_words(path) for path in sorted((ROOT / "idemmail_celery").rglob("*.py"))}
+    copies = [f"{page.relative_to(ROOT)} ~ {source.relative_to(ROOT)}: {run}"
+              for page in PAGES for source, doc in sources.items()
+              if (run := shared_run(page_prose(page), doc, DOCSTRING_RUN))]
+    assert not copies, "\n".join(copies)

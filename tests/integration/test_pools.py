@@ -4,7 +4,11 @@ One worker process runs many tasks at once there, so what prefork keeps apart by
 shared: the ledger's connections (one per call under way), the lease renewal thread (a greenlet
 under gevent), the one ``task-idemmail`` event dispatcher, and the metrics registry (no
 multiprocess directory needed). Each test runs once per pool, on a Redis broker whose transport
-pool is raised to the concurrency (see docs/deployment.md, "Pools").
+pool is raised to the concurrency (see docs/deployment.md, "Pools"); the claim race and the lease
+renewal run once more per ledger, Redis and PostgreSQL (psycopg, which waits through gevent's hub
+once Celery has patched the standard library).
+
+gevent is a test dependency: with ``CI=true`` a missing one fails the run instead of skipping.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from idemmail_celery import SendNeedsReview
-from idemmail_celery.ledger import State
+from idemmail_celery.ledger import State, from_url
 
-from ..conftest import wait_for
+from ..conftest import POSTGRES_URL, require_module, service_missing, wait_for
 from .conftest import WorkerProcess, results
 from .test_monitoring import free_port, scrape
 
@@ -29,8 +34,43 @@ CONCURRENCY = {"threads": "20", "gevent": "100"}
 @pytest.fixture(params=sorted(CONCURRENCY))
 def pool(request: pytest.FixtureRequest) -> str:
     if request.param == "gevent":
-        pytest.importorskip("gevent")
+        require_module("gevent")
     return str(request.param)
+
+
+@pytest.fixture
+def ledger_url(request: pytest.FixtureRequest, ns: str) -> Iterator[str | None]:
+    """The worker's ledger: the app's default (Redis), or PostgreSQL in a table of this test's own.
+
+    Parametrise it indirectly with ``"redis"`` or ``"postgresql"``.
+    """
+    backend = getattr(request, "param", "redis")
+    if backend == "redis":
+        yield None
+        return
+    assert backend == "postgresql", backend
+    ledger = from_url(POSTGRES_URL, table=f"led_{ns}")  # the table the worker app names after the namespace
+    try:
+        ledger.ping()
+    except Exception as exc:
+        ledger.close()
+        service_missing("postgresql", exc)
+    try:
+        yield POSTGRES_URL
+        # The test's records went there (the table is made on first use), not to the default Redis.
+        assert sa.inspect(ledger.engine).has_table(f"led_{ns}")
+    finally:
+        ledger.drop_table()  # after the workers stopped: this fixture was set up before them
+        ledger.close()
+
+
+@pytest.fixture
+def worker_env(worker_env: dict[str, str], ledger_url: str | None) -> dict[str, str]:
+    """The caller (``app_module``) and the workers use the same ledger."""
+    return {**worker_env, "IDEMMAIL_TEST_LEDGER": ledger_url} if ledger_url else worker_env
+
+
+BOTH_LEDGERS = pytest.mark.parametrize("ledger_url", ["redis", "postgresql"], indirect=True)
 
 
 def pool_worker(start_worker: Callable[..., WorkerProcess], pool: str, *args: str, **env: str) -> WorkerProcess:
@@ -83,6 +123,7 @@ def event_tap(app_module: Any) -> Iterator[EventTap]:
         tap.stop()
 
 
+@BOTH_LEDGERS
 def test_copies_enqueued_at_once_deliver_each_intent_once(
     pool: str, app_module: Any, sink: Any, start_worker: Callable[..., WorkerProcess]
 ) -> None:
@@ -99,6 +140,7 @@ def test_copies_enqueued_at_once_deliver_each_intent_once(
     assert {send.ledger.get(k).state for k in keys} == {State.SENT}  # type: ignore[union-attr]
 
 
+@BOTH_LEDGERS
 def test_a_body_outliving_its_lease_keeps_its_claim(
     pool: str, app_module: Any, sink: Any, start_worker: Callable[..., WorkerProcess]
 ) -> None:
