@@ -21,7 +21,7 @@ from idemmail_celery.cli import EXIT_PAYLOAD_KEY, EXIT_UNKNOWN_KEY, idemmail
 from idemmail_celery.config import Settings
 from idemmail_celery.errors import PayloadKeyError
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger, State, from_url
-from idemmail_celery.ledger.redis import RedisLedger, _pack
+from idemmail_celery.ledger.redis import RedisLedger, _pack_fp
 from idemmail_celery.ledger.sealed import PAYLOAD_KEY_UNKNOWN, SEALED_PREFIX, SealedLedger
 from idemmail_celery.ledger.sql import SQLLedger
 
@@ -118,7 +118,8 @@ def test_the_store_holds_no_plaintext_payload_result_or_error(sealed: Ledger) ->
     sealed.park("raw-review", p.token, {"reason": "timeout", "message": f"timeout sending to {ADDRESS}"})
     sealed.resolve("raw-review", "sent", result={"message_id": "<found>", "to": ADDRESS}, note="seen", actor="ops")
     stored = raw_store(sealed)
-    fingerprint = _pack("f" * 64) if isinstance(sealed.inner, RedisLedger) else "f" * 64  # type: ignore[attr-defined]
+    fingerprint = (json.dumps(_pack_fp("f" * 64))[1:-1] if isinstance(sealed.inner, RedisLedger)  # type: ignore[attr-defined]
+                   else "f" * 64)
     assert "raw-released" in stored and fingerprint in stored  # keys and fingerprints stay plain (hashes)
     assert SEALED_PREFIX in stored and "$fernet" in stored
     # Each with a character base64url never has, so no ciphertext can hold one by chance.

@@ -309,7 +309,7 @@ def test_a_layout_2_store_is_refused_then_marked_and_its_sent_records_still_repl
             led.client.hset(led._marker(b), "layout", "2")
             led.client.hdel(led._marker(b), "archive_ms", "retention_ms")
         fresh = from_url(REDIS_URL, prefix=prefix)
-        with pytest.raises(UnsafeLedgerError, match="layout 2.*migrate_layout"):
+        with pytest.raises(UnsafeLedgerError, match=r"layout 2.*migrate_layout"):
             fresh.claim(req(hexkey()))
         assert RedisLedger(REDIS_URL, prefix=prefix).migrate_layout()["left"] == 0
         markers = [led.client.hgetall(led._marker(b)) for b in range(led.buckets)]

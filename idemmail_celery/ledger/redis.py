@@ -1,16 +1,17 @@
 """Redis ledger: ``redis://``, ``rediss://``, ``redis+cluster://`` and ``sentinel://``.
 
-Each record is a hash; every transition is one Lua script (``ledger/lua/*.lua``, registered
-with the client's script support and called with EVALSHA, loaded again on NOSCRIPT), so a
-claim, a completion or a replay is one atomic round trip.
+A record in progress is a hash, a sent one an entry in an archive hash; every transition is one
+Lua script (``ledger/lua/*.lua``, registered with the client's script support and called with
+EVALSHA, loaded again on NOSCRIPT), so a claim, a completion or a replay is one atomic round trip.
 Lease times come from the Redis server's clock (``TIME``), so worker clocks do
 not have to agree.
 
 **Buckets.** Keys are spread over ``buckets`` hash-tagged buckets (16 by default)
 so that every script touches keys of one hash slot, as Redis Cluster requires::
 
-    <prefix>:{<bb>}:r:<packed key>   the record (a hash)
+    <prefix>:{<bb>}:r:<packed key>   a record not yet sent, or sent and kept longer than the archives reach (a hash)
     <prefix>:{<bb>}:p:<packed key>   its first payload (a string; gone on sent unless keep_payload)
+    <prefix>:{<bb>}:s:<granule>      the bucket's sent records of one time granule (a hash; expires)
     <prefix>:{<bb>}:i:<state>        the bucket's index of claimed, released, failed or review records
     <prefix>:{<bb>}:c:sent           the bucket's count of sent records, by expiry (a hash)
     <prefix>:{<bb>}:h:<digest>       a reschedule's mark (see ``mark_hop``; expires)
@@ -20,18 +21,49 @@ so that every script touches keys of one hash slot, as Redis Cluster requires::
 On one Redis the buckets cost nothing on the hot path; listing, stats and purge
 visit every bucket.
 
-**A lean record.** Most records are ``sent`` and stay for the retention period, so a
-``sent`` record holds only itself: no index (it expires by TTL; listing ``sent`` scans the
-buckets; :meth:`RedisLedger.stats` reads the counters, which count a record until its
-expiry's granule ends, at most 1% of the retention late), short field names (see
-``lua/prelude.lua``), times as integer microseconds, a 64-hex key or fingerprint packed in
-43 base64url characters (anything else as ``~`` + itself), the owner, task name, result and
-error in chunks of at most 64 bytes, and the payload in a string of its own: every value
-stays within Redis's ``hash-max-listpack-value``, so the hash stays compact (listpack).
-Measured (``python -m tests.redis_memory``, 100,000 ``send_email`` records as workers write
-them): about 550 bytes each in ``INFO memory`` (488 by ``MEMORY USAGE``), from about 1,510
-before (a hashtable, plus the ``sent`` index); 425 with a result of the message id alone.
-The floor of any key with a TTL holding nothing is about 150.
+**A record in progress** (``claimed``, ``released``, ``failed``, ``review``) is a hash of its own:
+short field names (see ``lua/prelude.lua``), times as integer microseconds, a 64-hex key packed in
+43 base64url characters in its name, a 64-hex fingerprint in 37 base-126 ASCII characters (anything
+else as ``~`` + itself), the owner, task name, result and error in chunks of at most 64 bytes, and
+the payload in a string of its own: every value within Redis's ``hash-max-listpack-value``, so
+the hash stays compact (listpack).
+
+**A sent record has no key of its own** (layout 3). Most records are ``sent`` and stay for the
+retention, and any key with a TTL costs Redis about 150 bytes before its first byte of data (the
+key object, its dictionary entry, its expiry entry). So the completion that makes a record
+``sent`` moves it, in the same script, into its bucket's *archive* of the time granule it was sent
+in (``s:<granule>``, the granule number by the server's clock), and deletes its hash and payload.
+An archive is one hash: field the key's 32 bytes (a 64-hex key; anything else ``~`` + itself),
+value one string: token, expiry, the fingerprint (its 37 characters, copied as they are), and the
+result with its message id stored once (a UUID packed in 22 characters; ``send_email``'s ``value``
+repeating the message id is rebuilt on read; anything else as JSON). Task name, owner, attempts,
+reclaims and the time of the first claim are not kept: nothing reads them once the intent is sent
+(a duplicate is told the result, a must-match check reads the fingerprint, ``forget`` rewrites the
+result). The archive expires by itself at its granule's end plus the ledger's retention, so no
+entry is ever visited to be deleted; an entry counts, replays and lists only until its own expiry.
+Fields are bytes, not text: read an archive through the ledger (or a client that does not decode
+replies); the listing's script replies with them in hex.
+
+A claim that finds no record looks in the bucket's live archives, newest first (one ``HGET``
+each, inside the same script): the ledger's retention over the granule, plus one or two. The
+granule is a trade-off, fixed in the markers when the ledger is created (``archive_ms``, from the
+creating process's retention, kept in ``retention_ms``): retention / 8, within 1 s .. 1 day. A
+smaller granule means more lookups per new claim; a larger one keeps spent entries in memory
+longer (up to one granule past their expiry, 1/16 of the retention on average). Every key a
+script touches must be named in KEYS (Redis Cluster), so the caller names the archives from its
+own clock, a skew's worth wider either side, and the script checks them against the server's
+``TIME``: a claim whose names miss a live granule writes nothing and answers ``clock``, and the
+process follows the server's clock from then on. A completion writes into the granule of the
+server's clock; if the caller did not name it, or if the record's retention is longer than the
+ledger's (the archives would not be looked in that far back), the record stays a hash of its own
+with a TTL, as in layout 2, which every claim still reads first. An operator's change
+(``resolve``, ``confirm_sent``, ``_force``) writes a hash of its own too, taking a record out of
+its archive: rare, and what the caller gets back is exactly what the store holds.
+
+Measured (``python -m bench.memory``, 100,000 ``send_email`` records as workers write them): see
+the figures in docs/benchmarks.md (about 180 bytes each in ``INFO memory``, from 553 in layout 2,
+a key of its own per record with a TTL). ``stats`` still reads the per-bucket counters, which
+count a record until its expiry's granule ends (at most 1% of the retention late).
 
 **Loss detection.** A Redis without persistence can be flushed or restart
 empty, silently reopening every key. Each bucket holds an epoch marker; every
@@ -54,12 +86,15 @@ markers and never write them (no ``auto_init``, no lost flags); only
 **Old layouts.** Versions before the buckets kept ``<prefix>:r:<key>`` and
 ``<prefix>:i:<state>``. This version would not see those records, so at first use
 it looks for the old index keys and refuses (:class:`UnsafeLedgerError`) if any exist.
-Versions with buckets but before the lean record (layout 1: long field names, a
-``sent`` index) are told by their epoch markers, which carry no ``layout``: this version
-refuses them too, at first use, naming the step: stop the workers and run
-:meth:`RedisLedger.migrate_layout` once, which rewrites every record in place, keeping its
-state, token, lease and TTL, and then marks the layout. Refusing, rather than reading both
-layouts, keeps every script single-minded and the hot path as short as it was.
+Later layouts are told by the epoch markers' ``layout`` (none: layout 1, long field names and a
+``sent`` index; ``2``: every record a hash of its own, ``sent`` ones with a TTL; ``3``: this one,
+sent records archived). This version refuses any other layout at first use, naming the step: stop
+the workers and run :meth:`RedisLedger.migrate_layout` once, which rewrites layout 1 records in
+place (keeping state, token, lease and TTL) and marks the layout; layout 2 records need no
+rewriting (this layout reads a ``sent`` hash with a TTL as layout 2 wrote it, and they expire
+by themselves). A layout 2 worker refuses a layout 3 store the same way, so no older worker ever
+claims a key whose ``sent`` record it could not see in an archive (it would send again).
+Refusing, rather than reading every layout, keeps every script single-minded.
 
 The store must not evict keys: an evicted ``sent`` record reopens its key and
 the next duplicate sends again. At first use the ledger reads
@@ -258,6 +293,33 @@ def _pack(text: str) -> str:
     return "~" + text if text else ""
 
 
+#: The digits of a packed fingerprint: ASCII but NUL and ``~``, so it is text (UTF-8) a script copies as it is.
+_B126 = "".join(chr(i) for i in range(1, 128) if i != 0x7E)
+_B126_VALUE = {ch: i for i, ch in enumerate(_B126)}
+
+
+def _pack_fp(fingerprint: str) -> str:
+    """A 64-hex fingerprint as 37 base-126 characters (a record's ``f``, copied into its archive entry
+    by the completion's script as it is), anything else as ``~`` + itself, none as ``""``."""
+    if len(fingerprint) == 64 and _HEX64.fullmatch(fingerprint):
+        n, digits = int(fingerprint, 16), []
+        for _ in range(37):
+            n, d = divmod(n, 126)
+            digits.append(_B126[d])
+        return "".join(reversed(digits))
+    return "~" + fingerprint if fingerprint else ""
+
+
+def _unpack_fp(packed: str) -> str:
+    """A record's ``f`` read back: 37 base-126 characters, or (layout 2) 43 base64url ones, or ``~`` + text."""
+    if len(packed) == 37 and packed[0] != "~":
+        n = 0
+        for ch in packed:
+            n = n * 126 + _B126_VALUE[ch]
+        return f"{n:064x}"
+    return _unpack(packed)
+
+
 def _field(key: str) -> bytes:
     """A key as its archive field: a 64-hex key as its 32 bytes, anything else ``~`` + itself (``!~`` +
     itself where that would be 32 bytes long too). Scripts give a 32-byte field back in hex."""
@@ -273,8 +335,8 @@ def _unfield(text: str) -> str:
     return text[2:] if text[:1] == "!" else text
 
 
-#: An archive entry as scripts reply with it: token, expiry, retention, then its fingerprint's kind.
-_ENTRY = re.compile(r"([0-9a-z]+) ([0-9a-z]+)(?:R([0-9a-z]+))?([.~])")
+#: An archive entry: token, expiry, retention, then its fingerprint's kind (see ``lua/prelude.lua``).
+_ENTRY = re.compile(r"([0-9a-z]+) ([0-9a-z]+)(?:R([0-9a-z]+))?([.,~])")
 
 
 def _unpack(packed: str) -> str:
@@ -347,7 +409,7 @@ def _connect(url: str, master_name: str | None, options: dict[str, Any]) -> Any:
 def _layout1_fields(h: dict[str, str]) -> list[str]:
     """A record of layout 1 (long names, seconds) as this layout's fields, flat."""
     out: list[Any] = ["s", h["state"], "t", h["token"], "a", h.get("attempts", "1"), "c", h.get("reclaims", "0"),
-                      "f", _pack(h.get("fp", ""))]
+                      "f", _pack_fp(h.get("fp", ""))]
     for name, new in (("lease", "l"), ("created", "k"), ("updated", "u")):
         if h.get(name):
             out += [new, int(float(h[name]) * 1_000_000)]
@@ -542,7 +604,9 @@ class RedisLedger(Ledger):
         token, expires, retention, kind = m.groups()
         at = m.end()
         if kind == ".":
-            fp, body = value[at:at + 64], value[at + 64:]
+            fp, body = _unpack_fp(value[at:at + 37]), value[at + 37:]
+        elif kind == ",":
+            fp, body = _unpack(value[at:at + 43]), value[at + 43:]
         else:
             space = value.index(" ", at)
             fp, body = bytes.fromhex(value[at:space]).decode(), value[space + 1:]
@@ -798,7 +862,7 @@ class RedisLedger(Ledger):
             attempts=int(h.get("a", 0)),
             reclaims=int(h.get("c", 0)),
             payload=payload or None,
-            fingerprint=_unpack(h.get("f", "")),
+            fingerprint=_unpack_fp(h.get("f", "")),
             result=loads_json(_joined(h, "r")),
             error=loads_json(_joined(h, "e")),
             created_at=_seconds(h.get("k")) or 0.0,
@@ -1135,7 +1199,7 @@ class RedisLedger(Ledger):
             self._run_scripts(self._renew, expire)
 
     def _claim_args(self, request: ClaimRequest) -> list[Any]:
-        return [request.key, request.payload, _pack(request.fingerprint), int(request.lease_seconds * 1000),
+        return [request.key, request.payload, _pack_fp(request.fingerprint), int(request.lease_seconds * 1000),
                 request.resume_owner or "", *_counted(request.task_name), *_counted(request.owner),
                 _field(request.key), self._archive_ms, self._lookback_ms]
 
@@ -1262,7 +1326,7 @@ class RedisLedger(Ledger):
         ttl = "" if new.expires_at is None else int((new.expires_at - new.updated_at) * 1000)
         drop = new.payload is None or (new.state is State.SENT and not self.keep_payload)
         args = [key, expected_token, new.state.value, new.token, repr(float(new.updated_at)), ttl,
-                "1" if drop else "0", self._granule_ms(), _field(key), self._archive_ms, _pack(new.fingerprint),
+                "1" if drop else "0", self._granule_ms(), _field(key), self._archive_ms, _pack_fp(new.fingerprint),
                 repr(float(new.created_at)), new.attempts, new.reclaims, *_counted(new.owner), *_chunked(new.result),
                 *_chunked(new.error), *_counted(new.task_name)]
         return bool(self._call(self._force_script, keys=self._keys(key), args=args))

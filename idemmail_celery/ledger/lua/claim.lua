@@ -18,7 +18,7 @@ if #h == 0 then
   end
   local v, i, _, expires = archived(field, width)
   if v then
-    if expires > ms then return {'done', {}, redis.call('GET', KEYS[8]), readable(v), granule(i)} end
+    if expires > ms then return {'done', {}, redis.call('GET', KEYS[8]), v, granule(i)} end
     stale = i
   end
   move(id, nil, 'claimed', n)

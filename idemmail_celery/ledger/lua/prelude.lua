@@ -9,8 +9,8 @@
 -- then the bucket's sent archives the caller may need (``<prefix>:{bb}:s:<granule>``, newest first).
 -- A ``sent`` record lives in the archive of the time granule it was sent in (field: the key's 32
 -- bytes, see ``_field`` in redis.py) as one string: token ' ' expiry (ms after the granule's start)
--- ['R' its retention (ms) if not the ledger's], the fingerprint ('.' + 32 bytes, or '~' + hex + ' '),
--- then the result and error (see ``_body`` in redis.py); numbers in base 36. The archive expires
+-- ['R' its retention (ms) if not the ledger's], the fingerprint (see ``entry_fp``), then the result
+-- and error (see ``_body`` in redis.py); numbers in base 36. The archive expires
 -- at its granule's end plus the ledger's retention; an entry counts until its own expiry.
 -- ARGV[1] is always the epoch the caller expects. Times are the server's, in microseconds (an
 -- operator's change writes its own clock's seconds, with a point); durations are milliseconds.
@@ -58,38 +58,21 @@ local function b36(x)
   return table.concat(out)
 end
 local function hex(raw)
-  return (string.gsub(raw, '.', function(c) return string.format('%02x', string.byte(c)) end))
+  return string.format(string.rep('%02x', #raw), string.byte(raw, 1, -1))
 end
-local B64 = {}
-for i = 1, 64 do B64[string.byte('ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_', i)] = i - 1 end
--- A fingerprint as an entry holds it: '.' + its 32 bytes (a packed 64-hex one), else '~' + its text in hex + ' '.
+-- A fingerprint as an entry holds it: '.' + the record's 37 characters (a 64-hex one, packed by
+-- the caller), ',' + 43 (packed by layout 2), else '~' + its text in hex + ' ' ('~ ' for none).
 local function entry_fp(f)
-  if f and #f == 43 and string.byte(f) ~= 126 then
-    local out, bits, n = {}, 0, 0
-    for i = 1, 43 do
-      bits, n = bits * 64 + B64[string.byte(f, i)], n + 6
-      if n >= 8 then
-        n = n - 8
-        local byte = math.floor(bits / 2 ^ n)
-        out[#out + 1] = string.char(byte)
-        bits = bits - byte * 2 ^ n
-      end
-    end
-    return '.' .. table.concat(out)
-  end
-  return '~' .. hex(string.sub(f or '~', 2)) .. ' '
+  if not f or f == '' then return '~ ' end
+  if string.byte(f) == 126 then return '~' .. hex(string.sub(f, 2)) .. ' ' end
+  return (#f == 37 and '.' or ',') .. f
 end
 -- Where an entry's result and error begin (after its fingerprint).
 local function body_at(v)
-  local p = string.find(v, '[.~]')
-  if string.byte(v, p) == 46 then return p + 33 end
+  local p = string.find(v, '[.,~]')
+  local kind = string.byte(v, p)
+  if kind == 46 then return p + 38 elseif kind == 44 then return p + 44 end
   return string.find(v, ' ', p, true) + 1
-end
--- An entry as a reply carries it: its fingerprint's bytes in hex (a client decodes replies as UTF-8).
-local function readable(v)
-  local p = string.find(v, '[.~]')
-  if string.byte(v, p) ~= 46 then return v end
-  return string.sub(v, 1, p) .. hex(string.sub(v, p + 1, p + 32)) .. string.sub(v, p + 33)
 end
 -- An archived entry of ``field`` (newest archive first): its value, its KEYS index, its token, its expiry (ms).
 local function archived(field, width)

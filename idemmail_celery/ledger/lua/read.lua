@@ -5,6 +5,6 @@ local h = redis.call('HGETALL', KEYS[1])
 local payload = redis.call('GET', KEYS[8])
 if #h == 0 then
   local v, i = archived(ARGV[1], tonumber(ARGV[2]))
-  if v then return {h, payload, readable(v), granule(i)} end
+  if v then return {h, payload, v, granule(i)} end
 end
 return {h, payload}
