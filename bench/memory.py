@@ -125,18 +125,24 @@ the provider's result and its message id.
 `INFO memory` is the growth of `used_memory` over the run divided by the records: everything (the
 per-bucket archives, their dictionaries' tables, the per-bucket counters that replace a `sent`
 index). `MEMORY USAGE` (`SAMPLES 0`) is every key the ledger wrote, divided by the records.
+
 A `sent` record is not a key of its own (layout 3): the completion moves it into its bucket's
 archive of the time granule it was sent in, one hash per bucket and granule that expires by itself
-(16 here), field the key's 32 bytes, value one string of about 90 bytes: token, expiry, the
-fingerprint in 37 characters, and the result with its message id stored once (a UUID packed in 22
-characters; the `value` repeating it rebuilt on read). That saves Redis's own cost of a key with a
-TTL, about 150 bytes per record (the key object, its dictionary entry, its expiry entry): layout 2,
-a listpack hash per record, measured 553 and 425 bytes (`INFO memory`) on this machine. The price
-is Redis CPU: a claim that finds no record looks in each live archive of its bucket (the
-retention over the granule plus one or two: 10 `HGET`s with the default 7-day retention), and the
-completion builds the entry; layout 2 measured LAYOUT2_CPU µs per send in the same run conditions. A
-message id that is not a UUID costs 14 bytes more per record, which can move the entry to the next
-allocator size (16 bytes). Redis CPU: the `EVALSHA` calls' time in `INFO commandstats` (the
+(16 here, all in one granule), field the key's 32 bytes, value one string of about 90 bytes:
+expiry, the fingerprint in 37 characters, and the result with its message id stored once (a UUID
+packed in 22 characters; the `value` repeating it rebuilt on read). That saves Redis's own cost of
+a key with a TTL, about 150 bytes per record (the key object, its dictionary entry, its expiry
+entry): layout 2, a compact (listpack) hash per record, measured 553 and 425 bytes (`INFO memory`),
+488 and 360 (`MEMORY USAGE`) on this machine. An entry costs its dictionary entry (24 bytes), its
+field (40), its value (96 here, in the allocator's 16-byte steps) and its slot in the table (8 to
+16): a message id that is not a UUID takes 14 characters more, which can move the value to the
+next step (+16 bytes).
+
+The price is Redis CPU: a claim that finds no record looks in each live archive of its bucket (the
+retention over the granule, plus one or two: 10 `HGET`s inside the script with the default 7-day
+retention and its 21-hour granule), and the completion builds the entry. In back-to-back runs on
+this machine layout 2 took about 58 µs per send and this layout about 71 (the machine is shared:
+a few µs of noise either way). Redis CPU: the `EVALSHA` calls' time in `INFO commandstats` (the
 scripts' commands run inside it) per claim + completion.
 """
 

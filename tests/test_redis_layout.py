@@ -124,7 +124,9 @@ def test_an_operator_can_take_a_record_out_of_its_archive_and_forget_one_in_it(l
     again = led.claim(req(key))
     assert again.status is ClaimStatus.REOPENED and again.token == released.token + 1
     led.complete(key, again.token, {"message_id": "m2"})
-    assert sum(archives(led, key).values()) == 1 and led.get(key).result == {"message_id": "m2"}  # type: ignore[union-attr]
+    archived = led.get(key)  # its token (3) kept in the entry
+    assert sum(archives(led, key).values()) == 1 and archived is not None and archived.token == again.token > 1
+    assert archived.result == {"message_id": "m2"} and led.claim(req(key)).record.token == again.token
 
 
 def test_a_record_near_the_end_of_its_retention_replays_until_then_and_not_after(led: RedisLedger) -> None:

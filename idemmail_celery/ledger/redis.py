@@ -34,7 +34,7 @@ key object, its dictionary entry, its expiry entry). So the completion that make
 ``sent`` moves it, in the same script, into its bucket's *archive* of the time granule it was sent
 in (``s:<granule>``, the granule number by the server's clock), and deletes its hash and payload.
 An archive is one hash: field the key's 32 bytes (a 64-hex key; anything else ``~`` + itself),
-value one string: token, expiry, the fingerprint (its 37 characters, copied as they are), and the
+value one string: expiry, token, the fingerprint (its 37 characters, copied as they are), and the
 result with its message id stored once (a UUID packed in 22 characters; ``send_email``'s ``value``
 repeating the message id is rebuilt on read; anything else as JSON). Task name, owner, attempts,
 reclaims and the time of the first claim are not kept: nothing reads them once the intent is sent
@@ -335,8 +335,8 @@ def _unfield(text: str) -> str:
     return text[2:] if text[:1] == "!" else text
 
 
-#: An archive entry: token, expiry, retention, then its fingerprint's kind (see ``lua/prelude.lua``).
-_ENTRY = re.compile(r"([0-9a-z]+) ([0-9a-z]+)(?:R([0-9a-z]+))?([.,~])")
+#: An archive entry: expiry, retention, token, then its fingerprint's kind (see ``lua/prelude.lua``).
+_ENTRY = re.compile(r"([0-9a-z]+)(?:R([0-9a-z]+))?(?:T([0-9a-z]+))?([.,~])")
 
 
 def _unpack(packed: str) -> str:
@@ -594,14 +594,14 @@ class RedisLedger(Ledger):
         return found
 
     def _entry_record(self, key: str, value: str, granule: int, payload: str | None) -> Record:
-        """An archived ``sent`` record: token, expiry, retention, created, fingerprint, result and error.
+        """An archived ``sent`` record: expiry, retention, token, fingerprint, result and error.
 
         Task name, owner, attempts, reclaims and the time of the first claim are not kept (empty, 0,
         the time it was sent)."""
         m = _ENTRY.match(value)
         if m is None:
             raise LedgerError(f"Redis ledger error: the archived record of {key} cannot be read")
-        token, expires, retention, kind = m.groups()
+        expires, retention, token, kind = m.groups()
         at = m.end()
         if kind == ".":
             fp, body = _unpack_fp(value[at:at + 37]), value[at + 37:]
@@ -614,7 +614,7 @@ class RedisLedger(Ledger):
         updated = (expires_ms - (int(retention, 36) if retention else self._lookback_ms)) / 1000
         result, error = _unbody(body)
         return Record(
-            key=key, task_name="", state=State.SENT, token=int(token, 36), owner="", lease_expires_at=None,
+            key=key, task_name="", state=State.SENT, token=int(token, 36) if token else 1, owner="", lease_expires_at=None,
             attempts=0, reclaims=0, payload=payload or None, fingerprint=fp, result=result, error=error,
             created_at=updated, updated_at=updated, expires_at=expires_ms / 1000,
         )

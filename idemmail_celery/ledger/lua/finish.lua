@@ -43,8 +43,8 @@ if into then
     body = '*[' .. (new_result and joined(fields_of(r), 'r') or joined(f, 'r') or 'null') .. ',' ..
       (new_error and joined(fields_of(e), 'e') or joined(f, 'e') or 'null') .. ']'
   end
-  local value = table.concat({b36(held), ' ', b36(ms + ttl - granule(into) * width),
-    ttl == lookback and '' or 'R' .. b36(ttl), entry_fp(cur[5]), body})
+  local value = table.concat({b36(ms + ttl - granule(into) * width), ttl == lookback and '' or 'R' .. b36(ttl),
+    held == 1 and '' or 'T' .. b36(held), entry_fp(cur[5]), body})
   archive(into, field, value, width, lookback)
   count_sent(n + ttl * 1000, tonumber(ARGV[7]))
   move(id, state, target, n + ttl * 1000)

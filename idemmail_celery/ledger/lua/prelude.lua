@@ -8,9 +8,9 @@
 -- the bucket's sent counter (a hash: expiry granule -> records), the bucket's epoch marker, payload,
 -- then the bucket's sent archives the caller may need (``<prefix>:{bb}:s:<granule>``, newest first).
 -- A ``sent`` record lives in the archive of the time granule it was sent in (field: the key's 32
--- bytes, see ``_field`` in redis.py) as one string: token ' ' expiry (ms after the granule's start)
--- ['R' its retention (ms) if not the ledger's], the fingerprint (see ``entry_fp``), then the result
--- and error (see ``_body`` in redis.py); numbers in base 36. The archive expires
+-- bytes, see ``_field`` in redis.py) as one string: its expiry (ms after the granule's start),
+-- ['R' its retention (ms) if not the ledger's], ['T' its token if not 1], the fingerprint (see
+-- ``entry_fp``), then the result and error (see ``_body`` in redis.py); numbers in base 36. The archive expires
 -- at its granule's end plus the ledger's retention; an entry counts until its own expiry.
 -- ARGV[1] is always the epoch the caller expects. Times are the server's, in microseconds (an
 -- operator's change writes its own clock's seconds, with a point); durations are milliseconds.
@@ -79,8 +79,8 @@ local function archived(field, width)
   for i = ARCHIVES, #KEYS do
     local v = redis.call('HGET', KEYS[i], field)
     if v then
-      local token, off = string.match(v, '^([0-9a-z]+) ([0-9a-z]+)')
-      return v, i, tonumber(token, 36), granule(i) * width + tonumber(off, 36)
+      local off, token = string.match(v, '^([0-9a-z]+)R?[0-9a-z]*T?([0-9a-z]*)[.,~]')
+      return v, i, token == '' and 1 or tonumber(token, 36), granule(i) * width + tonumber(off, 36)
     end
   end
 end
