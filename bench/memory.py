@@ -134,9 +134,9 @@ packed in 22 characters; the `value` repeating it rebuilt on read). That saves R
 a key with a TTL, about 150 bytes per record (the key object, its dictionary entry, its expiry
 entry): layout 2, a compact (listpack) hash per record, measured 553 and 425 bytes (`INFO memory`),
 488 and 360 (`MEMORY USAGE`) on this machine. An entry costs its dictionary entry (24 bytes), its
-field (40), its value (96 here, in the allocator's 16-byte steps) and its slot in the table (8 to
-16): a message id that is not a UUID takes 14 characters more, which can move the value to the
-next step (+16 bytes).
+field (40), its value (96 for `send_email`'s result, 80 for a message id alone: the allocator's
+16-byte steps) and its slot in the table (8 to 16): a message id that is not a UUID takes 14
+characters more, which can move the value to the next step (+16 bytes).
 
 The price is Redis CPU: a claim that finds no record looks in each live archive of its bucket (the
 retention over the granule, plus one or two: 10 `HGET`s inside the script with the default 7-day
