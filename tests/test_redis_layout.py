@@ -80,15 +80,17 @@ def test_a_sent_record_leaves_no_key_of_its_own_and_replays_from_its_archive(led
     {"message_id": "Grüße 🙂 ~ . R"},
 ])
 def test_every_result_shape_reads_back_from_the_archive(led: RedisLedger, result: dict[str, Any]) -> None:
-    for key, fingerprint in ((hexkey(), "ab" * 32), ("plain key ~!", "not hex"), ("x" * 31, "")):
+    # A 64-hex key and fingerprint (packed), any other text, and a key whose field would be 32 bytes long.
+    cases = {hexkey(): "ab" * 32, "plain key ~! Grüße": "not hex, Grüße", "x" * 31: ""}
+    for key, fingerprint in cases.items():
         c = led.claim(ClaimRequest(key=key, task_name="t", payload="{}", fingerprint=fingerprint))
         led.complete(key, c.token, result)
         assert not led.client.exists(led._rec(key))
         record = led.get(key)
         assert record is not None and (record.result, record.fingerprint) == (result, fingerprint)
         assert led.claim(req(key)).record.result == result
-    assert sorted(r.key for r in led.iter_records(State.SENT)) == sorted([k for k in (
-        *(r.key for r in led.iter_records(State.SENT) if len(r.key) == 64), "plain key ~!", "x" * 31)])
+    listed = {r.key: (r.fingerprint, r.result) for r in led.iter_records(State.SENT)}
+    assert listed == {key: (fingerprint, result) for key, fingerprint in cases.items()}
 
 
 def test_a_finish_run_twice_after_its_reply_was_lost_is_ok_and_a_stale_one_is_refused(led: RedisLedger) -> None:
