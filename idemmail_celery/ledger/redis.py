@@ -63,8 +63,10 @@ its archive: rare, and what the caller gets back is exactly what the store holds
 Measured (``python -m bench.memory``, 100,000 ``send_email`` records as workers write them, see
 docs/benchmarks.md): 191 bytes each in ``INFO memory`` (178 by ``MEMORY USAGE``), 175 with a
 result of the message id alone, from 553 and 425 in layout 2 (a key of its own per record, with
-a TTL); about 13 µs more Redis CPU per send (the claim's lookups, the entry's building). ``stats`` still reads the per-bucket counters, which
-count a record until its expiry's granule ends (at most 1% of the retention late).
+a TTL); about 13 µs more Redis CPU per send (the claim's lookups, the entry's building).
+``stats`` still reads the per-bucket counters (``HLEN`` of the archives would count spent entries
+up to a granule late), which count a record until its expiry's granule ends (at most 1% of the
+retention late).
 
 **Loss detection.** A Redis without persistence can be flushed or restart
 empty, silently reopening every key. Each bucket holds an epoch marker; every
@@ -615,9 +617,9 @@ class RedisLedger(Ledger):
         updated = (expires_ms - (int(retention, 36) if retention else self._lookback_ms)) / 1000
         result, error = _unbody(body)
         return Record(
-            key=key, task_name="", state=State.SENT, token=int(token, 36) if token else 1, owner="", lease_expires_at=None,
-            attempts=0, reclaims=0, payload=payload or None, fingerprint=fp, result=result, error=error,
-            created_at=updated, updated_at=updated, expires_at=expires_ms / 1000,
+            key=key, task_name="", state=State.SENT, token=int(token, 36) if token else 1, owner="",
+            lease_expires_at=None, attempts=0, reclaims=0, payload=payload or None, fingerprint=fp, result=result,
+            error=error, created_at=updated, updated_at=updated, expires_at=expires_ms / 1000,
         )
 
     def _archive_settings(self, marker: dict[str, Any]) -> dict[str, int]:
