@@ -8,11 +8,13 @@ import os
 import time
 import zlib
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
+import redis
 
-from idemmail_celery.errors import UnsafeLedgerError
+from idemmail_celery.errors import StaleTokenError, UnsafeLedgerError
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State, from_url
 from idemmail_celery.ledger.redis import RedisLedger
 
@@ -38,23 +40,132 @@ def led(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisLedger]:
     drop_ledger(ledger)
 
 
-def test_a_sent_record_is_compact_and_in_no_index(led: RedisLedger) -> None:
+def archives(led: RedisLedger, key: str) -> dict[str, int]:
+    """The sent archives of ``key``'s bucket that exist: name -> entries."""
+    stem = led._stems[led._bucket(key)]
+    return {name: led.client.hlen(name) for name in led.client.scan_iter(f"{stem}s:*")}
+
+
+def test_a_sent_record_leaves_no_key_of_its_own_and_replays_from_its_archive(led: RedisLedger) -> None:
     key = hexkey()
-    claim = led.claim(req(key))  # a long payload: the claimed record is a hashtable
+    claim = led.claim(req(key))  # a long payload: the claimed record is a hash, its payload a string
+    assert led.client.exists(led._rec(key), led._payload(key)) == 2
     message_id = "0100018c2b7f4a5e-3f2a1b4c-5d6e-4f70-8a9b-0c1d2e3f4a5b-000000"
     result = {"message_id": message_id, "value": {"message_id": message_id, "provider": "ses"}}
     led.complete(key, claim.token, result)
-    name = led._rec(key)
-    assert key not in name and len(name) == len(led.prefix) + 6 + 2 + 43  # the key packed, 43 characters
-    assert led.client.object("encoding", name) == "listpack"  # rewritten: compact again
-    assert int(led.client.memory_usage(name)) <= 512  # was 1,200 (hashtable, long field names, floats)
-    assert 0 < led.client.pttl(name) <= led.retention_seconds * 1000
+    assert led.client.exists(led._rec(key), led._payload(key)) == 0  # no record, no payload: one archive entry
+    [(name, entries)] = archives(led, key).items()
+    assert entries == 1 and name.startswith(led._stems[led._bucket(key)] + "s:")
+    granule_end = (int(name.rsplit(":", 1)[1]) + 1) * led._archive_ms
+    assert led.client.pexpiretime(name) == granule_end + led._lookback_ms  # its archive expires by itself
     members = [m for b in range(led.buckets) for s in State for m in led.client.zrange(led._index(b, s), 0, -1)]
-    assert key not in members  # no sent index: it expires by TTL
+    assert key not in members  # no sent index
     record = led.get(key)
-    assert record is not None and record.state is State.SENT and record.result == result
-    assert record.fingerprint == "ab" * 32 and record.payload is None and record.task_name.endswith("send_email")
+    assert record is not None and record.state is State.SENT and record.result == result and record.token == 1
+    assert record.fingerprint == "ab" * 32 and record.payload is None
+    assert record.expires_at is not None and abs(record.expires_at - record.updated_at - led.retention_seconds) < 0.01
+    dup = led.claim(req(key, payload="{}"))
+    assert dup.status is ClaimStatus.DONE and dup.record == record  # what a duplicate is told
+    assert led.client.exists(led._rec(key)) == 0  # a duplicate writes nothing
+
+
+@pytest.mark.parametrize("result", [
+    {"message_id": "6f1c1a3e-3a8e-4d6c-9a2b-1c2d3e4f5a6b"},  # a UUID, packed
+    {"message_id": "<20261125.abc@mail.example.com>", "value": {"message_id": "<20261125.abc@mail.example.com>",
+                                                                 "accepted": ["ann@example.com"]}},
+    {"message_id": "m 1", "provider": "smtp", "queued": True},
+    {"message_id": 42},  # not a string: stored as it is
+    {"value": {"id": "x"}},
+    {"message_id": "m", "value": {"message_id": "other"}},  # a value naming another id
+    {"message_id": "Grüße 🙂 ~ . R"},
+])
+def test_every_result_shape_reads_back_from_the_archive(led: RedisLedger, result: dict[str, Any]) -> None:
+    # A 64-hex key and fingerprint (packed), any other text, and a key whose field would be 32 bytes long.
+    cases = {hexkey(): "ab" * 32, "plain key ~! Grüße": "not hex, Grüße", "x" * 31: ""}
+    for key, fingerprint in cases.items():
+        c = led.claim(ClaimRequest(key=key, task_name="t", payload="{}", fingerprint=fingerprint))
+        led.complete(key, c.token, result)
+        assert not led.client.exists(led._rec(key))
+        record = led.get(key)
+        assert record is not None and (record.result, record.fingerprint) == (result, fingerprint)
+        assert led.claim(req(key)).record.result == result
+    listed = {r.key: (r.fingerprint, r.result) for r in led.iter_records(State.SENT)}
+    assert listed == {key: (fingerprint, result) for key, fingerprint in cases.items()}
+
+
+def test_a_finish_run_twice_after_its_reply_was_lost_is_ok_and_a_stale_one_is_refused(led: RedisLedger) -> None:
+    key = hexkey()
+    c = led.claim(req(key))
+    led.complete(key, c.token, {"message_id": "m"})
+    led.complete(key, c.token, {"message_id": "m"})  # the same call again: ok, nothing changes
+    with pytest.raises(StaleTokenError, match="sent"):
+        led.complete(key, c.token + 1, {"message_id": "other"})
+    with pytest.raises(StaleTokenError):
+        led.fail(key, c.token, {"reason": "late"})
+    record = led.get(key)
+    assert record is not None and record.result == {"message_id": "m"} and sum(archives(led, key).values()) == 1
+
+
+def test_an_operator_can_take_a_record_out_of_its_archive_and_forget_one_in_it(led: RedisLedger) -> None:
+    key = hexkey()
+    c = led.claim(req(key))
+    led.complete(key, c.token, {"message_id": "m", "to": "ann@example.com"})
+    assert led.forget(key) is True  # erased in the archive, in place
+    forgotten = led.get(key)
+    assert forgotten is not None and forgotten.result == {"message_id": "m", "forgotten": True}
+    raw = redis.Redis.from_url(REDIS_URL)  # an archive holds bytes: read without decoding
+    assert b"ann@example.com" not in b"".join(raw.hgetall(next(iter(archives(led, key)))).values())
+    moved = replace(forgotten, state=State.REVIEW, token=forgotten.token + 1, expires_at=None,
+                    error={"reason": "operator"}, updated_at=time.time())
+    assert led._force(key, forgotten.token + 5, moved) is False  # a stale expectation changes nothing
+    assert led._force(key, forgotten.token, moved) is True
+    assert sum(archives(led, key).values()) == 0  # out of the archive
+    assert led.get(key) == moved and [r.key for r in led.iter_records(State.REVIEW)] == [key]
+    assert led.claim(req(key)).status is ClaimStatus.DONE  # review replays its error
+    released = led.resolve(key, "released", note="resend")
+    again = led.claim(req(key))
+    assert again.status is ClaimStatus.REOPENED and again.token == released.token + 1
+    led.complete(key, again.token, {"message_id": "m2"})
+    archived = led.get(key)  # its token (3) kept in the entry
+    assert sum(archives(led, key).values()) == 1 and archived is not None and archived.token == again.token > 1
+    assert archived.result == {"message_id": "m2"} and led.claim(req(key)).record.token == again.token
+
+
+def test_a_record_near_the_end_of_its_retention_replays_until_then_and_not_after(led: RedisLedger) -> None:
+    led.retention_seconds = 0.6  # within the ledger's (the markers' retention): archived
+    key = hexkey()
+    c = led.claim(req(key))
+    led.complete(key, c.token, {"message_id": "m"})
+    assert sum(archives(led, key).values()) == 1
+    time.sleep(0.45)
+    assert led.claim(req(key)).status is ClaimStatus.DONE  # near the end: still done
+    time.sleep(0.3)
+    assert led.get(key) is None and list(led.iter_records(State.SENT)) == []
+    again = led.claim(req(key))  # past it: a new intent (the spent entry goes with the claim)
+    assert again.status is ClaimStatus.ACQUIRED and sum(archives(led, key).values()) == 0
+
+
+def test_a_sent_record_kept_longer_than_the_ledger_retention_stays_a_hash_of_its_own(led: RedisLedger) -> None:
+    led.retention_seconds = led._lookback_ms / 1000 * 2  # longer than the archives reach: its own key, as before
+    key = hexkey()
+    c = led.claim(req(key))
+    led.complete(key, c.token, {"message_id": "m"})
+    assert not archives(led, key) and led.client.pttl(led._rec(key)) > led._lookback_ms
     assert led.claim(req(key)).status is ClaimStatus.DONE
+    assert [r.key for r in led.iter_records(State.SENT)] == [key]
+
+
+def test_a_claim_from_a_clock_far_off_the_servers_is_corrected_and_still_finds_the_record(
+        led: RedisLedger) -> None:
+    key = hexkey()
+    c = led.claim(req(key))
+    led.complete(key, c.token, {"message_id": "m"})
+    led._clock_ms = -3 * led._lookback_ms  # this process's clock three retentions behind
+    dup = led.claim(req(key))
+    assert dup.status is ClaimStatus.DONE and dup.record.result == {"message_id": "m"}
+    assert abs(led._clock_ms) < 60_000  # the server told it
+    led._clock_ms = 3 * led._lookback_ms
+    assert [c.status for c in led.claim_many([req(key), req(hexkey())])] == [ClaimStatus.DONE, ClaimStatus.ACQUIRED]
 
 
 def test_sent_records_are_listed_by_scan_counted_and_purged(led: RedisLedger) -> None:
@@ -181,7 +292,40 @@ def test_a_workers_long_owner_and_task_name_keep_the_record_compact(led: RedisLe
     led.release(key, resumed.token)
     short = led.claim(ClaimRequest(key=key, task_name=task, payload="{}", fingerprint="ab" * 32, owner="o:1"))
     assert short.status is ClaimStatus.REOPENED and short.record.owner == "o:1"  # no chunk of the longer one left
-    led.complete(key, short.token, {"message_id": "m"})
     assert led.client.object("encoding", led._rec(key)) == "listpack"
     record = led.get(key)
     assert record is not None and (record.owner, record.task_name) == ("o:1", task)
+
+
+def test_a_layout_2_store_is_refused_then_marked_and_its_sent_records_still_replay() -> None:
+    """Layout 2 kept each sent record as a hash of its own with a TTL: this layout still reads those, so
+    migrating only marks the store (a layout 2 worker refuses it from then on: it would not see the archives)."""
+    prefix = unique("v2")
+    led = from_url(REDIS_URL, prefix=prefix)
+    assert isinstance(led, RedisLedger)
+    try:
+        led.prepare()
+        led.retention_seconds = led._lookback_ms / 1000 * 2  # kept as a hash of its own: layout 2's shape
+        key = hexkey()
+        led.complete(key, led.claim(req(key)).token, {"message_id": "m-2"})
+        assert led.client.exists(led._rec(key)) and led.client.pttl(led._rec(key)) > 0
+        for b in range(led.buckets):  # the markers as layout 2 wrote them
+            led.client.hset(led._marker(b), "layout", "2")
+            led.client.hdel(led._marker(b), "archive_ms", "retention_ms")
+        fresh = from_url(REDIS_URL, prefix=prefix)
+        with pytest.raises(UnsafeLedgerError, match=r"layout 2.*migrate_layout"):
+            fresh.claim(req(hexkey()))
+        assert RedisLedger(REDIS_URL, prefix=prefix).migrate_layout()["left"] == 0
+        markers = [led.client.hgetall(led._marker(b)) for b in range(led.buckets)]
+        assert {(m["layout"], m["archive_ms"], m["retention_ms"]) for m in markers} == {
+            ("3", str(7 * 24 * 3600 * 1000 // 8), str(7 * 24 * 3600 * 1000))}
+        worker = from_url(REDIS_URL, prefix=prefix)  # what a new worker builds
+        dup = worker.claim(req(key))
+        assert dup.status is ClaimStatus.DONE and dup.record.result == {"message_id": "m-2"}
+        other = hexkey()
+        worker.complete(other, worker.claim(req(other)).token, {"message_id": "m-3"})
+        assert not worker.client.exists(worker._rec(other)) and archives(worker, other)
+        assert sorted(r.key for r in worker.iter_records(State.SENT)) == sorted([key, other])
+        assert worker.stats()["sent"] == 2
+    finally:
+        drop_ledger(led)

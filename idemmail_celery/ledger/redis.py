@@ -1,16 +1,17 @@
 """Redis ledger: ``redis://``, ``rediss://``, ``redis+cluster://`` and ``sentinel://``.
 
-Each record is a hash; every transition is one Lua script (``ledger/lua/*.lua``, registered
-with the client's script support and called with EVALSHA, loaded again on NOSCRIPT), so a
-claim, a completion or a replay is one atomic round trip.
+A record in progress is a hash, a sent one an entry in an archive hash; every transition is one
+Lua script (``ledger/lua/*.lua``, registered with the client's script support and called with
+EVALSHA, loaded again on NOSCRIPT), so a claim, a completion or a replay is one atomic round trip.
 Lease times come from the Redis server's clock (``TIME``), so worker clocks do
 not have to agree.
 
 **Buckets.** Keys are spread over ``buckets`` hash-tagged buckets (16 by default)
 so that every script touches keys of one hash slot, as Redis Cluster requires::
 
-    <prefix>:{<bb>}:r:<packed key>   the record (a hash)
+    <prefix>:{<bb>}:r:<packed key>   a record not yet sent, or sent and kept longer than the archives reach (a hash)
     <prefix>:{<bb>}:p:<packed key>   its first payload (a string; gone on sent unless keep_payload)
+    <prefix>:{<bb>}:s:<granule>      the bucket's sent records of one time granule (a hash; expires)
     <prefix>:{<bb>}:i:<state>        the bucket's index of claimed, released, failed or review records
     <prefix>:{<bb>}:c:sent           the bucket's count of sent records, by expiry (a hash)
     <prefix>:{<bb>}:h:<digest>       a reschedule's mark (see ``mark_hop``; expires)
@@ -20,18 +21,52 @@ so that every script touches keys of one hash slot, as Redis Cluster requires::
 On one Redis the buckets cost nothing on the hot path; listing, stats and purge
 visit every bucket.
 
-**A lean record.** Most records are ``sent`` and stay for the retention period, so a
-``sent`` record holds only itself: no index (it expires by TTL; listing ``sent`` scans the
-buckets; :meth:`RedisLedger.stats` reads the counters, which count a record until its
-expiry's granule ends, at most 1% of the retention late), short field names (see
-``lua/prelude.lua``), times as integer microseconds, a 64-hex key or fingerprint packed in
-43 base64url characters (anything else as ``~`` + itself), the owner, task name, result and
-error in chunks of at most 64 bytes, and the payload in a string of its own: every value
-stays within Redis's ``hash-max-listpack-value``, so the hash stays compact (listpack).
-Measured (``python -m tests.redis_memory``, 100,000 ``send_email`` records as workers write
-them): about 550 bytes each in ``INFO memory`` (488 by ``MEMORY USAGE``), from about 1,510
-before (a hashtable, plus the ``sent`` index); 425 with a result of the message id alone.
-The floor of any key with a TTL holding nothing is about 150.
+**A record in progress** (``claimed``, ``released``, ``failed``, ``review``) is a hash of its own:
+short field names (see ``lua/prelude.lua``), times as integer microseconds, a 64-hex key packed in
+43 base64url characters in its name, a 64-hex fingerprint in 37 base-126 ASCII characters (anything
+else as ``~`` + itself), the owner, task name, result and error in chunks of at most 64 bytes, and
+the payload in a string of its own: every value within Redis's ``hash-max-listpack-value``, so
+the hash stays compact (listpack).
+
+**A sent record has no key of its own** (layout 3). Most records are ``sent`` and stay for the
+retention, and any key with a TTL costs Redis about 150 bytes before its first byte of data (the
+key object, its dictionary entry, its expiry entry). So the completion that makes a record
+``sent`` moves it, in the same script, into its bucket's *archive* of the time granule it was sent
+in (``s:<granule>``, the granule number by the server's clock), and deletes its hash and payload.
+An archive is one hash: field the key's 32 bytes (a 64-hex key; anything else ``~`` + itself),
+value one string: expiry, token, the fingerprint (its 37 characters, copied as they are), and the
+result with its message id stored once (a UUID packed in 22 characters; ``send_email``'s ``value``
+repeating the message id is rebuilt on read; anything else as JSON). Task name, owner, attempts,
+reclaims and the time of the first claim are not kept: nothing reads them once the intent is sent
+(a duplicate is told the result, a must-match check reads the fingerprint, ``forget`` rewrites the
+result). The archive expires by itself at its granule's end plus the ledger's retention, so no
+entry is ever visited to be deleted; an entry counts, replays and lists only until its own expiry.
+Fields are bytes, not text: read an archive through the ledger (or a client that does not decode
+replies); the listing's script replies with them in hex.
+
+A claim that finds no record looks in the bucket's live archives, newest first (one ``HGET``
+each, inside the same script): the ledger's retention over the granule, plus one or two. The
+granule is a trade-off, fixed in the markers when the ledger is created (``archive_ms``, from the
+creating process's retention, kept in ``retention_ms``): retention / 8, within 1 s .. 1 day. A
+smaller granule means more lookups per new claim; a larger one keeps spent entries in memory
+longer (up to one granule past their expiry, 1/16 of the retention on average). Every key a
+script touches must be named in KEYS (Redis Cluster), so the caller names the archives from its
+own clock, a skew's worth wider either side, and the script checks them against the server's
+``TIME``: a claim whose names miss a live granule writes nothing and answers ``clock``, and the
+process follows the server's clock from then on. A completion writes into the granule of the
+server's clock; if the caller did not name it, or if the record's retention is longer than the
+ledger's (the archives would not be looked in that far back), the record stays a hash of its own
+with a TTL, as in layout 2, which every claim still reads first. An operator's change
+(``resolve``, ``confirm_sent``, ``_force``) writes a hash of its own too, taking a record out of
+its archive: rare, and what the caller gets back is exactly what the store holds.
+
+Measured (``python -m bench.memory``, 100,000 ``send_email`` records as workers write them, see
+docs/benchmarks.md): 191 bytes each in ``INFO memory`` (178 by ``MEMORY USAGE``), 175 with a
+result of the message id alone, from 553 and 425 in layout 2 (a key of its own per record, with
+a TTL); about 13 µs more Redis CPU per send (the claim's lookups, the entry's building).
+``stats`` still reads the per-bucket counters (``HLEN`` of the archives would count spent entries
+up to a granule late), which count a record until its expiry's granule ends (at most 1% of the
+retention late).
 
 **Loss detection.** A Redis without persistence can be flushed or restart
 empty, silently reopening every key. Each bucket holds an epoch marker; every
@@ -54,12 +89,15 @@ markers and never write them (no ``auto_init``, no lost flags); only
 **Old layouts.** Versions before the buckets kept ``<prefix>:r:<key>`` and
 ``<prefix>:i:<state>``. This version would not see those records, so at first use
 it looks for the old index keys and refuses (:class:`UnsafeLedgerError`) if any exist.
-Versions with buckets but before the lean record (layout 1: long field names, a
-``sent`` index) are told by their epoch markers, which carry no ``layout``: this version
-refuses them too, at first use, naming the step: stop the workers and run
-:meth:`RedisLedger.migrate_layout` once, which rewrites every record in place, keeping its
-state, token, lease and TTL, and then marks the layout. Refusing, rather than reading both
-layouts, keeps every script single-minded and the hot path as short as it was.
+Later layouts are told by the epoch markers' ``layout`` (none: layout 1, long field names and a
+``sent`` index; ``2``: every record a hash of its own, ``sent`` ones with a TTL; ``3``: this one,
+sent records archived). This version refuses any other layout at first use, naming the step: stop
+the workers and run :meth:`RedisLedger.migrate_layout` once, which rewrites layout 1 records in
+place (keeping state, token, lease and TTL) and marks the layout; layout 2 records need no
+rewriting (this layout reads a ``sent`` hash with a TTL as layout 2 wrote it, and they expire
+by themselves). A layout 2 worker refuses a layout 3 store the same way, so no older worker ever
+claims a key whose ``sent`` record it could not see in an archive (it would send again).
+Refusing, rather than reading every layout, keeps every script single-minded.
 
 The store must not evict keys: an evicted ``sent`` record reopens its key and
 the next duplicate sends again. At first use the ledger reads
@@ -76,6 +114,7 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import json
 import logging
 import re
 import secrets
@@ -139,7 +178,7 @@ _UNAVAILABLE_TYPES = (
 _REPLY_CODE = re.compile(r"^([A-Z]+)\b|\s-([A-Z]+)\s")
 
 #: The scripts in ``lua/``, each one atomic transition; record scripts start with ``prelude.lua``.
-_RECORD_SCRIPTS = ("claim", "finish", "renew", "force")
+_RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page")
 
 
 @functools.cache
@@ -154,11 +193,91 @@ _STATES = (State.CLAIMED, State.RELEASED, State.SENT, State.FAILED, State.REVIEW
 #: ``sent`` has none: its records expire by TTL, a counter keeps their number, listing them scans.
 _INDEXED = (State.CLAIMED, State.RELEASED, State.FAILED, State.REVIEW)
 #: This layout's version, in every epoch marker; a marker without it was written by the layout before.
-LAYOUT = "2"
+LAYOUT = "3"
 #: Longest value kept in a record field: Redis keeps a hash compact (listpack) while every value is at
 #: most ``hash-max-listpack-value`` (64 by default), so longer results and errors are stored in chunks.
 _CHUNK = 64
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+#: A sent archive's granule is the ledger's retention over this (within 1 s .. 1 day): a claim that
+#: finds no record looks in about this many archives (plus two), and an entry stays in memory up to
+#: one granule past its expiry (its archive goes at the granule's end plus the retention).
+_ARCHIVE_SPLIT = 8
+#: How far the archives a caller names reach beyond its clock (at most one granule): a claim whose
+#: names miss a granule by the server's clock is told so, and this process corrects its clock's offset.
+_SKEW_MS = 60_000
+
+
+def _archive_granule(retention_ms: int) -> int:
+    return max(1_000, min(86_400_000, retention_ms // _ARCHIVE_SPLIT))
+
+
+def _b36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while n > 0:
+        n, d = divmod(n, 36)
+        out = digits[d] + out
+    return out or "0"
+
+
+def _message_id(mid: str) -> str:
+    """A message id as an entry holds it: a UUID in 22 base64url characters after ``u``, else ``=`` + itself."""
+    if len(mid) == 36 and _UUID.fullmatch(mid):
+        return "u" + base64.urlsafe_b64encode(bytes.fromhex(mid.replace("-", "")))[:22].decode("ascii")
+    return "=" + mid
+
+
+def _message_id_of(text: str) -> str:
+    if text[0] == "=":
+        return text[1:]
+    h = base64.urlsafe_b64decode(text[1:] + "==").hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def _body(result: dict[str, Any] | None, error: dict[str, Any] | None) -> str:
+    """A sent record's result and error as its archive entry ends: the message id stored once.
+
+    ``m<id>``: the result is the message id alone; ``v<json><id>``: the message id and a ``value``
+    repeating it (what ``send_email`` stores), the value's other fields in JSON; ``r<json><id>``: the
+    message id and other fields; ``*[result, error]``: anything else (an error, no message id);
+    ``""``: neither. ``<id>`` is ``u`` + a UUID packed in 22 characters, or ``=`` + the id itself, last
+    (it may hold any character). Whatever does not read back equal is stored the plain way.
+    """
+    r, e = dumps_json(result), dumps_json(error)
+    plain = "" if r is None and e is None else f"*[{r or 'null'},{e or 'null'}]"
+    if result is None or error is not None or not isinstance(result.get("message_id"), str):
+        return plain
+    mid = result["message_id"]
+    rest = {k: v for k, v in result.items() if k != "message_id"}
+    value = rest.get("value")
+    if not rest:
+        text = "m" + _message_id(mid)
+    elif list(rest) == ["value"] and isinstance(value, dict) and value.get("message_id") == mid:
+        text = "v" + (dumps_json({k: v for k, v in value.items() if k != "message_id"}) or "") + _message_id(mid)
+    else:
+        text = "r" + (dumps_json(rest) or "") + _message_id(mid)
+    return text if _unbody(text) == (loads_json(r), None) else plain
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _unbody(text: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The result and error of an archive entry's end (see :func:`_body`)."""
+    if not text:
+        return None, None
+    kind = text[0]
+    if kind == "*":
+        result, error = json.loads(text[1:])
+        return result, error
+    if kind == "m":
+        return {"message_id": _message_id_of(text[1:])}, None
+    rest, end = _DECODER.raw_decode(text, 1)
+    mid = _message_id_of(text[end:])
+    if kind == "v":
+        return {"message_id": mid, "value": {"message_id": mid, **rest}}, None
+    return {"message_id": mid, **rest}, None
 
 
 def _seconds(value: str | None) -> float | None:
@@ -175,6 +294,52 @@ def _pack(text: str) -> str:
     if len(text) == 64 and _HEX64.fullmatch(text):
         return base64.urlsafe_b64encode(bytes.fromhex(text))[:43].decode("ascii")
     return "~" + text if text else ""
+
+
+#: The digits of a packed fingerprint: ASCII but NUL and ``~``, so it is text (UTF-8) a script copies as it is.
+_B126 = "".join(chr(i) for i in range(1, 128) if i != 0x7E)
+_B126_VALUE = {ch: i for i, ch in enumerate(_B126)}
+
+
+def _pack_fp(fingerprint: str) -> str:
+    """A 64-hex fingerprint as 37 base-126 characters (a record's ``f``, copied into its archive entry
+    by the completion's script as it is), anything else as ``~`` + itself, none as ``""``."""
+    if len(fingerprint) == 64 and _HEX64.fullmatch(fingerprint):
+        n, digits = int(fingerprint, 16), []
+        for _ in range(37):
+            n, d = divmod(n, 126)
+            digits.append(_B126[d])
+        return "".join(reversed(digits))
+    return "~" + fingerprint if fingerprint else ""
+
+
+def _unpack_fp(packed: str) -> str:
+    """A record's ``f`` read back: 37 base-126 characters, or (layout 2) 43 base64url ones, or ``~`` + text."""
+    if len(packed) == 37 and packed[0] != "~":
+        n = 0
+        for ch in packed:
+            n = n * 126 + _B126_VALUE[ch]
+        return f"{n:064x}"
+    return _unpack(packed)
+
+
+def _field(key: str) -> bytes:
+    """A key as its archive field: a 64-hex key as its 32 bytes, anything else ``~`` + itself (``!~`` +
+    itself where that would be 32 bytes long too). Scripts give a 32-byte field back in hex."""
+    if len(key) == 64 and _HEX64.fullmatch(key):
+        return bytes.fromhex(key)
+    text = ("~" + key).encode()
+    return b"!" + text if len(text) == 32 else text
+
+
+def _unfield(text: str) -> str:
+    if text[:1] == "~":
+        return text[1:]
+    return text[2:] if text[:1] == "!" else text
+
+
+#: An archive entry: expiry, retention, token, then its fingerprint's kind (see ``lua/prelude.lua``).
+_ENTRY = re.compile(r"([0-9a-z]+)(?:R([0-9a-z]+))?(?:T([0-9a-z]+))?([.,~])")
 
 
 def _unpack(packed: str) -> str:
@@ -247,7 +412,7 @@ def _connect(url: str, master_name: str | None, options: dict[str, Any]) -> Any:
 def _layout1_fields(h: dict[str, str]) -> list[str]:
     """A record of layout 1 (long names, seconds) as this layout's fields, flat."""
     out: list[Any] = ["s", h["state"], "t", h["token"], "a", h.get("attempts", "1"), "c", h.get("reclaims", "0"),
-                      "f", _pack(h.get("fp", ""))]
+                      "f", _pack_fp(h.get("fp", ""))]
     for name, new in (("lease", "l"), ("created", "k"), ("updated", "u")):
         if h.get(name):
             out += [new, int(float(h[name]) * 1_000_000)]
@@ -383,10 +548,16 @@ class RedisLedger(Ledger):
         self._flag = self.client.register_script(_lua("flag"))
         self._mark = self.client.register_script(_lua("mark"))
         self._migrate = self.client.register_script(_lua("migrate"))
+        self._read = self.client.register_script(_lua("read"))
+        self._page = self.client.register_script(_lua("page"))
         # Per bucket, built once: the record key's stem and the bucket's other keys (indexes, marker).
         self._stems = [f"{prefix}:{{{b:02x}}}:" for b in range(buckets)]
         self._tails = [[*(f"{stem}i:{s.value}" for s in _INDEXED), f"{stem}c:sent", f"{stem}epoch"]
                        for stem in self._stems]
+        # The sent archives' granule and the ledger's retention (ms), as the markers say (read at first use).
+        self._archive_ms = self._lookback_ms = 0
+        self._clock_ms = 0.0  # the server's clock minus this one's, as a claim told it (see _archives)
+        self._archive_names: tuple[int, int, dict[int, list[str]]] = (0, 0, {})
 
     # -- keys --
 
@@ -401,10 +572,62 @@ class RedisLedger(Ledger):
         return f"{self._stems[self._bucket(key)]}p:{_pack(key)}"
 
     def _keys(self, key: str) -> list[str]:
-        """A record script's KEYS: record, indexes, sent counter, epoch marker, payload."""
+        """A record script's KEYS: record, indexes, sent counter, epoch marker, payload, sent archives."""
+        if not self._checked:
+            self._check_store()
         b = zlib.crc32(key.encode()) % self.buckets
         packed = _pack(key)
-        return [f"{self._stems[b]}r:{packed}", *self._tails[b], f"{self._stems[b]}p:{packed}"]
+        return [f"{self._stems[b]}r:{packed}", *self._tails[b], f"{self._stems[b]}p:{packed}", *self._archives(b)]
+
+    def _archives(self, bucket: int) -> list[str]:
+        """The bucket's sent archives a live entry can be in, newest first, by this process's clock
+        (corrected by what the server said): every granule from the retention ago to now, and one
+        skew's worth either side. Scripts choose among them by the server's clock."""
+        now = time.time() * 1000 + self._clock_ms
+        width = self._archive_ms
+        skew = min(_SKEW_MS, width)
+        hi, lo = int((now + skew) // width), int((now - self._lookback_ms - skew) // width)
+        cached_hi, cached_lo, names = self._archive_names
+        if (hi, lo) != (cached_hi, cached_lo):
+            names = {}
+            self._archive_names = (hi, lo, names)
+        found = names.get(bucket)
+        if found is None:
+            found = names[bucket] = [f"{self._stems[bucket]}s:{g}" for g in range(hi, lo - 1, -1)]
+        return found
+
+    def _entry_record(self, key: str, value: str, granule: int, payload: str | None) -> Record:
+        """An archived ``sent`` record: expiry, retention, token, fingerprint, result and error.
+
+        Task name, owner, attempts, reclaims and the time of the first claim are not kept (empty, 0,
+        the time it was sent)."""
+        m = _ENTRY.match(value)
+        if m is None:
+            raise LedgerError(f"Redis ledger error: the archived record of {key} cannot be read")
+        expires, retention, token, kind = m.groups()
+        at = m.end()
+        if kind == ".":
+            fp, body = _unpack_fp(value[at:at + 37]), value[at + 37:]
+        elif kind == ",":
+            fp, body = _unpack(value[at:at + 43]), value[at + 43:]
+        else:
+            space = value.index(" ", at)
+            fp, body = bytes.fromhex(value[at:space]).decode(), value[space + 1:]
+        expires_ms = granule * self._archive_ms + int(expires, 36)
+        updated = (expires_ms - (int(retention, 36) if retention else self._lookback_ms)) / 1000
+        result, error = _unbody(body)
+        return Record(
+            key=key, task_name="", state=State.SENT, token=int(token, 36) if token else 1, owner="",
+            lease_expires_at=None, attempts=0, reclaims=0, payload=payload or None, fingerprint=fp, result=result,
+            error=error, created_at=updated, updated_at=updated, expires_at=expires_ms / 1000,
+        )
+
+    def _archive_settings(self, marker: dict[str, Any]) -> dict[str, int]:
+        """The markers' archive fields: kept from ``marker`` when it has them, else from this retention."""
+        if marker.get("archive_ms") and marker.get("retention_ms"):
+            return {"archive_ms": int(marker["archive_ms"]), "retention_ms": int(marker["retention_ms"])}
+        retention = max(1, int(self.retention_seconds * 1000))
+        return {"archive_ms": _archive_granule(retention), "retention_ms": retention}
 
     def _index(self, bucket: int, state: State) -> str:
         """The name of the bucket's index of ``state`` (``sent`` has none: that name is never written)."""
@@ -563,9 +786,11 @@ class RedisLedger(Ledger):
             )
         epoch, layout = self._raw(self.client.hmget, self._marker(0), "epoch", "layout")
         if epoch and layout != LAYOUT and not allow_old:
+            # Layout 1 records would not be found; a layout 2 process would not find layout 3's archived
+            # sent records (so an older worker refuses this store the same way, by its layout).
             raise UnsafeLedgerError(
                 f"Redis ledger prefix {self.prefix!r} was written by an earlier version (record layout "
-                f"{layout or '1'}; this version reads layout {LAYOUT}, compact records without a sent index) and "
+                f"{layout or '1'}; this version reads layout {LAYOUT}, sent records in per-bucket archives) and "
                 "would not find its records, so every intent recorded there would look new and send again. "
                 "Stop the old workers, then convert it once: "
                 "`python -c 'from idemmail_celery.ledger import from_url; "
@@ -640,7 +865,7 @@ class RedisLedger(Ledger):
             attempts=int(h.get("a", 0)),
             reclaims=int(h.get("c", 0)),
             payload=payload or None,
-            fingerprint=_unpack(h.get("f", "")),
+            fingerprint=_unpack_fp(h.get("f", "")),
             result=loads_json(_joined(h, "r")),
             error=loads_json(_joined(h, "e")),
             created_at=_seconds(h.get("k")) or 0.0,
@@ -687,7 +912,7 @@ class RedisLedger(Ledger):
         n = self.buckets
         first = next((m for m in markers if m), {})
         out: dict[str, Any] = {"state": "ok", "buckets": n, "epoch": first.get("epoch"), "reason": ""}
-        for name in ("created_at", "created_by", "acked_at", "acked_by", "note"):
+        for name in ("created_at", "created_by", "acked_at", "acked_by", "note", "archive_ms", "retention_ms"):
             if first.get(name):
                 out[name] = first[name]
         counts = {m["buckets"] for m in markers if m.get("buckets")}
@@ -732,6 +957,8 @@ class RedisLedger(Ledger):
         status = self._status(held)
         if status["state"] == "new" and held is None and dead is None and self.auto_init and not self.passive:
             status = self._create_markers(default_owner(), "auto_init")
+        archive = self._archive_settings(status)
+        self._archive_ms, self._lookback_ms = archive["archive_ms"], archive["retention_ms"]
         if dead is not None and status["state"] != "lost" and (not status.get("acked_at") or status["epoch"] == dead):
             # Seen lost once: the flags may be gone with the data (emptied again), but not the memory of it.
             said = status["reason"] or f"epoch {status['epoch']}, not acknowledged since"
@@ -771,10 +998,12 @@ class RedisLedger(Ledger):
     def _create_markers(self, actor: str, note: str) -> dict[str, Any]:
         """A new ledger's markers. Concurrent creators converge on the epoch bucket 0 got first."""
         fields = {"epoch": secrets.token_hex(8), "buckets": self.buckets, "layout": LAYOUT, "created_at": time.time(),
-                  "created_by": actor, "note": note}
+                  "created_by": actor, "note": note, **self._archive_settings({})}
         marker0 = self._marker(0)
         self._run_scripts(self._mark, [([marker0], ["0", *(x for kv in fields.items() for x in kv)])])
-        fields["epoch"] = self._raw(self.client.hget, marker0, "epoch")
+        # Bucket 0's epoch and archive settings (a concurrent creator's retention may differ from ours).
+        fields["epoch"], fields["archive_ms"], fields["retention_ms"] = self._raw(
+            self.client.hmget, marker0, "epoch", "archive_ms", "retention_ms")
         self._write_markers(fields, replace=False)
         return self._judge(self._markers(), None, True)
 
@@ -795,19 +1024,24 @@ class RedisLedger(Ledger):
         )
 
     def migrate_layout(self) -> dict[str, int]:
-        """Convert a ledger written by the earlier record layout (1) to this one, in place; idempotent.
+        """Convert a ledger written by an earlier record layout (1 or 2) to this one (3), in place; idempotent.
 
-        Run it once with every worker stopped (old ones would keep writing the old layout; new ones
-        refuse until it is done): ``RedisLedger(url, prefix=...).migrate_layout()``. Each record is
-        rewritten atomically under its own bucket (so a cluster is fine) keeping its TTL, token and
-        state; a record that changes meanwhile is left for a second run. The markers then say
-        layout 2. Returns how many records were converted per state, and ``left`` (changed meanwhile).
+        Run it once with every worker stopped (old ones would keep writing the old layout, and a
+        layout 2 worker would not see archived sent records; new ones refuse until it is done):
+        ``RedisLedger(url, prefix=...).migrate_layout()``. Layout 1: each record is rewritten
+        atomically under its own bucket (so a cluster is fine) keeping its TTL, token and state; a
+        record that changes meanwhile is left for a second run. Layout 2 records stay as they are
+        (this layout still reads a ``sent`` record kept as a hash of its own; they expire by their
+        TTL). The markers then say layout 3, with the archives' granule and retention (this
+        process's retention). Returns how many records were converted per state, and ``left``
+        (changed meanwhile).
         """
         self._check_layout(allow_old=True)
         granule = self._granule_ms()
         done = {s.value: 0 for s in State}
         done["left"] = 0
-        for b in range(self.buckets):
+        layout = self._raw(self.client.hget, self._marker(0), "layout")
+        for b in range(self.buckets if layout in (None, "1") else 0):
             stem = self._stems[b]
             for state in _STATES:
                 index = self._index(b, state)
@@ -836,7 +1070,8 @@ class RedisLedger(Ledger):
                 self._raw(self.client.delete, self._index(b, State.SENT))
         if not done["left"]:
             markers = self._markers()
-            self._pipeline([("hset", (self._marker(b), "layout", LAYOUT)) for b, m in enumerate(markers)
+            marked: dict[str, Any] = {"layout": LAYOUT, **self._archive_settings(next((m for m in markers if m), {}))}
+            self._pipeline([("hset", (self._marker(b), None, None, marked)) for b, m in enumerate(markers)
                             if m.get("epoch")])
         log.warning("idemmail: Redis ledger %s: layout migrated: %s", self.prefix, done)
         return done
@@ -869,7 +1104,8 @@ class RedisLedger(Ledger):
         now = time.time()
         fields = {"epoch": secrets.token_hex(8), "buckets": self.buckets, "layout": LAYOUT, "created_at": now,
                   "created_by": actor or default_owner(), "acked_at": now, "acked_by": actor or default_owner(),
-                  "note": note, "previous": before.get("epoch") or "", "loss": before["reason"]}
+                  "note": note, "previous": before.get("epoch") or "", "loss": before["reason"],
+                  **self._archive_settings(before)}
         self._write_markers(fields, replace=True)
         with self._check_lock:
             self._epoch, self._lost_reason, self._dead_epoch = str(fields["epoch"]), "", None
@@ -882,7 +1118,17 @@ class RedisLedger(Ledger):
         if self._checked:
             self._watch_policy()
         out = self._eval(self._claim, self._keys(request.key), self._claim_args(request))
+        if out[0] == "clock":
+            self._set_clock(out[1])
+            out = self._eval(self._claim, self._keys(request.key), self._claim_args(request))
         return self._claim_result(request, out)
+
+    def _set_clock(self, server_ms: Any) -> None:
+        """A claim said this process's archive names miss a granule by the server's clock: follow the server's."""
+        offset = int(server_ms) - time.time() * 1000
+        log.warning("idemmail: Redis ledger %s: this clock is %.1f s off the server's; following the server's",
+                    self.prefix, -offset / 1000)
+        self._clock_ms = offset
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """The batch's claim scripts in one pipeline (one per node on a cluster)."""
@@ -919,6 +1165,10 @@ class RedisLedger(Ledger):
             if any(out[0] == "lost" for out in outs):
                 self._release_held(requests, outs, epoch, "batch_met_lost_ledger")
                 raise self._lost_error()
+        if any(out[0] == "clock" for out in outs):  # nothing written for those: claim them again
+            self._set_clock(next(out[1] for out in outs if out[0] == "clock"))
+            return [self.claim(r) if out[0] == "clock" else self._claim_result(r, out)
+                    for r, out in zip(requests, outs, strict=True)]
         return [self._claim_result(r, out) for r, out in zip(requests, outs, strict=True)]
 
     def _release_held(self, requests: Sequence[ClaimRequest], outs: list[Any], epoch: str, reason: str) -> None:
@@ -935,7 +1185,7 @@ class RedisLedger(Ledger):
         release: list[tuple[list[str], list[Any]]] = []
         expire: list[tuple[list[str], list[Any]]] = []
         for r, out in zip(requests, outs, strict=True):
-            if isinstance(out, Exception) or out[0] == "lost" or not ClaimStatus(out[0]).holds:
+            if isinstance(out, Exception) or out[0] in ("lost", "clock") or not ClaimStatus(out[0]).holds:
                 continue
             status = ClaimStatus(out[0])
             if status is ClaimStatus.RESUMED:
@@ -951,10 +1201,10 @@ class RedisLedger(Ledger):
         if expire:
             self._run_scripts(self._renew, expire)
 
-    @staticmethod
-    def _claim_args(request: ClaimRequest) -> list[Any]:
-        return [request.key, request.payload, _pack(request.fingerprint), int(request.lease_seconds * 1000),
-                request.resume_owner or "", *_counted(request.task_name), *_counted(request.owner)]
+    def _claim_args(self, request: ClaimRequest) -> list[Any]:
+        return [request.key, request.payload, _pack_fp(request.fingerprint), int(request.lease_seconds * 1000),
+                request.resume_owner or "", *_counted(request.task_name), *_counted(request.owner),
+                _field(request.key), self._archive_ms, self._lookback_ms]
 
     def _claim_result(self, request: ClaimRequest, out: list[Any]) -> Claim:
         status = ClaimStatus(out[0])
@@ -967,6 +1217,8 @@ class RedisLedger(Ledger):
                 created_at=now, updated_at=now,
             )
             return Claim(status, record)
+        if len(out) > 3:  # archived
+            return Claim(status, self._entry_record(request.key, out[3], int(out[4]), out[2]))
         return Claim(status, self._record(request.key, out[1], out[2]))
 
     def _finish(
@@ -989,7 +1241,8 @@ class RedisLedger(Ledger):
     def _finish_args(self, key: str, token: int, state: State, result: dict[str, Any] | None,
                      error: dict[str, Any] | None) -> list[Any]:
         return [key, token, state.value, int(self.retention_seconds * 1000), "0" if self.keep_payload else "1",
-                self._granule_ms(), *_chunked(result), *_chunked(error)]
+                self._granule_ms(), *_chunked(result), *_chunked(error), _field(key), self._archive_ms,
+                self._lookback_ms, _body(result, error) if state is State.SENT else ""]
 
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         return bool(self._eval(self._renew, self._keys(key), [token, int(lease_seconds * 1000)])[0] == "ok")
@@ -997,11 +1250,18 @@ class RedisLedger(Ledger):
     def get(self, key: str) -> Record | None:
         if not self._checked:
             self._check_store()
-        h, payload = self._pipeline([("hgetall", (self._rec(key),)), ("get", (self._payload(key),))])
-        return self._record(key, h, payload) if h else None
+        out = self._call(self._read, keys=self._keys(key), args=[_field(key), self._archive_ms])
+        h = dict(zip(out[0][::2], out[0][1::2], strict=True))
+        if h:
+            return self._record(key, h, out[1])
+        if len(out) > 2:
+            record = self._entry_record(key, out[2], int(out[3]), out[1])
+            return record if (record.expires_at or 0) > time.time() else None
+        return None
 
     def iter_records(self, state: State | None = None) -> Iterator[Record]:
-        """Indexed states from their indexes; ``sent`` (no index) and all records by SCAN of the buckets."""
+        """Indexed states from their indexes; ``sent`` (no index) and all records by SCAN of the buckets
+        (records) and HSCAN of their archives."""
         if not self._checked:
             self._check_store()
         for b in range(self.buckets):
@@ -1020,6 +1280,28 @@ class RedisLedger(Ledger):
                 for key, h, payload in zip(chunk, read[::2], read[1::2], strict=True):
                     if h and (state is None or h.get("s") == state.value):
                         yield self._record(key, h, payload)
+            if state in (None, State.SENT):
+                yield from self._archived(b)
+
+    def _archived(self, bucket: int) -> Iterator[Record]:
+        """The bucket's archived ``sent`` records, not yet expired."""
+        stem = self._stems[bucket]
+        for name in self._call(self._scan, _glob_escape(f"{stem}s:") + "*"):
+            granule = name[len(stem) + 2:]
+            if not granule.isdigit():
+                continue
+            cursor = "0"
+            while True:
+                cursor, items = self._call(self._page, keys=[name], args=[cursor, 500])
+                chunk = [(_unfield(f), v) for f, v in zip(items[::2], items[1::2], strict=True)]
+                payloads = self._pipeline([("get", (self._payload(key),)) for key, _ in chunk]) if chunk else []
+                now = time.time()
+                for (key, value), payload in zip(chunk, payloads, strict=True):
+                    record = self._entry_record(key, value, int(granule), payload)
+                    if (record.expires_at or 0) > now:
+                        yield record
+                if str(cursor) == "0":
+                    break
 
     def _scan(self, pattern: str) -> list[str]:
         return list(self.client.scan_iter(match=pattern, count=1000))
@@ -1047,14 +1329,16 @@ class RedisLedger(Ledger):
         ttl = "" if new.expires_at is None else int((new.expires_at - new.updated_at) * 1000)
         drop = new.payload is None or (new.state is State.SENT and not self.keep_payload)
         args = [key, expected_token, new.state.value, new.token, repr(float(new.updated_at)), ttl,
-                "1" if drop else "0", self._granule_ms(), *_counted(new.owner), *_chunked(new.result),
-                *_chunked(new.error)]
+                "1" if drop else "0", self._granule_ms(), _field(key), self._archive_ms, _pack_fp(new.fingerprint),
+                repr(float(new.created_at)), new.attempts, new.reclaims, *_counted(new.owner), *_chunked(new.result),
+                *_chunked(new.error), *_counted(new.task_name)]
         return bool(self._call(self._force_script, keys=self._keys(key), args=args))
 
     def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
-        args = [expected_token, *_chunked(result), *_chunked(error)]
-        return bool(self._call(self._erase_script, keys=[self._rec(key), self._payload(key)], args=args))
+        args = [expected_token, *_chunked(result), *_chunked(error), _field(key), self._archive_ms,
+                _body(result, error)]
+        return bool(self._call(self._erase_script, keys=self._keys(key), args=args))
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool:
         """SET NX PX on a mark in the key's bucket, named by a digest of key and hop (no raw text)."""

@@ -1,11 +1,20 @@
 -- Runs after prelude.lua.
 -- ARGV: epoch, id, token, target, retention (ms), drop_payload ('1' erases it on sent), counter
--- granule (us), then the result's chunks (their count first, 0 for none), then the error's.
+-- granule (us), then the result's chunks (their count first, 0 for none), then the error's, then
+-- the packed key (the archive field), the archive granule (ms), the ledger's retention (ms: a sent
+-- record kept longer stays a hash of its own), and the entry's result and error as the caller encoded them.
 if lost() then return {'lost'} end
 local rec, id, token, target = KEYS[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local cur = redis.call('HMGET', rec, 's', 't', 'r', 'e')
+local field, width, lookback = ARGV[#ARGV - 3], tonumber(ARGV[#ARGV - 2]), tonumber(ARGV[#ARGV - 1])
+local cur = redis.call('HMGET', rec, 's', 't', 'r', 'e', 'f')
 local state = cur[1]
-if not state then return {'missing'} end
+if not state then
+  -- Archived (sent): this very call run twice (a lost reply) is ok, anything else is stale.
+  local v, _, held = archived(field, width)
+  if not v then return {'missing'} end
+  if target == 'sent' and held == token then return {'ok'} end
+  return {'stale', 'sent', tostring(held)}
+end
 local held = tonumber(cur[2])
 if state == target and held == token then return {'ok'} end  -- this very call, run twice (a lost reply)
 local mine = state == 'claimed' and held == token
@@ -19,12 +28,35 @@ local at = chunks(fields, 'r', 8)
 local new_result = at > 9
 local new_error = chunks(fields, 'e', at) > at + 1
 local final = target == 'sent' or target == 'failed'
+local drop_payload = target == 'sent' and ARGV[6] == '1'
+local ms = math.floor(n / 1000)
+local into = target == 'sent' and ttl <= lookback and archive_of(math.floor(ms / width))
+if into then
+  -- Archived: the record's hash goes; the entry keeps what a duplicate and an operator need.
+  local body = ARGV[#ARGV]
+  if not ((new_result or not cur[3]) and (new_error or not cur[4])) then
+    -- The record keeps a result or error the caller did not pass (a late truth over a parked record).
+    local f = fields_of(redis.call('HGETALL', rec))
+    local r, e = {}, {}
+    if new_result then chunks(r, 'r', 8) end
+    if new_error then chunks(e, 'e', at) end
+    body = '*[' .. (new_result and joined(fields_of(r), 'r') or joined(f, 'r') or 'null') .. ',' ..
+      (new_error and joined(fields_of(e), 'e') or joined(f, 'e') or 'null') .. ']'
+  end
+  local value = table.concat({b36(ms + ttl - granule(into) * width), ttl == lookback and '' or 'R' .. b36(ttl),
+    held == 1 and '' or 'T' .. b36(held), entry_fp(cur[5]), body})
+  archive(into, field, value, width, lookback)
+  count_sent(n + ttl * 1000, tonumber(ARGV[7]))
+  move(id, state, target, n + ttl * 1000)
+  redis.call('DEL', rec)
+  if drop_payload then redis.call('DEL', KEYS[8]) else redis.call('PEXPIRE', KEYS[8], ttl) end
+  return {'ok'}
+end
 if target == 'sent' then count_sent(n + ttl * 1000, tonumber(ARGV[7])) end
 move(id, state, target, final and n + ttl * 1000 or n)
 local clear = nil  -- a new result or error replaces the chunks of one the record has
 if (cur[3] and new_result) or (cur[4] and new_error) then clear = {[R] = new_result, [E] = new_error} end
 write(rec, fields, {'l'}, clear)
-local drop_payload = target == 'sent' and ARGV[6] == '1'
 if drop_payload then redis.call('DEL', KEYS[8]) end
 if final then expire(ttl, not drop_payload) end
 return {'ok'}

@@ -5,7 +5,13 @@
 --   o owner, n task name, r result and e error (JSON).
 -- The first payload, longer, is a string of its own beside it, gone with it (or on sent).
 -- KEYS: record, the bucket's index of claimed, released, failed and review records (sorted sets),
--- the bucket's sent counter (a hash: expiry granule -> records), the bucket's epoch marker, payload.
+-- the bucket's sent counter (a hash: expiry granule -> records), the bucket's epoch marker, payload,
+-- then the bucket's sent archives the caller may need (``<prefix>:{bb}:s:<granule>``, newest first).
+-- A ``sent`` record lives in the archive of the time granule it was sent in (field: the key's 32
+-- bytes, see ``_field`` in redis.py) as one string: its expiry (ms after the granule's start),
+-- ['R' its retention (ms) if not the ledger's], ['T' its token if not 1], the fingerprint (see
+-- ``entry_fp``), then the result and error (see ``_body`` in redis.py); numbers in base 36. The archive expires
+-- at its granule's end plus the ledger's retention; an entry counts until its own expiry.
 -- ARGV[1] is always the epoch the caller expects. Times are the server's, in microseconds (an
 -- operator's change writes its own clock's seconds, with a point); durations are milliseconds.
 local function now()
@@ -37,6 +43,60 @@ local function chunks(fields, base, at)
   return at + count + 1
 end
 local R, E, O = string.byte('r'), string.byte('e'), string.byte('o')
+-- The sent archives: KEYS from 9 on, their granule the number ending each name.
+local ARCHIVES = 9
+local function granule(i) return tonumber(string.match(KEYS[i], '(%d+)$')) end
+local function b36(x)
+  x = math.floor(x)
+  if x <= 0 then return '0' end
+  local digits, out = '0123456789abcdefghijklmnopqrstuvwxyz', {}
+  while x > 0 do
+    local d = x % 36
+    table.insert(out, 1, string.sub(digits, d + 1, d + 1))
+    x = (x - d) / 36
+  end
+  return table.concat(out)
+end
+local function hex(raw)
+  return string.format(string.rep('%02x', #raw), string.byte(raw, 1, -1))
+end
+-- A fingerprint as an entry holds it: '.' + the record's 37 characters (a 64-hex one, packed by
+-- the caller), ',' + 43 (packed by layout 2), else '~' + its text in hex + ' ' ('~ ' for none).
+local function entry_fp(f)
+  if not f or f == '' then return '~ ' end
+  if string.byte(f) == 126 then return '~' .. hex(string.sub(f, 2)) .. ' ' end
+  return (#f == 37 and '.' or ',') .. f
+end
+-- Where an entry's result and error begin (after its fingerprint).
+local function body_at(v)
+  local p = string.find(v, '[.,~]')
+  local kind = string.byte(v, p)
+  if kind == 46 then return p + 38 elseif kind == 44 then return p + 44 end
+  return string.find(v, ' ', p, true) + 1
+end
+-- An archived entry of ``field`` (newest archive first): its value, its KEYS index, its token, its expiry (ms).
+local function archived(field, width)
+  for i = ARCHIVES, #KEYS do
+    local v = redis.call('HGET', KEYS[i], field)
+    if v then
+      local off, token = string.match(v, '^([0-9a-z]+)R?[0-9a-z]*T?([0-9a-z]*)[.,~]')
+      return v, i, token == '' and 1 or tonumber(token, 36), granule(i) * width + tonumber(off, 36)
+    end
+  end
+end
+-- The archive of the granule ``g`` among KEYS (nil: the caller did not pass it).
+local function archive_of(g)
+  for i = ARCHIVES, #KEYS do
+    if granule(i) == g then return i end
+  end
+end
+-- Write an entry into archive ``i``, which expires at its granule's end plus the ledger's retention.
+local function archive(i, field, value, width, lookback)
+  redis.call('HSET', KEYS[i], field, value)
+  if redis.call('PTTL', KEYS[i]) < 0 then
+    redis.call('PEXPIREAT', KEYS[i], (granule(i) + 1) * width + lookback)
+  end
+end
 -- A hash's HGETALL as a table, and a chunked field of it read back whole.
 local function fields_of(h)
   local f = {}
