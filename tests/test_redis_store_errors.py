@@ -255,3 +255,20 @@ def test_a_claim_or_completion_whose_reply_was_lost_is_not_mistaken_for_another_
         done = led.get("lost-claim")
         assert done is not None and done.state is State.SENT and done.result == {"message_id": "m-1"}
         led.close()
+
+
+def test_a_reschedule_mark_whose_reply_was_lost_is_still_this_copys(tmp_path: Path) -> None:
+    """The store sets the mark; the reply misses the client's timeout; a client with retries (one a user
+    hands the ledger) sends it again. The copy that set it must hear True (it is the one that publishes
+    the reschedule), not drop itself as a second copy."""
+    with redis_server(tmp_path, "--enable-debug-command", "yes") as url:
+        led = from_url(url, socket_timeout=0.3, retry=Retry(NoBackoff(), 3))
+        assert isinstance(led, RedisLedger)
+        led.claim(req("warm"))  # scripts loaded, the store checked
+        assert led.mark_hop("k-hop", "hop-0", 60) is True
+        stalled = _stall(url, 0.6)
+        marked = led.mark_hop("k-hop", "hop-1", 60)  # sent, stalled past the timeout, sent again
+        stalled.join()
+        assert marked is True
+        assert led.mark_hop("k-hop", "hop-1", 60) is False  # another copy of the same hop
+        led.close()

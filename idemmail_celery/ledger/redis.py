@@ -547,6 +547,7 @@ class RedisLedger(Ledger):
         self._erase_script = self.client.register_script(_lua("erase"))
         self._flag = self.client.register_script(_lua("flag"))
         self._mark = self.client.register_script(_lua("mark"))
+        self._hop = self.client.register_script(_lua("hop"))
         self._migrate = self.client.register_script(_lua("migrate"))
         self._read = self.client.register_script(_lua("read"))
         self._page = self.client.register_script(_lua("page"))
@@ -1341,10 +1342,15 @@ class RedisLedger(Ledger):
         return bool(self._call(self._erase_script, keys=self._keys(key), args=args))
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool:
-        """SET NX PX on a mark in the key's bucket, named by a digest of key and hop (no raw text)."""
+        """A mark in the key's bucket, named by a digest of key and hop (no raw text), set if absent.
+
+        The mark holds this call's nonce: should the client send the script again after a lost reply,
+        the call that set it still answers True (a plain SET NX would answer False to its own write).
+        """
         digest = hashlib.blake2b(f"{key}\0{hop}".encode(), digest_size=16).hexdigest()
         mark = f"{self._stems[self._bucket(key)]}h:{digest}"
-        return bool(self._call(self.client.set, mark, "1", nx=True, px=max(1, int(ttl_seconds * 1000))))
+        nonce = secrets.token_hex(8)
+        return bool(self._call(self._hop, keys=[mark], args=[nonce, max(1, int(ttl_seconds * 1000))]))
 
     def purge_expired(self, now: float | None = None) -> int:
         """Expired ``failed`` records' index entries, and the sent counters' spent granules.
