@@ -102,9 +102,10 @@ def send_batch(handler: Handler, deliveries: Sequence[Delivery], *, owner: str, 
     """Claim a batch in one round trip and settle every recipient; never raises for one recipient.
 
     ``deliveries`` have distinct keys. Raises :class:`LedgerError` only when the batch claim
-    itself fails (nothing was sent; the claims may have landed: retry with ``owner`` as the
-    next pass's ``resume_owner``). On the ``last`` pass nothing is left held for a next one:
-    a recipient whose settling failed unexpectedly is parked for review.
+    itself fails, or a key-secret rotation's lookup of older keys does (nothing was sent; the
+    claims may have landed: retry with ``owner`` as the next pass's ``resume_owner``). On the
+    ``last`` pass nothing is left held for a next one: a recipient whose settling failed
+    unexpectedly is parked for review.
     """
     steps: dict[int, Step] = {}
     claimable = []

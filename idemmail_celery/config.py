@@ -314,7 +314,9 @@ def _refuse_unknown(conf: Any) -> None:
         names = [str(k) for k in conf]
     except Exception:  # a conf object that cannot be listed: nothing to look through
         return
-    unknown = sorted(n for n in names if n.lower().startswith("idemmail_") and n not in _KNOWN)
+    # Lower case only: Celery's conf also lists a Django project's own settings (config_from_object with a
+    # namespace), where IDEMMAIL_KEY_SECRET = env(...) is the project's variable, not a setting of ours.
+    unknown = sorted(n for n in names if n.startswith("idemmail_") and n not in _KNOWN)
     if unknown:
         import difflib
 

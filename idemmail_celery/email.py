@@ -76,7 +76,12 @@ _BAD_IN_BODY = re.compile("[\x00\ud800-\udfff]")
 # value, a display name, a quoted string or a local part, even in the middle of a word, with white
 # space inside it, and writes a CR LF it decoded as a raw line break before CVE-2024-6923 was fixed.
 # Broader than its own pattern on purpose: what it counts as one has changed between versions.
-_ENCODED_WORD = re.compile(r"=\?.*\?=", re.DOTALL)
+def _has_encoded_word(value: str) -> bool:
+    """``=?`` and, somewhere after it, ``?=`` (two scans: a regex would backtrack over a long value)."""
+    start = value.find("=?")
+    return start >= 0 and value.find("?=", start + 2) >= 0
+
+
 #: RFC 5322 field-name: printable US-ASCII except ":", no longer than fits on a line.
 _FIELD_NAME = re.compile(r"[!-9;-~]{1,76}")
 _MIME_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]{1,64}/[A-Za-z0-9!#$&^_.+-]{1,64}")
@@ -436,7 +441,7 @@ def _header_text(value: Any, where: str, *, tab: bool = False) -> str:
     if bad:
         raise InvalidEmail(f"{where} contains U+{ord(bad.group()):04X}, a control character or line break "
                            "(header injection)", field=where)
-    if _ENCODED_WORD.search(value):
+    if _has_encoded_word(value):
         raise InvalidEmail(f"{where} contains an RFC 2047 encoded word ('=?...?='), which the stdlib would decode "
                            "(header injection); give the text itself, non-ASCII is encoded for you", field=where)
     return value

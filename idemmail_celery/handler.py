@@ -254,7 +254,10 @@ class Handler:
         if refused is not None:
             return refused
         if d.older_keys:
-            d = self.recorded_key(d)
+            try:
+                d = self.recorded_key(d)
+            except (LedgerUnavailableError, UnsafeLedgerError) as exc:
+                return self.unavailable(d, exc)  # nothing claimed yet: the next delivery looks again
         owner = d.owner or new_owner(d.attempt_id)
         try:
             claim = self.ledger.claim(self.request(d, owner))
@@ -281,14 +284,22 @@ class Handler:
 
     def recorded_key(self, d: Delivery) -> Delivery:
         """During a rotation: the delivery under the older key its intent is recorded with, if any
-        (one read per older secret, only while rotating). An unreadable ledger leaves the new key:
-        the claim then meets the same outage and fails closed."""
+        (one read per older secret, only while rotating).
+
+        Raises :class:`LedgerUnavailableError` (or :class:`UnsafeLedgerError`) when a read fails:
+        claiming under the new key could then send an intent recorded under an old one (the keys
+        live in other buckets, on a cluster on other nodes, and a blip may pass before the claim).
+        """
         for old in d.older_keys:
             try:
                 if self.ledger.get(old) is not None:
                     return replace(d, key=old, older_keys=())
-            except (LedgerError, UnsafeLedgerError):
-                break
+            except PayloadKeyError:  # sealed with a key this process lacks: the record is there all the same
+                return replace(d, key=old, older_keys=())
+            except (LedgerUnavailableError, UnsafeLedgerError):
+                raise
+            except LedgerError as exc:  # anything else the store said: not an answer either way
+                raise LedgerUnavailableError(f"rotation lookup of {old} failed: {exc}") from exc
         return d
 
     def request(self, d: Delivery, owner: str) -> ClaimRequest:

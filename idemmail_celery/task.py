@@ -352,7 +352,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if explicit is None and carried is not None:
             if self.key_builder.is_marked(carried, headers.get(KEY_MARK_HEADER)):
                 pass  # the library's own key (see key_headers): validated when it was derived
-            elif keys_mod.is_derived_key(carried) and ENQUEUED_HEADER in headers:
+            elif keys_mod.is_derived_key(carried) and ENQUEUED_HEADER in headers and KEY_MARK_HEADER not in headers:
                 # Intent headers a release before marks derived (an outbox row written before the
                 # upgrade): hashing the key again would give the intent a second key and send it
                 # twice. The call is still validated.
@@ -383,7 +383,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # carries the key it claims under, marked: apply_async sends it unchanged.
         request.idemmail_key_headers = self.key_headers(key, older)
         headers.update(request.idemmail_key_headers)
-        self._wait_until_due(key, headers)
+        self._wait_until_due(headers)
         request.idempotency_key = key
         request.idemmail_owner = owner = new_owner(request.id or "")
         step = self.handler.handle(Delivery(
@@ -401,7 +401,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """The key this delivery claims under, and the older keys to look for first (a rotation).
 
         * a key the library marked (:meth:`key_headers`): as it is;
-        * an unmarked key of 64 lower-case hex digits: as it is too. Releases before marks put
+        * a key of 64 lower-case hex digits with no mark at all: as it is too. Releases before marks put
           derived keys on messages so (retries, reschedules, released copies still queued), and
           hashing one again would give its intent a second key: sent twice. A caller who sends
           such a key by name (``send_task``) gets it as the ledger key, as before;
@@ -410,8 +410,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         * none (sent by name without one): derived from the arguments, as ``apply_async`` would.
         """
         carried = headers.get(KEY_HEADER) or getattr(self.request, KEY_HEADER, None)
-        if carried and (keys_mod.is_derived_key(carried)
-                        or self.key_builder.is_marked(carried, headers.get(KEY_MARK_HEADER))):
+        mark = headers.get(KEY_MARK_HEADER)
+        # A mark that does not verify (headers copied from another task's message) is no release's
+        # doing: the key is then the caller's own, hashed, never taken as it is.
+        if carried and (self.key_builder.is_marked(carried, mark)
+                        or (mark is None and keys_mod.is_derived_key(carried))):
             return self._rotated(str(carried), payload, headers)
         if carried:
             return self._raw_key(carried, headers)
@@ -513,11 +516,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         vt = transport_visibility_timeout(self.app)
         return None if vt is None else max(vt * VISIBILITY_SHARE, 0.1)
 
-    def _wait_until_due(self, key: str, headers: dict[str, Any]) -> None:
+    def _wait_until_due(self, headers: dict[str, Any]) -> None:
         """A hop of a long wait that is early: publish the next hop and stop here (nothing claimed).
 
-        A second copy of the same hop (the broker handed it out again after its visibility
-        timeout) drops instead of publishing a second next hop: waits never multiply.
+        A second copy of the same hop (the broker handed it out again after its visibility timeout)
+        publishes a next hop too: unlike a copy waiting on a live claim, a waiting message is the
+        only thing carrying its intent, and a mark set before a publish that never happened (a
+        worker killed in between) would drop it for good. Two waits meet at the claim.
         """
         due = _number(headers.get(NOT_BEFORE_HEADER))
         if due is None:
@@ -525,15 +530,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         left = due - time.time()
         if left <= 0.05:
             return
-        hop = headers.get(HOP_HEADER)
-        if hop:
-            try:
-                first = self.ledger.mark_hop(key, f"wait:{hop}", self.policy.hop_ttl_seconds)
-            except (LedgerError, UnsafeLedgerError):
-                first = None  # cannot tell: publish (a copy too many waits harmlessly, below the timeout)
-            if first is False:
-                self.report(Outcome.COPY_DROPPED, key, reason="waiting")
-                raise Ignore()
         self._publish_again(left, headers, "waiting", TransientSendError("waiting", reason="waiting"))
 
     def _publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception) -> NoReturn:

@@ -334,3 +334,31 @@ def test_a_carried_verdict_is_recorded_whatever_the_claim_finds_and_nothing_runs
     assert step.outcome is Outcome.SENT and box.sent == []
     record = ledger.get("h17")
     assert record is not None and record.state is State.SENT and record.result["message_id"] == "m-earlier"  # type: ignore[index]
+
+
+class UnreadableOldKeys(LedgerWrapper):
+    """A real ledger whose reads of ``old`` fail (the store blinked, or another node of a cluster is down)."""
+
+    def __init__(self, inner: Ledger, old: str) -> None:
+        super().__init__(inner)
+        self.old = old
+
+    def get(self, key: str) -> Any:
+        if key == self.old:
+            raise LedgerUnavailableError("connection reset")
+        return self.inner.get(key)
+
+
+def test_a_rotation_lookup_that_fails_claims_nothing_and_sends_nothing(ledger: Ledger) -> None:
+    """The intent may be recorded under the older key: claiming under the new one on a failed read
+    could send it twice. The delivery waits on the outage budget instead, with nothing claimed."""
+    handler, box = build(ledger)
+    first = handler.handle(delivery("rot-old"))  # sent under the old secret's key
+    assert first.outcome is Outcome.SENT and len(box.sent) == 1
+    handler.ledger = UnreadableOldKeys(ledger, "rot-old")
+    step = handler.handle(delivery("rot-new", older_keys=("rot-old",)))
+    assert (step.outcome, step.action) == (Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE)
+    assert ledger.get("rot-new") is None and len(box.sent) == 1
+    handler.ledger = ledger  # the store answers again: the older key's record is replayed
+    again = handler.handle(delivery("rot-new", older_keys=("rot-old",)))
+    assert again.outcome is Outcome.DUPLICATE and len(box.sent) == 1

@@ -329,3 +329,30 @@ def test_a_layout_2_store_is_refused_then_marked_and_its_sent_records_still_repl
         assert worker.stats()["sent"] == 2
     finally:
         drop_ledger(led)
+
+
+def test_a_read_from_a_clock_far_off_the_servers_still_finds_the_archived_record(led: RedisLedger) -> None:
+    """``get`` is what a key-secret rotation's lookup and ``ledger show`` use: a sent record must never
+    read as absent because this process's clock names the wrong archives."""
+    key = hexkey()
+    led.complete(key, led.claim(req(key)).token, {"message_id": "m"})
+    for off in (-3, 3):
+        led._clock_ms = off * led._lookback_ms  # a fresh process, its clock retentions away from the server's
+        record = led.get(key)
+        assert record is not None and record.state is State.SENT and record.result == {"message_id": "m"}
+        assert abs(led._clock_ms) < 60_000  # the server told it
+
+
+def test_a_clock_the_server_keeps_contradicting_fails_closed(led: RedisLedger, monkeypatch: Any) -> None:
+    """A claim told twice that its archive names miss the server's granules writes nothing and says the
+    ledger is unavailable (the task reschedules), never a crash that would ack the message."""
+    from idemmail_celery.errors import LedgerUnavailableError
+
+    monkeypatch.setattr(RedisLedger, "_set_clock", lambda self, ms: setattr(self, "_clock_ms", -3 * self._lookback_ms))
+    led._clock_ms = -3 * led._lookback_ms
+    key = hexkey()
+    with pytest.raises(LedgerUnavailableError):
+        led.claim(req(key))
+    with pytest.raises(LedgerUnavailableError):
+        led.get(key)
+    assert not led.client.exists(led._rec(key))

@@ -178,3 +178,11 @@ def test_the_key_secret_environment_variable_rotates_with_a_json_array(monkeypat
     monkeypatch.setenv("IDEMMAIL_KEY_SECRET", "")
     app.conf.idemmail_key_secret = '["looks", "like json"]'  # app.conf takes a real list: this is one secret
     assert Settings.resolve(app.conf).key_secrets == (b'["looks", "like json"]',)
+
+
+def test_upper_case_names_in_the_conf_are_a_projects_own_and_left_alone() -> None:
+    """A Django project's settings reach Celery's conf (config_from_object with a namespace): its own
+    IDEMMAIL_KEY_SECRET variable is not a misspelt setting."""
+    app = Celery("django-like", set_as_current=False)
+    app.conf.update(IDEMMAIL_KEY_SECRET="from-the-project", idemmail_ledger_url="sqlite://")
+    assert Settings.resolve(app.conf).ledger_url == "sqlite://"

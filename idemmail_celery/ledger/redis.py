@@ -1122,6 +1122,8 @@ class RedisLedger(Ledger):
         if out[0] == "clock":
             self._set_clock(out[1])
             out = self._eval(self._claim, self._keys(request.key), self._claim_args(request))
+            if out[0] == "clock":  # nothing written; a clock still moving (or nodes that disagree): fail closed
+                raise LedgerUnavailableError(f"Redis ledger {self.prefix}: the server's clock keeps moving")
         return self._claim_result(request, out)
 
     def _set_clock(self, server_ms: Any) -> None:
@@ -1251,7 +1253,12 @@ class RedisLedger(Ledger):
     def get(self, key: str) -> Record | None:
         if not self._checked:
             self._check_store()
-        out = self._call(self._read, keys=self._keys(key), args=[_field(key), self._archive_ms])
+        out = self._call(self._read, keys=self._keys(key), args=[_field(key), self._archive_ms, self._lookback_ms])
+        if out[0] == "clock":  # this process's clock names the wrong archives: follow the server's, once
+            self._set_clock(out[1])
+            out = self._call(self._read, keys=self._keys(key), args=[_field(key), self._archive_ms, self._lookback_ms])
+            if out[0] == "clock":
+                raise LedgerUnavailableError(f"Redis ledger {self.prefix}: the server's clock keeps moving")
         h = dict(zip(out[0][::2], out[0][1::2], strict=True))
         if h:
             return self._record(key, h, out[1])
