@@ -34,13 +34,14 @@ key object, its dictionary entry, its expiry entry). So the completion that make
 ``sent`` moves it, in the same script, into its bucket's *archive* of the time granule it was sent
 in (``s:<granule>``, the granule number by the server's clock), and deletes its hash and payload.
 An archive is one hash: field the key's 32 bytes (a 64-hex key; anything else ``~`` + itself),
-value one string: expiry, token, the fingerprint (its 37 characters, copied as they are), and the
-result with its message id stored once (a UUID packed in 22 characters; ``send_email``'s ``value``
-repeating the message id is rebuilt on read; anything else as JSON). Task name, owner, attempts,
-reclaims and the time of the first claim are not kept: nothing reads them once the intent is sent
-(a duplicate is told the result, a must-match check reads the fingerprint, ``forget`` rewrites the
-result). The archive expires by itself at its granule's end plus the ledger's retention, so no
-entry is ever visited to be deleted; an entry counts, replays and lists only until its own expiry.
+value one string: expiry, token, attempts and reclaims (each only when not the usual 1, 1, 0), the
+fingerprint (its 37 characters, copied as they are), and the result with its message id stored once
+(a UUID packed in 22 characters; ``send_email``'s ``value`` repeating the message id is rebuilt on
+read; anything else as JSON). Task name, owner and the time of the first claim are not kept: nothing
+reads them once the intent is sent (a duplicate is told the result, a must-match check reads the
+fingerprint, ``forget`` rewrites the result; attempts and reclaims stay for operators). The archive
+expires by itself at its granule's end plus the ledger's retention, so no entry is ever visited to
+be deleted; an entry counts, replays and lists only until its own expiry.
 Fields are bytes, not text: read an archive through the ledger (or a client that does not decode
 replies); the listing's script replies with them in hex.
 
@@ -339,7 +340,7 @@ def _unfield(text: str) -> str:
 
 
 #: An archive entry: expiry, retention, token, then its fingerprint's kind (see ``lua/prelude.lua``).
-_ENTRY = re.compile(r"([0-9a-z]+)(?:R([0-9a-z]+))?(?:T([0-9a-z]+))?([.,~])")
+_ENTRY = re.compile(r"([0-9a-z]+)(?:R([0-9a-z]+))?(?:T([0-9a-z]+))?(?:A([0-9a-z]+))?(?:C([0-9a-z]+))?([.,~])")
 
 
 def _unpack(packed: str) -> str:
@@ -598,14 +599,15 @@ class RedisLedger(Ledger):
         return found
 
     def _entry_record(self, key: str, value: str, granule: int, payload: str | None) -> Record:
-        """An archived ``sent`` record: expiry, retention, token, fingerprint, result and error.
+        """An archived ``sent`` record: expiry, retention, token, attempts, reclaims, fingerprint,
+        result and error.
 
-        Task name, owner, attempts, reclaims and the time of the first claim are not kept (empty, 0,
-        the time it was sent)."""
+        Task name, owner and the time of the first claim are not kept (empty, empty, the time it
+        was sent)."""
         m = _ENTRY.match(value)
         if m is None:
             raise LedgerError(f"Redis ledger error: the archived record of {key} cannot be read")
-        expires, retention, token, kind = m.groups()
+        expires, retention, token, attempts, reclaims, kind = m.groups()
         at = m.end()
         if kind == ".":
             fp, body = _unpack_fp(value[at:at + 37]), value[at + 37:]
@@ -619,7 +621,8 @@ class RedisLedger(Ledger):
         result, error = _unbody(body)
         return Record(
             key=key, task_name="", state=State.SENT, token=int(token, 36) if token else 1, owner="",
-            lease_expires_at=None, attempts=0, reclaims=0, payload=payload or None, fingerprint=fp, result=result,
+            lease_expires_at=None, attempts=int(attempts, 36) if attempts else 1,
+            reclaims=int(reclaims, 36) if reclaims else 0, payload=payload or None, fingerprint=fp, result=result,
             error=error, created_at=updated, updated_at=updated, expires_at=expires_ms / 1000,
         )
 

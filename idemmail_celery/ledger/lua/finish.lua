@@ -6,7 +6,7 @@
 if lost() then return {'lost'} end
 local rec, id, token, target = KEYS[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local field, width, lookback = ARGV[#ARGV - 3], tonumber(ARGV[#ARGV - 2]), tonumber(ARGV[#ARGV - 1])
-local cur = redis.call('HMGET', rec, 's', 't', 'r', 'e', 'f')
+local cur = redis.call('HMGET', rec, 's', 't', 'r', 'e', 'f', 'a', 'c')
 local state = cur[1]
 if not state then
   -- Archived (sent): this very call run twice (a lost reply) is ok, anything else is stale.
@@ -43,8 +43,10 @@ if into then
     body = '*[' .. (new_result and joined(fields_of(r), 'r') or joined(f, 'r') or 'null') .. ',' ..
       (new_error and joined(fields_of(e), 'e') or joined(f, 'e') or 'null') .. ']'
   end
+  local attempts, reclaims = tonumber(cur[6] or 1), tonumber(cur[7] or 0)
   local value = table.concat({b36(ms + ttl - granule(into) * width), ttl == lookback and '' or 'R' .. b36(ttl),
-    held == 1 and '' or 'T' .. b36(held), entry_fp(cur[5]), body})
+    held == 1 and '' or 'T' .. b36(held), attempts == 1 and '' or 'A' .. b36(attempts),
+    reclaims == 0 and '' or 'C' .. b36(reclaims), entry_fp(cur[5]), body})
   archive(into, field, value, width, lookback)
   count_sent(n + ttl * 1000, tonumber(ARGV[7]))
   move(id, state, target, n + ttl * 1000)

@@ -9,7 +9,8 @@
 -- then the bucket's sent archives the caller may need (``<prefix>:{bb}:s:<granule>``, newest first).
 -- A ``sent`` record lives in the archive of the time granule it was sent in (field: the key's 32
 -- bytes, see ``_field`` in redis.py) as one string: its expiry (ms after the granule's start),
--- ['R' its retention (ms) if not the ledger's], ['T' its token if not 1], the fingerprint (see
+-- ['R' its retention (ms) if not the ledger's], ['T' its token if not 1], ['A' its attempts if not 1],
+-- ['C' its reclaims if not 0], the fingerprint (see
 -- ``entry_fp``), then the result and error (see ``_body`` in redis.py); numbers in base 36. The archive expires
 -- at its granule's end plus the ledger's retention; an entry counts until its own expiry.
 -- ARGV[1] is always the epoch the caller expects. Times are the server's, in microseconds (an
@@ -79,7 +80,7 @@ local function archived(field, width)
   for i = ARCHIVES, #KEYS do
     local v = redis.call('HGET', KEYS[i], field)
     if v then
-      local off, token = string.match(v, '^([0-9a-z]+)R?[0-9a-z]*T?([0-9a-z]*)[.,~]')
+      local off, token = string.match(v, '^([0-9a-z]+)R?[0-9a-z]*T?([0-9a-z]*)A?[0-9a-z]*C?[0-9a-z]*[.,~]')
       return v, i, token == '' and 1 or tonumber(token, 36), granule(i) * width + tonumber(off, 36)
     end
   end
