@@ -671,10 +671,13 @@ class IntentKeyBuilder:
         """Did :meth:`key_mark` make ``mark`` for ``key``, under the current secret or an older one?"""
         if not isinstance(key, str) or not isinstance(mark, str) or not mark.isascii():
             return False
-        material = self._mark_material(key)
-        if hmac.compare_digest(mark, self._digest(material)):
+        return self._made_from(mark, self._mark_material(key))
+
+    def _made_from(self, digest: str, material: str) -> bool:
+        """Is ``digest`` the digest of ``material`` under the current secret or an older one?"""
+        if hmac.compare_digest(digest, self._digest(material)):
             return True
-        return any(hmac.compare_digest(mark, self._digest(material, mac)) for mac in self._older_macs)
+        return any(hmac.compare_digest(digest, self._digest(material, mac)) for mac in self._older_macs)
 
     def _mark_material(self, key: str) -> str:
         # Never canonical JSON (key and fingerprint material start with "{"): no mark is ever a key.
@@ -699,10 +702,7 @@ class IntentKeyBuilder:
         """
         if not self.must_match:
             return True
-        material = self._fingerprint_material(payload)
-        if hmac.compare_digest(stored, self._digest(material)):
-            return True
-        return any(hmac.compare_digest(stored, self._digest(material, mac)) for mac in self._older_macs)
+        return self._made_from(stored, self._fingerprint_material(payload))
 
     def _fingerprint_material(self, payload: Payload) -> str:
         values = self._normalised(self.bound(payload))

@@ -12,11 +12,13 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
 import pytest
 import redis
+from celery import Celery
 
 from idemmail_celery.ledger import Ledger, from_url
 
@@ -126,3 +128,21 @@ def ledger(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     led = make_ledger(request.param, tmp_path_factory)
     yield led
     drop_ledger(led)
+
+
+@pytest.fixture
+def redis_broker_app(tmp_path: Path) -> Iterator[Celery]:
+    """An app on the real Redis broker with a queue of its own (read it with ``LRANGE``) and a SQLite
+    ledger in ``tmp_path``; the queue is deleted afterwards."""
+    app = Celery(unique("broker-app"), broker=REDIS_URL, set_as_current=False)
+    app.conf.update(task_default_queue=unique("q"), idemmail_ledger_url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
+                    idemmail_key_secret="s")
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        r.ping()
+    except redis.ConnectionError as exc:
+        service_missing("redis", exc)
+    yield app
+    r.delete(app.conf.task_default_queue)
+    r.close()
+    app.close()

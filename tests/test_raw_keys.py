@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,22 +21,12 @@ from idemmail_celery.keys import is_derived_key
 from idemmail_celery.ledger import ClaimRequest
 from idemmail_celery.mail import register
 
-from .conftest import REDIS_URL, service_missing, unique
+from .conftest import REDIS_URL, unique
 
 
 @pytest.fixture
-def app(tmp_path: Path) -> Iterator[Celery]:
-    a = Celery(unique("rawkeys"), broker=REDIS_URL, set_as_current=False)
-    a.conf.update(task_default_queue=unique("q"), idemmail_ledger_url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
-                  idemmail_key_secret="s")
-    r = redis.Redis.from_url(REDIS_URL)
-    try:
-        r.ping()
-    except redis.ConnectionError as exc:
-        service_missing("redis", exc)
-    yield a
-    r.delete(a.conf.task_default_queue)
-    a.close()
+def app(redis_broker_app: Celery) -> Celery:
+    return redis_broker_app
 
 
 def published(app: Celery) -> list[dict[str, Any]]:

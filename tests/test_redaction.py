@@ -240,27 +240,36 @@ def test_smtp_refusal_quoting_the_message_is_scrubbed(monkeypatch: pytest.Monkey
     assert_scrubbed(info.value)
 
 
-def test_a_custom_providers_error_is_scrubbed_by_send_email(app: Celery) -> None:
-    """send_email scrubs what any provider raises, before the state machine records it."""
-    from idemmail_celery.errors import PermanentSendError
+def send_through(app: Celery, scheme: str, raised: BaseException, **kwargs: Any) -> tuple[Any, str]:
+    """Send the personal message through a custom provider (registered as ``scheme``) that raises
+    ``raised``; return the outcome and the ledger's stored error as JSON."""
     from idemmail_celery.providers import Provider, SendResult, register_provider
 
-    class Echoing(Provider):
+    class Raising(Provider):
         def __init__(self, url: str, **_: Any) -> None: ...
 
         def send(self, message: Any, *, key: str) -> SendResult:
-            raise PermanentSendError(ECHO, "rejected", key)
+            raise raised
 
-    register_provider("echoing", f"{__name__}:_Echoing")
-    globals()["_Echoing"] = Echoing
-    app.conf.idemmail_provider_url = "echoing://"
+    name = f"_Provider_{scheme}"
+    globals()[name] = Raising
+    register_provider(scheme, f"{__name__}:{name}")
+    app.conf.idemmail_provider_url = f"{scheme}://"
     task = app.tasks[TASK_NAME]
-    outcome = task.apply(kwargs={"to": f"{NAME} <{RECIPIENT}>", "subject": SUBJECT, "text": "hello"})
+    outcome = task.apply(kwargs={"to": f"{NAME} <{RECIPIENT}>", "subject": SUBJECT, "text": "hello", **kwargs})
+    record = task.ledger.get(outcome.result.key)
+    assert record is not None
+    return outcome, json.dumps({"state": record.state.value, "error": record.error})
+
+
+def test_a_custom_providers_error_is_scrubbed_by_send_email(app: Celery) -> None:
+    """send_email scrubs what any provider raises, before the state machine records it."""
+    from idemmail_celery.errors import PermanentSendError
+
+    outcome, stored = send_through(app, "echoing", PermanentSendError(ECHO, "rejected"))
     assert isinstance(outcome.result, PermanentSendError)
     assert_scrubbed(outcome.result)
-    record = task.ledger.get(outcome.result.key)
-    assert record is not None and record.state.value == "failed"
-    stored = json.dumps(record.error)
+    assert '"state": "failed"' in stored
     assert RECIPIENT not in stored and SUBJECT not in stored and NAME not in stored
 
 
@@ -268,25 +277,12 @@ def test_a_custom_providers_own_exception_leaves_scrubbed_as_maybe_sent(app: Cel
     """An exception that is not a SendError (a custom provider's own) may have sent, and may quote the
     message: it reaches the result, the ledger and the logs as a scrubbed "maybe sent", parked."""
     from idemmail_celery.errors import SendNeedsReview
-    from idemmail_celery.providers import Provider, SendResult, register_provider
 
-    class Raising(Provider):
-        def __init__(self, url: str, **_: Any) -> None: ...
-
-        def send(self, message: Any, *, key: str) -> SendResult:
-            raise RuntimeError(ECHO)
-
-    register_provider("raising", f"{__name__}:_Raising")
-    globals()["_Raising"] = Raising
-    app.conf.idemmail_provider_url = "raising://"
-    task = app.tasks[TASK_NAME]
-    outcome = task.apply(kwargs={"to": f"{NAME} <{RECIPIENT}>", "subject": SUBJECT, "text": "hello",
-                                 "event_id": "own-exception"})  # an intent of its own: the ledger is shared
+    outcome, stored = send_through(app, "raising", RuntimeError(ECHO),
+                                   event_id="own-exception")  # an intent of its own: the ledger is shared
     assert isinstance(outcome.result, SendNeedsReview)  # console-like provider: no key downstream, so parked
     assert_scrubbed(outcome.result)
-    record = task.ledger.get(outcome.result.key)
-    assert record is not None and record.state.value == "review"
-    stored = json.dumps(record.error)
+    assert '"state": "review"' in stored
     assert RECIPIENT not in stored and SUBJECT not in stored and NAME not in stored
 
 
