@@ -132,6 +132,11 @@ import redis as redis_lib
 from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
+try:  # the ``redis`` extra brings it; without it, redis-py packs commands in Python
+    from hiredis import pack_command as _pack_command
+except ImportError:  # pragma: no cover - the test extras install hiredis
+    _pack_command = None  # type: ignore[assignment]
+
 from .._common import after_fork
 from ..errors import (
     ConfigurationError,
@@ -299,6 +304,7 @@ def _pack(text: str) -> str:
 
 #: The digits of a packed fingerprint: ASCII but NUL and ``~``, so it is text (UTF-8) a script copies as it is.
 _B126 = "".join(chr(i) for i in range(1, 128) if i != 0x7E)
+_B126_PAIRS = [a + b for a in _B126 for b in _B126]  # index d: the two base-126 digits of d < 126 * 126
 _B126_VALUE = {ch: i for i, ch in enumerate(_B126)}
 
 
@@ -306,11 +312,11 @@ def _pack_fp(fingerprint: str) -> str:
     """A 64-hex fingerprint as 37 base-126 characters (a record's ``f``, copied into its archive entry
     by the completion's script as it is), anything else as ``~`` + itself, none as ``""``."""
     if len(fingerprint) == 64 and _HEX64.fullmatch(fingerprint):
-        n, digits = int(fingerprint, 16), []
-        for _ in range(37):
-            n, d = divmod(n, 126)
-            digits.append(_B126[d])
-        return "".join(reversed(digits))
+        n, pairs = int(fingerprint, 16), []
+        for _ in range(19):  # two digits a step (half the big-number divisions); the 38th digit is always 0
+            n, d = divmod(n, 126 * 126)
+            pairs.append(_B126_PAIRS[d])
+        return "".join(reversed(pairs))[1:]
     return "~" + fingerprint if fingerprint else ""
 
 
@@ -688,7 +694,10 @@ class RedisLedger(Ledger):
         except IndexError:
             conn = self.client.connection_pool.make_connection()
         try:
-            conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            if _pack_command is not None:  # hiredis: one C call (redis-py's packer adds a Python pass per argument)
+                conn.send_packed_command((_pack_command(("EVALSHA", script.sha, len(keys), *keys, *args)),))
+            else:
+                conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
             out = conn.read_response()
         except redis_lib.exceptions.NoScriptError:
             self._spare.append(conn)
