@@ -132,8 +132,9 @@ def scrubbed(send: _Send) -> _Send:
     """Decorate a provider's ``send(self, message, *, key)``: what it raises or stores is scrubbed.
 
     A :class:`~idemmail_celery.errors.SendError` leaves with :func:`scrub_error` applied
-    (the message's addresses, display names and subject); a result's ``extra["response"]``
-    (the raw text of an answer that had no message id) is scrubbed the same way.
+    (the message's addresses, display names and subject); every text in a result's ``extra``
+    (an answer's raw text, an SMTP server's reply) is scrubbed the same way: the result is
+    stored in the ledger and replayed to every duplicate.
     """
 
     @functools.wraps(send)
@@ -143,13 +144,26 @@ def scrubbed(send: _Send) -> _Send:
         except SendError as exc:
             scrub_error(exc, message.personal_texts())
             raise
-        response = result.extra.get("response") if result.extra else None
-        if isinstance(response, str):
-            extra = {**result.extra, "response": scrub(response, message.personal_texts())}
-            result = dataclasses.replace(result, extra=extra)
+        if result.extra:
+            extra = _scrubbed_values(result.extra, message.personal_texts())
+            if extra != result.extra:
+                result = dataclasses.replace(result, extra=extra)
         return result
 
     return cast(_Send, wrapper)
+
+
+def _scrubbed_values(value: Any, personal: tuple[str, ...]) -> Any:
+    """``value`` with every text in it (through dicts and lists) scrubbed of addresses and ``personal``."""
+    if isinstance(value, str):
+        return scrub(value, personal)
+    if isinstance(value, dict):
+        return {k: _scrubbed_values(v, personal) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_scrubbed_values(v, personal) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_scrubbed_values(v, personal) for v in value)
+    return value
 
 
 

@@ -108,8 +108,8 @@ class KeylessHTTPProvider(HTTPClientProvider):
         """Add the credential to ``request`` (a header, or a signature over it)."""
         raise NotImplementedError
 
-    def _result(self, response: httpx.Response, key: str) -> SendResult:
-        """Read an accepted send's answer."""
+    def _result(self, response: httpx.Response, key: str, personal: tuple[str, ...] = ()) -> SendResult:
+        """Read an accepted send's answer (``personal``: the texts to scrub from anything it quotes)."""
         raise NotImplementedError
 
     def _secrets(self, secret: str) -> tuple[str, ...]:
@@ -134,8 +134,9 @@ class KeylessHTTPProvider(HTTPClientProvider):
         path, payload = self._build(message, key)
         body = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         response = self._call("POST", path, key, content=body)
-        self._check(response, key, personal=message.personal_texts())
-        return self._result(response, key)
+        personal = message.personal_texts()
+        self._check(response, key, personal=personal)
+        return self._result(response, key, personal)
 
     def _call(
         self,
@@ -200,12 +201,12 @@ class KeylessHTTPProvider(HTTPClientProvider):
             raise TransientSendError(f"{self.name} search answered with something that is not JSON",
                                      "search_failed", key) from None
 
-    def _accepted_without_id(self, response: httpx.Response, key: str) -> SendResult:
+    def _accepted_without_id(self, response: httpx.Response, key: str, personal: tuple[str, ...] = ()) -> SendResult:
         # Accepted all the same: raising would make the caller treat something that went out as failed.
         self.log.warning("%s accepted the message for %s but its answer has no message id (HTTP %s)",
                        self.name, key, response.status_code)
         return SendResult(message_id="", provider=self.name, request_id=self._request_id(response),
-                          extra={"response": self._scrub(response.text[:SCRUB_WINDOW])[:MAX_ERROR_TEXT]})
+                          extra={"response": self._scrub(response.text[:SCRUB_WINDOW], personal)[:MAX_ERROR_TEXT]})
 
     def _error_detail(self, response: httpx.Response, personal: tuple[str, ...] = ()) -> tuple[str, str]:
         """The provider's error name and message (any of the three shapes), without credentials or ``personal``.

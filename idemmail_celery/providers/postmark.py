@@ -116,7 +116,7 @@ class PostmarkProvider(KeylessHTTPProvider):
             ]
         return "/email", body
 
-    def _result(self, response: httpx.Response, key: str) -> SendResult:
+    def _result(self, response: httpx.Response, key: str, personal: tuple[str, ...] = ()) -> SendResult:
         try:
             data = response.json()
         except ValueError:
@@ -125,13 +125,13 @@ class PostmarkProvider(KeylessHTTPProvider):
             code = data.get("ErrorCode", 0)
             if code not in (0, None):
                 # A 2xx that says "error" is not an answer we can trust either way.
-                name, text = self._error_detail(response)
+                name, text = self._error_detail(response, personal)
                 raise AmbiguousSendError(f"postmark answered {response.status_code} with {name}: {text}",
                                          "unexpected_response", key)
             message_id = data.get("MessageID")
             if isinstance(message_id, str) and message_id:
                 return SendResult(message_id=message_id, provider=self.name, request_id=self._request_id(response))
-        return self._accepted_without_id(response, key)
+        return self._accepted_without_id(response, key, personal)
 
     def find_sent(self, key: str) -> SendResult | None:
         """The message Postmark holds under metadata ``idemmail_key == key``, or None when it has none (yet).

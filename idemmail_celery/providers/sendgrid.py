@@ -101,11 +101,11 @@ class SendGridProvider(KeylessHTTPProvider):
             ]
         return "/v3/mail/send", body
 
-    def _result(self, response: httpx.Response, key: str) -> SendResult:
+    def _result(self, response: httpx.Response, key: str, personal: tuple[str, ...] = ()) -> SendResult:
         message_id = response.headers.get("x-message-id")
         if message_id:
             return SendResult(message_id=message_id, provider=self.name, request_id=self._request_id(response))
-        return self._accepted_without_id(response, key)
+        return self._accepted_without_id(response, key, personal)
 
     def find_sent(self, key: str) -> SendResult | None:
         """The first activity record tagged ``idemmail_key == key``, or None when there is none (yet).

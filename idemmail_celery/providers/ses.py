@@ -213,7 +213,7 @@ class SESProvider(KeylessHTTPProvider):
             body["ConfigurationSetName"] = self.configuration_set
         return "/v2/email/outbound-emails", body
 
-    def _result(self, response: httpx.Response, key: str) -> SendResult:
+    def _result(self, response: httpx.Response, key: str, personal: tuple[str, ...] = ()) -> SendResult:
         try:
             data = response.json()
         except ValueError:
@@ -221,6 +221,6 @@ class SESProvider(KeylessHTTPProvider):
         message_id = data.get("MessageId") if isinstance(data, Mapping) else None
         if isinstance(message_id, str) and message_id:
             return SendResult(message_id=message_id, provider=self.name, request_id=self._request_id(response))
-        return self._accepted_without_id(response, key)
+        return self._accepted_without_id(response, key, personal)
 
     # find_sent: inherited, always None. SES has no search; its events settle ambiguous sends.
