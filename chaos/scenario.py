@@ -568,7 +568,8 @@ class Run:
                 self.worker_kills += 1
                 self.log("kill_worker", worker=w.name, pid=pid, children=children, signal="SIGKILL",
                          scope="process group")
-                self.worker_kill_times.append((time.time(), set(children)))
+                # Executions run in the pool children, or in the worker itself (-P gevent, -P threads, solo).
+                self.worker_kill_times.append((time.time(), {*children, *([pid] if pid else [])}))
                 if self.stop.wait(self.rng.uniform(0.5, 2.0)):
                     return
                 t = time.monotonic()
