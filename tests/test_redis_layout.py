@@ -43,7 +43,7 @@ def led(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisLedger]:
 def archives(led: RedisLedger, key: str) -> dict[str, int]:
     """The sent archives of ``key``'s bucket that exist: name -> entries."""
     stem = led._stems[led._bucket(key)]
-    return {name: led.client.hlen(name) for name in led.client.scan_iter(f"{stem}s:*")}
+    return {name: led.client.hlen(name) for name in led.client.scan_iter(f"{stem}s:*", count=1000)}
 
 
 def test_a_sent_record_leaves_no_key_of_its_own_and_replays_from_its_archive(led: RedisLedger) -> None:
@@ -171,8 +171,9 @@ def test_a_claim_from_a_clock_far_off_the_servers_is_corrected_and_still_finds_t
 
 
 def test_sent_records_are_listed_by_scan_counted_and_purged(led: RedisLedger) -> None:
-    led.retention_seconds = 0.5
+    led.retention_seconds = 3.0  # every look below lands well within it, also on a loaded machine
     keys = [hexkey() for _ in range(30)] + ["plain-key", "glob*[key]?"]
+    first = time.monotonic()
     for k in keys:
         led.complete(k, led.claim(req(k)).token, {"message_id": k})
     parked = led.claim(req("parked"))
@@ -181,7 +182,8 @@ def test_sent_records_are_listed_by_scan_counted_and_purged(led: RedisLedger) ->
     assert sorted(r.key for r in led.iter_records()) == sorted([*keys, "parked"])
     assert [r.key for r in led.iter_records(State.REVIEW)] == ["parked"]
     assert {k: v for k, v in led.stats().items() if v} == {"sent": len(keys), "review": 1}
-    time.sleep(0.7)
+    assert time.monotonic() - first < 2.8, "the machine stalled: the looks above may have been past the retention"
+    time.sleep(max(0.0, first + 3.2 - time.monotonic()))
     assert list(led.iter_records(State.SENT)) == []
     assert {k: v for k, v in led.stats().items() if v} == {"review": 1}
     assert led.purge_expired() == len(keys)  # the counters' spent granules, and what they counted
@@ -251,7 +253,7 @@ def test_a_store_of_the_previous_layout_is_refused_then_migrated_and_settles() -
             led.claim(req(hexkey()))
         assert RedisLedger(REDIS_URL, prefix=prefix).migrate_layout() == {
             "claimed": 1, "released": 1, "sent": 1, "failed": 1, "review": 1, "left": 0}
-        assert not [n for n in client.scan_iter(f"{prefix}:*i:sent")]  # the sent index is gone
+        assert not [n for n in client.scan_iter(f"{prefix}:*i:sent", count=1000)]  # the sent index is gone
         assert RedisLedger(REDIS_URL, prefix=prefix).migrate_layout()["left"] == 0  # idempotent
 
         led = from_url(REDIS_URL, prefix=prefix)  # what a new worker builds
@@ -273,7 +275,7 @@ def test_a_store_of_the_previous_layout_is_refused_then_migrated_and_settles() -
         assert failed.status is ClaimStatus.DONE and failed.record.error == {"reason": "bounced"}
         assert sorted(r.key for r in led.iter_records(State.SENT)) == sorted([keys["claimed"], keys["sent"]])
     finally:
-        for name in client.scan_iter(f"{prefix}:*"):
+        for name in client.scan_iter(f"{prefix}:*", count=1000):
             client.delete(name)
 
 
