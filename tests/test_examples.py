@@ -21,7 +21,8 @@ def report_number(out: str, label: str) -> int:
 
 def test_demo_sends_each_intent_once() -> None:
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples" / "demo.py"), "--seed", "7"],  # one plan every run
+        # One plan every run; 200 intents (make demo's default is 300): the same kills and faults, a shorter run.
+        [sys.executable, str(ROOT / "examples" / "demo.py"), "--seed", "7", "--intents", "200"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:

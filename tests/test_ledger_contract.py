@@ -197,8 +197,10 @@ def test_concurrent_reclaim_exactly_one_wins(ledger: Ledger) -> None:
     assert statuses.count(ClaimStatus.BUSY) == 11
 
 
-def _claim_in_process(url: str, options: dict[str, Any], key: str, start: Any, out: Any) -> None:
+def _claim_in_process(url: str, options: dict[str, Any], key: str, ready: Any, start: Any, out: Any) -> None:
     led = from_url(url, **options)
+    led.ping()  # connected
+    ready.put(None)
     start.wait()
     out.put(led.claim(req(key)).status.value)
 
@@ -216,12 +218,17 @@ def test_concurrent_processes_exactly_one_wins(ledger: Ledger) -> None:
         target = ledger.url.render_as_string(hide_password=False)
         options = {"table": ledger.table.name}
     ledger.ping()  # the table exists before the race
-    ctx = multiprocessing.get_context("spawn")
-    start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_claim_in_process, args=(target, options, "prace", start, out)) for _ in range(6)]
+    # Fresh processes forked from a server that imported the ledger once (six spawned interpreters
+    # would each import it again); each makes its own ledger and connections after the fork.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["idemmail_celery.ledger", __name__])
+    ready, start, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_claim_in_process, args=(target, options, "prace", ready, start, out))
+             for _ in range(6)]
     for p in procs:
         p.start()
-    time.sleep(1.5)  # let every process import and connect
+    for _ in procs:  # every process has imported and connected
+        ready.get(timeout=60)
     start.set()
     statuses = [out.get(timeout=60) for _ in procs]
     for p in procs:

@@ -193,32 +193,37 @@ def test_first_send_two_round_trips_duplicate_one(ledger: Ledger) -> None:
     assert (first, len(calls) - first) == (2, 1), calls
 
 
-def _claim_through(url: str, prefix: str, key: str, start: Any, out: Any) -> None:
+def _claim_through(url: str, prefix: str, keys: list[str], ready: Any, starts: list[Any], out: Any) -> None:
     led = from_url(url, prefix=prefix)
     led.ping()
-    start.wait()
-    out.put(led.claim(req(key)).status.value)
+    ready.put(None)
+    for key, start in zip(keys, starts, strict=True):  # one race per key, each on the parent's signal
+        start.wait()
+        out.put(led.claim(req(key)).status.value)
 
 
 def test_claim_race_across_clients_of_different_nodes(redis_cluster: Cluster) -> None:
     prefix = unique("race")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")  # as test_ledger_contract's race: imported once, forked
+    ctx.set_forkserver_preload(["idemmail_celery.ledger", __name__])
     probe = from_url(redis_cluster.url, prefix=prefix)
     probe.ping()  # the ledger's markers exist before the race
     try:
-        for round_ in range(3):
-            start, out = ctx.Event(), ctx.Queue()
-            # Each process has its own RedisCluster client, entering through a different node.
-            urls = [f"redis+cluster://127.0.0.1:{redis_cluster.ports[i % 3]}" for i in range(6)]
-            procs = [ctx.Process(target=_claim_through, args=(u, prefix, f"race{round_}", start, out)) for u in urls]
-            for p in procs:
-                p.start()
-            time.sleep(2.0)  # every process imports, connects and checks the store
+        keys = [f"race{round_}" for round_ in range(3)]
+        ready, starts, out = ctx.Queue(), [ctx.Event() for _ in keys], ctx.Queue()
+        # Each process has its own RedisCluster client, entering through a different node; three races.
+        urls = [f"redis+cluster://127.0.0.1:{redis_cluster.ports[i % 3]}" for i in range(6)]
+        procs = [ctx.Process(target=_claim_through, args=(u, prefix, keys, ready, starts, out)) for u in urls]
+        for p in procs:
+            p.start()
+        for _ in procs:  # every process has imported, connected and checked the store
+            ready.get(timeout=60)
+        for start in starts:
             start.set()
             statuses = [out.get(timeout=60) for _ in procs]
-            for p in procs:
-                p.join(timeout=30)
             assert sorted(statuses) == ["acquired"] + ["busy"] * 5, statuses
+        for p in procs:
+            p.join(timeout=30)
     finally:
         assert isinstance(probe, RedisLedger)
         wipe(probe)

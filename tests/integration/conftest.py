@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,11 +26,53 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is not None:
         return
     os.killpg(proc.pid, signal.SIGTERM)
+    reap(proc)
+
+
+def reap(proc: subprocess.Popen[bytes]) -> None:
+    """Wait for a process group's leader told to stop; SIGKILL the group after 15 s."""
     try:
         proc.wait(timeout=15)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=15)
+
+
+class Reaper:
+    """Processes a fixture is done with: SIGTERMed (warm shutdown) at teardown, waited for in a thread.
+
+    A warm shutdown takes about a second under prefork and four under gevent (its consumer loop
+    polls for two seconds before it sees the signal); the next test need not wait for it. Every
+    process is reaped, and SIGKILLed if it hangs, before the session ends (``worker_reaper``).
+    Everything such a process touches is in its own test's namespace.
+    """
+
+    def __init__(self) -> None:
+        self.threads: list[threading.Thread] = []
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        thread = threading.Thread(target=reap, args=(proc,), name=f"reap-{proc.pid}", daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join()
+        self.threads.clear()
+
+
+@pytest.fixture(scope="session")
+def worker_reaper() -> Iterator[Reaper]:
+    reaper = Reaper()
+    yield reaper
+    reaper.join()  # before the session's Redis sweep (tests/conftest.py)
 
 
 class WorkerProcess:
@@ -91,7 +135,8 @@ class Sink:
         self.r.rpush(self.k("ctl.fail_with"), kind)
 
     def cleanup(self) -> None:
-        keys = list(self.r.scan_iter(f"sink.{self.ns}.*")) + list(self.r.scan_iter(f"led.{self.ns}:*"))
+        # SCAN walks the whole shared keyspace (results of every run, for a day): in pages of 1,000, not 10.
+        keys = [*self.r.scan_iter(f"sink.{self.ns}.*", count=1000), *self.r.scan_iter(f"led.{self.ns}:*", count=1000)]
         if keys:
             self.r.delete(*keys)
 
@@ -118,7 +163,9 @@ def worker_env(ns: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def start_worker(ns: str, worker_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+def start_worker(
+    ns: str, worker_env: dict[str, str], tmp_path: Path, worker_reaper: Reaper
+) -> Iterator[Callable[..., WorkerProcess]]:
     started: list[WorkerProcess] = []
 
     def start(*args: str, env: dict[str, str] | None = None) -> WorkerProcess:
@@ -128,7 +175,8 @@ def start_worker(ns: str, worker_env: dict[str, str], tmp_path: Path) -> Iterato
 
     yield start
     for w in started:
-        w.stop()
+        if w.proc is not None:
+            worker_reaper.stop(w.proc)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ only the keys can keep the count at one per (recipient, slot).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -44,7 +45,7 @@ from idemmail_celery.beat import (
 from idemmail_celery.testing.fake_provider import FakeProvider
 
 from ..conftest import REDIS_URL, service_missing, unique, wait_for
-from .conftest import ROOT, Sink
+from .conftest import ROOT, Reaper, Sink
 
 PERIOD = 3.0
 APP = "tests.integration.beatapp"
@@ -228,7 +229,7 @@ class CeleryProcess:
 
 
 @pytest.fixture
-def celery_process(tmp_path: Path) -> Iterator[Callable[..., CeleryProcess]]:
+def celery_process(tmp_path: Path, worker_reaper: Reaper) -> Iterator[Callable[..., CeleryProcess]]:
     started: list[CeleryProcess] = []
 
     def start(name: str, args: list[str], env: dict[str, str], ready: bytes) -> CeleryProcess:
@@ -238,7 +239,10 @@ def celery_process(tmp_path: Path) -> Iterator[Callable[..., CeleryProcess]]:
 
     yield start
     for p in started:
-        p.stop()
+        if p.proc is not None and p.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.proc.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            worker_reaper.stop(p.proc)
 
 
 def runs(sink: Sink) -> list[dict[str, Any]]:

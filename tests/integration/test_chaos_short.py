@@ -42,8 +42,8 @@ def explain(r: Result) -> str:
 @pytest.mark.timeout(170)
 def test_keyed_provider_under_kills_and_faults_delivers_every_intent_exactly_once(tmp_path: Path) -> None:
     # visibility_timeout 1 s and slow sends of 2 s: the broker hands running tasks to other workers too.
-    s = Scenario(name="short-keyed-vt", intents=300, copies=3, workers=3, kills=6, kill_interval=1.0,
-                 fault_rate=0.08, enqueue_seconds=6.0, lease=3.0, visibility_timeout=1.0, provider_timeout=2.5,
+    s = Scenario(name="short-keyed-vt", intents=200, copies=3, workers=3, kills=6, kill_interval=1.0,
+                 fault_rate=0.08, enqueue_seconds=4.0, lease=3.0, visibility_timeout=1.0, provider_timeout=2.5,
                  slow_seconds=2.0, deadline=120.0, seed=SEED)
     r = run_scenario(s, tmp_path / s.name)
     print(explain(r))
@@ -56,8 +56,8 @@ def test_keyed_provider_under_kills_and_faults_delivers_every_intent_exactly_onc
 
 @pytest.mark.timeout(170)
 def test_keyless_provider_under_kills_and_faults_never_delivers_twice_and_parks_the_rest(tmp_path: Path) -> None:
-    s = Scenario(name="short-keyless", provider="http-keyless", intents=300, copies=3, workers=3, kills=6,
-                 kill_interval=1.0, fault_rate=0.05, enqueue_seconds=6.0, lease=3.0, visibility_timeout=5.0,
+    s = Scenario(name="short-keyless", provider="http-keyless", intents=200, copies=3, workers=3, kills=6,
+                 kill_interval=1.0, fault_rate=0.05, enqueue_seconds=4.0, lease=3.0, visibility_timeout=5.0,
                  provider_timeout=1.0, slow_seconds=1.5, deadline=120.0, seed=SEED + 1)
     r = run_scenario(s, tmp_path / s.name)
     print(explain(r))
@@ -77,8 +77,8 @@ def test_smtp_without_key_support_on_the_postgresql_ledger_never_delivers_twice(
         service_missing("postgresql", exc)
     finally:
         engine.dispose()
-    s = Scenario(name="short-smtp-pg", provider="smtp", ledger="postgresql", intents=300, copies=3, workers=3,
-                 kills=5, kill_interval=1.0, fault_rate=0.05, enqueue_seconds=6.0, lease=3.0, visibility_timeout=5.0,
+    s = Scenario(name="short-smtp-pg", provider="smtp", ledger="postgresql", intents=200, copies=3, workers=3,
+                 kills=5, kill_interval=1.0, fault_rate=0.05, enqueue_seconds=4.0, lease=3.0, visibility_timeout=5.0,
                  provider_timeout=1.0, deadline=120.0, seed=SEED + 2)
     r = run_scenario(s, tmp_path / s.name)
     print(explain(r))

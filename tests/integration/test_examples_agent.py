@@ -52,6 +52,6 @@ def test_agent_retrying_and_repeating_tool_calls_causes_one_side_effect_each() -
             record = ledger.get(keys[call])
             assert record is not None and record.state is State.SENT, (call, record)
     finally:
-        stale = [*r.scan_iter(f"{prefix}:*"), f"{prefix}.tools", f"_kombu.binding.{prefix}.tools"]
+        stale = [*r.scan_iter(f"{prefix}:*", count=1000), f"{prefix}.tools", f"_kombu.binding.{prefix}.tools"]
         r.delete(*stale)
 

@@ -127,7 +127,7 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
         with admin.begin() as conn:
             conn.execute(sa.text(f'DROP SCHEMA "{ns}" CASCADE'))
         admin.dispose()
-        keys = [*r.scan_iter(f"led.{ns}:*"), f"q.{ns}", f"_kombu.binding.q.{ns}",
+        keys = [*r.scan_iter(f"led.{ns}:*", count=1000), f"q.{ns}", f"_kombu.binding.q.{ns}",
                 *(f"celery-task-meta-{t}" for t in shop.task_ids)]
         r.delete(*keys)
 
