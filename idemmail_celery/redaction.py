@@ -166,7 +166,6 @@ def _scrubbed_values(value: Any, personal: tuple[str, ...]) -> Any:
     return value
 
 
-
 ARGSREPR = "<redacted>"
 
 _lock = threading.Lock()

@@ -21,12 +21,23 @@ from ..conftest import REDIS_URL, service_missing, unique, wait_for
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM a process started with ``start_new_session=True`` and its children; SIGKILL after 15 s."""
+def terminate(proc: subprocess.Popen[bytes]) -> bool:
+    """SIGTERM a process started with ``start_new_session=True`` and its children (SIGCONT first: a
+    stopped group cannot act on it); False when it has already exited."""
     if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    reap(proc)
+        return False
+    try:
+        os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a process group (see :func:`terminate`) and wait for it; SIGKILL after 15 s."""
+    if terminate(proc):
+        reap(proc)
 
 
 def reap(proc: subprocess.Popen[bytes]) -> None:
@@ -52,11 +63,7 @@ class Reaper:
         self.threads: list[threading.Thread] = []
 
     def stop(self, proc: subprocess.Popen[bytes]) -> None:
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
+        if not terminate(proc):
             return
         thread = threading.Thread(target=reap, args=(proc,), name=f"reap-{proc.pid}", daemon=True)
         thread.start()

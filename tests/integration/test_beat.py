@@ -10,7 +10,6 @@ only the keys can keep the count at one per (recipient, slot).
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import os
@@ -45,7 +44,7 @@ from idemmail_celery.beat import (
 from idemmail_celery.testing.fake_provider import FakeProvider
 
 from ..conftest import REDIS_URL, service_missing, unique, wait_for
-from .conftest import ROOT, Reaper, Sink
+from .conftest import ROOT, Reaper, Sink, stop_group
 
 PERIOD = 3.0
 APP = "tests.integration.beatapp"
@@ -217,15 +216,8 @@ class CeleryProcess:
         os.killpg(self.proc.pid, sig)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=15)
+        if self.proc is not None:
+            stop_group(self.proc)
 
 
 @pytest.fixture
@@ -239,9 +231,7 @@ def celery_process(tmp_path: Path, worker_reaper: Reaper) -> Iterator[Callable[.
 
     yield start
     for p in started:
-        if p.proc is not None and p.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.proc.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+        if p.proc is not None:
             worker_reaper.stop(p.proc)
 
 
