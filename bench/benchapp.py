@@ -33,7 +33,7 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import task_postrun, worker_ready
+from celery.signals import task_postrun, task_prerun, worker_ready
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
@@ -249,12 +249,24 @@ if os.environ.get("BENCH_COUNT_LEDGER"):
     AbstractConnection.send_packed_command = _counted  # type: ignore[method-assign]
 
 
+#: Raise the highest count of campaign runs under way at once to the count now (one script: no lost update).
+_RAISE_MAX = "local n = redis.call('INCRBY', KEYS[1], ARGV[1]) if n > tonumber(redis.call('GET', KEYS[2]) or 0) " \
+             "then redis.call('SET', KEYS[2], n) end return n"
+
 if _window:
+
+    @task_prerun.connect
+    def _campaign_started(task: Any = None, **_: Any) -> None:
+        if getattr(task, "name", "") == CAMPAIGN_TASK:  # a copy handed out while another runs would show
+            k = keys(RUN)
+            _r.eval(_RAISE_MAX, 2, f"{k['count']}.campaign_running", f"{k['count']}.campaign_max", 1)
 
     @task_postrun.connect
     def _stamp(state: str | None = None, task: Any = None, **_: Any) -> None:
         # After the task, the ledger's completion included; every variant pays the same.
         k = keys(RUN)
+        if getattr(task, "name", "") == CAMPAIGN_TASK:
+            _r.decr(f"{k['count']}.campaign_running")
         # Rarely, so that the count costs the sends nothing to speak of; all of it after a campaign run.
         _flush_round_trips(at_least=1 if getattr(task, "name", "") == CAMPAIGN_TASK else 500)
         if state != "SUCCESS":

@@ -637,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bulk-kill-at", type=float, default=0.5,
                    help="bulk: SIGKILL the worker running the campaign when this share of recipients is settled")
     p.add_argument("--bulk-lease", type=float, default=10.0, help="bulk: idemmail_lease_seconds of the workers")
-    p.add_argument("--bulk-visibility-timeout", type=float, default=20.0,
+    p.add_argument("--bulk-visibility-timeout", type=float, default=60.0,
                    help="bulk: the Redis transport's visibility_timeout (when a killed worker's message comes back)")
     p.add_argument("--memory-records", type=int, default=100_000, help="memory: records in the Redis measured")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a drain may take (a campaign: 10x)")

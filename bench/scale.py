@@ -388,6 +388,7 @@ class BulkRun:
     kill_to_done: float = 0.0
     completed_runs: int = 0
     retried_runs: int = 0
+    most_at_once: int = 0
     lease: float = 0.0
     visibility_timeout: float = 0.0
 
@@ -447,6 +448,7 @@ def bulk_run(h: Harness, provider: FakeProvider, ledger: str, ledger_redis: str,
                 victim = _holder(led, workers)
                 if victim is not None:
                     victim.kill()
+                    h.r.decr(f"{keys['count']}.campaign_running")  # the run it killed never ends
                     killed_t, run.killed_at = time.monotonic(), settled
                     progress(f"bulk {ledger}: SIGKILLed worker {victim.name} at {settled:,} settled "
                              f"({time.monotonic() - t0:.0f} s)")
@@ -462,6 +464,7 @@ def bulk_run(h: Harness, provider: FakeProvider, ledger: str, ledger_redis: str,
         wait_until(lambda: int(h.r.get(f"{keys['count']}.io") or 0) >= 1, timeout=120)
         run.completed_runs = int(h.r.get(f"{keys['count']}.io") or 0)
         run.retried_runs = int(h.r.get(f"{keys['count']}.not_success") or 0)
+        run.most_at_once = int(h.r.get(f"{keys['count']}.campaign_max") or 0)
     finally:
         for w in workers:
             w.stop()
@@ -479,14 +482,15 @@ def bulk_run(h: Harness, provider: FakeProvider, ledger: str, ledger_redis: str,
 def bulk_section(runs: list[BulkRun], command: str, facts: str, seconds: float) -> str:
     lines = ["| ledger | recipients | batch | wall s | recipients/s | ledger round trips (per recipient) "
              "| POSTs | recipients delivered | duplicates | resends answered by the provider's de-duplication "
-             "| final states | campaign task runs |",
-             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---:|"]
+             "| final states | campaign task runs | most runs at once |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in runs:
         states = ", ".join(f"{k} {v:,}" for k, v in sorted(r.states.items()))
         lines.append(f"| {r.ledger} | {r.recipients:,} | {r.batch} | {r.wall:,.0f} | {r.recipients / r.wall:,.0f} "
                      f"| {r.round_trips:,} ({r.round_trips / r.recipients:.3f}) | {r.posts:,} | {r.delivered_keys:,} "
                      f"| {r.duplicates} | {r.suppressed} | {states} "
-                     f"| {r.completed_runs} completed, {r.retried_runs} retried{', 1 killed' if r.killed_at else ''} |")
+                     f"| {r.completed_runs} completed, {r.retried_runs} handed on or retried"
+                     f"{', 1 killed' if r.killed_at else ''} | {r.most_at_once} |")
     notes = "\n".join(
         f"* {r.ledger}: the worker running the campaign was SIGKILLed (whole process group) at {r.killed_at:,} "
         f"recipients settled and restarted; the campaign message came back after the Redis transport's "
@@ -509,7 +513,11 @@ the `delay()` to the ledger holding every recipient in a final state (nothing `c
 `released`). Ledger round trips are counted in the workers at the client: every request written to
 the ledger's own Redis server (a pipeline of claims is one), or every SQL statement; a SIGKILLed
 process loses what it had not yet added (under 100 Redis requests, under 500 statements).
-Deliveries are the provider's own records per key.
+Deliveries are the provider's own records per key. A campaign pass runs for at most half the
+transport's `visibility_timeout`, then publishes the next pass, which starts where it stopped
+(`idemmail_campaign_pass_seconds`): "handed on or retried" counts those passes, and "most runs at once"
+the most campaign runs under way at one moment (more than 1 would be a copy the broker handed out
+again while the first still ran).
 
 {chr(10).join(lines)}
 

@@ -38,6 +38,8 @@ OWNER_HEADER = "idemmail_owner"
 VERDICT_HEADER = "idemmail_verdict"
 #: The id of this published reschedule: two copies of one broker message share it (see ``Ledger.mark_hop``).
 HOP_HEADER = "idemmail_hop"
+#: Where a campaign's next pass starts, and what the passes before it came to (see ``bulk.py``).
+CAMPAIGN_HEADER = "idemmail_campaign"
 #: Epoch seconds before which this message only waits (a long countdown split into hops the broker keeps).
 NOT_BEFORE_HEADER = "idemmail_not_before"
 

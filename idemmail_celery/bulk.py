@@ -24,6 +24,7 @@ Progress is reported as the Celery task state ``PROGRESS`` with counts, visible 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,8 +33,9 @@ from typing import Any
 from celery import Task, shared_task
 
 from . import outcomes, redaction
-from ._common import OWNER_HEADER, VERDICT_HEADER, backoff, transport_visibility_timeout
+from ._common import CAMPAIGN_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff, transport_visibility_timeout
 from ._lease import keeper
+from .config import Settings
 from .errors import LedgerError, SendNeedsReview
 from .handler import Action, Delivery, Handler, Outcome, Step, error_record, verdict_of
 from .keys import Payload
@@ -180,6 +182,11 @@ def _send_campaign(
     a transient error, or waiting for the ledger) are retried by rescheduling this task (at
     most ``MAX_PASSES`` passes; a verdict of this campaign's own that the ledger has not taken
     yet is carried until it has, within the outage budget).
+
+    A pass runs for at most :func:`pass_seconds`, then publishes the next one, which starts where
+    it stopped and carries its counts on: a message is never held past the broker's visibility
+    timeout, so the broker never hands the campaign to a second worker while it runs. Such
+    passes do not count towards ``MAX_PASSES``.
     """
     sender: SendEmailTask = self.app.tasks[SEND_EMAIL]
     builder = sender.key_builder
@@ -193,28 +200,45 @@ def _send_campaign(
     carried = request_headers.get(VERDICT_HEADER)
     verdicts = carried if isinstance(carried, dict) else {}
     handler = Handler(sender.ledger, builder, sender.policy, CampaignEffect(sender, self))
-    deliveries = _unique(builder, base, recipients, tenant, self.request, request_headers, owner, verdicts)
-
-    tally: Counter[Outcome] = Counter()
+    # A pass that ran out of time handed the rest of the list to this one (see _yield_pass).
+    resumed = _Resumed.of(request_headers.get(CAMPAIGN_HEADER), len(recipients))
+    passes = max(0, (self.request.retries or 0) - resumed.continued)  # running out of time is not a retry
+    last = passes >= MAX_PASSES
+    deliveries = _unique(builder, base, recipients, tenant, self.request, request_headers, owner, verdicts, passes)
+    if resumed.start > len(deliveries):  # not this list's: go over all of it (the ledger skips the settled)
+        resumed = _Resumed(continued=resumed.continued)
+    tally: Counter[Outcome] = Counter(dict(resumed.tally))
     # Verdicts still to record: those this pass came with, until their recipients are settled, and
     # those it reaches and cannot record. A pass that stops early carries both on.
     pending_verdicts: dict[str, dict[str, Any]] = dict(verdicts)
-    passes = self.request.retries or 0
-    last = passes >= MAX_PASSES
     size = max(1, int(batch_size))
-    for start in range(0, len(deliveries), size):
+    budget = pass_seconds(self.app, sender.idem_settings)
+    started = time.monotonic()
+    # Recipients before where this pass starts whose verdict came with it: recorded first, while
+    # the claims they hold are still this campaign's.
+    first = [d for d in deliveries[:resumed.start] if d.verdict is not None]
+    # The pass that reached those verdicts counted their recipients pending: they are counted again now.
+    tally[Outcome.PENDING] = max(0, tally[Outcome.PENDING] - len(first))
+    batches = [first[i:i + size] for i in range(0, len(first), size)]
+    first_batches = len(batches)
+    batches += [deliveries[i:i + size] for i in range(resumed.start, len(deliveries), size)]
+    processed = resumed.start
+    for n, deliveries_of_batch in enumerate(batches):
+        if n and time.monotonic() - started >= budget:
+            raise _yield_pass(self, owner, pending_verdicts, processed, tally, resumed.continued)
         try:
-            batch = send_batch(handler, deliveries[start:start + size], owner=owner, last=last)
+            batch = send_batch(handler, deliveries_of_batch, owner=owner, last=last)
         except Exception as exc:  # the ledger failed (or worse): nothing more sent; this pass's claims are ours
             if not isinstance(exc, LedgerError):
                 log.exception("idemmail: campaign %s batch failed; retrying the campaign", campaign_id)
-            raise _again(self, handler, exc, owner, pending_verdicts) from exc
+            raise _again(self, handler, exc, owner, pending_verdicts, passes, resumed.continued) from exc
         tally.update(batch.tally())
         for key in batch.keys:
             pending_verdicts.pop(key, None)
         pending_verdicts.update(batch.verdicts())
-        progress = {"total": len(deliveries), "processed": min(start + size, len(deliveries)),
-                    **{o.value: n for o, n in tally.items()}}
+        if n >= first_batches:
+            processed += len(deliveries_of_batch)
+        progress = {"total": len(deliveries), "processed": processed, **{o.value: c for o, c in tally.items()}}
         try:
             self.update_state(state="PROGRESS", meta=progress)
         except Exception as exc:  # progress is best effort: a result backend blip must not stop the campaign
@@ -222,8 +246,8 @@ def _send_campaign(
 
     if pending_verdicts or (tally[Outcome.PENDING] and not last):
         # Verdicts of this campaign's own sends are never given up on (the outage budget aside):
-        # the claims they hold would otherwise be left to nobody.
-        raise _again(self, handler, None, owner, pending_verdicts)
+        # the claims they hold would otherwise be left to nobody. The next pass goes over the whole list.
+        raise _again(self, handler, None, owner, pending_verdicts, passes, resumed.continued)
     if tally[Outcome.PENDING]:  # held by other deliveries after MAX_PASSES: theirs to settle
         log.warning("idemmail: campaign %s leaves %d recipients to the deliveries holding them after %d passes",
                     campaign_id, tally[Outcome.PENDING], passes)
@@ -232,8 +256,63 @@ def _send_campaign(
                                             Outcome.PENDING)}}
 
 
+def pass_seconds(app: Any, settings: Settings) -> float:
+    """How long one pass of a campaign may run: ``idemmail_campaign_pass_seconds``, else half the
+    broker's visibility timeout (Redis, SQS), else half RabbitMQ's default ``consumer_timeout`` (30 min).
+
+    A message held longer than the visibility timeout is handed out again while its first copy
+    still runs: a second copy of the campaign would then go over the same list beside it (no
+    recipient is sent twice, the ledger sees to that, but the copies hold each other up).
+    """
+    if settings.campaign_pass_seconds is not None:
+        return float(settings.campaign_pass_seconds)
+    vt = transport_visibility_timeout(app)
+    return vt / 2 if vt is not None else 900.0
+
+
+@dataclass(frozen=True)
+class _Resumed:
+    """What a pass that ran out of time handed on (the ``idemmail_campaign`` header): where the next
+    pass starts in the de-duplicated list, what the passes so far came to, and how many there were."""
+
+    start: int = 0
+    tally: tuple[tuple[Outcome, int], ...] = ()
+    continued: int = 0
+
+    @classmethod
+    def of(cls, header: Any, total: int) -> _Resumed:
+        """The header read back; anything malformed starts over from the first recipient (nothing is
+        sent twice: the ledger answers for recipients already settled)."""
+        if not isinstance(header, dict):
+            return cls()
+        start, continued, counts = header.get("from"), header.get("continued"), header.get("tally")
+        if not (isinstance(start, int) and isinstance(continued, int) and isinstance(counts, dict)
+                and 0 <= start <= total and continued >= 0):
+            return cls()
+        try:
+            tally = tuple((Outcome(k), int(v)) for k, v in counts.items())
+        except (ValueError, TypeError):
+            return cls()
+        return cls(start, tally, continued)
+
+
+def _yield_pass(task: Task, owner: str, verdicts: dict[str, Any], start: int, tally: Counter[Outcome],
+                continued: int) -> BaseException:
+    """End this pass before the broker hands its message out again: the next pass, published now,
+    starts at ``start`` with this pass's counts, claim owner and unrecorded verdicts."""
+    headers = {k: v for k, v in (task.request.headers or {}).items()
+               if k not in (OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER)}
+    headers[OWNER_HEADER] = owner
+    if verdicts:
+        headers[VERDICT_HEADER] = verdicts
+    headers[CAMPAIGN_HEADER] = {"from": start, "tally": {o.value: c for o, c in tally.items()},
+                                "continued": continued + 1}
+    log.info("idemmail: campaign pass ran for its time; the next one starts at recipient %d", start)
+    return task.retry(countdown=0, headers=headers)  # type: ignore[no-any-return]
+
+
 def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: str | None, request: Any,
-            headers: dict[str, Any], owner: str, verdicts: dict[str, Any]) -> list[Delivery]:
+            headers: dict[str, Any], owner: str, verdicts: dict[str, Any], passes: int) -> list[Delivery]:
     """One delivery per intent: recipients whose keys agree (two spellings of one mailbox) are one."""
     out: dict[str, Delivery] = {}
     resume = headers.get(OWNER_HEADER) or None
@@ -247,20 +326,20 @@ def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: s
             key = f"invalid:{len(out)}"
         if key not in out:
             out[key] = Delivery(key=key, task_name=SEND_EMAIL, payload=payload, attempt_id=request.id or "",
-                                retries=request.retries or 0, max_retries=MAX_PASSES, owner=owner,
+                                retries=passes, max_retries=MAX_PASSES, owner=owner,
                                 resume_owner=resume, verdict=verdict_of(verdicts.get(key)), older_keys=older)
     return list(out.values())
 
 
 def _again(task: Task, handler: Handler, exc: BaseException | None, owner: str,
-           verdicts: dict[str, Any]) -> BaseException:
+           verdicts: dict[str, Any], passes: int, continued: int) -> BaseException:
     """Retry the campaign; the next pass takes this pass's claims back and records its verdicts.
 
     A pass cut short by the ledger waits on the outage budget (``idemmail_outage_max_retries``,
     unlimited by default), any other pass on ``MAX_PASSES``; past its budget the campaign fails
     with the error. Campaigns never fail open.
     """
-    policy, passes = handler.policy, task.request.retries or 0
+    policy = handler.policy
     if exc is not None:
         budget = policy.outage_max_retries if isinstance(exc, LedgerError) else MAX_PASSES
         if budget is not None and passes >= budget:
@@ -272,10 +351,13 @@ def _again(task: Task, handler: Handler, exc: BaseException | None, owner: str,
     vt = transport_visibility_timeout(task.app)
     if vt is not None:
         countdown = min(countdown, vt / 2)
-    headers = {k: v for k, v in (task.request.headers or {}).items() if k not in (OWNER_HEADER, VERDICT_HEADER)}
+    headers = {k: v for k, v in (task.request.headers or {}).items()
+               if k not in (OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER)}  # the next pass: the whole list
     headers[OWNER_HEADER] = owner
     if verdicts:
         headers[VERDICT_HEADER] = verdicts
+    if continued:  # passes that only ran out of time stay out of MAX_PASSES
+        headers[CAMPAIGN_HEADER] = {"from": 0, "tally": {}, "continued": continued}
     return task.retry(exc=exc, countdown=countdown, headers=headers)  # type: ignore[no-any-return]
 
 

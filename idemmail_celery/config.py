@@ -281,6 +281,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Largest message `send_email` accepts (bodies and attachments), refused at `delay()`."),
     Setting("idemmail_max_recipients", _at_least(parse_int, 1), 50,
             "Most recipients (to, cc and bcc together) one `send_email` message may have, refused at `delay()`."),
+    Setting("idemmail_campaign_pass_seconds", positive, None,
+            "How long one pass of `send_campaign` runs before it hands the rest of the list to a fresh message "
+            "(a broker hands out a message held longer than its visibility timeout again, to a second worker). "
+            "Unset: half the Redis or SQS `visibility_timeout`, else 900 s (half RabbitMQ's `consumer_timeout`).",
+            optional=True),
     # -- metrics --
     Setting("idemmail_metrics", parse_bool, False,
             "Count outcomes and ledger operations into prometheus_client's registry (the `metrics` extra)."),
@@ -361,6 +366,7 @@ class Settings:
     default_from: str | None = None
     max_message_bytes: float = _D["max_message_bytes"]
     max_recipients: int = _D["max_recipients"]
+    campaign_pass_seconds: float | None = None
     metrics: bool = _D["metrics"]
     metrics_port: int = _D["metrics_port"]
     metrics_addr: str = _D["metrics_addr"]

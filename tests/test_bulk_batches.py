@@ -218,3 +218,74 @@ def test_a_campaign_never_ends_with_a_verdict_it_could_not_record(tmp_path: Any)
     record = real.get(sender.intent_key(to="ann@example.com", subject="Hi", text="x", event_id="c-v"))
     assert record is not None and record.state is State.SENT
     assert len(list((tmp_path / "out").iterdir())) == 1
+
+
+def test_a_pass_that_runs_out_of_time_hands_on_its_place_its_counts_and_its_verdicts(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from idemmail_celery import bulk
+    from idemmail_celery.errors import LedgerUnavailableError
+
+    app, campaign = campaign_app(tmp_path, "s", "bulk-passes")
+    app.conf.idemmail_campaign_pass_seconds = 1e-6  # every pass runs one batch, then hands on the rest
+    sender = app.tasks["idemmail_celery.send_email"]
+    real = sender.ledger
+    people = ["ann@example.com", "bob@example.com", "cy@example.com", "di@example.com"]
+    first_key = sender.intent_key(to=people[0], subject="Hi", text="x", event_id="c-p")
+
+    class DownForAnn(LedgerWrapper):  # ann's completion fails on the first pass (4 tries): her verdict is carried
+        refused = 0
+
+        def complete(self, key: str, token: int, result: Any = None) -> None:
+            if key == first_key and self.refused < 4:
+                self.refused += 1
+                raise LedgerUnavailableError("connection reset")
+            self.inner.complete(key, token, result)
+
+    sender._idem_ledger = DownForAnn(real)
+    handed_on: list[dict[str, Any]] = []
+    yield_pass = bulk._yield_pass
+
+    def counted(task: Any, owner: str, verdicts: dict[str, Any], start: int, *rest: Any) -> BaseException:
+        handed_on.append({"from": start, "verdicts": len(verdicts), "retries": task.request.retries})
+        return yield_pass(task, owner, verdicts, start, *rest)
+
+    monkeypatch.setattr(bulk, "_yield_pass", counted)
+    out = campaign.apply(kwargs={"campaign_id": "c-p", "subject": "Hi", "text": "x", "recipients": people,
+                                 "batch_size": 1}).get()
+    # Counted over every pass; ann's verdict recorded by the pass after hers, not sent again.
+    assert (out["total"], out["sent"], out["duplicate"], out["pending"]) == (4, 4, 0, 0), out
+    assert len(list((tmp_path / "out").iterdir())) == 4
+    # ann's pass handed on her verdict; the next recorded it first and stayed at the same place.
+    assert [(h["from"], h["verdicts"]) for h in handed_on] == [(1, 1), (1, 0), (2, 0), (3, 0)], handed_on
+    assert [h["retries"] for h in handed_on] == [0, 1, 2, 3]  # Celery's count; MAX_PASSES counts none of them
+    for person in people:
+        record = real.get(sender.intent_key(to=person, subject="Hi", text="x", event_id="c-p"))
+        assert record is not None and record.state is State.SENT
+
+
+def test_a_pass_lasts_half_the_visibility_timeout_unless_set() -> None:
+    from idemmail_celery.bulk import pass_seconds
+    from idemmail_celery.config import Settings
+
+    def app(broker: str, **options: Any) -> Celery:
+        a = Celery("bulk-vt", broker=broker, set_as_current=False)
+        a.conf.broker_transport_options = options
+        return a
+
+    unset = Settings()
+    assert pass_seconds(app("redis://127.0.0.1:6379/0", visibility_timeout=20), unset) == 10
+    assert pass_seconds(app("redis://127.0.0.1:6379/0"), unset) == 1800  # kombu's default: an hour
+    assert pass_seconds(app("amqp://guest@127.0.0.1//"), unset) == 900  # half RabbitMQ's consumer_timeout
+    assert pass_seconds(app("redis://127.0.0.1:6379/0", visibility_timeout=20),
+                        Settings(campaign_pass_seconds=5)) == 5
+
+
+@pytest.mark.parametrize("header", [None, "x", {"from": -1, "tally": {}, "continued": 1},
+                                    {"from": 9, "tally": {}, "continued": 1}, {"from": 1, "tally": {"bogus": 1},
+                                                                                "continued": 1},
+                                    {"from": 1, "tally": {"sent": "many"}, "continued": 0}])
+def test_a_malformed_hand_on_goes_over_the_whole_list(header: Any) -> None:
+    from idemmail_celery.bulk import _Resumed
+
+    assert _Resumed.of(header, 5) == _Resumed()

@@ -104,3 +104,51 @@ def test_campaign_reports_each_recipient_outcome_without_addresses(
     log = worker.log().decode()
     assert log.count(f"status=sent task={CAMPAIGN_TASK}") == 11 and "bulk=True" in log
     assert "@example.com" not in log
+
+
+def test_campaign_longer_than_the_visibility_timeout_is_never_handed_out_twice(
+    app_for_fake: Any, fake: FakeProvider, worker_env: dict[str, str], start_worker: Any
+) -> None:
+    # The Redis transport hands a message out again once it has been held for visibility_timeout
+    # (4 s here), even while its worker runs it. A campaign of ~10 s must hand the rest of its list
+    # to a fresh message within half of that, every time, and count every pass's recipients.
+    worker_env["IDEMMAIL_TEST_VT"] = "4"
+    fake.latency = 0.02
+    worker = start_worker("-P", "prefork", "-c", "2")  # a free pool slot for any copy handed out early
+    app = app_for_fake.app
+    n = 300
+    recipients = [f"long{i}@example.com" for i in range(n)]
+    ar = app.tasks[CAMPAIGN_TASK].delay(campaign_id="long-one", recipients=recipients, subject="Long",
+                                        text="a long campaign", batch_size=10)
+    out = ar.get(timeout=180)
+    assert (out["total"], out["sent"], out["duplicate"], out["pending"]) == (n, n, 0, 0), out
+    per_recipient = Counter(d.recipients[0] for d in fake.deliveries())
+    assert len(per_recipient) == n and max(per_recipient.values()) == 1
+    log = worker.log().decode()
+    received = log.count(f"send_campaign[{ar.id}] received")
+    passes_ended = log.count(f"send_campaign[{ar.id}] retry:")
+    assert passes_ended >= 2, log[-3000:]  # it ran for longer than one pass may
+    # Every message the worker received is the first one or one a pass published: none handed out again.
+    assert received == passes_ended + 1, (received, passes_ended)
+
+
+def test_campaign_pass_setting_bounds_each_pass_and_counts_survive(
+    app_for_fake: Any, fake: FakeProvider, worker_env: dict[str, str], start_worker: Any
+) -> None:
+    # idemmail_campaign_pass_seconds=0.3 (RabbitMQ-like: no visibility timeout to derive it from here).
+    worker_env["IDEMMAIL_TEST_CAMPAIGN_PASS"] = "0.3"
+    fake.latency = 0.01
+    worker = start_worker("-P", "solo")
+    app = app_for_fake.app
+    n = 120
+    recipients = [f"paced{i}@example.com" for i in range(n)]
+    single = app.tasks[TASK_NAME].delay(to="paced100@example.com", subject="Paced", text="one pass at a time",
+                                        event_id="paced")
+    assert results([single])[0]["status"] == "sent"
+    ar = app.tasks[CAMPAIGN_TASK].delay(campaign_id="paced", recipients=recipients, subject="Paced",
+                                        text="one pass at a time", batch_size=5)
+    out = ar.get(timeout=120)
+    # Counted across every pass: the one already sent is a duplicate wherever its pass began.
+    assert (out["total"], out["sent"], out["duplicate"], out["pending"]) == (n, n - 1, 1, 0), out
+    assert fake.delivery_count() == n
+    assert worker.log().decode().count(f"send_campaign[{ar.id}] retry:") >= 3

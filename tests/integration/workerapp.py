@@ -56,6 +56,7 @@ app.conf.update(
     # Metrics (tests/integration/test_monitoring.py): served from the worker's main process when set.
     idemmail_metrics_port=int(os.environ.get("IDEMMAIL_TEST_METRICS_PORT") or 0) or None,
     idemmail_metrics_addr="127.0.0.1",
+    idemmail_campaign_pass_seconds=os.environ.get("IDEMMAIL_TEST_CAMPAIGN_PASS") or None,
 )
 
 if not os.environ.get("IDEMMAIL_TEST_DEFAULT_BACKOFF"):  # short waits keep the tests short
