@@ -186,7 +186,9 @@ def _send_campaign(
     A pass runs for at most :func:`pass_seconds`, then publishes the next one, which starts where
     it stopped and carries its counts on: a message is never held past the broker's visibility
     timeout, so the broker never hands the campaign to a second worker while it runs. Such
-    passes do not count towards ``MAX_PASSES``.
+    passes do not count towards ``MAX_PASSES``. A pass that still has a verdict to record when
+    its time is up retries instead, over the whole list (sends of earlier passes then count as
+    ``duplicate``).
     """
     sender: SendEmailTask = self.app.tasks[SEND_EMAIL]
     builder = sender.key_builder
@@ -205,29 +207,32 @@ def _send_campaign(
     passes = max(0, (self.request.retries or 0) - resumed.continued)  # running out of time is not a retry
     last = passes >= MAX_PASSES
     deliveries = _unique(builder, base, recipients, tenant, self.request, request_headers, owner, verdicts, passes)
-    if resumed.start > len(deliveries):  # not this list's: go over all of it (the ledger skips the settled)
+    if resumed.start > len(deliveries):  # not this list's place: the whole list (the ledger skips the settled)
         resumed = _Resumed(continued=resumed.continued)
     tally: Counter[Outcome] = Counter(dict(resumed.tally))
     # Verdicts still to record: those this pass came with, until their recipients are settled, and
     # those it reaches and cannot record. A pass that stops early carries both on.
     pending_verdicts: dict[str, dict[str, Any]] = dict(verdicts)
     size = max(1, int(batch_size))
+    # Recipients with a verdict to record go first, wherever they are in the list, and all of them:
+    # their claims are the last pass's (whose owner this one resumes) only until their leases run out.
+    first = [d for d in deliveries if d.verdict is not None]
+    if resumed.start:  # the pass that handed them on counted them pending; they are counted again now
+        tally[Outcome.PENDING] = max(0, tally[Outcome.PENDING] - len(first))
+    done_first = {d.key for d in first}
+    batches: list[tuple[int | None, list[Delivery]]] = [(None, first[i:i + size])
+                                                        for i in range(0, len(first), size)]
+    batches += [(i, [d for d in deliveries[i:i + size] if d.key not in done_first])
+                for i in range(resumed.start, len(deliveries), size)]
     budget = pass_seconds(self.app, sender.idem_settings)
     started = time.monotonic()
-    # Recipients before where this pass starts whose verdict came with it: recorded first, while
-    # the claims they hold are still this campaign's.
-    first = [d for d in deliveries[:resumed.start] if d.verdict is not None]
-    # The pass that reached those verdicts counted their recipients pending: they are counted again now.
-    tally[Outcome.PENDING] = max(0, tally[Outcome.PENDING] - len(first))
-    batches = [first[i:i + size] for i in range(0, len(first), size)]
-    first_batches = len(batches)
-    batches += [deliveries[i:i + size] for i in range(resumed.start, len(deliveries), size)]
-    processed = resumed.start
-    for n, deliveries_of_batch in enumerate(batches):
-        if n and time.monotonic() - started >= budget:
-            raise _yield_pass(self, owner, pending_verdicts, processed, tally, resumed.continued)
+    for at, chunk in batches:
+        if at is not None and at > resumed.start and time.monotonic() - started >= budget:
+            raise _yield_pass(self, handler, owner, pending_verdicts, passes, at, tally, resumed.continued)
+        if not chunk:
+            continue
         try:
-            batch = send_batch(handler, deliveries_of_batch, owner=owner, last=last)
+            batch = send_batch(handler, chunk, owner=owner, last=last)
         except Exception as exc:  # the ledger failed (or worse): nothing more sent; this pass's claims are ours
             if not isinstance(exc, LedgerError):
                 log.exception("idemmail: campaign %s batch failed; retrying the campaign", campaign_id)
@@ -236,9 +241,8 @@ def _send_campaign(
         for key in batch.keys:
             pending_verdicts.pop(key, None)
         pending_verdicts.update(batch.verdicts())
-        if n >= first_batches:
-            processed += len(deliveries_of_batch)
-        progress = {"total": len(deliveries), "processed": processed, **{o.value: c for o, c in tally.items()}}
+        processed = resumed.start if at is None else min(at + size, len(deliveries))
+        progress = {"total": len(deliveries), "processed": processed, **{o.value: n for o, n in tally.items()}}
         try:
             self.update_state(state="PROGRESS", meta=progress)
         except Exception as exc:  # progress is best effort: a result backend blip must not stop the campaign
@@ -296,10 +300,12 @@ class _Resumed:
         return cls(start, tally, continued)
 
 
-def _yield_pass(task: Task, owner: str, verdicts: dict[str, Any], start: int, tally: Counter[Outcome],
-                continued: int) -> BaseException:
+def _yield_pass(task: Task, handler: Handler, owner: str, verdicts: dict[str, Any], passes: int, start: int,
+                tally: Counter[Outcome], continued: int) -> BaseException:
     """End this pass before the broker hands its message out again: the next pass, published now,
-    starts at ``start`` with this pass's counts, claim owner and unrecorded verdicts."""
+    starts at ``start`` with this pass's counts, claim owner and unrecorded verdicts (it records
+    those first). With none of those it starts at once; with some, within a third of the lease.
+    """
     headers = {k: v for k, v in (task.request.headers or {}).items()
                if k not in (OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER)}
     headers[OWNER_HEADER] = owner
@@ -308,7 +314,8 @@ def _yield_pass(task: Task, owner: str, verdicts: dict[str, Any], start: int, ta
     headers[CAMPAIGN_HEADER] = {"from": start, "tally": {o.value: c for o, c in tally.items()},
                                 "continued": continued + 1}
     log.info("idemmail: campaign pass ran for its time; the next one starts at recipient %d", start)
-    return task.retry(countdown=0, headers=headers)  # type: ignore[no-any-return]
+    countdown = _countdown(task, handler, passes, verdicts) if verdicts else 0
+    return task.retry(countdown=countdown, headers=headers)  # type: ignore[no-any-return]
 
 
 def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: str | None, request: Any,
@@ -345,12 +352,7 @@ def _again(task: Task, handler: Handler, exc: BaseException | None, owner: str,
         if budget is not None and passes >= budget:
             log.error("idemmail: campaign gives up after %d passes: %s", passes, type(exc).__name__)
             return exc
-    countdown = backoff(passes, policy.inflight_backoff, policy.inflight_backoff_max)
-    if verdicts:  # back before the claims' leases can run out: no other delivery may take them over
-        countdown = min(countdown, policy.lease_seconds / 3)
-    vt = transport_visibility_timeout(task.app)
-    if vt is not None:
-        countdown = min(countdown, vt / 2)
+    countdown = _countdown(task, handler, passes, verdicts)
     headers = {k: v for k, v in (task.request.headers or {}).items()
                if k not in (OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER)}  # the next pass: the whole list
     headers[OWNER_HEADER] = owner
@@ -359,6 +361,17 @@ def _again(task: Task, handler: Handler, exc: BaseException | None, owner: str,
     if continued:  # passes that only ran out of time stay out of MAX_PASSES
         headers[CAMPAIGN_HEADER] = {"from": 0, "tally": {}, "continued": continued}
     return task.retry(exc=exc, countdown=countdown, headers=headers)  # type: ignore[no-any-return]
+
+
+def _countdown(task: Task, handler: Handler, passes: int, verdicts: dict[str, Any]) -> float:
+    """The wait before the next pass: backoff, kept below the visibility timeout, and with verdicts to
+    record, below a third of the lease (back before the claims can run out: no other delivery may take them)."""
+    policy = handler.policy
+    countdown = backoff(passes, policy.inflight_backoff, policy.inflight_backoff_max)
+    if verdicts:
+        countdown = min(countdown, policy.lease_seconds / 3)
+    vt = transport_visibility_timeout(task.app)
+    return min(countdown, vt / 2) if vt is not None else countdown
 
 
 send_campaign: Task = shared_task(

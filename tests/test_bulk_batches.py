@@ -246,9 +246,10 @@ def test_a_pass_that_runs_out_of_time_hands_on_its_place_its_counts_and_its_verd
     handed_on: list[dict[str, Any]] = []
     yield_pass = bulk._yield_pass
 
-    def counted(task: Any, owner: str, verdicts: dict[str, Any], start: int, *rest: Any) -> BaseException:
+    def counted(task: Any, handler: Any, owner: str, verdicts: dict[str, Any], passes: int, start: int,
+                *rest: Any) -> BaseException:
         handed_on.append({"from": start, "verdicts": len(verdicts), "retries": task.request.retries})
-        return yield_pass(task, owner, verdicts, start, *rest)
+        return yield_pass(task, handler, owner, verdicts, passes, start, *rest)
 
     monkeypatch.setattr(bulk, "_yield_pass", counted)
     out = campaign.apply(kwargs={"campaign_id": "c-p", "subject": "Hi", "text": "x", "recipients": people,
@@ -256,9 +257,9 @@ def test_a_pass_that_runs_out_of_time_hands_on_its_place_its_counts_and_its_verd
     # Counted over every pass; ann's verdict recorded by the pass after hers, not sent again.
     assert (out["total"], out["sent"], out["duplicate"], out["pending"]) == (4, 4, 0, 0), out
     assert len(list((tmp_path / "out").iterdir())) == 4
-    # ann's pass handed on her verdict; the next recorded it first and stayed at the same place.
-    assert [(h["from"], h["verdicts"]) for h in handed_on] == [(1, 1), (1, 0), (2, 0), (3, 0)], handed_on
-    assert [h["retries"] for h in handed_on] == [0, 1, 2, 3]  # Celery's count; MAX_PASSES counts none of them
+    # ann's pass handed on her verdict; the next recorded it first, then went on where the first stopped.
+    assert [(h["from"], h["verdicts"]) for h in handed_on] == [(1, 1), (2, 0), (3, 0)], handed_on
+    assert [h["retries"] for h in handed_on] == [0, 1, 2]  # Celery's count; MAX_PASSES counts none of them
     for person in people:
         record = real.get(sender.intent_key(to=person, subject="Hi", text="x", event_id="c-p"))
         assert record is not None and record.state is State.SENT
@@ -289,3 +290,56 @@ def test_a_malformed_hand_on_goes_over_the_whole_list(header: Any) -> None:
     from idemmail_celery.bulk import _Resumed
 
     assert _Resumed.of(header, 5) == _Resumed()
+
+
+def test_a_pass_that_stops_with_verdicts_and_a_pending_recipient_loses_neither(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ann's and bob's sends cannot be recorded (their verdicts are carried), cy's provider says "later"
+    # (released, pending), and the pass runs out of time; the next pass is slow recording ann's verdict.
+    import types
+
+    from idemmail_celery import bulk
+    from idemmail_celery.errors import LedgerUnavailableError, TransientSendError
+
+    clock = [0.0]
+    monkeypatch.setattr(bulk, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
+    app, campaign = campaign_app(tmp_path, "s", "bulk-stops")
+    app.conf.idemmail_campaign_pass_seconds = 100
+    sender = app.tasks["idemmail_celery.send_email"]
+    real = sender.ledger
+    people = ["ann@example.com", "bob@example.com", "cy@example.com", "di@example.com", "ed@example.com"]
+    key = {p: sender.intent_key(to=p, subject="Hi", text="x", event_id="c-s") for p in people}
+    refusals = {key[people[0]]: 4, key[people[1]]: 4}  # every try of the first pass
+    slow = {key[people[0]]}
+
+    class Flaky(LedgerWrapper):
+        def complete(self, k: str, token: int, result: Any = None) -> None:
+            if refusals.get(k, 0) > 0:
+                refusals[k] -= 1
+                raise LedgerUnavailableError("connection reset")
+            if k in slow:  # the pass after: recording ann's verdict takes the pass's whole time
+                slow.discard(k)
+                clock[0] += 100
+            self.inner.complete(k, token, result)
+
+    sender._idem_ledger = Flaky(real)
+    deliver = sender.deliver
+    later: list[str] = []
+
+    def deliver_or_later(kwargs: dict[str, Any], k: str) -> Any:
+        if kwargs["to"] == people[2] and not later:
+            later.append(k)
+            clock[0] += 100
+            raise TransientSendError("try later", reason="throttled")
+        return deliver(kwargs, k)
+
+    monkeypatch.setattr(sender, "deliver", deliver_or_later)
+    out = campaign.apply(kwargs={"campaign_id": "c-s", "subject": "Hi", "text": "x", "recipients": people,
+                                 "batch_size": 1}).get()
+    assert out["total"] == 5 and out["sent"] + out["duplicate"] == 5 and out["pending"] == 0, out
+    assert len(list((tmp_path / "out").iterdir())) == 5  # everyone once, cy included
+    for person in people:
+        record = real.get(key[person])
+        assert record is not None and record.state is State.SENT, (person, record)
