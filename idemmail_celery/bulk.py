@@ -89,14 +89,19 @@ class BatchResult:
     steps: list[Step]
     keys: list[str]
 
+    def outcomes(self) -> list[Outcome]:
+        """Each recipient's outcome as a campaign counts it: sent, duplicate, failed, review or pending."""
+        return [_TALLY.get(s.outcome, Outcome.PENDING) for s in self.steps]
+
     def tally(self) -> Counter[Outcome]:
         """Recipients per outcome: sent, duplicate, failed, review, pending."""
-        return Counter(_TALLY.get(s.outcome, Outcome.PENDING) for s in self.steps)
+        return Counter(self.outcomes())
 
     def verdicts(self) -> dict[str, dict[str, Any]]:
-        """Verdicts this batch reached and could not record yet (delivery key -> verdict)."""
-        return {k: s.carry[VERDICT_HEADER] for k, s in zip(self.keys, self.steps, strict=True)
-                if VERDICT_HEADER in s.carry}
+        """Verdicts this batch reached and could not record yet (delivery key -> verdict), each with
+        the ``owner`` its claim is held by: the pass that records it takes the claim back as that owner."""
+        return {k: {**s.carry[VERDICT_HEADER], "owner": s.carry.get(OWNER_HEADER)}
+                for k, s in zip(self.keys, self.steps, strict=True) if VERDICT_HEADER in s.carry}
 
 
 
@@ -216,28 +221,47 @@ def _send_campaign(
     size = max(1, int(batch_size))
     # Recipients with a verdict to record go first, wherever they are in the list, and all of them:
     # their claims are the last pass's (whose owner this one resumes) only until their leases run out.
-    first = [d for d in deliveries if d.verdict is not None]
-    if resumed.start:  # the pass that handed them on counted them pending; they are counted again now
-        tally[Outcome.PENDING] = max(0, tally[Outcome.PENDING] - len(first))
-    done_first = {d.key for d in first}
-    batches: list[tuple[int | None, list[Delivery]]] = [(None, first[i:i + size])
-                                                        for i in range(0, len(first), size)]
-    batches += [(i, [d for d in deliveries[i:i + size] if d.key not in done_first])
-                for i in range(resumed.start, len(deliveries), size)]
+    first = [(i, d) for i, d in enumerate(deliveries) if d.verdict is not None]
+    before = sum(1 for i, _ in first if i < resumed.start)
+    # Those before where this pass starts were counted (pending) by the pass that handed them on: they
+    # are counted again now. Those after it are counted when the list reaches them: by this pass with
+    # the outcome they come to now, or (if it runs out of time first) by a later one.
+    tally[Outcome.PENDING] = max(0, tally[Outcome.PENDING] - before)
+    early: dict[str, Outcome] = {}
+    index = {d.key: i for i, d in first}
+    # Each claimed as the owner that holds it (the pass that reached the verdict), so that it stays that
+    # owner's whether or not this claim lands: a verdict is recorded, never sent, whoever takes it back.
+    holders: dict[str, list[Delivery]] = {}
+    for _, d in first:
+        holders.setdefault(d.resume_owner or owner, []).append(d)
+    batches: list[tuple[int | None, str, list[Delivery]]] = [
+        (None, holder, held[i:i + size]) for holder, held in holders.items() for i in range(0, len(held), size)]
+    batches += [(i, owner, deliveries[i:i + size]) for i in range(resumed.start, len(deliveries), size)]
     budget = pass_seconds(self.app, sender.idem_settings)
     started = time.monotonic()
-    for at, chunk in batches:
+    for at, claimant, chunk in batches:
         if at is not None and at > resumed.start and time.monotonic() - started >= budget:
             raise _yield_pass(self, handler, owner, pending_verdicts, passes, at, tally, resumed.continued)
+        if at is not None:  # recorded first in this pass: counted here, not sent for again
+            recorded = [d.key for d in chunk if d.key in early]
+            tally.update(early.pop(key) for key in recorded)
+            chunk = [d for d in chunk if d.key not in recorded]
         if not chunk:
             continue
         try:
-            batch = send_batch(handler, chunk, owner=owner, last=last)
+            batch = send_batch(handler, chunk, owner=claimant, last=last)
         except Exception as exc:  # the ledger failed (or worse): nothing more sent; this pass's claims are ours
             if not isinstance(exc, LedgerError):
                 log.exception("idemmail: campaign %s batch failed; retrying the campaign", campaign_id)
             raise _again(self, handler, exc, owner, pending_verdicts, passes, resumed.continued) from exc
-        tally.update(batch.tally())
+        if at is None:
+            for d, outcome in zip(chunk, batch.outcomes(), strict=True):
+                if index[d.key] < resumed.start:
+                    tally[outcome] += 1
+                else:
+                    early[d.key] = outcome
+        else:
+            tally.update(batch.tally())
         for key in batch.keys:
             pending_verdicts.pop(key, None)
         pending_verdicts.update(batch.verdicts())
@@ -332,9 +356,12 @@ def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: s
         except Exception:  # an address the key cannot be made of: the check refuses it below, by name
             key = f"invalid:{len(out)}"
         if key not in out:
+            verdict = verdict_of(verdicts.get(key))
+            held_by = verdict.get("owner") if verdict is not None else None
             out[key] = Delivery(key=key, task_name=SEND_EMAIL, payload=payload, attempt_id=request.id or "",
                                 retries=passes, max_retries=MAX_PASSES, owner=owner,
-                                resume_owner=resume, verdict=verdict_of(verdicts.get(key)), older_keys=older)
+                                resume_owner=held_by if isinstance(held_by, str) and held_by else resume,
+                                verdict=verdict, older_keys=older)
     return list(out.values())
 
 

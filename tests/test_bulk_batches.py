@@ -343,3 +343,78 @@ def test_a_pass_that_stops_with_verdicts_and_a_pending_recipient_loses_neither(
     for person in people:
         record = real.get(key[person])
         assert record is not None and record.state is State.SENT, (person, record)
+
+
+class RecordsLate(LedgerWrapper):
+    """A real ledger that refuses the first ``refusals[key]`` completions of a key, then takes ``slow[key]``
+    seconds of a fake clock to record it, and refuses the claim batches numbered in ``down``."""
+
+    def __init__(self, inner: Ledger, refusals: dict[str, int], slow: dict[str, float] | None = None,
+                 clock: list[float] | None = None, down: tuple[int, ...] = ()) -> None:
+        super().__init__(inner)
+        self.refusals, self.slow, self.clock, self.down, self.batches = refusals, slow or {}, clock, down, 0
+
+    def complete(self, key: str, token: int, result: Any = None) -> None:
+        from idemmail_celery.errors import LedgerUnavailableError
+
+        if self.refusals.get(key, 0) > 0:
+            self.refusals[key] -= 1
+            raise LedgerUnavailableError("connection reset")
+        if key in self.slow and self.clock is not None:
+            self.clock[0] += self.slow.pop(key)
+        self.inner.complete(key, token, result)
+
+    def claim_many(self, requests: Any) -> Any:
+        from idemmail_celery.errors import LedgerUnavailableError
+
+        self.batches += 1
+        if self.batches in self.down:
+            raise LedgerUnavailableError("connection refused")
+        return self.inner.claim_many(requests)
+
+
+def test_a_verdict_recorded_first_is_counted_once_when_the_list_reaches_it_later(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ed (last in the list) is sent and cannot be recorded; the whole list goes round again and records
+    # his verdict first, which takes the pass's time: the pass hands on at the second recipient, and the
+    # pass after it reaches ed again. He is counted once, and nobody is sent twice.
+    import types
+
+    from idemmail_celery import bulk
+
+    clock = [0.0]
+    monkeypatch.setattr(bulk, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
+    app, campaign = campaign_app(tmp_path, "s", "bulk-once")
+    app.conf.idemmail_campaign_pass_seconds = 100
+    sender = app.tasks["idemmail_celery.send_email"]
+    people = ["ann@example.com", "bob@example.com", "cy@example.com", "di@example.com", "ed@example.com"]
+    ed = sender.intent_key(to=people[4], subject="Hi", text="x", event_id="c-o")
+    sender._idem_ledger = RecordsLate(sender.ledger, {ed: 4}, {ed: 100.0}, clock)
+    out = campaign.apply(kwargs={"campaign_id": "c-o", "subject": "Hi", "text": "x", "recipients": people,
+                                 "batch_size": 1}).get()
+    counted = sum(out[o] for o in ("sent", "duplicate", "failed", "review", "pending"))
+    assert (out["total"], counted, out["pending"]) == (5, 5, 0), out
+    assert len(list((tmp_path / "out").iterdir())) == 5
+
+
+def test_a_verdict_whose_next_pass_met_the_ledger_down_is_still_recorded_by_the_one_after(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ann is sent and cannot be recorded; bob's claim batch meets the ledger down, and so does the next
+    # pass's claim of ann's verdict. The pass after that must still take ann's claim back (its holder is
+    # the pass that sent her) and record her, not wait for the lease and send or park her again.
+    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
+    app, campaign = campaign_app(tmp_path, "s", "bulk-held")
+    sender = app.tasks["idemmail_celery.send_email"]
+    real = sender.ledger
+    people = ["ann@example.com", "bob@example.com"]
+    ann = sender.intent_key(to=people[0], subject="Hi", text="x", event_id="c-h")
+    sender._idem_ledger = RecordsLate(real, {ann: 4}, down=(2, 3))
+    out = campaign.apply(kwargs={"campaign_id": "c-h", "subject": "Hi", "text": "x", "recipients": people,
+                                 "batch_size": 1}).get()
+    assert (out["total"], out["sent"] + out["duplicate"], out["pending"]) == (2, 2, 0), out
+    record = real.get(ann)
+    assert record is not None and record.state is State.SENT, record
+    assert len(list((tmp_path / "out").iterdir())) == 2
