@@ -292,59 +292,6 @@ def test_a_malformed_hand_on_goes_over_the_whole_list(header: Any) -> None:
     assert _Resumed.of(header, 5) == _Resumed()
 
 
-def test_a_pass_that_stops_with_verdicts_and_a_pending_recipient_loses_neither(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # ann's and bob's sends cannot be recorded (their verdicts are carried), cy's provider says "later"
-    # (released, pending), and the pass runs out of time; the next pass is slow recording ann's verdict.
-    import types
-
-    from idemmail_celery import bulk
-    from idemmail_celery.errors import LedgerUnavailableError, TransientSendError
-
-    clock = [0.0]
-    monkeypatch.setattr(bulk, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
-    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
-    app, campaign = campaign_app(tmp_path, "s", "bulk-stops")
-    app.conf.idemmail_campaign_pass_seconds = 100
-    sender = app.tasks["idemmail_celery.send_email"]
-    real = sender.ledger
-    people = ["ann@example.com", "bob@example.com", "cy@example.com", "di@example.com", "ed@example.com"]
-    key = {p: sender.intent_key(to=p, subject="Hi", text="x", event_id="c-s") for p in people}
-    refusals = {key[people[0]]: 4, key[people[1]]: 4}  # every try of the first pass
-    slow = {key[people[0]]}
-
-    class Flaky(LedgerWrapper):
-        def complete(self, k: str, token: int, result: Any = None) -> None:
-            if refusals.get(k, 0) > 0:
-                refusals[k] -= 1
-                raise LedgerUnavailableError("connection reset")
-            if k in slow:  # the pass after: recording ann's verdict takes the pass's whole time
-                slow.discard(k)
-                clock[0] += 100
-            self.inner.complete(k, token, result)
-
-    sender._idem_ledger = Flaky(real)
-    deliver = sender.deliver
-    later: list[str] = []
-
-    def deliver_or_later(kwargs: dict[str, Any], k: str) -> Any:
-        if kwargs["to"] == people[2] and not later:
-            later.append(k)
-            clock[0] += 100
-            raise TransientSendError("try later", reason="throttled")
-        return deliver(kwargs, k)
-
-    monkeypatch.setattr(sender, "deliver", deliver_or_later)
-    out = campaign.apply(kwargs={"campaign_id": "c-s", "subject": "Hi", "text": "x", "recipients": people,
-                                 "batch_size": 1}).get()
-    assert out["total"] == 5 and out["sent"] + out["duplicate"] == 5 and out["pending"] == 0, out
-    assert len(list((tmp_path / "out").iterdir())) == 5  # everyone once, cy included
-    for person in people:
-        record = real.get(key[person])
-        assert record is not None and record.state is State.SENT, (person, record)
-
-
 class RecordsLate(LedgerWrapper):
     """A real ledger that refuses the first ``refusals[key]`` completions of a key, then takes ``slow[key]``
     seconds of a fake clock to record it, and refuses the claim batches numbered in ``down``."""
@@ -371,6 +318,47 @@ class RecordsLate(LedgerWrapper):
         if self.batches in self.down:
             raise LedgerUnavailableError("connection refused")
         return self.inner.claim_many(requests)
+
+
+def test_a_pass_that_stops_with_verdicts_and_a_pending_recipient_loses_neither(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ann's and bob's sends cannot be recorded (their verdicts are carried), cy's provider says "later"
+    # (released, pending), and the pass runs out of time; the next pass is slow recording ann's verdict.
+    import types
+
+    from idemmail_celery import bulk
+    from idemmail_celery.errors import TransientSendError
+
+    clock = [0.0]
+    monkeypatch.setattr(bulk, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
+    app, campaign = campaign_app(tmp_path, "s", "bulk-stops")
+    app.conf.idemmail_campaign_pass_seconds = 100
+    sender = app.tasks["idemmail_celery.send_email"]
+    real = sender.ledger
+    people = ["ann@example.com", "bob@example.com", "cy@example.com", "di@example.com", "ed@example.com"]
+    key = {p: sender.intent_key(to=p, subject="Hi", text="x", event_id="c-s") for p in people}
+    # Every try of the first pass refused for ann and bob; the next pass takes its whole time recording ann.
+    sender._idem_ledger = RecordsLate(real, {key[people[0]]: 4, key[people[1]]: 4}, {key[people[0]]: 100.0}, clock)
+    deliver = sender.deliver
+    later: list[str] = []
+
+    def deliver_or_later(kwargs: dict[str, Any], k: str) -> Any:
+        if kwargs["to"] == people[2] and not later:
+            later.append(k)
+            clock[0] += 100
+            raise TransientSendError("try later", reason="throttled")
+        return deliver(kwargs, k)
+
+    monkeypatch.setattr(sender, "deliver", deliver_or_later)
+    out = campaign.apply(kwargs={"campaign_id": "c-s", "subject": "Hi", "text": "x", "recipients": people,
+                                 "batch_size": 1}).get()
+    assert out["total"] == 5 and out["sent"] + out["duplicate"] == 5 and out["pending"] == 0, out
+    assert len(list((tmp_path / "out").iterdir())) == 5  # everyone once, cy included
+    for person in people:
+        record = real.get(key[person])
+        assert record is not None and record.state is State.SENT, (person, record)
 
 
 def test_a_verdict_recorded_first_is_counted_once_when_the_list_reaches_it_later(
