@@ -128,6 +128,21 @@ def test_same_key_twice_is_one_delivery_with_the_same_id(fake: FakeProvider, pro
     assert fake.duplicates_suppressed(key) == 1
 
 
+def test_a_key_is_forgotten_after_its_window_even_behind_one_kept_longer(
+    fake: FakeProvider, provider: HTTPProvider
+) -> None:
+    kept, short = new_key(), new_key()
+    provider.send(receipt(), key=kept)  # remembered for the default day
+    fake.dedupe_window = 0.2
+    provider.send(receipt(), key=short)
+    provider.send(receipt(), key=short)
+    assert fake.delivery_count(short) == 1  # inside its window: replayed
+    time.sleep(0.3)
+    provider.send(receipt(), key=short)
+    provider.send(receipt(), key=kept)
+    assert (fake.delivery_count(short), fake.delivery_count(kept)) == (2, 1)
+
+
 def test_two_sends_of_the_same_message_are_byte_identical(fake: FakeProvider, provider: HTTPProvider) -> None:
     key = new_key()
     # Built twice, tags given in another order: equal messages must give equal bytes.

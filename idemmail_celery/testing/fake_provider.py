@@ -241,6 +241,15 @@ class FakeProvider(FakeHTTPServer):
     def _reply_headers(self) -> dict[str, str]:
         return {"X-Request-Id": str(uuid.uuid4())}
 
+    def _forget_expired(self, now: float) -> None:
+        """Drop remembered keys whose window has passed, oldest first (the dict keeps insertion order,
+        and a key is stored again only once forgotten): a request costs the same after 100,000 keys."""
+        while self._stored:
+            oldest = next(iter(self._stored))
+            if self._stored[oldest].expires > now:
+                return
+            del self._stored[oldest]
+
     def _send_email(self, headers: Mapping[str, str], body: bytes) -> Reply | None:
         """Answer one ``POST /emails``; None means "close the connection without a response"."""
         key = headers.get("idempotency-key") or None
@@ -274,10 +283,12 @@ class FakeProvider(FakeHTTPServer):
         conflict: tuple[Reply, str] | None = None
         with self._lock:
             now = time.monotonic()
-            for stale in [k for k, s in self._stored.items() if s.expires <= now]:
-                del self._stored[stale]
+            self._forget_expired(now)
             if self.dedupe and key is not None:
                 replay = self._stored.get(key)
+                if replay is not None and replay.expires <= now:  # behind an entry stored for longer
+                    del self._stored[key]
+                    replay = None
                 pending = self._in_flight.get(key)
                 if (replay and replay.body_sha256 != sha) or (pending is not None and pending != sha):
                     conflict = (_error(409, "invalid_idempotent_request",
