@@ -253,17 +253,24 @@ class Handler:
         refused = self.check(d)
         if refused is not None:
             return refused
+        # What this chain holds goes on to the next delivery whatever happens here: an owner to take
+        # back, a verdict to record (dropped, the claim would wait out its lease and be decided again).
+        held = {VERDICT_HEADER: d.verdict} if d.verdict is not None else {}
         if d.older_keys:
             try:
                 d = self.recorded_key(d)
             except (LedgerUnavailableError, UnsafeLedgerError) as exc:
-                return self.unavailable(d, exc)  # nothing claimed yet: the next delivery looks again
-        owner = d.owner or new_owner(d.attempt_id)
+                # Nothing claimed yet: the next delivery looks again.
+                return self.unavailable(d, exc, carry={OWNER_HEADER: d.resume_owner, **held} if d.resume_owner
+                                        else held or None)
+        # A verdict is claimed as the owner holding its claim, so that the claim stays that owner's
+        # whether or not this one lands (its reply may be lost): it is recorded, never run, whoever takes it.
+        owner = (d.verdict is not None and d.resume_owner) or d.owner or new_owner(d.attempt_id)
         try:
             claim = self.ledger.claim(self.request(d, owner))
         except (LedgerUnavailableError, UnsafeLedgerError) as exc:
             # Fail closed. The claim may have landed with its reply lost: the next delivery takes it back.
-            return self.unavailable(d, exc, carry={OWNER_HEADER: owner})
+            return self.unavailable(d, exc, carry={OWNER_HEADER: owner, **held})
         if _said_unreachable:  # the ledger answers again: its next outage gets its ERROR line too
             _said_unreachable.discard(id(self.ledger))
         return self.settle(d, claim)

@@ -70,6 +70,8 @@ class Refusing(LedgerWrapper):
         self.down: set[str] = set()
 
     def claim(self, request: ClaimRequest) -> Any:
+        if "claim" in self.down:
+            raise LedgerUnavailableError("store went away (claim)")
         if "claim_lost_reply" in self.down:  # the store runs it; its reply never comes back
             self.inner.claim(request)
             raise LedgerUnavailableError("reply lost")
@@ -263,6 +265,32 @@ def test_a_verdict_the_ledger_refused_is_recorded_by_the_next_delivery_without_r
     assert settled.action is Action.RAISE and box.sent == []
     record = ledger.get("h13")
     assert record is not None and record.state.value == state
+
+
+@pytest.mark.parametrize("outage", ["claim", "claim_lost_reply"])
+def test_a_verdict_survives_a_second_outage_at_the_next_claim(
+    ledger: Ledger, outage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Sent, not recorded (the store went away); the next delivery's claim meets the store away again
+    # (refused, or run with its reply lost). The one after must still record the send, not find the
+    # claim busy until its lease runs out and decide it again.
+    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
+    refusing = Refusing(ledger)
+    handler, box = build(refusing)
+    refusing.down.add("sent")
+    d = delivery("h-twice")
+    first = handler.handle(d)
+    assert first.carry[VERDICT_HEADER]["state"] == "sent" and len(box.sent) == 1
+    refusing.down = {outage}
+    second_delivery = next_of(d, first)
+    second = handler.handle(second_delivery)
+    assert (second.outcome, second.action) == (Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE)
+    assert second.carry.get(VERDICT_HEADER) == first.carry[VERDICT_HEADER]
+    refusing.down = set()
+    third = handler.handle(next_of(second_delivery, second))
+    assert third.outcome is Outcome.SENT and len(box.sent) == 1
+    record = ledger.get("h-twice")
+    assert record is not None and record.state is State.SENT
 
 
 def test_a_send_the_ledger_could_not_record_is_recorded_by_the_next_delivery_once(
