@@ -277,6 +277,10 @@ class Handler:
 
     def check(self, d: Delivery) -> Step | None:
         """None if the call may be claimed; else the step that ends it, with nothing stored."""
+        if d.verdict is not None:
+            # Sent (or decided) already, to be recorded and never run: a provider this worker cannot
+            # build, or a rule the payload no longer meets, must not drop the verdict.
+            return None
         try:
             self.effect.check(d.payload)
         except ConfigurationError as exc:

@@ -293,6 +293,30 @@ def test_a_verdict_survives_a_second_outage_at_the_next_claim(
     assert record is not None and record.state is State.SENT
 
 
+def test_a_verdict_is_recorded_by_a_worker_that_could_not_send(ledger: Ledger,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # The next delivery lands on a worker whose provider cannot be built (no API key): it has nothing
+    # to send, only the verdict to record.
+    from idemmail_celery.errors import ConfigurationError
+
+    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
+    refusing = Refusing(ledger)
+    handler, box = build(refusing)
+    refusing.down.add("sent")
+    d = delivery("h-noconf")
+    first = handler.handle(d)
+    refusing.down = set()
+
+    def no_provider(payload: Payload) -> None:
+        raise ConfigurationError("set idemmail_provider_api_key")
+
+    monkeypatch.setattr(box, "check", no_provider)
+    second = handler.handle(next_of(d, first))
+    assert second.outcome is Outcome.SENT and len(box.sent) == 1
+    record = ledger.get("h-noconf")
+    assert record is not None and record.state is State.SENT
+
+
 def test_a_send_the_ledger_could_not_record_is_recorded_by_the_next_delivery_once(
     ledger: Ledger, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -144,7 +144,10 @@ class ClaimRequest:
     #: when it may hold a claim it could not settle: the claim's reply was lost, or its release
     #: failed. A ``claimed`` record whose owner is this, live or expired, is taken back as
     #: ``RESUMED``: the token goes up, ``owner`` becomes :attr:`owner` (so a second copy of the
-    #: same message, carrying the same ``resume_owner``, finds it busy), ``reclaims`` stays.
+    #: same message, carrying the same ``resume_owner``, finds it busy), ``reclaims`` stays. A
+    #: delivery that only records a verdict claims with ``owner == resume_owner``, so that the claim
+    #: stays with its holder whether or not this claim's reply arrives: two copies of it may then
+    #: both resume it, and both record the same verdict (the body never runs on that path).
     resume_owner: str | None = None
 
 
