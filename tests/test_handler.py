@@ -267,6 +267,19 @@ def test_a_verdict_the_ledger_refused_is_recorded_by_the_next_delivery_without_r
     assert record is not None and record.state.value == state
 
 
+def sent_not_recorded(ledger: Ledger, key: str,
+                      monkeypatch: pytest.MonkeyPatch) -> tuple[Refusing, Handler, Mailbox, Delivery, Step]:
+    """A first delivery of ``key`` that sends and cannot record it (the store refuses ``sent``)."""
+    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
+    refusing = Refusing(ledger)
+    handler, box = build(refusing)
+    refusing.down.add("sent")
+    d = delivery(key)
+    first = handler.handle(d)
+    assert first.carry[VERDICT_HEADER]["state"] == "sent" and len(box.sent) == 1
+    return refusing, handler, box, d, first
+
+
 @pytest.mark.parametrize("outage", ["claim", "claim_lost_reply"])
 def test_a_verdict_survives_a_second_outage_at_the_next_claim(
     ledger: Ledger, outage: str, monkeypatch: pytest.MonkeyPatch
@@ -274,13 +287,7 @@ def test_a_verdict_survives_a_second_outage_at_the_next_claim(
     # Sent, not recorded (the store went away); the next delivery's claim meets the store away again
     # (refused, or run with its reply lost). The one after must still record the send, not find the
     # claim busy until its lease runs out and decide it again.
-    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
-    refusing = Refusing(ledger)
-    handler, box = build(refusing)
-    refusing.down.add("sent")
-    d = delivery("h-twice")
-    first = handler.handle(d)
-    assert first.carry[VERDICT_HEADER]["state"] == "sent" and len(box.sent) == 1
+    refusing, handler, box, d, first = sent_not_recorded(ledger, "h-twice", monkeypatch)
     refusing.down = {outage}
     second_delivery = next_of(d, first)
     second = handler.handle(second_delivery)
@@ -299,12 +306,7 @@ def test_a_verdict_is_recorded_by_a_worker_that_could_not_send(ledger: Ledger,
     # to send, only the verdict to record.
     from idemmail_celery.errors import ConfigurationError
 
-    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
-    refusing = Refusing(ledger)
-    handler, box = build(refusing)
-    refusing.down.add("sent")
-    d = delivery("h-noconf")
-    first = handler.handle(d)
+    refusing, handler, box, d, first = sent_not_recorded(ledger, "h-noconf", monkeypatch)
     refusing.down = set()
 
     def no_provider(payload: Payload) -> None:
