@@ -221,18 +221,17 @@ def _send_campaign(
     size = max(1, int(batch_size))
     # Recipients with a verdict to record go first, wherever they are in the list, and all of them:
     # their claims are the last pass's (whose owner this one resumes) only until their leases run out.
-    first = [(i, d) for i, d in enumerate(deliveries) if d.verdict is not None]
-    before = sum(1 for i, _ in first if i < resumed.start)
+    first = [d for d in deliveries if d.verdict is not None]
     # Those before where this pass starts were counted (pending) by the pass that handed them on: they
     # are counted again now. Those after it are counted when the list reaches them: by this pass with
     # the outcome they come to now, or (if it runs out of time first) by a later one.
-    tally[Outcome.PENDING] = max(0, tally[Outcome.PENDING] - before)
+    behind = {d.key for d in deliveries[:resumed.start] if d.verdict is not None}
+    tally[Outcome.PENDING] = max(0, tally[Outcome.PENDING] - len(behind))
     early: dict[str, Outcome] = {}
-    index = {d.key: i for i, d in first}
     # Each claimed as the owner that holds it (the pass that reached the verdict), so that it stays that
     # owner's whether or not this claim lands: a verdict is recorded, never sent, whoever takes it back.
     holders: dict[str, list[Delivery]] = {}
-    for _, d in first:
+    for d in first:
         holders.setdefault(d.resume_owner or owner, []).append(d)
     batches: list[tuple[int | None, str, list[Delivery]]] = [
         (None, holder, held[i:i + size]) for holder, held in holders.items() for i in range(0, len(held), size)]
@@ -256,7 +255,7 @@ def _send_campaign(
             raise _again(self, handler, exc, owner, pending_verdicts, passes, resumed.continued) from exc
         if at is None:
             for d, outcome in zip(chunk, batch.outcomes(), strict=True):
-                if index[d.key] < resumed.start:
+                if d.key in behind:
                     tally[outcome] += 1
                 else:
                     early[d.key] = outcome
@@ -330,13 +329,8 @@ def _yield_pass(task: Task, handler: Handler, owner: str, verdicts: dict[str, An
     starts at ``start`` with this pass's counts, claim owner and unrecorded verdicts (it records
     those first). With none of those it starts at once; with some, within a third of the lease.
     """
-    headers = {k: v for k, v in (task.request.headers or {}).items()
-               if k not in (OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER)}
-    headers[OWNER_HEADER] = owner
-    if verdicts:
-        headers[VERDICT_HEADER] = verdicts
-    headers[CAMPAIGN_HEADER] = {"from": start, "tally": {o.value: c for o, c in tally.items()},
-                                "continued": continued + 1}
+    headers = _pass_headers(task, owner, verdicts, {"from": start, "tally": {o.value: c for o, c in tally.items()},
+                                                    "continued": continued + 1})
     log.info("idemmail: campaign pass ran for its time; the next one starts at recipient %d", start)
     countdown = _countdown(task, handler, passes, verdicts) if verdicts else 0
     return task.retry(countdown=countdown, headers=headers)  # type: ignore[no-any-return]
@@ -380,14 +374,23 @@ def _again(task: Task, handler: Handler, exc: BaseException | None, owner: str,
             log.error("idemmail: campaign gives up after %d passes: %s", passes, type(exc).__name__)
             return exc
     countdown = _countdown(task, handler, passes, verdicts)
+    # The next pass goes over the whole list; passes that only ran out of time stay out of MAX_PASSES.
+    headers = _pass_headers(task, owner, verdicts, {"from": 0, "tally": {}, "continued": continued} if continued
+                            else None)
+    return task.retry(exc=exc, countdown=countdown, headers=headers)  # type: ignore[no-any-return]
+
+
+def _pass_headers(task: Task, owner: str, verdicts: dict[str, Any], resume: dict[str, Any] | None) -> dict[str, Any]:
+    """The next pass's headers: this message's, with this pass's claim owner, its unrecorded verdicts
+    and where the next pass starts (none: the whole list) in place of the ones it came with."""
     headers = {k: v for k, v in (task.request.headers or {}).items()
-               if k not in (OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER)}  # the next pass: the whole list
+               if k not in (OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER)}
     headers[OWNER_HEADER] = owner
     if verdicts:
         headers[VERDICT_HEADER] = verdicts
-    if continued:  # passes that only ran out of time stay out of MAX_PASSES
-        headers[CAMPAIGN_HEADER] = {"from": 0, "tally": {}, "continued": continued}
-    return task.retry(exc=exc, countdown=countdown, headers=headers)  # type: ignore[no-any-return]
+    if resume is not None:
+        headers[CAMPAIGN_HEADER] = resume
+    return headers
 
 
 def _countdown(task: Task, handler: Handler, passes: int, verdicts: dict[str, Any]) -> float:

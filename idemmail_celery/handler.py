@@ -253,16 +253,12 @@ class Handler:
         refused = self.check(d)
         if refused is not None:
             return refused
-        # What this chain holds goes on to the next delivery whatever happens here: an owner to take
-        # back, a verdict to record (dropped, the claim would wait out its lease and be decided again).
-        held = {VERDICT_HEADER: d.verdict} if d.verdict is not None else {}
         if d.older_keys:
             try:
                 d = self.recorded_key(d)
             except (LedgerUnavailableError, UnsafeLedgerError) as exc:
-                # Nothing claimed yet: the next delivery looks again.
-                return self.unavailable(d, exc, carry={OWNER_HEADER: d.resume_owner, **held} if d.resume_owner
-                                        else held or None)
+                # Nothing claimed yet: the next delivery looks again, holding what this one held.
+                return self.unavailable(d, exc, carry=_held(d, d.resume_owner) or None)
         # A verdict is claimed as the owner holding its claim, so that the claim stays that owner's
         # whether or not this one lands (its reply may be lost): it is recorded, never run, whoever takes it.
         owner = (d.verdict is not None and d.resume_owner) or d.owner or new_owner(d.attempt_id)
@@ -270,7 +266,7 @@ class Handler:
             claim = self.ledger.claim(self.request(d, owner))
         except (LedgerUnavailableError, UnsafeLedgerError) as exc:
             # Fail closed. The claim may have landed with its reply lost: the next delivery takes it back.
-            return self.unavailable(d, exc, carry={OWNER_HEADER: owner, **held})
+            return self.unavailable(d, exc, carry=_held(d, owner))
         if _said_unreachable:  # the ledger answers again: its next outage gets its ERROR line too
             _said_unreachable.discard(id(self.ledger))
         return self.settle(d, claim)
@@ -712,6 +708,15 @@ def _iso(ts: float | None) -> str | None:
     import datetime as dt
 
     return None if not ts else dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat()
+
+
+def _held(d: Delivery, owner: str | None) -> dict[str, Any]:
+    """What a delivery that met an outage hands to the next one: the owner that may hold its claim,
+    and its verdict (dropped, the claim would wait out its lease and be decided again)."""
+    carry: dict[str, Any] = {OWNER_HEADER: owner} if owner else {}
+    if d.verdict is not None:
+        carry[VERDICT_HEADER] = d.verdict
+    return carry
 
 
 def verdict_of(header: Any) -> dict[str, Any] | None:

@@ -320,24 +320,34 @@ class RecordsLate(LedgerWrapper):
         return self.inner.claim_many(requests)
 
 
+PEOPLE = ["ann@example.com", "bob@example.com", "cy@example.com", "di@example.com", "ed@example.com"]
+
+
+def paced_campaign(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, name: str) -> tuple[Any, Any, list[float]]:
+    """A campaign whose passes last 100 s of a fake clock (``clock[0]``, moved by the test), the
+    handler's waits between tries skipped; returns the campaign task, send_email and the clock."""
+    import types
+
+    from idemmail_celery import bulk
+
+    clock = [0.0]
+    monkeypatch.setattr(bulk, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
+    app, campaign = campaign_app(tmp_path, "s", name)
+    app.conf.idemmail_campaign_pass_seconds = 100
+    return campaign, app.tasks["idemmail_celery.send_email"], clock
+
+
 def test_a_pass_that_stops_with_verdicts_and_a_pending_recipient_loses_neither(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # ann's and bob's sends cannot be recorded (their verdicts are carried), cy's provider says "later"
     # (released, pending), and the pass runs out of time; the next pass is slow recording ann's verdict.
-    import types
-
-    from idemmail_celery import bulk
     from idemmail_celery.errors import TransientSendError
 
-    clock = [0.0]
-    monkeypatch.setattr(bulk, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
-    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
-    app, campaign = campaign_app(tmp_path, "s", "bulk-stops")
-    app.conf.idemmail_campaign_pass_seconds = 100
-    sender = app.tasks["idemmail_celery.send_email"]
+    campaign, sender, clock = paced_campaign(tmp_path, monkeypatch, "bulk-stops")
     real = sender.ledger
-    people = ["ann@example.com", "bob@example.com", "cy@example.com", "di@example.com", "ed@example.com"]
+    people = PEOPLE
     key = {p: sender.intent_key(to=p, subject="Hi", text="x", event_id="c-s") for p in people}
     # Every try of the first pass refused for ann and bob; the next pass takes its whole time recording ann.
     sender._idem_ledger = RecordsLate(real, {key[people[0]]: 4, key[people[1]]: 4}, {key[people[0]]: 100.0}, clock)
@@ -367,17 +377,8 @@ def test_a_verdict_recorded_first_is_counted_once_when_the_list_reaches_it_later
     # ed (last in the list) is sent and cannot be recorded; the whole list goes round again and records
     # his verdict first, which takes the pass's time: the pass hands on at the second recipient, and the
     # pass after it reaches ed again. He is counted once, and nobody is sent twice.
-    import types
-
-    from idemmail_celery import bulk
-
-    clock = [0.0]
-    monkeypatch.setattr(bulk, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
-    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
-    app, campaign = campaign_app(tmp_path, "s", "bulk-once")
-    app.conf.idemmail_campaign_pass_seconds = 100
-    sender = app.tasks["idemmail_celery.send_email"]
-    people = ["ann@example.com", "bob@example.com", "cy@example.com", "di@example.com", "ed@example.com"]
+    campaign, sender, clock = paced_campaign(tmp_path, monkeypatch, "bulk-once")
+    people = PEOPLE
     ed = sender.intent_key(to=people[4], subject="Hi", text="x", event_id="c-o")
     sender._idem_ledger = RecordsLate(sender.ledger, {ed: 4}, {ed: 100.0}, clock)
     out = campaign.apply(kwargs={"campaign_id": "c-o", "subject": "Hi", "text": "x", "recipients": people,
