@@ -13,7 +13,7 @@ import redis
 
 from idemmail_celery.ledger import State, from_url
 
-from ..conftest import REDIS_URL, service_missing, unique
+from ..conftest import REDIS_URL, require_module, service_missing, unique
 from .conftest import ROOT
 
 
@@ -55,3 +55,28 @@ def test_agent_retrying_and_repeating_tool_calls_causes_one_side_effect_each() -
         stale = [*r.scan_iter(f"{prefix}:*", count=1000), f"{prefix}.tools", f"_kombu.binding.{prefix}.tools"]
         r.delete(*stale)
 
+
+
+def test_agent_over_mcp_times_out_calls_again_and_one_email_is_sent() -> None:
+    require_module("mcp")
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        r.ping()
+    except redis.ConnectionError as exc:
+        service_missing("redis", exc)
+    prefix = unique("mcp").replace("_", "")
+    env = {**os.environ, "CELERY_BROKER_URL": REDIS_URL, "CELERY_RESULT_BACKEND": REDIS_URL,
+           "IDEMMAIL_LEDGER_URL": REDIS_URL, "PYTHONPATH": str(ROOT)}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "examples.agent_mcp", "--prefix", prefix], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "RESULT: OK" in out, out
+        assert 'tools: ["send_email", "add_note", "intent_state"]' in out, out
+        assert "send_email try 1: timed out after 1 s" in out, out  # the client gave up; the send went on
+        assert "emails delivered: 1 ['Your ticket T-981 is resolved']" in out and "crm notes: 1\n" in out, out
+        tries = re.findall(r"^send_email try \d: (.+)$", out, re.MULTILINE)
+        assert tries[-1] in ("duplicate", "sent") and tries.count("sent") <= 1, out
+        assert "intent_state: sent" in out and "add_note try 2: duplicate" in out, out  # the ledger says sent
+    finally:
+        r.delete(*r.scan_iter(f"{prefix}:*", count=1000), f"{prefix}.tools", f"_kombu.binding.{prefix}.tools")
