@@ -80,3 +80,25 @@ def test_agent_over_mcp_times_out_calls_again_and_one_email_is_sent() -> None:
         assert "intent_state: sent" in out and "add_note try 2: duplicate" in out, out  # the ledger says sent
     finally:
         r.delete(*r.scan_iter(f"{prefix}:*", count=1000), f"{prefix}.tools", f"_kombu.binding.{prefix}.tools")
+
+
+def test_langgraph_agent_asks_again_while_pending_and_one_email_is_sent() -> None:
+    require_module("langgraph")
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        r.ping()
+    except redis.ConnectionError as exc:
+        service_missing("redis", exc)
+    prefix = unique("lg").replace("_", "")
+    env = {**os.environ, "CELERY_BROKER_URL": REDIS_URL, "CELERY_RESULT_BACKEND": REDIS_URL,
+           "IDEMMAIL_LEDGER_URL": REDIS_URL, "PYTHONPATH": str(ROOT)}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "examples.agent_langgraph", "--prefix", prefix], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "RESULT: OK" in out, out
+        assert "send_email call_1: pending\n" in out, out  # the first wait ran out; the model asked again
+        assert "emails delivered: 1 ['Ticket T-981 resolved']" in out and "crm notes: 1\n" in out, out
+        assert re.findall(r"^add_note call_2: (\w+)$", out, re.MULTILINE) == ["sent", "duplicate"], out
+    finally:
+        r.delete(*r.scan_iter(f"{prefix}:*", count=1000), f"{prefix}.tools", f"_kombu.binding.{prefix}.tools")
