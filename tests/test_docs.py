@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import itertools
 import re
+import textwrap
 from pathlib import Path
 from types import ModuleType
 
@@ -127,3 +128,26 @@ def test_no_page_copies_a_docstring() -> None:
               for page in PAGES for source, doc in sources.items()
               if (run := shared_run(page_prose(page), doc, DOCSTRING_RUN))]
     assert not copies, "\n".join(copies)
+
+
+# -- code quoted from the repository --
+
+def quoted(page: Path) -> list[tuple[str, str]]:
+    """The page's Python blocks that open with ``# <a path in the repository>``: (path, code)."""
+    return re.findall(r"^```python\n# (\S+/\S+\.py)\n(.*?)^```", page.read_text(), re.MULTILINE | re.DOTALL)
+
+
+def test_code_a_page_quotes_from_a_file_stands_in_that_file_as_written() -> None:
+    """A block headed by a file's path is a run of that file's lines (indented as a whole or not): the page
+    shows code that the file's own tests run, and cannot drift from it."""
+    missing = []
+    for page in PAGES:
+        for path, code in quoted(page):
+            lines = textwrap.dedent(code).splitlines()
+            source = (ROOT / path).read_text().splitlines()
+            runs = (textwrap.dedent("\n".join(source[i:i + len(lines)])).splitlines() for i in range(len(source)))
+            if lines not in runs:
+                missing.append(f"{page.relative_to(ROOT)}: a block quoted from {path} is not in it as written")
+    assert missing == []
+    assert {path for path, _ in quoted(ROOT / "docs" / "agent-tools.md")} == {
+        "examples/agent_mcp.py", "examples/agent_langgraph.py"}  # run by tests/integration/test_examples_agent.py
