@@ -24,19 +24,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
-import redis
 from langchain_core.messages import AIMessage, ToolMessage
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode
 
-from examples._stack import LOCAL_REDIS, celery_from_env, celery_worker, configure_from_env
+from examples._stack import agent_env, celery_from_env, celery_worker, configure_from_env, crm_note, crm_notes
 from idemmail_celery.contrib.langchain import as_langchain_tool
 from idemmail_celery.testing import DEFAULT_API_KEY, FakeProvider
 from idemmail_celery.tools import email_tool, idempotent_tool
@@ -47,8 +45,7 @@ celery = celery_from_env("agent_langgraph", idemmail_default_from="Support <supp
 @idempotent_tool(celery, key="call_id", timeout=1.0, name="agent_langgraph.add_note")
 def add_note(deal_id: str, text: str) -> dict[str, Any]:
     """Add a note to a CRM deal."""
-    crm = redis.Redis.from_url(os.environ.get("CELERY_BROKER_URL", LOCAL_REDIS))
-    return {"notes": crm.rpush(f"{os.environ['CRM_LIST']}:{deal_id}", text)}
+    return crm_note(deal_id, text)
 
 
 #: What the scripted model asks for, in order; the same call again while it is pending.
@@ -88,22 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prefix", default=f"lg{uuid.uuid4().hex[:6]}", help="queue and ledger names")
     args = parser.parse_args(argv)
-    crm = redis.Redis.from_url(os.environ.get("CELERY_BROKER_URL", LOCAL_REDIS))
     with FakeProvider(dedupe=False, slow_seconds=3.0) as provider:
         provider.fail_next("slow")  # the first send takes 3 s: longer than the tool waits
-        env = {"CELERY_TASK_DEFAULT_QUEUE": f"{args.prefix}.tools", "CRM_LIST": f"{args.prefix}.crm",
-               "IDEMMAIL_LEDGER_URL": os.environ.get("IDEMMAIL_LEDGER_URL", LOCAL_REDIS),
-               "IDEMMAIL_LEDGER_OPTIONS": json.dumps({"prefix": args.prefix}),
-               "IDEMMAIL_KEY_SECRET": "example-secret-do-not-use-in-production",
-               "IDEMMAIL_PROVIDER_URL": provider.url, "IDEMMAIL_PROVIDER_API_KEY": DEFAULT_API_KEY,
-               "IDEMMAIL_INFLIGHT_BACKOFF": "0.2", "IDEMMAIL_INFLIGHT_BACKOFF_MAX": "1"}
+        env = agent_env(args.prefix, provider.url, DEFAULT_API_KEY)
         configure_from_env(celery, env)
         log = Path(tempfile.mkdtemp(prefix="agent-langgraph-")) / "worker.log"
         with celery_worker("examples.agent_langgraph:celery", env, log=log, args=("-P", "threads", "-c", "4")):
             messages = build_graph().invoke({"messages": []}, {"recursion_limit": 100})["messages"]
         emails = provider.deliveries()
-    notes = crm.lrange(f"{args.prefix}.crm:D-7", 0, -1)
-    crm.delete(f"{args.prefix}.crm:D-7")
+    notes = crm_notes(args.prefix, "D-7")
     answers = [(m.name, m.tool_call_id, json.loads(str(m.content))["status"]) for m in messages
                if isinstance(m, ToolMessage)]
     for name, call_id, status in answers:

@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import redis
 from mcp import Client, MCPError, StdioServerParameters
 
-from examples._stack import LOCAL_REDIS, ROOT, celery_from_env, celery_worker
+from examples._stack import ROOT, agent_env, celery_from_env, celery_worker, crm_note, crm_notes
 from idemmail_celery.contrib.mcp import CALL_ID_META
 from idemmail_celery.testing import DEFAULT_API_KEY, FakeProvider
 from idemmail_celery.tools import idempotent_tool
@@ -45,8 +44,7 @@ celery = celery_from_env("agent_mcp", idemmail_default_from="Support <support@ex
 @idempotent_tool(celery, key="call_id", name="agent_mcp.add_note")
 def add_note(deal_id: str, text: str) -> dict[str, Any]:
     """Add a note to a CRM deal."""
-    crm = redis.Redis.from_url(os.environ.get("CELERY_BROKER_URL", LOCAL_REDIS))
-    return {"notes": crm.rpush(f"{os.environ['CRM_LIST']}:{deal_id}", text)}
+    return crm_note(deal_id, text)
 
 
 async def agent(server: StdioServerParameters) -> list[dict[str, Any]]:
@@ -83,15 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prefix", default=f"mcp{uuid.uuid4().hex[:6]}", help="queue and ledger names")
     args = parser.parse_args(argv)
-    crm = redis.Redis.from_url(os.environ.get("CELERY_BROKER_URL", LOCAL_REDIS))
     with FakeProvider(dedupe=False, slow_seconds=3.0) as provider:
         provider.fail_next("slow")  # the first send takes 3 s: longer than the agent waits
-        env = {"CELERY_TASK_DEFAULT_QUEUE": f"{args.prefix}.tools", "CRM_LIST": f"{args.prefix}.crm",
-               "IDEMMAIL_LEDGER_URL": os.environ.get("IDEMMAIL_LEDGER_URL", LOCAL_REDIS),
-               "IDEMMAIL_LEDGER_OPTIONS": json.dumps({"prefix": args.prefix}),
-               "IDEMMAIL_KEY_SECRET": "example-secret-do-not-use-in-production",
-               "IDEMMAIL_PROVIDER_URL": provider.url, "IDEMMAIL_PROVIDER_API_KEY": DEFAULT_API_KEY,
-               "IDEMMAIL_INFLIGHT_BACKOFF": "0.2", "IDEMMAIL_INFLIGHT_BACKOFF_MAX": "1"}
+        env = agent_env(args.prefix, provider.url, DEFAULT_API_KEY)
         server = StdioServerParameters(
             command=sys.executable, args=["-m", "celery", "-A", "examples.agent_mcp", "idemmail", "mcp"],
             env={**os.environ, "PYTHONPATH": str(ROOT), **env}, cwd=str(ROOT))
@@ -99,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         with celery_worker("examples.agent_mcp:celery", env, log=log, args=("-P", "threads", "-c", "4")):
             seen = anyio.run(agent, server)
         emails = provider.deliveries()
-    notes = crm.lrange(f"{args.prefix}.crm:D-7", 0, -1)
-    crm.delete(f"{args.prefix}.crm:D-7")
+    notes = crm_notes(args.prefix, "D-7")
     print(f"emails delivered: {len(emails)} {[e.subject for e in emails]}")
     print(f"crm notes: {len(notes)}")
     sends = [s["status"] for s in seen if s["tool"] == "send_email"]

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pytest
 from celery import Celery
-from celery.signals import before_task_publish
 from click.testing import CliRunner
 
 from idemmail_celery import ConfigurationError
 from idemmail_celery.cli import standalone
 from idemmail_celery.tools import IdempotentTool, IntentStateTool, app_tools, email_tool, idempotent_tool
 
+from . import test_tools
 from .conftest import require_module, unique
 
 anyio = require_module("anyio")
@@ -29,29 +29,11 @@ contrib_langchain = require_module("idemmail_celery.contrib.langchain")
 
 T = TypeVar("T")
 
+app, published = test_tools.app, test_tools.published  # the fixtures: an app on an in-memory broker, publishes seen
+
 
 def run(main: Callable[[], Awaitable[T]]) -> T:
     return anyio.run(main)  # type: ignore[no-any-return]
-
-
-@pytest.fixture
-def app() -> Celery:
-    app = Celery(unique("agents"), broker="memory://", backend="cache+memory://")
-    app.conf.update(idemmail_key_secret="test-secret", idemmail_provider_url="console://",
-                    idemmail_default_from="Support <support@example.com>", task_serializer="json")
-    return app
-
-
-@pytest.fixture
-def published() -> Iterator[list[str]]:
-    seen: list[str] = []
-
-    def count(sender: Any = None, **_: Any) -> None:
-        seen.append(str(sender))
-
-    before_task_publish.connect(count, weak=False)
-    yield seen
-    before_task_publish.disconnect(count)
 
 
 def deal_tools(app: Celery) -> tuple[IdempotentTool, IdempotentTool]:
