@@ -339,7 +339,8 @@ class IntentStateTool:
     runs it, ``released``, ``sent``, ``failed``, ``review``) or ``unknown`` (not claimed yet, never
     enqueued, or past its retention); ``sent`` adds ``message_id``, ``sent_at`` and ``result``,
     the others the recorded ``error``. Never the stored payload (personal data). A malformed call
-    is ``{"status": "invalid", "error": ...}`` as for :class:`IdempotentTool`.
+    is ``{"status": "invalid", "error": ...}`` as for :class:`IdempotentTool`; a ledger that does
+    not answer, ``{"status": "error", "error": ...}`` (never ``unknown``).
     """
 
     tools: Sequence[IdempotentTool]
@@ -377,10 +378,14 @@ class IntentStateTool:
             problem = f"unexpected argument {field!r}" if extra else "key must be the string an outcome gave"
             return {"status": Outcome.INVALID.value, "key": None,
                     "error": _error(ToolArgumentError(f"tool {self.name}: {problem}", field=field))}
-        for ledger in self._ledgers:
-            record = ledger.get(key)
-            if record is not None:
-                return _state_of(key, record.state, record.attempts, record.updated_at, record.result, record.error)
+        try:
+            for ledger in self._ledgers:
+                record = ledger.get(key)
+                if record is not None:
+                    return _state_of(key, record.state, record.attempts, record.updated_at, record.result,
+                                     record.error)
+        except IdemmailError as exc:  # the ledger is down (or lost): say so, never guess "unknown"
+            return {"status": Outcome.ERROR.value, "key": key, "error": _error(exc)}
         return {"key": key, "state": "unknown"}
 
 

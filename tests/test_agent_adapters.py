@@ -101,11 +101,16 @@ def test_the_clients_tool_call_id_is_the_intent_of_a_call_id_tool_only(app: Cele
     assert by_arguments["key"] == update_deal.key_for(deal)  # no id sent: the arguments are the intent
 
 
-def test_the_state_tool_answers_unknown_for_a_key_no_ledger_holds(app: Celery, tmp_path: Any) -> None:
+def test_the_state_tool_says_unknown_for_a_key_no_ledger_holds_and_error_when_it_cannot_tell(
+        app: Celery, tmp_path: Any) -> None:
     app.conf.idemmail_ledger_url = f"sqlite:///{tmp_path}/ledger.db"
     state = IntentStateTool(app_tools(app))
     assert state({"key": "idem:v1:nothing"}) == {"key": "idem:v1:nothing", "state": "unknown"}
     assert state({"key": 7})["status"] == "invalid"
+    elsewhere = Celery(unique("down"), broker="memory://", backend="cache+memory://")
+    elsewhere.conf.update(idemmail_key_secret="test-secret", idemmail_ledger_url="redis://127.0.0.1:1/0")
+    down = IntentStateTool(app_tools(elsewhere))({"key": "idem:v1:nothing"})  # nothing listens: not "unknown"
+    assert down["status"] == "error" and down["error"]["type"] == "LedgerUnavailableError" and "state" not in down
 
 
 def test_an_mcp_server_without_a_result_backend_or_with_two_tools_of_one_name_is_refused(app: Celery) -> None:
