@@ -46,13 +46,20 @@ def deal_tools(app: Celery) -> tuple[IdempotentTool, IdempotentTool]:
     return update_deal, post_status
 
 
-def test_mcp_lists_every_tool_of_the_app_with_its_spec_schema_and_a_read_only_state_tool(app: Celery) -> None:
+#: The protocol's two eras: "auto" settles on the newest (per-request, 2026-07-28), "legacy" is the
+#: initialize handshake older clients use (2025-11-25).
+ERAS = pytest.mark.parametrize("mode", ["auto", "legacy"])
+
+
+@ERAS
+def test_mcp_lists_every_tool_of_the_app_with_its_spec_schema_and_a_read_only_state_tool(
+        app: Celery, mode: str) -> None:
     deal_tools(app)
     served = app_tools(app)
     assert [t.name for t in served] == ["send_email", "update_deal", "post_status"]
 
     async def main() -> Any:
-        async with mcp.Client(contrib_mcp.server(app)) as client:
+        async with mcp.Client(contrib_mcp.server(app), mode=mode) as client:
             return (await client.list_tools()).tools
 
     listed = run(main)
@@ -82,13 +89,14 @@ def test_mcp_refuses_an_argument_the_schema_does_not_offer_and_enqueues_nothing(
     assert published == []
 
 
-def test_the_clients_tool_call_id_is_the_intent_of_a_call_id_tool_only(app: Celery) -> None:
+@ERAS
+def test_the_clients_tool_call_id_is_the_intent_of_a_call_id_tool_only(app: Celery, mode: str) -> None:
     update_deal, post_status = (dataclasses.replace(t, timeout=0.05) for t in deal_tools(app))  # no worker: pending
     deal = {"deal_id": "D-7", "stage": "won"}
     post = {"channel": "#ops", "incident_id": "INC-1", "text": "Resolved."}
 
     async def main() -> list[dict[str, Any]]:
-        async with mcp.Client(contrib_mcp.server(app, [update_deal, post_status])) as client:
+        async with mcp.Client(contrib_mcp.server(app, [update_deal, post_status]), mode=mode) as client:
             meta = {contrib_mcp.CALL_ID_META: "toolu_01"}
             return [(await client.call_tool(name, args, meta=meta)).structured_content
                     for name, args in (("update_deal", deal), ("post_status", post))] + [
