@@ -14,12 +14,12 @@ It serves :func:`~idemmail_celery.tools.app_tools` (``email_tool`` and every
 ``spec()`` gives (bound arguments never shown), plus ``intent_state``
 (:class:`~idemmail_celery.tools.IntentStateTool`, read only). A call's result is the tool's
 outcome dict, as ``structuredContent`` and as JSON text; ``isError`` is set for ``invalid``,
-``failed`` and ``error``. Each call blocks a thread of the server (anyio's pool) until its
-outcome or the tool's ``timeout``, then answers ``pending``.
+``failed`` and ``error``. Each call waits in a thread of anyio's pool (40 at once by default;
+more calls queue) for its outcome, or for the tool's ``timeout`` and then answers ``pending``.
 
 **Call ids.** For a tool made with ``key="call_id"``, the intent is the client's tool-call
-id, sent in the request's ``_meta`` under :data:`CALL_ID_META`; without one (and for every
-other ``key``) the call's arguments are the intent, as :mod:`~idemmail_celery.tools` says.
+id, sent in the request's ``_meta`` under :data:`CALL_ID_META`; without one, the call's
+arguments are. Tools keyed otherwise ignore it (see :mod:`~idemmail_celery.tools`).
 The JSON-RPC request id is never used: the client gives a retried call a new one, and
 numbers them afresh on each connection, so it would protect nothing and could join two
 clients' calls into one intent.
