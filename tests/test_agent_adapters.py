@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pytest
-from celery import Celery
+from celery import Celery, current_app
 from click.testing import CliRunner
 
 from idemmail_celery import ConfigurationError
@@ -134,12 +135,17 @@ def test_an_mcp_server_without_a_result_backend_or_with_two_tools_of_one_name_is
 
 
 def test_the_cli_serves_http_on_loopback_only() -> None:
-    done = CliRunner().invoke(standalone(), ["-A", "tests.integration.agentapp:app", "mcp", "--http",
-                                             "--host", "0.0.0.0"])
-    assert done.exit_code == 2 and "loopback only" in done.output, done.output
-    done = CliRunner().invoke(standalone(), ["-A", "tests.integration.agentapp:app", "mcp", "--tools",
-                                             "tests.integration.agentapp:REDIS_URL"])
-    assert done.exit_code == 2 and "not a list of tools" in done.output, done.output
+    previous = current_app._get_current_object()
+    try:
+        done = CliRunner().invoke(standalone(), ["-A", "tests.integration.agentapp:app", "mcp", "--http",
+                                                 "--host", "0.0.0.0"])
+        assert done.exit_code == 2 and "loopback only" in done.output, done.output
+        done = CliRunner().invoke(standalone(), ["-A", "tests.integration.agentapp:app", "mcp", "--tools",
+                                                 "tests.integration.agentapp:REDIS_URL"])
+        assert done.exit_code == 2 and "not a list of tools" in done.output, done.output
+    finally:  # loading the app made it current: give the next test the one it had
+        sys.modules.pop("tests.integration.agentapp", None)
+        previous.set_current()
 
 
 def test_langchain_tool_shows_the_spec_schema_and_refuses_what_it_does_not_offer(
