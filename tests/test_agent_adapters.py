@@ -176,3 +176,10 @@ def test_langgraph_toolnode_passes_the_tool_call_id_as_the_intent(app: Celery) -
     assert answer.tool_call_id == "call_7"
     outcome = json.loads(answer.content)
     assert outcome["status"] == "pending" and outcome["key"] == update_deal.key_for(deal, call_id="call_7")
+
+    async def main() -> Any:  # the async path (ToolNode awaits the tool; it waits in an executor thread)
+        call = messages.AIMessage("", tool_calls=[{"name": "update_deal", "args": deal, "id": "call_8"}])
+        return (await graph.compile().ainvoke({"messages": [call]}))["messages"][-1]
+
+    outcome = json.loads(run(main).content)
+    assert outcome["status"] == "pending" and outcome["key"] == update_deal.key_for(deal, call_id="call_8")
