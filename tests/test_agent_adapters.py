@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -134,17 +133,19 @@ def test_an_mcp_server_without_a_result_backend_or_with_two_tools_of_one_name_is
         contrib_mcp.server(bare)
 
 
-def test_the_cli_serves_http_on_loopback_only() -> None:
+#: The app ``-A`` loads in the CLI test (no broker is reached: the command refuses before it serves).
+cli_app = Celery("idemmail_cli_agent_tests", broker="memory://", backend="cache+memory://", set_as_current=False)
+cli_app.conf.idemmail_key_secret = "test-secret"
+
+
+def test_the_cli_serves_http_on_loopback_only_and_loads_only_lists_of_tools() -> None:
     previous = current_app._get_current_object()
     try:
-        done = CliRunner().invoke(standalone(), ["-A", "tests.integration.agentapp:app", "mcp", "--http",
-                                                 "--host", "0.0.0.0"])
+        done = CliRunner().invoke(standalone(), ["-A", f"{__name__}:cli_app", "mcp", "--http", "--host", "0.0.0.0"])
         assert done.exit_code == 2 and "loopback only" in done.output, done.output
-        done = CliRunner().invoke(standalone(), ["-A", "tests.integration.agentapp:app", "mcp", "--tools",
-                                                 "tests.integration.agentapp:REDIS_URL"])
+        done = CliRunner().invoke(standalone(), ["-A", f"{__name__}:cli_app", "mcp", "--tools", f"{__name__}:ERAS"])
         assert done.exit_code == 2 and "not a list of tools" in done.output, done.output
-    finally:  # loading the app made it current: give the next test the one it had
-        sys.modules.pop("tests.integration.agentapp", None)
+    finally:
         previous.set_current()
 
 
