@@ -308,3 +308,33 @@ def test_importing_anything_of_the_package_connects_the_publish_hook() -> None:
         "print(headers['argsrepr'], '|', headers['kwargsrepr'])\n"
     )
     assert out.strip() == "<redacted> | <redacted: idempotency key k-1>"
+
+
+@pytest.mark.parametrize("quoted", [
+    "Zo\u00eb's r\u00e9sum\u00e9 review",  # as given
+    "ZO\u00cb'S R\u00c9SUM\u00c9 REVIEW",  # other case
+    "Zo\\u00eb's r\\u00e9sum\\u00e9\\nreview",  # JSON, ASCII only, a line break between two words
+    "Zo%C3%AB%27s+r%C3%A9sum%C3%A9%20review",  # a URL
+])
+def test_scrub_finds_a_non_ascii_personal_text_however_it_is_escaped(quoted: str) -> None:
+    from idemmail_celery.redaction import scrub
+
+    subject = "Zo\u00eb's r\u00e9sum\u00e9 review"
+    assert scrub(f"422: subject {quoted} refused; next", [subject]) == "422: subject <redacted> refused; next"
+
+
+def test_scrub_replaces_overlapping_and_repeated_personal_texts_once_each() -> None:
+    from idemmail_celery.redaction import scrub
+
+    text = "Ann Privateperson wrote: Ann Privateperson <ann@example.com>; privateperson"
+    assert scrub(text, ["Ann Privateperson", "Privateperson"]) == (
+        "<redacted> wrote: <redacted> <address>; <redacted>")
+
+
+def test_scrub_of_a_50000_word_text_finishes() -> None:
+    """Linear time (the figures live in the commit and make bench): a regex per personal text took 7 s here."""
+    from idemmail_celery.redaction import scrub
+
+    words = [f"w{i:05d}x" for i in range(50_000)]
+    subject = " ".join(words)
+    assert scrub(f"echo: {' '.join(words[:25_000])} and {subject}!", [subject]).endswith("and <redacted>!")
