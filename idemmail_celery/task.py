@@ -52,10 +52,8 @@ from .config import Settings
 from .errors import (
     ConfigurationError,
     IdemmailError,
-    LedgerError,
     PermanentSendError,
     TransientSendError,
-    UnsafeLedgerError,
     UnserializableArgumentsError,
 )
 from .handler import Action, Delivery, Handler, Outcome, Policy, Step, verdict_of
@@ -349,17 +347,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         tenant = options.pop("idempotency_tenant", None)
         headers = dict(options.get("headers") or {})
         carried = headers.get(KEY_HEADER)
-        if explicit is None and carried is not None:
-            if self.key_builder.is_marked(carried, headers.get(KEY_MARK_HEADER)):
-                pass  # the library's own key (see key_headers): validated when it was derived
-            elif keys_mod.is_derived_key(carried) and ENQUEUED_HEADER in headers and KEY_MARK_HEADER not in headers:
-                # Intent headers a release before marks derived (an outbox row written before the
-                # upgrade): hashing the key again would give the intent a second key and send it
-                # twice. The call is still validated.
-                self.key_builder.bound(self.validate_call(args, kwargs))
-                headers.update(self.key_headers(carried))
-            else:
-                explicit = carried  # the caller's own key: checked and hashed like idempotency_key=
+        if explicit is None and carried is not None and not self.key_builder.is_marked(
+                carried, headers.get(KEY_MARK_HEADER)):
+            # The caller's own key, whatever it looks like (64 hex digits too): checked and hashed like
+            # idempotency_key=, never marked as it is. Only the library's own key (see key_headers,
+            # validated when it was derived) travels unchanged.
+            explicit = carried
         if explicit is not None or carried is None:
             for stale in (KEY_MARK_HEADER, OLDER_KEYS_HEADER):  # belong to whatever key the caller copied
                 headers.pop(stale, None)
@@ -401,20 +394,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """The key this delivery claims under, and the older keys to look for first (a rotation).
 
         * a key the library marked (:meth:`key_headers`): as it is;
-        * a key of 64 lower-case hex digits with no mark at all: as it is too. Releases before marks put
-          derived keys on messages so (retries, reschedules, released copies still queued), and
-          hashing one again would give its intent a second key: sent twice. A caller who sends
-          such a key by name (``send_task``) gets it as the ledger key, as before;
-        * any other key: the caller's own (``send_task(headers=...)``): checked, namespaced and
-          hashed (:meth:`_raw_key`);
+        * any other key, 64 hex digits or not: the caller's own (``send_task(headers=...)``): checked,
+          namespaced and hashed (:meth:`_raw_key`). A key another intent's message shows (every
+          Message-ID does) therefore never reaches that intent's record;
         * none (sent by name without one): derived from the arguments, as ``apply_async`` would.
         """
         carried = headers.get(KEY_HEADER) or getattr(self.request, KEY_HEADER, None)
         mark = headers.get(KEY_MARK_HEADER)
         # A mark that does not verify (headers copied from another task's message) is no release's
         # doing: the key is then the caller's own, hashed, never taken as it is.
-        if carried and (self.key_builder.is_marked(carried, mark)
-                        or (mark is None and keys_mod.is_derived_key(carried))):
+        if carried and self.key_builder.is_marked(carried, mark):
             return self._rotated(str(carried), payload, headers)
         if carried:
             return self._raw_key(carried, headers)
@@ -451,9 +440,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         and its forms under older key secrets (during a rotation: a record made before it is found).
 
         The tenant is the header's (:meth:`~idemmail_celery.keys.IntentKeyBuilder.explicit_key`), as
-        workers have always hashed a raw header. Before marks, a raw header was the ledger key as
-        given: a record made that way keeps it, so a copy enqueued before the upgrade finds it (one
-        extra read, on this path only).
+        workers have always hashed a raw header. A record under the raw text itself is never looked
+        up: whoever can read a key (a Message-ID shows it) could otherwise send under it.
         """
         tenant = headers.get(TENANT_HEADER)
         builder = self.key_builder
@@ -461,11 +449,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
             key = builder.explicit_key(raw, tenant=tenant)
         except IdemmailError as exc:
             raise PermanentSendError(f"bad idempotency_key header: {exc}", reason="invalid_arguments") from exc
-        try:
-            if self.ledger.get(key) is None and self.ledger.get(raw) is not None:
-                return str(raw), ()
-        except (LedgerError, UnsafeLedgerError):
-            pass  # the claim meets the same outage and fails closed
         return key, builder.older_explicit_keys(raw, tenant=tenant)
 
     def _carry_out(self, step: Step, headers: dict[str, Any]) -> Any:

@@ -97,11 +97,10 @@ def test_a_retry_keeps_the_key_and_its_mark_and_a_reschedule_too() -> None:
             headers, {}, keep=keep).items()
 
 
-def test_a_bodys_own_retry_of_a_message_from_before_marks_is_published_with_its_key_marked(
+def test_a_bodys_own_retry_is_published_with_its_key_marked(
         redis_broker_app: Celery) -> None:
-    """The message (a release before marks, sent by name) carries its derived key unmarked and undated; the
-    body calls ``self.retry()``. The copy published to the broker carries the same key, marked: apply_async
-    would otherwise take the key for a caller's own and hash it (a second key for one intent)."""
+    """The body calls ``self.retry()``. The copy published to the broker carries the same key, marked:
+    apply_async would otherwise take the key for a caller's own and hash it (a second key for one intent)."""
     app = redis_broker_app
     queue = app.conf.task_default_queue
     r = redis.Redis.from_url(REDIS_URL)
@@ -114,7 +113,7 @@ def test_a_bodys_own_retry_of_a_message_from_before_marks_is_published_with_its_
     # What Celery's tracer does for a delivery: push the request, call the task.
     # This delivery had been rescheduled 7 times waiting on another holder and 3 times on an outage.
     retrying.push_request(id="delivery-1", args=["ann@example.com"], kwargs={},
-                          headers={KEY_HEADER: key, INFLIGHT_HEADER: 7, OUTAGE_HEADER: 3},
+                          headers={**retrying.key_headers(key), INFLIGHT_HEADER: 7, OUTAGE_HEADER: 3},
                           retries=0, is_eager=False, called_directly=False,
                           delivery_info={"exchange": "", "routing_key": queue})
     try:
