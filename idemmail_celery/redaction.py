@@ -50,8 +50,8 @@ if TYPE_CHECKING:
     from .email import EmailMessage
     from .providers.base import Provider, SendResult
 
-__all__ = ["ADDRESS_MARK", "ARGSREPR", "KEY_HEADER", "PERSONAL_MARK", "kwargsrepr", "on_before_publish", "redacts",
-           "register", "scrub", "scrub_error", "scrubbed"]
+__all__ = ["ADDRESS_MARK", "ARGSREPR", "KEY_HEADER", "PERSONAL_MARK", "cut_leaking_chain", "known", "kwargsrepr",
+           "on_before_publish", "redacts", "register", "scrub", "scrub_error", "scrubbed"]
 
 log = logging.getLogger("idemmail_celery")
 
@@ -238,12 +238,27 @@ def scrub_error(exc: _E, personal: Iterable[str] = ()) -> _E:
     if clean != exc.message:
         exc.message = clean
         exc.args = (clean, *exc.args[1:])
-    link = exc.__cause__ or exc.__context__
-    while link is not None:
-        if scrub(str(link), personal) != str(link):
-            exc.__cause__, exc.__suppress_context__ = None, True
+    return cut_leaking_chain(exc, personal)
+
+
+_X = TypeVar("_X", bound=BaseException)
+
+
+def cut_leaking_chain(exc: _X, personal: Iterable[str] = ()) -> _X:
+    """Cut ``exc`` off from the exceptions chained to it (``__cause__``/``__context__``) when any of
+    them would leak an address or one of ``personal``; returns ``exc``.
+
+    A traceback prints every link of the chain, wherever it goes: the result backend, the
+    ``task-failed`` event, the worker's ERROR log. ``exc``'s own text is the caller's to scrub.
+    """
+    personal = tuple(personal)
+    link, seen = exc.__cause__ or exc.__context__, 0
+    while link is not None and seen < 100:
+        text = str(link)
+        if scrub(text, personal) != text:
+            exc.__cause__, exc.__context__, exc.__suppress_context__ = None, None, True
             break
-        link = link.__cause__ or link.__context__
+        link, seen = link.__cause__ or link.__context__, seen + 1
     return exc
 
 
@@ -306,6 +321,11 @@ def kwargsrepr(key: Any) -> str:
     return f"<redacted: idempotency key {key}>" if key else "<redacted>"
 
 
+def known(name: str | None) -> bool:
+    """Is ``name`` registered here (:func:`register`), redacting or not?"""
+    return (name or "") in _tasks
+
+
 def redacts(name: str | None, headers: dict[str, Any]) -> bool:
     """Should a message of task ``name`` with these headers be redacted?"""
     check = _tasks.get(name or "")
@@ -318,17 +338,20 @@ def redacts(name: str | None, headers: dict[str, Any]) -> bool:
         return True
 
 
-def on_before_publish(sender: str | None = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+def on_before_publish(sender: str | None = None, headers: dict[str, Any] | None = None, *, unsure: bool = False,
+                      **_: Any) -> None:
     """Celery's ``before_task_publish`` handler: redact ``headers`` (``argsrepr``/``kwargsrepr``) in place.
 
     ``sender`` is the task name. A message :func:`redacts` says yes to shows :data:`ARGSREPR` and
     :func:`kwargsrepr` of its intent key; one ``apply_async`` already redacted is left alone.
+    ``unsure``: the task is not :func:`known` yet and may be an idempotent one (an app not finalized
+    has not registered its tasks): redacted too.
     """
     if not headers:
         return
     args_done = str(headers.get("argsrepr") or "").startswith("<redacted")
     kwargs_done = str(headers.get("kwargsrepr") or "").startswith("<redacted")
-    if (args_done and kwargs_done) or not redacts(sender, headers):  # apply_async redacted it already
+    if (args_done and kwargs_done) or not (unsure or redacts(sender, headers)):  # apply_async redacted it
         return
     if not args_done:
         headers["argsrepr"] = ARGSREPR

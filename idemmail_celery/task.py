@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from celery import Task
+from celery import _state as _celery_state
 from celery.exceptions import Ignore, Retry
 from celery.signals import before_task_publish, worker_init
 from kombu.exceptions import KombuError
@@ -369,6 +370,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         request = self.request
         if request.called_directly:
             return self.run(*args, **kwargs)
+        try:
+            return self._deliver(request, args, kwargs)
+        except BaseException as exc:
+            # Whatever leaves here is printed with its chain (result backend, task-failed event, the worker's
+            # ERROR log): a link quoting an address is cut off; the error's own text is scrubbed where it is made.
+            redaction.cut_leaking_chain(exc)
+            raise
+
+    def _deliver(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         headers = dict(request.headers or {})
         payload = Payload(list(args), dict(kwargs))
         key, older = self._claim_key(payload, headers)
@@ -614,8 +624,43 @@ def _prepare_ledgers(sender: Any = None, **_: Any) -> None:
                         "again at the first claim", task.name, type(exc).__name__, exc)
 
 
+def _redact_on_publish(sender: str | None = None, headers: dict[str, Any] | None = None, **rest: Any) -> None:
+    """Redact every message of an idempotent task (:func:`idemmail_celery.redaction.on_before_publish`).
+
+    Tasks register for redaction when their app binds them, at finalization: before it, ``send_task`` by
+    name would not know an idempotent task from another. A task of that name still pending in an app
+    not finalized (``@app.task(base=IdempotentTask)`` not yet evaluated) is redacted too.
+    """
+    unsure = bool(headers) and not redaction.known(sender) and _pending_idempotent(sender)
+    redaction.on_before_publish(sender=sender, headers=headers, unsure=unsure, **rest)
+
+
+def _pending_idempotent(name: str | None) -> bool:
+    """Is an idempotent task called ``name`` defined in an app of this process that is not finalized yet?
+
+    Reads Celery's pending task promises (``app._pending``: the function and options of each
+    ``@app.task`` not yet evaluated); should their form ever change, every unknown task is redacted.
+    """
+    try:
+        for app in list(_celery_state._get_active_apps()):
+            if app.finalized:
+                continue
+            for promise in list(app._pending):
+                if promise.__evaluated__():
+                    continue
+                fun, = object.__getattribute__(promise, "_Proxy__args")
+                options = object.__getattribute__(promise, "_Proxy__kwargs")
+                base = options.get("base")
+                if isinstance(base, type) and issubclass(base, IdempotentTask) and name == (
+                        options.get("name") or app.gen_task_name(fun.__name__, fun.__module__)):
+                    return True
+        return False
+    except Exception:  # Celery's internals changed: hide what cannot be told apart
+        return True
+
+
 # outcomes (imported above) connected its worker_init handler first: metrics are on before this opens ledgers.
 worker_init.connect(_prepare_ledgers, weak=False)
 # Every publish path (apply_async, send_task by name, the outbox relay, canvas, retries) passes this signal. The
 # rules are in redaction, which stays Celery-free for the handler; the hook belongs to the adapter.
-before_task_publish.connect(redaction.on_before_publish, weak=False)
+before_task_publish.connect(_redact_on_publish, weak=False)

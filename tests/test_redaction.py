@@ -338,3 +338,41 @@ def test_scrub_of_a_50000_word_text_finishes() -> None:
     words = [f"w{i:05d}x" for i in range(50_000)]
     subject = " ".join(words)
     assert scrub(f"echo: {' '.join(words[:25_000])} and {subject}!", [subject]).endswith("and <redacted>!")
+
+
+def test_send_task_before_the_app_is_finalized_is_redacted(app: Celery) -> None:
+    """Issue 24: before ``app.tasks`` was touched, ``send_task`` by name published the plain arguments (Flower
+    shows them); after, the same call was redacted. An idempotent task defined but not yet bound is not
+    registered for redaction: while an app is not finalized, an unknown task's message is redacted."""
+    name = unique("early")
+
+    @app.task(base=IdempotentTask, shared=False, name=name)
+    def early(to: str) -> None: ...
+
+    assert not app.finalized
+    app.send_task(name, kwargs={"to": ADDRESS})
+    app.send_task(TASK_NAME, kwargs={"to": ADDRESS, "subject": "Your receipt", "text": "hi"})
+    assert not app.finalized  # publishing did not finalize it
+    app.finalize()
+    app.send_task(name, kwargs={"to": ADDRESS})
+    sent = published(app)
+    assert len(sent) == 3
+    for headers in sent:
+        assert ADDRESS not in shown(headers) and "Your receipt" not in shown(headers)
+
+
+def test_a_chained_cause_quoting_an_address_reaches_no_traceback(app: Celery) -> None:
+    """Issue 24: a refused header name holding an address: the top error was scrubbed, but its chained
+    InvalidEmail cause (which quotes the name) went into the traceback (result backend, task-failed event,
+    the worker's ERROR log)."""
+    import traceback
+
+    from idemmail_celery.errors import PermanentSendError
+
+    task = app.tasks[TASK_NAME]
+    outcome = task.apply(kwargs={"to": "bob@example.com", "subject": "s", "text": "t",
+                                 "tags": {f"to {ADDRESS}": "v"}})
+    exc = outcome.result
+    assert isinstance(exc, PermanentSendError) and exc.reason == "invalid_email"
+    printed = "".join(traceback.format_exception(exc)) + str(outcome.traceback)
+    assert ADDRESS not in printed and "<address>" in printed
