@@ -41,10 +41,12 @@ from ._common import (
     INFLIGHT_HEADER,
     KEY_HEADER,
     KEY_MARK_HEADER,
+    MAX_OLDER_KEYS,
     NOT_BEFORE_HEADER,
     OLDER_KEYS_HEADER,
     OUTAGE_HEADER,
     OWNER_HEADER,
+    SEALED_HEADERS,
     TENANT_HEADER,
     VERDICT_HEADER,
     transport_visibility_timeout,
@@ -58,7 +60,7 @@ from .errors import (
     UnserializableArgumentsError,
 )
 from .handler import Action, Delivery, Handler, Outcome, Policy, Step, verdict_of
-from .keys import IntentKeyBuilder, KeySpec, Payload, RoundTrip
+from .keys import IntentKeyBuilder, KeySpec, Payload, RoundTrip, Seal, untrusted_removed
 from .ledger import Ledger, backend_for, shared
 from .ledger.base import new_owner
 
@@ -284,26 +286,43 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
         payload = self.validate_call(args, kwargs)
         builder = self.key_builder
-        headers = self.key_headers(builder.derive(payload, explicit=explicit, tenant=tenant),
-                                   builder.older_keys(payload, explicit=explicit, tenant=tenant))  # () unless rotating
+        headers: dict[str, Any] = {KEY_HEADER: builder.derive(payload, explicit=explicit, tenant=tenant)}
+        older = builder.older_keys(payload, explicit=explicit, tenant=tenant)  # () unless rotating
+        if older:
+            headers[OLDER_KEYS_HEADER] = list(older)
         headers[ENQUEUED_HEADER] = f"{time.time():.3f}"
         if tenant is not None:
             headers[TENANT_HEADER] = str(tenant)
-        return headers
+        return self.sealed(headers, payload)
 
-    def key_headers(self, key: str, older: Sequence[str] = ()) -> dict[str, Any]:
-        """The headers that put an intent key the library derived on a message, marked as such.
+    def key_headers(self, key: str, payload: Payload, older: Sequence[str] = ()) -> dict[str, Any]:
+        """The headers that put an intent key the library derived on a message for the call ``payload``, sealed.
 
         ``apply_async`` sends a message carrying them as it is (no new key, no validation: it
         was validated when the key was derived) and the worker claims under ``key`` itself:
         what retries, reschedules and ``ledger resolve --release`` publish. ``older`` are its
-        forms under older key secrets, during a rotation. A header without its mark is a
-        caller's own key, checked and hashed (see :meth:`apply_async`).
+        forms under older key secrets, during a rotation. A key without a valid seal (other
+        arguments, other headers, another task) is a caller's own, checked and hashed (see
+        :meth:`apply_async`).
         """
-        headers: dict[str, Any] = {KEY_HEADER: key, KEY_MARK_HEADER: self.key_builder.key_mark(key)}
+        headers: dict[str, Any] = {KEY_HEADER: key}
         if older:
             headers[OLDER_KEYS_HEADER] = list(older)
+        return self.sealed(headers, payload)
+
+    def sealed(self, headers: dict[str, Any], payload: Payload) -> dict[str, Any]:
+        """``headers`` with the seal of what they hold for the call ``payload`` (in place; returned).
+
+        The library's publish points call it last, after every header the worker acts on is set
+        (:meth:`~idemmail_celery.keys.IntentKeyBuilder.seal`)."""
+        headers[KEY_MARK_HEADER] = self.key_builder.seal(headers, payload)
         return headers
+
+    def _received(self, args: Any = None, kwargs: Any = None) -> Payload:
+        """The arguments a republished copy of this delivery carries (its own, unless given)."""
+        request = self.request
+        return Payload(list(request.args or () if args is None else args),
+                       dict(request.kwargs or {} if kwargs is None else kwargs))
 
     def validate_call(self, args: Any, kwargs: Any) -> Payload:
         """Validate a call as ``apply_async`` does before anything is enqueued, and return its arguments as
@@ -348,15 +367,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         tenant = options.pop("idempotency_tenant", None)
         headers = dict(options.get("headers") or {})
         carried = headers.get(KEY_HEADER)
-        if explicit is None and carried is not None and not self.key_builder.is_marked(
-                carried, headers.get(KEY_MARK_HEADER)):
+        if explicit is None and carried is not None and self.key_builder.check_seal(
+                headers, self.key_builder.payload(args, kwargs)) not in (Seal.VALID, Seal.UNKNOWN_SECRET):
             # The caller's own key, whatever it looks like (64 hex digits too): checked and hashed like
-            # idempotency_key=, never marked as it is. Only the library's own key (see key_headers,
-            # validated when it was derived) travels unchanged.
+            # idempotency_key=, never sealed as it is. Only the library's own headers (sealed for these
+            # arguments, validated when the key was derived) travel unchanged; so does a seal made under a
+            # newer secret than this process has (a rotation): the worker that has it decides.
             explicit = carried
         if explicit is not None or carried is None:
-            for stale in (KEY_MARK_HEADER, OLDER_KEYS_HEADER):  # belong to whatever key the caller copied
-                headers.pop(stale, None)
+            # Chain state and older keys belong to whatever message the caller copied them from: dropped.
+            headers = untrusted_removed(headers, keep=())
             headers.update(self.intent_headers(args, kwargs, explicit=explicit, tenant=tenant))
         options["headers"] = headers
         if self.idem_settings.redact_args:  # the task option, else idemmail_redact_args, parsed strictly
@@ -379,12 +399,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise
 
     def _deliver(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        headers = dict(request.headers or {})
+        received = dict(request.headers or {})
         payload = Payload(list(args), dict(kwargs))
+        headers = request.idemmail_trusted = self._trusted(received, payload)
         key, older = self._claim_key(payload, headers)
         # Whatever this delivery publishes next (a retry, a reschedule, the next hop of a wait)
-        # carries the key it claims under, marked: apply_async sends it unchanged.
-        request.idemmail_key_headers = self.key_headers(key, older)
+        # carries the key it claims under, sealed: apply_async sends it unchanged.
+        request.idemmail_key_headers = self.key_headers(key, payload, older)
         headers.update(request.idemmail_key_headers)
         self._wait_until_due(headers)
         request.idempotency_key = key
@@ -400,6 +421,29 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ))
         return self._carry_out(step, headers)
 
+    def _trusted(self, headers: dict[str, Any], payload: Payload) -> dict[str, Any]:
+        """The headers this delivery may act on: all of them under a valid seal; else none of those the seal
+        vouches for (the key header stays, as a caller's own key: hashed), with one WARNING.
+
+        A seal made under a key secret this worker does not have (a newer one: web processes were
+        deployed first in a rotation) is neither: the message waits for a worker that has it
+        (republished as it came), because any key this worker chose could differ from the caller's.
+        """
+        check = self.key_builder.check_seal(headers, payload)
+        if check is Seal.VALID:
+            return headers
+        if check is Seal.UNKNOWN_SECRET:
+            log.warning("idemmail: task %s[%s] is sealed under a key secret this worker does not have (a newer "
+                        "idemmail_key_secret?); it waits for a worker that has it", self.name, self.request.id)
+            countdown = min(self.policy.inflight_backoff_max, self._countdown_cap() or 60.0)
+            self._publish_again(countdown, headers, "waiting for the key secret", TransientSendError(
+                "sealed under an unknown key secret", reason="unknown_key_secret"), as_received=True)
+        ignored = sorted(k for k in headers if k != KEY_HEADER and (k in SEALED_HEADERS or k == KEY_MARK_HEADER))
+        if ignored:
+            log.warning("idemmail: task %s[%s] carries headers the library did not seal for it (%s: %s); they are "
+                        "ignored", self.name, self.request.id, check.value, ", ".join(ignored))
+        return untrusted_removed(headers)
+
     def _claim_key(self, payload: Payload, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
         """The key this delivery claims under, and the older keys to look for first (a rotation).
 
@@ -410,10 +454,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         * none (sent by name without one): derived from the arguments, as ``apply_async`` would.
         """
         carried = headers.get(KEY_HEADER) or getattr(self.request, KEY_HEADER, None)
-        mark = headers.get(KEY_MARK_HEADER)
-        # A mark that does not verify (headers copied from another task's message) is no release's
-        # doing: the key is then the caller's own, hashed, never taken as it is.
-        if carried and self.key_builder.is_marked(carried, mark):
+        # Only headers under a valid seal are left (see _trusted) when the mark is there.
+        if carried and KEY_MARK_HEADER in headers:
             return self._rotated(str(carried), payload, headers)
         if carried:
             return self._raw_key(carried, headers)
@@ -433,8 +475,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         the newest key, and one made under any secret is found. Nothing to do with one secret.
         """
         sent = headers.get(OLDER_KEYS_HEADER)
-        if isinstance(sent, list):
-            return key, tuple(str(k) for k in sent if keys_mod.is_derived_key(k))
+        if isinstance(sent, list):  # sealed; still at most one per older secret a rotation can have
+            return key, tuple(str(k) for k in sent[:MAX_OLDER_KEYS] if keys_mod.is_derived_key(k))
         builder = self.key_builder
         tenant = headers.get(TENANT_HEADER)
         older = builder.older_keys(payload, tenant=tenant)  # () without a rotation: no work
@@ -485,13 +527,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # A body asking to retry: its claim is released after this returns; should the release
             # fail, the retry takes the claim back (its owner travels) instead of waiting on it.
             owner = getattr(self.request, "idemmail_owner", None)
-            headers = _chain(dict(self.request.headers or {}), {OWNER_HEADER: owner} if owner else {}, keep=False)
+            trusted = getattr(self.request, "idemmail_trusted", None)  # never what the message carried unsealed
+            if trusted is None:
+                trusted = untrusted_removed(self.request.headers or {})
+            headers = _chain(dict(trusted), {OWNER_HEADER: owner} if owner else {}, keep=False)
             headers.update(getattr(self.request, "idemmail_key_headers", None) or {})  # the key claimed, marked
         if countdown is None and eta is None:
             countdown = self.default_retry_delay
         if eta is not None:
             countdown, eta = max(0.0, eta.timestamp() - time.time()), None
         countdown = self._split(float(countdown), headers)
+        self.sealed(headers, self._received(args, kwargs))  # last: every header the next delivery acts on is set
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
 
     def _split(self, countdown: float, headers: dict[str, Any]) -> float:
@@ -525,13 +571,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return
         self._publish_again(left, headers, "waiting", TransientSendError("waiting", reason="waiting"))
 
-    def _publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception) -> NoReturn:
+    def _publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception, *,
+                       as_received: bool = False) -> NoReturn:
         """Requeue this message like ``retry()``, without spending the task's ``max_retries``.
 
         ``reason`` is what monitors show for the retry (Flower: state RETRY, its repr as the exception).
+        ``as_received``: the headers go out exactly as they came (a seal this worker cannot make or check).
         """
         request = self.request
-        countdown = self._split(countdown, headers)
+        if not as_received:
+            countdown = self._split(countdown, headers)
+            self.sealed(headers, self._received())
         sig = self.signature_from_request(request, countdown=countdown, retries=request.retries, headers=headers)
         if request.is_eager:  # ``Task.apply``: nothing is published (Celery would re-apply ``sig`` in-line, for ever)
             raise Retry(why, exc=reason, when=countdown)

@@ -17,7 +17,7 @@ from celery import Celery
 from idemmail_celery import IdempotentTask
 from idemmail_celery._common import ENQUEUED_HEADER, KEY_HEADER, KEY_MARK_HEADER
 from idemmail_celery.errors import IdempotencyKeyError, InvalidEmail, PermanentSendError
-from idemmail_celery.keys import is_derived_key
+from idemmail_celery.keys import Seal, is_derived_key
 from idemmail_celery.ledger import ClaimRequest
 from idemmail_celery.mail import register
 
@@ -69,7 +69,7 @@ def test_a_caller_header_shaped_like_a_derived_key_is_hashed_too(app: Celery) ->
     charge.apply_async((1,), idempotency_key=raw)
     [from_header, explicit] = published(app)
     assert from_header[KEY_HEADER] == explicit[KEY_HEADER] == charge.key_builder.explicit_key(raw) != raw
-    assert charge.key_builder.is_marked(from_header[KEY_HEADER], from_header[KEY_MARK_HEADER])
+    assert charge.key_builder.check_seal(from_header, charge.key_builder.payload((1,), {})) is Seal.VALID
 
 
 def test_a_caller_header_shaped_like_a_derived_key_is_validated_before_anything_is_published(app: Celery) -> None:
@@ -81,18 +81,23 @@ def test_a_caller_header_shaped_like_a_derived_key_is_validated_before_anything_
     assert published(app) == []
 
 
-def test_a_key_the_library_marked_travels_unchanged_and_a_forged_mark_does_not(app: Celery) -> None:
+def test_a_key_the_library_sealed_travels_unchanged_and_a_forged_or_borrowed_seal_does_not(app: Celery) -> None:
     """A retry, a reschedule or a copy re-enqueued by `ledger resolve --release` keeps its key (and the
-    mark says so); a mark made for another key or another task vouches for nothing."""
+    seal says so); a seal made for another task, or for other arguments (issue 24: a key and seal copied
+    from a queued message and replayed with another recipient), vouches for nothing."""
     charge = charge_task(app)
     other = charge_task(app)
     derived = charge.intent_key(1)
-    charge.apply_async((1,), headers=charge.key_headers(derived))
+    one = charge.key_builder.payload((1,), {})
+    charge.apply_async((1,), headers=charge.key_headers(derived, one))
     charge.apply_async((1,), headers={KEY_HEADER: derived, KEY_MARK_HEADER: "0" * 64})
-    charge.apply_async((1,), headers={KEY_HEADER: derived, KEY_MARK_HEADER: other.key_builder.key_mark(derived)})
-    kept, forged, borrowed = published(app)
-    assert kept[KEY_HEADER] == derived and kept[KEY_MARK_HEADER] == charge.key_builder.key_mark(derived)
-    assert forged[KEY_HEADER] == borrowed[KEY_HEADER] == charge.key_builder.explicit_key(derived)
+    charge.apply_async((1,), headers=other.key_headers(derived, one))
+    charge.apply_async((2,), headers=charge.key_headers(derived, one))  # the victim's headers, other arguments
+    kept, forged, borrowed, replayed = published(app)
+    assert kept[KEY_HEADER] == derived and kept[KEY_MARK_HEADER] == charge.key_headers(derived, one)[KEY_MARK_HEADER]
+    assert forged[KEY_HEADER] == borrowed[KEY_HEADER] == replayed[KEY_HEADER] == charge.key_builder.explicit_key(
+        derived)
+    assert charge.key_builder.check_seal(replayed, charge.key_builder.payload((2,), {})) is Seal.VALID
 
 
 def test_a_raw_64_hex_key_beside_idemmail_enqueued_is_hashed_and_never_marked_as_it_is(app: Celery) -> None:
@@ -103,8 +108,7 @@ def test_a_raw_64_hex_key_beside_idemmail_enqueued_is_hashed_and_never_marked_as
     charge.apply_async((2,), headers={KEY_HEADER: victims, ENQUEUED_HEADER: "1"})
     [row] = published(app)
     assert row[KEY_HEADER] == charge.key_builder.explicit_key(victims) != victims
-    assert charge.key_builder.is_marked(row[KEY_HEADER], row[KEY_MARK_HEADER])
-    assert not charge.key_builder.is_marked(victims, row[KEY_MARK_HEADER])
+    assert charge.key_builder.check_seal(row, charge.key_builder.payload((2,), {})) is Seal.VALID
     app.conf.update(idemmail_provider_url="console://", idemmail_default_from="shop@example.com")
     send_email = register(app)
     with pytest.raises(InvalidEmail):  # still validated
@@ -122,7 +126,8 @@ def test_the_worker_hashes_an_unmarked_64_hex_key(app: Celery) -> None:
     assert forged["status"] == "sent" and forged["key"] == charge.key_builder.explicit_key(victims) != victims
     own = charge.apply((1,)).get()
     assert own["status"] == "sent" and own["key"] == victims  # delivered, not "duplicate"
-    assert charge.apply((1,), headers=charge.key_headers(victims)).get()["status"] == "duplicate"
+    own_headers = charge.key_headers(victims, charge.key_builder.payload((1,), {}))
+    assert charge.apply((1,), headers=own_headers).get()["status"] == "duplicate"
 
 
 def test_the_worker_hashes_a_raw_header_and_never_reads_a_record_under_the_raw_text(app: Celery) -> None:
