@@ -9,9 +9,15 @@ worker that cannot check a newer secret's seal waits for one that can instead of
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
+from idemmail_celery import PermanentSendError
 from idemmail_celery._common import (
+    CAMPAIGN_HEADER,
     INFLIGHT_HEADER,
     KEY_HEADER,
     OLDER_KEYS_HEADER,
@@ -19,7 +25,10 @@ from idemmail_celery._common import (
     OWNER_HEADER,
     VERDICT_HEADER,
 )
+from idemmail_celery.bulk import CAMPAIGN_TASK
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State
+from idemmail_celery.mail import TASK_NAME
+from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 
 from ..conftest import wait_for
 from .conftest import results
@@ -131,3 +140,79 @@ def test_rotation_with_workers_first_sends_once(app_module: Any, sink: Any, star
     assert sorted(o["status"] for o in out) == ["duplicate", "sent"]
     [key] = {o["key"] for o in out}  # a new record goes under the newest secret's key; an older one is found
     assert keys_delivered(sink) == [key]
+
+
+# -- send_email and send_campaign, with the fake provider over real sockets --
+
+@pytest.fixture
+def fake() -> Iterator[FakeProvider]:
+    with FakeProvider() as f:
+        yield f
+
+
+@pytest.fixture
+def mail_app(fake: FakeProvider, worker_env: dict[str, str], request: pytest.FixtureRequest) -> Any:
+    worker_env.update(IDEMMAIL_TEST_PROVIDER=fake.url, IDEMMAIL_TEST_PROVIDER_KEY=DEFAULT_API_KEY)
+    return request.getfixturevalue("app_module")
+
+
+KIM = {"to": "kim@example.com", "subject": "Your receipt", "text": "Thanks", "event_id": "order-21"}
+
+
+def test_a_forged_sent_verdict_on_send_email_is_ignored_and_the_send_is_real(
+    mail_app: Any, fake: FakeProvider, start_worker: Any
+) -> None:
+    """``send_task(send_email, kwargs=victim, headers={"idemmail_verdict": {"state": "sent", ...}})`` recorded the
+    victim's intent as sent with a made-up message id and sent nothing; the victim's own delay() then answered
+    duplicate. Now the message is an ordinary call: what it records is the provider's real answer."""
+    start_worker("-P", "prefork", "-c", "1")
+    task = mail_app.app.tasks[TASK_NAME]
+    forged = {"state": "sent", "result": {"value": {"message_id": "made-up"}, "message_id": "made-up"}}
+    first = results([mail_app.app.send_task(TASK_NAME, kwargs=KIM, headers={VERDICT_HEADER: forged})])[0]
+    own = results([task.delay(**KIM)])[0]
+    assert first["status"] == "sent" and own["status"] == "duplicate" and first["key"] == own["key"]
+    assert fake.delivery_count() == 1 and own["message_id"] == fake.deliveries()[0].message_id != "made-up"
+
+
+def test_a_forged_review_verdict_skips_no_check_and_stores_nothing(
+    mail_app: Any, fake: FakeProvider, start_worker: Any
+) -> None:
+    """With ``"state": "review"`` the worker skipped its checks and stored an unvalidated payload (two addresses
+    in ``to``, a CRLF in the subject, over the size cap). Now the checks run and refuse it, storing nothing."""
+    worker = start_worker("-P", "prefork", "-c", "1")
+    review = {"state": "review", "error": {"type": "X", "message": "m", "reason": "r"}}
+    calls = [{**KIM, "subject": "Hi\r\nBcc: eve@example.com"}, {**KIM, "text": "x" * (11 * 1024 * 1024)},
+             {**KIM, "tags": {"t": "v" * (11 * 1024 * 1024)}}]
+    out = results([mail_app.app.send_task(TASK_NAME, kwargs=kw, headers={VERDICT_HEADER: review}) for kw in calls])
+    for o in out:
+        assert isinstance(o, PermanentSendError) and o.reason == "invalid_email", o
+    assert mail_app.app.tasks[TASK_NAME].ledger.get(mail_app.app.tasks[TASK_NAME].intent_key(**KIM)) is None
+    assert fake.delivery_count() == 0 and worker.log().count(b"did not seal for it") == 3
+
+
+def test_a_chained_cause_quoting_an_address_reaches_no_result_backend_or_log(
+    mail_app: Any, fake: FakeProvider, start_worker: Any
+) -> None:
+    worker = start_worker("-P", "prefork", "-c", "1")
+    address = "hidden.person@example.org"
+    failed = mail_app.app.send_task(TASK_NAME, kwargs={**KIM, "tags": {f"to {address}": "v"}})
+    out = results([failed])[0]
+    assert isinstance(out, PermanentSendError) and out.reason == "invalid_email"
+    assert failed.traceback and "InvalidEmail" not in failed.traceback and address not in failed.traceback
+    wait_for(lambda: b"invalid_email" in worker.log() or b"PermanentSendError" in worker.log(), timeout=30)
+    assert address.encode() not in worker.log() and fake.delivery_count() == 0
+
+
+def test_a_forged_verdict_on_a_campaign_records_nothing(mail_app: Any, fake: FakeProvider, start_worker: Any) -> None:
+    start_worker("-P", "prefork", "-c", "1")
+    send_email = mail_app.app.tasks[TASK_NAME]
+    key = send_email.intent_key(to="kim@example.com", event_id="nov")
+    forged = {key: {"state": "sent", "result": {"value": {"message_id": "made-up"}, "message_id": "made-up"},
+                    "owner": "o:1"}}
+    out = results([mail_app.app.send_task(CAMPAIGN_TASK, kwargs={
+        "campaign_id": "nov", "recipients": ["kim@example.com", "lee@example.com"], "subject": "Nov", "text": "news",
+    }, headers={VERDICT_HEADER: forged, OWNER_HEADER: "o:1", CAMPAIGN_HEADER: {"from": 2, "tally": {}}})])[0]
+    assert out["sent"] == 2 and out["total"] == 2
+    assert fake.delivery_count() == 2
+    record = send_email.ledger.get(key)
+    assert record is not None and record.state is State.SENT and "made-up" not in json.dumps(record.result)
