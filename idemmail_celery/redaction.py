@@ -104,11 +104,33 @@ def _canonical(view: _View) -> _View:
     return "".join(out), out_starts, out_ends
 
 
+class _Reading:
+    """A text being read into a :data:`_View`: each character with the span of the original it came from."""
+
+    def __init__(self) -> None:
+        self.out: list[str] = []
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def char(self, c: str, start: int, end: int) -> None:
+        """One character read from ``original[start:end]`` (an escape)."""
+        self.out.append(c)
+        self.starts.append(start)
+        self.ends.append(end)
+
+    def copy(self, text: str, start: int) -> None:
+        """``text``, found as it is at ``start`` in the original."""
+        self.out.append(text)
+        self.starts.extend(range(start, start + len(text)))
+        self.ends.extend(range(start + 1, start + len(text) + 1))
+
+    def view(self) -> _View:
+        return "".join(self.out), self.starts, self.ends
+
+
 def _json_decoded(text: str) -> _View:
     """``text`` with JSON string escapes (``\\"``, ``\\u00e9``, a surrogate pair) read, leniently."""
-    out: list[str] = []
-    starts: list[int] = []
-    ends: list[int] = []
+    read = _Reading()
     for m in _JSON_TOKEN.finditer(text):
         a, b = m.span()
         high, low, short = m.group(1), m.group(2), m.group(3)
@@ -117,56 +139,38 @@ def _json_decoded(text: str) -> _View:
             if low is not None and 0xD800 <= code <= 0xDBFF:
                 code = 0x10000 + ((code - 0xD800) << 10) + (int(low, 16) - 0xDC00)
             elif low is not None:  # two escapes that are no pair: the second stands alone
-                out.append(chr(code))
-                starts.append(a)
-                ends.append(a + 6)
+                read.char(chr(code), a, a + 6)
                 a, code = a + 6, int(low, 16)
-            out.append(chr(code))
-            starts.append(a)
-            ends.append(b)
+            read.char(chr(code), a, b)
         elif short is not None:
-            out.append(_JSON_ESCAPES[short])
-            starts.append(a)
-            ends.append(b)
+            read.char(_JSON_ESCAPES[short], a, b)
         else:
-            out.append(m.group())
-            starts.extend(range(a, b))
-            ends.extend(range(a + 1, b + 1))
-    return "".join(out), starts, ends
+            read.copy(m.group(), a)
+    return read.view()
 
 
 def _url_decoded(text: str) -> _View:
     """``text`` with URL escapes read (``%XX`` runs as UTF-8, ``+`` a space), leniently."""
-    out: list[str] = []
-    starts: list[int] = []
-    ends: list[int] = []
+    read = _Reading()
     for m in _URL_TOKEN.finditer(text):
         a, b = m.span()
         token = m.group()
         if token == "+":
-            out.append(" ")
-            starts.append(a)
-            ends.append(b)
+            read.char(" ", a, b)
         elif token.startswith("%") and len(token) >= 3:
             decoder = codecs.getincrementaldecoder("utf-8")("replace")
-            first = a
+            first = a  # where the character being decoded started
             for i in range(a, b, 3):
                 chars = decoder.decode(bytes((int(text[i + 1:i + 3], 16),)))
                 for c in chars:
-                    out.append(c)
-                    starts.append(first)
-                    ends.append(i + 3)
+                    read.char(c, first, i + 3)
                 if chars:
                     first = i + 3
             for c in decoder.decode(b"", final=True):
-                out.append(c)
-                starts.append(first)
-                ends.append(b)
+                read.char(c, first, b)
         else:
-            out.append(token)
-            starts.extend(range(a, b))
-            ends.extend(range(a + 1, b + 1))
-    return "".join(out), starts, ends
+            read.copy(token, a)
+    return read.view()
 
 
 def scrub(text: str, personal: Iterable[str] = ()) -> str:
