@@ -43,6 +43,10 @@ CAMPAIGN_HEADER = "idemmail_campaign"
 #: Epoch seconds before which this message only waits (a long countdown split into hops the broker keeps).
 NOT_BEFORE_HEADER = "idemmail_not_before"
 
+#: The library's own tasks, by name: a process may publish them by name (``send_task``) without ever importing
+#: the modules that define them, and their arguments are addresses, subjects and bodies (always redacted).
+LIBRARY_TASKS = ("idemmail_celery.send_email", "idemmail_celery.send_campaign")
+
 #: The time a beat entry was due (ISO 8601, the app's timezone): the slot a digest is keyed by.
 SLOT_HEADER = "idemmail_slot"
 

@@ -16,7 +16,10 @@ it does not know, canvas primitives, a retry. :func:`on_before_publish`, Celery'
 ``before_task_publish`` handler, therefore redacts every message, whatever the path, of
 
 * a task registered here as redacting: every ``IdempotentTask`` whose
-  ``redact_args`` setting is on (the default), and ``send_campaign``;
+  ``redact_args`` setting is on (the default), and ``send_email`` and ``send_campaign``
+  from import on (a process may publish them by name without importing them);
+* a task still pending in an app not finalized (the adapter recognises it:
+  ``IdempotentTask`` registers tasks when their app binds them);
 * a task this process does not know that carries an intent key header
   (``idempotency_key``): it was derived by an idempotent task somewhere.
 
@@ -43,7 +46,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from ._common import KEY_HEADER
+from ._common import KEY_HEADER, LIBRARY_TASKS
 from .errors import SendError
 
 if TYPE_CHECKING:
@@ -328,6 +331,10 @@ def kwargsrepr(key: Any) -> str:
 def known(name: str | None) -> bool:
     """Is ``name`` registered here (:func:`register`), redacting or not?"""
     return (name or "") in _tasks
+
+
+for _name in LIBRARY_TASKS:  # redacted from import on, whether or not their modules are imported
+    register(_name)
 
 
 def redacts(name: str | None, headers: dict[str, Any]) -> bool:

@@ -1,10 +1,11 @@
 """``IdempotentTask``: the Celery adapter of the state machine in :mod:`idemmail_celery.handler`.
 
 * ``apply_async`` (caller's process) validates the call and derives the intent key before
-  anything is enqueued, and sends it as the ``idempotency_key`` header with its mark
-  (``idemmail_key_mark``, :meth:`IdempotentTask.key_headers`); bad input fails here. A header
-  the caller set is the caller's own key, checked and hashed whatever it looks like; only a
-  marked one (what the library republishes: retries, reschedules, released copies) is kept.
+  anything is enqueued, and sends it as the ``idempotency_key`` header under a seal
+  (``idemmail_key_mark``, :meth:`IdempotentTask.sealed`) that also covers every other header the
+  worker acts on; bad input fails here. A header the caller set is the caller's own key, checked
+  and hashed whatever it looks like; only a sealed one (what the library republishes: retries,
+  reschedules, released copies) is kept. The worker acts on no header its seal does not cover.
 * ``__call__`` (worker) describes the delivery to the :class:`~idemmail_celery.handler.Handler`
   and carries out its answer: return, raise, ``retry()`` (the task's own budget), reschedule
   (no budget spent), or drop a redundant copy. Every countdown it sets stays below the
@@ -358,7 +359,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         Extra options: ``idempotency_key`` (an explicit key, namespaced and hashed
         like a derived one) and ``idempotency_tenant``. A raw ``idempotency_key`` header
         (``headers={"idempotency_key": ...}``) is the same as ``idempotency_key=``, whatever
-        it looks like; only a key the library marked (:meth:`key_headers`: a retry, a
+        it looks like; only a key the library sealed (:meth:`key_headers`: a retry, a
         reschedule, a released copy, an outbox row) travels unchanged. Raises
         :class:`~idemmail_celery.errors.IdempotencyKeyError` (and subclasses) or
         :class:`~idemmail_celery.errors.ConfigurationError` before enqueueing.
@@ -447,7 +448,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _claim_key(self, payload: Payload, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
         """The key this delivery claims under, and the older keys to look for first (a rotation).
 
-        * a key the library marked (:meth:`key_headers`): as it is;
+        * a key the library sealed (:meth:`key_headers`; :meth:`_trusted` dropped any other seal): as it is;
         * any other key, 64 hex digits or not: the caller's own (``send_task(headers=...)``): checked,
           namespaced and hashed (:meth:`_raw_key`). A key another intent's message shows (every
           Message-ID does) therefore never reaches that intent's record;
@@ -531,7 +532,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if trusted is None:
                 trusted = untrusted_removed(self.request.headers or {})
             headers = _chain(dict(trusted), {OWNER_HEADER: owner} if owner else {}, keep=False)
-            headers.update(getattr(self.request, "idemmail_key_headers", None) or {})  # the key claimed, marked
+            headers.update(getattr(self.request, "idemmail_key_headers", None) or {})  # the key claimed (sealed below)
         if countdown is None and eta is None:
             countdown = self.default_retry_delay
         if eta is not None:

@@ -376,3 +376,31 @@ def test_a_chained_cause_quoting_an_address_reaches_no_traceback(app: Celery) ->
     assert isinstance(exc, PermanentSendError) and exc.reason == "invalid_email"
     printed = "".join(traceback.format_exception(exc)) + str(outcome.traceback)
     assert ADDRESS not in printed and "<address>" in printed
+
+
+def test_send_email_by_name_in_a_fresh_process_before_any_app_is_finalized_is_redacted() -> None:
+    """A web process that imports the library and publishes send_email by name before its app is finalized
+    (a shared task is bound only then): the message shows no address, subject or body."""
+    import subprocess
+    import sys
+
+    queue = unique("fresh")
+    code = (
+        "import idemmail_celery\n"
+        "from celery import Celery\n"
+        f"app = Celery('fresh', broker={REDIS_URL!r}, set_as_current=True)\n"
+        f"app.conf.task_default_queue = {queue!r}\n"
+        f"app.send_task({TASK_NAME!r}, kwargs={{'to': {ADDRESS!r}, 'subject': 'Your receipt', 'text': 'Thanks'}})\n"
+        "assert not app.finalized\n"
+    )
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        [raw] = r.lrange(queue, 0, -1)
+        headers = json.loads(raw)["headers"]
+        assert ADDRESS not in shown(headers) and "Your receipt" not in shown(headers) and "Thanks" not in shown(
+            headers)
+    finally:
+        r.delete(queue)
+        r.close()
