@@ -71,6 +71,7 @@ from typing import Any
 from email_validator import EmailNotValidError, validate_email
 
 from .errors import InvalidEmail
+from .redaction import scrub
 
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
 #: Recipients (to, cc and bcc together) one message may have: Resend, Postmark and SES take 50.
@@ -358,7 +359,7 @@ def _refuse_injected_lines(msg: MIMEMessage) -> None:
                 lines.pop()
             if any("\r" in line or "\n" in line for line in lines) or any(
                     line[:1] not in (" ", "\t") for line in lines[1:]):
-                where = _FIELD_OF_HEADER.get(name.lower(), f"headers[{name}]")
+                where = _FIELD_OF_HEADER.get(name.lower(), _named("headers", name))
                 raise InvalidEmail(f"{where} would write a header line of its own (header injection through an "
                                    "RFC 2047 encoded word)", field=where)
 
@@ -613,7 +614,7 @@ def _headers(value: Any) -> dict[str, str]:
     seen: set[str] = set()
     for name, v in out.items():
         if not _FIELD_NAME.fullmatch(name):
-            raise InvalidEmail(f"headers name {name!r} is not a header name (printable ASCII except ':', "
+            raise InvalidEmail(f"headers name {scrub(name)!r} is not a header name (printable ASCII except ':', "
                                "at most 76 characters)", field="headers")
         _header_text(name, "headers")
         lowered = name.lower()
@@ -621,9 +622,9 @@ def _headers(value: Any) -> dict[str, str]:
             raise InvalidEmail(f"headers: {name} is written by the library or the provider; set it through "
                                "its own argument, if it has one", field="headers")
         if lowered in seen:
-            raise InvalidEmail(f"headers: {name} is given twice (header names ignore case)", field="headers")
+            raise InvalidEmail(f"headers: {scrub(name)} is given twice (header names ignore case)", field="headers")
         seen.add(lowered)
-        _header_text(v, f"headers[{name}]", tab=True)
+        _header_text(v, _named("headers", name), tab=True)
     return out
 
 
@@ -632,9 +633,15 @@ def _tags(value: Any) -> dict[str, str]:
     for name, v in out.items():
         _header_text(name, "tags")
         if not name or ":" in name or any(c.isspace() for c in name):
-            raise InvalidEmail(f"tags name {name!r} is not valid (empty, white space or ':')", field="tags")
-        _header_text(v, f"tags[{name}]")
+            raise InvalidEmail(f"tags name {scrub(name)!r} is not valid (empty, white space or ':')", field="tags")
+        _header_text(v, _named("tags", name))
     return out
+
+
+def _named(where: str, name: str) -> str:
+    """``where[name]``, for an error's text and ``.field``: a name shaped like an address is not quoted
+    (errors reach the result backend and logs)."""
+    return f"{where}[{scrub(name)}]"
 
 
 def _mapping(value: Any, where: str) -> dict[str, str]:
@@ -646,6 +653,6 @@ def _mapping(value: Any, where: str) -> dict[str, str]:
         if not isinstance(name, str):
             raise InvalidEmail(f"{where} names must be strings, not {type(name).__name__}", field=where)
         if not isinstance(v, str):
-            raise InvalidEmail(f"{where}[{name}] must be a string, not {type(v).__name__}",
-                               field=f"{where}[{name}]")
+            raise InvalidEmail(f"{_named(where, name)} must be a string, not {type(v).__name__}",
+                               field=_named(where, name))
     return dict(value)

@@ -174,3 +174,18 @@ def test_a_domain_idna_2008_refuses_is_refused(app: Celery, tmp_path: Path) -> N
 def test_a_composite_mime_type_is_refused_as_an_attachment(app: Celery, tmp_path: Path, content_type: str) -> None:
     refused_everywhere(app, tmp_path, base(attachments=[attachment(content_type=content_type)]),
                        "attachments.content_type")
+
+
+# -- refusals never quote an address (they reach the result backend: a campaign raises them as they are) --
+
+@pytest.mark.parametrize("kw", [
+    {"tags": {"to ann.private@example.com": "v"}},
+    {"tags": {"ann.private@example.com": "v\n"}},
+    {"headers": {"X-ann.private@example.com": "v\n"}},
+    {"headers": {"X-ann.private@example.com": "a", "x-ANN.private@example.com": "b"}},
+    {"headers": {"X-ann.private@example.com": 1}},
+], ids=["tag-name", "tag-value", "header-value", "header-twice", "header-type"])
+def test_a_refusal_naming_a_tag_or_header_shaped_like_an_address_does_not_quote_it(kw: dict[str, Any]) -> None:
+    with pytest.raises(InvalidEmail) as info:
+        EmailMessage.build(sender="s@example.com", to="bob@example.com", subject="x", text="y", **kw)
+    assert "ann.private" not in repr(info.value.args) and "ann.private" not in info.value.field
