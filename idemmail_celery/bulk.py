@@ -33,12 +33,20 @@ from typing import Any
 from celery import Task, shared_task
 
 from . import outcomes, redaction
-from ._common import CAMPAIGN_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff, transport_visibility_timeout
+from ._common import (
+    CAMPAIGN_HEADER,
+    KEY_MARK_HEADER,
+    OWNER_HEADER,
+    SEALED_HEADERS,
+    VERDICT_HEADER,
+    backoff,
+    transport_visibility_timeout,
+)
 from ._lease import keeper
 from .config import Settings
 from .errors import LedgerError, SendNeedsReview
 from .handler import Action, Delivery, Handler, Outcome, Step, error_record, verdict_of
-from .keys import Payload
+from .keys import Payload, Seal, untrusted_removed
 from .ledger import Claim
 from .ledger.base import new_owner
 from .mail import TASK_NAME as SEND_EMAIL
@@ -202,7 +210,7 @@ def _send_campaign(
     base = {k: v for k, v in base.items() if v is not None}
     sender.check_call((), {**base, "to": recipients[0]} if recipients else base)  # fail the whole run early
 
-    request_headers = dict(self.request.headers or {})
+    request_headers = _trusted(self, builder)
     owner = new_owner(self.request.id or "campaign")
     carried = request_headers.get(VERDICT_HEADER)
     verdicts = carried if isinstance(carried, dict) else {}
@@ -383,14 +391,38 @@ def _again(task: Task, handler: Handler, exc: BaseException | None, owner: str,
 def _pass_headers(task: Task, owner: str, verdicts: dict[str, Any], resume: dict[str, Any] | None) -> dict[str, Any]:
     """The next pass's headers: this message's, with this pass's claim owner, its unrecorded verdicts
     and where the next pass starts (none: the whole list) in place of the ones it came with."""
-    headers = {k: v for k, v in (task.request.headers or {}).items()
-               if k not in (OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER)}
+    headers = untrusted_removed(task.request.headers or {}, keep=())  # what this pass did not write goes
     headers[OWNER_HEADER] = owner
     if verdicts:
         headers[VERDICT_HEADER] = verdicts
     if resume is not None:
         headers[CAMPAIGN_HEADER] = resume
+    # Last, sealed: the next pass acts on these only if this library wrote them for this campaign (see _trusted).
+    headers[KEY_MARK_HEADER] = task.app.tasks[SEND_EMAIL].key_builder.seal(headers, _campaign_call(task),
+                                                                          task_name=CAMPAIGN_TASK)
     return headers
+
+
+def _campaign_call(task: Task) -> Payload:
+    return Payload(list(task.request.args or ()), dict(task.request.kwargs or {}))
+
+
+def _trusted(task: Task, builder: Any) -> dict[str, Any]:
+    """This pass's headers, less the pass state (owner, verdicts, where to start) unless the last pass of this
+    campaign sealed it (a forged verdict would record a send that never happened); one WARNING if so.
+
+    Sealed with ``send_email``'s key secret, bound to this task and its arguments. A seal under a secret this
+    worker does not have counts as none: the pass goes over the whole list, and the ledger holds what is done.
+    """
+    headers = dict(task.request.headers or {})
+    check = builder.check_seal(headers, _campaign_call(task), task_name=CAMPAIGN_TASK)
+    if check is Seal.VALID:
+        return headers
+    ignored = sorted(k for k in headers if k in SEALED_HEADERS or k == KEY_MARK_HEADER)
+    if ignored:
+        log.warning("idemmail: campaign %s carries pass state the library did not seal for it (%s: %s); it is "
+                    "ignored", task.request.id, check.value, ", ".join(ignored))
+    return untrusted_removed(headers, keep=())
 
 
 def _countdown(task: Task, handler: Handler, passes: int, verdicts: dict[str, Any]) -> float:

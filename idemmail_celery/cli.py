@@ -339,10 +339,10 @@ def _requeue(obj: _Ctx, record: Record, countdown: float | None, *, released: bo
     state = ("released: it may have nothing queued; check `ledger show` and send it again yourself" if released
              else "left as it was")
     try:
-        # The record's key travels marked as the library's own: the task claims this very record again.
-        task.apply_async(payload.args, payload.kwargs, headers=task.key_headers(record.key), countdown=countdown,
-                         retry=True, retry_policy={"max_retries": 2, "interval_start": 0.5, "interval_step": 0.5,
-                                                   "interval_max": 1.0})
+        # The record's key travels sealed as the library's own: the task claims this very record again.
+        task.apply_async(payload.args, payload.kwargs, headers=task.key_headers(record.key, payload),
+                         countdown=countdown, retry=True, retry_policy={
+                             "max_retries": 2, "interval_start": 0.5, "interval_step": 0.5, "interval_max": 1.0})
     except (IdemmailError, TypeError) as exc:
         _fail(EXIT_ILLEGAL, f"record {record.key}: the task refuses its stored payload ({exc}); {state}")
     except Exception as exc:  # kombu's OperationalError, a socket error, a timeout: the broker did not take it

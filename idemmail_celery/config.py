@@ -278,7 +278,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("idemmail_default_from", parse_str, None,
             "The sender of `send_email` calls that pass no `from_`.", optional=True),
     Setting("idemmail_max_message_bytes", positive, 10 * 1024 * 1024,
-            "Largest message `send_email` accepts (bodies and attachments), refused at `delay()`."),
+            "Largest message `send_email` accepts, refused at `delay()` and again at the worker: every byte it "
+            "stores or sends counts (addresses, subject, bodies, headers, tags, attachments with their names and "
+            "a MIME part's overhead each, `event_id`, `template`, `tenant`)."),
+    Setting("idemmail_allow_mixed_script_domains", parse_bool, False,
+            "Accept address domains whose labels mix scripts (Latin with Cyrillic: `ex\\u0430mple.com`, a "
+            "look-alike of `example.com`); off, they are refused at `delay()`."),
     Setting("idemmail_max_recipients", _at_least(parse_int, 1), 50,
             "Most recipients (to, cc and bcc together) one `send_email` message may have, refused at `delay()`."),
     Setting("idemmail_campaign_pass_seconds", positive, None,
@@ -366,6 +371,7 @@ class Settings:
     default_from: str | None = None
     max_message_bytes: float = _D["max_message_bytes"]
     max_recipients: int = _D["max_recipients"]
+    allow_mixed_script_domains: bool = _D["allow_mixed_script_domains"]
     campaign_pass_seconds: float | None = None
     metrics: bool = _D["metrics"]
     metrics_port: int = _D["metrics_port"]

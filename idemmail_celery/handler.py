@@ -74,7 +74,7 @@ from .keys import IntentKeyBuilder, Payload
 from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
 from .ledger.base import new_owner
 from .ledger.sealed import PAYLOAD_KEY_UNKNOWN, is_sealed, park_unreadable
-from .redaction import scrub
+from .redaction import cut_leaking_chain, scrub
 
 log = logging.getLogger("idemmail_celery")
 
@@ -286,6 +286,7 @@ class Handler:
             self.effect.report(Outcome.FAILED, d.key, reason=reason, recorded="false")
             error = PermanentSendError(scrub(str(exc))[:500], reason=reason, key=d.key)
             error.__cause__ = exc
+            cut_leaking_chain(error)  # a header or tag name holding an address: the cause would print it
             return Step(Outcome.FAILED, Action.RAISE, d.key, error=error)
         return None
 

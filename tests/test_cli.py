@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from click.testing import CliRunner
 
 from idemmail_celery.cli import EXIT_BROKER, EXIT_ILLEGAL, EXIT_UNKNOWN_KEY, EXIT_UNREACHABLE, idemmail
+from idemmail_celery.keys import Seal
 from idemmail_celery.ledger import ClaimRequest, Ledger, State, from_url
 from idemmail_celery.ledger.redis import RedisLedger
 from idemmail_celery.ledger.sql import SQLLedger
@@ -519,7 +520,8 @@ def test_a_released_copy_of_a_record_made_under_a_raw_key_claims_that_very_recor
     assert done.returncode == 0, done.stderr
     [message] = queued(release_app)
     assert message["headers"]["idempotency_key"] == key
-    assert send.key_builder.is_marked(key, message["headers"]["idemmail_key_mark"])
+    assert send.key_builder.check_seal(message["headers"], send.key_builder.payload(("jo@example.com", 14), {})) \
+        is Seal.VALID
 
 
 def test_the_ledger_url_is_read_through_the_settings_table(tmp_path: Path) -> None:

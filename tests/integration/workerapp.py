@@ -46,7 +46,8 @@ app.conf.update(
     idemmail_ledger_options=(
         {"prefix": f"led.{NS}"} if LEDGER.startswith("redis") else {"table": f"led_{NS}"}
     ),
-    idemmail_key_secret="test-secret",
+    # A rotation (tests/integration/test_sealed_headers.py): comma-separated secrets, newest first.
+    idemmail_key_secret=(os.environ.get("IDEMMAIL_TEST_KEY_SECRETS") or "test-secret").split(","),
     idemmail_lease_seconds=float(os.environ.get("IDEMMAIL_TEST_LEASE", "30")),
     # send_email (registered on this app as a shared task when idemmail_celery is imported)
     idemmail_provider_url=os.environ.get("IDEMMAIL_TEST_PROVIDER") or None,
