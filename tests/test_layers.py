@@ -27,6 +27,8 @@ LAYERS: dict[str, int] = {
     # 5: what is built on the adapter
     "mail": 5, "bulk": 6, "tools": 6, "outbox": 5, "beat": 5, "webhooks": 5, "cli": 6, "testing": 5,
     "__main__": 7, "__init__": 7,
+    # 7: integrations with frameworks (the Django app), over the CLI's moves and the outbox
+    "contrib": 7,
 }
 
 

@@ -1,0 +1,1 @@
+"""Integrations with frameworks, each an optional module that imports its framework itself."""
