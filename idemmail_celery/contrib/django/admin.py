@@ -16,8 +16,8 @@ again before the record changes), mark failed, forget (erase the personal data).
   which key, the outcome; the note is kept in the record, not in the log). The record itself keeps
   who, when and why in ``error["resolution"]``, as from the CLI.
 
-The ledger is the project's Celery app's (``celery.current_app``, the app ``proj/__init__.py``
-imports), opened for reading as the CLI opens it; releasing publishes to that app's broker.
+The ledger is the project's Celery app's (the app ``proj/__init__.py`` imports, see
+:func:`.conf.celery_app`), opened as the CLI opens it; releasing publishes to that app's broker.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from ...errors import LedgerUnavailableError, PayloadKeyError
 from ...keys import Payload
 from ...ledger import Record, State
 from ...ledger.sealed import is_sealed
+from .conf import celery_app
 from .models import ReviewRecord
 
 audit = logging.getLogger("idemmail_celery.audit")
@@ -63,9 +64,7 @@ _operators_lock = threading.Lock()
 def operator() -> _Ctx:
     """The CLI's context for the project's Celery app: its ledger (opened passive, as the CLI
     opens it), built once per process."""
-    from celery import current_app
-
-    app = current_app._get_current_object()
+    app = celery_app()
     with _operators_lock:
         ctx = _operators.get(id(app))
         if ctx is None:

@@ -17,3 +17,4 @@ class IdemmailConfig(AppConfig):
         from . import checks, conf, tasks  # noqa: F401  (checks register themselves; tasks register on every app)
 
         conf.apply_plain_settings()
+        conf.remember_app()

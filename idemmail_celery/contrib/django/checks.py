@@ -21,23 +21,17 @@ from django.core.checks import CheckMessage, Error, Warning, register
 from ...config import SETTINGS, Settings, _refuse_unknown
 from ...errors import ConfigurationError
 from ...outbox import DEFAULT_TABLE
-from .conf import NAMES, NAMESPACE, DjangoConf, django_names
+from .conf import NAMES, NAMESPACE, DjangoConf, celery_app, django_names
 
 _SECRET_HINT = ("Set IDEMMAIL_KEY_SECRET (or CELERY_IDEMMAIL_KEY_SECRET) in settings.py from your secret store, "
                 "e.g. os.environ['IDEMMAIL_KEY_SECRET']; IDEMMAIL_ALLOW_PLAIN_KEYS = True accepts plain keys "
                 "on purpose.")
 
 
-def _app_conf() -> Any:
-    from celery import current_app
-
-    return current_app.conf
-
-
 @register("idemmail")
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """The library's settings as the project's Celery app will read them."""
-    conf = DjangoConf(_app_conf())
+    conf = DjangoConf(celery_app().conf)
     messages: list[CheckMessage] = [*_unknown_names(), *_conflicts()]
     values: dict[str, Any] = {}
     for setting in SETTINGS:

@@ -26,6 +26,29 @@ NAMESPACE = "CELERY_"
 #: The upper-case names a Django project may set, by ``app.conf`` name.
 NAMES = {s.conf: s.conf.upper() for s in SETTINGS}
 _UNSET = object()
+_project_app: list[Any] = []
+
+
+def remember_app() -> None:
+    """Keep the Celery app current when Django starts (the one ``proj/__init__.py`` imports).
+
+    ``celery.current_app`` is per thread: in a threaded server's request threads it is Celery's
+    unconfigured fallback app, whose ledger and broker are not the project's.
+    """
+    from celery import current_app
+
+    app = current_app._get_current_object()
+    if app.main != "default":  # "default": the fallback, made when no app was current
+        _project_app[:] = [app]
+
+
+def celery_app() -> Any:
+    """The project's Celery app: the one current when Django started, else ``celery.current_app``."""
+    if _project_app:
+        return _project_app[0]
+    from celery import current_app
+
+    return current_app._get_current_object()
 
 
 def django_names() -> list[str]:

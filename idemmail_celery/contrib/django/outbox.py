@@ -29,6 +29,7 @@ from celery import Task
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from ...outbox import RELAY_TASK, _email_task, enqueue_sql
+from .conf import celery_app
 
 log = logging.getLogger("idemmail_celery")
 
@@ -75,7 +76,7 @@ def enqueue_email(
     The task is ``task``, else ``send_email`` on the project's Celery app; publishing options
     (``{"queue": "mail"}``) go in ``options``. Returns the intent key.
     """
-    return enqueue(_email_task(None, task), (), email, using=using, nudge=nudge, **dict(options or {}))
+    return enqueue(_email_task(celery_app(), task), (), email, using=using, nudge=nudge, **dict(options or {}))
 
 
 def _nudge(app: Any) -> None:
