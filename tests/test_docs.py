@@ -127,3 +127,28 @@ def test_no_page_copies_a_docstring() -> None:
               for page in PAGES for source, doc in sources.items()
               if (run := shared_run(page_prose(page), doc, DOCSTRING_RUN))]
     assert not copies, "\n".join(copies)
+
+
+# -- pages whose code blocks are the files the tests run --
+
+#: Code blocks that open with ``# <path>`` are that file, whole; ``# <path> (excerpt)``, a run of its lines.
+SOURCE_LINE = re.compile(r"^(?:#!.*\n)?# (examples/\S+)( \(excerpt\))?$", re.M)
+
+
+def test_the_django_page_shows_the_example_projects_files_as_they_are() -> None:
+    page = (ROOT / "docs" / "django.md").read_text()
+    shown = set()
+    for block in re.findall(r"^```python\n(.*?)^```", page, re.S | re.M):
+        head = SOURCE_LINE.match(block)
+        if head is None:
+            continue
+        path, excerpt = head.group(1), head.group(2)
+        text = (ROOT / path).read_text()
+        if excerpt:
+            assert block.split("\n", 1)[1] in text, f"docs/django.md's excerpt of {path} is not in the file"
+        else:
+            assert block == text, f"docs/django.md's block of {path} differs from the file"
+            shown.add(path)
+    project = ROOT / "examples" / "django_shop"
+    files = {str(p.relative_to(ROOT)) for p in project.glob("*.py") if p.name != "__init__.py"}
+    assert shown == files, f"files of examples/django_shop not on the page: {sorted(files - shown)}"

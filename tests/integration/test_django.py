@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import sqlalchemy as sa
 from celery import current_app
 from celery.result import AsyncResult
@@ -33,8 +32,8 @@ from idemmail_celery.ledger import ClaimRequest, Ledger, State, from_url
 from idemmail_celery.outbox import relay, run_relay
 from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 
-from ..conftest import POSTGRES_URL, REDIS_URL, require_module, service_missing, unique, wait_for
-from .conftest import results
+from ..conftest import REDIS_URL, require_module, service_missing, unique, wait_for
+from .conftest import drop_schema, results, web_services
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -105,15 +104,8 @@ def _setup_django(env: dict[str, str], sqlite_path: Path) -> None:
 def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
     require_module("django")
     ns = unique("dj").replace("_", "")
-    r = redis.Redis.from_url(REDIS_URL)
-    admin = sa.create_engine(POSTGRES_URL)
-    try:
-        r.ping()
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'CREATE SCHEMA "{ns}"'))
-    except Exception as exc:
-        service_missing("redis and postgresql", exc)
-    pg = sa.make_url(POSTGRES_URL).set(drivername="postgresql").update_query_dict({"options": f"-csearch_path={ns}"})
+    r, url = web_services(ns)
+    pg = url.set(drivername="postgresql")  # Django's spelling: the settings' database() reads it
     fake = FakeProvider(dedupe=False).start()
     env = {
         "DJANGO_SETTINGS_MODULE": "examples.django_shop.settings",
@@ -147,9 +139,7 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
         fake.stop()
         connections.close_all()
         previous.set_current()
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{ns}" CASCADE'))
-        admin.dispose()
+        drop_schema(ns)
         r.delete(*r.scan_iter(f"led.{ns}:*", count=1000), f"q.{ns}", f"_kombu.binding.q.{ns}",
                  *(f"celery-task-meta-{t}" for t in shop.published))
 

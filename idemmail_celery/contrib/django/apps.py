@@ -17,4 +17,6 @@ class IdemmailConfig(AppConfig):
         from . import checks, conf, tasks  # noqa: F401  (checks register themselves; tasks register on every app)
 
         conf.apply_plain_settings()
-        conf.remember_app()
+        app = conf.remember_app()
+        if app is not None:
+            tasks.register_relay_task(app)

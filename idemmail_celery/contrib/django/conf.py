@@ -29,8 +29,9 @@ _UNSET = object()
 _project_app: list[Any] = []
 
 
-def remember_app() -> None:
-    """Keep the Celery app current when Django starts (the one ``proj/__init__.py`` imports).
+def remember_app() -> Any:
+    """Keep the Celery app current when Django starts (the one ``proj/__init__.py`` imports); returns it,
+    or None when there is none.
 
     ``celery.current_app`` is per thread: in a threaded server's request threads it is Celery's
     unconfigured fallback app, whose ledger and broker are not the project's.
@@ -38,8 +39,10 @@ def remember_app() -> None:
     from celery import current_app
 
     app = current_app._get_current_object()
-    if app.main != "default":  # "default": the fallback, made when no app was current
-        _project_app[:] = [app]
+    if app.main == "default":  # Celery's fallback, made when no app was current: not the project's
+        return None
+    _project_app[:] = [app]
+    return app
 
 
 def celery_app() -> Any:
