@@ -1,9 +1,9 @@
-"""examples/django_shop, the Django app of ``idemmail_celery.contrib.django``, run for real: Django 5.2 set up in
-this process (the test client, the admin, a live server for headless Chromium), its migrations applied on
-PostgreSQL (a schema of its own, the project's ``default`` database) and on SQLite (a second alias, ``sqlite``),
-one Celery worker of the project (``celery -A examples.django_shop worker``) on the Redis broker and ledger
-for the whole module, and a fake provider that does **not** de-duplicate, so every delivery it counts is one
-the library let through.
+"""examples/django_shop, the Django app of ``idemmail_celery.contrib.django``, run for real: Django set up in this
+process (the test client, the admin, a live server for headless Chromium), its migrations applied on PostgreSQL (a
+schema of its own, the project's ``default`` database), on SQLite (alias ``sqlite``) and on MariaDB (alias
+``mariadb``, a database of its own, PyMySQL standing in for mysqlclient); one Celery worker of the project
+(``celery -A examples.django_shop worker``) on the Redis broker and ledger for the whole module, and a fake provider
+that does **not** de-duplicate, so every delivery it counts is one the library let through.
 
 Django is set up once per process: this module configures it on first use and leaves it configured (nothing
 else in the suite imports Django).
@@ -32,12 +32,12 @@ from idemmail_celery.ledger import ClaimRequest, Ledger, State, from_url
 from idemmail_celery.outbox import relay, run_relay
 from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 
-from ..conftest import REDIS_URL, require_module, service_missing, unique, wait_for
+from ..conftest import MARIADB_URL, REDIS_URL, require_module, service_missing, unique, wait_for
 from .conftest import drop_schema, results, web_services
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
-ALIASES = ["default", "sqlite"]  # PostgreSQL, SQLite
+ALIASES = ["default", "sqlite", "mariadb"]  # PostgreSQL (the project's own), SQLite, MariaDB
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Shop:
 
     def order(self, alias: str, email: str, *, out_of_stock: bool = False) -> int | None:
         """An order with its confirmation email: through the view (``default``), or as the view does it on
-        another database (``sqlite``). Returns the order id, None when the transaction rolled back."""
+        another database (``sqlite``, ``mariadb``). Returns the order id, None when the transaction rolled back."""
         from django.db import transaction
         from django.test import Client
 
@@ -88,8 +88,9 @@ class Shop:
         return record is not None and record.state is State.SENT
 
 
-def _setup_django(env: dict[str, str], sqlite_path: Path) -> None:
+def _setup_django(env: dict[str, str], sqlite_path: Path, mariadb: sa.URL) -> None:
     import django
+    import pymysql
     from django.conf import settings
 
     if settings.configured:
@@ -97,7 +98,41 @@ def _setup_django(env: dict[str, str], sqlite_path: Path) -> None:
     for name, value in env.items():
         os.environ[name] = value
     settings.DATABASES["sqlite"] = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(sqlite_path)}
+    # Django's MySQL backend wants mysqlclient (a C build); PyMySQL, which the suite has, stands in for it.
+    pymysql.version_info = (2, 2, 1, "final", 0)
+    pymysql.install_as_MySQLdb()
+    settings.DATABASES["mariadb"] = {"ENGINE": "django.db.backends.mysql", "NAME": mariadb.database,
+                                     "USER": mariadb.username, "HOST": mariadb.host, "PORT": mariadb.port}
+    settings.DATABASE_ROUTERS = [ShopTablesOnly()]
     django.setup()
+
+
+class ShopTablesOnly:
+    """The second and third databases get the outbox and the orders only (MariaDB's DDL is slow: each statement
+    commits); users, sessions and the admin live in ``default``."""
+
+    def allow_migrate(self, db: str, app_label: str, **hints: Any) -> bool:
+        return db == "default" or app_label in ("idemmail", "django_shop")
+
+
+def mariadb_database(ns: str) -> sa.URL:
+    """A MariaDB database of its own (Django's migrations create every app's tables)."""
+    server = sa.create_engine(MARIADB_URL)
+    try:
+        with server.begin() as conn:
+            conn.execute(sa.text(f"CREATE DATABASE `{ns}`"))
+    except Exception as exc:
+        service_missing("mariadb", exc)
+    finally:
+        server.dispose()
+    return sa.make_url(MARIADB_URL).set(database=ns)
+
+
+def drop_mariadb_database(ns: str) -> None:
+    server = sa.create_engine(MARIADB_URL)
+    with server.begin() as conn:
+        conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{ns}`"))
+    server.dispose()
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +151,7 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
     }
     previous = current_app._get_current_object()
     tmp = tmp_path_factory.mktemp("django-shop")
-    _setup_django(env, tmp / "shop.sqlite3")
+    _setup_django(env, tmp / "shop.sqlite3", mariadb_database(ns))
     from django.core.management import call_command
     from django.db import connections
 
@@ -140,6 +175,7 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
         connections.close_all()
         previous.set_current()
         drop_schema(ns)
+        drop_mariadb_database(ns)
         r.delete(*r.scan_iter(f"led.{ns}:*", count=1000), f"q.{ns}", f"_kombu.binding.q.{ns}",
                  *(f"celery-task-meta-{t}" for t in shop.published))
 
@@ -316,6 +352,8 @@ def test_a_staff_user_marks_a_parked_intent_failed_in_headless_chromium(
     from django.contrib.staticfiles.handlers import StaticFilesHandler
     from django.test.testcases import LiveServerThread
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.wait import WebDriverWait
 
     key = park(shop, "browser@example.com")
     staff("browser", "view_reviewrecord", "mark_failed")
@@ -333,6 +371,7 @@ def test_a_staff_user_marks_a_parked_intent_failed_in_headless_chromium(
         options.add_argument(flag)
     options.binary_location = "/usr/bin/chromium"
     browser = webdriver.Chrome(options=options, service=webdriver.ChromeService("/usr/bin/chromedriver"))
+    browser.implicitly_wait(30)  # each find waits for the page a click opened
     base = f"http://127.0.0.1:{server.port}"
     try:
         browser.get(f"{base}/admin/login/?next=/admin/idemmail/reviewrecord/")
@@ -344,6 +383,9 @@ def test_a_staff_user_marks_a_parked_intent_failed_in_headless_chromium(
         assert "browser@example.com" not in browser.page_source
         browser.find_element(By.ID, "note-failed").send_keys("customer cancelled; do not send")
         browser.find_element(By.NAME, "do-failed").click()
+        done = WebDriverWait(browser, 30).until(  # the record's page again, with the action's message
+            expected_conditions.presence_of_element_located((By.CSS_SELECTOR, "ul.messagelist li.success")))
+        assert done.text.endswith(f"{key[1:]}: failed")
         assert browser.find_element(By.ID, "record-state").text == "failed"
         ARTIFACTS.mkdir(exist_ok=True)
         shot = ARTIFACTS / "django-admin-review.png"
