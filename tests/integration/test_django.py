@@ -194,6 +194,40 @@ def test_the_project_reads_both_spellings_of_the_settings_and_registers_send_ema
             "idemmail_celery.outbox_relay"} <= set(shop.app.tasks)
 
 
+def test_the_migration_makes_the_relays_table_and_matches_the_models(shop: Shop) -> None:
+    from django.core.management import call_command
+
+    from idemmail_celery.outbox import outbox_table
+
+    call_command("makemigrations", "idemmail", "django_shop", check=True, dry_run=True, verbosity=0)  # exits if not
+    expected = {c.name for c in outbox_table().columns}
+    for alias in ALIASES:
+        engine = sa.create_engine(shop.relay_url(alias))
+        try:
+            inspector = sa.inspect(engine)
+            columns = {c["name"]: c for c in inspector.get_columns("idemmail_outbox")}
+            assert set(columns) == expected, alias
+            unique = [u["column_names"] for u in inspector.get_unique_constraints("idemmail_outbox")] + [
+                i["column_names"] for i in inspector.get_indexes("idemmail_outbox") if i.get("unique")]
+            assert unique and all(names == ["intent_key"] for names in unique), alias  # ON CONFLICT's target
+            if alias == "default":  # naive UTC, as the relay compares it: no time zone on the column
+                assert not columns["next_attempt_at"]["type"].timezone
+        finally:
+            engine.dispose()
+
+
+def test_another_app_in_the_process_keeps_its_own_relay(shop: Shop) -> None:
+    """The project's relay is its app's alone: a shared task would take the name on every app made later."""
+    from celery import Celery
+
+    from idemmail_celery.outbox import RELAY_TASK, register_relay
+
+    other = Celery(unique("other"), set_as_current=False)
+    register_relay(other, "sqlite:///elsewhere.sqlite3")
+    assert other.tasks[RELAY_TASK].run.__qualname__ == "register_relay.<locals>.outbox_relay"
+    assert shop.app.tasks[RELAY_TASK].run.__qualname__ == "register_relay_task.<locals>.outbox_relay"
+
+
 @pytest.mark.parametrize("alias", ALIASES)
 def test_a_rolled_back_order_leaves_no_row_and_sends_nothing(shop: Shop, alias: str) -> None:
     from examples.django_shop.models import Order
