@@ -376,6 +376,36 @@ def test_the_admin_lists_a_parked_intent_and_a_staff_user_releases_it_once(
     assert shop.fake.delivery_count(key) == 1
 
 
+def test_the_admins_other_actions_follow_the_clis_rules(shop: Shop) -> None:
+    """Forget, show the payload (its own permission), mark sent with the provider's id; a sent record refuses."""
+    from django.test import Client
+
+    key = park(shop, "other@example.com")
+    clerk = Client()
+    clerk.force_login(staff("clerk", "view_reviewrecord", "view_payload", "mark_sent", "forget_payload"))
+    record_url = "/admin/idemmail/reviewrecord/record/"
+    assert "other@example.com" in clerk.get(record_url, {"key": key, "payload": "1"}).content.decode()
+
+    forgot = clerk.post(record_url + "forget/", {"key": key}, follow=True).content.decode()
+    assert f"{key}: payload erased" in forgot and "(none stored)" in forgot
+    record = shop.ledger.get(key)
+    assert record is not None and record.payload is None and record.state is State.REVIEW
+
+    sent = clerk.post(record_url + "sent/", {"key": key, "note": "in the provider's log", "message_id": "msg-1"},
+                      follow=True).content.decode()
+    assert f"{key}: sent" in sent
+    record = shop.ledger.get(key)
+    assert record is not None and record.state is State.SENT and record.result is not None
+    assert record.result["message_id"] == "msg-1"
+
+    assert clerk.post(record_url + "failed/", {"key": key, "note": "no"}).status_code == 403  # not this clerk's
+    again = clerk.post(record_url + "sent/", {"key": key, "note": "twice"}, follow=True).content.decode()
+    assert "it cannot be resolved" in again  # the ledger's rule, as the CLI shows it
+    unnoted = clerk.post(record_url + "sent/", {"key": park(shop, "n@example.com")}, follow=True).content.decode()
+    assert "Say why in the note" in unnoted
+    assert shop.fake.delivery_count(key) == 0
+
+
 def test_a_staff_user_marks_a_parked_intent_failed_in_headless_chromium(
     shop: Shop, capsys: pytest.CaptureFixture[str]
 ) -> None:
