@@ -95,8 +95,11 @@ def _setup_django(env: dict[str, str], sqlite_path: Path, mariadb: sa.URL) -> No
 
     if settings.configured:
         pytest.fail("Django was already configured in this process: this module sets it up for its project")
-    for name, value in env.items():
-        os.environ[name] = value
+    with pytest.MonkeyPatch.context() as mp:  # the settings module reads its environment once, here
+        for name, value in env.items():
+            mp.setenv(name, value)
+        settings.DATABASES  # noqa: B018  (loads the settings module)
+    # Restored: CELERY_BROKER_URL in the environment would be every later test's broker (Celery reads it).
     settings.DATABASES["sqlite"] = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(sqlite_path)}
     # Django's MySQL backend wants mysqlclient (a C build); PyMySQL, which the suite has, stands in for it.
     pymysql.version_info = (2, 2, 1, "final", 0)
