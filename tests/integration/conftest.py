@@ -212,20 +212,23 @@ def web_services(ns: str) -> tuple[redis.Redis, sa.URL]:
     Drop the schema with :func:`drop_schema`.
     """
     r = redis.Redis.from_url(REDIS_URL)
-    admin = sa.create_engine(POSTGRES_URL)
     try:
         r.ping()
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'CREATE SCHEMA "{ns}"'))
+        ddl(POSTGRES_URL, f'CREATE SCHEMA "{ns}"')
     except Exception as exc:
         service_missing("redis and postgresql", exc)
-    finally:
-        admin.dispose()
     return r, sa.make_url(POSTGRES_URL).update_query_dict({"options": f"-csearch_path={ns}"})
 
 
 def drop_schema(ns: str) -> None:
-    admin = sa.create_engine(POSTGRES_URL)
-    with admin.begin() as conn:
-        conn.execute(sa.text(f'DROP SCHEMA "{ns}" CASCADE'))
-    admin.dispose()
+    ddl(POSTGRES_URL, f'DROP SCHEMA "{ns}" CASCADE')
+
+
+def ddl(url: str, statement: str) -> None:
+    """Run one statement on a server (a test's own schema or database, made or dropped)."""
+    server = sa.create_engine(url)
+    try:
+        with server.begin() as conn:
+            conn.execute(sa.text(statement))
+    finally:
+        server.dispose()

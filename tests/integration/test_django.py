@@ -33,7 +33,7 @@ from idemmail_celery.outbox import relay, run_relay
 from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 
 from ..conftest import MARIADB_URL, REDIS_URL, require_module, service_missing, unique, wait_for
-from .conftest import drop_schema, results, web_services
+from .conftest import ddl, drop_schema, results, web_services
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -120,22 +120,11 @@ class ShopTablesOnly:
 
 def mariadb_database(ns: str) -> sa.URL:
     """A MariaDB database of its own (Django's migrations create every app's tables)."""
-    server = sa.create_engine(MARIADB_URL)
     try:
-        with server.begin() as conn:
-            conn.execute(sa.text(f"CREATE DATABASE `{ns}`"))
+        ddl(MARIADB_URL, f"CREATE DATABASE `{ns}`")
     except Exception as exc:
         service_missing("mariadb", exc)
-    finally:
-        server.dispose()
     return sa.make_url(MARIADB_URL).set(database=ns)
-
-
-def drop_mariadb_database(ns: str) -> None:
-    server = sa.create_engine(MARIADB_URL)
-    with server.begin() as conn:
-        conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{ns}`"))
-    server.dispose()
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +167,7 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
         connections.close_all()
         previous.set_current()
         drop_schema(ns)
-        drop_mariadb_database(ns)
+        ddl(MARIADB_URL, f"DROP DATABASE IF EXISTS `{ns}`")
         r.delete(*r.scan_iter(f"led.{ns}:*", count=1000), f"q.{ns}", f"_kombu.binding.q.{ns}",
                  *(f"celery-task-meta-{t}" for t in shop.published))
 

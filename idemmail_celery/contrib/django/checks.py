@@ -44,7 +44,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             messages.append(Error(str(exc), id="idemmail.E002", obj=NAMES[setting.conf],
                                   hint="See the configuration reference (docs/configuration.md)."))
     try:
-        resolved = Settings.resolve({k: v for k, v in values.items()})
+        resolved = Settings.resolve(values)
     except ConfigurationError:  # already reported above, by name
         return messages
     if not resolved.key_secrets and not resolved.allow_plain_keys:
