@@ -12,6 +12,11 @@ As a Celery subcommand (the ``celery.commands`` entry point), with the app's set
     celery -A proj idemmail ledger init
     celery -A proj idemmail ledger ack-loss --note "Redis restarted without AOF at 02:10; checked"
 
+Agent tools over MCP (the ``[mcp]`` extra; see ``idemmail_celery.contrib.mcp``)::
+
+    celery -A proj idemmail mcp                          # stdio
+    celery -A proj idemmail mcp --http --port 8000       # streamable HTTP on 127.0.0.1
+
 or without Celery's loader, with the same commands and help:
 ``python -m idemmail_celery [-A proj] --ledger-url redis://... ledger stats``
 (``--release`` needs ``-A``/``--app``, to re-enqueue).
@@ -487,6 +492,51 @@ def ack_loss(obj: _Ctx, note: str, actor: str | None) -> None:
     click.echo(_epoch_line(_marker_op(lambda: markers.acknowledge_loss(note=note, actor=actor or _actor()))))
     click.echo("workers adopt the new epoch at their next claim; intents recorded before the loss are forgotten: "
                "keyless copies enqueued before now go to review (ledger_lost), keyed ones send with their key")
+
+
+@idemmail.command("mcp")
+@click.option("--http", is_flag=True, help="Streamable HTTP at http://HOST:PORT/mcp instead of stdio.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="With --http: 127.0.0.1, ::1 or localhost.")
+@click.option("--port", type=int, default=8000, show_default=True, help="With --http.")
+@click.option("--tools", "tools_path", default=None,
+              help="module:attribute of a list of tools to serve (or of a function of the app returning one) "
+                   "instead of the email tool and every idempotent_tool of the app.")
+@click.pass_obj
+def mcp(obj: _Ctx, http: bool, host: str, port: int, tools_path: str | None) -> None:
+    """Serve the app's agent tools over MCP (the [mcp] extra): stdio, or streamable HTTP on loopback."""
+    if obj.app is None:
+        raise click.UsageError("the tools are the app's: run it as `celery -A proj idemmail mcp`")
+    try:
+        from .contrib.mcp import run_http, run_stdio, server  # the optional extra: imported here only
+    except ImportError as exc:
+        raise click.UsageError(f"the MCP server needs the mcp extra: pip install 'idemmail-celery[mcp]' ({exc})") \
+            from exc
+    try:
+        mcp_server = server(obj.app, _load_tools(obj.app, tools_path) if tools_path else None)
+        if http:
+            click.echo(f"idemmail: MCP over streamable HTTP at http://{host}:{port}/mcp", err=True)
+            run_http(mcp_server, host=host, port=port)
+        else:
+            run_stdio(mcp_server)  # stdout is the protocol's: nothing else may print there
+    except ConfigurationError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def _load_tools(app: Any, path: str) -> list[Any]:
+    """``module:attribute``: a list of tools, or a function of the app that returns one."""
+    from celery.utils.imports import symbol_by_name
+
+    # Here, not at the top: importing tools registers send_email, and every `celery` command loads this module.
+    from .tools import IdempotentTool
+
+    try:
+        found = symbol_by_name(path.replace(":", ".", 1) if ":" in path else path)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise click.UsageError(f"--tools {path}: {exc}") from exc
+    tools = found(app) if callable(found) else found
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, IdempotentTool) for t in tools):
+        raise click.UsageError(f"--tools {path}: not a list of tools made by idempotent_tool or email_tool")
+    return list(tools)
 
 
 def standalone() -> click.Group:

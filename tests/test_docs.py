@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import itertools
 import re
+import textwrap
 from pathlib import Path
 from types import ModuleType
 
@@ -129,26 +130,36 @@ def test_no_page_copies_a_docstring() -> None:
     assert not copies, "\n".join(copies)
 
 
-# -- pages whose code blocks are the files the tests run --
+# -- code quoted from the repository --
 
-#: Code blocks that open with ``# <path>`` are that file, whole; ``# <path> (excerpt)``, a run of its lines.
-SOURCE_LINE = re.compile(r"^(?:#!.*\n)?# (examples/\S+)( \(excerpt\))?$", re.M)
+def quoted(page: Path) -> list[tuple[str, str]]:
+    """The page's Python blocks that open with ``# <a path in the repository>``: (path, code)."""
+    return re.findall(r"^```python\n# (\S+/\S+\.py)\n(.*?)^```", page.read_text(), re.MULTILINE | re.DOTALL)
 
 
-def test_the_django_page_shows_the_example_projects_files_as_they_are() -> None:
-    page = (ROOT / "docs" / "django.md").read_text()
-    shown = set()
-    for block in re.findall(r"^```python\n(.*?)^```", page, re.S | re.M):
-        head = SOURCE_LINE.match(block)
-        if head is None:
-            continue
-        path, excerpt = head.group(1), head.group(2)
-        text = (ROOT / path).read_text()
-        if excerpt:
-            assert block.split("\n", 1)[1] in text, f"docs/django.md's excerpt of {path} is not in the file"
-        else:
-            assert block == text, f"docs/django.md's block of {path} differs from the file"
-            shown.add(path)
+def test_code_a_page_quotes_from_a_file_stands_in_that_file_as_written() -> None:
+    """A block headed by a file's path is a run of that file's lines (indented as a whole or not): the page
+    shows code that the file's own tests run, and cannot drift from it."""
+    missing = []
+    for page in PAGES:
+        for path, code in quoted(page):
+            lines = textwrap.dedent(code).splitlines()
+            source = (ROOT / path).read_text().splitlines()
+            runs = (textwrap.dedent("\n".join(source[i:i + len(lines)])).splitlines() for i in range(len(source)))
+            if lines not in runs:
+                missing.append(f"{page.relative_to(ROOT)}: a block quoted from {path} is not in it as written")
+    assert missing == []
+    assert {path for path, _ in quoted(ROOT / "docs" / "agent-tools.md")} == {
+        "examples/agent_mcp.py", "examples/agent_langgraph.py"}  # run by tests/integration/test_examples_agent.py
+
+
+def test_the_django_page_quotes_every_file_of_the_example_project_whole() -> None:
+    """docs/django.md's blocks are examples/django_shop's files (each opens with its own path), run by
+    tests/integration/test_django.py."""
+    shown = dict(quoted(ROOT / "docs" / "django.md"))
     project = ROOT / "examples" / "django_shop"
-    files = {str(p.relative_to(ROOT)) for p in project.glob("*.py") if p.name != "__init__.py"}
-    assert shown == files, f"files of examples/django_shop not on the page: {sorted(files - shown)}"
+    for path in sorted(project.glob("*.py")):
+        name = str(path.relative_to(ROOT))
+        head, _, body = path.read_text().partition("\n")
+        if path.name != "__init__.py":
+            assert head == f"# {name}" and shown.get(name) == body, f"docs/django.md does not quote {name} whole"

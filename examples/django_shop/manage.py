@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 # examples/django_shop/manage.py
 import os
 import sys

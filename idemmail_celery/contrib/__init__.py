@@ -1,1 +1,1 @@
-"""Integrations with frameworks, each an optional module that imports its framework itself."""
+"""Integrations with other frameworks, each an optional extra imported only by its own module."""
