@@ -314,6 +314,24 @@ def test_manage_py_check_flags_a_missing_key_secret(tmp_path: Path) -> None:
     assert "idemmail" not in given.stdout + given.stderr
 
 
+def test_a_table_made_by_hand_from_schema_sql_is_adopted_with_fake_initial(tmp_path: Path) -> None:
+    """The earlier recipe ran ``schema_sql()`` in a migration of the project's own: the model's is the same table."""
+    require_module("django")
+    import sqlite3
+
+    from idemmail_celery.outbox import schema_sql
+
+    db = tmp_path / "old.sqlite3"
+    with sqlite3.connect(db) as conn:
+        conn.executescript(schema_sql("sqlite"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMMAIL_", "SHOP_", "DJANGO_"))}
+    env.update(SHOP_DATABASE_URL=f"sqlite:///{db}", SHOP_KEY_SECRET="s3cret")
+    cmd = [sys.executable, "examples/django_shop/manage.py", "migrate", "idemmail", "--fake-initial"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Applying idemmail.0001_initial... FAKED" in done.stdout
+
+
 def test_the_checks_name_each_wrong_setting(shop: Shop) -> None:
     from django.test import override_settings
 
