@@ -149,6 +149,18 @@ def _fail(code: int, message: str) -> NoReturn:
     sys.exit(code)
 
 
+class OperatorError(Exception):
+    """An operator action refused or cut short: :attr:`code` is its exit code (:data:`EXIT_CODES`).
+
+    Raised by :func:`decide` and :func:`erase`, the moves the CLI and the Django admin share; the
+    CLI turns it into ``error: <message>`` and the exit code, the admin into a message on the page.
+    """
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def _when(ts: float | None) -> str:
     return "-" if not ts else dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
 
@@ -187,6 +199,8 @@ class _LedgerCommands(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except OperatorError as exc:
+            _fail(exc.code, str(exc))
         except PayloadKeyError as exc:
             _fail(EXIT_PAYLOAD_KEY, f"{exc} (add the key it was sealed with to idemmail_payload_keys)")
         except LedgerUnavailableError as exc:
@@ -259,19 +273,24 @@ def resolve(obj: _Ctx, key: str, outcome: str | None, message_id: str | None, no
         raise click.UsageError("--message-id goes with --sent")
     if outcome == "released" and obj.app is None:
         raise click.UsageError("--release re-enqueues the stored payload: run it as `celery -A proj idemmail ...`")
+    record = decide(obj, key, outcome, note=note, actor=actor or _actor(), message_id=message_id)
+    click.echo(f"{key}: {record.state.value}" + (" (re-enqueued)" if outcome == "released" else ""))
+
+
+def decide(obj: _Ctx, key: str, outcome: str, *, note: str, actor: str, message_id: str | None = None) -> Record:
+    """``resolve``: ``outcome`` is ``sent`` (with the provider's ``message_id``), ``failed`` or ``released``
+    (the stored first payload queued again, see the module docstring); :class:`OperatorError` when refused."""
     try:
         if outcome == "released":
-            record = _release(obj, key, note, actor or _actor())
-        else:
-            result = {"message_id": message_id, "resolved_by_operator": True} if outcome == "sent" else None
-            record = obj.ledger.resolve(key, outcome, result=result, note=note, actor=actor or _actor())
+            return _release(obj, key, note, actor)
+        result = {"message_id": message_id, "resolved_by_operator": True} if outcome == "sent" else None
+        return obj.ledger.resolve(key, outcome, result=result, note=note, actor=actor)
     except RecordNotFoundError as exc:
-        _fail(EXIT_UNKNOWN_KEY, str(exc))
+        raise OperatorError(EXIT_UNKNOWN_KEY, str(exc)) from exc
     except IllegalTransitionError as exc:
-        _fail(EXIT_ILLEGAL, str(exc))
+        raise OperatorError(EXIT_ILLEGAL, str(exc)) from exc
     except LedgerUnavailableError as exc:
-        _fail(EXIT_UNREACHABLE, str(exc))
-    click.echo(f"{key}: {record.state.value}" + (" (re-enqueued)" if outcome == "released" else ""))
+        raise OperatorError(EXIT_UNREACHABLE, str(exc)) from exc
 
 
 def _release(obj: _Ctx, key: str, note: str, actor: str) -> Record:
@@ -289,8 +308,8 @@ def _release(obj: _Ctx, key: str, note: str, actor: str) -> Record:
         record = obj.ledger.resolve(key, "released", note=note, actor=actor)
     except (IllegalTransitionError, LedgerUnavailableError) as exc:
         code = EXIT_UNREACHABLE if isinstance(exc, LedgerUnavailableError) else EXIT_ILLEGAL
-        _fail(code, f"{exc}; the record was not released, and the copy just queued will find it unchanged and "
-                    "send nothing")
+        raise OperatorError(code, f"{exc}; the record was not released, and the copy just queued will find it "
+                                  "unchanged and send nothing") from exc
     if time.monotonic() - published >= countdown / 2:
         # The copy may have met the record before it was released, and sent nothing: queue one now.
         _requeue(obj, record, None, released=True)
@@ -344,10 +363,12 @@ def _requeue(obj: _Ctx, record: Record, countdown: float | None, *, released: bo
                          countdown=countdown, retry=True, retry_policy={
                              "max_retries": 2, "interval_start": 0.5, "interval_step": 0.5, "interval_max": 1.0})
     except (IdemmailError, TypeError) as exc:
-        _fail(EXIT_ILLEGAL, f"record {record.key}: the task refuses its stored payload ({exc}); {state}")
+        raise OperatorError(EXIT_ILLEGAL, f"record {record.key}: the task refuses its stored payload ({exc}); "
+                                          f"{state}") from exc
     except Exception as exc:  # kombu's OperationalError, a socket error, a timeout: the broker did not take it
-        _fail(EXIT_BROKER, f"the broker did not take the copy of {record.key} ({type(exc).__name__}: {exc}); "
-                           f"nothing queued, the record is {state}")
+        raise OperatorError(EXIT_BROKER, f"the broker did not take the copy of {record.key} "
+                                         f"({type(exc).__name__}: {exc}); nothing queued, the record is "
+                                         f"{state}") from exc
 
 
 @ledger.command("purge")
@@ -369,6 +390,13 @@ def forget(obj: _Ctx, key: str) -> None:
 
     Idempotent: a payload already gone (erased on sent, or forgotten before) exits 0 with "nothing to erase".
     """
+    had = erase(obj, key)
+    click.echo(f"{key}: payload erased" if had else f"{key}: nothing to erase (no payload stored)")
+
+
+def erase(obj: _Ctx, key: str) -> bool:
+    """``forget``: erase the record's personal data; whether it held a payload. :class:`OperatorError`
+    when there is no record or the ledger is unreachable."""
     try:
         try:
             record = obj.ledger.get(key)
@@ -376,10 +404,10 @@ def forget(obj: _Ctx, key: str) -> None:
         except PayloadKeyError:  # sealed with a key this process lacks: erasing needs no key
             had = True
         if not obj.ledger.forget(key):
-            _fail(EXIT_UNKNOWN_KEY, f"no ledger record for key {key}")
+            raise OperatorError(EXIT_UNKNOWN_KEY, f"no ledger record for key {key}")
     except LedgerUnavailableError as exc:
-        _fail(EXIT_UNREACHABLE, str(exc))
-    click.echo(f"{key}: payload erased" if had else f"{key}: nothing to erase (no payload stored)")
+        raise OperatorError(EXIT_UNREACHABLE, str(exc)) from exc
+    return had
 
 
 @ledger.command("stats")

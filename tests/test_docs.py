@@ -151,3 +151,15 @@ def test_code_a_page_quotes_from_a_file_stands_in_that_file_as_written() -> None
     assert missing == []
     assert {path for path, _ in quoted(ROOT / "docs" / "agent-tools.md")} == {
         "examples/agent_mcp.py", "examples/agent_langgraph.py"}  # run by tests/integration/test_examples_agent.py
+
+
+def test_the_django_page_quotes_every_file_of_the_example_project_whole() -> None:
+    """docs/django.md's blocks are examples/django_shop's files (each opens with its own path), run by
+    tests/integration/test_django.py."""
+    shown = dict(quoted(ROOT / "docs" / "django.md"))
+    project = ROOT / "examples" / "django_shop"
+    for path in sorted(project.glob("*.py")):
+        name = str(path.relative_to(ROOT))
+        head, _, body = path.read_text().partition("\n")
+        if path.name != "__init__.py":
+            assert head == f"# {name}" and shown.get(name) == body, f"docs/django.md does not quote {name} whole"

@@ -28,12 +28,13 @@ LAYERS: dict[str, int] = {
     "mail": 5, "bulk": 6, "tools": 6, "outbox": 5, "beat": 5, "webhooks": 5, "cli": 6, "testing": 5,
     "__main__": 7, "__init__": 7,
     # integrations, each an optional extra: one row per module (a sub-package's rows go by its first two names)
-    "contrib": 7, "contrib.mcp": 6, "contrib.langchain": 6,
+    "contrib": 7, "contrib.mcp": 6, "contrib.langchain": 6, "contrib.django": 7,
 }
 
 #: Third-party packages only an optional extra brings: imported by their contrib module alone, never by the core.
 OPTIONAL_IMPORTS = {"mcp": "contrib.mcp", "mcp_types": "contrib.mcp", "uvicorn": "contrib.mcp",
-                    "anyio": "contrib.mcp", "langchain_core": "contrib.langchain", "langgraph": "contrib.langchain"}
+                    "anyio": "contrib.mcp", "langchain_core": "contrib.langchain", "langgraph": "contrib.langchain",
+                    "django": "contrib.django"}
 
 
 def layer_of(module: str) -> int:
@@ -103,7 +104,7 @@ def test_optional_extras_are_imported_by_their_own_module_only() -> None:
                        else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             for target in targets:
                 owner = OPTIONAL_IMPORTS.get(target.split(".")[0])
-                if owner is not None and name != f"idemmail_celery.{owner}":
+                if owner is not None and not (name + ".").startswith(f"idemmail_celery.{owner}."):  # or its package
                     strays.append(f"{name} imports {target}")
     assert strays == []
 

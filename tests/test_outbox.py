@@ -376,7 +376,8 @@ def dbapi_connect(backend: str, tmp_path: Path) -> Any:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_enqueue_sql_on_a_dbapi_cursor_follows_its_transaction(backend: str, tmp_path: Path, app: Celery) -> None:
-    """What examples/outbox_django.md runs on ``connection.cursor()``, here on the bare drivers."""
+    """What the Django app runs on ``connection.cursor()`` (tests/integration/test_django.py), here on the bare
+    drivers: MariaDB too."""
     engine = make_engine(backend, tmp_path)
     name = unique("outbox")
     vendor = "mysql" if backend == "mariadb" else backend  # Django's connection.vendor

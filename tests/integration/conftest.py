@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 import redis
+import sqlalchemy as sa
 
-from ..conftest import REDIS_URL, service_missing, unique, wait_for
+from ..conftest import POSTGRES_URL, REDIS_URL, service_missing, unique, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -203,3 +204,31 @@ def app_module(ns: str, worker_env: dict[str, str], monkeypatch: pytest.MonkeyPa
 def results(async_results: list[Any], timeout: float = 60) -> list[Any]:
     deadline = time.monotonic() + timeout
     return [ar.get(timeout=max(1.0, deadline - time.monotonic()), propagate=False) for ar in async_results]
+
+
+def web_services(ns: str) -> tuple[redis.Redis, sa.URL]:
+    """Redis (pinged) and a new PostgreSQL schema ``ns`` for a web example's module: the URL's search_path.
+
+    Drop the schema with :func:`drop_schema`.
+    """
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        r.ping()
+        ddl(POSTGRES_URL, f'CREATE SCHEMA "{ns}"')
+    except Exception as exc:
+        service_missing("redis and postgresql", exc)
+    return r, sa.make_url(POSTGRES_URL).update_query_dict({"options": f"-csearch_path={ns}"})
+
+
+def drop_schema(ns: str) -> None:
+    ddl(POSTGRES_URL, f'DROP SCHEMA "{ns}" CASCADE')
+
+
+def ddl(url: str, statement: str) -> None:
+    """Run one statement on a server (a test's own schema or database, made or dropped)."""
+    server = sa.create_engine(url)
+    try:
+        with server.begin() as conn:
+            conn.execute(sa.text(statement))
+    finally:
+        server.dispose()
