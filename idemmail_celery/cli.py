@@ -85,7 +85,7 @@ EXIT_CODES: dict[int, str] = {
     EXIT_LOST: "(stats) the ledger lost records and waits for `ledger ack-loss`",
     EXIT_PAYLOAD_KEY: "a record is sealed with a payload key this process does not hold (idemmail_payload_keys); "
                       "nothing printed or changed",
-    EXIT_UNKNOWN_KEY: "no record for that key (2 until 0.1: it clashed with usage errors)",
+    EXIT_UNKNOWN_KEY: "no record for that key",
     EXIT_BROKER: "(resolve --release) the broker did not take the copy in time; the record is unchanged",
 }
 
@@ -195,12 +195,13 @@ def ledger() -> None:
 
 
 @ledger.command("list")
-@click.option("--state", type=click.Choice([s.value for s in State]), default=None)
-@click.option("--limit", type=int, default=100, show_default=True)
+@click.option("--state", type=click.Choice([s.value for s in State]), default=None,
+              help="Only the records in this state (default: every state).")
+@click.option("--limit", type=int, default=100, show_default=True, help="Print at most this many records.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.pass_obj
 def list_records(obj: _Ctx, state: str | None, limit: int, as_json: bool) -> None:
-    """List records, newest first is not guaranteed; filter by state."""
+    """List records, one a line, in the store's own order (not by time)."""
     try:
         for n, record in enumerate(obj.ledger.iter_records(State(state) if state else None)):
             if n >= limit:
@@ -346,10 +347,13 @@ def _requeue(obj: _Ctx, record: Record, countdown: float | None, *, released: bo
 
 
 @ledger.command("purge")
-@click.option("--expired", is_flag=True, required=True, help="Delete sent/failed records past retention.")
+@click.option("--expired", is_flag=True, help="Delete the sent and failed records past their retention (needed: "
+                                              "purge never deletes anything else).")
 @click.pass_obj
 def purge(obj: _Ctx, expired: bool) -> None:
-    """Delete records past their retention."""
+    """Delete records past their retention: run it as `purge --expired`."""
+    if not expired:
+        raise click.UsageError("say what to purge: --expired (the only records purge deletes)")
     try:
         click.echo(f"purged {obj.ledger.purge_expired()} expired records")
     except LedgerUnavailableError as exc:
@@ -378,7 +382,8 @@ def forget(obj: _Ctx, key: str) -> None:
 
 
 @ledger.command("stats")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object: the count per state, and the Redis ledger's epoch (null on SQL).")
 @click.pass_obj
 def stats(obj: _Ctx, as_json: bool) -> None:
     """Records per state, and (Redis) whether the store lost records."""
@@ -450,7 +455,7 @@ def ack_loss(obj: _Ctx, note: str, actor: str | None) -> None:
 
     Intents recorded before the loss are forgotten. Copies enqueued before this moment
     are sent only with their key carried downstream, else parked in review
-    (``ledger_lost``); copies enqueued later send as usual.
+    (reason ledger_lost); copies enqueued later send as usual.
     """
     markers = _markers(obj.ledger)
     if markers is None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 import redis
 import sqlalchemy as sa
@@ -454,6 +455,33 @@ def test_the_exit_codes_are_written_once_and_help_and_docs_are_made_from_them() 
     assert page.count(hooks.EXIT_CODES) == 1 and "| exit |" not in page
     rows = hooks.exit_codes_table().splitlines()[2:]
     assert rows == [f"| {code} | {meaning} |" for code, meaning in cli.EXIT_CODES.items()]
+
+
+def test_every_command_and_option_says_what_it_does_in_plain_text() -> None:
+    from idemmail_celery import cli
+
+    group = cli.standalone()
+    commands: list[tuple[str, ...]] = [(), ("ledger",)] + [("ledger", name) for name in cli.ledger.commands]
+    for path in commands:
+        command: Any = group
+        for name in path:
+            command = command.commands[name]
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert param.help, f"{' '.join(path)} {param.opts[0]} has no description"
+                assert not (param.is_flag and param.required), f"{' '.join(path)} {param.opts[0]}: a required flag"
+        text = CliRunner().invoke(group, [*path, "--help"]).output
+        assert "``" not in text and ":data:" not in text, text  # reStructuredText markup shows literally
+        assert not re.search(r"until \d+\.\d", text), text  # no history of the numbering in a help
+    listing = CliRunner().invoke(group, ["ledger", "list", "--help"]).output
+    assert "not guaranteed" not in listing and "--state" in listing
+
+
+def test_purge_without_expired_is_a_usage_error_and_deletes_nothing(cli_ledger: Ledger) -> None:
+    cli_ledger.claim(ClaimRequest(key="k-purge", task_name="t", payload="{}", fingerprint="f"))
+    done = run(cli_ledger, "ledger", "purge")
+    assert done.exit_code == 2 and "--expired" in done.output
+    assert cli_ledger.get("k-purge") is not None
 
 
 def test_release_of_a_stored_payload_the_task_now_refuses_exits_3_and_leaves_it_in_review(

@@ -3,6 +3,7 @@ faults, and every intent is still delivered exactly once."""
 
 from __future__ import annotations
 
+import io
 import re
 import signal
 import subprocess
@@ -38,6 +39,7 @@ def test_demo_sends_each_intent_once() -> None:
         raise AssertionError(f"the demo took more than 180 s:\n{out}\n--- stderr ---\n{err[-3000:]}") from None
     everything = f"{out}\n--- stderr ---\n{err[-3000:]}"
     assert proc.returncode == 0, everything
+    assert "\r" not in err, everything  # its stderr is a pipe here, as in a CI log: plain lines, no redrawn bar
     assert "RESULT: OK" in out, everything
 
     intents = report_number(out, "intents")
@@ -49,3 +51,25 @@ def test_demo_sends_each_intent_once() -> None:
     assert report_number(out, "faults injected") > 0, everything
     assert f"distinct intents delivered: {intents}, delivered more than once: 0" in out, everything
     assert re.search(rf"^\s+first body shipped\s+{intents}/{intents}\b", out, re.MULTILINE), everything
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_demos_progress_bar_is_redrawn_on_a_terminal_and_plain_lines_elsewhere() -> None:
+    from examples.demo import Progress
+
+    def shown(stream: io.StringIO) -> str:
+        progress = Progress(stream)
+        for done in range(201):
+            progress.show(done, 200, "n intents settled")
+        progress.close()
+        return stream.getvalue()
+
+    log = shown(io.StringIO())
+    assert "\r" not in log
+    assert len(log.splitlines()) == 11 and log.splitlines()[-1].startswith(f"[{'#' * 30}] 200/200 messages")
+    terminal = shown(_Terminal())
+    assert terminal.count("\r") == 201 and terminal.count("\n") == 1 and terminal.endswith("\n")

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import redis
 
-from idemmail_celery.errors import LedgerLostError, LedgerUnavailableError
+from idemmail_celery.errors import LedgerLostError, LedgerUnavailableError, UnknownLedgerSchemeError
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger, State, backend_for, from_url
 from idemmail_celery.ledger.redis import RedisLedger
 
@@ -158,6 +158,17 @@ for _name, _fn in vars(contract).items():
 def test_cluster_url_scheme_is_registered() -> None:
     assert backend_for("redis+cluster://127.0.0.1:7000") is RedisLedger
     assert backend_for("sentinel://127.0.0.1:26379;sentinel://127.0.0.1:26380") is RedisLedger
+
+
+def test_an_unknown_scheme_is_refused_naming_every_form_the_docs_use() -> None:
+    with pytest.raises(UnknownLedgerSchemeError) as info:
+        backend_for("mongodb://127.0.0.1/x")
+    known = str(info.value).split("known: ", 1)[1].rstrip(")").split(", ")
+    for form in ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://", "sentinel://", "sqlite://",
+                 "postgresql://", "mysql://"):
+        assert form in known
+    for form in known:  # every form named is served
+        assert backend_for(form + "h/x")
 
 
 def test_buckets_spread_over_every_node_and_listing_sees_them_all(ledger: Ledger) -> None:
