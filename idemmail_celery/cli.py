@@ -11,6 +11,7 @@ As a Celery subcommand (the ``celery.commands`` entry point), with the app's set
     celery -A proj idemmail ledger stats
     celery -A proj idemmail ledger init
     celery -A proj idemmail ledger ack-loss --note "Redis restarted without AOF at 02:10; checked"
+    celery idemmail docs           # where the documentation's pages are on this machine
 
 or without Celery's loader, with the same commands and help:
 ``python -m idemmail_celery [-A proj] --ledger-url redis://... ledger stats``
@@ -50,6 +51,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 import click
@@ -464,6 +466,52 @@ def ack_loss(obj: _Ctx, note: str, actor: str | None) -> None:
     click.echo(_epoch_line(_marker_op(lambda: markers.acknowledge_loss(note=note, actor=actor or _actor()))))
     click.echo("workers adopt the new epoch at their next claim; intents recorded before the loss are forgotten: "
                "keyless copies enqueued before now go to review (ledger_lost), keyed ones send with their key")
+
+
+@idemmail.command("docs")
+@click.option("--path", "path_only", is_flag=True, help="Print only the directory of the pages (for a script).")
+def docs(path_only: bool) -> None:
+    """Where the documentation is: its pages on this machine (installed with the package, or in the
+    source checkout it runs from), one a line with its title."""
+    where = docs_dir()
+    if where is None:
+        _fail(EXIT_UNEXPECTED, "the documentation's pages are not installed here; they are in the source "
+                               "distribution (pip download --no-deps --no-binary :all: idemmail-celery), in docs/")
+        return
+    if path_only:
+        click.echo(str(where))
+        return
+    from ._version import __version__
+
+    click.echo(f"idemmail-celery {__version__}: the documentation's pages (Markdown) are in {where}")
+    click.echo(f"start with {where / 'index.md'}")
+    for page in sorted(where.glob("*.md")):
+        title = next((line[2:].strip() for line in page.read_text().splitlines() if line.startswith("# ")), page.stem)
+        click.echo(f"  {page.name:<24} {title}")
+
+
+def docs_dir() -> Path | None:
+    """The directory of the documentation's pages: ``docs/`` of the source checkout this package is imported
+    from, else the one installed with the wheel (``<prefix>/share/doc/idemmail-celery``); None if neither."""
+    checkout = Path(__file__).resolve().parents[1] / "docs"
+    if (checkout / "index.md").is_file() and (checkout.parent / "mkdocs.yml").is_file():
+        return checkout
+    from importlib import metadata
+
+    try:
+        return installed_docs(metadata.distribution("idemmail-celery"))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def installed_docs(dist: Any) -> Path | None:
+    """The pages' directory an installed distribution's RECORD lists (``share/doc/idemmail-celery``), or None."""
+    for file in dist.files or ():
+        if file.name == "index.md" and file.parent.name == "idemmail-celery" and "doc" in file.parts:
+            found = Path(str(dist.locate_file(file))).resolve()
+            if found.is_file():
+                return found.parent
+    return None
 
 
 def standalone() -> click.Group:

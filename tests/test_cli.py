@@ -411,6 +411,7 @@ def test_exit_codes_are_distinct_from_usage_errors(cli_ledger: Ledger) -> None:
     assert run(cli_ledger, "ledger", "resolve", "nope", "--sent").exit_code == 2  # --note missing: click's usage
 
 
+@pytest.mark.worker
 def test_python_m_shows_every_subcommand_as_the_celery_subcommand_does(request: pytest.FixtureRequest) -> None:
     env: dict[str, str] = request.getfixturevalue("worker_env")
 
@@ -475,6 +476,34 @@ def test_every_command_and_option_says_what_it_does_in_plain_text() -> None:
         assert not re.search(r"until \d+\.\d", text), text  # no history of the numbering in a help
     listing = CliRunner().invoke(group, ["ledger", "list", "--help"]).output
     assert "not guaranteed" not in listing and "--state" in listing
+
+
+def test_docs_says_where_the_pages_are_in_a_checkout(tmp_path: Path) -> None:
+    from idemmail_celery import cli
+
+    listing = CliRunner().invoke(cli.standalone(), ["docs"])
+    assert listing.exit_code == 0 and f"start with {ROOT / 'docs' / 'index.md'}" in listing.output
+    assert "configuration.md" in listing.output and "Configuration" in listing.output
+    assert CliRunner().invoke(cli.standalone(), ["docs", "--path"]).output.strip() == str(ROOT / "docs")
+
+
+def test_docs_finds_the_pages_a_wheel_installed_under_its_prefix(tmp_path: Path) -> None:
+    from importlib import metadata
+
+    from idemmail_celery.cli import installed_docs
+
+    site = tmp_path / "lib" / "site-packages"
+    info = site / "idemmail_celery-0.1.0.dist-info"
+    pages = tmp_path / "share" / "doc" / "idemmail-celery"
+    info.mkdir(parents=True)
+    pages.mkdir(parents=True)
+    (pages / "index.md").write_text("# idemmail-celery\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: idemmail-celery\nVersion: 0.1.0\n")
+    # As pip writes the RECORD of a wheel's data files: relative to site-packages.
+    (info / "RECORD").write_text("idemmail_celery/__init__.py,,\n../../share/doc/idemmail-celery/index.md,,\n")
+    assert installed_docs(metadata.Distribution.at(info)) == pages.resolve()
+    (pages / "index.md").unlink()
+    assert installed_docs(metadata.Distribution.at(info)) is None
 
 
 def test_purge_without_expired_is_a_usage_error_and_deletes_nothing(cli_ledger: Ledger) -> None:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -20,6 +22,7 @@ def report_number(out: str, label: str) -> int:
     return int(match.group(1))
 
 
+@pytest.mark.worker
 def test_demo_sends_each_intent_once() -> None:
     proc = subprocess.Popen(
         # One plan every run; 200 intents (make demo's default is 300): the same kills and faults, a shorter run.

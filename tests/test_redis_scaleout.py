@@ -254,6 +254,7 @@ def test_losing_one_buckets_keys_on_one_node_is_detected(ledger: Ledger, redis_c
     assert ledger.get(keys[0]) is None
 
 
+@pytest.mark.worker
 def test_a_shard_restarted_empty_stops_every_worker_until_acknowledged(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path)  # a cluster of its own: one node is killed
     try:
@@ -321,6 +322,7 @@ def test_a_batch_a_node_refuses_hands_back_what_the_other_nodes_took(ledger: Led
     assert (r := ledger.get(sent)) is not None and r.state is State.SENT
 
 
+@pytest.mark.worker
 def test_a_node_stopped_mid_batch_leaves_no_claim_held_on_the_others(tmp_path: Path) -> None:
     # A cluster of its own: one node is frozen (SIGSTOP) after the batch is written to it, so its
     # reply never comes while the other nodes ran their claims. About 3 s (cluster start, 0.5 s timeout).
