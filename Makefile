@@ -28,9 +28,11 @@ TEST_WORKERS ?= 4
 check: install lint typecheck
 	$(BIN)/python -m pytest -q -m "not worker" -n $(TEST_WORKERS) --dist load
 
-## Lint, types and the whole suite against the real services on loopback, worker tests included.
+## Lint, types and the whole suite against the real services on loopback, worker tests included; the
+## few tests marked `serial` (they keep pace with a deadline of seconds) run alone, after the rest.
 test: install lint typecheck
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 lint: install
 	$(BIN)/ruff check idemmail_celery tests examples bench chaos docs/hooks.py

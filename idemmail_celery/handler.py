@@ -551,7 +551,7 @@ class Handler:
             countdown = min(countdown, max(record.lease_expires_at - time.time(), 0.0) + 0.5)
         self.effect.report(Outcome.IN_FLIGHT, key, reschedules=d.inflight + 1)
         return Step(Outcome.IN_FLIGHT, Action.RESCHEDULE, key, countdown=countdown,
-                    error=IdempotencyInFlightError(f"in_flight: {key} held by another worker, "
+                    error=IdempotencyInFlightError(f"{key} held by another worker, "
                                                    f"reschedule {d.inflight + 1}"),
                     carry={INFLIGHT_HEADER: d.inflight + 1, OUTAGE_HEADER: d.outage})
 
