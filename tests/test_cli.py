@@ -222,6 +222,7 @@ def queued(app: ReleaseApp) -> list[dict[str, Any]]:
     return [json.loads(m) for m in redis.Redis.from_url(REDIS_URL).lrange(f"q.{app.ns}", 0, -1)]
 
 
+@pytest.mark.worker  # runs `celery ... idemmail` in an interpreter of its own
 def test_celery_subcommand_release_reenqueues_first_payload(
     release_app: ReleaseApp,
 ) -> None:
@@ -256,6 +257,7 @@ def test_celery_subcommand_release_reenqueues_first_payload(
     assert as_shown["has_payload"] is True and "payload" not in as_shown
 
 
+@pytest.mark.worker  # runs `celery ... idemmail` in an interpreter of its own
 def test_release_of_a_forgotten_payload_refuses_and_changes_nothing(
     release_app: ReleaseApp,
 ) -> None:
@@ -284,6 +286,7 @@ def test_release_of_a_forgotten_payload_refuses_and_changes_nothing(
 # -- operator safety (issue 14) and the standalone CLI (issue 15) --
 
 
+@pytest.mark.worker  # runs `celery ... idemmail` in an interpreter of its own
 def test_release_with_the_broker_down_leaves_the_record_in_review(release_app: ReleaseApp) -> None:
     """Published first: the broker refuses, so nothing is queued and the record is exactly as it was."""
     key = park_first(release_app.workerapp, "cat@example.com", 7)
@@ -297,6 +300,7 @@ def test_release_with_the_broker_down_leaves_the_record_in_review(release_app: R
     assert queued(release_app) == []
 
 
+@pytest.mark.worker  # runs `celery ... idemmail` in an interpreter of its own
 def test_a_second_release_does_not_queue_a_second_copy(release_app: ReleaseApp) -> None:
     key = park_first(release_app.workerapp, "dan@example.com", 8)
     first = celery_cli(release_app.env, "resolve", key, "--release", "--note", "provider: not delivered")
@@ -309,6 +313,8 @@ def test_a_second_release_does_not_queue_a_second_copy(release_app: ReleaseApp) 
     assert release_app.workerapp.send.ledger.get(key) == released
 
 
+@pytest.mark.worker  # runs `celery ... idemmail` in an interpreter of its own
+@pytest.mark.serial  # the release must land within the copy's countdown: alone, not beside others' load
 def test_the_released_copy_cannot_arrive_before_the_record_is_released(release_app: ReleaseApp) -> None:
     """The copy is published with a countdown; releasing happens within it."""
     from idemmail_celery.cli import RELEASE_COUNTDOWN
@@ -513,6 +519,7 @@ def test_purge_without_expired_is_a_usage_error_and_deletes_nothing(cli_ledger: 
     assert cli_ledger.get("k-purge") is not None
 
 
+@pytest.mark.worker  # runs `celery ... idemmail` in an interpreter of its own
 def test_release_of_a_stored_payload_the_task_now_refuses_exits_3_and_leaves_it_in_review(
     release_app: ReleaseApp,
 ) -> None:
@@ -564,6 +571,7 @@ def test_the_release_countdown_stays_below_the_brokers_visibility_timeout(
     assert release_countdown(app) == 5.0  # the usual countdown when the timeout is long
 
 
+@pytest.mark.worker  # runs `celery ... idemmail` in an interpreter of its own
 def test_a_released_copy_of_a_record_made_under_a_raw_key_claims_that_very_record(release_app: ReleaseApp) -> None:
     """Records an older release made under a caller's raw key keep it: the copy carries it marked, so the
     worker claims it as it is instead of hashing it into another key."""
