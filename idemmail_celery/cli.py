@@ -11,6 +11,7 @@ As a Celery subcommand (the ``celery.commands`` entry point), with the app's set
     celery -A proj idemmail ledger stats
     celery -A proj idemmail ledger init
     celery -A proj idemmail ledger ack-loss --note "Redis restarted without AOF at 02:10; checked"
+    celery idemmail docs           # where the documentation's pages are on this machine
 
 Agent tools over MCP (the ``[mcp]`` extra; see ``idemmail_celery.contrib.mcp``)::
 
@@ -55,6 +56,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 import click
@@ -90,7 +92,7 @@ EXIT_CODES: dict[int, str] = {
     EXIT_LOST: "(stats) the ledger lost records and waits for `ledger ack-loss`",
     EXIT_PAYLOAD_KEY: "a record is sealed with a payload key this process does not hold (idemmail_payload_keys); "
                       "nothing printed or changed",
-    EXIT_UNKNOWN_KEY: "no record for that key (2 until 0.1: it clashed with usage errors)",
+    EXIT_UNKNOWN_KEY: "no record for that key",
     EXIT_BROKER: "(resolve --release) the broker did not take the copy in time; the record is unchanged",
 }
 
@@ -214,12 +216,13 @@ def ledger() -> None:
 
 
 @ledger.command("list")
-@click.option("--state", type=click.Choice([s.value for s in State]), default=None)
-@click.option("--limit", type=int, default=100, show_default=True)
+@click.option("--state", type=click.Choice([s.value for s in State]), default=None,
+              help="Only the records in this state (default: every state).")
+@click.option("--limit", type=int, default=100, show_default=True, help="Print at most this many records.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.pass_obj
 def list_records(obj: _Ctx, state: str | None, limit: int, as_json: bool) -> None:
-    """List records, newest first is not guaranteed; filter by state."""
+    """List records, one a line, in the store's own order (not by time)."""
     try:
         for n, record in enumerate(obj.ledger.iter_records(State(state) if state else None)):
             if n >= limit:
@@ -372,10 +375,13 @@ def _requeue(obj: _Ctx, record: Record, countdown: float | None, *, released: bo
 
 
 @ledger.command("purge")
-@click.option("--expired", is_flag=True, required=True, help="Delete sent/failed records past retention.")
+@click.option("--expired", is_flag=True, help="Delete the sent and failed records past their retention (needed: "
+                                              "purge never deletes anything else).")
 @click.pass_obj
 def purge(obj: _Ctx, expired: bool) -> None:
-    """Delete records past their retention."""
+    """Delete records past their retention: run it as `purge --expired`."""
+    if not expired:
+        raise click.UsageError("say what to purge: --expired (the only records purge deletes)")
     try:
         click.echo(f"purged {obj.ledger.purge_expired()} expired records")
     except LedgerUnavailableError as exc:
@@ -411,7 +417,8 @@ def erase(obj: _Ctx, key: str) -> bool:
 
 
 @ledger.command("stats")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object: the count per state, and the Redis ledger's epoch (null on SQL).")
 @click.pass_obj
 def stats(obj: _Ctx, as_json: bool) -> None:
     """Records per state, and (Redis) whether the store lost records."""
@@ -483,7 +490,7 @@ def ack_loss(obj: _Ctx, note: str, actor: str | None) -> None:
 
     Intents recorded before the loss are forgotten. Copies enqueued before this moment
     are sent only with their key carried downstream, else parked in review
-    (``ledger_lost``); copies enqueued later send as usual.
+    (reason ledger_lost); copies enqueued later send as usual.
     """
     markers = _markers(obj.ledger)
     if markers is None:
@@ -537,6 +544,52 @@ def _load_tools(app: Any, path: str) -> list[Any]:
     if not isinstance(tools, (list, tuple)) or not all(isinstance(t, IdempotentTool) for t in tools):
         raise click.UsageError(f"--tools {path}: not a list of tools made by idempotent_tool or email_tool")
     return list(tools)
+
+
+@idemmail.command("docs")
+@click.option("--path", "path_only", is_flag=True, help="Print only the directory of the pages (for a script).")
+def docs(path_only: bool) -> None:
+    """Where the documentation is: its pages on this machine (installed with the package, or in the
+    source checkout it runs from), one a line with its title."""
+    where = docs_dir()
+    if where is None:
+        _fail(EXIT_UNEXPECTED, "the documentation's pages are not installed here; they are in the source "
+                               "distribution (pip download --no-deps --no-binary :all: idemmail-celery), in docs/")
+        return
+    if path_only:
+        click.echo(str(where))
+        return
+    from ._version import __version__
+
+    click.echo(f"idemmail-celery {__version__}: the documentation's pages (Markdown) are in {where}")
+    click.echo(f"start with {where / 'index.md'}")
+    for page in sorted(where.glob("*.md")):
+        title = next((line[2:].strip() for line in page.read_text().splitlines() if line.startswith("# ")), page.stem)
+        click.echo(f"  {page.name:<24} {title}")
+
+
+def docs_dir() -> Path | None:
+    """The directory of the documentation's pages: ``docs/`` of the source checkout this package is imported
+    from, else the one installed with the wheel (``<prefix>/share/doc/idemmail-celery``); None if neither."""
+    checkout = Path(__file__).resolve().parents[1] / "docs"
+    if (checkout / "index.md").is_file() and (checkout.parent / "mkdocs.yml").is_file():
+        return checkout
+    from importlib import metadata
+
+    try:
+        return installed_docs(metadata.distribution("idemmail-celery"))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def installed_docs(dist: Any) -> Path | None:
+    """The pages' directory an installed distribution's RECORD lists (``share/doc/idemmail-celery``), or None."""
+    for file in dist.files or ():
+        if file.name == "index.md" and file.parent.name == "idemmail-celery" and "doc" in file.parts:
+            found = Path(str(dist.locate_file(file))).resolve()
+            if found.is_file():
+                return found.parent
+    return None
 
 
 def standalone() -> click.Group:

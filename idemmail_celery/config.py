@@ -271,8 +271,11 @@ SETTINGS: tuple[Setting, ...] = (
             "The email provider: `resend://`, `https://...`, `postmark://`, `sendgrid://`, `ses://`, `smtp://`, "
             "`smtps://`, `file:///dir`, `console://`.", optional=True),
     Setting("idemmail_provider_api_key", parse_str, None,
-            "The provider's API key (never logged). Unset: each provider reads its own environment variables "
-            "(`IDEMMAIL_PROVIDER_API_KEY`, `RESEND_API_KEY`, ...).", secret=True, optional=True),
+            "The provider's API key, whatever the provider (never logged; for `smtp://` the password, for `ses://` "
+            "`ACCESS_KEY_ID:SECRET_ACCESS_KEY`). Unset, here and in the environment: each provider reads its own "
+            "variables (`RESEND_API_KEY`, `POSTMARK_SERVER_TOKEN`, `SENDGRID_API_KEY`, `AWS_ACCESS_KEY_ID` and "
+            "`AWS_SECRET_ACCESS_KEY`, `IDEMMAIL_SMTP_PASSWORD`).",
+            env="IDEMMAIL_PROVIDER_API_KEY", secret=True, optional=True),
     Setting("idemmail_provider_timeout", positive, None,
             "Seconds a provider call may take (each provider has its own default).", optional=True),
     Setting("idemmail_default_from", parse_str, None,

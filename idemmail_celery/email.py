@@ -66,6 +66,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from email.headerregistry import Address
 from email.message import EmailMessage as MIMEMessage
+from email.message import MIMEPart
 from typing import Any
 
 from email_validator import EmailNotValidError, validate_email
@@ -332,6 +333,8 @@ class EmailMessage:
             maintype, _, subtype = a.content_type.partition("/")
             msg.add_attachment(a.content, maintype=maintype or "application",
                                subtype=subtype or "octet-stream", filename=a.filename)
+        for part in msg.iter_parts() if msg.is_multipart() else ():
+            _drop_inner_mime_version(part)
         _fix_boundaries(msg, seed=hashlib.sha256(repr(self.to_payload()).encode()).hexdigest()[:24])
         _refuse_injected_lines(msg)
         return msg
@@ -362,6 +365,14 @@ def _refuse_injected_lines(msg: MIMEMessage) -> None:
                 where = _FIELD_OF_HEADER.get(name.lower(), _named("headers", name))
                 raise InvalidEmail(f"{where} would write a header line of its own (header injection through an "
                                    "RFC 2047 encoded word)", field=where)
+
+
+def _drop_inner_mime_version(part: MIMEPart) -> None:
+    # add_alternative and add_attachment build each new part as an EmailMessage, whose set_content
+    # gives it a MIME-Version of its own; RFC 2045 puts that header on the message only.
+    del part["MIME-Version"]
+    for inner in part.iter_parts() if part.is_multipart() else ():
+        _drop_inner_mime_version(inner)
 
 
 def _fix_boundaries(msg: MIMEMessage, seed: str) -> None:

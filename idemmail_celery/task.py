@@ -100,6 +100,18 @@ def get_ledger(url: str, options: dict[str, Any] | None = None) -> Ledger:
     return shared(url, options)
 
 
+class Rescheduled(Retry):  # type: ignore[misc]
+    """The :class:`~celery.exceptions.Retry` of a reschedule, shown as its reason.
+
+    Celery's own reads ``Retry(Retry(...), IdempotencyInFlightError(...), 0.58)``, and a prefork
+    worker's ``task-retried`` event carries that repr, which Flower keeps as the task's exception
+    even after the rescheduled copy succeeds; the reason alone says what happened.
+    """
+
+    def __repr__(self) -> str:
+        return repr(self.exc) if self.exc is not None else f"Rescheduled({self.message!r})"
+
+
 class IdempotentTask(Task):  # type: ignore[misc]
     """Base class for tasks whose side effect must happen once per intent.
 
@@ -585,9 +597,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             self.sealed(headers, self._received())
         sig = self.signature_from_request(request, countdown=countdown, retries=request.retries, headers=headers)
         if request.is_eager:  # ``Task.apply``: nothing is published (Celery would re-apply ``sig`` in-line, for ever)
-            raise Retry(why, exc=reason, when=countdown)
+            raise Rescheduled(why, exc=reason, when=countdown)
         sig.apply_async()
-        raise Retry(why, exc=reason, when=countdown, sig=sig)
+        raise Rescheduled(why, exc=reason, when=countdown, sig=sig)
 
     # -- what the task lends the handler (handler.SideEffect) --
 

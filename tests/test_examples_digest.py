@@ -16,6 +16,9 @@ import redis
 
 from .conftest import REDIS_URL, unique
 
+pytestmark = pytest.mark.worker  # runs a script or worker process of its own
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

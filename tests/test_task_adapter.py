@@ -174,3 +174,36 @@ def test_a_reschedule_mark_outlives_the_visibility_timeout() -> None:
     def u(to: str) -> None: ...
 
     assert u.policy.hop_ttl_seconds == 3600.0  # AMQP never hands a held message out again
+
+
+def test_a_reschedule_says_its_reason_once_and_shows_as_it_in_a_monitor(redis_broker_app: Celery) -> None:
+    """A copy meeting another holder's live claim is rescheduled: the worker's log line (``retry: <str>``)
+    names the outcome once, and the repr a prefork worker's ``task-retried`` event carries (Flower's
+    exception, kept after the copy succeeds) is the reason, not Celery's ``Retry(Retry(...), ...)``."""
+    import pickle
+
+    from billiard.einfo import ExceptionWithTraceback
+
+    from idemmail_celery.ledger import ClaimRequest
+
+    app = redis_broker_app
+
+    @app.task(base=IdempotentTask, name=unique("adapter.held"), shared=False)
+    def held(to: str) -> None: ...
+
+    key = held.intent_key("ann@example.com")
+    held.ledger.claim(ClaimRequest(key=key, task_name=held.name, payload="{}", fingerprint="f", owner="another",
+                                   lease_seconds=60))
+    held.push_request(id="delivery-1", args=["ann@example.com"], kwargs={}, headers={KEY_HEADER: key},
+                      retries=0, is_eager=False, called_directly=False,
+                      delivery_info={"exchange": "", "routing_key": app.conf.task_default_queue})
+    try:
+        with pytest.raises(Retry) as info:
+            held("ann@example.com")
+    finally:
+        held.pop_request()
+    retry = info.value
+    assert str(retry) == f"in_flight: {key} held by another worker, reschedule 1"
+    assert repr(retry) == repr(retry.exc) == f"IdempotencyInFlightError('{key} held by another worker, reschedule 1')"
+    wrapped = pickle.loads(pickle.dumps(ExceptionWithTraceback(retry, "tb")))  # as a prefork child hands it back
+    assert repr(wrapped.exc) == repr(retry.exc)
