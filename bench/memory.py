@@ -76,7 +76,7 @@ def measure(records: int, short_result: bool, port: int) -> dict[str, Any]:
             calls = {k[8:]: round(v["usec"] / records, 2) for k, v in stats.items() if k.startswith("cmdstat_")}
             names = [n for n in admin.scan_iter(count=1000) if n not in names_before]
             usage = {n: int(admin.memory_usage(n, samples=0) or 0) for n in names}
-            archives = [n for n in names if ":s:" in n]
+            archives = [n for n in names if ":d:" in n]  # the shelves
             left = sum(1 for k in keys if admin.exists(led._rec(k)))
             led.close()
             return {

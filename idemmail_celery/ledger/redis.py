@@ -184,7 +184,7 @@ _UNAVAILABLE_TYPES = (
 _REPLY_CODE = re.compile(r"^([A-Z]+)\b|\s-([A-Z]+)\s")
 
 #: The scripts in ``lua/``, each one atomic transition; record scripts start with ``prelude.lua``.
-_RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page")
+_RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page", "restock")
 
 
 @functools.cache
@@ -198,24 +198,27 @@ _STATES = (State.CLAIMED, State.RELEASED, State.SENT, State.FAILED, State.REVIEW
 #: States with an index (a sorted set per bucket): those an operator acts on, and ``failed`` for purge.
 #: ``sent`` has none: its records expire by TTL, a counter keeps their number, listing them scans.
 _INDEXED = (State.CLAIMED, State.RELEASED, State.FAILED, State.REVIEW)
-#: This layout's version, in every epoch marker; a marker without it was written by the layout before.
-LAYOUT = "3"
+#: This layout's version, in every epoch marker (``<prefix>:{bb}:epoch4``); layouts 1-3 kept theirs
+#: in ``<prefix>:{bb}:epoch``, which a layout 4 store keeps flagged lost so that no older worker runs on it.
+LAYOUT = "4"
+#: Shelves per bucket unless the markers say otherwise (fixed when the ledger is created, see ``_shelf``).
+DEFAULT_SHELVES = 256
+#: A shelf's dead entries are swept at most every retention / this (so at most this fraction of a
+#: retention's entries stays in memory past its expiry), and at least every second.
+_SWEEP_SPLIT = 8
 #: Longest value kept in a record field: Redis keeps a hash compact (listpack) while every value is at
 #: most ``hash-max-listpack-value`` (64 by default), so longer results and errors are stored in chunks.
 _CHUNK = 64
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-#: A sent archive's granule is the ledger's retention over this (within 1 s .. 1 day): a claim that
-#: finds no record looks in about this many archives (plus two), and an entry stays in memory up to
-#: one granule past its expiry (its archive goes at the granule's end plus the retention).
-_ARCHIVE_SPLIT = 8
-#: How far the archives a caller names reach beyond its clock (at most one granule): a claim whose
-#: names miss a granule by the server's clock is told so, and this process corrects its clock's offset.
-_SKEW_MS = 60_000
 
 
-def _archive_granule(retention_ms: int) -> int:
-    return max(1_000, min(86_400_000, retention_ms // _ARCHIVE_SPLIT))
+def _shelf(key: str, shelves: int) -> int:
+    """The shelf of ``key`` within its bucket, from the key alone: bits of a 64-hex key other than the
+    ones its bucket comes from (CRC32 of its text), else Adler-32 of its text."""
+    if len(key) == 64 and _HEX64.fullmatch(key):
+        return int(key[8:16], 16) % shelves
+    return zlib.adler32(key.encode()) % shelves
 
 
 def _b36(n: int) -> str:
@@ -345,7 +348,7 @@ def _unfield(text: str) -> str:
     return text[2:] if text[:1] == "!" else text
 
 
-#: An archive entry: expiry, retention, token, then its fingerprint's kind (see ``lua/prelude.lua``).
+#: A shelf's entry: expiry, retention, token, attempts, reclaims, then its fingerprint's kind (see ``lua/prelude.lua``).
 _ENTRY = re.compile(r"([0-9a-z]+)(?:R([0-9a-z]+))?(?:T([0-9a-z]+))?(?:A([0-9a-z]+))?(?:C([0-9a-z]+))?([.,~])")
 
 
@@ -492,6 +495,7 @@ class RedisLedger(Ledger):
         prefix: str = "idemmail",
         buckets: int = DEFAULT_BUCKETS,
         retention_seconds: float = DEFAULT_RETENTION_SECONDS,
+        shelves: int = DEFAULT_SHELVES,
         auto_init: bool = True,
         passive: bool = False,
         allow_eviction: bool = False,
@@ -506,6 +510,9 @@ class RedisLedger(Ledger):
         buckets = int(buckets)
         if not 1 <= buckets <= 256:
             raise ConfigurationError(f"buckets must be between 1 and 256, not {buckets}")
+        shelves = int(shelves)
+        if not 1 <= shelves <= 65536:
+            raise ConfigurationError(f"shelves must be between 1 and 65536, not {shelves}")
         #: Built here from the URL (closed by :meth:`close`, hot path on connections of its own), or
         #: the caller's, which every command goes through: its pool limits and instrumentation apply.
         self._own_client = client is None
@@ -556,16 +563,17 @@ class RedisLedger(Ledger):
         self._mark = self.client.register_script(_lua("mark"))
         self._hop = self.client.register_script(_lua("hop"))
         self._migrate = self.client.register_script(_lua("migrate"))
+        self._restock = self.client.register_script(_lua("restock"))
+        self._fence = self.client.register_script(_lua("fence"))
         self._read = self.client.register_script(_lua("read"))
         self._page = self.client.register_script(_lua("page"))
         # Per bucket, built once: the record key's stem and the bucket's other keys (indexes, marker).
         self._stems = [f"{prefix}:{{{b:02x}}}:" for b in range(buckets)]
-        self._tails = [[*(f"{stem}i:{s.value}" for s in _INDEXED), f"{stem}c:sent", f"{stem}epoch"]
+        self._tails = [[*(f"{stem}i:{s.value}" for s in _INDEXED), f"{stem}c:sent", f"{stem}epoch4"]
                        for stem in self._stems]
-        # The sent archives' granule and the ledger's retention (ms), as the markers say (read at first use).
-        self._archive_ms = self._lookback_ms = 0
-        self._clock_ms = 0.0  # the server's clock minus this one's, as a claim told it (see _archives)
-        self._archive_names: tuple[int, int, dict[int, list[str]]] = (0, 0, {})
+        # Shelves per bucket and the ledger's retention (ms): this process's until the markers say (first use).
+        self.shelves = shelves
+        self._retention_ms = max(1, int(self.retention_seconds * 1000))
 
     # -- keys --
 
@@ -580,39 +588,26 @@ class RedisLedger(Ledger):
         return f"{self._stems[self._bucket(key)]}p:{_pack(key)}"
 
     def _keys(self, key: str) -> list[str]:
-        """A record script's KEYS: record, indexes, sent counter, epoch marker, payload, sent archives."""
+        """A record script's KEYS: record, indexes, sent counter, epoch marker, payload, shelf."""
         if not self._checked:
             self._check_store()
         b = zlib.crc32(key.encode()) % self.buckets
-        packed = _pack(key)
-        return [f"{self._stems[b]}r:{packed}", *self._tails[b], f"{self._stems[b]}p:{packed}", *self._archives(b)]
+        stem, packed = self._stems[b], _pack(key)
+        return [f"{stem}r:{packed}", *self._tails[b], f"{stem}p:{packed}", f"{stem}d:{_shelf(key, self.shelves):x}"]
 
-    def _archives(self, bucket: int) -> list[str]:
-        """The bucket's sent archives a live entry can be in, newest first, by this process's clock
-        (corrected by what the server said): every granule from the retention ago to now, and one
-        skew's worth either side. Scripts choose among them by the server's clock."""
-        now = time.time() * 1000 + self._clock_ms
-        width = self._archive_ms
-        skew = min(_SKEW_MS, width)
-        hi, lo = int((now + skew) // width), int((now - self._lookback_ms - skew) // width)
-        cached_hi, cached_lo, names = self._archive_names
-        if (hi, lo) != (cached_hi, cached_lo):
-            names = {}
-            self._archive_names = (hi, lo, names)
-        found = names.get(bucket)
-        if found is None:
-            found = names[bucket] = [f"{self._stems[bucket]}s:{g}" for g in range(hi, lo - 1, -1)]
-        return found
+    def _shelf_of(self, key: str) -> str:
+        """The name of the hash holding ``key``'s record once it is sent: chosen by the key alone."""
+        return f"{self._stems[self._bucket(key)]}d:{_shelf(key, self.shelves):x}"
 
-    def _entry_record(self, key: str, value: str, granule: int, payload: str | None) -> Record:
-        """An archived ``sent`` record: expiry, retention, token, attempts, reclaims, fingerprint,
+    def _entry_record(self, key: str, value: str, payload: str | None) -> Record:
+        """A shelved ``sent`` record: expiry, retention, token, attempts, reclaims, fingerprint,
         result and error.
 
         Task name, owner and the time of the first claim are not kept (empty, empty, the time it
         was sent)."""
         m = _ENTRY.match(value)
         if m is None:
-            raise LedgerError(f"Redis ledger error: the archived record of {key} cannot be read")
+            raise LedgerError(f"Redis ledger error: the shelved record of {key} cannot be read")
         expires, retention, token, attempts, reclaims, kind = m.groups()
         at = m.end()
         if kind == ".":
@@ -622,8 +617,8 @@ class RedisLedger(Ledger):
         else:
             space = value.index(" ", at)
             fp, body = bytes.fromhex(value[at:space]).decode(), value[space + 1:]
-        expires_ms = granule * self._archive_ms + int(expires, 36)
-        updated = (expires_ms - (int(retention, 36) if retention else self._lookback_ms)) / 1000
+        expires_ms = int(expires, 36)
+        updated = (expires_ms - (int(retention, 36) if retention else self._retention_ms)) / 1000
         result, error = _unbody(body)
         return Record(
             key=key, task_name="", state=State.SENT, token=int(token, 36) if token else 1, owner="",
@@ -632,12 +627,16 @@ class RedisLedger(Ledger):
             error=error, created_at=updated, updated_at=updated, expires_at=expires_ms / 1000,
         )
 
-    def _archive_settings(self, marker: dict[str, Any]) -> dict[str, int]:
-        """The markers' archive fields: kept from ``marker`` when it has them, else from this retention."""
-        if marker.get("archive_ms") and marker.get("retention_ms"):
-            return {"archive_ms": int(marker["archive_ms"]), "retention_ms": int(marker["retention_ms"])}
-        retention = max(1, int(self.retention_seconds * 1000))
-        return {"archive_ms": _archive_granule(retention), "retention_ms": retention}
+    def _store_settings(self, marker: dict[str, Any]) -> dict[str, int]:
+        """The markers' shelf fields (shelves per bucket, the ledger's retention in ms): kept from
+        ``marker`` when it has them, else this process's."""
+        if marker.get("shelves") and marker.get("retention_ms"):
+            return {"shelves": int(marker["shelves"]), "retention_ms": int(marker["retention_ms"])}
+        return {"shelves": self.shelves, "retention_ms": max(1, int(self.retention_seconds * 1000))}
+
+    def _sweep_ms(self) -> int:
+        """How often a shelf's dead entries are swept (ms): see :data:`_SWEEP_SPLIT`."""
+        return max(1_000, self._retention_ms // _SWEEP_SPLIT)
 
     def _index(self, bucket: int, state: State) -> str:
         """The name of the bucket's index of ``state`` (``sent`` has none: that name is never written)."""
@@ -653,6 +652,10 @@ class RedisLedger(Ledger):
 
     def _marker(self, bucket: int) -> str:
         return self._tails[bucket][-1]
+
+    def _old_marker(self, bucket: int) -> str:
+        """Where layouts 1-3 kept the bucket's epoch marker (see :meth:`_fence_old_layouts`)."""
+        return f"{self._stems[bucket]}epoch"
 
     # -- plumbing --
 
@@ -797,18 +800,23 @@ class RedisLedger(Ledger):
                 "workers, let its claims and reviews be resolved and its sent records expire, delete the old keys), "
                 "or give this version a new `prefix`."
             )
-        epoch, layout = self._raw(self.client.hmget, self._marker(0), "epoch", "layout")
-        if epoch and layout != LAYOUT and not allow_old:
-            # Layout 1 records would not be found; a layout 2 process would not find layout 3's archived
-            # sent records (so an older worker refuses this store the same way, by its layout).
+        # EXISTS, not a read: it leaves the markers' idle time alone, which the migration reads as the
+        # last sign of life of an older worker (see migrate_layout).
+        ours, older = self._which_markers()
+        if older and not ours and not allow_old:
             raise UnsafeLedgerError(
-                f"Redis ledger prefix {self.prefix!r} was written by an earlier version (record layout "
-                f"{layout or '1'}; this version reads layout {LAYOUT}, sent records in per-bucket archives) and "
-                "would not find its records, so every intent recorded there would look new and send again. "
-                "Stop the old workers, then convert it once: "
-                "`python -c 'from idemmail_celery.ledger import from_url; "
-                f"from_url(URL, prefix={self.prefix!r}).migrate_layout()'` (idempotent; safe to run again)."
+                f"Redis ledger prefix {self.prefix!r} was written by an earlier version (record layout 1-3; this "
+                f"version reads layout {LAYOUT}, sent records on shelves found by their key) and would not find its "
+                "records, so every intent recorded there would look new and send again. Convert it once, after "
+                "stopping the old workers (the command refuses while they run): "
+                f"`celery -A proj idemmail ledger migrate` (or RedisLedger(URL, prefix={self.prefix!r})"
+                ".migrate_layout(); idempotent, safe to run again)."
             )
+
+    def _which_markers(self) -> tuple[bool, bool]:
+        """Whether bucket 0 has a marker of this layout, and one of layouts 1-3 (EXISTS: not touched)."""
+        new, old = self._pipeline([("exists", (self._marker(0),)), ("exists", (self._old_marker(0),))])
+        return bool(int(new)), bool(int(old))
 
     def _config_get(self, name: str) -> list[str]:
         """The setting on every server holding ledger keys (every primary of a cluster)."""
@@ -925,7 +933,7 @@ class RedisLedger(Ledger):
         n = self.buckets
         first = next((m for m in markers if m), {})
         out: dict[str, Any] = {"state": "ok", "buckets": n, "epoch": first.get("epoch"), "reason": ""}
-        for name in ("created_at", "created_by", "acked_at", "acked_by", "note", "archive_ms", "retention_ms"):
+        for name in ("created_at", "created_by", "acked_at", "acked_by", "note", "shelves", "retention_ms"):
             if first.get(name):
                 out[name] = first[name]
         counts = {m["buckets"] for m in markers if m.get("buckets")}
@@ -970,8 +978,8 @@ class RedisLedger(Ledger):
         status = self._status(held)
         if status["state"] == "new" and held is None and dead is None and self.auto_init and not self.passive:
             status = self._create_markers(default_owner(), "auto_init")
-        archive = self._archive_settings(status)
-        self._archive_ms, self._lookback_ms = archive["archive_ms"], archive["retention_ms"]
+        settings = self._store_settings(status)
+        self.shelves, self._retention_ms = settings["shelves"], settings["retention_ms"]
         if dead is not None and status["state"] != "lost" and (not status.get("acked_at") or status["epoch"] == dead):
             # Seen lost once: the flags may be gone with the data (emptied again), but not the memory of it.
             said = status["reason"] or f"epoch {status['epoch']}, not acknowledged since"
@@ -1011,14 +1019,25 @@ class RedisLedger(Ledger):
     def _create_markers(self, actor: str, note: str) -> dict[str, Any]:
         """A new ledger's markers. Concurrent creators converge on the epoch bucket 0 got first."""
         fields = {"epoch": secrets.token_hex(8), "buckets": self.buckets, "layout": LAYOUT, "created_at": time.time(),
-                  "created_by": actor, "note": note, **self._archive_settings({})}
+                  "created_by": actor, "note": note, **self._store_settings({})}
         marker0 = self._marker(0)
         self._run_scripts(self._mark, [([marker0], ["0", *(x for kv in fields.items() for x in kv)])])
-        # Bucket 0's epoch and archive settings (a concurrent creator's retention may differ from ours).
-        fields["epoch"], fields["archive_ms"], fields["retention_ms"] = self._raw(
-            self.client.hmget, marker0, "epoch", "archive_ms", "retention_ms")
+        # After bucket 0's: a process of this version starting meanwhile sees it and joins (old markers
+        # and no new one would read as a store to migrate).
+        self._fence_old_layouts(f"this ledger is layout {LAYOUT}, created by {actor}")
+        # Bucket 0's epoch and shelf settings (a concurrent creator's may differ from ours).
+        fields["epoch"], fields["shelves"], fields["retention_ms"] = self._raw(
+            self.client.hmget, marker0, "epoch", "shelves", "retention_ms")
         self._write_markers(fields, replace=False)
         return self._judge(self._markers(), None, True)
+
+    def _fence_old_layouts(self, reason: str) -> None:
+        """Flag every marker of layouts 1-3 (``<prefix>:{bb}:epoch``) lost, writing one where there is
+        none: a worker of an older version then refuses this store, at start (its layout check) and on
+        its next script (its epoch check), and never creates a ledger of its own beside this one."""
+        marked = ["layout", LAYOUT, "buckets", self.buckets, "lost", f"{reason}: upgrade this worker",
+                  "lost_by", default_owner(), "lost_at", time.time()]
+        self._run_scripts(self._fence, [([self._old_marker(b)], marked) for b in range(self.buckets)])
 
     def _confirm_loss(self) -> None:
         """A script said ``lost``: read the markers again; raise unless an acknowledged epoch was adopted.
@@ -1036,25 +1055,47 @@ class RedisLedger(Ledger):
             "Nothing is claimed until an operator runs `idemmail ledger ack-loss --note ...`."
         )
 
-    def migrate_layout(self) -> dict[str, int]:
-        """Convert a ledger written by an earlier record layout (1 or 2) to this one (3), in place; idempotent.
+    def migrate_layout(self, *, quiet_seconds: float = 60.0, actor: str = "") -> dict[str, int]:
+        """Convert a ledger written by an earlier record layout (1, 2 or 3) to this one (4), in place.
 
-        Run it once with every worker stopped (old ones would keep writing the old layout, and a
-        layout 2 worker would not see archived sent records; new ones refuse until it is done):
-        ``RedisLedger(url, prefix=...).migrate_layout()``. Layout 1: each record is rewritten
-        atomically under its own bucket (so a cluster is fine) keeping its TTL, token and state; a
-        record that changes meanwhile is left for a second run. Layout 2 records stay as they are
-        (this layout still reads a ``sent`` record kept as a hash of its own; they expire by their
-        TTL). The markers then say layout 3, with the archives' granule and retention (this
-        process's retention). Returns how many records were converted per state, and ``left``
-        (changed meanwhile).
+        The command behind ``celery -A proj idemmail ledger migrate``; idempotent. It refuses
+        (:class:`UnsafeLedgerError`, nothing written) while a worker of an older version uses the
+        store: every script of layouts 1-3 reads its bucket's marker ``<prefix>:{bb}:epoch``, which
+        this version never reads (it only asks whether it exists), so the markers' idle time
+        (``OBJECT IDLETIME``) is how long ago an older worker, or an older version's operator tool,
+        last ran anything. Under ``quiet_seconds`` (60 s) in any bucket: refused. Then, in order:
+
+        1. the old markers are flagged lost (layout 4): an older worker that wakes up later writes
+           nothing (its scripts check that flag atomically) and one that starts refuses the store;
+        2. layout 1 records are rewritten in place (keeping TTL, token, state; a record that changes
+           meanwhile is left for a second run); layout 2 records stay as they are (this layout reads a
+           ``sent`` record kept as a hash of its own; they expire by their TTL);
+        3. layout 3's time-granule archives (``s:<granule>``) are put on the shelves, their entries'
+           expiry made absolute, and deleted;
+        4. the layout 4 markers (``<prefix>:{bb}:epoch4``) are written, keeping the epoch: only now do
+           workers of this version, which refuse a store with old markers and no new ones, start.
+
+        A run again within ``quiet_seconds`` of the last (which read the old markers) is refused too.
+        Returns how many records were converted per state, ``shelved`` (archive entries moved) and
+        ``left`` (changed meanwhile: run it again).
         """
         self._check_layout(allow_old=True)
-        granule = self._granule_ms()
+        new, old = self._which_markers()
         done = {s.value: 0 for s in State}
-        done["left"] = 0
-        layout = self._raw(self.client.hget, self._marker(0), "layout")
-        for b in range(self.buckets if layout in (None, "1") else 0):
+        done["left"] = done["shelved"] = 0
+        if new or not old:
+            return done  # layout 4 already (or nothing here yet)
+        self._check_quiet(quiet_seconds)
+        olds = self._pipeline([("hgetall", (self._old_marker(b),)) for b in range(self.buckets)])
+        first: dict[str, str] = next((m for m in olds if m.get("epoch")), {})
+        layout = first.get("layout") or "1"
+        if layout == LAYOUT:  # fenced by a run that stopped half-way: the layout it came from is noted
+            layout = first.get("from_layout") or "3"
+        else:
+            self._raw(self.client.hset, self._old_marker(0), "from_layout", layout)
+        self._fence_old_layouts(f"migrated to layout {LAYOUT} (from {layout})")
+        granule = self._granule_ms()
+        for b in range(self.buckets if layout in (None, "", "1") else 0):
             stem = self._stems[b]
             for state in _STATES:
                 index = self._index(b, state)
@@ -1081,13 +1122,63 @@ class RedisLedger(Ledger):
                         done[state.value if int(out) else "left"] += 1
             if not self._raw(self.client.zcard, self._index(b, State.SENT)):
                 self._raw(self.client.delete, self._index(b, State.SENT))
+        if layout == "3" and first.get("archive_ms"):
+            done["shelved"] = self._restock_archives(int(first["archive_ms"]))
         if not done["left"]:
-            markers = self._markers()
-            marked: dict[str, Any] = {"layout": LAYOUT, **self._archive_settings(next((m for m in markers if m), {}))}
-            self._pipeline([("hset", (self._marker(b), None, None, marked)) for b, m in enumerate(markers)
-                            if m.get("epoch")])
+            kept = {k: v for k, v in first.items() if k in ("epoch", "created_at", "created_by", "acked_at",
+                                                           "acked_by", "note", "previous", "loss")}
+            settings = self._store_settings({"retention_ms": first.get("retention_ms"), "shelves": self.shelves})
+            marked: dict[str, Any] = {**kept, "buckets": self.buckets, "layout": LAYOUT, **settings,
+                                      "migrated_at": time.time(), "migrated_by": actor or default_owner(),
+                                      "migrated_from": layout}
+            if marked.get("epoch"):
+                self._write_markers(marked, replace=True)
         log.warning("idemmail: Redis ledger %s: layout migrated: %s", self.prefix, done)
         return done
+
+    def _check_quiet(self, quiet_seconds: float) -> None:
+        """Refuse while a worker of layouts 1-3 ran anything in the last ``quiet_seconds`` (see
+        :meth:`migrate_layout`): the idle time of the old markers, read without touching them."""
+        try:
+            idle = self._pipeline([("object", ("idletime", self._old_marker(b))) for b in range(self.buckets)])
+        except LedgerError as exc:
+            raise UnsafeLedgerError(f"cannot tell whether older workers still run ({exc}); "
+                                    "the migration needs OBJECT IDLETIME (an LFU maxmemory-policy hides it)") from exc
+        busy = [(int(s), b) for b, s in enumerate(idle) if s is not None and int(s) < quiet_seconds]
+        if busy:
+            seconds, bucket = min(busy)
+            raise UnsafeLedgerError(
+                f"Redis ledger prefix {self.prefix!r}: a worker of an older version (or its operator tools) used "
+                f"the store {seconds} s ago (bucket {bucket:02x}): stop every older worker, then run the migration "
+                f"again once the store has been quiet for {quiet_seconds:g} s. Nothing was changed.")
+
+    def _restock_archives(self, archive_ms: int) -> int:
+        """Layout 3's time-granule archives onto the shelves (absolute expiries), then deleted."""
+        moved, step = 0, self._sweep_ms()
+        for b in range(self.buckets):
+            stem = self._stems[b]
+            for name in self._call(self._scan, _glob_escape(f"{stem}s:") + "*"):
+                granule = name[len(stem) + 2:]
+                if not granule.isdigit():
+                    continue
+                cursor, start = "0", int(granule) * archive_ms
+                while True:
+                    cursor, items = self._call(self._page, keys=[name], args=[cursor, 500])
+                    shelves: dict[str, list[Any]] = {}
+                    for field, value in zip(items[::2], items[1::2], strict=True):
+                        m = _ENTRY.match(value)
+                        if m is None:
+                            continue
+                        key, expires = _unfield(field), start + int(m[1], 36)
+                        shelves.setdefault(self._shelf_of(key), []).extend(
+                            [_field(key), _b36(expires) + value[len(m[1]):], expires])
+                    if shelves:
+                        self._run_scripts(self._restock, [([shelf], [step, *args]) for shelf, args in shelves.items()])
+                        moved += sum(len(args) // 3 for args in shelves.values())
+                    if str(cursor) == "0":
+                        break
+                self._call(self.client.delete, name)
+        return moved
 
     def init_store(self, *, actor: str = "") -> dict[str, Any]:
         """Create the epoch markers of a new (empty) ledger; a no-op on an initialised one.
@@ -1118,7 +1209,7 @@ class RedisLedger(Ledger):
         fields = {"epoch": secrets.token_hex(8), "buckets": self.buckets, "layout": LAYOUT, "created_at": now,
                   "created_by": actor or default_owner(), "acked_at": now, "acked_by": actor or default_owner(),
                   "note": note, "previous": before.get("epoch") or "", "loss": before["reason"],
-                  **self._archive_settings(before)}
+                  **self._store_settings(before)}
         self._write_markers(fields, replace=True)
         with self._check_lock:
             self._epoch, self._lost_reason, self._dead_epoch = str(fields["epoch"]), "", None
@@ -1130,20 +1221,8 @@ class RedisLedger(Ledger):
     def claim(self, request: ClaimRequest) -> Claim:
         if self._checked:
             self._watch_policy()
-        out = self._eval(self._claim, self._keys(request.key), self._claim_args(request))
-        if out[0] == "clock":
-            self._set_clock(out[1])
-            out = self._eval(self._claim, self._keys(request.key), self._claim_args(request))
-            if out[0] == "clock":  # nothing written; a clock still moving (or nodes that disagree): fail closed
-                raise LedgerUnavailableError(f"Redis ledger {self.prefix}: the server's clock keeps moving")
-        return self._claim_result(request, out)
-
-    def _set_clock(self, server_ms: Any) -> None:
-        """A claim said this process's archive names miss a granule by the server's clock: follow the server's."""
-        offset = int(server_ms) - time.time() * 1000
-        log.warning("idemmail: Redis ledger %s: this clock is %.1f s off the server's; following the server's",
-                    self.prefix, -offset / 1000)
-        self._clock_ms = offset
+        return self._claim_result(request, self._eval(self._claim, self._keys(request.key),
+                                                      self._claim_args(request)))
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """The batch's claim scripts in one pipeline (one per node on a cluster)."""
@@ -1180,10 +1259,6 @@ class RedisLedger(Ledger):
             if any(out[0] == "lost" for out in outs):
                 self._release_held(requests, outs, epoch, "batch_met_lost_ledger")
                 raise self._lost_error()
-        if any(out[0] == "clock" for out in outs):  # nothing written for those: claim them again
-            self._set_clock(next(out[1] for out in outs if out[0] == "clock"))
-            return [self.claim(r) if out[0] == "clock" else self._claim_result(r, out)
-                    for r, out in zip(requests, outs, strict=True)]
         return [self._claim_result(r, out) for r, out in zip(requests, outs, strict=True)]
 
     def _release_held(self, requests: Sequence[ClaimRequest], outs: list[Any], epoch: str, reason: str) -> None:
@@ -1200,7 +1275,7 @@ class RedisLedger(Ledger):
         release: list[tuple[list[str], list[Any]]] = []
         expire: list[tuple[list[str], list[Any]]] = []
         for r, out in zip(requests, outs, strict=True):
-            if isinstance(out, Exception) or out[0] in ("lost", "clock") or not ClaimStatus(out[0]).holds:
+            if isinstance(out, Exception) or out[0] == "lost" or not ClaimStatus(out[0]).holds:
                 continue
             status = ClaimStatus(out[0])
             if status is ClaimStatus.RESUMED:
@@ -1219,7 +1294,7 @@ class RedisLedger(Ledger):
     def _claim_args(self, request: ClaimRequest) -> list[Any]:
         return [request.key, request.payload, _pack_fp(request.fingerprint), int(request.lease_seconds * 1000),
                 request.resume_owner or "", *_counted(request.task_name), *_counted(request.owner),
-                _field(request.key), self._archive_ms, self._lookback_ms]
+                _field(request.key)]
 
     def _claim_result(self, request: ClaimRequest, out: list[Any]) -> Claim:
         status = ClaimStatus(out[0])
@@ -1232,8 +1307,8 @@ class RedisLedger(Ledger):
                 created_at=now, updated_at=now,
             )
             return Claim(status, record)
-        if len(out) > 3:  # archived
-            return Claim(status, self._entry_record(request.key, out[3], int(out[4]), out[2]))
+        if len(out) > 3:  # shelved
+            return Claim(status, self._entry_record(request.key, out[3], out[2]))
         return Claim(status, self._record(request.key, out[1], out[2]))
 
     def _finish(
@@ -1256,8 +1331,8 @@ class RedisLedger(Ledger):
     def _finish_args(self, key: str, token: int, state: State, result: dict[str, Any] | None,
                      error: dict[str, Any] | None) -> list[Any]:
         return [key, token, state.value, int(self.retention_seconds * 1000), "0" if self.keep_payload else "1",
-                self._granule_ms(), *_chunked(result), *_chunked(error), _field(key), self._archive_ms,
-                self._lookback_ms, _body(result, error) if state is State.SENT else ""]
+                self._granule_ms(), *_chunked(result), *_chunked(error), _field(key), self._retention_ms,
+                self._sweep_ms(), _body(result, error) if state is State.SENT else ""]
 
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         return bool(self._eval(self._renew, self._keys(key), [token, int(lease_seconds * 1000)])[0] == "ok")
@@ -1265,23 +1340,15 @@ class RedisLedger(Ledger):
     def get(self, key: str) -> Record | None:
         if not self._checked:
             self._check_store()
-        out = self._call(self._read, keys=self._keys(key), args=[_field(key), self._archive_ms, self._lookback_ms])
-        if out[0] == "clock":  # this process's clock names the wrong archives: follow the server's, once
-            self._set_clock(out[1])
-            out = self._call(self._read, keys=self._keys(key), args=[_field(key), self._archive_ms, self._lookback_ms])
-            if out[0] == "clock":
-                raise LedgerUnavailableError(f"Redis ledger {self.prefix}: the server's clock keeps moving")
+        out = self._call(self._read, keys=self._keys(key), args=[_field(key)])
         h = dict(zip(out[0][::2], out[0][1::2], strict=True))
         if h:
             return self._record(key, h, out[1])
-        if len(out) > 2:
-            record = self._entry_record(key, out[2], int(out[3]), out[1])
-            return record if (record.expires_at or 0) > time.time() else None
-        return None
+        return self._entry_record(key, out[2], out[1]) if len(out) > 2 else None
 
     def iter_records(self, state: State | None = None) -> Iterator[Record]:
         """Indexed states from their indexes; ``sent`` (no index) and all records by SCAN of the buckets
-        (records) and HSCAN of their archives."""
+        (records) and HSCAN of their shelves."""
         if not self._checked:
             self._check_store()
         for b in range(self.buckets):
@@ -1301,15 +1368,11 @@ class RedisLedger(Ledger):
                     if h and (state is None or h.get("s") == state.value):
                         yield self._record(key, h, payload)
             if state in (None, State.SENT):
-                yield from self._archived(b)
+                yield from self._shelved(b)
 
-    def _archived(self, bucket: int) -> Iterator[Record]:
-        """The bucket's archived ``sent`` records, not yet expired."""
-        stem = self._stems[bucket]
-        for name in self._call(self._scan, _glob_escape(f"{stem}s:") + "*"):
-            granule = name[len(stem) + 2:]
-            if not granule.isdigit():
-                continue
+    def _shelved(self, bucket: int) -> Iterator[Record]:
+        """The bucket's shelved ``sent`` records, not yet expired (by this process's clock: a listing)."""
+        for name in self._call(self._scan, _glob_escape(f"{self._stems[bucket]}d:") + "*"):
             cursor = "0"
             while True:
                 cursor, items = self._call(self._page, keys=[name], args=[cursor, 500])
@@ -1317,7 +1380,7 @@ class RedisLedger(Ledger):
                 payloads = self._pipeline([("get", (self._payload(key),)) for key, _ in chunk]) if chunk else []
                 now = time.time()
                 for (key, value), payload in zip(chunk, payloads, strict=True):
-                    record = self._entry_record(key, value, int(granule), payload)
+                    record = self._entry_record(key, value, payload)
                     if (record.expires_at or 0) > now:
                         yield record
                 if str(cursor) == "0":
@@ -1349,15 +1412,14 @@ class RedisLedger(Ledger):
         ttl = "" if new.expires_at is None else int((new.expires_at - new.updated_at) * 1000)
         drop = new.payload is None or (new.state is State.SENT and not self.keep_payload)
         args = [key, expected_token, new.state.value, new.token, repr(float(new.updated_at)), ttl,
-                "1" if drop else "0", self._granule_ms(), _field(key), self._archive_ms, _pack_fp(new.fingerprint),
+                "1" if drop else "0", self._granule_ms(), _field(key), "", _pack_fp(new.fingerprint),
                 repr(float(new.created_at)), new.attempts, new.reclaims, *_counted(new.owner), *_chunked(new.result),
                 *_chunked(new.error), *_counted(new.task_name)]
         return bool(self._call(self._force_script, keys=self._keys(key), args=args))
 
     def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
-        args = [expected_token, *_chunked(result), *_chunked(error), _field(key), self._archive_ms,
-                _body(result, error)]
+        args = [expected_token, *_chunked(result), *_chunked(error), _field(key), _body(result, error)]
         return bool(self._call(self._erase_script, keys=self._keys(key), args=args))
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool:
