@@ -20,6 +20,7 @@ The record is what ``send_email`` stores: a 64-hex intent key and fingerprint, a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import redis
@@ -39,10 +41,12 @@ PAYLOAD = json.dumps({"args": [], "kwargs": {"to": "ann@example.com", "subject":
                                              "html": "<p>" + "x" * 200, "event_id": "o-4821"}})
 
 
-def measure(records: int, short_result: bool, port: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def _server(port: int, *options: str) -> Iterator[redis.Redis]:
+    """A private redis-server on ``port`` (no persistence, ``options`` added); its admin client."""
     with tempfile.TemporaryDirectory() as directory:
         proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no", "--dir", directory], stdout=subprocess.DEVNULL)
+                                 "--appendonly", "no", "--dir", directory, *options], stdout=subprocess.DEVNULL)
         try:
             admin = redis.Redis(port=port, decode_responses=True)
             for _ in range(100):
@@ -51,46 +55,92 @@ def measure(records: int, short_result: bool, port: int) -> dict[str, Any]:
                     break
                 except redis.ConnectionError:
                     time.sleep(0.05)
-            led = from_url(f"redis://127.0.0.1:{port}/0")
-            assert isinstance(led, RedisLedger)
-            led.prepare()
-            led.claim_many([ClaimRequest(key="warm", task_name="t", payload="{}", fingerprint="")])
-            admin.config_resetstat()
-            before = int(admin.info("memory")["used_memory"])
-            names_before = set(admin.scan_iter(count=1000))
-            keys = []
-            for _ in range(records):
-                key = os.urandom(32).hex()
-                claim = led.claim(ClaimRequest(key=key, task_name="idemmail_celery.send_email", payload=PAYLOAD,
-                                               fingerprint=os.urandom(32).hex(), owner=new_owner(str(uuid.uuid4()))))
-                message_id = str(uuid.uuid4())
-                result: dict[str, Any] = {"message_id": message_id}
-                if not short_result:
-                    result["value"] = {"message_id": message_id, "provider": "postmark"}
-                led.complete(key, claim.token, result)
-                keys.append(key)
-            after = int(admin.info("memory")["used_memory"])
-            stats = admin.info("commandstats")
-            cpu = stats["cmdstat_evalsha"]["usec"]  # the scripts' commands run inside it
-            # Per command, per send: the scripts' own commands (inside EVALSHA's figure) and the rest.
-            calls = {k[8:]: round(v["usec"] / records, 2) for k, v in stats.items() if k.startswith("cmdstat_")}
-            names = [n for n in admin.scan_iter(count=1000) if n not in names_before]
-            usage = {n: int(admin.memory_usage(n, samples=0) or 0) for n in names}
-            archives = [n for n in names if ":d:" in n]  # the shelves
-            left = sum(1 for k in keys if admin.exists(led._rec(k)))
-            led.close()
-            return {
-                "records": records, "result": "message id" if short_result else "send_email result",
-                "info_bytes": round((after - before) / records, 1),
-                "memory_usage_bytes": round(sum(usage.values()) / records, 1),
-                "archive_bytes": round(sum(usage[n] for n in archives) / records, 1),
-                "archives": len(archives), "other_keys": len(names) - len(archives), "record_keys_left": left,
-                "encoding": admin.object("encoding", archives[0]) if archives else None,
-                "cpu_usec_per_send": round(cpu / records, 2), "usec_per_send_by_command": calls,
-            }
+            yield admin
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+def measure(records: int, short_result: bool, port: int, *options: str) -> dict[str, Any]:
+    """The ledger's own records: ``records`` intents claimed and completed, on a server with ``options``."""
+    with _server(port, *options) as admin:
+        led = from_url(f"redis://127.0.0.1:{port}/0")
+        assert isinstance(led, RedisLedger)
+        led.prepare()
+        led.claim_many([ClaimRequest(key="warm", task_name="t", payload="{}", fingerprint="")])
+        admin.config_resetstat()
+        before = int(admin.info("memory")["used_memory"])
+        names_before = set(admin.scan_iter(count=1000))
+        keys = []
+        for _ in range(records):
+            key = os.urandom(32).hex()
+            claim = led.claim(ClaimRequest(key=key, task_name="idemmail_celery.send_email", payload=PAYLOAD,
+                                           fingerprint=os.urandom(32).hex(), owner=new_owner(str(uuid.uuid4()))))
+            message_id = str(uuid.uuid4())
+            result: dict[str, Any] = {"message_id": message_id}
+            if not short_result:
+                result["value"] = {"message_id": message_id, "provider": "postmark"}
+            led.complete(key, claim.token, result)
+            keys.append(key)
+        after = int(admin.info("memory")["used_memory"])
+        stats = admin.info("commandstats")
+        cpu = stats["cmdstat_evalsha"]["usec"]  # the scripts' commands run inside it
+        # Per command, per send: the scripts' own commands (inside EVALSHA's figure) and the rest.
+        calls = {k[8:]: round(v["usec"] / records, 2) for k, v in stats.items() if k.startswith("cmdstat_")}
+        names = [n for n in admin.scan_iter(count=1000) if n not in names_before]
+        usage = {n: int(admin.memory_usage(n, samples=0) or 0) for n in names}
+        shelves = [n for n in names if ":d:" in n]
+        left = sum(1 for k in keys if admin.exists(led._rec(k)))
+        led.close()
+        return {
+            "records": records, "result": "message id" if short_result else "send_email result",
+            "info_bytes": round((after - before) / records, 1),
+            "memory_usage_bytes": round(sum(usage.values()) / records, 1),
+            "shelf_bytes": round(sum(usage[n] for n in shelves) / records, 1),
+            "shelves": len(shelves), "other_keys": len(names) - len(shelves), "record_keys_left": left,
+            "encodings": sorted({admin.object("encoding", n) for n in shelves}), "server_options": " ".join(options),
+            "cpu_usec_per_send": round(cpu / records, 2), "usec_per_send_by_command": calls,
+        }
+
+
+
+
+def shape(records: int, kind: str, port: int) -> dict[str, Any]:
+    """Another layout's ``sent`` records, written straight (no ledger), for comparison: the entries the
+    ledger writes (expiry, fingerprint, ``send_email``'s result), kept the ``kind`` way.
+
+    ``plain-keys``: a string key of its own per record, named by the key's 32 bytes (binary), the value
+    packed (fingerprint and result; the expiry is the key's TTL). ``split-listpack``: shelves of about 100
+    entries, each record two fields (expiry and fingerprint; result) so every value is within the default
+    ``hash-max-listpack-value`` (64) and the shelf stays listpack.
+    """
+    from idemmail_celery.ledger.redis import _b36, _body, _pack_fp
+
+    with _server(port) as admin:
+        raw = redis.Redis(port=port)
+        before = int(admin.info("memory")["used_memory"])
+        expires = int(time.time() * 1000) + 7 * 24 * 3600 * 1000
+        shelves = max(1, records // 50)
+        pipe = raw.pipeline(transaction=False)
+        for i in range(records):
+            key, mid = os.urandom(32), str(uuid.uuid4())
+            head = "." + _pack_fp(os.urandom(32).hex())
+            body = _body({"message_id": mid, "value": {"message_id": mid, "provider": "postmark"}}, None)
+            if kind == "plain-keys":
+                pipe.set(b"i:{%02x}:" % (key[0] % 16) + key, (head + body).encode(), pxat=expires + i)
+            else:
+                name = b"i:{%02x}:d:%x" % (key[0] % 16, int.from_bytes(key[1:4], "big") % shelves)
+                pipe.hset(name, mapping={key: (_b36(expires + i) + head).encode(), key + b"b": body.encode()})
+                pipe.pexpireat(name, expires + i)
+            if i % 1000 == 999:
+                pipe.execute()
+        pipe.execute()
+        after = int(admin.info("memory")["used_memory"])
+        names = list(admin.scan_iter(count=1000))
+        usage = sum(int(admin.memory_usage(n, samples=0) or 0) for n in names)
+        return {"records": records, "shape": kind, "info_bytes": round((after - before) / records, 1),
+                "memory_usage_bytes": round(usage / records, 1),
+                "encodings": sorted({admin.object("encoding", n) for n in names[:200]})}
 
 
 def free_port() -> int:

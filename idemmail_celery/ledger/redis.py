@@ -1157,13 +1157,13 @@ class RedisLedger(Ledger):
         moved, step = 0, self._sweep_ms()
         for b in range(self.buckets):
             stem = self._stems[b]
-            for name in self._call(self._scan, _glob_escape(f"{stem}s:") + "*"):
+            for name in self._raw(self._scan, _glob_escape(f"{stem}s:") + "*"):
                 granule = name[len(stem) + 2:]
                 if not granule.isdigit():
                     continue
                 cursor, start = "0", int(granule) * archive_ms
                 while True:
-                    cursor, items = self._call(self._page, keys=[name], args=[cursor, 500])
+                    cursor, items = self._raw(self._page, keys=[name], args=[cursor, 500])
                     shelves: dict[str, list[Any]] = {}
                     for field, value in zip(items[::2], items[1::2], strict=True):
                         m = _ENTRY.match(value)
@@ -1177,7 +1177,7 @@ class RedisLedger(Ledger):
                         moved += sum(len(args) // 3 for args in shelves.values())
                     if str(cursor) == "0":
                         break
-                self._call(self.client.delete, name)
+                self._raw(self.client.delete, name)
         return moved
 
     def init_store(self, *, actor: str = "") -> dict[str, Any]:
