@@ -61,10 +61,11 @@ def _server(port: int, *options: str) -> Iterator[redis.Redis]:
             proc.wait(timeout=30)
 
 
-def measure(records: int, short_result: bool, port: int, *options: str) -> dict[str, Any]:
-    """The ledger's own records: ``records`` intents claimed and completed, on a server with ``options``."""
+def measure(records: int, short_result: bool, port: int, *options: str, shelves: int | None = None) -> dict[str, Any]:
+    """The ledger's own records: ``records`` intents claimed and completed, on a server with ``options``
+    (``shelves`` per bucket: the ledger's default unless given)."""
     with _server(port, *options) as admin:
-        led = from_url(f"redis://127.0.0.1:{port}/0")
+        led = from_url(f"redis://127.0.0.1:{port}/0", **({"shelves": shelves} if shelves else {}))
         assert isinstance(led, RedisLedger)
         led.prepare()
         led.claim_many([ClaimRequest(key="warm", task_name="t", payload="{}", fingerprint="")])
@@ -89,16 +90,17 @@ def measure(records: int, short_result: bool, port: int, *options: str) -> dict[
         calls = {k[8:]: round(v["usec"] / records, 2) for k, v in stats.items() if k.startswith("cmdstat_")}
         names = [n for n in admin.scan_iter(count=1000) if n not in names_before]
         usage = {n: int(admin.memory_usage(n, samples=0) or 0) for n in names}
-        shelves = [n for n in names if ":d:" in n]
+        shelf_names = [n for n in names if ":d:" in n]
         left = sum(1 for k in keys if admin.exists(led._rec(k)))
         led.close()
         return {
             "records": records, "result": "message id" if short_result else "send_email result",
             "info_bytes": round((after - before) / records, 1),
             "memory_usage_bytes": round(sum(usage.values()) / records, 1),
-            "shelf_bytes": round(sum(usage[n] for n in shelves) / records, 1),
-            "shelves": len(shelves), "other_keys": len(names) - len(shelves), "record_keys_left": left,
-            "encodings": sorted({admin.object("encoding", n) for n in shelves}), "server_options": " ".join(options),
+            "shelf_bytes": round(sum(usage[n] for n in shelf_names) / records, 1),
+            "shelves": len(shelf_names), "other_keys": len(names) - len(shelf_names), "record_keys_left": left,
+            "encodings": sorted({admin.object("encoding", n) for n in shelf_names}),
+            "server_options": " ".join(options),
             "cpu_usec_per_send": round(cpu / records, 2), "usec_per_send_by_command": calls,
         }
 
@@ -136,11 +138,11 @@ def shape(records: int, kind: str, port: int) -> dict[str, Any]:
                 pipe.execute()
         pipe.execute()
         after = int(admin.info("memory")["used_memory"])
-        names = list(admin.scan_iter(count=1000))
-        usage = sum(int(admin.memory_usage(n, samples=0) or 0) for n in names)
+        names = list(raw.scan_iter(count=1000))  # binary names: read without decoding
+        usage = sum(int(raw.memory_usage(n, samples=0) or 0) for n in names)
         return {"records": records, "shape": kind, "info_bytes": round((after - before) / records, 1),
                 "memory_usage_bytes": round(usage / records, 1),
-                "encodings": sorted({admin.object("encoding", n) for n in names[:200]})}
+                "encodings": sorted({raw.object("encoding", n).decode() for n in names[:200]})}
 
 
 def free_port() -> int:
@@ -202,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--short-result", action="store_true")
     parser.add_argument("--port", type=int, default=0, help="default: a free port")
+    parser.add_argument("--shelves", type=int, default=0, help="shelves per bucket (default: the ledger's)")
+    parser.add_argument("--shape", choices=("plain-keys", "split-listpack"), default=None,
+                        help="measure another layout's records written straight instead (see shape())")
     args = parser.parse_args(argv)
     port = args.port
     if not port:
@@ -210,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-    print(json.dumps(measure(args.records, args.short_result, port), indent=2))
+    if args.shape:
+        print(json.dumps(shape(args.records, args.shape, port), indent=2))
+    else:
+        print(json.dumps(measure(args.records, args.short_result, port, shelves=args.shelves or None), indent=2))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Redis ledger: ``redis://``, ``rediss://``, ``redis+cluster://`` and ``sentinel://``.
 
-A record in progress is a hash, a sent one an entry in an archive hash; every transition is one
+A record in progress is a hash, a sent one an entry on a shelf; every transition is one
 Lua script (``ledger/lua/*.lua``, registered with the client's script support and called with
 EVALSHA, loaded again on NOSCRIPT), so a claim, a completion or a replay is one atomic round trip.
 Lease times come from the Redis server's clock (``TIME``), so worker clocks do
@@ -9,13 +9,14 @@ not have to agree.
 **Buckets.** Keys are spread over ``buckets`` hash-tagged buckets (16 by default)
 so that every script touches keys of one hash slot, as Redis Cluster requires::
 
-    <prefix>:{<bb>}:r:<packed key>   a record not yet sent, or sent and kept longer than the archives reach (a hash)
+    <prefix>:{<bb>}:r:<packed key>   a record not yet sent (a hash)
     <prefix>:{<bb>}:p:<packed key>   its first payload (a string; gone on sent unless keep_payload)
-    <prefix>:{<bb>}:s:<granule>      the bucket's sent records of one time granule (a hash; expires)
+    <prefix>:{<bb>}:d:<shelf>        sent records whose key falls on this shelf (a hash; see below)
     <prefix>:{<bb>}:i:<state>        the bucket's index of claimed, released, failed or review records
     <prefix>:{<bb>}:c:sent           the bucket's count of sent records, by expiry (a hash)
     <prefix>:{<bb>}:h:<digest>       a reschedule's mark (see ``mark_hop``; expires)
-    <prefix>:{<bb>}:epoch            the bucket's epoch marker (a hash)
+    <prefix>:{<bb>}:epoch4           the bucket's epoch marker (a hash)
+    <prefix>:{<bb>}:epoch            layouts 1-3's marker: flagged lost, so that no older worker runs here
 
 ``bb`` is the bucket number in two hex digits, chosen by CRC32 of the intent key.
 On one Redis the buckets cost nothing on the hot path; listing, stats and purge
@@ -28,46 +29,35 @@ else as ``~`` + itself), the owner, task name, result and error in chunks of at 
 the payload in a string of its own: every value within Redis's ``hash-max-listpack-value``, so
 the hash stays compact (listpack).
 
-**A sent record has no key of its own** (layout 3). Most records are ``sent`` and stay for the
-retention, and any key with a TTL costs Redis about 150 bytes before its first byte of data (the
-key object, its dictionary entry, its expiry entry). So the completion that makes a record
-``sent`` moves it, in the same script, into its bucket's *archive* of the time granule it was sent
-in (``s:<granule>``, the granule number by the server's clock), and deletes its hash and payload.
-An archive is one hash: field the key's 32 bytes (a 64-hex key; anything else ``~`` + itself),
-value one string: expiry, token, attempts and reclaims (each only when not the usual 1, 1, 0), the
-fingerprint (its 37 characters, copied as they are), and the result with its message id stored once
-(a UUID packed in 22 characters; ``send_email``'s ``value`` repeating the message id is rebuilt on
-read; anything else as JSON). Task name, owner and the time of the first claim are not kept: nothing
-reads them once the intent is sent (a duplicate is told the result, a must-match check reads the
-fingerprint, ``forget`` rewrites the result; attempts and reclaims stay for operators). The archive
-expires by itself at its granule's end plus the ledger's retention, so no entry is ever visited to
-be deleted; an entry counts, replays and lists only until its own expiry.
-Fields are bytes, not text: read an archive through the ledger (or a client that does not decode
+**A sent record is an entry on its shelf** (layout 4). Most records are ``sent`` and stay for the
+retention, and a key of its own with a TTL costs Redis about 150 bytes before its first byte of
+data. So the completion that makes a record ``sent`` moves it, in the same script, onto its
+*shelf*: one of ``shelves`` hashes per bucket (64 by default, fixed in the markers when the ledger
+is created), chosen by bits of the key itself (see ``_shelf``), never by the clock. A claim or a read
+therefore looks in at most two places, whatever the retention: the record's hash, then its shelf
+(one ``HGET``). The entry's field is the key's 32 bytes (a 64-hex key; anything else ``~`` +
+itself), its value one string: expiry (the server's clock, whole seconds rounded up), then retention,
+token, attempts and reclaims (each only when not the ledger's, 1, 1, 0), the fingerprint (its 37
+characters, copied as they are), and the result with its message id stored once (a UUID packed in 22
+characters; ``send_email``'s ``value`` repeating the message id is rebuilt on read; anything else as
+JSON). Task name, owner and the time of the first claim are not kept: nothing reads them once the
+intent is sent (a duplicate is told the result, a must-match check reads the fingerprint,
+``forget`` rewrites the result; attempts and reclaims stay for operators).
+
+**Expiry** is the entry's own stamp, checked by every script against the server's ``TIME``: an
+entry past it is dead (a claim replaces it, a read ignores it). A clock stepped back only makes
+entries live longer; stepped forward, they end that much sooner, never sooner than the retention
+minus the step. Nothing visits entries to delete them: a completion writing onto a shelf sweeps its
+dead entries when the shelf's sweep time (field ``""``, at most every retention / 8) has come, so a
+shelf holds at most an eighth of a retention's dead entries; and a shelf's TTL is its longest-lived
+entry's expiry (it only grows), so a shelf nobody writes to any more goes by itself.
+Fields are bytes, not text: read a shelf through the ledger (or a client that does not decode
 replies); the listing's script replies with them in hex.
 
-A claim that finds no record looks in the bucket's live archives, newest first (one ``HGET``
-each, inside the same script): the ledger's retention over the granule, plus one or two. The
-granule is a trade-off, fixed in the markers when the ledger is created (``archive_ms``, from the
-creating process's retention, kept in ``retention_ms``): retention / 8, within 1 s .. 1 day. A
-smaller granule means more lookups per new claim; a larger one keeps spent entries in memory
-longer (up to one granule past their expiry, 1/16 of the retention on average). Every key a
-script touches must be named in KEYS (Redis Cluster), so the caller names the archives from its
-own clock, a skew's worth wider either side, and the script checks them against the server's
-``TIME``: a claim whose names miss a live granule writes nothing and answers ``clock``, and the
-process follows the server's clock from then on. A completion writes into the granule of the
-server's clock; if the caller did not name it, or if the record's retention is longer than the
-ledger's (the archives would not be looked in that far back), the record stays a hash of its own
-with a TTL, as in layout 2, which every claim still reads first. An operator's change
-(``resolve``, ``confirm_sent``, ``_force``) writes a hash of its own too, taking a record out of
-its archive: rare, and what the caller gets back is exactly what the store holds.
-
 Measured (``python -m bench.memory``, 100,000 ``send_email`` records as workers write them, see
-docs/benchmarks.md): 191 bytes each in ``INFO memory`` (178 by ``MEMORY USAGE``), 175 with a
-result of the message id alone, from 553 and 425 in layout 2 (a key of its own per record, with
-a TTL); about 13 µs more Redis CPU per send (the claim's lookups, the entry's building).
-``stats`` still reads the per-bucket counters (``HLEN`` of the archives would count spent entries
-up to a granule late), which count a record until its expiry's granule ends (at most 1% of the
-retention late).
+docs/benchmarks.md for the figures and the shapes compared). ``stats`` reads the per-bucket counters
+(an ``HLEN`` of the shelves would count dead entries until their sweep), which count a record until
+its expiry's granule ends (at most 1% of the retention late).
 
 **Loss detection.** A Redis without persistence can be flushed or restart
 empty, silently reopening every key. Each bucket holds an epoch marker; every
@@ -90,15 +80,13 @@ markers and never write them (no ``auto_init``, no lost flags); only
 **Old layouts.** Versions before the buckets kept ``<prefix>:r:<key>`` and
 ``<prefix>:i:<state>``. This version would not see those records, so at first use
 it looks for the old index keys and refuses (:class:`UnsafeLedgerError`) if any exist.
-Later layouts are told by the epoch markers' ``layout`` (none: layout 1, long field names and a
-``sent`` index; ``2``: every record a hash of its own, ``sent`` ones with a TTL; ``3``: this one,
-sent records archived). This version refuses any other layout at first use, naming the step: stop
-the workers and run :meth:`RedisLedger.migrate_layout` once, which rewrites layout 1 records in
-place (keeping state, token, lease and TTL) and marks the layout; layout 2 records need no
-rewriting (this layout reads a ``sent`` hash with a TTL as layout 2 wrote it, and they expire
-by themselves). A layout 2 worker refuses a layout 3 store the same way, so no older worker ever
-claims a key whose ``sent`` record it could not see in an archive (it would send again).
-Refusing, rather than reading every layout, keeps every script single-minded.
+Layouts 1-3 (long field names and a ``sent`` index; every record a hash of its own; sent records in
+time-granule archives) kept their markers in ``<prefix>:{bb}:epoch``: a store with those and no
+layout 4 markers is refused at first use, naming the step, ``celery -A proj idemmail ledger
+migrate`` (:meth:`RedisLedger.migrate_layout`), which refuses while an older worker still uses the
+store and fences older workers out before it converts anything. A layout 4 store keeps the old
+markers flagged lost, so an older worker refuses it too (at start, and at its next script if it was
+running): no older worker ever claims a key whose ``sent`` record it could not see.
 
 The store must not evict keys: an evicted ``sent`` record reopens its key and
 the next duplicate sends again. At first use the ledger reads
@@ -202,7 +190,7 @@ _INDEXED = (State.CLAIMED, State.RELEASED, State.FAILED, State.REVIEW)
 #: in ``<prefix>:{bb}:epoch``, which a layout 4 store keeps flagged lost so that no older worker runs on it.
 LAYOUT = "4"
 #: Shelves per bucket unless the markers say otherwise (fixed when the ledger is created, see ``_shelf``).
-DEFAULT_SHELVES = 256
+DEFAULT_SHELVES = 64
 #: A shelf's dead entries are swept at most every retention / this (so at most this fraction of a
 #: retention's entries stays in memory past its expiry), and at least every second.
 _SWEEP_SPLIT = 8
@@ -467,7 +455,9 @@ class RedisLedger(Ledger):
     (``sentinel://host:26379;sentinel://host2:26379`` with ``master_name``).
 
     Options: ``prefix`` (key prefix, default ``"idemmail"``), ``buckets`` (hash-tagged
-    buckets, default 16; fixed for the life of a ledger), ``retention_seconds``,
+    buckets, default 16; fixed for the life of a ledger), ``shelves`` (hashes per bucket holding
+    ``sent`` records, default 64; the markers' value wins once the ledger exists: about 100 records
+    a shelf at 100,000 sent records is the memory sweet spot), ``retention_seconds``,
     ``auto_init`` (default True: a process that finds no markers and no records starts a
     new ledger; False requires ``idemmail ledger init`` first, which tells a store emptied
     while no worker ran from a new one), ``passive`` (default False: never write epoch
@@ -617,7 +607,7 @@ class RedisLedger(Ledger):
         else:
             space = value.index(" ", at)
             fp, body = bytes.fromhex(value[at:space]).decode(), value[space + 1:]
-        expires_ms = int(expires, 36)
+        expires_ms = int(expires, 36) * 1000  # whole seconds
         updated = (expires_ms - (int(retention, 36) if retention else self._retention_ms)) / 1000
         result, error = _unbody(body)
         return Record(
@@ -1169,9 +1159,9 @@ class RedisLedger(Ledger):
                         m = _ENTRY.match(value)
                         if m is None:
                             continue
-                        key, expires = _unfield(field), start + int(m[1], 36)
+                        key, expires = _unfield(field), -(-(start + int(m[1], 36)) // 1000)  # s, rounded up
                         shelves.setdefault(self._shelf_of(key), []).extend(
-                            [_field(key), _b36(expires) + value[len(m[1]):], expires])
+                            [_field(key), _b36(expires) + value[len(m[1]):], expires * 1000])
                     if shelves:
                         self._run_scripts(self._restock, [([shelf], [step, *args]) for shelf, args in shelves.items()])
                         moved += sum(len(args) // 3 for args in shelves.values())
