@@ -154,48 +154,66 @@ def free_port() -> int:
 
 
 def section(records: int, short: str, command: str) -> str:
-    """The ``bench-memory`` section of docs/benchmarks.md: both result shapes, measured now."""
+    """The ``bench-memory`` section of docs/benchmarks.md: both result shapes, and the other layouts' shapes,
+    measured now."""
     rows = [measure(records, short_result, free_port()) for short_result in (False, True)]
+    shapes = [shape(records, kind, free_port()) for kind in ("plain-keys", "split-listpack")]
     lines = "\n".join(
         f"| {r['result']} | {r['records']:,} | {r['info_bytes']:,.0f} | {r['memory_usage_bytes']:,.0f} | "
-        f"{r['encoding']} | {r['cpu_usec_per_send']:.1f} |" for r in rows)
+        f"{', '.join(r['encodings'])} | {r['cpu_usec_per_send']:.1f} |" for r in rows)
+    other = "\n".join(
+        f"| {r['shape']} | {r['info_bytes']:,.0f} | {r['memory_usage_bytes']:,.0f} | {', '.join(r['encodings'])} |"
+        for r in shapes)
+    ours = rows[0]
     return f"""## Redis memory per `sent` record (`make bench`)
 
 ```
 {command}
 ```
 
-Run on {short}. A private `redis-server` (no persistence) holding nothing but the ledger;
-{records:,} intents sent through it as a worker sends them (claim, then complete), each record what
-`send_email` stores: a 64-hex intent key and fingerprint, a worker's owner (`host:pid:task id:nonce`),
-the provider's result and its message id.
+Run on {short}. A private `redis-server` (no persistence, `hash-max-listpack-value` 64 as shipped)
+holding nothing but the ledger; {records:,} intents sent through it as a worker sends them (claim,
+then complete), each record what `send_email` stores: a 64-hex intent key and fingerprint, a worker's
+owner (`host:pid:task id:nonce`), the provider's result and its message id.
 
-| stored result | records | bytes/record, `INFO memory` | bytes/record, `MEMORY USAGE` | encoding | Redis CPU µs/send |
+| stored result | records | bytes/record, `INFO memory` | bytes/record, `MEMORY USAGE` | encoding | Redis µs/send |
 |---|---:|---:|---:|---|---:|
 {lines}
 
 `INFO memory` is the growth of `used_memory` over the run divided by the records: everything (the
-per-bucket archives, their dictionaries' tables, the per-bucket counters that replace a `sent`
-index). `MEMORY USAGE` (`SAMPLES 0`) is every key the ledger wrote, divided by the records.
+shelves, their dictionaries' tables, the per-bucket counters that replace a `sent` index).
+`MEMORY USAGE` (`SAMPLES 0`) is every key the ledger wrote, divided by the records. Redis CPU: the
+`EVALSHA` calls' time in `INFO commandstats` (the scripts' commands run inside it) per claim +
+completion, one client.
 
-A `sent` record is not a key of its own (layout 3): the completion moves it into its bucket's
-archive of the time granule it was sent in, one hash per bucket and granule that expires by itself
-(16 here, all in one granule), field the key's 32 bytes, value one string of about 90 bytes:
-expiry, the fingerprint in 37 characters, and the result with its message id stored once (a UUID
-packed in 22 characters; the `value` repeating it rebuilt on read). That saves Redis's own cost of
-a key with a TTL, about 150 bytes per record (the key object, its dictionary entry, its expiry
-entry): layout 2, a compact (listpack) hash per record, measured 553 and 425 bytes (`INFO memory`),
-488 and 360 (`MEMORY USAGE`) on this machine. An entry costs its dictionary entry (24 bytes), its
-field (40), its value (96 for `send_email`'s result, 80 for a message id alone: the allocator's
-16-byte steps) and its slot in the table (8 to 16): a message id that is not a UUID takes 14
-characters more, which can move the value to the next step (+16 bytes).
+**Layout 4.** A `sent` record is an entry on its *shelf*: one of 64 hashes per bucket
+({ours['shelves']:,} here), chosen by bits of the intent key, never by the clock, so a claim or a read
+looks in the record's hash and then its shelf, two places whatever the retention. The entry's field is
+the key's 32 bytes, its value one string of about 91 bytes: its expiry (whole seconds, rounded up),
+the fingerprint in 37 characters, and the result with its message id stored once. Its cost: the
+dictionary entry (24 bytes), the field (48: the allocator's 16-byte steps), the value (96) and its
+table slot (8 to 16); the shelves' own keys add about 2 bytes a record at this count. The same
+shelves with 256 a bucket (about 24 records each) measured 203.5 / 187.5 bytes: more keys, each with
+its own table. With the expiry in milliseconds (8 characters, not 6) the value crossed into the
+112-byte step: 219.5 / 203.6.
 
-The price is Redis CPU: a claim that finds no record looks in each live archive of its bucket (the
-retention over the granule, plus one or two: 10 `HGET`s inside the script with the default 7-day
-retention and its 21-hour granule), and the completion builds the entry. In back-to-back runs on
-this machine layout 2 took about 58 µs per send and this layout about 71 (the machine is shared:
-a few µs of noise either way). Redis CPU: the `EVALSHA` calls' time in `INFO commandstats` (the
-scripts' commands run inside it) per claim + completion.
+Other shapes, measured the same way (the same entries written straight, `python -m bench.memory
+--shape ...`):
+
+| shape | bytes/record, `INFO memory` | bytes/record, `MEMORY USAGE` | encoding |
+|---|---:|---:|---|
+{other}
+
+`plain-keys` gives each `sent` record a key of its own named by the key's 32 bytes, value the
+fingerprint and result, the expiry a TTL: Redis's own cost of a key with a TTL (its object, its entry
+in the keyspace and in the expiry dictionary) is more than the bytes saved. `split-listpack` keeps
+shelves of about 50 records in listpack encoding, each record split into two fields (expiry and
+fingerprint; result) so every value is within 64 bytes: a listpack entry carries 2-3 bytes of
+overhead instead of a dictionary entry's 24 and a table slot, but the record needs a second field
+name and the large listpacks lose to the allocator's steps: no better in `INFO memory`, and a
+lookup scans the shelf. Layout 4 keeps one entry per record in a hash the server encodes as it likes.
+Layout 3 (time-granule archives) measured 191 / 178 bytes; layout 2 (a hash per record with a
+TTL) 553 / 488.
 """
 
 
