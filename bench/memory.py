@@ -189,12 +189,12 @@ completion, one client.
 **Layout 4.** A `sent` record is an entry on its *shelf*: one of 64 hashes per bucket
 ({ours['shelves']:,} here), chosen by bits of the intent key, never by the clock, so a claim or a read
 looks in the record's hash and then its shelf, two places whatever the retention. The entry's field is
-the key's 32 bytes, its value one string of about 91 bytes: its expiry (whole seconds, rounded up),
+the key's 32 bytes, its value one string of about 92 bytes: its expiry (tenths of a second, rounded up),
 the fingerprint in 37 characters, and the result with its message id stored once. Its cost: the
 dictionary entry (24 bytes), the field (48: the allocator's 16-byte steps), the value (96) and its
 table slot (8 to 16); the shelves' own keys add about 2 bytes a record at this count. The same
 shelves with 256 a bucket (about 24 records each) measured 203.5 / 187.5 bytes: more keys, each with
-its own table. With the expiry in milliseconds (8 characters, not 6) the value crossed into the
+its own table. With the expiry in milliseconds (8 characters, not 7) the value crossed into the
 112-byte step: 219.5 / 203.6.
 
 Other shapes, measured the same way (the same entries written straight, `python -m bench.memory

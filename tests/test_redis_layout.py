@@ -142,7 +142,7 @@ def test_a_record_near_the_end_of_its_retention_replays_until_then_and_not_after
     time.sleep(1.0)
     assert time.monotonic() - completed < 1.9, "the machine stalled: this look would be past the retention"
     assert led.claim(req(key)).status is ClaimStatus.DONE  # near the end: still done
-    time.sleep(max(0.0, completed + 3.2 - time.monotonic()))  # its expiry is in whole seconds, rounded up
+    time.sleep(max(0.0, completed + 2.4 - time.monotonic()))  # (its expiry: tenths of a second, rounded up)
     assert led.get(key) is None and list(led.iter_records(State.SENT)) == []
     again = led.claim(req(key))  # past it: a new intent (the spent entry goes with the claim)
     assert again.status is ClaimStatus.ACQUIRED and sum(shelf(led, key).values()) == 0
@@ -200,7 +200,7 @@ def test_sent_records_are_listed_by_scan_counted_and_purged(led: RedisLedger) ->
     assert [r.key for r in led.iter_records(State.REVIEW)] == ["parked"]
     assert {k: v for k, v in led.stats().items() if v} == {"sent": len(keys), "review": 1}
     assert time.monotonic() - first < 2.8, "the machine stalled: the looks above may have been past the retention"
-    time.sleep(max(0.0, first + 4.2 - time.monotonic()))  # expiries in whole seconds, rounded up
+    time.sleep(max(0.0, first + 3.4 - time.monotonic()))  # (expiries: tenths of a second, rounded up)
     assert list(led.iter_records(State.SENT)) == []
     assert {k: v for k, v in led.stats().items() if v} == {"review": 1}
     assert led.purge_expired() == len(keys)  # the counters' spent granules, and what they counted

@@ -43,11 +43,11 @@ if target == 'sent' then
       (new_error and joined(fields_of(e), 'e') or joined(f, 'e') or 'null') .. ']'
   end
   local attempts, reclaims = tonumber(cur[6] or 1), tonumber(cur[7] or 0)
-  local expires = math.ceil((ms + ttl) / 1000)  -- whole seconds, rounded up: a shorter entry
+  local expires = math.ceil((ms + ttl) / 100)  -- tenths of a second, rounded up: a shorter entry
   local value = table.concat({b36(expires), ttl == retention and '' or 'R' .. b36(ttl),
     held == 1 and '' or 'T' .. b36(held), attempts == 1 and '' or 'A' .. b36(attempts),
     reclaims == 0 and '' or 'C' .. b36(reclaims), entry_fp(cur[5]), body})
-  shelve(field, value, expires * 1000, ms, tonumber(ARGV[#ARGV - 1]))
+  shelve(field, value, expires * 100, ms, tonumber(ARGV[#ARGV - 1]))
   count_sent(n + ttl * 1000, tonumber(ARGV[7]))
   move(id, state, target, n + ttl * 1000)
   redis.call('DEL', rec)

@@ -1,116 +1,19 @@
-"""Redis ledger: ``redis://``, ``rediss://``, ``redis+cluster://`` and ``sentinel://``.
-
-A record in progress is a hash, a sent one an entry on a shelf; every transition is one
-Lua script (``ledger/lua/*.lua``, registered with the client's script support and called with
-EVALSHA, loaded again on NOSCRIPT), so a claim, a completion or a replay is one atomic round trip.
-Lease times come from the Redis server's clock (``TIME``), so worker clocks do
-not have to agree.
-
-**Buckets.** Keys are spread over ``buckets`` hash-tagged buckets (16 by default)
-so that every script touches keys of one hash slot, as Redis Cluster requires::
-
-    <prefix>:{<bb>}:r:<packed key>   a record not yet sent (a hash)
-    <prefix>:{<bb>}:p:<packed key>   its first payload (a string; gone on sent unless keep_payload)
-    <prefix>:{<bb>}:d:<shelf>        sent records whose key falls on this shelf (a hash; see below)
-    <prefix>:{<bb>}:i:<state>        the bucket's index of claimed, released, failed or review records
-    <prefix>:{<bb>}:c:sent           the bucket's count of sent records, by expiry (a hash)
-    <prefix>:{<bb>}:h:<digest>       a reschedule's mark (see ``mark_hop``; expires)
-    <prefix>:{<bb>}:epoch4           the bucket's epoch marker (a hash)
-    <prefix>:{<bb>}:epoch            layouts 1-3's marker: flagged lost, so that no older worker runs here
-
-``bb`` is the bucket number in two hex digits, chosen by CRC32 of the intent key.
-On one Redis the buckets cost nothing on the hot path; listing, stats and purge
-visit every bucket.
-
-**A record in progress** (``claimed``, ``released``, ``failed``, ``review``) is a hash of its own:
-short field names (see ``lua/prelude.lua``), times as integer microseconds, a 64-hex key packed in
-43 base64url characters in its name, a 64-hex fingerprint in 37 base-126 ASCII characters (anything
-else as ``~`` + itself), the owner, task name, result and error in chunks of at most 64 bytes, and
-the payload in a string of its own: every value within Redis's ``hash-max-listpack-value``, so
-the hash stays compact (listpack).
-
-**A sent record is an entry on its shelf** (layout 4). Most records are ``sent`` and stay for the
-retention, and a key of its own with a TTL costs Redis about 150 bytes before its first byte of
-data. So the completion that makes a record ``sent`` moves it, in the same script, onto its
-*shelf*: one of ``shelves`` hashes per bucket (64 by default, fixed in the markers when the ledger
-is created), chosen by bits of the key itself (see ``_shelf``), never by the clock. A claim or a read
-therefore looks in at most two places, whatever the retention: the record's hash, then its shelf
-(one ``HGET``). The entry's field is the key's 32 bytes (a 64-hex key; anything else ``~`` +
-itself), its value one string: expiry (the server's clock, whole seconds rounded up), then retention,
-token, attempts and reclaims (each only when not the ledger's, 1, 1, 0), the fingerprint (its 37
-characters, copied as they are), and the result with its message id stored once (a UUID packed in 22
-characters; ``send_email``'s ``value`` repeating the message id is rebuilt on read; anything else as
-JSON). Task name, owner and the time of the first claim are not kept: nothing reads them once the
-intent is sent (a duplicate is told the result, a must-match check reads the fingerprint,
-``forget`` rewrites the result; attempts and reclaims stay for operators).
-
-**Expiry** is the entry's own stamp, checked by every script against the server's ``TIME``: an
-entry past it is dead (a claim replaces it, a read ignores it). A clock stepped back only makes
-entries live longer; stepped forward, they end that much sooner, never sooner than the retention
-minus the step. Nothing visits entries to delete them: a completion writing onto a shelf sweeps its
-dead entries when the shelf's sweep time (field ``""``, at most every retention / 8) has come, so a
-shelf holds at most an eighth of a retention's dead entries; and a shelf's TTL is its longest-lived
-entry's expiry (it only grows), so a shelf nobody writes to any more goes by itself.
-Fields are bytes, not text: read a shelf through the ledger (or a client that does not decode
-replies); the listing's script replies with them in hex.
-
-Measured (``python -m bench.memory``, 100,000 ``send_email`` records as workers write them, see
-docs/benchmarks.md for the figures and the shapes compared). ``stats`` reads the per-bucket counters
-(an ``HLEN`` of the shelves would count dead entries until their sweep), which count a record until
-its expiry's granule ends (at most 1% of the retention late).
-
-**Loss detection.** A Redis without persistence can be flushed or restart
-empty, silently reopening every key. Each bucket holds an epoch marker; every
-script is handed the epoch this process read at first use (a worker reads it in
-its main process at start, see :meth:`RedisLedger.prepare`) and refuses, writing
-nothing, when the bucket's marker is missing, different, or flagged lost. The
-process then reads every marker again: an epoch an operator acknowledged (``ledger
-ack-loss``) is adopted; anything else raises :class:`LedgerLostError` (a
-:class:`LedgerUnavailableError`, so tasks fail closed and retry) and flags every
-marker lost, so processes that start later stop too. A process that has seen a
-loss remembers it: from then on it accepts only an epoch an operator acknowledged,
-never a "new" store (emptied again, flags and all) nor an unacknowledged fresh
-epoch. What is detected and what is not is in :meth:`RedisLedger.loss_status` and
-docs/operations.md ("Ledger loss").
-
-Operator tools and the metrics scrape build the ledger ``passive``: they read the
-markers and never write them (no ``auto_init``, no lost flags); only
-:meth:`~RedisLedger.init_store` and :meth:`~RedisLedger.acknowledge_loss` do.
-
-**Old layouts.** Versions before the buckets kept ``<prefix>:r:<key>`` and
-``<prefix>:i:<state>``. This version would not see those records, so at first use
-it looks for the old index keys and refuses (:class:`UnsafeLedgerError`) if any exist.
-Layouts 1-3 (long field names and a ``sent`` index; every record a hash of its own; sent records in
-time-granule archives) kept their markers in ``<prefix>:{bb}:epoch``: a store with those and no
-layout 4 markers is refused at first use, naming the step, ``celery -A proj idemmail ledger
-migrate`` (:meth:`RedisLedger.migrate_layout`), which refuses while an older worker still uses the
-store and fences older workers out before it converts anything. A layout 4 store keeps the old
-markers flagged lost, so an older worker refuses it too (at start, and at its next script if it was
-running): no older worker ever claims a key whose ``sent`` record it could not see.
-
-The store must not evict keys: an evicted ``sent`` record reopens its key and
-the next duplicate sends again. At first use the ledger reads
-``maxmemory-policy`` and refuses anything but ``noeviction`` unless built with
-``allow_eviction=True``; the claim path reads it again every ``policy_recheck_seconds``
-(30 s), so a policy changed at runtime is refused too, until it is set back. Run Redis
-with AOF persistence for the same reason: a worker that meets a server with neither AOF
-nor RDB save points logs a warning at start. Where CONFIG is disabled or renamed (managed
-Redis), both checks log that they could not look, and the ledger carries on.
+"""The Redis ledger's moves: :class:`RedisLedger`, each transition one script beside this module
+(``<name>.lua``, after ``prelude.lua`` for a record script), the store's checks (eviction policy,
+persistence, layout, epoch markers) and the migration from older layouts. Key names and packing:
+``layout.py``; what the layout is and why: the package docstring.
 """
 
 from __future__ import annotations
 
-import base64
 import functools
 import hashlib
-import json
 import logging
 import re
 import secrets
 import threading
 import time
 import weakref
-import zlib
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from typing import Any
@@ -125,8 +28,8 @@ try:  # the ``redis`` extra brings it; without it, redis-py packs commands in Py
 except ImportError:  # pragma: no cover - the test extras install hiredis
     _pack_command = None  # type: ignore[assignment]
 
-from .._common import after_fork
-from ..errors import (
+from ..._common import after_fork
+from ...errors import (
     ConfigurationError,
     IllegalTransitionError,
     LedgerError,
@@ -136,7 +39,7 @@ from ..errors import (
     StaleTokenError,
     UnsafeLedgerError,
 )
-from .base import (
+from ..base import (
     DEFAULT_RETENTION_SECONDS,
     Claim,
     ClaimRequest,
@@ -146,13 +49,34 @@ from .base import (
     State,
     _check_unique,
     default_owner,
-    dumps_json,
     loads_json,
 )
+from .layout import (
+    _ENTRY,
+    _INDEXED,
+    _STATES,
+    _SWEEP_SPLIT,
+    DEFAULT_BUCKETS,
+    DEFAULT_SHELVES,
+    LAYOUT,
+    Names,
+    _b36,
+    _body,
+    _chunked,
+    _counted,
+    _field,
+    _joined,
+    _layout1_fields,
+    _pack_fp,
+    _seconds,
+    _unbody,
+    _unfield,
+    _unpack,
+    _unpack_fp,
+)
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("idemmail_celery.ledger.redis")  # the package's name, as before the split
 
-DEFAULT_BUCKETS = 16
 #: Error replies meaning "not now", each refused before the script wrote anything: out of memory
 #: (maxmemory with noeviction), a replica after a failover (READONLY), too few replicas acknowledging
 #: (min-replicas-to-write), the last RDB/AOF write failed (MISCONF), a script or function running past
@@ -171,219 +95,16 @@ _UNAVAILABLE_TYPES = (
 # The code of an error reply: its first word, or (a Redis 6 script error) the word after a '-'.
 _REPLY_CODE = re.compile(r"^([A-Z]+)\b|\s-([A-Z]+)\s")
 
-#: The scripts in ``lua/``, each one atomic transition; record scripts start with ``prelude.lua``.
+#: The scripts beside this module, each one atomic transition; record scripts start with ``prelude.lua``.
 _RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page", "restock")
 
 
 @functools.cache
 def _lua(name: str) -> str:
-    """The text of ``lua/<name>.lua`` (read once per process), after the prelude for a record script."""
-    text = (resources.files(__package__) / "lua" / f"{name}.lua").read_text("utf-8")
+    """The text of ``<name>.lua`` beside this module (read once per process), after the prelude for a
+    record script."""
+    text = (resources.files(__package__) / f"{name}.lua").read_text("utf-8")
     return _lua("prelude") + text if name in _RECORD_SCRIPTS else text
-
-
-_STATES = (State.CLAIMED, State.RELEASED, State.SENT, State.FAILED, State.REVIEW)
-#: States with an index (a sorted set per bucket): those an operator acts on, and ``failed`` for purge.
-#: ``sent`` has none: its records expire by TTL, a counter keeps their number, listing them scans.
-_INDEXED = (State.CLAIMED, State.RELEASED, State.FAILED, State.REVIEW)
-#: This layout's version, in every epoch marker (``<prefix>:{bb}:epoch4``); layouts 1-3 kept theirs
-#: in ``<prefix>:{bb}:epoch``, which a layout 4 store keeps flagged lost so that no older worker runs on it.
-LAYOUT = "4"
-#: Shelves per bucket unless the markers say otherwise (fixed when the ledger is created, see ``_shelf``).
-DEFAULT_SHELVES = 64
-#: A shelf's dead entries are swept at most every retention / this (so at most this fraction of a
-#: retention's entries stays in memory past its expiry), and at least every second.
-_SWEEP_SPLIT = 8
-#: Longest value kept in a record field: Redis keeps a hash compact (listpack) while every value is at
-#: most ``hash-max-listpack-value`` (64 by default), so longer results and errors are stored in chunks.
-_CHUNK = 64
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-
-
-def _shelf(key: str, shelves: int) -> int:
-    """The shelf of ``key`` within its bucket, from the key alone: bits of a 64-hex key other than the
-    ones its bucket comes from (CRC32 of its text), else Adler-32 of its text."""
-    if len(key) == 64 and _HEX64.fullmatch(key):
-        return int(key[8:16], 16) % shelves
-    return zlib.adler32(key.encode()) % shelves
-
-
-def _b36(n: int) -> str:
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-    out = ""
-    while n > 0:
-        n, d = divmod(n, 36)
-        out = digits[d] + out
-    return out or "0"
-
-
-def _message_id(mid: str) -> str:
-    """A message id as an entry holds it: a UUID in 22 base64url characters after ``u``, else ``=`` + itself."""
-    if len(mid) == 36 and _UUID.fullmatch(mid):
-        return "u" + base64.urlsafe_b64encode(bytes.fromhex(mid.replace("-", "")))[:22].decode("ascii")
-    return "=" + mid
-
-
-def _message_id_of(text: str) -> str:
-    if text[0] == "=":
-        return text[1:]
-    h = base64.urlsafe_b64decode(text[1:] + "==").hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-
-def _body(result: dict[str, Any] | None, error: dict[str, Any] | None) -> str:
-    """A sent record's result and error as its archive entry ends: the message id stored once.
-
-    ``m<id>``: the result is the message id alone; ``v<json><id>``: the message id and a ``value``
-    repeating it (what ``send_email`` stores), the value's other fields in JSON; ``r<json><id>``: the
-    message id and other fields; ``*[result, error]``: anything else (an error, no message id);
-    ``""``: neither. ``<id>`` is ``u`` + a UUID packed in 22 characters, or ``=`` + the id itself, last
-    (it may hold any character). Whatever does not read back equal is stored the plain way.
-    """
-    r, e = dumps_json(result), dumps_json(error)
-    plain = "" if r is None and e is None else f"*[{r or 'null'},{e or 'null'}]"
-    if result is None or error is not None or not isinstance(result.get("message_id"), str):
-        return plain
-    mid = result["message_id"]
-    rest = {k: v for k, v in result.items() if k != "message_id"}
-    value = rest.get("value")
-    if not rest:
-        text = "m" + _message_id(mid)
-    elif list(rest) == ["value"] and isinstance(value, dict) and value.get("message_id") == mid:
-        text = "v" + (dumps_json({k: v for k, v in value.items() if k != "message_id"}) or "") + _message_id(mid)
-    else:
-        text = "r" + (dumps_json(rest) or "") + _message_id(mid)
-    return text if _unbody(text) == (loads_json(r), None) else plain
-
-
-_DECODER = json.JSONDecoder()
-
-
-def _unbody(text: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The result and error of an archive entry's end (see :func:`_body`)."""
-    if not text:
-        return None, None
-    kind = text[0]
-    if kind == "*":
-        result, error = json.loads(text[1:])
-        return result, error
-    if kind == "m":
-        return {"message_id": _message_id_of(text[1:])}, None
-    rest, end = _DECODER.raw_decode(text, 1)
-    mid = _message_id_of(text[end:])
-    if kind == "v":
-        return {"message_id": mid, "value": {"message_id": mid, **rest}}, None
-    return {"message_id": mid, **rest}, None
-
-
-def _seconds(value: str | None) -> float | None:
-    """A stored time in seconds: the server's clock in integer microseconds, or (written by an operator's
-    change, which keeps the caller's clock exactly) seconds with a point."""
-    if value is None or value == "":
-        return None
-    return float(value) if "." in value or "e" in value else int(value) / 1_000_000
-
-
-def _pack(text: str) -> str:
-    """A 64-hex digest (every intent key and fingerprint the library makes) as 43 base64url characters,
-    anything else as ``~`` + itself: shorter key names and fields, and never two texts packed alike."""
-    if len(text) == 64 and _HEX64.fullmatch(text):
-        return base64.urlsafe_b64encode(bytes.fromhex(text))[:43].decode("ascii")
-    return "~" + text if text else ""
-
-
-#: The digits of a packed fingerprint: ASCII but NUL and ``~``, so it is text (UTF-8) a script copies as it is.
-_B126 = "".join(chr(i) for i in range(1, 128) if i != 0x7E)
-_B126_PAIRS = [a + b for a in _B126 for b in _B126]  # index d: the two base-126 digits of d < 126 * 126
-_B126_VALUE = {ch: i for i, ch in enumerate(_B126)}
-
-
-def _pack_fp(fingerprint: str) -> str:
-    """A 64-hex fingerprint as 37 base-126 characters (a record's ``f``, copied into its archive entry
-    by the completion's script as it is), anything else as ``~`` + itself, none as ``""``."""
-    if len(fingerprint) == 64 and _HEX64.fullmatch(fingerprint):
-        n, pairs = int(fingerprint, 16), []
-        for _ in range(19):  # two digits a step (half the big-number divisions); the 38th digit is always 0
-            n, d = divmod(n, 126 * 126)
-            pairs.append(_B126_PAIRS[d])
-        return "".join(reversed(pairs))[1:]
-    return "~" + fingerprint if fingerprint else ""
-
-
-def _unpack_fp(packed: str) -> str:
-    """A record's ``f`` read back: 37 base-126 characters, or (layout 2) 43 base64url ones, or ``~`` + text."""
-    if len(packed) == 37 and packed[0] != "~":
-        n = 0
-        for ch in packed:
-            n = n * 126 + _B126_VALUE[ch]
-        return f"{n:064x}"
-    return _unpack(packed)
-
-
-def _field(key: str) -> bytes:
-    """A key as its archive field: a 64-hex key as its 32 bytes, anything else ``~`` + itself (``!~`` +
-    itself where that would be 32 bytes long too). Scripts give a 32-byte field back in hex."""
-    if len(key) == 64 and _HEX64.fullmatch(key):
-        return bytes.fromhex(key)
-    text = ("~" + key).encode()
-    return b"!" + text if len(text) == 32 else text
-
-
-def _unfield(text: str) -> str:
-    if text[:1] == "~":
-        return text[1:]
-    return text[2:] if text[:1] == "!" else text
-
-
-#: A shelf's entry: expiry, retention, token, attempts, reclaims, then its fingerprint's kind (see ``lua/prelude.lua``).
-_ENTRY = re.compile(r"([0-9a-z]+)(?:R([0-9a-z]+))?(?:T([0-9a-z]+))?(?:A([0-9a-z]+))?(?:C([0-9a-z]+))?([.,~])")
-
-
-def _unpack(packed: str) -> str:
-    if not packed or packed[0] == "~":
-        return packed[1:]
-    return base64.urlsafe_b64decode(packed + "=").hex()
-
-
-def _chunked(value: dict[str, Any] | None) -> list[Any]:
-    """The canonical JSON of ``value`` as script arguments: how many chunks, then the chunks."""
-    return _counted(dumps_json(value) or "")
-
-
-def _counted(text: str) -> list[Any]:
-    """``text`` as script arguments: how many chunks, then the chunks."""
-    parts = _chunks(text)
-    return [len(parts), *parts]
-
-
-def _chunks(text: str) -> list[str]:
-    """``text`` in pieces of at most :data:`_CHUNK` bytes of UTF-8, cut between characters."""
-    if text.isascii():
-        parts = [text[i:i + _CHUNK] for i in range(0, len(text), _CHUNK)]
-    else:
-        parts, part, size = [], "", 0
-        for ch in text:
-            n = len(ch.encode("utf-8"))
-            if size + n > _CHUNK:
-                parts.append(part)
-                part, size = "", 0
-            part, size = part + ch, size + n
-        if part:
-            parts.append(part)
-    return parts
-
-
-def _joined(h: dict[str, str], base: str) -> str | None:
-    """A chunked field read back: ``base``, ``base2``, ``base3``, ... joined."""
-    first = h.get(base)
-    if first is None:
-        return None
-    parts, i = [first], 2
-    while f"{base}{i}" in h:
-        parts.append(h[f"{base}{i}"])
-        i += 1
-    return "".join(parts)
 
 
 def _connect(url: str, master_name: str | None, options: dict[str, Any]) -> Any:
@@ -405,19 +126,6 @@ def _connect(url: str, master_name: str | None, options: dict[str, Any]) -> Any:
         return sentinel.master_for(  # type: ignore[no-untyped-call]
             master_name, decode_responses=True, db=db, username=user, password=password)
     return redis_lib.Redis.from_url(url, decode_responses=True, **options)
-
-
-def _layout1_fields(h: dict[str, str]) -> list[str]:
-    """A record of layout 1 (long names, seconds) as this layout's fields, flat."""
-    out: list[Any] = ["s", h["state"], "t", h["token"], "a", h.get("attempts", "1"), "c", h.get("reclaims", "0"),
-                      "f", _pack_fp(h.get("fp", ""))]
-    for name, new in (("lease", "l"), ("created", "k"), ("updated", "u")):
-        if h.get(name):
-            out += [new, int(float(h[name]) * 1_000_000)]
-    for name, base in (("task", "n"), ("owner", "o"), ("result", "r"), ("error", "e")):
-        for i, part in enumerate(_chunks(h.get(name) or ""), start=1):
-            out += [base if i == 1 else f"{base}{i}", part]
-    return out
 
 
 def _check_client(client: Any) -> None:
@@ -557,37 +265,40 @@ class RedisLedger(Ledger):
         self._fence = self.client.register_script(_lua("fence"))
         self._read = self.client.register_script(_lua("read"))
         self._page = self.client.register_script(_lua("page"))
-        # Per bucket, built once: the record key's stem and the bucket's other keys (indexes, marker).
-        self._stems = [f"{prefix}:{{{b:02x}}}:" for b in range(buckets)]
-        self._tails = [[*(f"{stem}i:{s.value}" for s in _INDEXED), f"{stem}c:sent", f"{stem}epoch4"]
-                       for stem in self._stems]
-        # Shelves per bucket and the ledger's retention (ms): this process's until the markers say (first use).
-        self.shelves = shelves
+        #: Every key name (see ``layout.py``); its shelves per bucket are this process's until the markers say.
+        self.names = Names(prefix, buckets, shelves)
+        self._stems = self.names.stems
+        # The ledger's retention (ms): this process's until the markers say (first use).
         self._retention_ms = max(1, int(self.retention_seconds * 1000))
 
-    # -- keys --
+    # -- keys (spelled in layout.Names) --
+
+    @property
+    def shelves(self) -> int:
+        """Shelves per bucket: the markers' once the ledger exists (fixed when it was created)."""
+        return self.names.shelves
+
+    @shelves.setter
+    def shelves(self, value: int) -> None:
+        self.names.shelves = value
 
     def _bucket(self, key: str) -> int:
-        return zlib.crc32(key.encode()) % self.buckets
+        return self.names.bucket(key)
 
     def _rec(self, key: str) -> str:
-        return f"{self._stems[self._bucket(key)]}r:{_pack(key)}"
+        return self.names.record(key)
 
     def _payload(self, key: str) -> str:
-        """The name of the string holding the record's first payload (beside it, in its bucket)."""
-        return f"{self._stems[self._bucket(key)]}p:{_pack(key)}"
-
-    def _keys(self, key: str) -> list[str]:
-        """A record script's KEYS: record, indexes, sent counter, epoch marker, payload, shelf."""
-        if not self._checked:
-            self._check_store()
-        b = zlib.crc32(key.encode()) % self.buckets
-        stem, packed = self._stems[b], _pack(key)
-        return [f"{stem}r:{packed}", *self._tails[b], f"{stem}p:{packed}", f"{stem}d:{_shelf(key, self.shelves):x}"]
+        return self.names.payload(key)
 
     def _shelf_of(self, key: str) -> str:
-        """The name of the hash holding ``key``'s record once it is sent: chosen by the key alone."""
-        return f"{self._stems[self._bucket(key)]}d:{_shelf(key, self.shelves):x}"
+        return self.names.shelf(key)
+
+    def _keys(self, key: str) -> list[str]:
+        """A record script's KEYS (the store checked first: its shelves are the markers')."""
+        if not self._checked:
+            self._check_store()
+        return self.names.script_keys(key)
 
     def _entry_record(self, key: str, value: str, payload: str | None) -> Record:
         """A shelved ``sent`` record: expiry, retention, token, attempts, reclaims, fingerprint,
@@ -607,7 +318,7 @@ class RedisLedger(Ledger):
         else:
             space = value.index(" ", at)
             fp, body = bytes.fromhex(value[at:space]).decode(), value[space + 1:]
-        expires_ms = int(expires, 36) * 1000  # whole seconds
+        expires_ms = int(expires, 36) * 100  # tenths of a second
         updated = (expires_ms - (int(retention, 36) if retention else self._retention_ms)) / 1000
         result, error = _unbody(body)
         return Record(
@@ -629,23 +340,20 @@ class RedisLedger(Ledger):
         return max(1_000, self._retention_ms // _SWEEP_SPLIT)
 
     def _index(self, bucket: int, state: State) -> str:
-        """The name of the bucket's index of ``state`` (``sent`` has none: that name is never written)."""
-        return f"{self._stems[bucket]}i:{state.value}"
+        return self.names.index(bucket, state)
 
     def _counter(self, bucket: int) -> str:
-        """The bucket's count of ``sent`` records: a hash of expiry granule (ms) -> records."""
-        return self._tails[bucket][-2]
+        return self.names.counter(bucket)
 
     def _granule_ms(self) -> int:
         """Width of a counter granule (µs): a record counts until the end of its expiry's granule (<= 1% late)."""
         return max(1, min(60_000_000, int(self.retention_seconds * 10_000)))
 
     def _marker(self, bucket: int) -> str:
-        return self._tails[bucket][-1]
+        return self.names.marker(bucket)
 
     def _old_marker(self, bucket: int) -> str:
-        """Where layouts 1-3 kept the bucket's epoch marker (see :meth:`_fence_old_layouts`)."""
-        return f"{self._stems[bucket]}epoch"
+        return self.names.old_marker(bucket)
 
     # -- plumbing --
 
@@ -892,7 +600,7 @@ class RedisLedger(Ledger):
 
     def _has_records(self) -> bool:
         """Any index or sent counter in any bucket (one pipeline)."""
-        checks = [("exists", (idx,)) for b in range(self.buckets) for idx in self._tails[b][:-1]]
+        checks = [("exists", (idx,)) for b in range(self.buckets) for idx in self.names.tails[b][:-1]]
         return any(self._pipeline(checks))
 
     def loss_status(self) -> dict[str, Any]:
@@ -1159,9 +867,9 @@ class RedisLedger(Ledger):
                         m = _ENTRY.match(value)
                         if m is None:
                             continue
-                        key, expires = _unfield(field), -(-(start + int(m[1], 36)) // 1000)  # s, rounded up
+                        key, expires = _unfield(field), -(-(start + int(m[1], 36)) // 100)  # 1/10 s, rounded up
                         shelves.setdefault(self._shelf_of(key), []).extend(
-                            [_field(key), _b36(expires) + value[len(m[1]):], expires * 1000])
+                            [_field(key), _b36(expires) + value[len(m[1]):], expires * 100])
                     if shelves:
                         self._run_scripts(self._restock, [([shelf], [step, *args]) for shelf, args in shelves.items()])
                         moved += sum(len(args) // 3 for args in shelves.values())
@@ -1419,7 +1127,7 @@ class RedisLedger(Ledger):
         the call that set it still answers True (a plain SET NX would answer False to its own write).
         """
         digest = hashlib.blake2b(f"{key}\0{hop}".encode(), digest_size=16).hexdigest()
-        mark = f"{self._stems[self._bucket(key)]}h:{digest}"
+        mark = self.names.hop(key, digest)
         nonce = secrets.token_hex(8)
         return bool(self._call(self._hop, keys=[mark], args=[nonce, max(1, int(ttl_seconds * 1000))]))
 

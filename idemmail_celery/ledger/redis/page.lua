@@ -1,5 +1,5 @@
 -- Runs after prelude.lua. One page of a shelf, for listing: HSCAN, each field (a key's 32 bytes, see
--- ``_field`` in redis.py) in hex (a client decodes replies as UTF-8); the sweep's field ('') left out.
+-- ``_field`` in layout.py) in hex (a client decodes replies as UTF-8); the sweep's field ('') left out.
 -- KEYS: the shelf. ARGV: cursor, count.
 local out = redis.call('HSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
 local items, kept = out[2], {}

@@ -7,10 +7,10 @@
 -- KEYS: record, the bucket's index of claimed, released, failed and review records (sorted sets),
 -- the bucket's sent counter (a hash: expiry granule -> records), the bucket's epoch marker, payload,
 -- then the record's shelf (``<prefix>:{bb}:d:<shelf>``, chosen by the key alone, see ``_shelf`` in
--- redis.py). A ``sent`` record lives in its shelf (field: the key's 32 bytes, see ``_field`` in
--- redis.py) as one string: its expiry (server time, whole seconds rounded up), ['R' its retention (ms) if not
+-- layout.py). A ``sent`` record lives in its shelf (field: the key's 32 bytes, see ``_field`` in
+-- layout.py) as one string: its expiry (server time, in tenths of a second, rounded up), ['R' its retention (ms) if not
 -- the ledger's], ['T' its token if not 1], ['A' its attempts if not 1], ['C' its reclaims if not 0],
--- the fingerprint (see ``entry_fp``), then the result and error (see ``_body`` in redis.py); numbers
+-- the fingerprint (see ``entry_fp``), then the result and error (see ``_body`` in layout.py); numbers
 -- in base 36. An entry past its expiry is dead: a claim replaces it, a read ignores it, a sweep
 -- drops it. A clock stepped back only makes an entry live longer; no key is chosen by the clock.
 -- ARGV[1] is always the epoch the caller expects. Times are the server's, in microseconds (an
@@ -78,7 +78,7 @@ local function shelved(field)
   local v = redis.call('HGET', KEYS[SHELF], field)
   if v then
     local exp, token = string.match(v, '^([0-9a-z]+)R?[0-9a-z]*T?([0-9a-z]*)A?[0-9a-z]*C?[0-9a-z]*[.,~]')
-    return v, token == '' and 1 or tonumber(token, 36), tonumber(exp, 36) * 1000
+    return v, token == '' and 1 or tonumber(token, 36), tonumber(exp, 36) * 100
   end
 end
 -- Put an entry on the shelf. The shelf lives as long as its longest-lived entry (its TTL only ever
@@ -96,7 +96,7 @@ local function shelve(field, value, expires, ms, step)
     local h, dead = redis.call('HGETALL', shelf), {}
     for i = 1, #h, 2 do
       local exp = h[i] ~= '' and string.match(h[i + 1], '^[0-9a-z]+')
-      if exp and tonumber(exp, 36) * 1000 <= ms then dead[#dead + 1] = h[i] end
+      if exp and tonumber(exp, 36) * 100 <= ms then dead[#dead + 1] = h[i] end
     end
     for i = 1, #dead, 1000 do redis.call('HDEL', shelf, unpack(dead, i, math.min(i + 999, #dead))) end
   end
