@@ -194,8 +194,8 @@ the fingerprint in 37 characters, and the result with its message id stored once
 dictionary entry (24 bytes), the field (48: the allocator's 16-byte steps), the value (96) and its
 table slot (8 to 16); the shelves' own keys add about 2 bytes a record at this count. The same
 shelves with 256 a bucket (about 24 records each) measured 203.5 / 187.5 bytes: more keys, each with
-its own table. With the expiry in milliseconds (8 characters, not 7) the value crossed into the
-112-byte step: 219.5 / 203.6.
+its own table (measured with the expiry in whole seconds); with the expiry in milliseconds (8
+characters, not 7) the value crossed into the 112-byte step: 219.5 / 203.6 (256 a bucket).
 
 Other shapes, measured the same way (the same entries written straight, `python -m bench.memory
 --shape ...`):
