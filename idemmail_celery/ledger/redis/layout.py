@@ -14,7 +14,7 @@ import re
 import zlib
 from typing import Any
 
-from ..base import State, dumps_json, loads_json
+from ..base import State, dumps_json
 
 DEFAULT_BUCKETS = 16
 _STATES = (State.CLAIMED, State.RELEASED, State.SENT, State.FAILED, State.REVIEW)
@@ -76,10 +76,8 @@ def _body(result: dict[str, Any] | None, error: dict[str, Any] | None) -> str:
     ``""``: neither. ``<id>`` is ``u`` + a UUID packed in 22 characters, or ``=`` + the id itself, last
     (it may hold any character). Whatever does not read back equal is stored the plain way.
     """
-    r, e = dumps_json(result), dumps_json(error)
-    plain = "" if r is None and e is None else f"*[{r or 'null'},{e or 'null'}]"
     if result is None or error is not None or not isinstance(result.get("message_id"), str):
-        return plain
+        return _plain(result, error)
     mid = result["message_id"]
     rest = {k: v for k, v in result.items() if k != "message_id"}
     value = rest.get("value")
@@ -89,7 +87,14 @@ def _body(result: dict[str, Any] | None, error: dict[str, Any] | None) -> str:
         text = "v" + (dumps_json({k: v for k, v in value.items() if k != "message_id"}) or "") + _message_id(mid)
     else:
         text = "r" + (dumps_json(rest) or "") + _message_id(mid)
-    return text if _unbody(text) == (loads_json(r), None) else plain
+    # Compared with the result itself (not its JSON read back: a send's hot path): a result that JSON
+    # would change (a tuple, a non-string key) differs here too, and is stored the plain way.
+    return text if _unbody(text) == (result, None) else _plain(result, error)
+
+
+def _plain(result: dict[str, Any] | None, error: dict[str, Any] | None) -> str:
+    r, e = dumps_json(result), dumps_json(error)
+    return "" if r is None and e is None else f"*[{r or 'null'},{e or 'null'}]"
 
 
 _DECODER = json.JSONDecoder()

@@ -422,6 +422,7 @@ class RedisLedger(Ledger):
             self._check_policy(warn=True)
             if not self.passive:  # a worker, not an operator's look or a metrics scrape
                 self._check_persistence()
+                self._check_version()
             self._check_layout()
             self._look(expected=None)
             self._checked = True
@@ -483,6 +484,24 @@ class RedisLedger(Ledger):
                 "restart empties the ledger, and every intent recorded before it is forgotten (the loss is "
                 "detected and claims stop until `idemmail ledger ack-loss`). Turn on AOF: appendonly yes.",
                 self.prefix)
+
+    def _check_version(self) -> None:
+        """Refuse a server older than Redis 7.0: a completion grows its shelf's TTL with ``PEXPIREAT ... GT``,
+        which an older server refuses (every completion would fail). Where INFO is disabled: a warning."""
+        try:
+            info = self._raw(self.client.info, "server")
+        except LedgerUnavailableError:
+            raise
+        except LedgerError as exc:
+            log.warning("idemmail: cannot read the Redis version (%s); this ledger needs Redis 7.0 or later", exc)
+            return
+        found = [info] if "redis_version" in info else [v for v in info.values() if isinstance(v, dict)]
+        for node in found:
+            version = str(node.get("redis_version", ""))
+            parts = version.split(".")
+            if len(parts) >= 2 and parts[0].isdigit() and int(parts[0]) < 7:
+                raise UnsafeLedgerError(f"Redis {version}: this ledger (record layout {LAYOUT}) needs Redis 7.0 or "
+                                        "later (PEXPIREAT ... GT on its shelves of sent records)")
 
     def _check_layout(self, *, allow_old: bool = False) -> None:
         """Refuse a store that still holds the pre-bucket key layout (one pipeline, at first use), or
