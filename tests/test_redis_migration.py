@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from idemmail_celery.errors import UnsafeLedgerError
+from idemmail_celery.errors import LedgerLostError, UnsafeLedgerError
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State, from_url
 from idemmail_celery.ledger.redis import RedisLedger
 
@@ -172,3 +172,23 @@ def test_a_store_of_an_older_layout_is_migrated_only_once_its_workers_stop_and_e
     assert again.proc.returncode != 0 and "sent" not in out
     assert led.claim(req(fresh)).status is ClaimStatus.DONE
     assert RedisLedger(REDIS_URL, prefix=prefix).migrate_layout()["left"] == 0  # idempotent: nothing to do
+
+
+def test_a_layout_4_store_emptied_keeps_older_workers_out(prefix: str, tmp_path: Path) -> None:
+    """Emptied (a restart without persistence, a flush), a store loses the fence too; the first worker of
+    this version that sees the loss puts it back, so an older worker started then refuses the store
+    instead of starting a ledger of its own beside the lost one."""
+    led = from_url(REDIS_URL, prefix=prefix)
+    key = os.urandom(32).hex()
+    led.complete(key, led.claim(req(key)).token, {"message_id": "m"})
+    client = RedisLedger(REDIS_URL, prefix=prefix).client
+    for name in client.scan_iter(f"{prefix}:*", count=1000):
+        client.delete(name)
+    with pytest.raises(LedgerLostError):
+        led.claim(req(key))
+    assert client.hget(led._old_marker(0), "lost")  # type: ignore[attr-defined]
+    old = OldWorker(older_version(3, tmp_path), prefix, "write", "1")
+    out, _ = old.proc.communicate(timeout=60)
+    assert old.proc.returncode != 0 and "sent" not in out
+    led.acknowledge_loss(note="test")  # type: ignore[attr-defined]
+    assert led.claim(req(key)).status is ClaimStatus.ACQUIRED  # forgotten, as an acknowledged loss says

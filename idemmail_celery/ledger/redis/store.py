@@ -729,9 +729,11 @@ class RedisLedger(Ledger):
         self._epoch, self._lost_reason = None, reason
 
     def _flag_lost(self, dead_epoch: str, reason: str) -> None:
-        """Mark every bucket lost, so that processes starting later stop too."""
+        """Mark every bucket lost, so that processes starting later stop too; the older layouts' markers
+        too (a store emptied has lost its fence: an older worker would start a ledger of its own there)."""
         args = [dead_epoch, reason, default_owner(), time.time()]
         self._run_scripts(self._flag, [([self._marker(b)], args) for b in range(self.buckets)])
+        self._fence_old_layouts(f"the layout {LAYOUT} ledger here is lost ({reason})")
 
     def _create_markers(self, actor: str, note: str) -> dict[str, Any]:
         """A new ledger's markers. Concurrent creators converge on the epoch bucket 0 got first."""
@@ -927,6 +929,7 @@ class RedisLedger(Ledger):
                   "created_by": actor or default_owner(), "acked_at": now, "acked_by": actor or default_owner(),
                   "note": note, "previous": before.get("epoch") or "", "loss": before["reason"],
                   **self._store_settings(before)}
+        self._fence_old_layouts(f"this ledger is layout {LAYOUT}, its loss acknowledged by {fields['acked_by']}")
         self._write_markers(fields, replace=True)
         with self._check_lock:
             self._epoch, self._lost_reason, self._dead_epoch = str(fields["epoch"]), "", None
