@@ -192,3 +192,16 @@ def test_a_layout_4_store_emptied_keeps_older_workers_out(prefix: str, tmp_path:
     assert old.proc.returncode != 0 and "sent" not in out
     led.acknowledge_loss(note="test")  # type: ignore[attr-defined]
     assert led.claim(req(key)).status is ClaimStatus.ACQUIRED  # forgotten, as an acknowledged loss says
+
+
+def test_a_loss_the_older_version_saw_is_not_migrated_away(prefix: str, tmp_path: Path) -> None:
+    """Markers an older worker flagged lost stay that version's operator's call: the migration refuses."""
+    version = older_version(3, tmp_path)
+    first = OldWorker(version, prefix, "write", "2")
+    first.line()
+    first.stop()
+    client = RedisLedger(REDIS_URL, prefix=prefix).client
+    client.hset(f"{prefix}:{{03}}:epoch", mapping={"lost": "bucket 3 emptied", "lost_by": "test"})
+    with pytest.raises(UnsafeLedgerError, match="bucket 3 emptied"):
+        RedisLedger(REDIS_URL, prefix=prefix).migrate_layout(quiet_seconds=0)
+    assert not client.exists(f"{prefix}:{{00}}:epoch4") and not client.hget(f"{prefix}:{{00}}:epoch", "lost")

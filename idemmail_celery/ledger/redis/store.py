@@ -811,6 +811,18 @@ class RedisLedger(Ledger):
         if layout == LAYOUT:  # fenced by a run that stopped half-way: the layout it came from is noted
             layout = first.get("from_layout") or "3"
         else:
+            # A loss the older version saw (or markers that disagree) stays its operator's call: carried
+            # over, the new markers would hide it and the intents it forgot would send again unasked.
+            epochs = {m.get("epoch") for m in olds}
+            lost = next((m["lost"] for m in olds if m.get("lost")), "")
+            if lost or len(epochs) != 1:
+                raise UnsafeLedgerError(
+                    f"Redis ledger prefix {self.prefix!r}: the older version's markers say the ledger is lost or "
+                    f"disagree ({lost or 'epochs ' + ', '.join(sorted(str(e) for e in epochs))}): settle it with "
+                    "that version (`ledger stats`, `ledger ack-loss`) before migrating. Nothing was changed.")
+            if layout == "3" and not first.get("archive_ms"):
+                raise UnsafeLedgerError(f"Redis ledger prefix {self.prefix!r}: layout 3 markers without archive_ms: "
+                                        "its archived sent records cannot be found. Nothing was changed.")
             self._raw(self.client.hset, self._old_marker(0), "from_layout", layout)
         self._fence_old_layouts(f"migrated to layout {LAYOUT} (from {layout})")
         granule = self._granule_ms()
