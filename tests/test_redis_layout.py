@@ -182,6 +182,12 @@ def test_a_shelf_sweeps_its_dead_entries_when_written_past_its_sweep_time() -> N
         new = hexkey()
         led.complete(new, led.claim(req(new)).token, {"message_id": new})
         assert shelf(led, new) == {name: 2}  # the five dead entries went in the sweep
+        led.retention_seconds = 1.0
+        late = hexkey()
+        led.complete(late, led.claim(req(late)).token, {"message_id": late})
+        time.sleep(1.3)  # dead, and its shelf's next sweep not due: `purge --expired` sweeps it now
+        assert shelf(led, late) == {name: 3} and led.purge_expired() >= 0
+        assert shelf(led, late) == {name: 1}  # the keeper: the other two (1 s each) were dead too
         assert all(led.get(k) is None for k in old)
     finally:
         drop_ledger(led)

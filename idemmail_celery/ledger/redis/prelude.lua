@@ -81,6 +81,16 @@ local function shelved(field)
     return v, token == '' and 1 or tonumber(token, 36), tonumber(exp, 36) * 100
   end
 end
+-- Drop a shelf's dead entries (expired by ``ms``, the server's clock); how many.
+local function sweep(shelf, ms)
+  local h, dead = redis.call('HGETALL', shelf), {}
+  for i = 1, #h, 2 do
+    local exp = h[i] ~= '' and string.match(h[i + 1], '^[0-9a-z]+')
+    if exp and tonumber(exp, 36) * 100 <= ms then dead[#dead + 1] = h[i] end
+  end
+  for i = 1, #dead, 1000 do redis.call('HDEL', shelf, unpack(dead, i, math.min(i + 999, #dead))) end
+  return #dead
+end
 -- Put an entry on the shelf. The shelf lives as long as its longest-lived entry (its TTL only ever
 -- grows: GT); dead entries go in a sweep, due at most every ``step`` ms (field '': when, by the server's
 -- clock), so that a shelf written to for ever holds at most one step's worth of dead entries.
@@ -92,14 +102,7 @@ local function shelve(field, value, expires, ms, step)
   end
   local due = redis.call('HGET', shelf, '')
   if due and tonumber(due) > ms then return end
-  if due then
-    local h, dead = redis.call('HGETALL', shelf), {}
-    for i = 1, #h, 2 do
-      local exp = h[i] ~= '' and string.match(h[i + 1], '^[0-9a-z]+')
-      if exp and tonumber(exp, 36) * 100 <= ms then dead[#dead + 1] = h[i] end
-    end
-    for i = 1, #dead, 1000 do redis.call('HDEL', shelf, unpack(dead, i, math.min(i + 999, #dead))) end
-  end
+  if due then sweep(shelf, ms) end
   redis.call('HSET', shelf, '', ms + step)
 end
 -- A hash's HGETALL as a table, and a chunked field of it read back whole.

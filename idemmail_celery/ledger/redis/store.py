@@ -96,7 +96,7 @@ _UNAVAILABLE_TYPES = (
 _REPLY_CODE = re.compile(r"^([A-Z]+)\b|\s-([A-Z]+)\s")
 
 #: The scripts beside this module, each one atomic transition; record scripts start with ``prelude.lua``.
-_RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page", "restock")
+_RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page", "restock", "sweep")
 
 
 @functools.cache
@@ -263,6 +263,7 @@ class RedisLedger(Ledger):
         self._migrate = self.client.register_script(_lua("migrate"))
         self._restock = self.client.register_script(_lua("restock"))
         self._fence = self.client.register_script(_lua("fence"))
+        self._sweep = self.client.register_script(_lua("sweep"))
         self._read = self.client.register_script(_lua("read"))
         self._page = self.client.register_script(_lua("page"))
         #: Every key name (see ``layout.py``); its shelves per bucket are this process's until the markers say.
@@ -1166,10 +1167,12 @@ class RedisLedger(Ledger):
         return bool(self._call(self._hop, keys=[mark], args=[nonce, max(1, int(ttl_seconds * 1000))]))
 
     def purge_expired(self, now: float | None = None) -> int:
-        """Expired ``failed`` records' index entries, and the sent counters' spent granules.
+        """Expired ``failed`` records' index entries, the sent counters' spent granules, and the shelves'
+        dead entries.
 
-        ``sent`` and ``failed`` records go by themselves (TTL); this keeps the ``failed`` index
-        and the counters from growing. Returns how many expired records it accounted for: the
+        ``failed`` records go by themselves (TTL) and ``sent`` ones are swept from their shelf by the
+        next completion onto it; this keeps the ``failed`` index and the counters from growing, and
+        sweeps every shelf now. Returns how many expired records it accounted for: the
         ``failed`` entries removed, and the ``sent`` records the spent granules counted.
         """
         if not self._checked:
@@ -1188,6 +1191,9 @@ class RedisLedger(Ledger):
             if spent:
                 self._call(self.client.hdel, counter, *spent)
                 gone += sum(spent.values())
+            shelves = self._call(self._scan, _glob_escape(f"{self._stems[b]}d:") + "*")
+            if shelves:  # counted above, by the counters
+                self._run_scripts(self._sweep, [([name], []) for name in shelves])
         return gone
 
     def ping(self) -> None:
