@@ -205,3 +205,25 @@ def test_a_loss_the_older_version_saw_is_not_migrated_away(prefix: str, tmp_path
     with pytest.raises(UnsafeLedgerError, match="bucket 3 emptied"):
         RedisLedger(REDIS_URL, prefix=prefix).migrate_layout(quiet_seconds=0)
     assert not client.exists(f"{prefix}:{{00}}:epoch4") and not client.hget(f"{prefix}:{{00}}:epoch", "lost")
+
+
+def migrate_command(prefix: str) -> subprocess.CompletedProcess[str]:
+    """``ledger migrate`` as an operator runs it (``python -m idemmail_celery``, no app)."""
+    return subprocess.run([sys.executable, "-m", "idemmail_celery", "--ledger-url", REDIS_URL, "--prefix", prefix,
+                           "ledger", "migrate", "--quiet-seconds", "2"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_migrate_command_exits_3_while_an_older_worker_runs_then_converts(prefix: str, tmp_path: Path) -> None:
+    busy = OldWorker(older_version(3, tmp_path), prefix, "loop")
+    sent: list[str] = []
+    try:
+        sent += [busy.line()[1] for _ in range(3)]
+        refused = migrate_command(prefix)
+        assert refused.returncode == 3 and "older version" in refused.stderr, (refused.stdout, refused.stderr)
+    finally:
+        sent += busy.stop()
+    done = wait_for(lambda: (lambda r: r if r.returncode == 0 else None)(migrate_command(prefix)), timeout=60)
+    assert isinstance(done, subprocess.CompletedProcess) and "shelved" in done.stdout and "left 0" in done.stdout
+    led = from_url(REDIS_URL, prefix=prefix)
+    assert all(led.claim(req(key)).status is ClaimStatus.DONE for key in sent)
