@@ -380,12 +380,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
         tenant = options.pop("idempotency_tenant", None)
         headers = dict(options.get("headers") or {})
         carried = headers.get(KEY_HEADER)
-        if explicit is None and carried is not None and self.key_builder.check_seal(
-                headers, self.key_builder.payload(args, kwargs)) not in (Seal.VALID, Seal.UNKNOWN_SECRET):
+        seal = Seal.ABSENT if explicit is not None or carried is None else self.key_builder.check_seal(
+            headers, self.key_builder.payload(args, kwargs))
+        if seal is Seal.UNKNOWN_SECRET:
+            # A seal made under a newer secret than this process has (a rotation) travels unchanged: the
+            # worker that has it decides. Nothing vouches for the arguments here, though (any text before
+            # the ':' names an unknown secret): they are validated like a new call's.
+            self.validate_call(args, kwargs)
+        elif seal is not Seal.VALID and carried is not None and explicit is None:
             # The caller's own key, whatever it looks like (64 hex digits too): checked and hashed like
             # idempotency_key=, never sealed as it is. Only the library's own headers (sealed for these
-            # arguments, validated when the key was derived) travel unchanged; so does a seal made under a
-            # newer secret than this process has (a rotation): the worker that has it decides.
+            # arguments, validated when the key was derived) travel unchanged.
             explicit = carried
         if explicit is not None or carried is None:
             # Chain state and older keys belong to whatever message the caller copied them from: dropped.
