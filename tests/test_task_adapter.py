@@ -194,7 +194,9 @@ def test_a_reschedule_says_its_reason_once_and_shows_as_it_in_a_monitor(redis_br
     key = held.intent_key("ann@example.com")
     held.ledger.claim(ClaimRequest(key=key, task_name=held.name, payload="{}", fingerprint="f", owner="another",
                                    lease_seconds=60))
-    held.push_request(id="delivery-1", args=["ann@example.com"], kwargs={}, headers={KEY_HEADER: key},
+    # The key as apply_async sends it (sealed): an unsealed one would be the caller's own, hashed into another key.
+    sealed = held.key_headers(key, held.key_builder.payload(("ann@example.com",), {}))
+    held.push_request(id="delivery-1", args=["ann@example.com"], kwargs={}, headers=sealed,
                       retries=0, is_eager=False, called_directly=False,
                       delivery_info={"exchange": "", "routing_key": app.conf.task_default_queue})
     try:
