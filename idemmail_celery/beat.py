@@ -50,6 +50,7 @@ from celery.schedules import schedstate, schedule
 
 from ._common import KEY_HEADER, SLOT_HEADER
 from .errors import IdemmailError, InvalidEmail
+from .keys import untrusted_removed
 from .redaction import scrub
 
 log = logging.getLogger("idemmail_celery")
@@ -339,7 +340,9 @@ def send_digest(
             invalid.append({"position": position, "reason": reason})
             continue
         publish = dict(options or {})
-        publish["headers"] = {**(publish.get("headers") or {}), **headers}
+        # A header only the library writes (chain state copied from another message) would break the key's
+        # seal, and apply_async would hash the key again: the recipient's intent under another key than returned.
+        publish["headers"] = {**untrusted_removed(publish.get("headers") or {}, keep=()), **headers}
         task.apply_async((), kwargs, **publish)
         enqueued.append(headers[KEY_HEADER])
     return {"slot": slot, "event_id": event_id, "enqueued": enqueued, "invalid": invalid}

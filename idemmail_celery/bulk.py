@@ -210,7 +210,7 @@ def _send_campaign(
     base = {k: v for k, v in base.items() if v is not None}
     sender.check_call((), {**base, "to": recipients[0]} if recipients else base)  # fail the whole run early
 
-    request_headers = _trusted(self, builder)
+    request_headers = _trusted(self, sender)
     owner = new_owner(self.request.id or "campaign")
     carried = request_headers.get(VERDICT_HEADER)
     verdicts = carried if isinstance(carried, dict) else {}
@@ -407,17 +407,22 @@ def _campaign_call(task: Task) -> Payload:
     return Payload(list(task.request.args or ()), dict(task.request.kwargs or {}))
 
 
-def _trusted(task: Task, builder: Any) -> dict[str, Any]:
+def _trusted(task: Task, sender: SendEmailTask) -> dict[str, Any]:
     """This pass's headers, less the pass state (owner, verdicts, where to start) unless the last pass of this
     campaign sealed it (a forged verdict would record a send that never happened); one WARNING if so.
 
     Sealed with ``send_email``'s key secret, bound to this task and its arguments. A seal under a secret this
-    worker does not have counts as none: the pass goes over the whole list, and the ledger holds what is done.
+    worker does not have (a rotation under way) is neither: the pass waits for a worker that has it, as
+    ``send_email`` does. Dropping its state would drop the verdicts of sends already made (their recipients
+    sent again once the leases run out) and the count of time-sliced passes (the pass would take itself for
+    the last one and leave the pending recipients unsent).
     """
     headers = dict(task.request.headers or {})
-    check = builder.check_seal(headers, _campaign_call(task), task_name=CAMPAIGN_TASK)
+    check = sender.key_builder.check_seal(headers, _campaign_call(task), task_name=CAMPAIGN_TASK)
     if check is Seal.VALID:
         return headers
+    if check is Seal.UNKNOWN_SECRET:
+        sender.wait_for_key_secret(headers, running=task)
     ignored = sorted(k for k in headers if k in SEALED_HEADERS or k == KEY_MARK_HEADER)
     if ignored:
         log.warning("idemmail: campaign %s carries pass state the library did not seal for it (%s: %s); it is "

@@ -29,8 +29,9 @@ naming the field (``.field``) and the problem, never quoting an address:
 * **Invisible and direction-changing characters** (bidi controls U+202A-202E, U+2066-2069,
   U+200E, U+200F, U+061C; zero-width U+200B-200D, U+2060, U+FEFF; tag characters
   U+E0000-E007F) are refused in every header field: they make ``invoice\u202efdp.exe`` read as
-  ``invoiceexe.pdf`` and two different addresses look the same. A ZERO WIDTH JOINER between two
-  pictographs (an emoji sequence such as a family) is the one exception.
+  ``invoiceexe.pdf`` and two different addresses look the same. The exceptions are spelling and
+  emoji: a joiner where IDNA 2008 allows one (RFC 5892 CONTEXTJ: Persian words, Indic letter forms),
+  a ZERO WIDTH JOINER between two pictographs (a family), the tags of a flag (Scotland).
 * **Lengths** follow RFC 5322's line limit of 998 octets: a subject at most
   :data:`MAX_SUBJECT_OCTETS` (UTF-8), a display name at most :data:`MAX_DISPLAY_NAME_OCTETS`;
   a local part at most 64 octets (RFC 5321).
@@ -69,6 +70,7 @@ from email.message import EmailMessage as MIMEMessage
 from email.message import MIMEPart
 from typing import Any
 
+import idna
 from email_validator import EmailNotValidError, validate_email
 
 from .errors import InvalidEmail
@@ -108,6 +110,9 @@ _BAD_IN_BODY = re.compile("[\x00\ud800-\udfff]")
 _INVISIBLE = re.compile("[\u202a-\u202e\u2066-\u2069\u200e\u200f\u061c\u200b-\u200d\u2060\ufeff"
                         "\U000e0000-\U000e007f]")
 _ZWJ = "\u200d"
+# An emoji tag sequence (UTS 51): a black flag, tag characters, CANCEL TAG. The flags of England,
+# Scotland and Wales are written so; tag characters anywhere else are hidden text.
+_EMOJI_TAG_SEQUENCE = re.compile("\U0001f3f4[\U000e0020-\U000e007e]+\U000e007f")
 # The scripts whose letters may share a label: how Japanese, Chinese and Korean names are written
 # (UTS 39's "highly restrictive" sets); any other pair of scripts in one label is a look-alike risk.
 _SCRIPT_SETS = (frozenset({"LATIN", "HAN", "HIRAGANA", "KATAKANA"}), frozenset({"LATIN", "HAN", "BOPOMOFO"}),
@@ -516,10 +521,21 @@ def _header_text(value: Any, where: str, *, tab: bool = False) -> str:
 
 
 def _refuse_invisible(value: str, where: str) -> None:
+    flags: set[int] | None = None
     for found in _INVISIBLE.finditer(value):
         c, i = found.group(), found.start()
         if c == _ZWJ and 0 < i < len(value) - 1 and _pictographic(value[i - 1]) and _pictographic(value[i + 1]):
             continue  # an emoji sequence (a family, a profession): rendered as one picture, nothing hidden
+        if c in "\u200c\u200d" and idna.valid_contextj(value, i):
+            # Where IDNA 2008 allows a joiner (RFC 5892 CONTEXTJ: after a virama, or a ZWNJ between joining
+            # Arabic-script letters), it is spelling: Persian writes words with a ZWNJ, Hindi and Malayalam
+            # choose a letter's form with one.
+            continue
+        if c >= "\U000e0000":
+            if flags is None:
+                flags = {j for m in _EMOJI_TAG_SEQUENCE.finditer(value) for j in range(m.start() + 1, m.end())}
+            if i in flags:
+                continue  # inside a flag's emoji tag sequence (England, Scotland, Wales)
         raise InvalidEmail(f"{where} contains U+{ord(c):04X}, an invisible or text-direction character "
                            "(it can make one text look like another)", field=where)
 

@@ -66,6 +66,7 @@ from sqlalchemy.orm import Session, scoped_session
 from ._common import KEY_HEADER, after_fork, backoff
 from .config import Settings
 from .errors import ConfigurationError
+from .keys import untrusted_removed
 from .task import IdempotentTask
 
 log = logging.getLogger("idemmail_celery")
@@ -238,7 +239,10 @@ def _row(
     unknown = sorted(set(options) - ALLOWED_OPTIONS)
     if unknown:
         raise TypeError(f"options the outbox cannot store: {', '.join(unknown)} (allowed: {sorted(ALLOWED_OPTIONS)})")
-    headers: dict[str, Any] = dict(options.pop("headers", None) or {})
+    # The caller's own headers stay; any the seal covers (chain state copied from another message) would break
+    # the seal of the row's key, and the relay's apply_async would hash that key again: the intent under a key
+    # other than the one returned here. Dropped, as apply_async drops them.
+    headers: dict[str, Any] = untrusted_removed(options.pop("headers", None) or {}, keep=())
     headers.update(task.intent_headers(args, kwargs, explicit=idempotency_key, tenant=idempotency_tenant))
     now = _utcnow()
     # Relative times become absolute now: a row relayed late (or twice) still means what the caller meant.

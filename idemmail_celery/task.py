@@ -380,12 +380,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
         tenant = options.pop("idempotency_tenant", None)
         headers = dict(options.get("headers") or {})
         carried = headers.get(KEY_HEADER)
-        if explicit is None and carried is not None and self.key_builder.check_seal(
-                headers, self.key_builder.payload(args, kwargs)) not in (Seal.VALID, Seal.UNKNOWN_SECRET):
+        seal = Seal.ABSENT if explicit is not None or carried is None else self.key_builder.check_seal(
+            headers, self.key_builder.payload(args, kwargs))
+        if seal is Seal.UNKNOWN_SECRET:
+            # A seal made under a newer secret than this process has (a rotation) travels unchanged: the
+            # worker that has it decides. Nothing vouches for the arguments here, though (any text before
+            # the ':' names an unknown secret): they are validated like a new call's.
+            self.validate_call(args, kwargs)
+        elif seal is not Seal.VALID and carried is not None and explicit is None:
             # The caller's own key, whatever it looks like (64 hex digits too): checked and hashed like
             # idempotency_key=, never sealed as it is. Only the library's own headers (sealed for these
-            # arguments, validated when the key was derived) travel unchanged; so does a seal made under a
-            # newer secret than this process has (a rotation): the worker that has it decides.
+            # arguments, validated when the key was derived) travel unchanged.
             explicit = carried
         if explicit is not None or carried is None:
             # Chain state and older keys belong to whatever message the caller copied them from: dropped.
@@ -446,11 +451,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if check is Seal.VALID:
             return headers
         if check is Seal.UNKNOWN_SECRET:
-            log.warning("idemmail: task %s[%s] is sealed under a key secret this worker does not have (a newer "
-                        "idemmail_key_secret?); it waits for a worker that has it", self.name, self.request.id)
-            countdown = min(self.policy.inflight_backoff_max, self._countdown_cap() or 60.0)
-            self._publish_again(countdown, headers, "waiting for the key secret", TransientSendError(
-                "sealed under an unknown key secret", reason="unknown_key_secret"), as_received=True)
+            self.wait_for_key_secret(headers)
         ignored = sorted(k for k in headers if k != KEY_HEADER and (k in SEALED_HEADERS or k == KEY_MARK_HEADER))
         if ignored:
             log.warning("idemmail: task %s[%s] carries headers the library did not seal for it (%s: %s); they are "
@@ -584,18 +585,33 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return
         self._publish_again(left, headers, "waiting", TransientSendError("waiting", reason="waiting"))
 
+    def wait_for_key_secret(self, headers: dict[str, Any], running: Task | None = None) -> NoReturn:
+        """Requeue the message ``running`` (this task, else one sealing with its key builder: a campaign) is
+        running exactly as it came, for a worker that has the key secret its seal was made under.
+
+        Such a seal is neither trusted nor dropped: trusting it is impossible, and dropping the state it
+        carries (a key, a verdict, a campaign's passes) could send an intent twice (see docs/security.md).
+        """
+        running = self if running is None else running
+        log.warning("idemmail: task %s[%s] is sealed under a key secret this worker does not have (a newer "
+                    "idemmail_key_secret?); it waits for a worker that has it", running.name, running.request.id)
+        countdown = min(self.policy.inflight_backoff_max, self._countdown_cap() or 60.0)
+        self._publish_again(countdown, headers, "waiting for the key secret", TransientSendError(
+            "sealed under an unknown key secret", reason="unknown_key_secret"), as_received=True, running=running)
+
     def _publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception, *,
-                       as_received: bool = False) -> NoReturn:
-        """Requeue this message like ``retry()``, without spending the task's ``max_retries``.
+                       as_received: bool = False, running: Task | None = None) -> NoReturn:
+        """Requeue this message (or the one ``running`` runs) like ``retry()``, without spending ``max_retries``.
 
         ``reason`` is what monitors show for the retry (Flower: state RETRY, its repr as the exception).
         ``as_received``: the headers go out exactly as they came (a seal this worker cannot make or check).
         """
-        request = self.request
+        running = self if running is None else running
+        request = running.request
         if not as_received:
             countdown = self._split(countdown, headers)
             self.sealed(headers, self._received())
-        sig = self.signature_from_request(request, countdown=countdown, retries=request.retries, headers=headers)
+        sig = running.signature_from_request(request, countdown=countdown, retries=request.retries, headers=headers)
         if request.is_eager:  # ``Task.apply``: nothing is published (Celery would re-apply ``sig`` in-line, for ever)
             raise Rescheduled(why, exc=reason, when=countdown)
         sig.apply_async()

@@ -53,3 +53,24 @@ def test_the_keys_a_fan_out_returns_are_its_recipients_keys_in_order(app: Celery
     expected = [str(task.intent_key(to=to, event_id="digest:2026-11-21", template="digest")) for to in PEOPLE[:2]]
     assert fan_out(app)["enqueued"] == expected == fan_out(app)["enqueued"]  # a retried fan-out: the same keys
     assert not set(fan_out(app, "2026-11-22")["enqueued"]) & set(expected)  # the next slot: new keys
+
+
+def test_a_header_only_the_library_writes_in_options_does_not_change_a_recipients_key(app: Celery) -> None:
+    from celery.signals import before_task_publish
+
+    from idemmail_celery._common import KEY_HEADER, OWNER_HEADER
+
+    published: list[dict[str, Any]] = []
+
+    def capture(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        published.append(dict(headers or {}))
+
+    before_task_publish.connect(capture, weak=False)
+    try:
+        result = send_digest(app, slot="2026-11-21", recipients=PEOPLE[:1], subject="Your digest",
+                             build_body=lambda to, s: {"text": "News"},
+                             options={"headers": {"trace": "t", OWNER_HEADER: "copied"}})
+    finally:
+        before_task_publish.disconnect(capture)
+    [message] = published
+    assert message[KEY_HEADER] == result["enqueued"][0] and message["trace"] == "t" and OWNER_HEADER not in message

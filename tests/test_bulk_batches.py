@@ -166,6 +166,25 @@ def test_a_campaign_after_a_key_secret_rotation_sends_no_recipient_again(tmp_pat
     assert single["status"] == "duplicate" and len(list((tmp_path / "out").iterdir())) == 3
 
 
+def test_a_pass_sealed_under_a_secret_this_worker_lacks_waits_for_one_that_has_it(tmp_path: Any) -> None:
+    """Rotation, workers deployed one by one: a pass a worker on [new, old] handed on reaches one still on [old].
+    Its pass state (the verdicts of sends made, how many passes were time slices) is neither trusted nor
+    dropped: the message is requeued as it came, and nothing is sent meanwhile."""
+    from celery.exceptions import Retry
+
+    from idemmail_celery._common import CAMPAIGN_HEADER, KEY_MARK_HEADER, OWNER_HEADER
+
+    app, campaign = campaign_app(tmp_path, "old-secret", "bulk-rot-wait")
+    newer = replace(app.tasks["idemmail_celery.send_email"].key_builder, secret=["new-secret", "old-secret"])
+    call = {"campaign_id": "c-w", "subject": "Hi", "text": "x", "recipients": ["ann@example.com", "bob@example.com"]}
+    headers: dict[str, Any] = {OWNER_HEADER: "camp:1:aaaa", CAMPAIGN_HEADER: {"from": 1, "tally": {}, "continued": 3}}
+    headers[KEY_MARK_HEADER] = newer.seal(headers, Payload([], call), task_name=CAMPAIGN_TASK)
+    out = campaign.apply(kwargs=call, headers=headers)
+    assert out.state == "RETRY" and isinstance(out.result, Retry), out.result
+    assert getattr(out.result.exc, "reason", None) == "unknown_key_secret"
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())  # nothing sent
+
+
 class BrokenComplete(LedgerWrapper):
     """A real ledger whose completion of ``key`` fails with a defect (not a ledger error) after the send."""
 

@@ -143,6 +143,30 @@ def test_a_zero_width_joiner_inside_an_emoji_sequence_is_accepted(app: Celery, t
     assert len(delivered(tmp_path)) == 1
 
 
+SPELLED_WITH_JOINERS = {
+    # Persian: "mikhaham" and the name Alireza are written with a ZWNJ between joining letters.
+    "persian-subject": {"subject": "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645"},
+    "persian-name": {"to": "\u0639\u0644\u06cc\u200c\u0631\u0636\u0627 <ali@example.com>"},
+    # Hindi: a ZWJ after a virama chooses the half form of the consonant.
+    "hindi-subject": {"subject": "\u0915\u094d\u200d\u0937"},
+    # The flag of Scotland: a black flag, the tags "gbsct" and CANCEL TAG.
+    "flag-subject": {"subject": "Go \U0001f3f4\U000e0067\U000e0062\U000e0073\U000e0063\U000e0074\U000e007f!"},
+}
+
+
+@pytest.mark.parametrize("kw", SPELLED_WITH_JOINERS.values(), ids=SPELLED_WITH_JOINERS.keys())
+def test_joiners_that_spell_a_word_or_a_flag_are_accepted(app: Celery, tmp_path: Path, kw: dict[str, str]) -> None:
+    # The characters are refused elsewhere (test above); here they are how the language or the emoji is written.
+    app.tasks["idemmail_celery.send_email"].delay(**base(**kw))  # accepted at delay(): no InvalidEmail
+    app.tasks["idemmail_celery.send_email"].apply(kwargs=base(**kw))
+    assert len(delivered(tmp_path)) == 1
+
+
+@pytest.mark.parametrize("subject", ["pay\u200cpal", "a\U000e0067\U000e007f", "\U0001f3f4\U000e0067 tail"])
+def test_joiners_and_tags_out_of_their_context_are_refused(app: Celery, tmp_path: Path, subject: str) -> None:
+    refused_everywhere(app, tmp_path, base(subject=subject), "subject")
+
+
 # -- domains: IDNA 2008 / UTS 46, no mixed-script labels --
 
 def test_a_mixed_script_domain_is_refused_unless_allowed(app: Celery, tmp_path: Path) -> None:

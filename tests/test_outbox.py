@@ -29,7 +29,7 @@ from idemmail_celery import (
     InvalidEmail,
     send_email,  # noqa: F401  # registers send_email on every app
 )
-from idemmail_celery._common import ENQUEUED_HEADER, KEY_HEADER, KEY_MARK_HEADER, TENANT_HEADER
+from idemmail_celery._common import ENQUEUED_HEADER, KEY_HEADER, KEY_MARK_HEADER, OWNER_HEADER, TENANT_HEADER
 from idemmail_celery.keys import Seal
 from idemmail_celery.mail import TASK_NAME
 from idemmail_celery.outbox import (
@@ -222,6 +222,19 @@ def test_relay_publishes_each_row_once_with_its_stored_key_and_options(
     assert other["headers"]["expires"] is not None
     assert [(r.state, r.attempts, r.last_error) for r in rows(engine, table)] == [(DISPATCHED, 1, None)] * 2
     assert all(r.dispatched_at is not None for r in rows(engine, table))
+
+
+def test_a_header_only_the_library_writes_does_not_change_the_rows_key(
+    engine: sa.Engine, table: sa.Table, app: Celery, charge: Any
+) -> None:
+    """Chain state among the caller's headers (copied from another message) would break the row key's seal:
+    the relay's apply_async would then hash the key again, and the intent would run under another key."""
+    with engine.begin() as conn:
+        key = enqueue(conn, charge, ("cus_1", 7), table=table, headers={"trace": "abc", OWNER_HEADER: "copied"})
+    assert relay(engine, app, table=table) == 1
+    [message] = queued(app)
+    assert message["headers"][KEY_HEADER] == key == charge.intent_key("cus_1", 7)
+    assert message["headers"]["trace"] == "abc" and OWNER_HEADER not in message["headers"]
 
 
 def test_relay_publishes_by_name_when_its_app_does_not_know_the_task(

@@ -6,6 +6,7 @@ the task in process (``Task.apply``) against a real SQLite ledger.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Any
@@ -115,6 +116,24 @@ def test_a_raw_64_hex_key_beside_idemmail_enqueued_is_hashed_and_never_marked_as
         send_email.apply_async(kwargs={"to": "ann@x.com, eve@y.com", "subject": "s", "text": "t"},
                                headers={KEY_HEADER: "cd" * 32, ENQUEUED_HEADER: "1700000000.000"})
     assert len(published(app)) == 1
+
+
+def test_a_seal_naming_an_unknown_secret_does_not_let_invalid_arguments_through(app: Celery) -> None:
+    """A seal under a secret this process lacks travels unchanged (a rotation deployed web processes first),
+    but the text before its ':' is anyone's to write: the arguments are still validated at apply_async."""
+    app.conf.update(idemmail_provider_url="console://", idemmail_default_from="shop@example.com")
+    send_email = register(app)
+    unknown = {KEY_HEADER: "cd" * 32, KEY_MARK_HEADER: "0123456789ab:" + "0" * 64}
+    with pytest.raises(InvalidEmail, match="more than one address"):
+        send_email.apply_async(kwargs={"to": "ann@x.com, eve@y.com", "subject": "s", "text": "t"}, headers=unknown)
+    assert published(app) == []
+    newer = dataclasses.replace(send_email.key_builder, secret=["new", "s"])  # a web process already rotated
+    good = {"to": "ann@x.com", "subject": "s", "text": "t"}
+    sealed = {KEY_HEADER: "ef" * 32}
+    sealed[KEY_MARK_HEADER] = newer.seal(sealed, newer.payload((), good))
+    send_email.apply_async(kwargs=good, headers=sealed)  # valid arguments: the sealed key travels as it is
+    [row] = published(app)
+    assert row[KEY_HEADER] == "ef" * 32 and row[KEY_MARK_HEADER] == sealed[KEY_MARK_HEADER]
 
 
 def test_the_worker_hashes_an_unmarked_64_hex_key(app: Celery) -> None:

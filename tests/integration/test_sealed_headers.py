@@ -198,7 +198,8 @@ def test_a_chained_cause_quoting_an_address_reaches_no_result_backend_or_log(
     failed = mail_app.app.send_task(TASK_NAME, kwargs={**KIM, "tags": {f"to {address}": "v"}})
     out = results([failed])[0]
     assert isinstance(out, PermanentSendError) and out.reason == "invalid_email"
-    assert failed.traceback and "InvalidEmail" not in failed.traceback and address not in failed.traceback
+    # The chained InvalidEmail may stay: its text is scrubbed where it is made (the name reads 'to <address>').
+    assert failed.traceback and address not in failed.traceback and "example.org" not in failed.traceback
     wait_for(lambda: b"invalid_email" in worker.log() or b"PermanentSendError" in worker.log(), timeout=30)
     assert address.encode() not in worker.log() and fake.delivery_count() == 0
 
