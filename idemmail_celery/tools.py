@@ -42,7 +42,8 @@ side effect), ``duplicate`` (an earlier call did; its result is replayed), ``pen
 (not finished within ``timeout``; calling again is safe), ``invalid`` (refused before
 anything was enqueued: an unknown, bound or missing argument, an invalid address), ``failed`` (a permanent
 error, replayed to every later call), ``review`` (the outcome is unknown and waits for
-a person), or ``error``; with ``key``, ``result``, ``message_id`` and ``error``
+a person), ``key_reuse`` (a ``call_id`` tool's call id came back with other arguments: refused,
+nothing ran), or ``error``; with ``key``, ``result``, ``message_id`` and ``error``
 (``{"type", "message"}``) where they apply. Waiting needs a result backend on the app.
 
 **Serving them.** :func:`app_tools` is what an adapter serves by default: ``email_tool(app)``
@@ -70,7 +71,7 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from ._common import KEY_HEADER
-from .errors import ConfigurationError, IdemmailError, PermanentSendError, SendNeedsReview
+from .errors import ConfigurationError, IdemmailError, IdempotencyKeyReuseError, PermanentSendError, SendNeedsReview
 from .handler import Outcome
 from .ledger import Ledger, State, from_url, passive_options
 from .mail import TASK_NAME
@@ -207,6 +208,8 @@ class IdempotentTool:
             return {"status": Outcome.REVIEW.value, "key": key, "error": _error(value)}
         if isinstance(value, PermanentSendError):
             return {"status": Outcome.FAILED.value, "key": key, "error": _error(value)}
+        if isinstance(value, IdempotencyKeyReuseError):
+            return {"status": Outcome.KEY_REUSE.value, "key": key, "error": _error(value)}
         if isinstance(value, BaseException) or not isinstance(value, dict):
             return {"status": Outcome.ERROR.value, "key": key, "error": _error(value)}
         return dict(value)
@@ -271,12 +274,18 @@ def idempotent_tool(
 
     def wrap(func: Callable[..., Any]) -> IdempotentTool:
         fields = None if key is None or key == "call_id" else tuple(key)
-        task = app.task(base=IdempotentTask, idempotency_key=fields, **task_options)(func)
+        schema = parameters or parameters_of(func, bound=bool(task_options.get("bind")))
+        options = dict(task_options)
+        if key == "call_id":
+            # A call id is the client's number, not the call: one that comes back with other arguments
+            # (two sessions both numbering from call_1) is refused as a key reuse, never answered
+            # with the first call's outcome as if it were this one's.
+            options.setdefault("idempotency_must_match", tuple(schema.get("properties") or ()))
+        task = app.task(base=IdempotentTask, idempotency_key=fields, **options)(func)
         doc = inspect.getdoc(func) or ""
         tool = IdempotentTool(
             task=task, name=tool_name or func.__name__, description=description or doc.split("\n\n")[0],
-            parameters=parameters or parameters_of(func, bound=bool(task_options.get("bind"))),
-            key=key, timeout=timeout,
+            parameters=schema, key=key, timeout=timeout,
         )
         with _registry_lock:
             _registered.setdefault(app, {})[tool.name] = tool

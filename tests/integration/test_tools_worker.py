@@ -46,3 +46,15 @@ def test_failed_and_ambiguous_tool_calls_are_replayed_to_the_agent_not_rerun(too
     states = {ledger.get(o["key"]).state for o in (bounced[0], unsure[0])}  # type: ignore[union-attr]
     assert states == {State.FAILED, State.REVIEW}
     assert all(ledger.get(o["key"]).attempts == 1 for o in (bounced[0], unsure[0]))  # type: ignore[union-attr]
+
+
+def test_a_call_id_that_comes_back_with_other_arguments_is_refused_not_answered_as_the_first(
+        tools: Any, ns: str, sink: Sink) -> None:
+    first = tools.note({"ticket": "T-1", "text": "a"}, call_id="call_1", timeout=20)
+    again = tools.note({"ticket": "T-1", "text": "a"}, call_id="call_1", timeout=20)
+    other = tools.note({"ticket": "T-1", "text": "b"}, call_id="call_1", timeout=20)
+    assert [first["status"], again["status"]] == ["sent", "duplicate"]
+    assert other["status"] == "key_reuse"
+    assert other["error"]["type"] == "IdempotencyKeyReuseError"
+    assert sink.r.lrange(f"notes.{ns}", 0, -1) == ["T-1:a"]  # the body ran once, for the first call
+    sink.r.delete(f"notes.{ns}")

@@ -28,3 +28,12 @@ def bounce(to: str) -> dict[str, Any]:
 def unsure(to: str) -> dict[str, Any]:
     """A send that may have gone out (no key downstream): parked for review."""
     raise AmbiguousSendError("connection dropped after the request was written")
+
+
+@idempotent_tool(app, name="toolsapp.note")
+def note(ticket: str, text: str) -> dict[str, Any]:
+    """A side effect the test counts: one list entry per run."""
+    import redis
+
+    redis.Redis.from_url(REDIS_URL).rpush(f"notes.{NS}", f"{ticket}:{text}")
+    return {"ticket": ticket}
