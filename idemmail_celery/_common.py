@@ -59,6 +59,11 @@ KEY_TAG = "idemmail_key"
 #: them: it only namespaces a key the worker hashes or derives itself.
 SEALED_HEADERS = (KEY_HEADER, OLDER_KEYS_HEADER, ENQUEUED_HEADER, INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER,
                   VERDICT_HEADER, HOP_HEADER, CAMPAIGN_HEADER, NOT_BEFORE_HEADER)
+#: When a message sealed under a key secret its worker lacks first waited (epoch seconds). Not sealed: it
+#: only decides how loudly the wait is logged (a forged one makes a publisher's own message louder).
+SECRET_WAIT_HEADER = "idemmail_secret_wait"
+#: A wait for an unknown key secret longer than this is logged at ERROR (the secret was removed too early).
+SECRET_WAIT_ERROR_SECONDS = 600.0
 #: The most older keys a message may name (one per older key secret still being rotated out).
 MAX_OLDER_KEYS = 8
 

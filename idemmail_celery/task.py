@@ -48,6 +48,8 @@ from ._common import (
     OUTAGE_HEADER,
     OWNER_HEADER,
     SEALED_HEADERS,
+    SECRET_WAIT_ERROR_SECONDS,
+    SECRET_WAIT_HEADER,
     TENANT_HEADER,
     VERDICT_HEADER,
     transport_visibility_timeout,
@@ -593,8 +595,19 @@ class IdempotentTask(Task):  # type: ignore[misc]
         carries (a key, a verdict, a campaign's passes) could send an intent twice (see docs/security.md).
         """
         running = self if running is None else running
-        log.warning("idemmail: task %s[%s] is sealed under a key secret this worker does not have (a newer "
-                    "idemmail_key_secret?); it waits for a worker that has it", running.name, running.request.id)
+        now = time.time()
+        try:
+            since = min(float(headers.get(SECRET_WAIT_HEADER) or now), now)
+        except (TypeError, ValueError):
+            since = now
+        headers = {**headers, SECRET_WAIT_HEADER: since}  # not sealed: the seal stays as it came
+        waited = now - since
+        # A short wait is a rolling deploy (web processes first); a long one a secret removed while messages
+        # sealed under it were queued: never dropped, never guessed, but said at ERROR until it is put back.
+        log.log(logging.ERROR if waited > SECRET_WAIT_ERROR_SECONDS else logging.WARNING,
+                "idemmail: task %s[%s] is sealed under a key secret this worker does not have (a newer "
+                "idemmail_key_secret, or one removed too early: put it back in the list); it has waited %.0f s "
+                "for a worker that has it", running.name, running.request.id, waited)
         countdown = min(self.policy.inflight_backoff_max, self._countdown_cap() or 60.0)
         self._publish_again(countdown, headers, "waiting for the key secret", TransientSendError(
             "sealed under an unknown key secret", reason="unknown_key_secret"), as_received=True, running=running)

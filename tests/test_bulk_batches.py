@@ -9,6 +9,7 @@ the batch is sent, once.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from dataclasses import replace
@@ -183,6 +184,27 @@ def test_a_pass_sealed_under_a_secret_this_worker_lacks_waits_for_one_that_has_i
     assert out.state == "RETRY" and isinstance(out.result, Retry), out.result
     assert getattr(out.result.exc, "reason", None) == "unknown_key_secret"
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())  # nothing sent
+
+
+def test_a_long_wait_for_a_key_secret_is_said_at_error(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A secret removed while messages sealed under it were queued: the wait never ends by itself (nothing
+    dropped, no key guessed), so after ten minutes every requeue says so at ERROR."""
+    from idemmail_celery._common import KEY_MARK_HEADER, OWNER_HEADER, SECRET_WAIT_HEADER
+
+    app, campaign = campaign_app(tmp_path, "old-secret", "bulk-rot-long")
+    newer = replace(app.tasks["idemmail_celery.send_email"].key_builder, secret=["new-secret", "old-secret"])
+    call = {"campaign_id": "c-l", "subject": "Hi", "text": "x", "recipients": ["ann@example.com"]}
+    headers: dict[str, Any] = {OWNER_HEADER: "camp:1:bbbb"}
+    headers[KEY_MARK_HEADER] = newer.seal(headers, Payload([], call), task_name=CAMPAIGN_TASK)
+    levels = []
+    for since in (None, time.time() - 3600):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="idemmail_celery"):
+            out = campaign.apply(kwargs=call, headers={**headers, **({SECRET_WAIT_HEADER: since} if since else {})})
+        assert out.state == "RETRY"
+        levels.append([r.levelname for r in caplog.records if "key secret this worker does not have" in r.message])
+    assert levels == [["WARNING"], ["ERROR"]]
 
 
 class BrokenComplete(LedgerWrapper):
