@@ -32,7 +32,7 @@ ENQUEUED_HEADER = "idemmail_enqueued"
 INFLIGHT_HEADER = "idemmail_inflight"
 #: How many times this chain was rescheduled because the ledger (or the provider's set-up) was unavailable.
 OUTAGE_HEADER = "idemmail_outage"
-#: The owner this chain's last claim was made under, when it may still hold it (see ``ClaimRequest.resume_owner``).
+#: The owners this chain may still hold its claim under, newest first (a list; see ``Delivery.resume_owners``).
 OWNER_HEADER = "idemmail_owner"
 #: A verdict this chain reached but could not record (the ledger was down): recorded by the next delivery.
 VERDICT_HEADER = "idemmail_verdict"

@@ -37,7 +37,7 @@ from ._common import CAMPAIGN_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff, tra
 from ._lease import keeper
 from .config import Settings
 from .errors import LedgerError, SendNeedsReview
-from .handler import Action, Delivery, Handler, Outcome, Step, error_record, verdict_of
+from .handler import Action, Delivery, Handler, Outcome, Step, error_record, held_by, owners_of, verdict_of
 from .keys import Payload
 from .ledger import Claim
 from .ledger.base import new_owner
@@ -99,7 +99,8 @@ class BatchResult:
 
     def verdicts(self) -> dict[str, dict[str, Any]]:
         """Verdicts this batch reached and could not record yet (delivery key -> verdict), each with
-        the ``owner`` its claim is held by: the pass that records it takes the claim back as that owner."""
+        the ``owner`` (a list, newest first) its claim is held by: the pass that records it takes the claim
+        back as that owner."""
         return {k: {**s.carry[VERDICT_HEADER], "owner": s.carry.get(OWNER_HEADER)}
                 for k, s in zip(self.keys, self.steps, strict=True) if VERDICT_HEADER in s.carry}
 
@@ -110,7 +111,7 @@ def send_batch(handler: Handler, deliveries: Sequence[Delivery], *, owner: str, 
 
     ``deliveries`` have distinct keys. Raises :class:`LedgerError` only when the batch claim
     itself fails, or a key-secret rotation's lookup of older keys does (nothing was sent; the
-    claims may have landed: retry with ``owner`` as the next pass's ``resume_owner``). On the
+    claims may have landed: the next pass takes them back, ``owner`` among its ``resume_owners``). On the
     ``last`` pass nothing is left held for a next one: a recipient whose settling failed
     unexpectedly is parked for review.
     """
@@ -127,6 +128,11 @@ def send_batch(handler: Handler, deliveries: Sequence[Delivery], *, owner: str, 
             deliveries[i] = handler.recorded_key(d)
         claimable.append(i)
     claims = handler.ledger.claim_many([handler.request(deliveries[i], owner) for i in claimable])
+    for n, (i, c) in enumerate(zip(claimable, claims, strict=True)):
+        try:  # held under an older owner of this campaign's (a batch claim whose reply was lost): taken back
+            claims[n] = handler.take_back(deliveries[i], c, owner)
+        except LedgerError as exc:  # left busy: the next pass tries again, with this pass's owners
+            log.warning("idemmail: taking a campaign recipient's claim back failed (%s)", type(exc).__name__)
     held = [(i, c) for i, c in zip(claimable, claims, strict=True) if c.status.holds]
     lease = handler.policy.lease_seconds
     for _, c in held:  # renewed while the batch runs, not only while each one is sent
@@ -204,6 +210,9 @@ def _send_campaign(
 
     request_headers = dict(self.request.headers or {})
     owner = new_owner(self.request.id or "campaign")
+    # The owners whose claims this pass may hold or find held (a batch claim whose reply was lost may or may
+    # not have landed): every pass it hands on to takes back whichever of them holds a recipient's claim.
+    owners = held_by(owner, owners_of(request_headers.get(OWNER_HEADER)))
     carried = request_headers.get(VERDICT_HEADER)
     verdicts = carried if isinstance(carried, dict) else {}
     handler = Handler(sender.ledger, builder, sender.policy, CampaignEffect(sender, self))
@@ -211,7 +220,7 @@ def _send_campaign(
     resumed = _Resumed.of(request_headers.get(CAMPAIGN_HEADER), len(recipients))
     passes = max(0, (self.request.retries or 0) - resumed.continued)  # running out of time is not a retry
     last = passes >= MAX_PASSES
-    deliveries = _unique(builder, base, recipients, tenant, self.request, request_headers, owner, verdicts, passes)
+    deliveries = _unique(builder, base, recipients, tenant, self.request, owners, verdicts, passes)
     if resumed.start > len(deliveries):  # not this list's place: the whole list (the ledger skips the settled)
         resumed = _Resumed(continued=resumed.continued)
     tally: Counter[Outcome] = Counter(dict(resumed.tally))
@@ -232,7 +241,7 @@ def _send_campaign(
     # owner's whether or not this claim lands: a verdict is recorded, never sent, whoever takes it back.
     holders: dict[str, list[Delivery]] = {}
     for d in first:
-        holders.setdefault(d.resume_owner or owner, []).append(d)
+        holders.setdefault(handler.claimant(d), []).append(d)
     batches: list[tuple[int | None, str, list[Delivery]]] = [
         (None, holder, held[i:i + size]) for holder, held in holders.items() for i in range(0, len(held), size)]
     batches += [(i, owner, deliveries[i:i + size]) for i in range(resumed.start, len(deliveries), size)]
@@ -240,7 +249,7 @@ def _send_campaign(
     started = time.monotonic()
     for at, claimant, chunk in batches:
         if at is not None and at > resumed.start and time.monotonic() - started >= budget:
-            raise _yield_pass(self, handler, owner, pending_verdicts, passes, at, tally, resumed.continued)
+            raise _yield_pass(self, handler, owners, pending_verdicts, passes, at, tally, resumed.continued)
         if at is not None:  # recorded first in this pass: counted here, not sent for again
             recorded = [d.key for d in chunk if d.key in early]
             tally.update(early.pop(key) for key in recorded)
@@ -252,7 +261,7 @@ def _send_campaign(
         except Exception as exc:  # the ledger failed (or worse): nothing more sent; this pass's claims are ours
             if not isinstance(exc, LedgerError):
                 log.exception("idemmail: campaign %s batch failed; retrying the campaign", campaign_id)
-            raise _again(self, handler, exc, owner, pending_verdicts, passes, resumed.continued) from exc
+            raise _again(self, handler, exc, owners, pending_verdicts, passes, resumed.continued) from exc
         if at is None:
             for d, outcome in zip(chunk, batch.outcomes(), strict=True):
                 if d.key in behind:
@@ -274,7 +283,7 @@ def _send_campaign(
     if pending_verdicts or (tally[Outcome.PENDING] and not last):
         # Verdicts of this campaign's own sends are never given up on (the outage budget aside):
         # the claims they hold would otherwise be left to nobody. The next pass goes over the whole list.
-        raise _again(self, handler, None, owner, pending_verdicts, passes, resumed.continued)
+        raise _again(self, handler, None, owners, pending_verdicts, passes, resumed.continued)
     if tally[Outcome.PENDING]:  # held by other deliveries after MAX_PASSES: theirs to settle
         log.warning("idemmail: campaign %s leaves %d recipients to the deliveries holding them after %d passes",
                     campaign_id, tally[Outcome.PENDING], passes)
@@ -323,13 +332,13 @@ class _Resumed:
         return cls(start, tally, continued)
 
 
-def _yield_pass(task: Task, handler: Handler, owner: str, verdicts: dict[str, Any], passes: int, start: int,
+def _yield_pass(task: Task, handler: Handler, owners: list[str], verdicts: dict[str, Any], passes: int, start: int,
                 tally: Counter[Outcome], continued: int) -> BaseException:
     """End this pass before the broker hands its message out again: the next pass, published now,
     starts at ``start`` with this pass's counts, claim owner and unrecorded verdicts (it records
     those first). With none of those it starts at once; with some, within a third of the lease.
     """
-    headers = _pass_headers(task, owner, verdicts, {"from": start, "tally": {o.value: c for o, c in tally.items()},
+    headers = _pass_headers(task, owners, verdicts, {"from": start, "tally": {o.value: c for o, c in tally.items()},
                                                     "continued": continued + 1})
     log.info("idemmail: campaign pass ran for its time; the next one starts at recipient %d", start)
     countdown = _countdown(task, handler, passes, verdicts) if verdicts else 0
@@ -337,10 +346,11 @@ def _yield_pass(task: Task, handler: Handler, owner: str, verdicts: dict[str, An
 
 
 def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: str | None, request: Any,
-            headers: dict[str, Any], owner: str, verdicts: dict[str, Any], passes: int) -> list[Delivery]:
-    """One delivery per intent: recipients whose keys agree (two spellings of one mailbox) are one."""
+            owners: list[str], verdicts: dict[str, Any], passes: int) -> list[Delivery]:
+    """One delivery per intent: recipients whose keys agree (two spellings of one mailbox) are one.
+    Each claims as ``owners[0]`` (this pass) and takes back a claim held by any of the others."""
     out: dict[str, Delivery] = {}
-    resume = headers.get(OWNER_HEADER) or None
+    owner, resume = owners[0], tuple(owners[1:])
     for to in recipients:
         payload = builder.payload((), {**base, "to": to})
         older: tuple[str, ...] = ()
@@ -351,15 +361,14 @@ def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: s
             key = f"invalid:{len(out)}"
         if key not in out:
             verdict = verdict_of(verdicts.get(key))
-            held_by = verdict.get("owner") if verdict is not None else None
+            holders = owners_of(verdict.get("owner")) if verdict is not None else ()
             out[key] = Delivery(key=key, task_name=SEND_EMAIL, payload=payload, attempt_id=request.id or "",
                                 retries=passes, max_retries=MAX_PASSES, owner=owner,
-                                resume_owner=held_by if isinstance(held_by, str) and held_by else resume,
-                                verdict=verdict, older_keys=older)
+                                resume_owners=holders or resume, verdict=verdict, older_keys=older)
     return list(out.values())
 
 
-def _again(task: Task, handler: Handler, exc: BaseException | None, owner: str,
+def _again(task: Task, handler: Handler, exc: BaseException | None, owners: list[str],
            verdicts: dict[str, Any], passes: int, continued: int) -> BaseException:
     """Retry the campaign; the next pass takes this pass's claims back and records its verdicts.
 
@@ -375,17 +384,18 @@ def _again(task: Task, handler: Handler, exc: BaseException | None, owner: str,
             return exc
     countdown = _countdown(task, handler, passes, verdicts)
     # The next pass goes over the whole list; passes that only ran out of time stay out of MAX_PASSES.
-    headers = _pass_headers(task, owner, verdicts, {"from": 0, "tally": {}, "continued": continued} if continued
+    headers = _pass_headers(task, owners, verdicts, {"from": 0, "tally": {}, "continued": continued} if continued
                             else None)
     return task.retry(exc=exc, countdown=countdown, headers=headers)  # type: ignore[no-any-return]
 
 
-def _pass_headers(task: Task, owner: str, verdicts: dict[str, Any], resume: dict[str, Any] | None) -> dict[str, Any]:
-    """The next pass's headers: this message's, with this pass's claim owner, its unrecorded verdicts
+def _pass_headers(task: Task, owners: list[str], verdicts: dict[str, Any],
+                  resume: dict[str, Any] | None) -> dict[str, Any]:
+    """The next pass's headers: this message's, with the claim owners it may hold, its unrecorded verdicts
     and where the next pass starts (none: the whole list) in place of the ones it came with."""
     headers = {k: v for k, v in (task.request.headers or {}).items()
                if k not in (OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER)}
-    headers[OWNER_HEADER] = owner
+    headers[OWNER_HEADER] = owners
     if verdicts:
         headers[VERDICT_HEADER] = verdicts
     if resume is not None:

@@ -9,7 +9,7 @@ a redundant copy. Read top to bottom, :meth:`Handler.handle` is the guarantee:
 1. **check** the call before anything is stored: bad input ends ``failed`` (never stored,
    never retried); a side effect that cannot be set up (a provider without its API key)
    waits on the outage budget like an unavailable ledger.
-2. **claim** the key (taking back this chain's own earlier claim, see ``resume_owner``).
+2. **claim** the key (taking back this chain's own earlier claim, see ``Delivery.resume_owners``).
    An unavailable ledger fails closed: rescheduled on the outage budget, nothing sent
    (or run without a claim when ``fail_open`` says so).
 3. **settle** by what the ledger says:
@@ -171,9 +171,10 @@ class Delivery:
     outage: int = 0
     #: When the intent was first enqueued (caller's clock), for the ledger-loss rule; None: not said.
     enqueued_at: float | None = None
-    #: The claim owner this chain may still hold (``ClaimRequest.resume_owner``), and the verdict it
-    #: could not record (``{"state": "sent", "result": ...}`` or ``{"state": "failed"|"review", "error": ...}``).
-    resume_owner: str | None = None
+    #: The claim owners this chain may still hold its claim under, newest first (``ClaimRequest.resume_owner``:
+    #: a claim whose reply was lost may or may not have landed, so the one before it is kept too), and the
+    #: verdict it could not record (``{"state": "sent", "result": ...}`` or ``{"state": "failed"|"review", ...}``).
+    resume_owners: tuple[str, ...] = ()
     verdict: dict[str, Any] | None = None
     #: The id of the published message this delivery is a copy of (``Ledger.mark_hop``).
     hop: str = ""
@@ -258,18 +259,38 @@ class Handler:
                 d = self.recorded_key(d)
             except (LedgerUnavailableError, UnsafeLedgerError) as exc:
                 # Nothing claimed yet: the next delivery looks again, holding what this one held.
-                return self.unavailable(d, exc, carry=_held(d, d.resume_owner) or None)
-        # A verdict is claimed as the owner holding its claim, so that the claim stays that owner's
-        # whether or not this one lands (its reply may be lost): it is recorded, never run, whoever takes it.
-        owner = (d.verdict is not None and d.resume_owner) or d.owner or new_owner(d.attempt_id)
+                return self.unavailable(d, exc)
+        owner = self.claimant(d)
         try:
-            claim = self.ledger.claim(self.request(d, owner))
+            claim = self.take_back(d, self.ledger.claim(self.request(d, owner)), owner)
         except (LedgerUnavailableError, UnsafeLedgerError) as exc:
-            # Fail closed. The claim may have landed with its reply lost: the next delivery takes it back.
+            # Fail closed. The claim may have landed with its reply lost, or not: the next delivery
+            # takes back whichever of this chain's owners holds it.
             return self.unavailable(d, exc, carry=_held(d, owner))
         if _said_unreachable:  # the ledger answers again: its next outage gets its ERROR line too
             _said_unreachable.discard(id(self.ledger))
         return self.settle(d, claim)
+
+    def claimant(self, d: Delivery) -> str:
+        """The owner a delivery claims under. A verdict is claimed as the owner holding its claim, so
+        that the claim stays that owner's whether or not this one lands (its reply may be lost): it is
+        recorded, never run, whoever takes it."""
+        if d.verdict is not None and d.resume_owners:
+            return d.resume_owners[0]
+        return d.owner or new_owner(d.attempt_id)
+
+    def take_back(self, d: Delivery, claim: Claim, owner: str) -> Claim:
+        """A claim found busy under an older owner of this chain (an earlier claim of it landed, a later
+        one did not) is taken back as that owner: never left to wait out its lease as someone else's.
+
+        Raises :class:`LedgerUnavailableError` like :meth:`Ledger.claim`.
+        """
+        holder = claim.record.owner
+        # A store may keep an owner with a suffix of its own (the SQL ledgers add a nonce to a new claim's).
+        if claim.status is not ClaimStatus.BUSY or not any(holder.startswith(o) for o in d.resume_owners[1:]):
+            return claim
+        request = self.request(d, holder if d.verdict is not None else owner)
+        return self.ledger.claim(replace(request, resume_owner=holder))
 
     def check(self, d: Delivery) -> Step | None:
         """None if the call may be claimed; else the step that ends it, with nothing stored."""
@@ -314,7 +335,8 @@ class Handler:
         payload = d.payload
         return ClaimRequest(key=d.key, task_name=d.task_name, payload=payload.to_json(),
                             fingerprint=self.builder.fingerprint(payload), owner=owner,
-                            lease_seconds=self.policy.lease_seconds, resume_owner=d.resume_owner)
+                            lease_seconds=self.policy.lease_seconds,
+                            resume_owner=d.resume_owners[0] if d.resume_owners else None)
 
     def settle(self, d: Delivery, claim: Claim) -> Step:
         """Everything after the claim (bulk sends call this for each claim of a batch)."""
@@ -393,7 +415,7 @@ class Handler:
                 countdown = max(countdown, exc.retry_after)
             # If the release did not land, the retry takes its own claim back instead of waiting on it.
             return Step(Outcome.RETRY, Action.RETRY, key, error=exc, countdown=countdown,
-                        carry={OWNER_HEADER: claim.record.owner})
+                        carry={OWNER_HEADER: [claim.record.owner]})
         if sent_maybe:
             found = self.reconciled(d, claim.record)
             if found is not None:
@@ -446,7 +468,7 @@ class Handler:
             self.effect.report(Outcome.SENT, key, message_id=outcome["message_id"], reason=unrecorded,
                                recorded="false")
             return self.unavailable(d, LedgerUnavailableError(f"{key}: sent, not yet recorded"), carry={
-                OWNER_HEADER: claim.record.owner, VERDICT_HEADER: {"state": "sent", "result": stored}},
+                OWNER_HEADER: [claim.record.owner], VERDICT_HEADER: {"state": "sent", "result": stored}},
                 value=outcome)
         if unrecorded:
             self.effect.report(Outcome.SENT, key, message_id=outcome["message_id"], reason=unrecorded,
@@ -469,7 +491,7 @@ class Handler:
             log.error("idemmail: could not record %s for %s yet: %s", state.value, d.key, exc_ledger)
             self.effect.report(outcome, d.key, reason=reason, recorded="false", error=snake(type(exc_ledger).__name__))
             return self.unavailable(d, exc_ledger, carry={
-                OWNER_HEADER: claim.record.owner, VERDICT_HEADER: {"state": state.value, "error": error}},
+                OWNER_HEADER: [claim.record.owner], VERDICT_HEADER: {"state": state.value, "error": error}},
                 error=exc)
         except LedgerError as exc_ledger:  # the claim was taken over: the newer holder's record wins
             log.error("idemmail: could not record %s for %s: %s", state.value, d.key, exc_ledger)
@@ -559,9 +581,13 @@ class Handler:
                     value: Any = None, error: BaseException | None = None) -> Step:
         """The ledger (or the side effect's set-up) cannot be used now: reschedule on the outage budget.
 
-        ``carry`` travels with the next delivery (an owner to take back, a verdict to record).
+        ``carry`` travels with the next delivery (an owner to take back, a verdict to record); without
+        it, what this delivery came with does (the owners that may hold its claim, its verdict): nothing
+        that ends a delivery before its outcome is recorded leaves the chain's claim to nobody.
         When the budget runs out the step returns ``value`` or raises ``error`` (default ``exc``).
         """
+        if carry is None:
+            carry = _held(d)
         p, key = self.policy, d.key
         word = snake(type(exc).__name__)
         if isinstance(exc, (LedgerUnavailableError, UnsafeLedgerError)):
@@ -710,10 +736,31 @@ def _iso(ts: float | None) -> str | None:
     return None if not ts else dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat()
 
 
-def _held(d: Delivery, owner: str | None) -> dict[str, Any]:
-    """What a delivery that met an outage hands to the next one: the owner that may hold its claim,
-    and its verdict (dropped, the claim would wait out its lease and be decided again)."""
-    carry: dict[str, Any] = {OWNER_HEADER: owner} if owner else {}
+#: How many of a chain's owners travel (one more each time a claim's reply is lost in a row).
+MAX_OWNERS = 16
+
+
+def held_by(owner: str | None, owners: tuple[str, ...]) -> list[str]:
+    """The owners that may hold a chain's claim after a claim as ``owner`` whose reply did not come back:
+    ``owner`` (it landed) or any of ``owners`` (it did not), newest first, each once."""
+    return list(dict.fromkeys(o for o in (owner, *owners) if o))[:MAX_OWNERS]
+
+
+def owners_of(header: Any) -> tuple[str, ...]:
+    """An owner header as the broker returns it (a list, newest first; one string from older releases)."""
+    if isinstance(header, str):
+        return (header,) if header else ()
+    if isinstance(header, (list, tuple)):
+        return tuple(str(o) for o in header if isinstance(o, str) and o)[:MAX_OWNERS]
+    return ()
+
+
+def _held(d: Delivery, owner: str | None = None) -> dict[str, Any]:
+    """What a delivery that met an outage hands to the next one: the owners that may hold its claim
+    (``owner``, the one it just claimed under, if any), and its verdict (dropped, the claim would wait
+    out its lease and be decided again)."""
+    owners = held_by(owner, d.resume_owners)
+    carry: dict[str, Any] = {OWNER_HEADER: owners} if owners else {}
     if d.verdict is not None:
         carry[VERDICT_HEADER] = d.verdict
     return carry

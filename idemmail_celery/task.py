@@ -58,7 +58,7 @@ from .errors import (
     UnsafeLedgerError,
     UnserializableArgumentsError,
 )
-from .handler import Action, Delivery, Handler, Outcome, Policy, Step, verdict_of
+from .handler import Action, Delivery, Handler, Outcome, Policy, Step, owners_of, verdict_of
 from .keys import IntentKeyBuilder, KeySpec, Payload, RoundTrip
 from .ledger import Ledger, backend_for, shared
 from .ledger.base import new_owner
@@ -391,7 +391,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             key=key, task_name=self.name, payload=payload, attempt_id=request.id or "",
             retries=request.retries or 0, max_retries=self.max_retries,
             inflight=_count(headers.get(INFLIGHT_HEADER)), outage=_count(headers.get(OUTAGE_HEADER)),
-            enqueued_at=_number(headers.get(ENQUEUED_HEADER)), resume_owner=headers.get(OWNER_HEADER) or None,
+            enqueued_at=_number(headers.get(ENQUEUED_HEADER)), resume_owners=owners_of(headers.get(OWNER_HEADER)),
             verdict=verdict_of(headers.get(VERDICT_HEADER)), hop=str(headers.get(HOP_HEADER) or request.id or ""),
             owner=owner,
         ))
@@ -492,7 +492,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # A body asking to retry: its claim is released after this returns; should the release
             # fail, the retry takes the claim back (its owner travels) instead of waiting on it.
             owner = getattr(self.request, "idemmail_owner", None)
-            headers = _chain(dict(self.request.headers or {}), {OWNER_HEADER: owner} if owner else {}, keep=False)
+            headers = _chain(dict(self.request.headers or {}), {OWNER_HEADER: [owner]} if owner else {}, keep=False)
             headers.update(getattr(self.request, "idemmail_key_headers", None) or {})  # the key claimed, marked
         if countdown is None and eta is None:
             countdown = self.default_retry_delay

@@ -54,7 +54,7 @@ def test_a_ledger_blip_recording_one_recipient_settles_it_and_the_batch_goes_on(
     assert len(box.sent) == 5 and set(batch.verdicts()) == {blip_key}
     # The next pass takes its own claim back and records the verdict: nothing is sent again.
     refusing.down.clear()
-    again = [replace(d, resume_owner="camp:1:aaaa", verdict=batch.verdicts().get(d.key), retries=1)
+    again = [replace(d, resume_owners=("camp:1:aaaa",), verdict=batch.verdicts().get(d.key), retries=1)
              for d in recipients(5, "b1")]
     second = send_batch(handler, again, owner="camp:1:bbbb")
     assert second.tally() == Counter({Outcome.SENT: 1, Outcome.DUPLICATE: 4}) and len(box.sent) == 5
@@ -187,7 +187,7 @@ def test_a_recipient_whose_settling_broke_after_the_send_is_parked_not_sent_agai
     parked = ledger.get(ds[1].key)
     assert parked is not None and parked.state is State.REVIEW
     assert parked.error["reason"] == "unexpected_error"  # type: ignore[index]
-    again = [replace(d, resume_owner="camp:5:aaaa", retries=1) for d in ds]
+    again = [replace(d, resume_owners=("camp:5:aaaa",), retries=1) for d in ds]
     second = send_batch(handler, again, owner="camp:5:bbbb")
     assert second.tally() == Counter({Outcome.DUPLICATE: 3}) and len(box.sent) == 3  # nothing sent twice
 
@@ -407,3 +407,36 @@ def test_a_verdict_whose_next_pass_met_the_ledger_down_is_still_recorded_by_the_
     record = real.get(ann)
     assert record is not None and record.state is State.SENT, record
     assert len(list((tmp_path / "out").iterdir())) == 2
+
+
+def test_a_batch_claim_whose_reply_was_lost_then_a_refused_pass_sends_every_recipient_once(tmp_path: Any) -> None:
+    # Case 1 of issue 23: the first pass's batch claim lands with its reply lost; the next pass's claim
+    # is refused. The pass after must take back the claims the first one holds, not find them busy
+    # until their leases run out (and then park them for review, having sent nothing).
+    from idemmail_celery.errors import LedgerUnavailableError
+
+    app, campaign = campaign_app(tmp_path, "s", "bulk-lost-reply")
+    sender = app.tasks["idemmail_celery.send_email"]
+    real = sender.ledger
+
+    class LostThenDown(LedgerWrapper):
+        calls = 0
+
+        def claim_many(self, requests: Any) -> Any:
+            self.calls += 1
+            if self.calls == 1:
+                self.inner.claim_many(requests)  # it lands; its reply never comes back
+                raise LedgerUnavailableError("reply lost")
+            if self.calls == 2:
+                raise LedgerUnavailableError("store went away")
+            return self.inner.claim_many(requests)
+
+    sender._idem_ledger = LostThenDown(real)
+    people = [f"r{i}@example.com" for i in range(5)]
+    out = campaign.apply(kwargs={"campaign_id": "c-lost", "subject": "Hi", "text": "x",
+                                 "recipients": people}).get()
+    assert (out["sent"], out["review"], out["pending"]) == (5, 0, 0)
+    assert len(list((tmp_path / "out").iterdir())) == 5  # one email per recipient
+    for to in people:
+        record = real.get(sender.intent_key(to=to, subject="Hi", text="x", event_id="c-lost"))
+        assert record is not None and record.state is State.SENT and record.reclaims == 0
