@@ -99,6 +99,8 @@ class Outcome(str, enum.Enum):
     COPY_DROPPED = "copy_dropped"              #: a second copy of a reschedule already published: dropped
     LEDGER_UNAVAILABLE = "ledger_unavailable"  #: fail closed: rescheduled until the ledger (or set-up) is back
     LEDGER_GAVE_UP = "ledger_unavailable_gave_up"  #: the outage budget ran out: the message fails
+    SETUP_ERROR = "setup_error"                #: this worker cannot set the call up (a missing API key or driver,
+                                               #: a broken install): rescheduled on the outage budget, nothing claimed
     RECLAIMED = "reclaimed"                    #: a dead holder's expired lease was taken over (a step)
     KEY_REUSE = "key_reuse"                    #: refused: the key came back with other must-match values
     FAIL_OPEN = "fail_open"                    #: the ledger was down and fail_open ran the body without a claim
@@ -263,7 +265,7 @@ class Handler:
         owner = self.claimant(d)
         try:
             claim = self.take_back(d, self.ledger.claim(self.request(d, owner)), owner)
-        except (LedgerUnavailableError, UnsafeLedgerError) as exc:
+        except Exception as exc:
             # Fail closed. The claim may have landed with its reply lost, or not: the next delivery
             # takes back whichever of this chain's owners holds it.
             return self.unavailable(d, exc, carry=_held(d, owner))
@@ -308,6 +310,8 @@ class Handler:
             error = PermanentSendError(scrub(str(exc))[:500], reason=reason, key=d.key)
             error.__cause__ = exc
             return Step(Outcome.FAILED, Action.RAISE, d.key, error=error)
+        except Exception as exc:  # a missing module, a broken install, a defect: nothing was sent, nothing claimed
+            return self.unavailable(d, exc)
         return None
 
     def recorded_key(self, d: Delivery) -> Delivery:
@@ -586,26 +590,12 @@ class Handler:
         that ends a delivery before its outcome is recorded leaves the chain's claim to nobody.
         When the budget runs out the step returns ``value`` or raises ``error`` (default ``exc``).
         """
-        if carry is None:
-            carry = _held(d)
-        p, key = self.policy, d.key
-        word = snake(type(exc).__name__)
+        carry = _held(d) if carry is None else carry
         if isinstance(exc, (LedgerUnavailableError, UnsafeLedgerError)):
             _say_unreachable_once(self.ledger, exc)
-        if p.fail_open and isinstance(exc, (LedgerUnavailableError, UnsafeLedgerError)) and VERDICT_HEADER not in (
-                carry or {}):
-            return self.fail_open(d, exc)
-        if p.outage_max_retries is not None and d.outage >= p.outage_max_retries:
-            self.effect.report(Outcome.LEDGER_GAVE_UP, key, reason=word, reschedules=d.outage)
-            if value is not None:
-                return Step(Outcome.SENT, Action.RETURN, key, value=value)
-            return Step(Outcome.LEDGER_GAVE_UP, Action.RAISE, key, error=error or exc)
-        countdown = backoff(d.outage, p.inflight_backoff, p.inflight_backoff_max)
-        if carry and VERDICT_HEADER in carry:  # back before the claim's lease can run out: no copy may take it
-            countdown = min(countdown, p.lease_seconds / 3)
-        self.effect.report(Outcome.LEDGER_UNAVAILABLE, key, reason=word, reschedules=d.outage + 1)
-        return Step(Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE, key, countdown=countdown, error=exc,
-                    carry={INFLIGHT_HEADER: d.inflight, OUTAGE_HEADER: d.outage + 1, **(carry or {})})
+            if self.policy.fail_open and VERDICT_HEADER not in carry:
+                return self.fail_open(d, exc)
+        return wait_out(self.policy, self.effect, d, exc, carry=carry, value=value, error=error)
 
     def fail_open(self, d: Delivery, exc: Exception) -> Step:
         """``fail_open``: run the side effect without a claim (at-least-once, by the operator's choice)."""
@@ -703,6 +693,69 @@ class Handler:
         self.effect.report(Outcome.KEY_REUSE, record.key, reason=",".join(fields))
         return Step(Outcome.KEY_REUSE, Action.RAISE, record.key,
                     error=IdempotencyKeyReuseError(message, key=record.key, fields=fields))
+
+
+def wait_out(policy: Policy, effect: SideEffect, d: Delivery, exc: BaseException, *,
+             carry: dict[str, Any] | None = None, value: Any = None, error: BaseException | None = None) -> Step:
+    """Reschedule ``d`` on the outage budget (see :meth:`Handler.unavailable`), with ``carry`` for its next
+    delivery. A ledger that cannot answer is ``ledger_unavailable``; anything else (a set-up error: a missing
+    API key or driver, a broken install, a defect before the claim) is ``setup_error``, and its fix is
+    logged at ERROR once per process. Adapters call this when even the handler cannot be built."""
+    key = d.key
+    carry = _held(d) if carry is None else carry
+    word = snake(type(exc).__name__)
+    ledger_down = isinstance(exc, (LedgerError, UnsafeLedgerError))
+    if not ledger_down:
+        say_setup_error_once(exc)
+    if policy.outage_max_retries is not None and d.outage >= policy.outage_max_retries:
+        effect.report(Outcome.LEDGER_GAVE_UP, key, reason=word, reschedules=d.outage)
+        if value is not None:
+            return Step(Outcome.SENT, Action.RETURN, key, value=value)
+        return Step(Outcome.LEDGER_GAVE_UP, Action.RAISE, key, error=error or exc)
+    countdown = backoff(d.outage, policy.inflight_backoff, policy.inflight_backoff_max)
+    if carry and VERDICT_HEADER in carry:  # back before the claim's lease can run out: no copy may take it
+        countdown = min(countdown, policy.lease_seconds / 3)
+    outcome = Outcome.LEDGER_UNAVAILABLE if ledger_down else Outcome.SETUP_ERROR
+    effect.report(outcome, key, reason=word, reschedules=d.outage + 1)
+    return Step(outcome, Action.RESCHEDULE, key, countdown=countdown, error=exc,
+                carry={INFLIGHT_HEADER: d.inflight, OUTAGE_HEADER: d.outage + 1, **(carry or {})})
+
+
+#: The optional extra that installs each driver a ledger or provider imports on demand.
+EXTRA_OF_MODULE = {"psycopg": "postgres", "psycopg2": "postgres", "pymysql": "mysql", "MySQLdb": "mysql",
+                   "redis": "redis", "hiredis": "redis", "prometheus_client": "metrics", "cryptography": "crypto"}
+
+
+def setup_fix(exc: BaseException) -> str:
+    """What an operator does about a set-up error, in one sentence."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+    root = str(missing or "").split(".")[0]
+    if root in ("psycopg2", "MySQLdb"):  # a URL without a driver name: SQLAlchemy's default driver, not the extra's
+        scheme = "postgresql+psycopg" if root == "psycopg2" else "mysql+pymysql"
+        return (f"install the driver: pip install 'idemmail-celery[{EXTRA_OF_MODULE[root]}]' and name it in the "
+                f"ledger URL ({scheme}://...), then restart the worker")
+    if root in EXTRA_OF_MODULE:
+        return f"install the driver: pip install 'idemmail-celery[{EXTRA_OF_MODULE[root]}]', then restart the worker"
+    if isinstance(exc, ImportError):
+        return f"install the missing module {missing or ''} (or repair the install), then restart the worker"
+    if isinstance(exc, ConfigurationError):
+        return f"fix the configuration ({scrub(str(exc))[:300]}), then restart the worker"
+    return "a defect or a broken install: see the traceback, fix it and restart the worker"
+
+
+_said_setup: set[tuple[str, str]] = set()
+
+
+def say_setup_error_once(exc: BaseException) -> None:
+    """One ERROR line per process and problem; each delivery then reports ``setup_error`` at WARNING."""
+    what = (type(exc).__name__, str(exc)[:200])
+    with _said_lock:
+        if what in _said_setup:
+            return
+        _said_setup.add(what)
+    log.error("idemmail: tasks cannot be set up on this worker (%s: %s): %s; messages wait on the outage "
+              "budget (idemmail_outage_max_retries) and are sent once it is fixed", type(exc).__name__,
+              scrub(str(exc))[:300], setup_fix(exc), exc_info=not isinstance(exc, (ConfigurationError, ImportError)))
 
 
 _said_unreachable: set[int] = set()

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, NoReturn
 
 from celery import Task
@@ -58,7 +59,7 @@ from .errors import (
     UnsafeLedgerError,
     UnserializableArgumentsError,
 )
-from .handler import Action, Delivery, Handler, Outcome, Policy, Step, owners_of, verdict_of
+from .handler import Action, Delivery, Handler, Outcome, Policy, Step, owners_of, verdict_of, wait_out
 from .keys import IntentKeyBuilder, KeySpec, Payload, RoundTrip
 from .ledger import Ledger, backend_for, shared
 from .ledger.base import new_owner
@@ -378,24 +379,40 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self.run(*args, **kwargs)
         headers = dict(request.headers or {})
         payload = Payload(list(args), dict(kwargs))
-        key, older = self._claim_key(payload, headers)
-        # Whatever this delivery publishes next (a retry, a reschedule, the next hop of a wait)
-        # carries the key it claims under, marked: apply_async sends it unchanged.
-        request.idemmail_key_headers = self.key_headers(key, older)
-        headers.update(request.idemmail_key_headers)
-        self._wait_until_due(headers)
+        # This chain's state, as the message brings it: kept whatever this delivery comes to.
+        chain = Delivery(key=str(headers.get(KEY_HEADER) or ""), task_name=self.name, payload=payload,
+                         attempt_id=request.id or "", inflight=_count(headers.get(INFLIGHT_HEADER)),
+                         outage=_count(headers.get(OUTAGE_HEADER)), resume_owners=owners_of(headers.get(OWNER_HEADER)),
+                         verdict=verdict_of(headers.get(VERDICT_HEADER)))
+        try:
+            key, older = self._claim_key(payload, headers)
+            # Whatever this delivery publishes next (a retry, a reschedule, the next hop of a wait)
+            # carries the key it claims under, marked: apply_async sends it unchanged.
+            request.idemmail_key_headers = self.key_headers(key, older)
+            headers.update(request.idemmail_key_headers)
+            self._wait_until_due(headers)
+            handler = self.handler  # opens the ledger: its driver is imported here
+        except (PermanentSendError, Retry, Ignore):
+            raise  # a key that cannot be made of the call (refused by name), or the next hop of a wait
+        except Exception as exc:
+            # Nothing claimed, nothing sent: a missing driver, a broken install or a defect must not end the
+            # message FAILURE (acknowledged, gone). It waits on the outage budget, its chain state kept.
+            return self._carry_out(wait_out(self._policy_or_default(), self, chain, exc), headers)
         request.idempotency_key = key
         request.idemmail_owner = owner = new_owner(request.id or "")
-        step = self.handler.handle(Delivery(
-            older_keys=older,
-            key=key, task_name=self.name, payload=payload, attempt_id=request.id or "",
-            retries=request.retries or 0, max_retries=self.max_retries,
-            inflight=_count(headers.get(INFLIGHT_HEADER)), outage=_count(headers.get(OUTAGE_HEADER)),
-            enqueued_at=_number(headers.get(ENQUEUED_HEADER)), resume_owners=owners_of(headers.get(OWNER_HEADER)),
-            verdict=verdict_of(headers.get(VERDICT_HEADER)), hop=str(headers.get(HOP_HEADER) or request.id or ""),
+        step = handler.handle(replace(
+            chain, key=key, older_keys=older, retries=request.retries or 0, max_retries=self.max_retries,
+            enqueued_at=_number(headers.get(ENQUEUED_HEADER)), hop=str(headers.get(HOP_HEADER) or request.id or ""),
             owner=owner,
         ))
         return self._carry_out(step, headers)
+
+    def _policy_or_default(self) -> Policy:
+        """This task's policy, or the defaults when its settings cannot be read either."""
+        try:
+            return self.policy
+        except Exception:
+            return Policy()
 
     def _claim_key(self, payload: Payload, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
         """The key this delivery claims under, and the older keys to look for first (a rotation).

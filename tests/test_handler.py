@@ -184,11 +184,36 @@ def test_a_side_effect_that_cannot_be_set_up_waits_on_the_outage_budget_unclaime
     handler, box = build(ledger, outage_max_retries=2)
     box.invalid = ConfigurationError("no API key")
     step = handler.handle(delivery("h8"))
-    assert (step.outcome, step.action) == (Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE)
+    assert (step.outcome, step.action) == (Outcome.SETUP_ERROR, Action.RESCHEDULE)
     assert step.carry[OUTAGE_HEADER] == 1 and ledger.get("h8") is None
     last = handler.handle(delivery("h8", outage=2))
     assert (last.outcome, last.action) == (Outcome.LEDGER_GAVE_UP, Action.RAISE)
     assert isinstance(last.error, ConfigurationError) and ledger.get("h8") is None
+
+
+class NoDriver(LedgerWrapper):
+    """A ledger whose driver is not installed: its first use imports it, and fails."""
+
+    def claim(self, request: ClaimRequest) -> Any:
+        raise ModuleNotFoundError("No module named 'psycopg'", name="psycopg")
+
+
+@pytest.mark.parametrize("where", ["check", "claim"])
+def test_an_unexpected_error_before_the_claim_waits_on_the_outage_budget_and_says_the_fix(
+    ledger: Ledger, where: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Case 4 of issue 23: a missing driver (or a broken import, a bug) before the claim used to end the
+    # message FAILURE, acknowledged and gone. Nothing was sent: it waits, and one ERROR says what to do.
+    handler, box = build(NoDriver(ledger) if where == "claim" else ledger, outage_max_retries=5)
+    if where == "check":
+        box.invalid = ModuleNotFoundError("No module named 'psycopg'", name="psycopg")
+    monkeypatch.setattr("idemmail_celery.handler._said_setup", set())  # one ERROR per process: this one's
+    caplog.set_level("ERROR", logger="idemmail_celery")
+    steps = [handler.handle(delivery(f"h-setup-{where}", outage=n)) for n in range(2)]
+    assert [(s.outcome, s.action) for s in steps] == [(Outcome.SETUP_ERROR, Action.RESCHEDULE)] * 2
+    assert steps[1].carry[OUTAGE_HEADER] == 2 and box.sent == [] and ledger.get(f"h-setup-{where}") is None
+    fixes = [r for r in caplog.records if "pip install 'idemmail-celery[postgres]'" in r.getMessage()]
+    assert len(fixes) == 1 and fixes[0].levelname == "ERROR"  # once, not per delivery
 
 
 def test_a_live_claim_reschedules_within_the_holders_lease_and_gives_up_on_budget(ledger: Ledger) -> None:

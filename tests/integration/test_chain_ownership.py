@@ -1,0 +1,69 @@
+"""Issue 23: every chain keeps its claim, on real workers, with a ledger Redis the test stops and starts.
+
+Each test ends with every intent sent exactly once and nothing left ``claimed``: an outage at the
+release or at the claim, or a worker that cannot set the call up, hands the chain on with the owner
+that holds its claim, and the next delivery takes it back.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from idemmail_celery.ledger import State, from_url
+
+from ..conftest import POSTGRES_URL, wait_for
+from .conftest import PrivateRedis, Sink
+
+
+def test_a_retry_whose_release_and_next_claim_meet_a_ledger_outage_sends_once(
+    app_module: Any, ns: str, sink: Sink, start_worker: Any, ledger_redis: PrivateRedis
+) -> None:
+    # Case 1: a transient provider error whose release meets the ledger stopped, and whose retry's claim
+    # meets it too. Before: the retry found its own chain's claim busy until the in-flight budget ran out
+    # ("still held by" its own task), with the record left claimed and nothing sent.
+    worker = start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_LEDGER": ledger_redis.url})
+    sink.control("hold", "1.5")  # the body runs this long holding its claim: the ledger stops meanwhile
+    sink.push_failure("transient")
+    ar = app_module.send.delay("ann@example.com", 71)
+    wait_for(lambda: len(sink.pids()) >= 1, timeout=60)
+    ledger_redis.stop()
+    wait_for(lambda: worker.log().count(b"status=ledger_unavailable") >= 2, timeout=60)  # the retry waits
+    sink.r.delete(sink.k("ctl.hold"))
+    ledger_redis.start()
+    assert ar.get(timeout=120)["status"] == "sent"
+    assert len(sink.deliveries()) == 1
+    ledger = from_url(ledger_redis.url, prefix=f"led.{ns}")
+    record = ledger.get(app_module.send.intent_key("ann@example.com", 71))
+    assert record is not None and record.state is State.SENT and record.reclaims == 0
+
+
+def test_a_worker_without_the_ledgers_driver_keeps_the_message_and_says_what_to_install(
+    app_module: Any, ns: str, sink: Sink, start_worker: Any, tmp_path: Path, worker_env: dict[str, str]
+) -> None:
+    # Case 4: a PostgreSQL ledger on a worker without psycopg. Before: the worker said ready, the task
+    # ended FAILURE with ModuleNotFoundError, and the message was gone.
+    blocker = tmp_path / "no-driver"
+    (blocker / "psycopg").mkdir(parents=True)
+    (blocker / "psycopg" / "__init__.py").write_text(
+        'raise ModuleNotFoundError("No module named \'psycopg\'", name="psycopg")\n')
+    env = {"IDEMMAIL_TEST_LEDGER": POSTGRES_URL}
+    broken = start_worker("-P", "prefork", "-c", "1",
+                          env={**env, "PYTHONPATH": f"{blocker}:{worker_env['PYTHONPATH']}"})
+    ar = app_module.send.delay("ann@example.com", 72)
+    wait_for(lambda: broken.log().count(b"status=setup_error") >= 2, timeout=60)
+    log = broken.log().decode(errors="replace")
+    fixes = [line for line in log.splitlines() if "pip install 'idemmail-celery[postgres]'" in line]
+    assert len(fixes) == 1 and "ERROR" in fixes[0]  # one line that says what to do
+    assert re.search(r"WARNING.*status=setup_error", log)  # each delivery: its own outcome, at WARNING
+    assert sink.deliveries() == [] and not ar.ready()
+    broken.stop()
+    start_worker("-P", "prefork", "-c", "1", env=env)  # the driver installed, the worker restarted
+    try:
+        assert ar.get(timeout=120)["status"] == "sent"
+        assert len(sink.deliveries()) == 1
+    finally:
+        ledger = from_url(POSTGRES_URL, table=f"led_{ns}")
+        ledger.drop_table()  # type: ignore[attr-defined]
+        ledger.close()
