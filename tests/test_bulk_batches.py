@@ -440,3 +440,53 @@ def test_a_batch_claim_whose_reply_was_lost_then_a_refused_pass_sends_every_reci
     for to in people:
         record = real.get(sender.intent_key(to=to, subject="Hi", text="x", event_id="c-lost"))
         assert record is not None and record.state is State.SENT and record.reclaims == 0
+
+
+def _no_provider_for(sender: Any, monkeypatch: pytest.MonkeyPatch, checks: int) -> list[int]:
+    """The worker's provider cannot be built (no API key) for the first ``checks`` checks."""
+    from idemmail_celery.errors import ConfigurationError
+
+    seen = [0]
+    real = sender.check
+
+    def check(payload: Payload) -> None:
+        seen[0] += 1
+        if seen[0] <= checks:
+            raise ConfigurationError("set idemmail_provider_api_key (or the provider's env variable)")
+        real(payload)
+
+    monkeypatch.setattr(sender, "check", check)
+    return seen
+
+
+def test_a_campaign_whose_provider_cannot_be_built_waits_and_sends_once_it_can(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Case 3 of issue 23: before, the campaign spent its 30 passes on the set-up error and ended SUCCESS
+    # with "pending: 4", nobody holding them and nothing sent. Now it waits on the outage budget
+    # (unlimited by default) like send_email, and sends when the provider can be built.
+    from idemmail_celery.bulk import MAX_PASSES
+
+    app, campaign = campaign_app(tmp_path, "s", "bulk-setup")
+    sender = app.tasks["idemmail_celery.send_email"]
+    _no_provider_for(sender, monkeypatch, checks=4 * (MAX_PASSES + 5))  # four a pass: past MAX_PASSES passes
+    people = [f"r{i}@example.com" for i in range(4)]
+    out = campaign.apply(kwargs={"campaign_id": "c-setup", "subject": "Hi", "text": "x",
+                                 "recipients": people}).get()
+    assert out["sent"] + out["duplicate"] == 4 and (out["pending"], out["failed"], out["review"]) == (0, 0, 0)
+    assert len(list((tmp_path / "out").iterdir())) == 4  # each sent once
+
+
+def test_a_campaign_past_its_outage_budget_fails_rather_than_ending_with_recipients_nobody_holds(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from idemmail_celery.errors import ConfigurationError
+
+    app, campaign = campaign_app(tmp_path, "s", "bulk-setup-budget")
+    app.conf.idemmail_outage_max_retries = 3
+    sender = app.tasks["idemmail_celery.send_email"]
+    _no_provider_for(sender, monkeypatch, checks=10_000)
+    result = campaign.apply(kwargs={"campaign_id": "c-setup-2", "subject": "Hi", "text": "x",
+                                    "recipients": ["ann@example.com", "bob@example.com"]})
+    assert result.state == "FAILURE" and isinstance(result.result, ConfigurationError)
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []

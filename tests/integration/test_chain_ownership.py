@@ -67,3 +67,26 @@ def test_a_worker_without_the_ledgers_driver_keeps_the_message_and_says_what_to_
         ledger = from_url(POSTGRES_URL, table=f"led_{ns}")
         ledger.drop_table()  # type: ignore[attr-defined]
         ledger.close()
+
+
+def test_a_campaign_on_a_worker_without_the_api_key_waits_and_sends_everyone_once_when_fixed(
+    app_module: Any, worker_env: dict[str, str], start_worker: Any
+) -> None:
+    # Case 3: an HTTP provider without its API key. Before: SUCCESS with "pending: 4" after 30 passes,
+    # nothing held and nothing sent once the key was set. Now the campaign waits like send_email.
+    from idemmail_celery.bulk import CAMPAIGN_TASK
+    from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
+
+    with FakeProvider() as fake:
+        worker_env.update(IDEMMAIL_TEST_PROVIDER=fake.url, IDEMMAIL_TEST_PROVIDER_KEY="")
+        broken = start_worker("-P", "prefork", "-c", "1")
+        people = [f"r{i}@example.com" for i in range(4)]
+        ar = app_module.app.tasks[CAMPAIGN_TASK].delay(campaign_id="no-key", recipients=people, subject="Hi",
+                                                         text="t")
+        wait_for(lambda: broken.log().count(f"send_campaign[{ar.id}] retry:".encode()) >= 35, timeout=120)
+        assert not ar.ready() and fake.attempt_count() == 0  # past MAX_PASSES, still waiting
+        broken.stop()
+        start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_PROVIDER_KEY": DEFAULT_API_KEY})
+        out = ar.get(timeout=120)
+        assert out["sent"] + out["duplicate"] == 4 and out["pending"] == 0
+        assert fake.delivery_count() == 4
