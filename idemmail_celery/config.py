@@ -257,6 +257,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("idemmail_outage_max_retries", count, None,
             "Reschedules while the ledger (or the provider's set-up) is unavailable before the message fails; "
             "unset: until it is back.", optional=True),
+    Setting("idemmail_refuse_to_start", parse_bool, False,
+            "Exit at worker start when a start-up check fails (a ledger that does not answer or whose driver is "
+            "missing, a provider that cannot be built, no key secret). Off: each failure is one ERROR line with "
+            "its fix, and messages wait on the outage budget until it is fixed."),
     Setting("idemmail_fail_open", parse_bool, False,
             "Run the body without a claim while the ledger is unavailable (at-least-once). Off: fail closed.",
             option="idempotency_fail_open"),
@@ -357,6 +361,7 @@ class Settings:
     retry_backoff: float = _D["retry_backoff"]
     retry_backoff_max: float = _D["retry_backoff_max"]
     outage_max_retries: int | None = None
+    refuse_to_start: bool = _D["refuse_to_start"]
     fail_open: bool = _D["fail_open"]
     carries_key: bool = _D["carries_key"]
     redact_args: bool = _D["redact_args"]

@@ -746,16 +746,17 @@ def setup_fix(exc: BaseException) -> str:
 _said_setup: set[tuple[str, str]] = set()
 
 
-def say_setup_error_once(exc: BaseException) -> None:
-    """One ERROR line per process and problem; each delivery then reports ``setup_error`` at WARNING."""
-    what = (type(exc).__name__, str(exc)[:200])
+def say_setup_error_once(exc: BaseException, what: str = "tasks cannot be set up on this worker") -> None:
+    """One ERROR line per process and problem, with its fix (:func:`setup_fix`); each delivery then
+    reports ``setup_error`` at WARNING."""
+    problem = (type(exc).__name__, str(exc)[:200])
     with _said_lock:
-        if what in _said_setup:
+        if problem in _said_setup:
             return
-        _said_setup.add(what)
-    log.error("idemmail: tasks cannot be set up on this worker (%s: %s): %s; messages wait on the outage "
-              "budget (idemmail_outage_max_retries) and are sent once it is fixed", type(exc).__name__,
-              scrub(str(exc))[:300], setup_fix(exc), exc_info=not isinstance(exc, (ConfigurationError, ImportError)))
+        _said_setup.add(problem)
+    log.error("idemmail: %s (%s: %s): %s; messages wait on the outage budget (idemmail_outage_max_retries) "
+              "and are sent once it is fixed", what, type(exc).__name__, scrub(str(exc))[:300], setup_fix(exc),
+              exc_info=not isinstance(exc, (ConfigurationError, ImportError)))
 
 
 _said_unreachable: set[int] = set()

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 from celery import Task
 from celery.exceptions import Ignore, Retry
-from celery.signals import before_task_publish, worker_init
+from celery.signals import before_task_publish, celeryd_after_setup, worker_init
 from kombu.exceptions import KombuError
 from kombu.serialization import dumps as kombu_dumps
 from kombu.serialization import loads as kombu_loads
@@ -59,10 +59,22 @@ from .errors import (
     UnsafeLedgerError,
     UnserializableArgumentsError,
 )
-from .handler import Action, Delivery, Handler, Outcome, Policy, Step, owners_of, verdict_of, wait_out
+from .handler import (
+    Action,
+    Delivery,
+    Handler,
+    Outcome,
+    Policy,
+    Step,
+    owners_of,
+    say_setup_error_once,
+    verdict_of,
+    wait_out,
+)
 from .keys import IntentKeyBuilder, KeySpec, Payload, RoundTrip
 from .ledger import Ledger, backend_for, shared
 from .ledger.base import new_owner
+from .redaction import scrub
 
 log = logging.getLogger("idemmail_celery")
 
@@ -622,34 +634,72 @@ def _number(value: Any) -> float | None:
         return None
 
 
-def _prepare_ledgers(sender: Any = None, **_: Any) -> None:
-    """On ``worker_init`` (main process, before the pool forks): open every idempotent task's ledger.
+def start_up_problems(app: Any) -> list[tuple[str, BaseException]]:
+    """What would keep this worker's idempotent tasks from running, checked once at start: each task's
+    settings, its key secret, its ledger (its driver imports, it opens and answers) and, for tasks with
+    a provider (``send_email``), that the provider builds. A list of (task name, error); empty when all pass.
 
-    Pool children, and children the pool starts later (``max_tasks_per_child``, a child
-    killed), inherit what it read: the Redis ledger's epoch. A child that first met the
-    store after it was emptied would take it for a new ledger and send again. Never raises:
-    a store that is down now is checked again at the first claim.
+    Opening the ledgers here also reads what pool children must inherit (the Redis ledger's epoch):
+    a child that first met the store after it was emptied would take it for a new ledger and send again.
     """
-    app = getattr(sender, "app", None)
-    if app is None:
-        return
+    problems: list[tuple[str, BaseException]] = []
     seen: set[int] = set()
     for task in list(app.tasks.values()):
         if not isinstance(task, IdempotentTask):
             continue
         try:
+            settings = task.idem_settings
+            if not (settings.key_secrets or settings.allow_plain_keys or settings.ledger_url.startswith("sqlite")):
+                raise ConfigurationError("idemmail_key_secret is not set: set it (or IDEMMAIL_KEY_SECRET)")
             ledger = task.ledger
-            if id(ledger) in seen:
-                continue
-            seen.add(id(ledger))
-            ledger.prepare()
-        except Exception as exc:  # the worker must start; the first claim checks again and fails closed
-            log.warning("idemmail: could not open the ledger of %s at worker start (%s: %s); it is checked "
-                        "again at the first claim", task.name, type(exc).__name__, exc)
+            if id(ledger) not in seen:
+                seen.add(id(ledger))
+                ledger.prepare()
+                ledger.ping()  # a SQL ledger imports its driver on first use: here, not at the first message
+            if settings.provider_url and hasattr(task, "provider"):
+                task.provider  # noqa: B018 - a provider without its API key, or its module missing
+        except Exception as exc:
+            problems.append((task.name, exc))
+    return problems
+
+
+_found_at_start: dict[int, list[tuple[str, BaseException]]] = {}
+
+
+def _check_at_start(sender: Any = None, **_: Any) -> None:
+    """On ``worker_init`` (main process, before the pool forks): :func:`start_up_problems`, kept for
+    :func:`_report_at_start` (Celery's logging is not set up yet). Never raises."""
+    app = getattr(sender, "app", None)
+    if app is not None:
+        _found_at_start[id(app)] = start_up_problems(app)
+
+
+def _report_at_start(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """On ``celeryd_after_setup`` (``celery worker``: logging set up, the pool not started, before ``ready``):
+    one ERROR line with its fix per start-up problem. Messages then wait on the outage budget until it is
+    fixed; with ``idemmail_refuse_to_start`` the worker exits instead."""
+    app = getattr(instance, "app", None)
+    problems = _found_at_start.pop(id(app), []) if app is not None else []
+    for name, exc in problems:
+        if isinstance(exc, LedgerError):  # the store is down now: the first claim finds out again
+            log.error("idemmail: start-up check of %s failed (%s: %s): start the ledger's store or correct "
+                      "idemmail_ledger_url; messages wait until it answers", name, type(exc).__name__,
+                      scrub(str(exc))[:300])
+        else:  # said once per process: pool children forked after this do not say it again per message
+            say_setup_error_once(exc, f"start-up check of {name} failed")
+    if problems and app is not None:
+        try:
+            refuse = Settings.resolve(app.conf).refuse_to_start
+        except ConfigurationError:
+            refuse = False
+        if refuse:
+            raise SystemExit(f"idemmail: refusing to start: {len(problems)} start-up check(s) failed (see the "
+                             "ERROR lines above); idemmail_refuse_to_start is set")
 
 
 # outcomes (imported above) connected its worker_init handler first: metrics are on before this opens ledgers.
-worker_init.connect(_prepare_ledgers, weak=False)
+worker_init.connect(_check_at_start, weak=False)
+celeryd_after_setup.connect(_report_at_start, weak=False)
 # Every publish path (apply_async, send_task by name, the outbox relay, canvas, retries) passes this signal. The
 # rules are in redaction, which stays Celery-free for the handler; the hook belongs to the adapter.
 before_task_publish.connect(redaction.on_before_publish, weak=False)

@@ -90,3 +90,37 @@ def test_a_campaign_on_a_worker_without_the_api_key_waits_and_sends_everyone_onc
         out = ar.get(timeout=120)
         assert out["sent"] + out["duplicate"] == 4 and out["pending"] == 0
         assert fake.delivery_count() == 4
+
+
+def test_a_worker_checks_its_set_up_before_ready_and_can_refuse_to_start(
+    worker_env: dict[str, str], start_worker: Any, tmp_path: Path
+) -> None:
+    # Case 6: before, a worker without the provider's API key started without a word. Now one ERROR line
+    # with the fix comes before "ready."; with idemmail_refuse_to_start the worker exits instead.
+    import subprocess
+    import sys
+    import time
+
+    from idemmail_celery.testing.fake_provider import FakeProvider
+
+    with FakeProvider() as fake:
+        worker_env.update(IDEMMAIL_TEST_PROVIDER=fake.url, IDEMMAIL_TEST_PROVIDER_KEY="")
+        log = start_worker("-P", "solo").log().decode(errors="replace")
+        ready = log.index("ready.")
+        errors = [m.start() for m in re.finditer(r"ERROR.*start-up check of idemmail_celery.send_email failed", log)]
+        assert len(errors) == 1 and errors[0] < ready and "idemmail_provider_api_key" in log[errors[0]:ready]
+        out = tmp_path / "refusing.log"
+        with open(out, "wb") as sink_log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "tests.integration.workerapp", "worker", "-P", "solo",
+                 "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
+                cwd=Path(__file__).parents[2], env={**worker_env, "IDEMMAIL_TEST_REFUSE_TO_START": "1"},
+                stdout=sink_log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                time.sleep(0)
+        text = out.read_text(errors="replace")
+        assert code != 0 and "refusing to start" in text and "ready." not in text

@@ -57,6 +57,7 @@ app.conf.update(
     idemmail_metrics_port=int(os.environ.get("IDEMMAIL_TEST_METRICS_PORT") or 0) or None,
     idemmail_metrics_addr="127.0.0.1",
     idemmail_campaign_pass_seconds=os.environ.get("IDEMMAIL_TEST_CAMPAIGN_PASS") or None,
+    idemmail_refuse_to_start=bool(os.environ.get("IDEMMAIL_TEST_REFUSE_TO_START")),
 )
 
 if not os.environ.get("IDEMMAIL_TEST_DEFAULT_BACKOFF"):  # short waits keep the tests short
