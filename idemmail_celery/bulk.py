@@ -111,11 +111,16 @@ class BatchResult:
         return Counter(self.outcomes())
 
     def verdicts(self) -> dict[str, dict[str, Any]]:
-        """Verdicts this batch reached and could not record yet (delivery key -> verdict), each with
-        the ``owner`` (a list, newest first) its claim is held by: the pass that records it takes the claim
-        back as that owner."""
-        return {k: {**s.carry[VERDICT_HEADER], "owner": s.carry.get(OWNER_HEADER)}
-                for k, s in zip(self.keys, self.steps, strict=True) if VERDICT_HEADER in s.carry}
+        """Verdicts this batch reached and could not record yet, by the key their claim was made with
+        (during a key-secret rotation an older key, which the next pass's secrets may not derive), each
+        with the ``owner`` (a list, newest first) its claim is held by: the pass that records it takes
+        the claim back as that owner, under that key."""
+        return {s.key: {**s.carry[VERDICT_HEADER], "owner": s.carry.get(OWNER_HEADER)}
+                for s in self.steps if VERDICT_HEADER in s.carry}
+
+    def settled_keys(self) -> set[str]:
+        """Every key this batch settled a recipient under: the deliveries' and their claims'."""
+        return {*self.keys, *(s.key for s in self.steps)}
 
 
 
@@ -240,7 +245,7 @@ def _send_campaign(
         say_setup_error_once(exc)
         raise _again(self, policy, exc, owners, verdicts, passes, resumed, outage=True) from exc
     last = passes >= MAX_PASSES
-    deliveries = _unique(builder, base, recipients, tenant, self.request, owners, verdicts, passes)
+    deliveries, recipient_of = _unique(builder, base, recipients, tenant, self.request, owners, verdicts, passes)
     if resumed.start > len(deliveries):  # not this list's place: the whole list (the ledger skips the settled)
         resumed = _Resumed(continued=resumed.continued, outages=resumed.outages)
     tally: Counter[Outcome] = Counter(dict(resumed.tally))
@@ -290,9 +295,10 @@ def _send_campaign(
                     early[d.key] = outcome
         else:
             tally.update(batch.tally())
-        for key in batch.keys:
+        for key in batch.settled_keys():
             pending_verdicts.pop(key, None)
-        pending_verdicts.update(batch.verdicts())
+        # Each verdict says which recipient it is, so a pass with other key secrets finds its claim all the same.
+        pending_verdicts.update({k: {**v, "recipient": recipient_of.get(k)} for k, v in batch.verdicts().items()})
         setup = next((s.error for s in batch.steps if s.outcome is Outcome.SETUP_ERROR), None)
         if setup is not None:  # the rest of the list meets it too: wait on the outage budget, as send_email does
             raise _again(self, policy, setup, owners, pending_verdicts, passes, resumed, outage=True) from setup
@@ -381,12 +387,21 @@ def _yield_pass(task: Task, policy: Policy, owners: list[str], verdicts: dict[st
 
 
 def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: str | None, request: Any,
-            owners: list[str], verdicts: dict[str, Any], passes: int) -> list[Delivery]:
+            owners: list[str], verdicts: dict[str, Any], passes: int) -> tuple[list[Delivery], dict[str, int]]:
     """One delivery per intent: recipients whose keys agree (two spellings of one mailbox) are one.
-    Each claims as ``owners[0]`` (this pass) and takes back a claim held by any of the others."""
+    Each claims as ``owners[0]`` (this pass) and takes back a claim held by any of the others.
+
+    A recipient with a verdict to record is claimed under the key the verdict was reached under, found
+    by that key (or one of the recipient's older keys) or, after a key-secret rotation this pass's secrets
+    cannot derive it from, by the recipient's place in the list. Also returns each key a recipient may be
+    recorded under (its own, its older ones, its verdict's) -> its place in ``recipients``.
+    """
     out: dict[str, Delivery] = {}
+    recipient_of: dict[str, int] = {}
     owner, resume = owners[0], tuple(owners[1:])
-    for to in recipients:
+    by_place = {v["recipient"]: k for k, v in verdicts.items()
+                if isinstance(v, dict) and isinstance(v.get("recipient"), int)}
+    for place, to in enumerate(recipients):
         payload = builder.payload((), {**base, "to": to})
         older: tuple[str, ...] = ()
         try:
@@ -394,13 +409,18 @@ def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: s
             older = builder.older_keys(payload, tenant=tenant)  # () unless the key secret is being rotated
         except Exception:  # an address the key cannot be made of: the check refuses it below, by name
             key = f"invalid:{len(out)}"
-        if key not in out:
-            verdict = verdict_of(verdicts.get(key))
-            holders = owners_of(verdict.get("owner")) if verdict is not None else ()
-            out[key] = Delivery(key=key, task_name=SEND_EMAIL, payload=payload, attempt_id=request.id or "",
-                                retries=passes, max_retries=MAX_PASSES, owner=owner,
-                                resume_owners=holders or resume, verdict=verdict, older_keys=older)
-    return list(out.values())
+        if key in out:
+            continue
+        claim_key = next((k for k in (key, *older) if k in verdicts), None) or by_place.get(place)
+        verdict = verdict_of(verdicts.get(claim_key)) if claim_key is not None else None
+        for k in (key, *older, *([claim_key] if verdict is not None else [])):
+            recipient_of.setdefault(str(k), place)
+        holders = owners_of(verdict.get("owner")) if verdict is not None else ()
+        out[key] = Delivery(key=str(claim_key) if verdict is not None else key, task_name=SEND_EMAIL,
+                            payload=payload, attempt_id=request.id or "", retries=passes, max_retries=MAX_PASSES,
+                            owner=owner, resume_owners=holders or resume, verdict=verdict,
+                            older_keys=() if verdict is not None else older)
+    return list(out.values()), recipient_of
 
 
 def _again(task: Task, policy: Policy, exc: BaseException | None, owners: list[str],

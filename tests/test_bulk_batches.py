@@ -490,3 +490,34 @@ def test_a_campaign_past_its_outage_budget_fails_rather_than_ending_with_recipie
                                     "recipients": ["ann@example.com", "bob@example.com"]})
     assert result.state == "FAILURE" and isinstance(result.result, ConfigurationError)
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_key_secret_rotation_between_passes_records_each_verdict_under_its_claims_key(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Case 2 of issue 23: a pass sends and cannot record (verdicts handed on); the next pass runs with
+    # other key secrets. Before: its keys matched none of the verdicts, it took the claims back under the
+    # older keys and sent those recipients again, and the campaign never ended (verdicts left for ever).
+    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
+    first, then = ["old"], ["new", "old"]
+    app, campaign = campaign_app(tmp_path, first, "bulk-rotate")
+    sender = app.tasks["idemmail_celery.send_email"]
+    real = sender.ledger
+    people = [f"r{i}@example.com" for i in range(6)]
+    unrecorded = {sender.intent_key(to=to, subject="Hi", text="x", event_id="c-rot2"): 4 for to in people[::2]}
+    sender._idem_ledger = RecordsLate(real, unrecorded)
+    retried = campaign.retry
+    passes = [0]
+
+    def rotate_then_retry(*args: Any, **kwargs: Any) -> Any:
+        passes[0] += 1
+        assert passes[0] < 10, "the campaign never ends"
+        app.conf.idemmail_key_secret = then  # the workers are redeployed with the other secrets
+        sender._idem_settings = sender._idem_builder = None
+        return retried(*args, **kwargs)
+
+    monkeypatch.setattr(campaign, "retry", rotate_then_retry)
+    out = campaign.apply(kwargs={"campaign_id": "c-rot2", "subject": "Hi", "text": "x", "recipients": people}).get()
+    assert len(list((tmp_path / "out").iterdir())) == 6  # one email per recipient: none sent twice
+    assert out["sent"] + out["duplicate"] == 6 and out["pending"] == 0, out
+    assert all(real.get(k).state is State.SENT for k in unrecorded)  # type: ignore[union-attr]
