@@ -124,3 +124,32 @@ def test_a_worker_checks_its_set_up_before_ready_and_can_refuse_to_start(
                 time.sleep(0)
         text = out.read_text(errors="replace")
         assert code != 0 and "refusing to start" in text and "ready." not in text
+
+
+def test_a_campaign_whose_key_secret_is_rotated_between_passes_sends_each_recipient_once(
+    app_module: Any, ns: str, worker_env: dict[str, str], start_worker: Any, ledger_redis: PrivateRedis
+) -> None:
+    # Case 2: a pass sends over SMTP and cannot record (the ledger stops); the next passes run on workers
+    # redeployed with ["new", "old"] secrets. Before: their keys matched none of the verdicts, the claims
+    # were taken back under the old keys and sent again, and the campaign never ended.
+    from idemmail_celery.bulk import CAMPAIGN_TASK
+    from idemmail_celery.testing.smtp_sink import SMTPSink
+
+    with SMTPSink() as smtp:
+        worker_env.update(IDEMMAIL_TEST_PROVIDER=smtp.url, IDEMMAIL_TEST_PROVIDER_TIMEOUT="2",
+                          IDEMMAIL_TEST_LEDGER=ledger_redis.url)
+        old = start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_KEY_SECRET": '"old"'})
+        people = [f"r{i}@example.com" for i in range(6)]
+        ar = app_module.app.tasks[CAMPAIGN_TASK].delay(campaign_id="rotated", recipients=people, subject="Hi",
+                                                         text="t", batch_size=6)
+        wait_for(lambda: smtp.count() >= 1, timeout=60, interval=0.005)
+        ledger_redis.stop()  # the sends go on; their records cannot be written
+        wait_for(lambda: old.log().count(b"was sent but could not be recorded yet") >= 1, timeout=60)
+        wait_for(lambda: b"send_campaign[" in old.log() and b"retry:" in old.log(), timeout=60)
+        old.stop()
+        ledger_redis.start()
+        start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_KEY_SECRET": '["new", "old"]'})
+        out = ar.get(timeout=120)
+        assert out["pending"] == 0 and out["sent"] + out["duplicate"] == 6, out
+        delivered = sorted(",".join(m.rcpt_tos) for m in smtp.messages())
+        assert len(delivered) == 6 and len(set(delivered)) == 6, delivered  # each recipient once
