@@ -19,6 +19,7 @@ import redis
 from celery import Celery
 from celery.signals import task_postrun
 
+import idemmail_celery.redrive  # noqa: F401  (the sweep task; green pools restore the broker's unacked messages)
 from idemmail_celery import AmbiguousSendError, IdempotentTask, TransientSendError, send_campaign, send_email  # noqa: F401
 
 NS = os.environ.get("IDEMMAIL_TEST_NS", "default")
