@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import redis
 
+from idemmail_celery.testing.redis_server import RedisServer
+
 from ..conftest import REDIS_URL, service_missing, unique, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -205,51 +207,14 @@ def results(async_results: list[Any], timeout: float = 60) -> list[Any]:
     return [ar.get(timeout=max(1.0, deadline - time.monotonic()), propagate=False) for ar in async_results]
 
 
-class PrivateRedis:
-    """A redis-server of one test's own on a free loopback port, which the test stops and starts
-    (the shared 6379 is never stopped). Its data survives a restart (append-only file, fsync always),
-    as a production ledger's does; a stopped server refuses connections at once."""
-
-    def __init__(self, directory: Path) -> None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        self.dir = directory
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = f"redis://127.0.0.1:{self.port}/0?socket_timeout=2&socket_connect_timeout=2"
-
-    def start(self) -> PrivateRedis:
-        try:
-            self.proc = subprocess.Popen(
-                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-                 "--appendfsync", "always", "--dir", str(self.dir)], stdout=subprocess.DEVNULL)
-        except FileNotFoundError as exc:
-            service_missing("redis-server (to start a private one)", exc)
-        client = redis.Redis(port=self.port, socket_timeout=1)
-        wait_for(lambda: _answers(client), timeout=20)
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()  # SIGTERM: the server flushes its append-only file and exits
-            self.proc.wait(timeout=20)
-            self.proc = None
-
-
-def _answers(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-
 
 @pytest.fixture
-def ledger_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+def ledger_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A Redis ledger the test can stop and start (``.stop()``, ``.start()``); use ``.url`` as the ledger URL."""
-    directory = tmp_path / "ledger-redis"
-    directory.mkdir()
-    server = PrivateRedis(directory).start()
+    server = RedisServer(tmp_path / "ledger-redis")
+    try:
+        server.start()
+    except FileNotFoundError as exc:
+        service_missing("redis-server (to start a private one)", exc)
     yield server
     server.stop()

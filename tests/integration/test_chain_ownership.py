@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from idemmail_celery.ledger import State, from_url
+from idemmail_celery.testing.redis_server import RedisServer
 
 from ..conftest import POSTGRES_URL, wait_for
-from .conftest import PrivateRedis, Sink
+from .conftest import Sink
 
 
 def test_a_retry_whose_release_and_next_claim_meet_a_ledger_outage_sends_once(
-    app_module: Any, ns: str, sink: Sink, start_worker: Any, ledger_redis: PrivateRedis
+    app_module: Any, ns: str, sink: Sink, start_worker: Any, ledger_redis: RedisServer
 ) -> None:
     # Case 1: a transient provider error whose release meets the ledger stopped, and whose retry's claim
     # meets it too. Before: the retry found its own chain's claim busy until the in-flight budget ran out
@@ -127,7 +128,7 @@ def test_a_worker_checks_its_set_up_before_ready_and_can_refuse_to_start(
 
 
 def test_a_campaign_whose_key_secret_is_rotated_between_passes_sends_each_recipient_once(
-    app_module: Any, ns: str, worker_env: dict[str, str], start_worker: Any, ledger_redis: PrivateRedis
+    app_module: Any, ns: str, worker_env: dict[str, str], start_worker: Any, ledger_redis: RedisServer
 ) -> None:
     # Case 2: a pass sends over SMTP and cannot record (the ledger stops); the next passes run on workers
     # redeployed with ["new", "old"] secrets. Before: their keys matched none of the verdicts, the claims
@@ -139,9 +140,10 @@ def test_a_campaign_whose_key_secret_is_rotated_between_passes_sends_each_recipi
         worker_env.update(IDEMMAIL_TEST_PROVIDER=smtp.url, IDEMMAIL_TEST_PROVIDER_TIMEOUT="2",
                           IDEMMAIL_TEST_LEDGER=ledger_redis.url)
         old = start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_KEY_SECRET": '"old"'})
-        people = [f"r{i}@example.com" for i in range(6)]
+        # One batch of 40: the ledger stops while most of them are still to be sent (no timing to win).
+        people = [f"r{i}@example.com" for i in range(40)]
         ar = app_module.app.tasks[CAMPAIGN_TASK].delay(campaign_id="rotated", recipients=people, subject="Hi",
-                                                         text="t", batch_size=6)
+                                                         text="t", batch_size=40)
         wait_for(lambda: smtp.count() >= 1, timeout=60, interval=0.005)
         ledger_redis.stop()  # the sends go on; their records cannot be written
         wait_for(lambda: old.log().count(b"was sent but could not be recorded yet") >= 1, timeout=60)
@@ -150,6 +152,6 @@ def test_a_campaign_whose_key_secret_is_rotated_between_passes_sends_each_recipi
         ledger_redis.start()
         start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_KEY_SECRET": '["new", "old"]'})
         out = ar.get(timeout=120)
-        assert out["pending"] == 0 and out["sent"] + out["duplicate"] == 6, out
+        assert out["pending"] == 0 and out["sent"] + out["duplicate"] == 40, out
         delivered = sorted(",".join(m.rcpt_tos) for m in smtp.messages())
-        assert len(delivered) == 6 and len(set(delivered)) == 6, delivered  # each recipient once
+        assert len(delivered) == 40 and len(set(delivered)) == 40, delivered  # each recipient once
