@@ -9,7 +9,7 @@ import logging
 import os
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 log = logging.getLogger("idemmail_celery")
@@ -52,6 +52,17 @@ KEY_TAG = "idemmail_key"
 
 #: Headers that belong to one reschedule chain: a ``retry()`` starts a new chain without them.
 CHAIN_HEADERS = (INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, NOT_BEFORE_HEADER)
+
+
+def chain_headers(headers: Mapping[str, Any], state: Mapping[str, Any], *, drop: Iterable[str]) -> dict[str, Any]:
+    """The headers of a chain's next message: ``headers`` less the chain state named in ``drop``, plus
+    ``state`` (owners, verdicts, budgets, a campaign pass's place). Every adapter writes chain state
+    through here (single sends in ``task.py``, campaign passes in ``bulk.py``): one place for a hook
+    that signs or checks it."""
+    dropped = set(drop)
+    out = {k: v for k, v in headers.items() if k not in dropped}
+    out.update(state)
+    return out
 
 
 def backoff(attempt: int, base: float, cap: float, *, jitter: bool = True) -> float:

@@ -33,7 +33,14 @@ from typing import Any
 from celery import Task, shared_task
 
 from . import outcomes, redaction
-from ._common import CAMPAIGN_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff, transport_visibility_timeout
+from ._common import (
+    CAMPAIGN_HEADER,
+    OWNER_HEADER,
+    VERDICT_HEADER,
+    backoff,
+    chain_headers,
+    transport_visibility_timeout,
+)
 from ._lease import keeper
 from .config import Settings
 from .errors import ConfigurationError, LedgerError, SendNeedsReview
@@ -454,14 +461,12 @@ def _pass_headers(task: Task, owners: list[str], verdicts: dict[str, Any],
                   resume: dict[str, Any] | None) -> dict[str, Any]:
     """The next pass's headers: this message's, with the claim owners it may hold, its unrecorded verdicts
     and where the next pass starts (none: the whole list) in place of the ones it came with."""
-    headers = {k: v for k, v in (task.request.headers or {}).items()
-               if k not in (OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER)}
-    headers[OWNER_HEADER] = owners
+    state: dict[str, Any] = {OWNER_HEADER: owners}
     if verdicts:
-        headers[VERDICT_HEADER] = verdicts
+        state[VERDICT_HEADER] = verdicts
     if resume is not None:
-        headers[CAMPAIGN_HEADER] = resume
-    return headers
+        state[CAMPAIGN_HEADER] = resume
+    return chain_headers(task.request.headers or {}, state, drop=(OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER))
 
 
 def _countdown(task: Task, policy: Policy, passes: int, verdicts: dict[str, Any]) -> float:

@@ -47,6 +47,7 @@ from ._common import (
     OWNER_HEADER,
     TENANT_HEADER,
     VERDICT_HEADER,
+    chain_headers,
     transport_visibility_timeout,
 )
 from .config import Settings
@@ -615,9 +616,7 @@ def _chain(headers: dict[str, Any], carry: dict[str, Any], *, keep: bool) -> dic
     """The headers of the next delivery: this one's, less its chain state (all of it for a new
     chain, ``keep=False``; the one-shot parts otherwise), plus what the handler carries."""
     drop = CHAIN_HEADERS if not keep else (OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, NOT_BEFORE_HEADER)
-    out = {k: v for k, v in headers.items() if k not in drop}
-    out.update(carry)
-    return out
+    return chain_headers(headers, carry, drop=drop)
 
 
 def _count(value: Any) -> int:
