@@ -263,8 +263,9 @@ class Handler:
                 # Nothing claimed yet: the next delivery looks again, holding what this one held.
                 return self.unavailable(d, exc)
         owner = self.claimant(d)
+        request = self.request(d, owner)  # arguments no JSON can hold raise here, as they always have
         try:
-            claim = self.take_back(d, self.ledger.claim(self.request(d, owner)), owner)
+            claim = self.take_back(d, self.ledger.claim(request), owner)
         except Exception as exc:
             # Fail closed. The claim may have landed with its reply lost, or not: the next delivery
             # takes back whichever of this chain's owners holds it.
