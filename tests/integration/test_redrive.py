@@ -53,3 +53,27 @@ def test_a_gevent_worker_gets_back_a_killed_workers_unacked_message_on_a_redis_b
     assert results([ar], timeout=120)[0]["status"] == "sent"
     assert len(sink.deliveries()) == 1
     assert b"restores the Redis broker's unacked messages" in second.log()
+
+
+def test_the_restore_timer_hands_a_dead_workers_unacked_message_back_with_no_worker_running(
+    app_module: Any, ns: str, sink: Sink, start_worker: Any, worker_env: dict[str, str]
+) -> None:
+    # What a green-pool worker runs on a timer, run here with no worker at all: nothing else would ever
+    # hand the killed worker's message back to the queue.
+    from idemmail_celery.redrive import restore_unacked_on_a_timer
+
+    worker_env.update(IDEMMAIL_TEST_VT="2")
+    victim = start_worker("-P", "gevent", "-c", "5")
+    sink.control("hold_until_released", "1")
+    app_module.send_keyed.delay("di@example.com", 84)
+    wait_for(lambda: sink.r.llen(sink.k("holding")) >= 1, timeout=60)  # received, running, unacked
+    victim.kill()
+    queue = f"q.{ns}"
+    assert sink.r.llen(queue) == 0
+    app = app_module.app
+    app.conf.broker_transport_options = {**app.conf.broker_transport_options, "visibility_timeout": 2}
+    stop = restore_unacked_on_a_timer(app, 0.5)
+    try:
+        wait_for(lambda: sink.r.llen(queue) == 1, timeout=60)  # back in the queue, for any worker
+    finally:
+        stop.set()
