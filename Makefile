@@ -3,22 +3,36 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test lint typecheck docs dist clean
+.PHONY: install demo check test lint typecheck docs dist clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,docs]'
 
-install: $(BIN)/python
+## Installed again when pyproject.toml or constraints.txt changes (a new test dependency reaches an old venv).
+$(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,docs]'
+	touch $@
+
+install: $(VENV)/.installed
 
 ## The main job on the embedded default: SQLite ledger, no servers.
 demo: install
 	$(BIN)/python examples/demo.py
 
-## Lint, types and the whole suite against the real services on loopback.
+## Test processes side by side (pytest-xdist); the tests are wait-bound, so more than the cores. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 4
+
+## The inner loop: lint, types and every test that needs no process of its own (no `worker` mark; see
+## docs/development.md), against the real services on loopback.
+check: install lint typecheck
+	$(BIN)/python -m pytest -q -m "not worker" -n $(TEST_WORKERS) --dist load
+
+## Lint, types and the whole suite against the real services on loopback, worker tests included; the
+## few tests marked `serial` (they keep pace with a deadline of seconds) run alone, after the rest.
 test: install lint typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 lint: install
 	$(BIN)/ruff check idemmail_celery tests examples bench chaos docs/hooks.py

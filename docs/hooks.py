@@ -1,9 +1,9 @@
 """MkDocs hooks: the pages generated from the code, so they cannot drift from it.
 
-* ``configuration.md``: the ``<!-- settings-table -->`` marker becomes the table of every
-  setting, read from ``idemmail_celery.config.SETTINGS`` (one ``Setting`` record per setting:
+* ``configuration.md``: the ``<!-- settings-table -->`` marker becomes a section per setting,
+  read from ``idemmail_celery.config.SETTINGS`` (one ``Setting`` record per setting:
   ``conf``, ``option``, ``env``, ``default``, ``doc``; a ``secret`` one's default is not shown);
-  ``<!-- settings-notes -->`` becomes the rest of ``config.py``'s docstring (how values are parsed).
+  ``<!-- settings-notes -->`` becomes ``config.py``'s docstring from its paragraph on parsing on.
 * ``operations.md``: the ``<!-- exit-codes -->`` marker becomes the table of the operator CLI's
   exit codes, read from ``idemmail_celery.cli.EXIT_CODES`` (the one place they are written).
 * ``changelog.md``: ``CHANGELOG.md`` from the repository root, as it is.
@@ -34,28 +34,39 @@ def _cell(value: Any) -> str:
     return f"`{value}`"
 
 
+#: The default column's one word for a setting nothing sets by default (what "what it does" says happens then).
+UNSET = "unset"
+
+
 def _default(value: Any) -> str:
     if value is None:
-        return "none"
+        return UNSET
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return f"`{value!r}`" if not isinstance(value, str) or not value else f"`{value}`"
 
 
-def _row(s: Any) -> list[str]:
+def _facts(s: Any) -> list[tuple[str, str]]:
+    """What the reference says of a setting besides its text: (label, value) pairs, in order."""
     secret = getattr(s, "secret", False)
-    default = ("(not shown)" if s.default else "unset") if secret else _default(s.default)
-    return [_cell(s.conf), _cell(s.option), _cell(s.env), default, " ".join(str(s.doc or "").split())]
+    default = ("(not shown)" if s.default else UNSET) if secret else _default(s.default)
+    facts = [("default", default)]
+    if s.option:
+        facts.append(("task option", _cell(s.option)))
+    if s.env:
+        facts.append(("environment", _cell(s.env)))
+    return facts
 
 
-def settings_table() -> str:
-    """Every setting as a Markdown table."""
+def settings_reference() -> str:
+    """Every setting as a section of its own (a heading to link to, its facts on one line, its text):
+    long names in a five-column table wrapped mid-word on a laptop's screen."""
     from idemmail_celery.config import SETTINGS
 
-    rows = [_row(s) for s in SETTINGS]
-    head = ["`app.conf` setting", "task option", "environment", "default", "what it does"]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    out = []
+    for s in SETTINGS:
+        facts = " · ".join(f"**{label}** {value}" for label, value in _facts(s))
+        out.append(f"### `{s.conf}`\n\n{facts}\n\n{' '.join(str(s.doc or '').split())}\n")
     return "\n".join(out)
 
 
@@ -69,10 +80,15 @@ def exit_codes_table() -> str:
 
 
 def settings_notes() -> str:
-    """``config.py``'s module docstring after its first paragraph (how values are parsed), as Markdown."""
+    """``config.py``'s module docstring from its paragraph on parsing (``Values are parsed``) on, as Markdown:
+    the paragraphs before it speak to a maintainer (the table in the code), the rest to a user."""
     import idemmail_celery.config as config
 
-    text = (config.__doc__ or "").split("\n\n", 1)[-1].strip()
+    doc = config.__doc__ or ""
+    start = doc.find("Values are parsed")
+    if start < 0:
+        raise RuntimeError("config.py's docstring lost its paragraph on parsing ('Values are parsed ...')")
+    text = doc[start:].strip()
     text = re.sub(r":\w+:`~?(?:[\w.]+\.)?(\w+)`", r"`\1`", text)
     return text.replace("``", "`")
 
@@ -99,7 +115,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
     if page.file.src_uri == "configuration.md":
         if MARKER not in markdown:
             raise RuntimeError(f"configuration.md lost its {MARKER} marker")
-        markdown = markdown.replace(MARKER, settings_table()).replace(NOTES, settings_notes())
+        markdown = markdown.replace(MARKER, settings_reference()).replace(NOTES, settings_notes())
     if page.file.src_uri == "operations.md":
         if EXIT_CODES not in markdown:
             raise RuntimeError(f"operations.md lost its {EXIT_CODES} marker")

@@ -87,3 +87,32 @@ def celery_worker(app: str, env: Mapping[str, str], *, log: Path, args: tuple[st
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=15)
+
+
+def agent_env(prefix: str, provider_url: str, api_key: str) -> dict[str, str]:
+    """The worker's environment for an agent example: queue, ledger prefix and CRM list under ``prefix``, the
+    email API at ``provider_url``, and a short in-flight backoff (a call asked again waits less for the first)."""
+    return {"CELERY_TASK_DEFAULT_QUEUE": f"{prefix}.tools", "CRM_LIST": f"{prefix}.crm",
+            "IDEMMAIL_LEDGER_URL": os.environ.get("IDEMMAIL_LEDGER_URL", LOCAL_REDIS),
+            "IDEMMAIL_LEDGER_OPTIONS": json.dumps({"prefix": prefix}),
+            "IDEMMAIL_KEY_SECRET": "example-secret-do-not-use-in-production",
+            "IDEMMAIL_PROVIDER_URL": provider_url, "IDEMMAIL_PROVIDER_API_KEY": api_key,
+            "IDEMMAIL_INFLIGHT_BACKOFF": "0.2", "IDEMMAIL_INFLIGHT_BACKOFF_MAX": "1"}
+
+
+def crm_note(deal_id: str, text: str) -> dict[str, Any]:
+    """The agent examples' CRM: a note appended to a Redis list (the worker's ``CRM_LIST``); counts each call."""
+    import redis
+
+    crm = redis.Redis.from_url(os.environ.get("CELERY_BROKER_URL", LOCAL_REDIS))
+    return {"notes": crm.rpush(f"{os.environ['CRM_LIST']}:{deal_id}", text)}
+
+
+def crm_notes(prefix: str, deal_id: str) -> list[bytes]:
+    """The notes an agent example's CRM holds for ``deal_id``, taken out (the list is deleted)."""
+    import redis
+
+    crm = redis.Redis.from_url(os.environ.get("CELERY_BROKER_URL", LOCAL_REDIS))
+    notes: list[bytes] = crm.lrange(f"{prefix}.crm:{deal_id}", 0, -1)
+    crm.delete(f"{prefix}.crm:{deal_id}")
+    return notes

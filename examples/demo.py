@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from celery import states
 
@@ -63,6 +63,37 @@ FAULT_WINDOW = (0.03, 0.45)
 SLOW_SECONDS = 1.6  # a "slow" reply takes longer than the worker's provider timeout (demo_app.PROVIDER_TIMEOUT)
 POLL_INTERVAL = 0.2
 BAR_WIDTH = 30
+
+
+class Progress:
+    """A progress bar redrawn in place on a terminal; on anything else (a CI log, a pipe) one plain
+    line per tenth of the way, so a log holds a few short lines instead of one endless one."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        isatty = getattr(stream, "isatty", None)
+        self.tty = bool(isatty and isatty())
+        self.tenth = -1  # the last tenth written, off a terminal
+        self.drawn = False
+
+    def show(self, done: int, total: int, note: str) -> None:
+        filled = BAR_WIDTH * done // max(total, 1)
+        line = f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {done}/{total} messages, {note}"
+        if self.tty:
+            self.stream.write(f"\r{line} ")
+            self.drawn = True
+        else:
+            tenth = 10 * done // max(total, 1)
+            if tenth == self.tenth:
+                return
+            self.tenth = tenth
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")  # leave the bar's line
+            self.stream.flush()
 
 
 @dataclass
@@ -284,6 +315,7 @@ class Demo:
         fault_at = sorted((self.rng.uniform(*FAULT_WINDOW), kind) for kind in FAULTS for _ in range(FAULTS_EACH))
         started = time.monotonic()
         last_progress, progressed_at = (-1, -1), started
+        progress = Progress(sys.stderr)
         assert self.worker is not None
         while True:
             self.poll_results()
@@ -294,10 +326,7 @@ class Demo:
             while fault_at and share >= fault_at[0][0]:
                 fake.fail_next(fault_at.pop(0)[1])
             settled = self.settled_intents()
-            filled = BAR_WIDTH * done // total
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {done}/{total} messages, "
-                             f"{settled}/{self.n_intents} intents settled, {self.kills} children killed ")
-            sys.stderr.flush()
+            progress.show(done, total, f"{settled}/{self.n_intents} intents settled, {self.kills} children killed")
             now = time.monotonic()
             if (settled, done) != last_progress:
                 last_progress, progressed_at = (settled, done), now
@@ -316,7 +345,7 @@ class Demo:
                                      f"settled, {len(self.pending)} messages unfinished")
                 break
             time.sleep(POLL_INTERVAL)
-        sys.stderr.write("\n")
+        progress.close()
         print(f"run finished in {time.monotonic() - started:.1f}s")
 
     # -- the report --

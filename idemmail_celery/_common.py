@@ -18,8 +18,8 @@ log = logging.getLogger("idemmail_celery")
 
 #: The intent key (a keyed hash), set by ``apply_async`` before anything is enqueued.
 KEY_HEADER = "idempotency_key"
-#: Beside :data:`KEY_HEADER` when the library put the key there (``IntentKeyBuilder.key_mark``): the message
-#: is claimed under that key as it is. Without it the header is a caller's own key, checked and hashed.
+#: The seal of the headers the worker acts on (:data:`SEALED_HEADERS`; ``IntentKeyBuilder.seal``): with a
+#: valid one the key is claimed as it is. Without it the key header is a caller's own key, checked and hashed.
 KEY_MARK_HEADER = "idemmail_key_mark"
 #: During a key-secret rotation: the keys the same call had under the older secrets (a claim finds
 #: records made before the rotation under them, so rotating never sends an intent again).
@@ -43,12 +43,24 @@ CAMPAIGN_HEADER = "idemmail_campaign"
 #: Epoch seconds before which this message only waits (a long countdown split into hops the broker keeps).
 NOT_BEFORE_HEADER = "idemmail_not_before"
 
+#: The library's own tasks, by name: a process may publish them by name (``send_task``) without ever importing
+#: the modules that define them, and their arguments are addresses, subjects and bodies (always redacted).
+LIBRARY_TASKS = ("idemmail_celery.send_email", "idemmail_celery.send_campaign")
+
 #: The time a beat entry was due (ISO 8601, the app's timezone): the slot a digest is keyed by.
 SLOT_HEADER = "idemmail_slot"
 
 #: The name of the intent key in a provider's message metadata (Postmark Metadata, SendGrid custom_args,
 #: SES EmailTags): what a delivery webhook reads the key back from.
 KEY_TAG = "idemmail_key"
+
+#: Headers the worker acts on: only a valid seal (``IntentKeyBuilder.seal``, in :data:`KEY_MARK_HEADER`) makes
+#: them count; without one they are ignored (the key is then a caller's own, hashed). The tenant is not among
+#: them: it only namespaces a key the worker hashes or derives itself.
+SEALED_HEADERS = (KEY_HEADER, OLDER_KEYS_HEADER, ENQUEUED_HEADER, INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER,
+                  VERDICT_HEADER, HOP_HEADER, CAMPAIGN_HEADER, NOT_BEFORE_HEADER)
+#: The most older keys a message may name (one per older key secret still being rotated out).
+MAX_OLDER_KEYS = 8
 
 #: Headers that belong to one reschedule chain: a ``retry()`` starts a new chain without them.
 CHAIN_HEADERS = (INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, NOT_BEFORE_HEADER)

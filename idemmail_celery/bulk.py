@@ -35,7 +35,9 @@ from celery import Task, shared_task
 from . import outcomes, redaction
 from ._common import (
     CAMPAIGN_HEADER,
+    KEY_MARK_HEADER,
     OWNER_HEADER,
+    SEALED_HEADERS,
     VERDICT_HEADER,
     backoff,
     chain_headers,
@@ -58,7 +60,7 @@ from .handler import (
     say_setup_error_once,
     verdict_of,
 )
-from .keys import Payload
+from .keys import Payload, Seal, untrusted_removed
 from .ledger import Claim
 from .ledger.base import new_owner
 from .mail import TASK_NAME as SEND_EMAIL
@@ -231,7 +233,7 @@ def _send_campaign(
     base = {"subject": subject, "text": text, "html": html, "from_": from_, "event_id": campaign_id,
             "template": template, "tenant": tenant, "headers": headers, "tags": tags}
     base = {k: v for k, v in base.items() if v is not None}
-    request_headers = dict(self.request.headers or {})
+    request_headers = _trusted(self, builder)
     owner = new_owner(self.request.id or "campaign")
     # The owners whose claims this pass may hold or find held (a batch claim whose reply was lost may or may
     # not have landed): every pass it hands on to takes back whichever of them holds a recipient's claim.
@@ -466,7 +468,35 @@ def _pass_headers(task: Task, owners: list[str], verdicts: dict[str, Any],
         state[VERDICT_HEADER] = verdicts
     if resume is not None:
         state[CAMPAIGN_HEADER] = resume
-    return chain_headers(task.request.headers or {}, state, drop=(OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER))
+    # What this pass did not write goes; then, last, the seal: the next pass acts on these only if this
+    # library wrote them for this campaign (see _trusted).
+    headers = chain_headers(untrusted_removed(task.request.headers or {}, keep=()), state,
+                            drop=(OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER))
+    headers[KEY_MARK_HEADER] = task.app.tasks[SEND_EMAIL].key_builder.seal(headers, _campaign_call(task),
+                                                                          task_name=CAMPAIGN_TASK)
+    return headers
+
+
+def _campaign_call(task: Task) -> Payload:
+    return Payload(list(task.request.args or ()), dict(task.request.kwargs or {}))
+
+
+def _trusted(task: Task, builder: Any) -> dict[str, Any]:
+    """This pass's headers, less the pass state (owner, verdicts, where to start) unless the last pass of this
+    campaign sealed it (a forged verdict would record a send that never happened); one WARNING if so.
+
+    Sealed with ``send_email``'s key secret, bound to this task and its arguments. A seal under a secret this
+    worker does not have counts as none: the pass goes over the whole list, and the ledger holds what is done.
+    """
+    headers = dict(task.request.headers or {})
+    check = builder.check_seal(headers, _campaign_call(task), task_name=CAMPAIGN_TASK)
+    if check is Seal.VALID:
+        return headers
+    ignored = sorted(k for k in headers if k in SEALED_HEADERS or k == KEY_MARK_HEADER)
+    if ignored:
+        log.warning("idemmail: campaign %s carries pass state the library did not seal for it (%s: %s); it is "
+                    "ignored", task.request.id, check.value, ", ".join(ignored))
+    return untrusted_removed(headers, keep=())
 
 
 def _countdown(task: Task, policy: Policy, passes: int, verdicts: dict[str, Any]) -> float:

@@ -11,6 +11,12 @@ As a Celery subcommand (the ``celery.commands`` entry point), with the app's set
     celery -A proj idemmail ledger stats
     celery -A proj idemmail ledger init
     celery -A proj idemmail ledger ack-loss --note "Redis restarted without AOF at 02:10; checked"
+    celery idemmail docs           # where the documentation's pages are on this machine
+
+Agent tools over MCP (the ``[mcp]`` extra; see ``idemmail_celery.contrib.mcp``)::
+
+    celery -A proj idemmail mcp                          # stdio
+    celery -A proj idemmail mcp --http --port 8000       # streamable HTTP on 127.0.0.1
 
 or without Celery's loader, with the same commands and help:
 ``python -m idemmail_celery [-A proj] --ledger-url redis://... ledger stats``
@@ -50,6 +56,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 import click
@@ -85,7 +92,7 @@ EXIT_CODES: dict[int, str] = {
     EXIT_LOST: "(stats) the ledger lost records and waits for `ledger ack-loss`",
     EXIT_PAYLOAD_KEY: "a record is sealed with a payload key this process does not hold (idemmail_payload_keys); "
                       "nothing printed or changed",
-    EXIT_UNKNOWN_KEY: "no record for that key (2 until 0.1: it clashed with usage errors)",
+    EXIT_UNKNOWN_KEY: "no record for that key",
     EXIT_BROKER: "(resolve --release) the broker did not take the copy in time; the record is unchanged",
 }
 
@@ -144,6 +151,18 @@ def _fail(code: int, message: str) -> NoReturn:
     sys.exit(code)
 
 
+class OperatorError(Exception):
+    """An operator action refused or cut short: :attr:`code` is its exit code (:data:`EXIT_CODES`).
+
+    Raised by :func:`decide` and :func:`erase`, the moves the CLI and the Django admin share; the
+    CLI turns it into ``error: <message>`` and the exit code, the admin into a message on the page.
+    """
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def _when(ts: float | None) -> str:
     return "-" if not ts else dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
 
@@ -182,6 +201,8 @@ class _LedgerCommands(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except OperatorError as exc:
+            _fail(exc.code, str(exc))
         except PayloadKeyError as exc:
             _fail(EXIT_PAYLOAD_KEY, f"{exc} (add the key it was sealed with to idemmail_payload_keys)")
         except LedgerUnavailableError as exc:
@@ -195,12 +216,13 @@ def ledger() -> None:
 
 
 @ledger.command("list")
-@click.option("--state", type=click.Choice([s.value for s in State]), default=None)
-@click.option("--limit", type=int, default=100, show_default=True)
+@click.option("--state", type=click.Choice([s.value for s in State]), default=None,
+              help="Only the records in this state (default: every state).")
+@click.option("--limit", type=int, default=100, show_default=True, help="Print at most this many records.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.pass_obj
 def list_records(obj: _Ctx, state: str | None, limit: int, as_json: bool) -> None:
-    """List records, newest first is not guaranteed; filter by state."""
+    """List records, one a line, in the store's own order (not by time)."""
     try:
         for n, record in enumerate(obj.ledger.iter_records(State(state) if state else None)):
             if n >= limit:
@@ -254,19 +276,24 @@ def resolve(obj: _Ctx, key: str, outcome: str | None, message_id: str | None, no
         raise click.UsageError("--message-id goes with --sent")
     if outcome == "released" and obj.app is None:
         raise click.UsageError("--release re-enqueues the stored payload: run it as `celery -A proj idemmail ...`")
+    record = decide(obj, key, outcome, note=note, actor=actor or _actor(), message_id=message_id)
+    click.echo(f"{key}: {record.state.value}" + (" (re-enqueued)" if outcome == "released" else ""))
+
+
+def decide(obj: _Ctx, key: str, outcome: str, *, note: str, actor: str, message_id: str | None = None) -> Record:
+    """``resolve``: ``outcome`` is ``sent`` (with the provider's ``message_id``), ``failed`` or ``released``
+    (the stored first payload queued again, see the module docstring); :class:`OperatorError` when refused."""
     try:
         if outcome == "released":
-            record = _release(obj, key, note, actor or _actor())
-        else:
-            result = {"message_id": message_id, "resolved_by_operator": True} if outcome == "sent" else None
-            record = obj.ledger.resolve(key, outcome, result=result, note=note, actor=actor or _actor())
+            return _release(obj, key, note, actor)
+        result = {"message_id": message_id, "resolved_by_operator": True} if outcome == "sent" else None
+        return obj.ledger.resolve(key, outcome, result=result, note=note, actor=actor)
     except RecordNotFoundError as exc:
-        _fail(EXIT_UNKNOWN_KEY, str(exc))
+        raise OperatorError(EXIT_UNKNOWN_KEY, str(exc)) from exc
     except IllegalTransitionError as exc:
-        _fail(EXIT_ILLEGAL, str(exc))
+        raise OperatorError(EXIT_ILLEGAL, str(exc)) from exc
     except LedgerUnavailableError as exc:
-        _fail(EXIT_UNREACHABLE, str(exc))
-    click.echo(f"{key}: {record.state.value}" + (" (re-enqueued)" if outcome == "released" else ""))
+        raise OperatorError(EXIT_UNREACHABLE, str(exc)) from exc
 
 
 def _release(obj: _Ctx, key: str, note: str, actor: str) -> Record:
@@ -284,8 +311,8 @@ def _release(obj: _Ctx, key: str, note: str, actor: str) -> Record:
         record = obj.ledger.resolve(key, "released", note=note, actor=actor)
     except (IllegalTransitionError, LedgerUnavailableError) as exc:
         code = EXIT_UNREACHABLE if isinstance(exc, LedgerUnavailableError) else EXIT_ILLEGAL
-        _fail(code, f"{exc}; the record was not released, and the copy just queued will find it unchanged and "
-                    "send nothing")
+        raise OperatorError(code, f"{exc}; the record was not released, and the copy just queued will find it "
+                                  "unchanged and send nothing") from exc
     if time.monotonic() - published >= countdown / 2:
         # The copy may have met the record before it was released, and sent nothing: queue one now.
         _requeue(obj, record, None, released=True)
@@ -334,22 +361,27 @@ def _requeue(obj: _Ctx, record: Record, countdown: float | None, *, released: bo
     state = ("released: it may have nothing queued; check `ledger show` and send it again yourself" if released
              else "left as it was")
     try:
-        # The record's key travels marked as the library's own: the task claims this very record again.
-        task.apply_async(payload.args, payload.kwargs, headers=task.key_headers(record.key), countdown=countdown,
-                         retry=True, retry_policy={"max_retries": 2, "interval_start": 0.5, "interval_step": 0.5,
-                                                   "interval_max": 1.0})
+        # The record's key travels sealed as the library's own: the task claims this very record again.
+        task.apply_async(payload.args, payload.kwargs, headers=task.key_headers(record.key, payload),
+                         countdown=countdown, retry=True, retry_policy={
+                             "max_retries": 2, "interval_start": 0.5, "interval_step": 0.5, "interval_max": 1.0})
     except (IdemmailError, TypeError) as exc:
-        _fail(EXIT_ILLEGAL, f"record {record.key}: the task refuses its stored payload ({exc}); {state}")
+        raise OperatorError(EXIT_ILLEGAL, f"record {record.key}: the task refuses its stored payload ({exc}); "
+                                          f"{state}") from exc
     except Exception as exc:  # kombu's OperationalError, a socket error, a timeout: the broker did not take it
-        _fail(EXIT_BROKER, f"the broker did not take the copy of {record.key} ({type(exc).__name__}: {exc}); "
-                           f"nothing queued, the record is {state}")
+        raise OperatorError(EXIT_BROKER, f"the broker did not take the copy of {record.key} "
+                                         f"({type(exc).__name__}: {exc}); nothing queued, the record is "
+                                         f"{state}") from exc
 
 
 @ledger.command("purge")
-@click.option("--expired", is_flag=True, required=True, help="Delete sent/failed records past retention.")
+@click.option("--expired", is_flag=True, help="Delete the sent and failed records past their retention (needed: "
+                                              "purge never deletes anything else).")
 @click.pass_obj
 def purge(obj: _Ctx, expired: bool) -> None:
-    """Delete records past their retention."""
+    """Delete records past their retention: run it as `purge --expired`."""
+    if not expired:
+        raise click.UsageError("say what to purge: --expired (the only records purge deletes)")
     try:
         click.echo(f"purged {obj.ledger.purge_expired()} expired records")
     except LedgerUnavailableError as exc:
@@ -364,6 +396,13 @@ def forget(obj: _Ctx, key: str) -> None:
 
     Idempotent: a payload already gone (erased on sent, or forgotten before) exits 0 with "nothing to erase".
     """
+    had = erase(obj, key)
+    click.echo(f"{key}: payload erased" if had else f"{key}: nothing to erase (no payload stored)")
+
+
+def erase(obj: _Ctx, key: str) -> bool:
+    """``forget``: erase the record's personal data; whether it held a payload. :class:`OperatorError`
+    when there is no record or the ledger is unreachable."""
     try:
         try:
             record = obj.ledger.get(key)
@@ -371,14 +410,15 @@ def forget(obj: _Ctx, key: str) -> None:
         except PayloadKeyError:  # sealed with a key this process lacks: erasing needs no key
             had = True
         if not obj.ledger.forget(key):
-            _fail(EXIT_UNKNOWN_KEY, f"no ledger record for key {key}")
+            raise OperatorError(EXIT_UNKNOWN_KEY, f"no ledger record for key {key}")
     except LedgerUnavailableError as exc:
-        _fail(EXIT_UNREACHABLE, str(exc))
-    click.echo(f"{key}: payload erased" if had else f"{key}: nothing to erase (no payload stored)")
+        raise OperatorError(EXIT_UNREACHABLE, str(exc)) from exc
+    return had
 
 
 @ledger.command("stats")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object: the count per state, and the Redis ledger's epoch (null on SQL).")
 @click.pass_obj
 def stats(obj: _Ctx, as_json: bool) -> None:
     """Records per state, and (Redis) whether the store lost records."""
@@ -450,7 +490,7 @@ def ack_loss(obj: _Ctx, note: str, actor: str | None) -> None:
 
     Intents recorded before the loss are forgotten. Copies enqueued before this moment
     are sent only with their key carried downstream, else parked in review
-    (``ledger_lost``); copies enqueued later send as usual.
+    (reason ledger_lost); copies enqueued later send as usual.
     """
     markers = _markers(obj.ledger)
     if markers is None:
@@ -459,6 +499,97 @@ def ack_loss(obj: _Ctx, note: str, actor: str | None) -> None:
     click.echo(_epoch_line(_marker_op(lambda: markers.acknowledge_loss(note=note, actor=actor or _actor()))))
     click.echo("workers adopt the new epoch at their next claim; intents recorded before the loss are forgotten: "
                "keyless copies enqueued before now go to review (ledger_lost), keyed ones send with their key")
+
+
+@idemmail.command("mcp")
+@click.option("--http", is_flag=True, help="Streamable HTTP at http://HOST:PORT/mcp instead of stdio.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="With --http: 127.0.0.1, ::1 or localhost.")
+@click.option("--port", type=int, default=8000, show_default=True, help="With --http.")
+@click.option("--tools", "tools_path", default=None,
+              help="module:attribute of a list of tools to serve (or of a function of the app returning one) "
+                   "instead of the email tool and every idempotent_tool of the app.")
+@click.pass_obj
+def mcp(obj: _Ctx, http: bool, host: str, port: int, tools_path: str | None) -> None:
+    """Serve the app's agent tools over MCP (the [mcp] extra): stdio, or streamable HTTP on loopback."""
+    if obj.app is None:
+        raise click.UsageError("the tools are the app's: run it as `celery -A proj idemmail mcp`")
+    try:
+        from .contrib.mcp import run_http, run_stdio, server  # the optional extra: imported here only
+    except ImportError as exc:
+        raise click.UsageError(f"the MCP server needs the mcp extra: pip install 'idemmail-celery[mcp]' ({exc})") \
+            from exc
+    try:
+        mcp_server = server(obj.app, _load_tools(obj.app, tools_path) if tools_path else None)
+        if http:
+            click.echo(f"idemmail: MCP over streamable HTTP at http://{host}:{port}/mcp", err=True)
+            run_http(mcp_server, host=host, port=port)
+        else:
+            run_stdio(mcp_server)  # stdout is the protocol's: nothing else may print there
+    except ConfigurationError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def _load_tools(app: Any, path: str) -> list[Any]:
+    """``module:attribute``: a list of tools, or a function of the app that returns one."""
+    from celery.utils.imports import symbol_by_name
+
+    # Here, not at the top: importing tools registers send_email, and every `celery` command loads this module.
+    from .tools import IdempotentTool
+
+    try:
+        found = symbol_by_name(path.replace(":", ".", 1) if ":" in path else path)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise click.UsageError(f"--tools {path}: {exc}") from exc
+    tools = found(app) if callable(found) else found
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, IdempotentTool) for t in tools):
+        raise click.UsageError(f"--tools {path}: not a list of tools made by idempotent_tool or email_tool")
+    return list(tools)
+
+
+@idemmail.command("docs")
+@click.option("--path", "path_only", is_flag=True, help="Print only the directory of the pages (for a script).")
+def docs(path_only: bool) -> None:
+    """Where the documentation is: its pages on this machine (installed with the package, or in the
+    source checkout it runs from), one a line with its title."""
+    where = docs_dir()
+    if where is None:
+        _fail(EXIT_UNEXPECTED, "the documentation's pages are not installed here; they are in the source "
+                               "distribution (pip download --no-deps --no-binary :all: idemmail-celery), in docs/")
+        return
+    if path_only:
+        click.echo(str(where))
+        return
+    from ._version import __version__
+
+    click.echo(f"idemmail-celery {__version__}: the documentation's pages (Markdown) are in {where}")
+    click.echo(f"start with {where / 'index.md'}")
+    for page in sorted(where.glob("*.md")):
+        title = next((line[2:].strip() for line in page.read_text().splitlines() if line.startswith("# ")), page.stem)
+        click.echo(f"  {page.name:<24} {title}")
+
+
+def docs_dir() -> Path | None:
+    """The directory of the documentation's pages: ``docs/`` of the source checkout this package is imported
+    from, else the one installed with the wheel (``<prefix>/share/doc/idemmail-celery``); None if neither."""
+    checkout = Path(__file__).resolve().parents[1] / "docs"
+    if (checkout / "index.md").is_file() and (checkout.parent / "mkdocs.yml").is_file():
+        return checkout
+    from importlib import metadata
+
+    try:
+        return installed_docs(metadata.distribution("idemmail-celery"))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def installed_docs(dist: Any) -> Path | None:
+    """The pages' directory an installed distribution's RECORD lists (``share/doc/idemmail-celery``), or None."""
+    for file in dist.files or ():
+        if file.name == "index.md" and file.parent.name == "idemmail-celery" and "doc" in file.parts:
+            found = Path(str(dist.locate_file(file))).resolve()
+            if found.is_file():
+                return found.parent
+    return None
 
 
 def standalone() -> click.Group:

@@ -279,14 +279,22 @@ SETTINGS: tuple[Setting, ...] = (
             "The email provider: `resend://`, `https://...`, `postmark://`, `sendgrid://`, `ses://`, `smtp://`, "
             "`smtps://`, `file:///dir`, `console://`.", optional=True),
     Setting("idemmail_provider_api_key", parse_str, None,
-            "The provider's API key (never logged). Unset: each provider reads its own environment variables "
-            "(`IDEMMAIL_PROVIDER_API_KEY`, `RESEND_API_KEY`, ...).", secret=True, optional=True),
+            "The provider's API key, whatever the provider (never logged; for `smtp://` the password, for `ses://` "
+            "`ACCESS_KEY_ID:SECRET_ACCESS_KEY`). Unset, here and in the environment: each provider reads its own "
+            "variables (`RESEND_API_KEY`, `POSTMARK_SERVER_TOKEN`, `SENDGRID_API_KEY`, `AWS_ACCESS_KEY_ID` and "
+            "`AWS_SECRET_ACCESS_KEY`, `IDEMMAIL_SMTP_PASSWORD`).",
+            env="IDEMMAIL_PROVIDER_API_KEY", secret=True, optional=True),
     Setting("idemmail_provider_timeout", positive, None,
             "Seconds a provider call may take (each provider has its own default).", optional=True),
     Setting("idemmail_default_from", parse_str, None,
             "The sender of `send_email` calls that pass no `from_`.", optional=True),
     Setting("idemmail_max_message_bytes", positive, 10 * 1024 * 1024,
-            "Largest message `send_email` accepts (bodies and attachments), refused at `delay()`."),
+            "Largest message `send_email` accepts, refused at `delay()` and again at the worker: every byte it "
+            "stores or sends counts (addresses, subject, bodies, headers, tags, attachments with their names and "
+            "a MIME part's overhead each, `event_id`, `template`, `tenant`)."),
+    Setting("idemmail_allow_mixed_script_domains", parse_bool, False,
+            "Accept address domains whose labels mix scripts (Latin with Cyrillic: `ex\\u0430mple.com`, a "
+            "look-alike of `example.com`); off, they are refused at `delay()`."),
     Setting("idemmail_max_recipients", _at_least(parse_int, 1), 50,
             "Most recipients (to, cc and bcc together) one `send_email` message may have, refused at `delay()`."),
     Setting("idemmail_campaign_pass_seconds", positive, None,
@@ -376,6 +384,7 @@ class Settings:
     default_from: str | None = None
     max_message_bytes: float = _D["max_message_bytes"]
     max_recipients: int = _D["max_recipients"]
+    allow_mixed_script_domains: bool = _D["allow_mixed_script_domains"]
     campaign_pass_seconds: float | None = None
     metrics: bool = _D["metrics"]
     metrics_port: int = _D["metrics_port"]

@@ -26,8 +26,25 @@ naming the field (``.field``) and the problem, never quoting an address:
   not hold ``=?`` at all, because the stdlib reads a whole list of addresses as one text, and
   one address's ``=?`` could pair with the next one's ``?=``. Non-ASCII needs no encoding by
   the caller: :meth:`EmailMessage.to_mime` does it.
-* **Bodies:** no NUL, no lone surrogate; at least one of text and html; the whole message
-  at most ``max_bytes``.
+* **Invisible and direction-changing characters** (bidi controls U+202A-202E, U+2066-2069,
+  U+200E, U+200F, U+061C; zero-width U+200B-200D, U+2060, U+FEFF; tag characters
+  U+E0000-E007F) are refused in every header field: they make ``invoice\u202efdp.exe`` read as
+  ``invoiceexe.pdf`` and two different addresses look the same. A ZERO WIDTH JOINER between two
+  pictographs (an emoji sequence such as a family) is the one exception.
+* **Lengths** follow RFC 5322's line limit of 998 octets: a subject at most
+  :data:`MAX_SUBJECT_OCTETS` (UTF-8), a display name at most :data:`MAX_DISPLAY_NAME_OCTETS`;
+  a local part at most 64 octets (RFC 5321).
+* **Domains** are IDNA 2008 / UTS 46 (``email-validator`` with the ``idna`` package); a label
+  mixing scripts (``ex\u0430mple.com``: a Cyrillic ``a`` among Latin letters) is refused unless
+  ``allow_mixed_scripts`` (``idemmail_allow_mixed_script_domains``). Latin with Han and kana, with
+  Han and Bopomofo, or with Han and Hangul (how Japanese, Chinese and Korean names are written) is
+  not mixing.
+* **Attachments:** at most :data:`MAX_ATTACHMENTS`; a file type, never a composite one
+  (``multipart/*``, ``message/*``: the stdlib would send them base64-encoded without a boundary).
+* **Bodies:** no NUL, no lone surrogate; at least one of text and html.
+* **Size:** the whole message at most ``max_bytes``, counting every byte that is stored or
+  sent (:meth:`EmailMessage.size`): addresses, subject, bodies, header and tag names and values,
+  attachment names, types and contents (base64), and :data:`PART_OVERHEAD` per attachment.
 
 The JSON form (:meth:`to_payload`/:meth:`from_payload`) is what travels in the task message
 and is stored as the first payload; :meth:`from_payload` runs every check again (the worker
@@ -44,19 +61,33 @@ import functools
 import hashlib
 import itertools
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from email.headerregistry import Address
 from email.message import EmailMessage as MIMEMessage
+from email.message import MIMEPart
 from typing import Any
 
 from email_validator import EmailNotValidError, validate_email
 
 from .errors import InvalidEmail
+from .redaction import scrub
 
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
 #: Recipients (to, cc and bcc together) one message may have: Resend, Postmark and SES take 50.
 DEFAULT_MAX_RECIPIENTS = 50
+#: Attachments one message may have (building the MIME message costs about half a millisecond each).
+MAX_ATTACHMENTS = 1000
+#: What each attachment adds to the message besides its name, type and content: its MIME part's
+#: boundary line and headers (about 190 bytes for an empty file), counted by :meth:`EmailMessage.size`.
+PART_OVERHEAD = 256
+#: RFC 5322 lines are at most 998 octets: a subject fits on one after ``Subject: ``.
+MAX_SUBJECT_OCTETS = 998 - len("Subject: ")
+#: A display name fits on one line with the longest address and the longest field name it goes in.
+MAX_DISPLAY_NAME_OCTETS = 998 - len("Reply-To: ") - len(' "" <>') - 254
+#: RFC 5321 section 4.5.3.1.1: a local part is at most 64 octets.
+MAX_LOCAL_PART_OCTETS = 64
 
 #: Header names a caller may not set through ``headers=``: the library or the provider writes them
 #: (``Content-*`` and ``Resent-*`` are refused as prefixes, ``X-Idemmail-Key`` carries the intent key).
@@ -72,6 +103,15 @@ _BAD_IN_FIELD = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 # The same with TAB allowed: white space inside an unstructured value (subject, header values).
 _BAD_IN_TEXT = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _BAD_IN_BODY = re.compile("[\x00\ud800-\udfff]")
+# Characters that change how a text reads without showing: bidi embeddings, overrides, isolates
+# and marks, zero-width spaces and joiners, word joiner, BOM, tag characters.
+_INVISIBLE = re.compile("[\u202a-\u202e\u2066-\u2069\u200e\u200f\u061c\u200b-\u200d\u2060\ufeff"
+                        "\U000e0000-\U000e007f]")
+_ZWJ = "\u200d"
+# The scripts whose letters may share a label: how Japanese, Chinese and Korean names are written
+# (UTS 39's "highly restrictive" sets); any other pair of scripts in one label is a look-alike risk.
+_SCRIPT_SETS = (frozenset({"LATIN", "HAN", "HIRAGANA", "KATAKANA"}), frozenset({"LATIN", "HAN", "BOPOMOFO"}),
+                frozenset({"LATIN", "HAN", "HANGUL"}))
 # Anything the stdlib could take for an RFC 2047 encoded word: it decodes one inside an unstructured
 # value, a display name, a quoted string or a local part, even in the middle of a word, with white
 # space inside it, and writes a CR LF it decoded as a raw line break before CVE-2024-6923 was fixed.
@@ -148,12 +188,15 @@ class EmailMessage:
         attachments: Iterable[Attachment | Mapping[str, Any]] | None = None,
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_recipients: int = DEFAULT_MAX_RECIPIENTS,
+        allow_mixed_scripts: bool = False,
     ) -> EmailMessage:
         """A validated message, or :class:`InvalidEmail` saying which field is wrong and why.
 
-        The recipient count is checked before any address is parsed, so an oversized list
-        costs nothing.
+        The recipient and attachment counts are checked before anything is parsed, so an
+        oversized list costs nothing. ``allow_mixed_scripts`` accepts domain labels that mix
+        scripts (refused by default: look-alikes).
         """
+        attached = _attachments(attachments)
         listed = {"to": _listed(to, "to", max_recipients), "cc": _listed(cc, "cc", max_recipients),
                   "bcc": _listed(bcc, "bcc", max_recipients)}
         total = 0
@@ -167,19 +210,17 @@ class EmailMessage:
         if len(replies) > max_recipients:
             raise InvalidEmail(f"more than {max_recipients} reply_to addresses", field="reply_to")
         message = cls(
-            sender=format_address(sender, "from"),
-            to=_formatted(listed["to"], "to"),
-            subject=_header_text(subject, "subject", tab=True),
+            sender=_formatted([sender], "from", allow_mixed_scripts)[0],
+            to=_formatted(listed["to"], "to", allow_mixed_scripts),
+            subject=_subject(subject),
             text=_body(text, "text"),
             html=_body(html, "html"),
-            cc=_formatted(listed["cc"], "cc"),
-            bcc=_formatted(listed["bcc"], "bcc"),
-            reply_to=_formatted(replies, "reply_to"),
+            cc=_formatted(listed["cc"], "cc", allow_mixed_scripts),
+            bcc=_formatted(listed["bcc"], "bcc", allow_mixed_scripts),
+            reply_to=_formatted(replies, "reply_to", allow_mixed_scripts),
             headers=_headers(headers),
             tags=_tags(tags),
-            attachments=tuple(
-                a if isinstance(a, Attachment) else Attachment.from_payload(a) for a in _iterable(attachments)
-            ),
+            attachments=tuple(a if isinstance(a, Attachment) else Attachment.from_payload(a) for a in attached),
         )
         if not (message.to or message.cc or message.bcc):
             raise InvalidEmail("the message has no recipient", field="to")
@@ -191,6 +232,10 @@ class EmailMessage:
                 raise InvalidEmail("an attachment has no file name", field="attachments.filename")
             if not _MIME_TYPE.fullmatch(_header_text(a.content_type, "attachments.content_type")):
                 raise InvalidEmail("an attachment's content_type is not type/subtype", field="attachments.content_type")
+            if a.content_type.lower().startswith(("multipart/", "message/")):
+                raise InvalidEmail("an attachment's content_type may not be multipart/* or message/* (a composite "
+                                   "type needs a MIME structure of its own); send it as application/octet-stream",
+                                   field="attachments.content_type")
             if not isinstance(a.content, (bytes, bytearray)):
                 raise InvalidEmail("an attachment's content must be bytes", field="attachments")
         size = message.size()
@@ -212,7 +257,7 @@ class EmailMessage:
     @classmethod
     def from_payload(
         cls, data: Mapping[str, Any], *, max_bytes: int = DEFAULT_MAX_BYTES,
-        max_recipients: int = DEFAULT_MAX_RECIPIENTS,
+        max_recipients: int = DEFAULT_MAX_RECIPIENTS, allow_mixed_scripts: bool = False,
     ) -> EmailMessage:
         """Rebuild (and re-validate) a message from :meth:`to_payload` output."""
         return cls.build(
@@ -220,6 +265,7 @@ class EmailMessage:
             text=data.get("text"), html=data.get("html"), cc=data.get("cc"), bcc=data.get("bcc"),
             reply_to=data.get("reply_to"), headers=data.get("headers"), tags=data.get("tags"),
             attachments=data.get("attachments"), max_bytes=max_bytes, max_recipients=max_recipients,
+            allow_mixed_scripts=allow_mixed_scripts,
         )
 
     def recipients(self) -> tuple[str, ...]:
@@ -240,10 +286,15 @@ class EmailMessage:
         return tuple(dict.fromkeys(t for t in (s.strip() for s in found) if len(t) >= 4))
 
     def size(self) -> int:
-        """Approximate size on the wire: bodies, headers and attachments (base64)."""
-        parts = [self.subject, self.text or "", self.html or "", *self.to, *self.cc, *self.bcc,
-                 *self.reply_to, *self.headers.keys(), *self.headers.values()]
-        return sum(len(p.encode("utf-8")) for p in parts) + sum(len(a.content) * 4 // 3 for a in self.attachments)
+        """Every byte the message stores or sends, in UTF-8: addresses, subject, bodies, header and
+        tag names and values, and each attachment's name, type and content (base64, as it travels
+        and is sent) plus :data:`PART_OVERHEAD` for its MIME part."""
+        texts = itertools.chain(
+            (self.sender, self.subject, self.text or "", self.html or ""), self.to, self.cc, self.bcc,
+            self.reply_to, self.headers.keys(), self.headers.values(), self.tags.keys(), self.tags.values(),
+            *((a.filename, a.content_type) for a in self.attachments))
+        total = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        return total + sum(-(-len(a.content) // 3) * 4 + PART_OVERHEAD for a in self.attachments)
 
     def to_mime(self, *, message_id: str | None = None, date: str | None = None) -> MIMEMessage:
         """The RFC 5322 message. No random boundary, no implicit Date: the same input gives the same bytes.
@@ -282,6 +333,8 @@ class EmailMessage:
             maintype, _, subtype = a.content_type.partition("/")
             msg.add_attachment(a.content, maintype=maintype or "application",
                                subtype=subtype or "octet-stream", filename=a.filename)
+        for part in msg.iter_parts() if msg.is_multipart() else ():
+            _drop_inner_mime_version(part)
         _fix_boundaries(msg, seed=hashlib.sha256(repr(self.to_payload()).encode()).hexdigest()[:24])
         _refuse_injected_lines(msg)
         return msg
@@ -309,9 +362,17 @@ def _refuse_injected_lines(msg: MIMEMessage) -> None:
                 lines.pop()
             if any("\r" in line or "\n" in line for line in lines) or any(
                     line[:1] not in (" ", "\t") for line in lines[1:]):
-                where = _FIELD_OF_HEADER.get(name.lower(), f"headers[{name}]")
+                where = _FIELD_OF_HEADER.get(name.lower(), _named("headers", name))
                 raise InvalidEmail(f"{where} would write a header line of its own (header injection through an "
                                    "RFC 2047 encoded word)", field=where)
+
+
+def _drop_inner_mime_version(part: MIMEPart) -> None:
+    # add_alternative and add_attachment build each new part as an EmailMessage, whose set_content
+    # gives it a MIME-Version of its own; RFC 2045 puts that header on the message only.
+    del part["MIME-Version"]
+    for inner in part.iter_parts() if part.is_multipart() else ():
+        _drop_inner_mime_version(inner)
 
 
 def _fix_boundaries(msg: MIMEMessage, seed: str) -> None:
@@ -351,10 +412,16 @@ def parse_address(value: Any, where: str = "address") -> tuple[str, str]:
         raise InvalidEmail(f"{where} is not an email address", field=where)
     if any(c in spec for c in ",;<> \t"):
         raise InvalidEmail(f"{where} holds more than one address: pass several recipients as a list", field=where)
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_DISPLAY_NAME_OCTETS:
+        raise InvalidEmail(f"{where} has a display name over {MAX_DISPLAY_NAME_OCTETS} octets (RFC 5322 line "
+                           "limit)", field=where)
     try:
-        return name, _normalized_spec(spec)
+        normalized = _normalized_spec(spec)
     except EmailNotValidError as exc:
         raise InvalidEmail(f"{where} is not a valid address: {exc}", field=where) from None
+    if len(normalized.rpartition("@")[0].encode("utf-8")) > MAX_LOCAL_PART_OCTETS:
+        raise InvalidEmail(f"{where} has a local part over {MAX_LOCAL_PART_OCTETS} octets (RFC 5321)", field=where)
+    return name, normalized
 
 
 @functools.lru_cache(maxsize=4096)
@@ -441,10 +508,56 @@ def _header_text(value: Any, where: str, *, tab: bool = False) -> str:
     if bad:
         raise InvalidEmail(f"{where} contains U+{ord(bad.group()):04X}, a control character or line break "
                            "(header injection)", field=where)
+    _refuse_invisible(value, where)
     if _has_encoded_word(value):
         raise InvalidEmail(f"{where} contains an RFC 2047 encoded word ('=?...?='), which the stdlib would decode "
                            "(header injection); give the text itself, non-ASCII is encoded for you", field=where)
     return value
+
+
+def _refuse_invisible(value: str, where: str) -> None:
+    for found in _INVISIBLE.finditer(value):
+        c, i = found.group(), found.start()
+        if c == _ZWJ and 0 < i < len(value) - 1 and _pictographic(value[i - 1]) and _pictographic(value[i + 1]):
+            continue  # an emoji sequence (a family, a profession): rendered as one picture, nothing hidden
+        raise InvalidEmail(f"{where} contains U+{ord(c):04X}, an invisible or text-direction character "
+                           "(it can make one text look like another)", field=where)
+
+
+def _pictographic(c: str) -> bool:
+    # Emoji are "So"; a skin tone modifier is "Sk"; U+FE0F (emoji presentation) may stand before the joiner.
+    return c == "\ufe0f" or unicodedata.category(c) in ("So", "Sk")
+
+
+def _scripts(label: str) -> set[str]:
+    """The scripts of a domain label's letters, by the first word of their Unicode names.
+
+    The standard library has no Script property; a letter's name starts with its script's name
+    (``LATIN SMALL LETTER A``, ``CYRILLIC SMALL LETTER A``, ``CJK UNIFIED IDEOGRAPH-4E00``). Marks,
+    digits, the hyphen and modifier letters belong to no script here.
+    """
+    found: set[str] = set()
+    for c in label:
+        if unicodedata.category(c) not in ("Lu", "Ll", "Lt", "Lo"):
+            continue
+        word = unicodedata.name(c, "UNKNOWN").split(" ", 1)[0]
+        if word == "KATAKANA-HIRAGANA":
+            continue  # the prolonged sound mark: both kana
+        found.add("HAN" if word == "CJK" else word)
+    return found
+
+
+def _check_domain(addr: str, where: str) -> None:
+    """Refuse a domain label that mixes scripts (see the module docstring)."""
+    domain = addr.rpartition("@")[2]
+    if domain.isascii():
+        return
+    for label in domain.split("."):
+        scripts = _scripts(label)
+        if len(scripts) > 1 and not any(scripts <= allowed for allowed in _SCRIPT_SETS):
+            raise InvalidEmail(f"{where} has a domain label mixing scripts ({', '.join(sorted(scripts)).lower()}), "
+                               "a look-alike of another domain (idemmail_allow_mixed_script_domains accepts it)",
+                               field=where)
 
 
 def _body(value: Any, where: str) -> str | None:
@@ -458,12 +571,23 @@ def _body(value: Any, where: str) -> str | None:
     return value
 
 
-def _iterable(value: Any) -> Iterable[Any]:
+def _attachments(value: Any) -> list[Any]:
+    """The attachments given, at most :data:`MAX_ATTACHMENTS` (one more is looked at, to refuse it)."""
     if value is None:
-        return ()
+        return []
     if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
         raise InvalidEmail("attachments must be a list", field="attachments")
-    return value
+    items = list(itertools.islice(value, MAX_ATTACHMENTS + 1))
+    if len(items) > MAX_ATTACHMENTS:
+        raise InvalidEmail(f"more than {MAX_ATTACHMENTS} attachments", field="attachments")
+    return items
+
+
+def _subject(value: Any) -> str:
+    text = _header_text(value, "subject", tab=True)
+    if len(text.encode("utf-8")) > MAX_SUBJECT_OCTETS:
+        raise InvalidEmail(f"subject is over {MAX_SUBJECT_OCTETS} octets (RFC 5322 line limit)", field="subject")
+    return text
 
 
 def _listed(value: Any, where: str, limit: int) -> list[str]:
@@ -482,13 +606,17 @@ def _listed(value: Any, where: str, limit: int) -> list[str]:
     return items
 
 
-def _formatted(items: list[str], where: str) -> tuple[str, ...]:
+def _formatted(items: list[str], where: str, mixed_scripts: bool) -> tuple[str, ...]:
     out = []
     for i, item in enumerate(items):
+        entry = where if len(items) == 1 else f"{where}[{i}]"
         try:
-            out.append(format_address(item, where if len(items) == 1 else f"{where}[{i}]"))
+            name, addr = parse_address(item, entry)
+            if not mixed_scripts:
+                _check_domain(addr, entry)
         except InvalidEmail as exc:  # the message says which entry; the field stays "to"
             raise InvalidEmail(str(exc), field=where) from None
+        out.append(_display(name, addr) if name else addr)
     return tuple(out)
 
 
@@ -497,7 +625,7 @@ def _headers(value: Any) -> dict[str, str]:
     seen: set[str] = set()
     for name, v in out.items():
         if not _FIELD_NAME.fullmatch(name):
-            raise InvalidEmail(f"headers name {name!r} is not a header name (printable ASCII except ':', "
+            raise InvalidEmail(f"headers name {scrub(name)!r} is not a header name (printable ASCII except ':', "
                                "at most 76 characters)", field="headers")
         _header_text(name, "headers")
         lowered = name.lower()
@@ -505,9 +633,9 @@ def _headers(value: Any) -> dict[str, str]:
             raise InvalidEmail(f"headers: {name} is written by the library or the provider; set it through "
                                "its own argument, if it has one", field="headers")
         if lowered in seen:
-            raise InvalidEmail(f"headers: {name} is given twice (header names ignore case)", field="headers")
+            raise InvalidEmail(f"headers: {scrub(name)} is given twice (header names ignore case)", field="headers")
         seen.add(lowered)
-        _header_text(v, f"headers[{name}]", tab=True)
+        _header_text(v, _named("headers", name), tab=True)
     return out
 
 
@@ -516,9 +644,15 @@ def _tags(value: Any) -> dict[str, str]:
     for name, v in out.items():
         _header_text(name, "tags")
         if not name or ":" in name or any(c.isspace() for c in name):
-            raise InvalidEmail(f"tags name {name!r} is not valid (empty, white space or ':')", field="tags")
-        _header_text(v, f"tags[{name}]")
+            raise InvalidEmail(f"tags name {scrub(name)!r} is not valid (empty, white space or ':')", field="tags")
+        _header_text(v, _named("tags", name))
     return out
+
+
+def _named(where: str, name: str) -> str:
+    """``where[name]``, for an error's text and ``.field``: a name shaped like an address is not quoted
+    (errors reach the result backend and logs)."""
+    return f"{where}[{scrub(name)}]"
 
 
 def _mapping(value: Any, where: str) -> dict[str, str]:
@@ -530,6 +664,6 @@ def _mapping(value: Any, where: str) -> dict[str, str]:
         if not isinstance(name, str):
             raise InvalidEmail(f"{where} names must be strings, not {type(name).__name__}", field=where)
         if not isinstance(v, str):
-            raise InvalidEmail(f"{where}[{name}] must be a string, not {type(v).__name__}",
-                               field=f"{where}[{name}]")
+            raise InvalidEmail(f"{_named(where, name)} must be a string, not {type(v).__name__}",
+                               field=_named(where, name))
     return dict(value)

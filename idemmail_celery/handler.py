@@ -74,7 +74,7 @@ from .keys import IntentKeyBuilder, Payload
 from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
 from .ledger.base import new_owner
 from .ledger.sealed import PAYLOAD_KEY_UNKNOWN, is_sealed, park_unreadable
-from .redaction import scrub
+from .redaction import cut_leaking_chain, scrub
 
 log = logging.getLogger("idemmail_celery")
 
@@ -310,6 +310,7 @@ class Handler:
             self.effect.report(Outcome.FAILED, d.key, reason=reason, recorded="false")
             error = PermanentSendError(scrub(str(exc))[:500], reason=reason, key=d.key)
             error.__cause__ = exc
+            cut_leaking_chain(error)  # a header or tag name holding an address: the cause would print it
             return Step(Outcome.FAILED, Action.RAISE, d.key, error=error)
         except Exception as exc:  # a missing module, a broken install, a defect: nothing was sent, nothing claimed
             return self.unavailable(d, exc)
@@ -446,9 +447,10 @@ class Handler:
         key, token = d.key, claim.token
         stored = {"value": value, "message_id": message_id_of(value)}
         unrecorded: str | None = None  # why the ledger does not hold this send, if it does not
+        recorded_at: float | None = None  # as the ledger keeps it: a duplicate replays this very time
         for attempt in range(COMPLETE_ATTEMPTS + 1):
             try:
-                self.ledger.complete(key, token, stored)
+                recorded_at = self.ledger.complete(key, token, stored)
                 break
             except UnserializableArgumentsError:
                 # The send happened; a result JSON cannot hold must not keep it from being recorded.
@@ -466,7 +468,7 @@ class Handler:
                 log.error("idemmail: %s was sent but could not be recorded yet: %s", key, exc)
                 unrecorded = "unrecorded"
                 break
-        outcome = sent_outcome("sent", key, stored, time.time())
+        outcome = sent_outcome("sent", key, stored, recorded_at or time.time())
         if unrecorded == "unrecorded":
             # The verdict travels with the next delivery, which takes this claim back and records it;
             # meanwhile the lease keeps any copy from sending again.
@@ -578,7 +580,7 @@ class Handler:
             countdown = min(countdown, max(record.lease_expires_at - time.time(), 0.0) + 0.5)
         self.effect.report(Outcome.IN_FLIGHT, key, reschedules=d.inflight + 1)
         return Step(Outcome.IN_FLIGHT, Action.RESCHEDULE, key, countdown=countdown,
-                    error=IdempotencyInFlightError(f"in_flight: {key} held by another worker, "
+                    error=IdempotencyInFlightError(f"{key} held by another worker, "
                                                    f"reschedule {d.inflight + 1}"),
                     carry={INFLIGHT_HEADER: d.inflight + 1, OUTAGE_HEADER: d.outage})
 

@@ -21,9 +21,11 @@ have many. The intent key is a digest of that meaning:
 A caller's own key (``apply_async(idempotency_key=...)``, or a raw
 ``idempotency_key`` message header) is checked by :func:`check_explicit_key` and
 goes through steps 3 and 4 the same way (:meth:`IntentKeyBuilder.explicit_key`).
-A key the library itself puts on a message travels with a *mark*
-(:meth:`IntentKeyBuilder.key_mark`, a keyed digest of task name and key), which
-is how ``apply_async`` and the worker tell it from a caller's header.
+A key the library itself puts on a message travels with a *seal*
+(:meth:`IntentKeyBuilder.seal`: a keyed digest of the task name, the arguments and
+every header the worker acts on), which is how ``apply_async`` and the worker tell
+it from a caller's header, and how the worker tells its own chain headers (owner,
+verdict, counters) from forged or copied ones.
 
 **Secret rotation.** The builder takes several secrets, newest first: keys are
 derived under the first, and :meth:`IntentKeyBuilder.older_keys` gives what the
@@ -49,6 +51,7 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import decimal
+import enum
 import functools
 import hashlib
 import hmac
@@ -60,6 +63,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._common import KEY_HEADER, KEY_MARK_HEADER, SEALED_HEADERS
 from .email import parse_address
 from .errors import ConfigurationError, IdempotencyKeyError, InvalidEmail, UnserializableArgumentsError
 
@@ -356,9 +360,8 @@ def check_explicit_key(value: Any) -> str:
 def is_derived_key(value: Any) -> bool:
     """Is ``value`` shaped like a key this module made (64 lower-case hex digits)?
 
-    The shape alone does not say who put it on a message (a caller may choose such a key):
-    :meth:`IntentKeyBuilder.is_marked` does. A worker still claims under an unmarked one as
-    it is, as releases before marks wrote them so (see :class:`~idemmail_celery.IdempotentTask`).
+    The shape alone does not say who put it on a message (a caller may choose such a key, or copy
+    one from a Message-ID): only a valid seal (:meth:`IntentKeyBuilder.check_seal`) does.
     """
     return isinstance(value, str) and _DERIVED_KEY.fullmatch(value) is not None
 
@@ -384,6 +387,45 @@ def _secret_list(secret: Any) -> tuple[bytes | None, ...]:
         if v not in out:
             out.append(v)
     return tuple(out)
+
+
+def _secret_id(secret: bytes | None) -> str:
+    """A short public name of a key secret, so that a seal says which secret made it (``plain``: none).
+
+    A digest of the secret: it reveals no more than any keyed digest the secret makes (a weak secret can
+    be guessed from a known key either way; see docs/security.md)."""
+    if secret is None:
+        return "plain"
+    return hashlib.sha256(b"idemmail/secret-id\n" + secret).hexdigest()[:12]
+
+
+class Seal(enum.Enum):
+    """What :meth:`IntentKeyBuilder.check_seal` found."""
+
+    #: Made by this library under one of the builder's secrets, for these headers and arguments.
+    VALID = "valid"
+    #: Made under a secret the builder does not have: a newer one (or a forgery naming one).
+    UNKNOWN_SECRET = "unknown_secret"
+    #: Not made for these headers and arguments under the secret it names: forged, copied or altered.
+    INVALID = "invalid"
+    #: No seal at all (a message sent by name).
+    ABSENT = "absent"
+
+
+def args_digest(payload: Payload) -> str:
+    """SHA-256 of a call's arguments as the worker receives them (kombu's typed JSON, keys sorted)."""
+    try:
+        text = json.dumps({"args": payload.args, "kwargs": payload.kwargs}, cls=_TypedEncoder, sort_keys=True,
+                          separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UnserializableArgumentsError(f"task arguments have no JSON form to seal: {exc}") from exc
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def untrusted_removed(headers: Mapping[str, Any], *, keep: tuple[str, ...] = (KEY_HEADER,)) -> dict[str, Any]:
+    """``headers`` without what only a valid seal vouches for (:data:`~idemmail_celery._common.SEALED_HEADERS`
+    and the seal), but for ``keep`` (by default the key: a caller's own, to be checked and hashed)."""
+    return {k: v for k, v in headers.items() if k in keep or (k not in SEALED_HEADERS and k != KEY_MARK_HEADER)}
 
 
 @dataclass(frozen=True)
@@ -440,6 +482,8 @@ class IntentKeyBuilder:
     _untenanted: str = field(init=False, repr=False, compare=False, default="")
     _mac: Any = field(init=False, repr=False, compare=False, default=None)
     _older_macs: tuple[Any, ...] = field(init=False, repr=False, compare=False, default=())
+    _all_macs: tuple[Any, ...] = field(init=False, repr=False, compare=False, default=())
+    _kids: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
     _round: Any = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
@@ -472,9 +516,12 @@ class IntentKeyBuilder:
         object.__setattr__(self, "_plain", self._plain_signature())
         object.__setattr__(self, "_untenanted", self._namespace(None))
         # The keyed hash with the secret already absorbed: a copy per key costs less than a new HMAC.
-        macs = tuple(None if s is None else hmac.new(s, digestmod=hashlib.sha256) for s in _secret_list(self.secret))
+        secrets = _secret_list(self.secret)
+        macs = tuple(None if s is None else hmac.new(s, digestmod=hashlib.sha256) for s in secrets)
         object.__setattr__(self, "_mac", macs[0])
         object.__setattr__(self, "_older_macs", macs[1:])
+        object.__setattr__(self, "_all_macs", macs)
+        object.__setattr__(self, "_kids", tuple(_secret_id(s) for s in secrets))
 
     def _through(self, value: Any) -> Any:
         """``value`` as the worker will see it, after the task serializer's round trip."""
@@ -656,32 +703,51 @@ class IntentKeyBuilder:
         """``,"ns":…,"task":…,"tenant":…,"v":…}``: the rest of the canonical key material."""
         return "," + canonical_json({"ns": _NAMESPACE, "task": self.task_name, "tenant": tenant, "v": self.version})[1:]
 
-    def key_mark(self, key: str) -> str:
-        """The mark that says this library put ``key`` on a message as its ledger key.
+    def seal(self, headers: Mapping[str, Any], payload: Payload, *, task_name: str | None = None) -> str:
+        """The seal of a message's chain headers: what says this library wrote them, for this call.
 
-        A keyed digest (under the first secret) of the task name and ``key``: a message whose
-        ``idempotency_key`` header comes with its mark is claimed under that key as it is, and
-        ``apply_async`` republishes it unchanged (a retry, a reschedule, ``ledger resolve --release``);
-        any other header is a caller's own key, checked and hashed. Without a secret the mark is
-        plain SHA-256: it tells the library's messages from a caller's mistakes, not from forgeries.
+        A keyed digest, under the first secret, of the task name (``task_name``, else the builder's),
+        a digest of the arguments (:func:`args_digest`) and the canonical JSON of every header in
+        :data:`~idemmail_celery._common.SEALED_HEADERS` the message carries (the intent key, the older
+        keys, the counters, the enqueue time, the owner, the verdict, the campaign's pass state: all of
+        them as one text, whatever fields their values hold). It travels as ``idemmail_key_mark``,
+        prefixed with the secret's id (:meth:`check_seal` tells a secret it does not have from a forgery).
+        Only the library's own publish points seal (``apply_async`` for a key it derived, the worker's
+        retries and reschedules, a campaign's next pass); what a caller passes is never sealed as it is.
+        Without a secret the seal is plain SHA-256: it tells the library's messages from a caller's
+        mistakes, not from forgeries.
         """
-        return self._digest(self._mark_material(key))
+        return f"{self._kids[0]}:{self._digest(self._seal_material(headers, payload, task_name))}"
 
-    def is_marked(self, key: Any, mark: Any) -> bool:
-        """Did :meth:`key_mark` make ``mark`` for ``key``, under the current secret or an older one?"""
-        if not isinstance(key, str) or not isinstance(mark, str) or not mark.isascii():
-            return False
-        return self._made_from(mark, self._mark_material(key))
+    def check_seal(self, headers: Mapping[str, Any], payload: Payload, *, task_name: str | None = None) -> Seal:
+        """Did :meth:`seal` (under the current secret or an older one) make the message's seal for these
+        headers and arguments? :attr:`Seal.UNKNOWN_SECRET`: made under a secret this builder does not have
+        (a newer one, during a rotation deployed web processes first)."""
+        mark = headers.get(KEY_MARK_HEADER)
+        if mark is None:
+            return Seal.ABSENT
+        if not isinstance(mark, str) or not mark.isascii() or ":" not in mark:
+            return Seal.INVALID
+        kid, _, digest = mark.partition(":")
+        if kid not in self._kids:
+            return Seal.UNKNOWN_SECRET
+        mac = self._all_macs[self._kids.index(kid)]
+        try:
+            material = self._seal_material(headers, payload, task_name)
+        except (UnserializableArgumentsError, TypeError, ValueError):
+            return Seal.INVALID
+        return Seal.VALID if hmac.compare_digest(digest, self._digest(material, mac)) else Seal.INVALID
+
+    def _seal_material(self, headers: Mapping[str, Any], payload: Payload, task_name: str | None) -> str:
+        # Never canonical JSON alone (key and fingerprint material start with "{"): no seal is ever a key.
+        sealed = {name: headers[name] for name in SEALED_HEADERS if headers.get(name) is not None}
+        return f"idemmail/seal\n{task_name or self.task_name}\n{args_digest(payload)}\n{canonical_json(sealed)}"
 
     def _made_from(self, digest: str, material: str) -> bool:
         """Is ``digest`` the digest of ``material`` under the current secret or an older one?"""
         if hmac.compare_digest(digest, self._digest(material)):
             return True
         return any(hmac.compare_digest(digest, self._digest(material, mac)) for mac in self._older_macs)
-
-    def _mark_material(self, key: str) -> str:
-        # Never canonical JSON (key and fingerprint material start with "{"): no mark is ever a key.
-        return f"idemmail/key-mark\n{self.task_name}\n{key}"
 
     def fingerprint(self, payload: Payload) -> str:
         """Digest of the must-match fields' normalised values, which a later call must repeat.

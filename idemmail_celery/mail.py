@@ -120,6 +120,8 @@ def _template(value: Any) -> str | None:
 
 #: The arguments a message is built from (``message_from`` reads these and nothing else).
 _MESSAGE_FIELDS = ("from_", "to", "subject", "text", "html", "cc", "bcc", "reply_to", "headers", "tags", "attachments")
+#: The arguments stored with the message that are not part of it (they count towards its size budget).
+_STORED_BESIDE = ("event_id", "template", "tenant")
 
 
 class SendEmailTask(IdempotentTask):
@@ -149,7 +151,14 @@ class SendEmailTask(IdempotentTask):
             reply_to=kwargs.get("reply_to"), headers=kwargs.get("headers"), tags=kwargs.get("tags"),
             attachments=kwargs.get("attachments"),
             max_bytes=int(settings.max_message_bytes), max_recipients=settings.max_recipients,
+            allow_mixed_scripts=settings.allow_mixed_script_domains,
         )
+        # The budget counts every byte stored or sent: the call's other texts are stored with the message.
+        size = message.size() + sum(len(v.encode("utf-8", "surrogatepass")) for v in (
+            kwargs.get(name) for name in _STORED_BESIDE) if isinstance(v, str))
+        if size > settings.max_message_bytes:
+            raise InvalidEmail(f"the message is {size} bytes, over the limit of {int(settings.max_message_bytes)} "
+                               "(idemmail_max_message_bytes)", field="size")
         if not request.called_directly:  # a run's request, gone with the run (never the client's default)
             request.idemmail_message = (fields, settings, message)
         return message

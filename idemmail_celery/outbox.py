@@ -41,8 +41,8 @@ up to the driver's busy timeout). Run one relay for SQLite.
 
 Django writes through its own connection: :func:`enqueue_sql` gives the
 statement and parameters to run on ``django.db.connection.cursor()`` inside
-``transaction.atomic()`` (see ``examples/outbox_django.md``); the relay reads the
-same table through SQLAlchemy.
+``transaction.atomic()``, which :mod:`idemmail_celery.contrib.django` wraps (its model and
+migration create this table); the relay reads the same table through SQLAlchemy.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ __all__ = [
     "purge_dispatched",
     "register_relay",
     "relay",
+    "run_relay",
     "schema_sql",
 ]
 
@@ -606,17 +607,30 @@ def register_relay(
     """
 
     def outbox_relay() -> int:
-        settings = Settings.resolve(app.conf)
-        db_url = url or settings.outbox_url
-        if not db_url:
-            raise ConfigurationError("set idemmail_outbox_url (or pass url= to register_relay)")
-        return drain(
-            _engine_for(str(db_url)), app,
-            batch_size=batch_size or settings.outbox_batch_size,
-            table=table or settings.outbox_table,
-            max_seconds=max_seconds or settings.outbox_max_seconds,
-        )
+        return run_relay(app, url, table=table, batch_size=batch_size, max_seconds=max_seconds)
 
     outbox_relay.__doc__ = "Publish committed outbox rows to the broker (idemmail_celery.outbox.drain)."
     task: Task = app.task(name=name, shared=False, ignore_result=True)(outbox_relay)
     return task
+
+
+def run_relay(
+    app: Celery,
+    url: str | None = None,
+    *,
+    table: str | None = None,
+    batch_size: int | None = None,
+    max_seconds: float | None = None,
+) -> int:
+    """What the relay task runs: :func:`drain` with the app's settings for what is not given (see
+    :func:`register_relay`), on one engine per database URL and process."""
+    settings = Settings.resolve(app.conf)
+    db_url = url or settings.outbox_url
+    if not db_url:
+        raise ConfigurationError("set idemmail_outbox_url (or pass url= to register_relay)")
+    return drain(
+        _engine_for(str(db_url)), app,
+        batch_size=batch_size or settings.outbox_batch_size,
+        table=table or settings.outbox_table,
+        max_seconds=max_seconds or settings.outbox_max_seconds,
+    )

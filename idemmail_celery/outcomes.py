@@ -68,10 +68,15 @@ def report(task: Any, status: Outcome | str, key: str, *, message_id: Any = None
     """Tell the log, Flower and metrics what this run of ``task`` came to.
 
     ``extra`` holds further short, non-personal fields (``recorded``, ``reschedules``,
-    ``action``). ``event=False``: no ``task-idemmail`` event (a campaign's recipients,
-    whose task id is the campaign's). Never raises: reporting must not change an outcome.
+    ``action``). ``recorded`` is the state of the record a duplicate replays (``"sent"``,
+    ``"failed"``, ``"review"``), or ``False`` (a boolean in the event and the ``extra=`` of the log
+    record; ``"false"`` is taken for it) when the ledger does not hold the outcome.
+    ``event=False``: no ``task-idemmail`` event (a campaign's recipients, whose task id is the
+    campaign's). Never raises: reporting must not change an outcome.
     """
     status = Outcome(status)
+    if extra.get("recorded") in (False, "false"):
+        extra["recorded"] = False  # one type for "not recorded" wherever a report is read
     request = task.request
     name = task.name
     attempts = (request.retries or 0) + 1
@@ -79,7 +84,7 @@ def report(task: Any, status: Outcome | str, key: str, *, message_id: Any = None
         message_id = str(message_id)
     if reason is not None:
         reason = clean_reason(reason)
-    unrecorded = extra.get("recorded") == "false"
+    unrecorded = extra.get("recorded") is False
     try:
         level = _level(status, unrecorded, routine=event and reason is None and (
             (status is Outcome.SENT and not unrecorded)
@@ -128,7 +133,8 @@ def _log(level: int, status: Outcome, name: str, key: str, task_id: str | None, 
     if reason:
         fields["reason"] = reason
     fields.update(extra)
-    line = " ".join(f"{k}={_logfmt(v)}" for k, v in fields.items())
+    # ``recorded=false``, as the docs and log queries know it (the field holds the boolean False).
+    line = " ".join(f"{k}={'false' if k == 'recorded' and v is False else _logfmt(v)}" for k, v in fields.items())
     log.log(level, "idemmail outcome %s", line, extra={"idemmail": fields})
 
 

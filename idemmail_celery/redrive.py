@@ -84,7 +84,7 @@ def sweep_stranded(app: Any, *, after_seconds: float, now: float | None = None,
                 if ledger.mark_hop(record.key, "sweep", after_seconds) is False:
                     continue  # republished by a sweep not long ago
                 first = Payload.from_json(record.payload)
-                task.apply_async(list(first.args), dict(first.kwargs), headers=task.key_headers(record.key))
+                task.apply_async(list(first.args), dict(first.kwargs), headers=task.key_headers(record.key, first))
                 log.warning("idemmail: claim %s of %s had no holder for %.0f s: republished from its first payload",
                             record.key, record.task_name, quiet)
                 republished.append(record.key)

@@ -1,10 +1,11 @@
 """``IdempotentTask``: the Celery adapter of the state machine in :mod:`idemmail_celery.handler`.
 
 * ``apply_async`` (caller's process) validates the call and derives the intent key before
-  anything is enqueued, and sends it as the ``idempotency_key`` header with its mark
-  (``idemmail_key_mark``, :meth:`IdempotentTask.key_headers`); bad input fails here. A header
-  the caller set is the caller's own key, checked and hashed whatever it looks like; only a
-  marked one (what the library republishes: retries, reschedules, released copies) is kept.
+  anything is enqueued, and sends it as the ``idempotency_key`` header under a seal
+  (``idemmail_key_mark``, :meth:`IdempotentTask.sealed`) that also covers every other header the
+  worker acts on; bad input fails here. A header the caller set is the caller's own key, checked
+  and hashed whatever it looks like; only a sealed one (what the library republishes: retries,
+  reschedules, released copies) is kept. The worker acts on no header its seal does not cover.
 * ``__call__`` (worker) describes the delivery to the :class:`~idemmail_celery.handler.Handler`
   and carries out its answer: return, raise, ``retry()`` (the task's own budget), reschedule
   (no budget spent), or drop a redundant copy. Every countdown it sets stays below the
@@ -26,6 +27,7 @@ from dataclasses import replace
 from typing import Any, NoReturn
 
 from celery import Task
+from celery import _state as _celery_state
 from celery.exceptions import Ignore, Retry
 from celery.signals import before_task_publish, celeryd_after_setup, worker_init
 from kombu.exceptions import KombuError
@@ -41,10 +43,12 @@ from ._common import (
     INFLIGHT_HEADER,
     KEY_HEADER,
     KEY_MARK_HEADER,
+    MAX_OLDER_KEYS,
     NOT_BEFORE_HEADER,
     OLDER_KEYS_HEADER,
     OUTAGE_HEADER,
     OWNER_HEADER,
+    SEALED_HEADERS,
     TENANT_HEADER,
     VERDICT_HEADER,
     chain_headers,
@@ -57,7 +61,6 @@ from .errors import (
     LedgerError,
     PermanentSendError,
     TransientSendError,
-    UnsafeLedgerError,
     UnserializableArgumentsError,
 )
 from .handler import (
@@ -72,7 +75,7 @@ from .handler import (
     verdict_of,
     wait_out,
 )
-from .keys import IntentKeyBuilder, KeySpec, Payload, RoundTrip
+from .keys import IntentKeyBuilder, KeySpec, Payload, RoundTrip, Seal, untrusted_removed
 from .ledger import Ledger, backend_for, shared
 from .ledger.base import new_owner
 from .redaction import scrub
@@ -110,6 +113,18 @@ def serializer_round_trip(serializer: str) -> RoundTrip:
 def get_ledger(url: str, options: dict[str, Any] | None = None) -> Ledger:
     """The process-wide ledger for ``url`` (see :func:`idemmail_celery.ledger.shared`)."""
     return shared(url, options)
+
+
+class Rescheduled(Retry):  # type: ignore[misc]
+    """The :class:`~celery.exceptions.Retry` of a reschedule, shown as its reason.
+
+    Celery's own reads ``Retry(Retry(...), IdempotencyInFlightError(...), 0.58)``, and a prefork
+    worker's ``task-retried`` event carries that repr, which Flower keeps as the task's exception
+    even after the rescheduled copy succeeds; the reason alone says what happened.
+    """
+
+    def __repr__(self) -> str:
+        return repr(self.exc) if self.exc is not None else f"Rescheduled({self.message!r})"
 
 
 class IdempotentTask(Task):  # type: ignore[misc]
@@ -299,26 +314,43 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
         payload = self.validate_call(args, kwargs)
         builder = self.key_builder
-        headers = self.key_headers(builder.derive(payload, explicit=explicit, tenant=tenant),
-                                   builder.older_keys(payload, explicit=explicit, tenant=tenant))  # () unless rotating
+        headers: dict[str, Any] = {KEY_HEADER: builder.derive(payload, explicit=explicit, tenant=tenant)}
+        older = builder.older_keys(payload, explicit=explicit, tenant=tenant)  # () unless rotating
+        if older:
+            headers[OLDER_KEYS_HEADER] = list(older)
         headers[ENQUEUED_HEADER] = f"{time.time():.3f}"
         if tenant is not None:
             headers[TENANT_HEADER] = str(tenant)
-        return headers
+        return self.sealed(headers, payload)
 
-    def key_headers(self, key: str, older: Sequence[str] = ()) -> dict[str, Any]:
-        """The headers that put an intent key the library derived on a message, marked as such.
+    def key_headers(self, key: str, payload: Payload, older: Sequence[str] = ()) -> dict[str, Any]:
+        """The headers that put an intent key the library derived on a message for the call ``payload``, sealed.
 
         ``apply_async`` sends a message carrying them as it is (no new key, no validation: it
         was validated when the key was derived) and the worker claims under ``key`` itself:
         what retries, reschedules and ``ledger resolve --release`` publish. ``older`` are its
-        forms under older key secrets, during a rotation. A header without its mark is a
-        caller's own key, checked and hashed (see :meth:`apply_async`).
+        forms under older key secrets, during a rotation. A key without a valid seal (other
+        arguments, other headers, another task) is a caller's own, checked and hashed (see
+        :meth:`apply_async`).
         """
-        headers: dict[str, Any] = {KEY_HEADER: key, KEY_MARK_HEADER: self.key_builder.key_mark(key)}
+        headers: dict[str, Any] = {KEY_HEADER: key}
         if older:
             headers[OLDER_KEYS_HEADER] = list(older)
+        return self.sealed(headers, payload)
+
+    def sealed(self, headers: dict[str, Any], payload: Payload) -> dict[str, Any]:
+        """``headers`` with the seal of what they hold for the call ``payload`` (in place; returned).
+
+        The library's publish points call it last, after every header the worker acts on is set
+        (:meth:`~idemmail_celery.keys.IntentKeyBuilder.seal`)."""
+        headers[KEY_MARK_HEADER] = self.key_builder.seal(headers, payload)
         return headers
+
+    def _received(self, args: Any = None, kwargs: Any = None) -> Payload:
+        """The arguments a republished copy of this delivery carries (its own, unless given)."""
+        request = self.request
+        return Payload(list(request.args or () if args is None else args),
+                       dict(request.kwargs or {} if kwargs is None else kwargs))
 
     def validate_call(self, args: Any, kwargs: Any) -> Payload:
         """Validate a call as ``apply_async`` does before anything is enqueued, and return its arguments as
@@ -354,7 +386,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         Extra options: ``idempotency_key`` (an explicit key, namespaced and hashed
         like a derived one) and ``idempotency_tenant``. A raw ``idempotency_key`` header
         (``headers={"idempotency_key": ...}``) is the same as ``idempotency_key=``, whatever
-        it looks like; only a key the library marked (:meth:`key_headers`: a retry, a
+        it looks like; only a key the library sealed (:meth:`key_headers`: a retry, a
         reschedule, a released copy, an outbox row) travels unchanged. Raises
         :class:`~idemmail_celery.errors.IdempotencyKeyError` (and subclasses) or
         :class:`~idemmail_celery.errors.ConfigurationError` before enqueueing.
@@ -363,20 +395,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         tenant = options.pop("idempotency_tenant", None)
         headers = dict(options.get("headers") or {})
         carried = headers.get(KEY_HEADER)
-        if explicit is None and carried is not None:
-            if self.key_builder.is_marked(carried, headers.get(KEY_MARK_HEADER)):
-                pass  # the library's own key (see key_headers): validated when it was derived
-            elif keys_mod.is_derived_key(carried) and ENQUEUED_HEADER in headers and KEY_MARK_HEADER not in headers:
-                # Intent headers a release before marks derived (an outbox row written before the
-                # upgrade): hashing the key again would give the intent a second key and send it
-                # twice. The call is still validated.
-                self.key_builder.bound(self.validate_call(args, kwargs))
-                headers.update(self.key_headers(carried))
-            else:
-                explicit = carried  # the caller's own key: checked and hashed like idempotency_key=
+        if explicit is None and carried is not None and self.key_builder.check_seal(
+                headers, self.key_builder.payload(args, kwargs)) not in (Seal.VALID, Seal.UNKNOWN_SECRET):
+            # The caller's own key, whatever it looks like (64 hex digits too): checked and hashed like
+            # idempotency_key=, never sealed as it is. Only the library's own headers (sealed for these
+            # arguments, validated when the key was derived) travel unchanged; so does a seal made under a
+            # newer secret than this process has (a rotation): the worker that has it decides.
+            explicit = carried
         if explicit is not None or carried is None:
-            for stale in (KEY_MARK_HEADER, OLDER_KEYS_HEADER):  # belong to whatever key the caller copied
-                headers.pop(stale, None)
+            # Chain state and older keys belong to whatever message the caller copied them from: dropped.
+            headers = untrusted_removed(headers, keep=())
             headers.update(self.intent_headers(args, kwargs, explicit=explicit, tenant=tenant))
         options["headers"] = headers
         if self.idem_settings.redact_args:  # the task option, else idemmail_redact_args, parsed strictly
@@ -390,18 +418,25 @@ class IdempotentTask(Task):  # type: ignore[misc]
         request = self.request
         if request.called_directly:
             return self.run(*args, **kwargs)
-        headers = dict(request.headers or {})
-        payload = Payload(list(args), dict(kwargs))
-        # This chain's state, as the message brings it: kept whatever this delivery comes to.
-        chain = Delivery(key=str(headers.get(KEY_HEADER) or ""), task_name=self.name, payload=payload,
-                         attempt_id=request.id or "", inflight=_count(headers.get(INFLIGHT_HEADER)),
-                         outage=_count(headers.get(OUTAGE_HEADER)), resume_owners=owners_of(headers.get(OWNER_HEADER)),
-                         verdict=verdict_of(headers.get(VERDICT_HEADER)))
         try:
+            return self._deliver(request, args, kwargs)
+        except BaseException as exc:
+            # Whatever leaves here is printed with its chain (result backend, task-failed event, the worker's
+            # ERROR log): a link quoting an address is cut off; the error's own text is scrubbed where it is made.
+            redaction.cut_leaking_chain(exc)
+            raise
+
+    def _deliver(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        received = dict(request.headers or {})
+        payload = Payload(list(args), dict(kwargs))
+        headers = untrusted_removed(received)  # until the seal is checked: nothing it vouches for is acted on
+        try:
+            headers = request.idemmail_trusted = self._trusted(received, payload)
+            chain = _chain_state(self.name, request, headers, payload)
             key, older = self._claim_key(payload, headers)
             # Whatever this delivery publishes next (a retry, a reschedule, the next hop of a wait)
-            # carries the key it claims under, marked: apply_async sends it unchanged.
-            request.idemmail_key_headers = self.key_headers(key, older)
+            # carries the key it claims under, sealed: apply_async sends it unchanged.
+            request.idemmail_key_headers = self.key_headers(key, payload, older)
             headers.update(request.idemmail_key_headers)
             self._wait_until_due(headers)
             handler = self.handler  # opens the ledger: its driver is imported here
@@ -410,7 +445,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except Exception as exc:
             # Nothing claimed, nothing sent: a missing driver, a broken install or a defect must not end the
             # message FAILURE (acknowledged, gone). It waits on the outage budget, its chain state kept.
-            return self._carry_out(wait_out(self._policy_or_default(), self, chain, exc), headers)
+            step = wait_out(self._policy_or_default(), self, _chain_state(self.name, request, headers, payload), exc)
+            return self._carry_out(step, headers)
         request.idempotency_key = key
         request.idemmail_owner = owner = new_owner(request.id or "")
         step = handler.handle(replace(
@@ -427,24 +463,41 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except Exception:
             return Policy()
 
+    def _trusted(self, headers: dict[str, Any], payload: Payload) -> dict[str, Any]:
+        """The headers this delivery may act on: all of them under a valid seal; else none of those the seal
+        vouches for (the key header stays, as a caller's own key: hashed), with one WARNING.
+
+        A seal made under a key secret this worker does not have (a newer one: web processes were
+        deployed first in a rotation) is neither: the message waits for a worker that has it
+        (republished as it came), because any key this worker chose could differ from the caller's.
+        """
+        check = self.key_builder.check_seal(headers, payload)
+        if check is Seal.VALID:
+            return headers
+        if check is Seal.UNKNOWN_SECRET:
+            log.warning("idemmail: task %s[%s] is sealed under a key secret this worker does not have (a newer "
+                        "idemmail_key_secret?); it waits for a worker that has it", self.name, self.request.id)
+            countdown = min(self.policy.inflight_backoff_max, self._countdown_cap() or 60.0)
+            self._publish_again(countdown, headers, "waiting for the key secret", TransientSendError(
+                "sealed under an unknown key secret", reason="unknown_key_secret"), as_received=True)
+        ignored = sorted(k for k in headers if k != KEY_HEADER and (k in SEALED_HEADERS or k == KEY_MARK_HEADER))
+        if ignored:
+            log.warning("idemmail: task %s[%s] carries headers the library did not seal for it (%s: %s); they are "
+                        "ignored", self.name, self.request.id, check.value, ", ".join(ignored))
+        return untrusted_removed(headers)
+
     def _claim_key(self, payload: Payload, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
         """The key this delivery claims under, and the older keys to look for first (a rotation).
 
-        * a key the library marked (:meth:`key_headers`): as it is;
-        * a key of 64 lower-case hex digits with no mark at all: as it is too. Releases before marks put
-          derived keys on messages so (retries, reschedules, released copies still queued), and
-          hashing one again would give its intent a second key: sent twice. A caller who sends
-          such a key by name (``send_task``) gets it as the ledger key, as before;
-        * any other key: the caller's own (``send_task(headers=...)``): checked, namespaced and
-          hashed (:meth:`_raw_key`);
+        * a key the library sealed (:meth:`key_headers`; :meth:`_trusted` dropped any other seal): as it is;
+        * any other key, 64 hex digits or not: the caller's own (``send_task(headers=...)``): checked,
+          namespaced and hashed (:meth:`_raw_key`). A key another intent's message shows (every
+          Message-ID does) therefore never reaches that intent's record;
         * none (sent by name without one): derived from the arguments, as ``apply_async`` would.
         """
         carried = headers.get(KEY_HEADER) or getattr(self.request, KEY_HEADER, None)
-        mark = headers.get(KEY_MARK_HEADER)
-        # A mark that does not verify (headers copied from another task's message) is no release's
-        # doing: the key is then the caller's own, hashed, never taken as it is.
-        if carried and (self.key_builder.is_marked(carried, mark)
-                        or (mark is None and keys_mod.is_derived_key(carried))):
+        # Only headers under a valid seal are left (see _trusted) when the mark is there.
+        if carried and KEY_MARK_HEADER in headers:
             return self._rotated(str(carried), payload, headers)
         if carried:
             return self._raw_key(carried, headers)
@@ -464,8 +517,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         the newest key, and one made under any secret is found. Nothing to do with one secret.
         """
         sent = headers.get(OLDER_KEYS_HEADER)
-        if isinstance(sent, list):
-            return key, tuple(str(k) for k in sent if keys_mod.is_derived_key(k))
+        if isinstance(sent, list):  # sealed; still at most one per older secret a rotation can have
+            return key, tuple(str(k) for k in sent[:MAX_OLDER_KEYS] if keys_mod.is_derived_key(k))
         builder = self.key_builder
         tenant = headers.get(TENANT_HEADER)
         older = builder.older_keys(payload, tenant=tenant)  # () without a rotation: no work
@@ -481,9 +534,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         and its forms under older key secrets (during a rotation: a record made before it is found).
 
         The tenant is the header's (:meth:`~idemmail_celery.keys.IntentKeyBuilder.explicit_key`), as
-        workers have always hashed a raw header. Before marks, a raw header was the ledger key as
-        given: a record made that way keeps it, so a copy enqueued before the upgrade finds it (one
-        extra read, on this path only).
+        workers have always hashed a raw header. A record under the raw text itself is never looked
+        up: whoever can read a key (a Message-ID shows it) could otherwise send under it.
         """
         tenant = headers.get(TENANT_HEADER)
         builder = self.key_builder
@@ -491,11 +543,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
             key = builder.explicit_key(raw, tenant=tenant)
         except IdemmailError as exc:
             raise PermanentSendError(f"bad idempotency_key header: {exc}", reason="invalid_arguments") from exc
-        try:
-            if self.ledger.get(key) is None and self.ledger.get(raw) is not None:
-                return str(raw), ()
-        except (LedgerError, UnsafeLedgerError):
-            pass  # the claim meets the same outage and fails closed
         return key, builder.older_explicit_keys(raw, tenant=tenant)
 
     def _carry_out(self, step: Step, headers: dict[str, Any]) -> Any:
@@ -522,13 +569,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # A body asking to retry: its claim is released after this returns; should the release
             # fail, the retry takes the claim back (its owner travels) instead of waiting on it.
             owner = getattr(self.request, "idemmail_owner", None)
-            headers = _chain(dict(self.request.headers or {}), {OWNER_HEADER: [owner]} if owner else {}, keep=False)
-            headers.update(getattr(self.request, "idemmail_key_headers", None) or {})  # the key claimed, marked
+            trusted = getattr(self.request, "idemmail_trusted", None)  # never what the message carried unsealed
+            if trusted is None:
+                trusted = untrusted_removed(self.request.headers or {})
+            headers = _chain(dict(trusted), {OWNER_HEADER: [owner]} if owner else {}, keep=False)
+            headers.update(getattr(self.request, "idemmail_key_headers", None) or {})  # the key claimed (sealed below)
         if countdown is None and eta is None:
             countdown = self.default_retry_delay
         if eta is not None:
             countdown, eta = max(0.0, eta.timestamp() - time.time()), None
         countdown = self._split(float(countdown), headers)
+        self.sealed(headers, self._received(args, kwargs))  # last: every header the next delivery acts on is set
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
 
     def _split(self, countdown: float, headers: dict[str, Any]) -> float:
@@ -562,18 +613,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return
         self._publish_again(left, headers, "waiting", TransientSendError("waiting", reason="waiting"))
 
-    def _publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception) -> NoReturn:
+    def _publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception, *,
+                       as_received: bool = False) -> NoReturn:
         """Requeue this message like ``retry()``, without spending the task's ``max_retries``.
 
         ``reason`` is what monitors show for the retry (Flower: state RETRY, its repr as the exception).
+        ``as_received``: the headers go out exactly as they came (a seal this worker cannot make or check).
         """
         request = self.request
-        countdown = self._split(countdown, headers)
+        if not as_received:
+            countdown = self._split(countdown, headers)
+            self.sealed(headers, self._received())
         sig = self.signature_from_request(request, countdown=countdown, retries=request.retries, headers=headers)
         if request.is_eager:  # ``Task.apply``: nothing is published (Celery would re-apply ``sig`` in-line, for ever)
-            raise Retry(why, exc=reason, when=countdown)
+            raise Rescheduled(why, exc=reason, when=countdown)
         sig.apply_async()
-        raise Retry(why, exc=reason, when=countdown, sig=sig)
+        raise Rescheduled(why, exc=reason, when=countdown, sig=sig)
 
     # -- what the task lends the handler (handler.SideEffect) --
 
@@ -617,6 +672,15 @@ def _chain(headers: dict[str, Any], carry: dict[str, Any], *, keep: bool) -> dic
     chain, ``keep=False``; the one-shot parts otherwise), plus what the handler carries."""
     drop = CHAIN_HEADERS if not keep else (OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, NOT_BEFORE_HEADER)
     return chain_headers(headers, carry, drop=drop)
+
+
+def _chain_state(task_name: str, request: Any, headers: dict[str, Any], payload: Payload) -> Delivery:
+    """This chain's state as ``headers`` bring it (the budgets spent, the owners that may hold its claim, a
+    verdict to record): kept whatever the delivery comes to."""
+    return Delivery(key=str(headers.get(KEY_HEADER) or ""), task_name=task_name, payload=payload,
+                    attempt_id=request.id or "", inflight=_count(headers.get(INFLIGHT_HEADER)),
+                    outage=_count(headers.get(OUTAGE_HEADER)), resume_owners=owners_of(headers.get(OWNER_HEADER)),
+                    verdict=verdict_of(headers.get(VERDICT_HEADER)))
 
 
 def _count(value: Any) -> int:
@@ -696,9 +760,44 @@ def _report_at_start(sender: Any = None, instance: Any = None, **_: Any) -> None
                              "ERROR lines above); idemmail_refuse_to_start is set")
 
 
+def _redact_on_publish(sender: str | None = None, headers: dict[str, Any] | None = None, **rest: Any) -> None:
+    """Redact every message of an idempotent task (:func:`idemmail_celery.redaction.on_before_publish`).
+
+    Tasks register for redaction when their app binds them, at finalization: before it, ``send_task`` by
+    name would not know an idempotent task from another. A task of that name still pending in an app
+    not finalized (``@app.task(base=IdempotentTask)`` not yet evaluated) is redacted too.
+    """
+    unsure = bool(headers) and not redaction.known(sender) and _pending_idempotent(sender)
+    redaction.on_before_publish(sender=sender, headers=headers, unsure=unsure, **rest)
+
+
+def _pending_idempotent(name: str | None) -> bool:
+    """Is an idempotent task called ``name`` defined in an app of this process that is not finalized yet?
+
+    Reads Celery's pending task promises (``app._pending``: the function and options of each
+    ``@app.task`` not yet evaluated); should their form ever change, every unknown task is redacted.
+    """
+    try:
+        for app in list(_celery_state._get_active_apps()):
+            if app.finalized:
+                continue
+            for promise in list(app._pending):
+                if promise.__evaluated__():
+                    continue
+                fun, = object.__getattribute__(promise, "_Proxy__args")
+                options = object.__getattribute__(promise, "_Proxy__kwargs")
+                base = options.get("base")
+                if isinstance(base, type) and issubclass(base, IdempotentTask) and name == (
+                        options.get("name") or app.gen_task_name(fun.__name__, fun.__module__)):
+                    return True
+        return False
+    except Exception:  # Celery's internals changed: hide what cannot be told apart
+        return True
+
+
 # outcomes (imported above) connected its worker_init handler first: metrics are on before this opens ledgers.
 worker_init.connect(_check_at_start, weak=False)
 celeryd_after_setup.connect(_report_at_start, weak=False)
 # Every publish path (apply_async, send_task by name, the outbox relay, canvas, retries) passes this signal. The
 # rules are in redaction, which stays Celery-free for the handler; the hook belongs to the adapter.
-before_task_publish.connect(redaction.on_before_publish, weak=False)
+before_task_publish.connect(_redact_on_publish, weak=False)

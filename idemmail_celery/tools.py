@@ -44,14 +44,24 @@ anything was enqueued: an unknown, bound or missing argument, an invalid address
 error, replayed to every later call), ``review`` (the outcome is unknown and waits for
 a person), or ``error``; with ``key``, ``result``, ``message_id`` and ``error``
 (``{"type", "message"}``) where they apply. Waiting needs a result backend on the app.
+
+**Serving them.** :func:`app_tools` is what an adapter serves by default: ``email_tool(app)``
+and every ``idempotent_tool`` registered on the app; :class:`IntentStateTool` answers, by
+key, where an intent stands (the follow-up to a ``pending``). The adapters are optional
+extras above this module: ``idemmail_celery.contrib.mcp`` (an MCP server, ``celery -A proj
+idemmail mcp``) and ``idemmail_celery.contrib.langchain`` (LangChain / LangGraph tools).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
+import functools
 import inspect
+import threading
 import types
 import typing
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Union
 
@@ -62,10 +72,12 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from ._common import KEY_HEADER
 from .errors import ConfigurationError, IdemmailError, PermanentSendError, SendNeedsReview
 from .handler import Outcome
+from .ledger import Ledger, State, from_url, passive_options
 from .mail import TASK_NAME
 from .task import IdempotentTask
 
-__all__ = ["IdempotentTool", "KeySource", "ToolArgumentError", "email_tool", "idempotent_tool", "parameters_of"]
+__all__ = ["IdempotentTool", "IntentStateTool", "KeySource", "ToolArgumentError", "app_tools", "email_tool",
+           "idempotent_tool", "parameters_of"]
 
 #: Where a tool call's intent key comes from: the tool-call id, declared argument names, or all arguments.
 KeySource = Literal["call_id"] | Sequence[str] | None
@@ -261,13 +273,38 @@ def idempotent_tool(
         fields = None if key is None or key == "call_id" else tuple(key)
         task = app.task(base=IdempotentTask, idempotency_key=fields, **task_options)(func)
         doc = inspect.getdoc(func) or ""
-        return IdempotentTool(
+        tool = IdempotentTool(
             task=task, name=tool_name or func.__name__, description=description or doc.split("\n\n")[0],
             parameters=parameters or parameters_of(func, bound=bool(task_options.get("bind"))),
             key=key, timeout=timeout,
         )
+        with _registry_lock:
+            _registered.setdefault(app, {})[tool.name] = tool
+        return tool
 
     return wrap
+
+
+#: The tools ``idempotent_tool`` made on each app, by name (weak: an app let go takes its tools along).
+_registered: weakref.WeakKeyDictionary[Celery, dict[str, IdempotentTool]] = weakref.WeakKeyDictionary()
+_registry_lock = threading.Lock()
+
+
+def app_tools(app: Celery) -> list[IdempotentTool]:
+    """What an adapter serves by default: ``email_tool(app)``, then every :func:`idempotent_tool` made
+    on ``app`` (a later one with a name taken replaces the earlier), in the order they were made.
+
+    The email tool comes unbound: without an ``event_id`` the whole message is its intent (a
+    retried call is one email, a reworded one another). To serve bound tools, hand an adapter
+    your own list.
+    """
+    with _registry_lock:
+        made = list(_registered.get(app, {}).values())
+    email = email_tool(app)
+    if any(tool.name == email.name for tool in made):
+        raise ConfigurationError(f"an idempotent_tool is named {email.name!r}, as the email tool is: rename it "
+                                 "(tool_name=), or serve a list of your own")
+    return [email, *made]
 
 
 def email_tool(app: Celery, *, name: str = "send_email", description: str | None = None,
@@ -285,3 +322,80 @@ def email_tool(app: Celery, *, name: str = "send_email", description: str | None
         description=description or ("Send one email. Asking again for the same email and recipients does "
                                     "not send it twice: the first request's text is the one that ships."),
     )
+
+
+#: The longest ``key`` the state tool looks up: keys are hashes (about 70 characters); anything far
+#: longer is not one of ours and is refused before it reaches the ledger.
+_MAX_KEY = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class IntentStateTool:
+    """A read-only tool: where one intent stands in the ledger, by its ``key``.
+
+    The follow-up to a ``pending`` outcome, whose ``key`` it takes. It looks the key up in the
+    ledgers of ``tools`` (read only: it never claims, never writes, never starts a Redis epoch)
+    and answers ``{"key", "state", ...}``: ``state`` is a ledger state (``claimed`` while a worker
+    runs it, ``released``, ``sent``, ``failed``, ``review``) or ``unknown`` (not claimed yet, never
+    enqueued, or past its retention); ``sent`` adds ``message_id``, ``sent_at`` and ``result``,
+    the others the recorded ``error``. Never the stored payload (personal data). A malformed call
+    is ``{"status": "invalid", "error": ...}`` as for :class:`IdempotentTool`; a ledger that does
+    not answer, ``{"status": "error", "error": ...}`` (never ``unknown``).
+    """
+
+    tools: Sequence[IdempotentTool]
+    name: str = "intent_state"
+    description: str = ("Look up where an earlier tool call stands, by the key its outcome gave: claimed "
+                        "(still running), sent, failed, review, or unknown. Changes nothing.")
+
+    def spec(self) -> dict[str, Any]:
+        """The tool as a model is shown it (see :meth:`IdempotentTool.spec`)."""
+        return {"name": self.name, "description": self.description,
+                "input_schema": {"type": "object",
+                                 "properties": {"key": {"type": "string", "description": "the outcome's key"}},
+                                 "required": ["key"], "additionalProperties": False}}
+
+    @functools.cached_property
+    def _ledgers(self) -> list[Ledger]:
+        """One passive ledger per distinct ledger the tools' tasks use (most apps: one)."""
+        seen: dict[tuple[str, str], Ledger] = {}
+        for tool in self.tools:
+            settings = tool.task.idem_settings
+            options = {**settings.ledger_kwargs(), **passive_options(settings.ledger_url)}
+            ident = (settings.ledger_url, repr(sorted(options.items())))
+            if ident not in seen:
+                seen[ident] = from_url(settings.ledger_url, **options)
+        return list(seen.values())
+
+    def __call__(
+        self, arguments: Mapping[str, Any], *, call_id: str | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Look one key up; ``call_id`` and ``timeout`` are accepted and unused (a read)."""
+        key = arguments.get("key") if isinstance(arguments, Mapping) else None
+        extra = sorted(set(arguments) - {"key"}) if isinstance(arguments, Mapping) else []
+        if extra or not isinstance(key, str) or not key or len(key) > _MAX_KEY:
+            field = str(extra[0])[:64] if extra else "key"
+            problem = f"unexpected argument {field!r}" if extra else "key must be the string an outcome gave"
+            return {"status": Outcome.INVALID.value, "key": None,
+                    "error": _error(ToolArgumentError(f"tool {self.name}: {problem}", field=field))}
+        try:
+            for ledger in self._ledgers:
+                record = ledger.get(key)
+                if record is not None:
+                    return _state_of(key, record.state, record.attempts, record.updated_at, record.result,
+                                     record.error)
+        except IdemmailError as exc:  # the ledger is down (or lost): say so, never guess "unknown"
+            return {"status": Outcome.ERROR.value, "key": key, "error": _error(exc)}
+        return {"key": key, "state": "unknown"}
+
+
+def _state_of(key: str, state: State, attempts: int, at: float, result: dict[str, Any] | None,
+              error: dict[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"key": key, "state": state.value, "attempts": attempts,
+                           "updated_at": dt.datetime.fromtimestamp(at, dt.timezone.utc).isoformat() if at else None}
+    if state is State.SENT:
+        stored = result or {}
+        out.update(message_id=stored.get("message_id"), sent_at=out["updated_at"], result=stored.get("value"))
+    elif error:
+        out["error"] = {k: error[k] for k in ("type", "reason", "message") if k in error}
+    return out

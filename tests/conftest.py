@@ -38,12 +38,30 @@ def unique(name: str) -> str:
     return f"t{RUN_ID}_{name}_{uuid.uuid4().hex[:6]}"
 
 
+#: Fixtures that start a Celery worker (or servers of their own): a test using one is a ``worker`` test.
+WORKER_FIXTURES = frozenset({"start_worker", "worker_reaper", "redis_cluster", "sentinel"})
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``worker`` every test that needs a process of its own: all of tests/integration/, and any
+    test using a fixture of :data:`WORKER_FIXTURES` (others say so with ``@pytest.mark.worker``).
+    ``make check`` runs the rest (``-m "not worker"``), ``make test`` runs everything."""
+    for item in items:
+        if item.get_closest_marker("worker"):
+            continue
+        if INTEGRATION in Path(str(item.path)).parents or WORKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.worker)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Delete every Redis key this run made, whatever test made it and however it ended.
 
     Ledger records keep their retention (7 days) and kombu's queue bindings never expire: left
     behind run after run on the same services, they pile up, and every SCAN a test or the ledger
-    makes walks all of them.
+    makes walks all of them. Under pytest-xdist each worker process imports this module, so has a
+    ``RUN_ID`` of its own, makes every name with it and sweeps its own names here, when its tests
+    are done (the controller's sweep finds none of its own); no worker deletes another's keys.
     """
     try:
         client = redis.Redis.from_url(REDIS_URL)

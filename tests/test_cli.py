@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 import redis
 import sqlalchemy as sa
 from click.testing import CliRunner
 
 from idemmail_celery.cli import EXIT_BROKER, EXIT_ILLEGAL, EXIT_UNKNOWN_KEY, EXIT_UNREACHABLE, idemmail
+from idemmail_celery.keys import Seal
 from idemmail_celery.ledger import ClaimRequest, Ledger, State, from_url
 from idemmail_celery.ledger.redis import RedisLedger
 from idemmail_celery.ledger.sql import SQLLedger
@@ -221,6 +223,7 @@ def queued(app: ReleaseApp) -> list[dict[str, Any]]:
     return [json.loads(m) for m in redis.Redis.from_url(REDIS_URL).lrange(f"q.{app.ns}", 0, -1)]
 
 
+@pytest.mark.worker  # runs `celery ... idemmail` in an interpreter of its own
 def test_celery_subcommand_release_reenqueues_first_payload(
     release_app: ReleaseApp,
 ) -> None:
@@ -255,6 +258,7 @@ def test_celery_subcommand_release_reenqueues_first_payload(
     assert as_shown["has_payload"] is True and "payload" not in as_shown
 
 
+@pytest.mark.worker  # runs `celery ... idemmail` in an interpreter of its own
 def test_release_of_a_forgotten_payload_refuses_and_changes_nothing(
     release_app: ReleaseApp,
 ) -> None:
@@ -283,6 +287,7 @@ def test_release_of_a_forgotten_payload_refuses_and_changes_nothing(
 # -- operator safety (issue 14) and the standalone CLI (issue 15) --
 
 
+@pytest.mark.worker  # runs `celery ... idemmail` in an interpreter of its own
 def test_release_with_the_broker_down_leaves_the_record_in_review(release_app: ReleaseApp) -> None:
     """Published first: the broker refuses, so nothing is queued and the record is exactly as it was."""
     key = park_first(release_app.workerapp, "cat@example.com", 7)
@@ -296,6 +301,7 @@ def test_release_with_the_broker_down_leaves_the_record_in_review(release_app: R
     assert queued(release_app) == []
 
 
+@pytest.mark.worker  # runs `celery ... idemmail` in an interpreter of its own
 def test_a_second_release_does_not_queue_a_second_copy(release_app: ReleaseApp) -> None:
     key = park_first(release_app.workerapp, "dan@example.com", 8)
     first = celery_cli(release_app.env, "resolve", key, "--release", "--note", "provider: not delivered")
@@ -308,6 +314,8 @@ def test_a_second_release_does_not_queue_a_second_copy(release_app: ReleaseApp) 
     assert release_app.workerapp.send.ledger.get(key) == released
 
 
+@pytest.mark.worker  # runs `celery ... idemmail` in an interpreter of its own
+@pytest.mark.serial  # the release must land within the copy's countdown: alone, not beside others' load
 def test_the_released_copy_cannot_arrive_before_the_record_is_released(release_app: ReleaseApp) -> None:
     """The copy is published with a countdown; releasing happens within it."""
     from idemmail_celery.cli import RELEASE_COUNTDOWN
@@ -410,6 +418,7 @@ def test_exit_codes_are_distinct_from_usage_errors(cli_ledger: Ledger) -> None:
     assert run(cli_ledger, "ledger", "resolve", "nope", "--sent").exit_code == 2  # --note missing: click's usage
 
 
+@pytest.mark.worker
 def test_python_m_shows_every_subcommand_as_the_celery_subcommand_does(request: pytest.FixtureRequest) -> None:
     env: dict[str, str] = request.getfixturevalue("worker_env")
 
@@ -456,6 +465,62 @@ def test_the_exit_codes_are_written_once_and_help_and_docs_are_made_from_them() 
     assert rows == [f"| {code} | {meaning} |" for code, meaning in cli.EXIT_CODES.items()]
 
 
+def test_every_command_and_option_says_what_it_does_in_plain_text() -> None:
+    from idemmail_celery import cli
+
+    group = cli.standalone()
+    commands: list[tuple[str, ...]] = [(), ("ledger",)] + [("ledger", name) for name in cli.ledger.commands]
+    for path in commands:
+        command: Any = group
+        for name in path:
+            command = command.commands[name]
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert param.help, f"{' '.join(path)} {param.opts[0]} has no description"
+                assert not (param.is_flag and param.required), f"{' '.join(path)} {param.opts[0]}: a required flag"
+        text = CliRunner().invoke(group, [*path, "--help"]).output
+        assert "``" not in text and ":data:" not in text, text  # reStructuredText markup shows literally
+        assert not re.search(r"until \d+\.\d", text), text  # no history of the numbering in a help
+    listing = CliRunner().invoke(group, ["ledger", "list", "--help"]).output
+    assert "not guaranteed" not in listing and "--state" in listing
+
+
+def test_docs_says_where_the_pages_are_in_a_checkout(tmp_path: Path) -> None:
+    from idemmail_celery import cli
+
+    listing = CliRunner().invoke(cli.standalone(), ["docs"])
+    assert listing.exit_code == 0 and f"start with {ROOT / 'docs' / 'index.md'}" in listing.output
+    assert "configuration.md" in listing.output and "Configuration" in listing.output
+    assert CliRunner().invoke(cli.standalone(), ["docs", "--path"]).output.strip() == str(ROOT / "docs")
+
+
+def test_docs_finds_the_pages_a_wheel_installed_under_its_prefix(tmp_path: Path) -> None:
+    from importlib import metadata
+
+    from idemmail_celery.cli import installed_docs
+
+    site = tmp_path / "lib" / "site-packages"
+    info = site / "idemmail_celery-0.1.0.dist-info"
+    pages = tmp_path / "share" / "doc" / "idemmail-celery"
+    info.mkdir(parents=True)
+    pages.mkdir(parents=True)
+    (pages / "index.md").write_text("# idemmail-celery\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: idemmail-celery\nVersion: 0.1.0\n")
+    # As pip writes the RECORD of a wheel's data files: relative to site-packages.
+    (info / "RECORD").write_text("idemmail_celery/__init__.py,,\n../../share/doc/idemmail-celery/index.md,,\n")
+    assert installed_docs(metadata.Distribution.at(info)) == pages.resolve()
+    (pages / "index.md").unlink()
+    assert installed_docs(metadata.Distribution.at(info)) is None
+
+
+def test_purge_without_expired_is_a_usage_error_and_deletes_nothing(cli_ledger: Ledger) -> None:
+    cli_ledger.claim(ClaimRequest(key="k-purge", task_name="t", payload="{}", fingerprint="f"))
+    done = run(cli_ledger, "ledger", "purge")
+    assert done.exit_code == 2 and "--expired" in done.output
+    assert cli_ledger.get("k-purge") is not None
+
+
+@pytest.mark.worker  # runs `celery ... idemmail` in an interpreter of its own
 def test_release_of_a_stored_payload_the_task_now_refuses_exits_3_and_leaves_it_in_review(
     release_app: ReleaseApp,
 ) -> None:
@@ -507,6 +572,7 @@ def test_the_release_countdown_stays_below_the_brokers_visibility_timeout(
     assert release_countdown(app) == 5.0  # the usual countdown when the timeout is long
 
 
+@pytest.mark.worker  # runs `celery ... idemmail` in an interpreter of its own
 def test_a_released_copy_of_a_record_made_under_a_raw_key_claims_that_very_record(release_app: ReleaseApp) -> None:
     """Records an older release made under a caller's raw key keep it: the copy carries it marked, so the
     worker claims it as it is instead of hashing it into another key."""
@@ -519,7 +585,8 @@ def test_a_released_copy_of_a_record_made_under_a_raw_key_claims_that_very_recor
     assert done.returncode == 0, done.stderr
     [message] = queued(release_app)
     assert message["headers"]["idempotency_key"] == key
-    assert send.key_builder.is_marked(key, message["headers"]["idemmail_key_mark"])
+    assert send.key_builder.check_seal(message["headers"], send.key_builder.payload(("jo@example.com", 14), {})) \
+        is Seal.VALID
 
 
 def test_the_ledger_url_is_read_through_the_settings_table(tmp_path: Path) -> None:

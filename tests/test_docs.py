@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import itertools
 import re
+import textwrap
 from pathlib import Path
 from types import ModuleType
 
@@ -29,36 +30,60 @@ def load_hooks() -> ModuleType:
     return module
 
 
-def rows(table: str) -> dict[str, list[str]]:
-    """setting (or task option) -> its cells, from the Markdown table."""
+def sections(reference: str) -> dict[str, dict[str, str]]:
+    """setting -> its facts (``default``, ``task option``, ``environment``) and ``text``, from the reference."""
     out = {}
-    for line in table.splitlines()[2:]:
-        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
-        out[(cells[0] or cells[1]).strip("`")] = cells
+    for block in reference.split("### ")[1:]:
+        heading, facts, text = block.strip().split("\n\n")
+        fields = dict(re.findall(r"\*\*([a-z ]+)\*\* (.+?)(?= · |$)", facts))
+        out[heading.strip("`")] = {**fields, "text": text}
     return out
 
 
-def test_every_setting_is_a_row_with_its_option_environment_default_and_doc() -> None:
-    table = rows(load_hooks().settings_table())
-    assert list(table) == [s.conf for s in config.SETTINGS]
-    lease = table["idemmail_lease_seconds"]
+def test_every_setting_is_a_section_with_its_option_environment_default_and_doc() -> None:
+    reference = sections(load_hooks().settings_reference())
+    assert list(reference) == [s.conf for s in config.SETTINGS]
     default = next(s.default for s in config.SETTINGS if s.conf == "idemmail_lease_seconds")
-    assert lease[:4] == ["`idemmail_lease_seconds`", "`idempotency_lease_seconds`", "", f"`{default:g}`"]
-    assert lease[4].startswith("How long a claim holds")
+    lease = reference["idemmail_lease_seconds"]
+    assert lease["default"] == f"`{default:g}`" and lease["task option"] == "`idempotency_lease_seconds`"
+    assert "environment" not in lease and lease["text"].startswith("How long a claim holds")
     for setting in config.SETTINGS:
-        cells = table[setting.conf]
-        option, env = (f"`{name}`" if name else "" for name in (setting.option, setting.env))
-        assert cells[1:3] == [option, env]
-        assert cells[4], f"{setting.conf} has no doc"
+        facts = reference[setting.conf]
+        assert facts.get("task option") == (f"`{setting.option}`" if setting.option else None)
+        assert facts.get("environment") == (f"`{setting.env}`" if setting.env else None)
+        assert facts["text"], f"{setting.conf} has no doc"
 
 
-def test_a_secret_default_is_never_shown_and_a_pipe_cannot_break_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_word_for_no_default_and_every_variable_a_text_names_is_its_environment() -> None:
+    reference = sections(load_hooks().settings_reference())
+    for setting in config.SETTINGS:
+        facts = reference[setting.conf]
+        if setting.default is None or (setting.secret and not setting.default):
+            assert facts["default"] == "unset", setting.conf
+        assert facts["default"].lower() not in ("none", "`none`", "null")
+        own = f"IDEMMAIL_{setting.field.upper()}"
+        if own in facts["text"]:  # a text naming the setting's own variable: the variable is read
+            assert setting.env == own, setting.conf
+    assert reference["idemmail_provider_api_key"]["environment"] == "`IDEMMAIL_PROVIDER_API_KEY`"
+
+
+def test_a_user_page_does_not_speak_of_the_code_that_makes_it() -> None:
+    hooks = load_hooks()
+    generated = hooks.settings_reference() + hooks.settings_notes() + hooks.exit_codes_table()
+    pages = "\n".join(p.read_text() for p in (ROOT / "docs").glob("*.md") if p.name != "development.md")
+    text = generated + pages
+    # Whole words only: Django's own DJANGO_SETTINGS_MODULE is a user's word, config.SETTINGS is not.
+    for internal in (r"(?<!\w)SETTINGS\b", r"\bEXIT_CODES\b", "a row of", ":data:", "Why MkDocs"):
+        assert not re.search(internal, text), internal
+
+
+def test_a_secret_default_is_never_shown(monkeypatch: pytest.MonkeyPatch) -> None:
     first = config.SETTINGS[0]
     secret = dataclasses.replace(first, conf="idemmail_x", default="s3cr3t", secret=True, doc="a | b")
     monkeypatch.setattr(config, "SETTINGS", (first, secret))
-    text = load_hooks().settings_table()
+    text = load_hooks().settings_reference()
     assert "s3cr3t" not in text
-    assert rows(text)["idemmail_x"][3:] == ["(not shown)", "a \\| b"]
+    assert sections(text)["idemmail_x"]["default"] == "(not shown)"
 
 
 def test_links_to_repository_files_keep_their_text_and_others_stay() -> None:
@@ -127,3 +152,38 @@ def test_no_page_copies_a_docstring() -> None:
               for page in PAGES for source, doc in sources.items()
               if (run := shared_run(page_prose(page), doc, DOCSTRING_RUN))]
     assert not copies, "\n".join(copies)
+
+
+# -- code quoted from the repository --
+
+def quoted(page: Path) -> list[tuple[str, str]]:
+    """The page's Python blocks that open with ``# <a path in the repository>``: (path, code)."""
+    return re.findall(r"^```python\n# (\S+/\S+\.py)\n(.*?)^```", page.read_text(), re.MULTILINE | re.DOTALL)
+
+
+def test_code_a_page_quotes_from_a_file_stands_in_that_file_as_written() -> None:
+    """A block headed by a file's path is a run of that file's lines (indented as a whole or not): the page
+    shows code that the file's own tests run, and cannot drift from it."""
+    missing = []
+    for page in PAGES:
+        for path, code in quoted(page):
+            lines = textwrap.dedent(code).splitlines()
+            source = (ROOT / path).read_text().splitlines()
+            runs = (textwrap.dedent("\n".join(source[i:i + len(lines)])).splitlines() for i in range(len(source)))
+            if lines not in runs:
+                missing.append(f"{page.relative_to(ROOT)}: a block quoted from {path} is not in it as written")
+    assert missing == []
+    assert {path for path, _ in quoted(ROOT / "docs" / "agent-tools.md")} == {
+        "examples/agent_mcp.py", "examples/agent_langgraph.py"}  # run by tests/integration/test_examples_agent.py
+
+
+def test_the_django_page_quotes_every_file_of_the_example_project_whole() -> None:
+    """docs/django.md's blocks are examples/django_shop's files (each opens with its own path), run by
+    tests/integration/test_django.py."""
+    shown = dict(quoted(ROOT / "docs" / "django.md"))
+    project = ROOT / "examples" / "django_shop"
+    for path in sorted(project.glob("*.py")):
+        name = str(path.relative_to(ROOT))
+        head, _, body = path.read_text().partition("\n")
+        if path.name != "__init__.py":
+            assert head == f"# {name}" and shown.get(name) == body, f"docs/django.md does not quote {name} whole"

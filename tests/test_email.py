@@ -80,6 +80,21 @@ def test_payload_round_trip_and_deterministic_mime() -> None:
     assert b"Date:" not in one
 
 
+@pytest.mark.parametrize("parts", [{"text": "hi", "html": "<p>hi</p>"}, {"html": "<p>hi</p>"},
+                                   {"text": "hi", "attachments": [Attachment("r.pdf", b"%PDF", "application/pdf")]},
+                                   {"text": "hi", "html": "<p>hi</p>",
+                                    "attachments": [Attachment("r.pdf", b"%PDF", "application/pdf")]}])
+def test_mime_version_is_on_the_message_only_never_on_a_part(parts: dict[str, Any]) -> None:
+    sent = build(**{"text": None, **parts}).to_mime().as_bytes()
+    assert sent.count(b"MIME-Version:") == 1
+    parsed = email.message_from_bytes(sent, policy=email.policy.SMTP)
+    assert parsed["MIME-Version"] == "1.0"
+    inner = [part for part in parsed.walk() if part is not parsed]
+    assert all("MIME-Version" not in part for part in inner)
+    kinds = [part.get_content_type() for part in parsed.walk()]
+    assert ("text/html" in kinds) == ("html" in parts) and ("text/plain" in kinds) == ("text" in parts)
+
+
 def test_international_addresses_are_accepted() -> None:
     m = build(sender="Zoë <zoe@exämple.com>", to='"Jürgen, Sales" <jürgen@example.com>')
     assert m.sender == "Zoë <zoe@exämple.com>"

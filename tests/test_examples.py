@@ -3,11 +3,14 @@ faults, and every intent is still delivered exactly once."""
 
 from __future__ import annotations
 
+import io
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,6 +22,7 @@ def report_number(out: str, label: str) -> int:
     return int(match.group(1))
 
 
+@pytest.mark.worker
 def test_demo_sends_each_intent_once() -> None:
     proc = subprocess.Popen(
         # One plan every run; 200 intents (make demo's default is 300): the same kills and faults, a shorter run.
@@ -38,6 +42,7 @@ def test_demo_sends_each_intent_once() -> None:
         raise AssertionError(f"the demo took more than 180 s:\n{out}\n--- stderr ---\n{err[-3000:]}") from None
     everything = f"{out}\n--- stderr ---\n{err[-3000:]}"
     assert proc.returncode == 0, everything
+    assert "\r" not in err, everything  # its stderr is a pipe here, as in a CI log: plain lines, no redrawn bar
     assert "RESULT: OK" in out, everything
 
     intents = report_number(out, "intents")
@@ -49,3 +54,25 @@ def test_demo_sends_each_intent_once() -> None:
     assert report_number(out, "faults injected") > 0, everything
     assert f"distinct intents delivered: {intents}, delivered more than once: 0" in out, everything
     assert re.search(rf"^\s+first body shipped\s+{intents}/{intents}\b", out, re.MULTILINE), everything
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_demos_progress_bar_is_redrawn_on_a_terminal_and_plain_lines_elsewhere() -> None:
+    from examples.demo import Progress
+
+    def shown(stream: io.StringIO) -> str:
+        progress = Progress(stream)
+        for done in range(201):
+            progress.show(done, 200, "n intents settled")
+        progress.close()
+        return stream.getvalue()
+
+    log = shown(io.StringIO())
+    assert "\r" not in log
+    assert len(log.splitlines()) == 11 and log.splitlines()[-1].startswith(f"[{'#' * 30}] 200/200 messages")
+    terminal = shown(_Terminal())
+    assert terminal.count("\r") == 201 and terminal.count("\n") == 1 and terminal.endswith("\n")

@@ -1,9 +1,8 @@
 """The digest example runs, against real services, and reports success.
 
 examples/digest_beat.py on Redis (broker and ledger) and on its defaults. The outbox in a
-web request is examples/flask_shop.py (tests/integration/test_examples_web.py);
-examples/outbox_django.md is not run (no Django here), the statements it uses are tested
-in tests/test_outbox.py.
+web request is examples/flask_shop.py (tests/integration/test_examples_web.py), and in a
+Django project examples/django_shop (tests/integration/test_django.py).
 """
 
 from __future__ import annotations
@@ -16,6 +15,9 @@ import pytest
 import redis
 
 from .conftest import REDIS_URL, unique
+
+pytestmark = pytest.mark.worker  # runs a script or worker process of its own
+
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,6 +8,7 @@ away would, and passes everything else to the real backend.
 
 from __future__ import annotations
 
+import datetime as dt
 import inspect
 import time
 from typing import Any
@@ -112,6 +113,20 @@ def test_first_delivery_sends_and_duplicates_replay_it(ledger: Ledger) -> None:
     again = handler.handle(delivery("h1", "rewritten"))
     assert (again.outcome, again.action) == (Outcome.DUPLICATE, Action.RETURN)
     assert again.value["message_id"] == "m-1" and box.sent == [("h1", "first")]
+
+
+def test_every_duplicate_replays_the_sent_result_field_by_field(ledger: Ledger) -> None:
+    """The time included: the sent result carries the time as the ledger keeps it (Redis: milliseconds
+    in an archived record), not the worker's clock to the microsecond, which no replay could repeat."""
+    handler, _ = build(ledger)
+    first = handler.handle(delivery("h-same")).value
+    assert first["status"] == "sent" and first["sent_at"] is not None
+    for body in ("first", "rewritten"):
+        again = handler.handle(delivery("h-same", body)).value
+        assert {**again, "status": "sent"} == first
+    record = ledger.get("h-same")
+    assert record is not None and first["sent_at"] == dt.datetime.fromtimestamp(record.updated_at, dt.timezone.utc
+                                                                               ).isoformat()
 
 
 def test_transient_failure_releases_and_the_retry_sends_the_first_payload(ledger: Ledger) -> None:

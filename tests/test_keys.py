@@ -546,3 +546,43 @@ def test_the_builders_own_json_round_trip_gives_the_keys_celerys_gives() -> None
         assert key(plain, *call[0], **call[1]) == adapter_send.intent_key(*call[0], **call[1])
     with pytest.raises(ConfigurationError, match="round trip"):
         builder(serializer="pickle")  # only the adapter knows kombu's other serializers
+
+
+# -- the seal over the headers the worker acts on (issue 24) --
+
+def test_a_seal_covers_every_header_the_worker_acts_on_the_task_and_the_arguments() -> None:
+    from idemmail_celery._common import KEY_MARK_HEADER, SEALED_HEADERS, TENANT_HEADER
+    from idemmail_celery.keys import Seal
+
+    b = builder(secret="s")
+    call = b.payload(("ann@example.com", "receipt", 1), {})
+    headers: dict[str, Any] = {name: f"v-{name}" for name in SEALED_HEADERS}
+    headers["idemmail_verdict"] = {"state": "sent", "result": {"message_id": "m"}, "owner": "o:1"}
+    headers[KEY_MARK_HEADER] = b.seal(headers, call)
+    assert b.check_seal(headers, call) is Seal.VALID
+    assert b.check_seal({**headers, TENANT_HEADER: "t", "other": 1}, call) is Seal.VALID  # not acted on: free
+    for name in SEALED_HEADERS:
+        assert b.check_seal({**headers, name: "forged"}, call) is Seal.INVALID, name
+        assert b.check_seal({k: v for k, v in headers.items() if k != name}, call) is Seal.INVALID, name
+    # A field a later release adds to a header's value is covered without naming it.
+    verdict = {**headers["idemmail_verdict"], "new_field": 1}
+    assert b.check_seal({**headers, "idemmail_verdict": verdict}, call) is Seal.INVALID
+    assert b.check_seal(headers, b.payload(("eve@example.com", "receipt", 1), {})) is Seal.INVALID
+    other_task = IntentKeyBuilder(task_name="app.other", signature=b.signature, secret="s")
+    assert other_task.check_seal(headers, call) is Seal.INVALID
+    assert b.check_seal({**headers, KEY_MARK_HEADER: "0" * 64}, call) is Seal.INVALID
+    assert b.check_seal({k: v for k, v in headers.items() if k != KEY_MARK_HEADER}, call) is Seal.ABSENT
+
+
+def test_a_seal_made_under_an_older_secret_verifies_and_one_under_a_newer_secret_is_told_apart() -> None:
+    from idemmail_celery._common import KEY_HEADER, KEY_MARK_HEADER
+    from idemmail_celery.keys import Seal
+
+    old, rotating = builder(secret="one"), builder(secret=["two", "one"])
+    call = old.payload(("ann@example.com", "receipt", 1), {})
+    by_old = {KEY_HEADER: "k", KEY_MARK_HEADER: old.seal({KEY_HEADER: "k"}, call)}
+    by_new = {KEY_HEADER: "k", KEY_MARK_HEADER: rotating.seal({KEY_HEADER: "k"}, call)}
+    assert rotating.check_seal(by_old, call) is Seal.VALID  # workers first: the older secret's seal
+    assert old.check_seal(by_new, call) is Seal.UNKNOWN_SECRET  # web first: the worker waits
+    assert builder(secret="three").check_seal(by_old, call) is Seal.UNKNOWN_SECRET
+    assert "one" not in by_old[KEY_MARK_HEADER] and len(by_old[KEY_MARK_HEADER]) == 12 + 1 + 64

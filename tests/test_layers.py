@@ -28,14 +28,21 @@ LAYERS: dict[str, int] = {
     "mail": 5, "bulk": 6, "tools": 6, "outbox": 5, "beat": 5, "webhooks": 5, "cli": 6, "testing": 5,
     "redrive": 5,
     "__main__": 7, "__init__": 7,
+    # integrations, each an optional extra: one row per module (a sub-package's rows go by its first two names)
+    "contrib": 7, "contrib.mcp": 6, "contrib.langchain": 6, "contrib.django": 7,
 }
+
+#: Third-party packages only an optional extra brings: imported by their contrib module alone, never by the core.
+OPTIONAL_IMPORTS = {"mcp": "contrib.mcp", "mcp_types": "contrib.mcp", "uvicorn": "contrib.mcp",
+                    "anyio": "contrib.mcp", "langchain_core": "contrib.langchain", "langgraph": "contrib.langchain",
+                    "django": "contrib.django"}
 
 
 def layer_of(module: str) -> int:
-    """``idemmail_celery.ledger.redis`` -> the layer of ``ledger``."""
+    """``idemmail_celery.ledger.redis`` -> the layer of ``ledger``; ``...contrib.mcp`` -> that of ``contrib.mcp``."""
     parts = module.split(".")
-    top = parts[1] if len(parts) > 1 and parts[0] == "idemmail_celery" else parts[0]
-    return LAYERS[top]
+    inner = parts[1:] if len(parts) > 1 and parts[0] == "idemmail_celery" else parts
+    return LAYERS.get(".".join(inner[:2]), LAYERS[inner[0]])
 
 
 def module_name(path: Path) -> str:
@@ -87,6 +94,20 @@ def test_nothing_imports_upward() -> None:
             if target == "idemmail_celery" or layer_of(target) > here:
                 upward.append(f"{name} (layer {here}) imports {target}")
     assert upward == []
+
+
+def test_optional_extras_are_imported_by_their_own_module_only() -> None:
+    strays = []
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for target in targets:
+                owner = OPTIONAL_IMPORTS.get(target.split(".")[0])
+                if owner is not None and not (name + ".").startswith(f"idemmail_celery.{owner}."):  # or its package
+                    strays.append(f"{name} imports {target}")
+    assert strays == []
 
 
 def test_importing_the_errors_registers_no_task_and_the_package_says_what_it_exports() -> None:

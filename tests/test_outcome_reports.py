@@ -210,6 +210,7 @@ def test_events_only_for_outcomes_that_end_in_failure_or_retry_on_one_dispatcher
     outcomes.report(task, "duplicate", "k", recorded="failed")  # a replayed failure ends in FAILURE
     outcomes.report(task, "sent", "k", reason="lease_lost", recorded="false")
     assert [f["status"] for _, f in sent] == ["review", "retry", "in_flight", "duplicate", "sent"]
+    assert sent[-1][1]["recorded"] is False and "'recorded': False" in sent[-1][1]["result"]  # a flag, not "false"
     assert len(made) == 1  # one dispatcher for all of them
     outcomes._Events.after_fork()  # a forked child builds its own
     outcomes.report(task, "failed", "k")
@@ -230,4 +231,8 @@ def test_routine_successes_log_at_debug_and_everything_else_above_it(caplog: pyt
     outcomes.report(task, "sent", "k", message_id="m", event=False, bulk=True)  # a campaign's recipient
     outcomes.report(task, "duplicate", "k", recorded="review", reason="timeout")
     outcomes.report(task, "sent", "k", reason="unrecorded", recorded="false")
-    assert [level for level, _ in lines(caplog)] == ["DEBUG", "DEBUG", "INFO", "INFO", "INFO", "ERROR"]
+    outcomes.report(task, "failed", "k", reason="invalid_email", recorded=False)
+    assert [level for level, _ in lines(caplog)] == ["DEBUG", "DEBUG", "INFO", "INFO", "INFO", "ERROR", "WARNING"]
+    records = [r for r in caplog.records if r.name == "idemmail_celery.outcome"]
+    assert [r.idemmail["recorded"] for r in records[-2:]] == [False, False]  # type: ignore[attr-defined]
+    assert lines(caplog)[-1][1].endswith("reason=invalid_email recorded=false")

@@ -7,7 +7,9 @@ import email.policy
 import errno
 import hashlib
 import io
+import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -63,6 +65,22 @@ def test_console_writes_to_a_given_stream_and_does_not_deduplicate() -> None:
     second = provider.send(make_message(), key=key)
     assert first.message_id == second.message_id == f"<{key}@mail.example.org>"
     assert stream.getvalue().count(f"Message-ID: {first.message_id}") == 2
+
+
+def test_in_a_worker_each_message_is_logged_at_info_not_at_the_redirected_stdouts_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from celery.utils.log import LoggingProxy
+
+    redirected = logging.getLogger("celery.redirected")
+    monkeypatch.setattr(sys, "stdout", LoggingProxy(redirected, logging.WARNING))  # as a worker sets it
+    key = key_for("worker")
+    with caplog.at_level(logging.INFO):
+        result = from_url("console://").send(make_message(), key=key)
+    mine = [r for r in caplog.records if key in r.getMessage()]
+    assert [(r.name, r.levelname) for r in mine] == [("idemmail_celery.providers.console", "INFO")]
+    assert f"Message-ID: {result.message_id}" in mine[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_console_rejects_unknown_options() -> None:

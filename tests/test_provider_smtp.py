@@ -7,19 +7,25 @@ server did keep the message the client was never told about.
 
 from __future__ import annotations
 
+import contextlib
 import email
 import email.policy
 import hashlib
+import inspect
 import logging
+import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded
 
 import idemmail_celery.providers.base as base_module
 from idemmail_celery.email import EmailMessage
@@ -147,6 +153,69 @@ def test_no_reply_after_data_within_the_timeout_is_ambiguous(sink: SMTPSink) -> 
     assert caught.value.reason == "after_data"
     assert time.monotonic() - started < 5
     assert sink.count(f"<{key}@example.com>") == 1
+
+
+@contextlib.contextmanager
+def soft_time_limit_in(seconds: float) -> Iterator[None]:
+    """Raise Celery's SoftTimeLimitExceeded in this (the main) thread after ``seconds``, as a prefork
+    worker's soft time limit does (SIGUSR1 to the pool child)."""
+    def expire(signum: int, frame: object) -> None:
+        raise SoftTimeLimitExceeded()
+
+    previous = signal.signal(signal.SIGUSR1, expire)
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.mark.parametrize(("fault", "stored", "reason", "stage"), [
+    ("stall_rcpt", 0, "interrupted", "at RCPT TO"),
+    ("stall_after_data", 1, "after_data", "after the message was written"),
+])
+def test_a_send_interrupted_mid_conversation_says_the_stage_and_only_after_data_is_parked(
+        sink: SMTPSink, fault: str, stored: int, reason: str, stage: str, tmp_path: Path) -> None:
+    """Two sends cut off by a soft time limit while the server hangs: at RCPT (it holds nothing) the
+    record is released for a retry; after the message was written it is parked, and the review record
+    (what ``ledger show`` prints) names the stage. Before, both were parked alike ("unexpected_error")."""
+    from idemmail_celery.handler import Delivery, Handler, Outcome, Policy
+    from idemmail_celery.keys import IntentKeyBuilder, Payload
+    from idemmail_celery.ledger import State
+    from idemmail_celery.ledger import from_url as ledger_from_url
+
+    provider = from_url(sink.url, timeout=30)  # the limit comes first, as when a worker's limit is shorter
+
+    class Smtp:
+        def check(self, payload: Payload) -> None: ...
+        def perform(self, payload: Payload, key: str) -> object:
+            with soft_time_limit_in(0.5):
+                return provider.send(make_message(), key=key).to_dict()
+        def carries_key(self) -> bool:
+            return False
+        def reconcile(self, key: str, payload: Payload) -> object:
+            return None
+        def report(self, outcome: Outcome, key: str, **fields: object) -> None: ...
+
+    ledger = ledger_from_url(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    builder = IntentKeyBuilder(task_name="tests.smtp", signature=inspect.signature(lambda to: None))
+    handler = Handler(ledger, builder, Policy(lease_seconds=30.0), Smtp())
+    key = key_for(fault)
+    sink.fail_next(fault)  # type: ignore[arg-type]
+    step = handler.handle(Delivery(key=key, task_name="tests.smtp", payload=Payload([], {"to": "a@example.com"}),
+                                   attempt_id="t-1", max_retries=3))
+    assert sink.count(f"<{key}@example.com>") == stored
+    record = ledger.get(key)
+    assert record is not None and record.error is not None
+    assert record.error["reason"] == reason and stage in record.error["message"]
+    assert "SoftTimeLimitExceeded" in record.error["message"]
+    if stored:
+        assert step.outcome is Outcome.REVIEW and record.state is State.REVIEW
+    else:
+        assert step.outcome is Outcome.RETRY and record.state is State.RELEASED
+    ledger.close()
 
 
 # -- refusals before DATA: nothing was sent --

@@ -17,7 +17,7 @@ from celery import Celery
 from idemmail_celery import IdempotentTask
 from idemmail_celery._common import ENQUEUED_HEADER, KEY_HEADER, KEY_MARK_HEADER
 from idemmail_celery.errors import IdempotencyKeyError, InvalidEmail, PermanentSendError
-from idemmail_celery.keys import is_derived_key
+from idemmail_celery.keys import Seal, is_derived_key
 from idemmail_celery.ledger import ClaimRequest
 from idemmail_celery.mail import register
 
@@ -69,7 +69,7 @@ def test_a_caller_header_shaped_like_a_derived_key_is_hashed_too(app: Celery) ->
     charge.apply_async((1,), idempotency_key=raw)
     [from_header, explicit] = published(app)
     assert from_header[KEY_HEADER] == explicit[KEY_HEADER] == charge.key_builder.explicit_key(raw) != raw
-    assert charge.key_builder.is_marked(from_header[KEY_HEADER], from_header[KEY_MARK_HEADER])
+    assert charge.key_builder.check_seal(from_header, charge.key_builder.payload((1,), {})) is Seal.VALID
 
 
 def test_a_caller_header_shaped_like_a_derived_key_is_validated_before_anything_is_published(app: Celery) -> None:
@@ -81,58 +81,65 @@ def test_a_caller_header_shaped_like_a_derived_key_is_validated_before_anything_
     assert published(app) == []
 
 
-def test_a_key_the_library_marked_travels_unchanged_and_a_forged_mark_does_not(app: Celery) -> None:
+def test_a_key_the_library_sealed_travels_unchanged_and_a_forged_or_borrowed_seal_does_not(app: Celery) -> None:
     """A retry, a reschedule or a copy re-enqueued by `ledger resolve --release` keeps its key (and the
-    mark says so); a mark made for another key or another task vouches for nothing."""
+    seal says so); a seal made for another task, or for other arguments (issue 24: a key and seal copied
+    from a queued message and replayed with another recipient), vouches for nothing."""
     charge = charge_task(app)
     other = charge_task(app)
     derived = charge.intent_key(1)
-    charge.apply_async((1,), headers=charge.key_headers(derived))
+    one = charge.key_builder.payload((1,), {})
+    charge.apply_async((1,), headers=charge.key_headers(derived, one))
     charge.apply_async((1,), headers={KEY_HEADER: derived, KEY_MARK_HEADER: "0" * 64})
-    charge.apply_async((1,), headers={KEY_HEADER: derived, KEY_MARK_HEADER: other.key_builder.key_mark(derived)})
-    kept, forged, borrowed = published(app)
-    assert kept[KEY_HEADER] == derived and kept[KEY_MARK_HEADER] == charge.key_builder.key_mark(derived)
-    assert forged[KEY_HEADER] == borrowed[KEY_HEADER] == charge.key_builder.explicit_key(derived)
+    charge.apply_async((1,), headers=other.key_headers(derived, one))
+    charge.apply_async((2,), headers=charge.key_headers(derived, one))  # the victim's headers, other arguments
+    kept, forged, borrowed, replayed = published(app)
+    assert kept[KEY_HEADER] == derived and kept[KEY_MARK_HEADER] == charge.key_headers(derived, one)[KEY_MARK_HEADER]
+    assert forged[KEY_HEADER] == borrowed[KEY_HEADER] == replayed[KEY_HEADER] == charge.key_builder.explicit_key(
+        derived)
+    assert charge.key_builder.check_seal(replayed, charge.key_builder.payload((2,), {})) is Seal.VALID
 
 
-def test_intent_headers_of_a_release_before_marks_keep_their_key_and_are_still_validated(app: Celery) -> None:
-    """An outbox row written before the upgrade carries an unmarked derived key beside idemmail_enqueued:
-    hashing it again would give its intent a second key. Its call is still checked."""
+def test_a_raw_64_hex_key_beside_idemmail_enqueued_is_hashed_and_never_marked_as_it_is(app: Celery) -> None:
+    """Issue 24: ``apply_async(headers={"idempotency_key": <64 hex>, "idemmail_enqueued": "1"})`` kept the raw
+    key and gave it a valid mark (a key any Message-ID shows became the ledger key of attacker content)."""
     charge = charge_task(app)
-    derived = charge.intent_key(1)
-    charge.apply_async((1,), headers={KEY_HEADER: derived, ENQUEUED_HEADER: "1700000000.000"})
+    victims = charge.intent_key(1)
+    charge.apply_async((2,), headers={KEY_HEADER: victims, ENQUEUED_HEADER: "1"})
     [row] = published(app)
-    assert row[KEY_HEADER] == derived and charge.key_builder.is_marked(derived, row[KEY_MARK_HEADER])
+    assert row[KEY_HEADER] == charge.key_builder.explicit_key(victims) != victims
+    assert charge.key_builder.check_seal(row, charge.key_builder.payload((2,), {})) is Seal.VALID
     app.conf.update(idemmail_provider_url="console://", idemmail_default_from="shop@example.com")
     send_email = register(app)
-    with pytest.raises(InvalidEmail):
+    with pytest.raises(InvalidEmail):  # still validated
         send_email.apply_async(kwargs={"to": "ann@x.com, eve@y.com", "subject": "s", "text": "t"},
                                headers={KEY_HEADER: "cd" * 32, ENQUEUED_HEADER: "1700000000.000"})
     assert len(published(app)) == 1
 
 
-def test_the_worker_claims_an_unmarked_derived_key_as_it_is(app: Celery) -> None:
-    """A message a release before marks enqueued (or a retry of it) carries its derived key unmarked:
-    the worker claims under it, so a copy of the intent sent under it is found."""
+def test_the_worker_hashes_an_unmarked_64_hex_key(app: Celery) -> None:
+    """Issue 24: a raw ``"f" * 64`` became the ledger key as given; another intent's key (a Message-ID shows
+    it) then sent attacker content under it, and the victim's own call answered duplicate."""
     charge = charge_task(app)
-    derived = charge.intent_key(1)
-    first = charge.apply((1,), headers={KEY_HEADER: derived}).get()
-    assert first["status"] == "sent" and first["key"] == derived
-    again = charge.apply((1,), headers=charge.key_headers(derived)).get()
-    assert again["status"] == "duplicate" and again["key"] == derived
+    victims = charge.intent_key(1)
+    forged = charge.apply((2,), headers={KEY_HEADER: victims}).get()
+    assert forged["status"] == "sent" and forged["key"] == charge.key_builder.explicit_key(victims) != victims
+    own = charge.apply((1,)).get()
+    assert own["status"] == "sent" and own["key"] == victims  # delivered, not "duplicate"
+    own_headers = charge.key_headers(victims, charge.key_builder.payload((1,), {}))
+    assert charge.apply((1,), headers=own_headers).get()["status"] == "duplicate"
 
 
-def test_the_worker_hashes_a_raw_header_and_keeps_a_record_made_under_it_before(app: Celery) -> None:
+def test_the_worker_hashes_a_raw_header_and_never_reads_a_record_under_the_raw_text(app: Celery) -> None:
     charge = charge_task(app)
     hashed = charge.apply((1,), headers={KEY_HEADER: "order-1"}).get()["key"]
     assert hashed == charge.key_builder.explicit_key("order-1") and is_derived_key(hashed)
-    # A record written by an older release under the raw key itself is found, not sent again.
     led = charge.ledger
     claim = led.claim(ClaimRequest(key="order-2", task_name=charge.name, payload='{"args":[2],"kwargs":{}}',
                                    fingerprint=""))
     led.complete("order-2", claim.token, {"value": "first", "message_id": None})
     again = charge.apply((2,), headers={KEY_HEADER: "order-2"}).get()
-    assert again["status"] == "duplicate" and again["key"] == "order-2"
+    assert again["status"] == "sent" and again["key"] == charge.key_builder.explicit_key("order-2")
 
 
 def test_an_exception_text_reaches_the_ledger_without_addresses(app: Celery) -> None:

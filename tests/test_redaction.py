@@ -308,3 +308,99 @@ def test_importing_anything_of_the_package_connects_the_publish_hook() -> None:
         "print(headers['argsrepr'], '|', headers['kwargsrepr'])\n"
     )
     assert out.strip() == "<redacted> | <redacted: idempotency key k-1>"
+
+
+@pytest.mark.parametrize("quoted", [
+    "Zo\u00eb's r\u00e9sum\u00e9 review",  # as given
+    "ZO\u00cb'S R\u00c9SUM\u00c9 REVIEW",  # other case
+    "Zo\\u00eb's r\\u00e9sum\\u00e9\\nreview",  # JSON, ASCII only, a line break between two words
+    "Zo%C3%AB%27s+r%C3%A9sum%C3%A9%20review",  # a URL
+])
+def test_scrub_finds_a_non_ascii_personal_text_however_it_is_escaped(quoted: str) -> None:
+    from idemmail_celery.redaction import scrub
+
+    subject = "Zo\u00eb's r\u00e9sum\u00e9 review"
+    assert scrub(f"422: subject {quoted} refused; next", [subject]) == "422: subject <redacted> refused; next"
+
+
+def test_scrub_replaces_overlapping_and_repeated_personal_texts_once_each() -> None:
+    from idemmail_celery.redaction import scrub
+
+    text = "Ann Privateperson wrote: Ann Privateperson <ann@example.com>; privateperson"
+    assert scrub(text, ["Ann Privateperson", "Privateperson"]) == (
+        "<redacted> wrote: <redacted> <address>; <redacted>")
+
+
+def test_scrub_of_a_50000_word_text_finishes() -> None:
+    """Linear time (the figures live in the commit and make bench): a regex per personal text took 7 s here."""
+    from idemmail_celery.redaction import scrub
+
+    words = [f"w{i:05d}x" for i in range(50_000)]
+    subject = " ".join(words)
+    assert scrub(f"echo: {' '.join(words[:25_000])} and {subject}!", [subject]).endswith("and <redacted>!")
+
+
+def test_send_task_before_the_app_is_finalized_is_redacted(app: Celery) -> None:
+    """Issue 24: before ``app.tasks`` was touched, ``send_task`` by name published the plain arguments (Flower
+    shows them); after, the same call was redacted. An idempotent task defined but not yet bound is not
+    registered for redaction: while an app is not finalized, an unknown task's message is redacted."""
+    name = unique("early")
+
+    @app.task(base=IdempotentTask, shared=False, name=name)
+    def early(to: str) -> None: ...
+
+    assert not app.finalized
+    app.send_task(name, kwargs={"to": ADDRESS})
+    app.send_task(TASK_NAME, kwargs={"to": ADDRESS, "subject": "Your receipt", "text": "hi"})
+    assert not app.finalized  # publishing did not finalize it
+    app.finalize()
+    app.send_task(name, kwargs={"to": ADDRESS})
+    sent = published(app)
+    assert len(sent) == 3
+    for headers in sent:
+        assert ADDRESS not in shown(headers) and "Your receipt" not in shown(headers)
+
+
+def test_a_chained_cause_quoting_an_address_reaches_no_traceback(app: Celery) -> None:
+    """Issue 24: a refused header name holding an address: the top error was scrubbed, but its chained
+    InvalidEmail cause (which quotes the name) went into the traceback (result backend, task-failed event,
+    the worker's ERROR log)."""
+    import traceback
+
+    from idemmail_celery.errors import PermanentSendError
+
+    task = app.tasks[TASK_NAME]
+    outcome = task.apply(kwargs={"to": "bob@example.com", "subject": "s", "text": "t",
+                                 "tags": {f"to {ADDRESS}": "v"}})
+    exc = outcome.result
+    assert isinstance(exc, PermanentSendError) and exc.reason == "invalid_email"
+    printed = "".join(traceback.format_exception(exc)) + str(outcome.traceback)
+    assert ADDRESS not in printed and "<address>" in printed
+
+
+def test_send_email_by_name_in_a_fresh_process_before_any_app_is_finalized_is_redacted() -> None:
+    """A web process that imports the library and publishes send_email by name before its app is finalized
+    (a shared task is bound only then): the message shows no address, subject or body."""
+    import subprocess
+    import sys
+
+    queue = unique("fresh")
+    code = (
+        "import idemmail_celery\n"
+        "from celery import Celery\n"
+        f"app = Celery('fresh', broker={REDIS_URL!r}, set_as_current=True)\n"
+        f"app.conf.task_default_queue = {queue!r}\n"
+        f"app.send_task({TASK_NAME!r}, kwargs={{'to': {ADDRESS!r}, 'subject': 'Your receipt', 'text': 'Thanks'}})\n"
+        "assert not app.finalized\n"
+    )
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        [raw] = r.lrange(queue, 0, -1)
+        headers = json.loads(raw)["headers"]
+        assert ADDRESS not in shown(headers) and "Your receipt" not in shown(headers) and "Thanks" not in shown(
+            headers)
+    finally:
+        r.delete(queue)
+        r.close()

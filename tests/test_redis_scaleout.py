@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import redis
 
-from idemmail_celery.errors import LedgerLostError, LedgerUnavailableError
+from idemmail_celery.errors import LedgerLostError, LedgerUnavailableError, UnknownLedgerSchemeError
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger, State, backend_for, from_url
 from idemmail_celery.ledger.redis import RedisLedger
 
@@ -160,6 +160,17 @@ def test_cluster_url_scheme_is_registered() -> None:
     assert backend_for("sentinel://127.0.0.1:26379;sentinel://127.0.0.1:26380") is RedisLedger
 
 
+def test_an_unknown_scheme_is_refused_naming_every_form_the_docs_use() -> None:
+    with pytest.raises(UnknownLedgerSchemeError) as info:
+        backend_for("mongodb://127.0.0.1/x")
+    known = str(info.value).split("known: ", 1)[1].rstrip(")").split(", ")
+    for form in ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://", "sentinel://", "sqlite://",
+                 "postgresql://", "mysql://"):
+        assert form in known
+    for form in known:  # every form named is served
+        assert backend_for(form + "h/x")
+
+
 def test_buckets_spread_over_every_node_and_listing_sees_them_all(ledger: Ledger) -> None:
     assert isinstance(ledger, RedisLedger)
     keys = [f"spread{i}" for i in range(200)]
@@ -243,6 +254,7 @@ def test_losing_one_buckets_keys_on_one_node_is_detected(ledger: Ledger, redis_c
     assert ledger.get(keys[0]) is None
 
 
+@pytest.mark.worker
 def test_a_shard_restarted_empty_stops_every_worker_until_acknowledged(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path)  # a cluster of its own: one node is killed
     try:
@@ -310,6 +322,7 @@ def test_a_batch_a_node_refuses_hands_back_what_the_other_nodes_took(ledger: Led
     assert (r := ledger.get(sent)) is not None and r.state is State.SENT
 
 
+@pytest.mark.worker
 def test_a_node_stopped_mid_batch_leaves_no_claim_held_on_the_others(tmp_path: Path) -> None:
     # A cluster of its own: one node is frozen (SIGSTOP) after the batch is written to it, so its
     # reply never comes while the other nodes ran their claims. About 3 s (cluster start, 0.5 s timeout).

@@ -69,6 +69,7 @@ def _first_claims(urls: list[str], barrier: Any, out: Any, n: int) -> None:
     out.put(errors)
 
 
+@pytest.mark.worker
 def test_processes_racing_first_claims_on_new_files_never_fail(tmp_path: Path) -> None:
     """Four forked processes (a prefork pool) make their first claim together, on 200 new files in turn.
 
@@ -104,6 +105,7 @@ def test_prepare_sets_up_the_file_and_carries_no_connection_across_fork(tmp_path
     led.close()
 
 
+@pytest.mark.worker
 def test_a_prefork_worker_on_a_new_file_serves_its_first_sends(tmp_path: Path) -> None:
     """A real ``-P prefork -c 4`` worker on a SQLite ledger that does not exist yet: 40 sends at once."""
     import redis

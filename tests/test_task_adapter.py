@@ -26,6 +26,7 @@ from idemmail_celery._common import (
     OWNER_HEADER,
     VERDICT_HEADER,
 )
+from idemmail_celery.keys import Payload, Seal
 from idemmail_celery.task import _chain
 
 from .conftest import REDIS_URL, unique
@@ -97,11 +98,10 @@ def test_a_retry_keeps_the_key_and_its_mark_and_a_reschedule_too() -> None:
             headers, {}, keep=keep).items()
 
 
-def test_a_bodys_own_retry_of_a_message_from_before_marks_is_published_with_its_key_marked(
+def test_a_bodys_own_retry_is_published_with_its_key_marked(
         redis_broker_app: Celery) -> None:
-    """The message (a release before marks, sent by name) carries its derived key unmarked and undated; the
-    body calls ``self.retry()``. The copy published to the broker carries the same key, marked: apply_async
-    would otherwise take the key for a caller's own and hash it (a second key for one intent)."""
+    """The body calls ``self.retry()``. The copy published to the broker carries the same key, marked:
+    apply_async would otherwise take the key for a caller's own and hash it (a second key for one intent)."""
     app = redis_broker_app
     queue = app.conf.task_default_queue
     r = redis.Redis.from_url(REDIS_URL)
@@ -111,10 +111,12 @@ def test_a_bodys_own_retry_of_a_message_from_before_marks_is_published_with_its_
         raise self.retry(countdown=0)
 
     key = retrying.intent_key("ann@example.com")
+    call = Payload(["ann@example.com"], {})
     # What Celery's tracer does for a delivery: push the request, call the task.
     # This delivery had been rescheduled 7 times waiting on another holder and 3 times on an outage.
     retrying.push_request(id="delivery-1", args=["ann@example.com"], kwargs={},
-                          headers={KEY_HEADER: key, INFLIGHT_HEADER: 7, OUTAGE_HEADER: 3},
+                          headers=retrying.sealed({**retrying.key_headers(key, call), INFLIGHT_HEADER: 7,
+                                                   OUTAGE_HEADER: 3}, call),
                           retries=0, is_eager=False, called_directly=False,
                           delivery_info={"exchange": "", "routing_key": queue})
     try:
@@ -126,7 +128,7 @@ def test_a_bodys_own_retry_of_a_message_from_before_marks_is_published_with_its_
         [raw] = r.lrange(queue, 0, -1)
         headers = json.loads(raw)["headers"]
         assert headers[KEY_HEADER] == key
-        assert retrying.key_builder.is_marked(key, headers[KEY_MARK_HEADER])
+        assert retrying.key_builder.check_seal(headers, call) is Seal.VALID and KEY_MARK_HEADER in headers
         assert headers["retries"] == 1
         # A retry starts a new reschedule chain: its in-flight and outage budgets start again.
         assert INFLIGHT_HEADER not in headers and OUTAGE_HEADER not in headers
@@ -147,12 +149,13 @@ def test_a_second_copy_of_one_hop_of_a_long_wait_still_waits(tmp_path: Path) -> 
     def waits(to: str) -> None:
         ran.append(to)
 
-    headers = {**waits.intent_headers(("ann@example.com",), {}), HOP_HEADER: "hop-1",
-               NOT_BEFORE_HEADER: f"{time.time() + 3600:.3f}"}
+    call = Payload(["ann@example.com"], {})
+    headers = waits.sealed({**waits.intent_headers(("ann@example.com",), {}), HOP_HEADER: "hop-1",
+                            NOT_BEFORE_HEADER: f"{time.time() + 3600:.3f}"}, call)  # what a hop publishes
     assert waits.apply(("ann@example.com",), headers=dict(headers)).state == "RETRY"  # the next hop (in-line)
     assert waits.apply(("ann@example.com",), headers=dict(headers)).state == "RETRY"  # the copy waits on too
     assert ran == []
-    due = {**headers, NOT_BEFORE_HEADER: f"{time.time() - 1:.3f}"}
+    due = waits.sealed({**headers, NOT_BEFORE_HEADER: f"{time.time() - 1:.3f}"}, call)
     assert waits.apply(("ann@example.com",), headers=dict(due)).state == "SUCCESS"
     assert waits.apply(("ann@example.com",), headers=dict(due)).result["status"] == "duplicate" and ran == [
         "ann@example.com"]
@@ -171,3 +174,36 @@ def test_a_reschedule_mark_outlives_the_visibility_timeout() -> None:
     def u(to: str) -> None: ...
 
     assert u.policy.hop_ttl_seconds == 3600.0  # AMQP never hands a held message out again
+
+
+def test_a_reschedule_says_its_reason_once_and_shows_as_it_in_a_monitor(redis_broker_app: Celery) -> None:
+    """A copy meeting another holder's live claim is rescheduled: the worker's log line (``retry: <str>``)
+    names the outcome once, and the repr a prefork worker's ``task-retried`` event carries (Flower's
+    exception, kept after the copy succeeds) is the reason, not Celery's ``Retry(Retry(...), ...)``."""
+    import pickle
+
+    from billiard.einfo import ExceptionWithTraceback
+
+    from idemmail_celery.ledger import ClaimRequest
+
+    app = redis_broker_app
+
+    @app.task(base=IdempotentTask, name=unique("adapter.held"), shared=False)
+    def held(to: str) -> None: ...
+
+    key = held.intent_key("ann@example.com")
+    held.ledger.claim(ClaimRequest(key=key, task_name=held.name, payload="{}", fingerprint="f", owner="another",
+                                   lease_seconds=60))
+    held.push_request(id="delivery-1", args=["ann@example.com"], kwargs={}, headers={KEY_HEADER: key},
+                      retries=0, is_eager=False, called_directly=False,
+                      delivery_info={"exchange": "", "routing_key": app.conf.task_default_queue})
+    try:
+        with pytest.raises(Retry) as info:
+            held("ann@example.com")
+    finally:
+        held.pop_request()
+    retry = info.value
+    assert str(retry) == f"in_flight: {key} held by another worker, reschedule 1"
+    assert repr(retry) == repr(retry.exc) == f"IdempotencyInFlightError('{key} held by another worker, reschedule 1')"
+    wrapped = pickle.loads(pickle.dumps(ExceptionWithTraceback(retry, "tb")))  # as a prefork child hands it back
+    assert repr(wrapped.exc) == repr(retry.exc)

@@ -12,6 +12,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.worker  # runs a script or worker process of its own
+
+
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "testing.md"
 
 

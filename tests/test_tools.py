@@ -15,7 +15,7 @@ from celery.signals import before_task_publish
 
 from idemmail_celery import ConfigurationError
 from idemmail_celery.mail import TASK_NAME
-from idemmail_celery.tools import ToolArgumentError, email_tool, idempotent_tool, parameters_of
+from idemmail_celery.tools import ToolArgumentError, app_tools, email_tool, idempotent_tool, parameters_of
 
 from .conftest import unique
 
@@ -168,3 +168,29 @@ def test_a_tool_without_a_result_backend_or_with_a_bad_key_is_a_configuration_er
         update_deal({"deal_id": "D-7"}, call_id="c1")
     with pytest.raises(ConfigurationError, match="call_id"):
         idempotent_tool(app, key="deal_id")
+
+
+def test_app_tools_are_the_email_tool_and_every_tool_made_on_the_app_in_order(app: Celery) -> None:
+    other = Celery(unique("other"), broker="memory://", backend="cache+memory://")
+
+    @idempotent_tool(app, name=unique("deal"))
+    def update_deal(deal_id: str) -> None: ...
+
+    @idempotent_tool(other, name=unique("elsewhere"))
+    def elsewhere(deal_id: str) -> None: ...
+
+    @idempotent_tool(app, name=unique("post"))
+    def post_status(text: str) -> None: ...
+
+    @idempotent_tool(app, name=unique("deal2"), tool_name="update_deal")  # the same tool name: replaces the first
+    def update_deal_again(deal_id: str, stage: str) -> None: ...
+
+    served = app_tools(app)
+    assert [t.name for t in served] == ["send_email", "update_deal", "post_status"]
+    assert served[0].spec() == email_tool(app).spec() and served[1] is update_deal_again
+
+    @idempotent_tool(app, name=unique("mail"), tool_name="send_email")
+    def send_email(to: str) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="send_email"):
+        app_tools(app)

@@ -25,7 +25,7 @@ from .base import Claim, ClaimRequest, ClaimStatus, DetectsLoss, Ledger, Record,
 
 __all__ = [
     "Claim", "ClaimRequest", "ClaimStatus", "DetectsLoss", "Ledger", "Record", "State",
-    "backend_for", "from_url", "passive_options", "register_backend", "shared",
+    "backend_for", "from_url", "known_schemes", "passive_options", "register_backend", "shared",
 ]
 
 _BACKENDS: dict[str, str] = {
@@ -38,11 +38,22 @@ _BACKENDS: dict[str, str] = {
     "mysql": "idemmail_celery.ledger.sql:SQLLedger",
     "mariadb": "idemmail_celery.ledger.sql:SQLLedger",
 }
+#: URL forms a scheme serves besides ``scheme://`` and ``scheme+driver://``, named where an unknown
+#: scheme is refused (the docs use them: a list without them reads as if they were not served).
+_FORMS: dict[str, tuple[str, ...]] = {"redis": ("redis+cluster",), "rediss": ("rediss+cluster",)}
 
 
-def register_backend(scheme: str, target: str) -> None:
-    """Serve URLs starting ``scheme://`` (or ``scheme+driver://``) with ``"module:Class"``."""
+def register_backend(scheme: str, target: str, *, forms: tuple[str, ...] = ()) -> None:
+    """Serve URLs starting ``scheme://`` (or ``scheme+driver://``) with ``"module:Class"``; ``forms``
+    (``"redis+cluster"``) are named with it where an unknown scheme is refused."""
     _BACKENDS[scheme.lower()] = target
+    if forms:
+        _FORMS[scheme.lower()] = tuple(f.lower() for f in forms)
+
+
+def known_schemes() -> list[str]:
+    """Every URL form a ledger is built from, as ``scheme://`` (sorted)."""
+    return sorted(f"{form}://" for scheme in _BACKENDS for form in (scheme, *_FORMS.get(scheme, ())))
 
 
 def backend_for(url: str) -> type[Ledger]:
@@ -50,7 +61,7 @@ def backend_for(url: str) -> type[Ledger]:
     scheme = scheme_of(url, "ledger")
     target = _BACKENDS.get(scheme)
     if target is None:
-        known = ", ".join(sorted(_BACKENDS))
+        known = ", ".join(known_schemes())
         raise UnknownLedgerSchemeError(f"no ledger backend for {scheme!r}:// (known: {known})")
     cls: type[Ledger] = load(target, Ledger)
     return cls

@@ -286,10 +286,13 @@ class Ledger(ABC):
         *,
         result: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
-    ) -> None:
+    ) -> float | None:
         """Move the claim held with ``token`` to ``state`` (sent/failed/review/released).
 
         Moving to ``sent`` also erases the stored payload unless ``self.keep_payload``.
+        Returns the time written as the record's ``updated_at``, exactly as :meth:`get` will read
+        it back (a store keeping milliseconds says milliseconds), or None when it cannot say (a
+        move that had already landed).
 
         Implements the fencing rule in the module docstring atomically; raises
         :class:`StaleTokenError` when it refuses, :class:`RecordNotFoundError`
@@ -397,9 +400,10 @@ class Ledger(ABC):
 
     # -- transitions, in words --
 
-    def complete(self, key: str, token: int, result: dict[str, Any]) -> None:
-        """``claimed`` -> ``sent`` with the side effect's result."""
-        self._finish(key, token, State.SENT, result=result)
+    def complete(self, key: str, token: int, result: dict[str, Any]) -> float | None:
+        """``claimed`` -> ``sent`` with the side effect's result. Returns when it was recorded, as a
+        duplicate will read it (``Record.updated_at``), or None when the store cannot say."""
+        return self._finish(key, token, State.SENT, result=result)
 
     def fail(self, key: str, token: int, error: dict[str, Any]) -> None:
         """``claimed`` -> ``failed``: nothing was or will be sent; the error is replayed."""

@@ -47,9 +47,11 @@ class MeteredLedger(LedgerWrapper):
         return self._timed("claim_many", lambda: self.inner.claim_many(requests))
 
     def _finish(self, key: str, token: int, state: State, *, result: dict[str, Any] | None = None,
-                error: dict[str, Any] | None = None) -> None:
+                error: dict[str, Any] | None = None) -> float | None:
         op = _FINISH_OPS[state]
-        self._timed(op, lambda: self.inner._finish(key, token, state, result=result, error=error))
+        written: float | None = self._timed(op, lambda: self.inner._finish(key, token, state, result=result,
+                                                                           error=error))
+        return written
 
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         return self._timed("renew", lambda: self.inner.renew(key, token, lease_seconds))

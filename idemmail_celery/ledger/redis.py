@@ -1244,7 +1244,7 @@ class RedisLedger(Ledger):
         *,
         result: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
-    ) -> None:
+    ) -> float | None:
         out = self._eval(self._finish_script, self._keys(key), self._finish_args(key, token, state, result, error))
         if out[0] == "missing":
             raise RecordNotFoundError(f"no ledger record for key {key}")
@@ -1252,6 +1252,7 @@ class RedisLedger(Ledger):
             raise StaleTokenError(
                 f"token {token} no longer holds {key}: it is {out[1]} with token {out[2]}"
             )
+        return _seconds(str(out[1])) if len(out) > 1 else None  # the time written, as a read gives it back
 
     def _finish_args(self, key: str, token: int, state: State, result: dict[str, Any] | None,
                      error: dict[str, Any] | None) -> list[Any]:

@@ -163,8 +163,9 @@ class SealedLedger(LedgerWrapper):
         *,
         result: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
-    ) -> None:
-        self.inner._finish(key, token, state, result=self.codec.seal_dict(result), error=self.codec.seal_dict(error))
+    ) -> float | None:
+        return self.inner._finish(key, token, state, result=self.codec.seal_dict(result),
+                                  error=self.codec.seal_dict(error))
 
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
         c = self.codec

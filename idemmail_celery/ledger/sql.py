@@ -621,8 +621,8 @@ class SQLLedger(Ledger):
         *,
         result: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
-    ) -> None:
-        def do(conn: Connection) -> None:
+    ) -> float | None:
+        def do(conn: Connection) -> float | None:
             now = time.time()
             params = {
                 "k": key, "tok": token, "st": state.value, "now": now,
@@ -631,20 +631,21 @@ class SQLLedger(Ledger):
             }
             if self._execute(conn, "finish_sent" if state is State.SENT else "finish_mine", params,
                              returns_rows=False)[1] == 1:
-                return
+                return now
             # A late holder reporting the truth (see ledger.base).
             if state is State.SENT and conn.execute(self._stmts["finish_late"], params).rowcount == 1:
-                return
+                return now
             seen = self._select(conn, key)
             if seen is None:
                 raise RecordNotFoundError(f"no ledger record for key {key}")
             if seen.state is state and seen.token == token:
-                return  # this very move, run twice (its commit landed, its reply did not)
+                return seen.updated_at  # this very move, run twice (its commit landed, its reply did not)
             raise StaleTokenError(
                 f"token {token} no longer holds {key}: it is {seen.state.value} with token {seen.token}"
             )
 
-        self._run(do)
+        written: float | None = self._run(do)
+        return written
 
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         t = self.table

@@ -43,8 +43,8 @@ class LedgerWrapper(Ledger):
         return self.inner.claim_many(requests)
 
     def _finish(self, key: str, token: int, state: State, *, result: dict[str, Any] | None = None,
-                error: dict[str, Any] | None = None) -> None:
-        self.inner._finish(key, token, state, result=result, error=error)
+                error: dict[str, Any] | None = None) -> float | None:
+        return self.inner._finish(key, token, state, result=result, error=error)
 
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         return self.inner.renew(key, token, lease_seconds)

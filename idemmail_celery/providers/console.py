@@ -18,6 +18,7 @@ import email.parser
 import email.policy
 import errno
 import hashlib
+import logging
 import os
 import sys
 import tempfile
@@ -34,6 +35,8 @@ from .smtp import message_id_domain
 
 __all__ = ["ConsoleProvider", "FileProvider"]
 
+log = logging.getLogger("idemmail_celery.providers.console")
+
 _MAX_NAME = 200  # keep "<name>.eml" under the usual 255-byte file name limit
 
 
@@ -41,7 +44,9 @@ class ConsoleProvider(Provider):
     """Print a short summary (key, recipient count, subject, Message-ID) and the MIME text.
 
     ``console://`` writes to ``sys.stdout`` (looked up at each send); pass ``stream=``
-    to write elsewhere. ``?domain=`` or ``domain=`` sets the Message-ID's domain.
+    to write elsewhere. In a Celery worker, whose stdout is redirected to its log at WARNING,
+    each message is logged at INFO instead (on ``idemmail_celery.providers.console``: run the
+    worker with ``-l info`` to see them). ``?domain=`` or ``domain=`` sets the Message-ID's domain.
     Concurrent sends from threads of one process do not interleave.
     """
 
@@ -86,10 +91,20 @@ class ConsoleProvider(Provider):
             f"----- end {message_id} -----\n"
         )
         stream = self._stream if self._stream is not None else sys.stdout
+        if self._stream is None and _redirected(stream):
+            # In a worker, Celery turns stdout into log records at WARNING: a routine message is INFO.
+            log.info("%s", block.rstrip("\n"))
+            return SendResult(message_id=message_id, provider=self.name)
         with self._lock:
             stream.write(block)
             stream.flush()
         return SendResult(message_id=message_id, provider=self.name)
+
+
+def _redirected(stream: object) -> bool:
+    """Is ``stream`` Celery's stdout-to-logging proxy (a worker's ``worker_redirect_stdouts``)?"""
+    proxy = getattr(sys.modules.get("celery.utils.log"), "LoggingProxy", None)
+    return proxy is not None and isinstance(stream, proxy)
 
 
 class FileProvider(Provider):

@@ -47,6 +47,8 @@ authentication failed (logged at ERROR once per process)  ``TransientSendError``
 some RCPT refused with 5xx, others accepted               sent to the accepted ones; the result's
                                                           ``extra["refused"]`` lists the others
 lost or timed out from the first message byte on        ``AmbiguousSendError`` (``after_data``)
+interrupted (a soft time limit) before the message bytes  ``TransientSendError`` (``interrupted``)
+interrupted from the first message byte on                ``AmbiguousSendError`` (``after_data``)
 final reply 4xx / 5xx                                     ``TransientSendError`` (``tempfail``) /
                                                           ``PermanentSendError`` (``rejected``)
 final reply 2xx                                           ``SendResult``
@@ -56,6 +58,14 @@ a non-ASCII address and a server without SMTPUTF8         ``PermanentSendError``
 
 A 4xx to any RCPT fails the whole send before DATA (nothing was sent, the retry goes
 to every recipient), even if other recipients were accepted or refused for good.
+
+Every error names the stage the conversation reached (``at RCPT TO``, ``after the message
+was written``), and so does the ``review`` record of an ``after_data`` send (``ledger show``).
+A send interrupted by an exception of the worker's own (Celery's ``SoftTimeLimitExceeded``)
+is told apart the same way: before the message was written the server holds nothing, so it is
+retried, never parked; only from the first message byte on is it parked for review. A worker
+killed outright (SIGKILL) records no stage: its claim's lease runs out and the record reads
+``lease_expired``; the server's log tells, by the Message-ID ``<key@domain>``.
 
 A provider holds no connection between sends, so one instance can be shared by threads.
 """
@@ -73,7 +83,7 @@ from typing import Any, NoReturn
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ..email import EmailMessage, message_id_for, split_address
-from ..errors import AmbiguousSendError, ConfigurationError, PermanentSendError, TransientSendError
+from ..errors import AmbiguousSendError, ConfigurationError, PermanentSendError, SendError, TransientSendError
 from ..redaction import scrub, scrubbed
 from .base import Provider, SendResult, first_time, is_loopback
 
@@ -204,21 +214,43 @@ class SMTPProvider(Provider):
         mime = message.to_mime(message_id=message_id, date=email.utils.formatdate(usegmt=True))
         raw = mime.as_bytes(policy=email.policy.SMTPUTF8 if international else email.policy.SMTP)
 
-        conn = self._open(key)
+        stage = "connect"  # the last step begun, named in an interruption's error
+        conn: smtplib.SMTP | None = None
         try:
+            conn = self._open(key)
             options = self._mail_options(conn, raw, international, key)
+            stage = "MAIL FROM"
             self._mail_from(conn, sender, options, key)
+            stage = "RCPT TO"
             refused = self._rcpt_to(conn, recipients, key)
+            stage = "DATA"
             self._data_command(conn, key)
+            stage = "message"
             reply = self._transmit(conn, raw, key)
+        except (SendError, smtplib.SMTPException):
+            raise
+        except Exception as exc:  # an interruption of the worker's own (a soft time limit) mid-conversation
+            _close(conn)  # no QUIT: the server may be the thing that hung
+            conn = None
+            raise self._interrupted(stage, exc, key) from exc
         finally:
-            _hang_up(conn)
+            if conn is not None:
+                _hang_up(conn)
         extra: dict[str, Any] = {"smtp_reply": reply}
         if refused:
             extra["refused"] = refused
             log.warning("idemmail smtp: %s sent, but %d of %d recipient(s) refused: %s", key, len(refused),
                         len(recipients), ", ".join(f"#{r['index']} {r['code']}" for r in refused))
         return SendResult(message_id=message_id, provider=self.name, extra=extra)
+
+    def _interrupted(self, stage: str, exc: Exception, key: str) -> SendError:
+        """What an interruption at ``stage`` means: before the message bytes the server holds nothing."""
+        why = _describe(exc)
+        if stage != "message":
+            return _transient(f"interrupted at {stage} with {self._where()} ({why}); nothing was sent: the server "
+                              "holds no message before DATA", "interrupted", key)
+        return AmbiguousSendError(f"interrupted after the message was written to {self._where()} ({why}): the server "
+                                  "may have queued it", reason="after_data", key=key)
 
     def _open(self, key: str) -> smtplib.SMTP:
         """Connect, greet, secure and authenticate; everything here is before DATA."""

@@ -20,6 +20,8 @@ the order they were queued:
 ``"reject_mail"``            the next ``times`` MAIL commands get ``550``
 ``"tempfail_rcpt"``          the next ``times`` RCPT commands get ``450``
 ``"reject_rcpt"``            the next ``times`` RCPT commands get ``550``
+``"stall_rcpt"``             the next ``times`` RCPT commands get no reply until the client
+                             gives up (a server hung before it holds any message)
 ``"tempfail_data_command"``  the next ``times`` DATA commands get ``451``, not ``354``
 ``"reject_data_command"``    the next ``times`` DATA commands get ``554``, not ``354``
 ``"tempfail_data"``          the next ``times`` messages get ``451`` after their data;
@@ -55,7 +57,8 @@ from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session, sy
 __all__ = ["FaultKind", "ReceivedMessage", "SMTPSink"]
 
 FaultKind = Literal[
-    "tempfail_mail", "reject_mail", "tempfail_rcpt", "reject_rcpt", "tempfail_data_command", "reject_data_command",
+    "tempfail_mail", "reject_mail", "tempfail_rcpt", "reject_rcpt", "stall_rcpt", "tempfail_data_command",
+    "reject_data_command",
     "tempfail_data", "reject_data", "drop_after_data", "stall_after_data",
 ]
 _MAIL_FAULTS: dict[str, str] = {
@@ -65,6 +68,7 @@ _MAIL_FAULTS: dict[str, str] = {
 _RCPT_FAULTS: dict[str, str] = {
     "tempfail_rcpt": "450 4.2.1 Mailbox temporarily unavailable (injected)",
     "reject_rcpt": "550 5.1.1 No such user (injected)",
+    "stall_rcpt": "",
 }
 _DATA_COMMAND_FAULTS: dict[str, str] = {
     "tempfail_data_command": "451 4.3.0 Not now (injected)",
@@ -244,6 +248,8 @@ class _Handler:
     async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
                           rcpt_options: list[str]) -> str:
         fault = self.sink._take_fault(_RCPT_FAULTS)
+        if fault == "stall_rcpt":
+            await asyncio.get_running_loop().create_future()  # never answered; cancelled when the client goes
         if fault is not None:
             return _RCPT_FAULTS[fault]
         envelope.rcpt_tos.append(address)

@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 import redis
+import sqlalchemy as sa
 
 from idemmail_celery.testing.redis_server import RedisServer
 
-from ..conftest import REDIS_URL, service_missing, unique, wait_for
+from ..conftest import POSTGRES_URL, REDIS_URL, service_missing, unique, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -218,3 +219,29 @@ def ledger_redis(tmp_path: Path) -> Iterator[RedisServer]:
         service_missing("redis-server (to start a private one)", exc)
     yield server
     server.stop()
+def web_services(ns: str) -> tuple[redis.Redis, sa.URL]:
+    """Redis (pinged) and a new PostgreSQL schema ``ns`` for a web example's module: the URL's search_path.
+
+    Drop the schema with :func:`drop_schema`.
+    """
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        r.ping()
+        ddl(POSTGRES_URL, f'CREATE SCHEMA "{ns}"')
+    except Exception as exc:
+        service_missing("redis and postgresql", exc)
+    return r, sa.make_url(POSTGRES_URL).update_query_dict({"options": f"-csearch_path={ns}"})
+
+
+def drop_schema(ns: str) -> None:
+    ddl(POSTGRES_URL, f'DROP SCHEMA "{ns}" CASCADE')
+
+
+def ddl(url: str, statement: str) -> None:
+    """Run one statement on a server (a test's own schema or database, made or dropped)."""
+    server = sa.create_engine(url)
+    try:
+        with server.begin() as conn:
+            conn.execute(sa.text(statement))
+    finally:
+        server.dispose()

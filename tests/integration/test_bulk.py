@@ -106,6 +106,7 @@ def test_campaign_reports_each_recipient_outcome_without_addresses(
     assert "@example.com" not in log
 
 
+@pytest.mark.serial  # a pass must keep pace with a 4 s visibility timeout: alone, not beside other workers' load
 def test_campaign_longer_than_the_visibility_timeout_is_never_handed_out_twice(
     app_for_fake: Any, fake: FakeProvider, worker_env: dict[str, str], start_worker: Any
 ) -> None:

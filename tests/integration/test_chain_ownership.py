@@ -139,7 +139,7 @@ def test_a_campaign_whose_key_secret_is_rotated_between_passes_sends_each_recipi
     with SMTPSink() as smtp:
         worker_env.update(IDEMMAIL_TEST_PROVIDER=smtp.url, IDEMMAIL_TEST_PROVIDER_TIMEOUT="2",
                           IDEMMAIL_TEST_LEDGER=ledger_redis.url)
-        old = start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_KEY_SECRET": '"old"'})
+        old = start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_KEY_SECRETS": "old"})
         # One batch of 40: the ledger stops while most of them are still to be sent (no timing to win).
         people = [f"r{i}@example.com" for i in range(40)]
         ar = app_module.app.tasks[CAMPAIGN_TASK].delay(campaign_id="rotated", recipients=people, subject="Hi",
@@ -150,7 +150,7 @@ def test_a_campaign_whose_key_secret_is_rotated_between_passes_sends_each_recipi
         wait_for(lambda: b"send_campaign[" in old.log() and b"retry:" in old.log(), timeout=60)
         old.stop()
         ledger_redis.start()
-        start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_KEY_SECRET": '["new", "old"]'})
+        start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_KEY_SECRETS": "new,old"})
         out = ar.get(timeout=120)
         assert out["pending"] == 0 and out["sent"] + out["duplicate"] == 40, out
         delivered = sorted(",".join(m.rcpt_tos) for m in smtp.messages())

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import redis
 import sqlalchemy as sa
 from celery import current_app
 from celery.result import AsyncResult
@@ -26,8 +25,8 @@ from examples._stack import celery_worker
 from idemmail_celery.ledger import Ledger, State, from_url
 from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 
-from ..conftest import POSTGRES_URL, REDIS_URL, service_missing, unique, wait_for
-from .conftest import results
+from ..conftest import REDIS_URL, unique, wait_for
+from .conftest import drop_schema, results, web_services
 
 WEBHOOK_SECRET = "postmark:s3cret"
 PAYMENT_SECRET = "payments-s3cret"
@@ -82,15 +81,7 @@ class Shop:
 @pytest.fixture(scope="module")
 def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
     ns = unique("web").replace("_", "")
-    r = redis.Redis.from_url(REDIS_URL)
-    admin = sa.create_engine(POSTGRES_URL)
-    try:
-        r.ping()
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'CREATE SCHEMA "{ns}"'))
-    except Exception as exc:
-        service_missing("redis and postgresql", exc)
-    db_url = sa.make_url(POSTGRES_URL).update_query_dict({"options": f"-csearch_path={ns}"})
+    r, db_url = web_services(ns)
     fake = FakeProvider(dedupe=False).start()
     env = {
         "CELERY_BROKER_URL": REDIS_URL, "CELERY_RESULT_BACKEND": REDIS_URL, "CELERY_TASK_DEFAULT_QUEUE": f"q.{ns}",
@@ -124,9 +115,7 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
         module.engine.dispose()
         sys.modules.pop("examples.flask_shop", None)
         previous.set_current()
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{ns}" CASCADE'))
-        admin.dispose()
+        drop_schema(ns)
         keys = [*r.scan_iter(f"led.{ns}:*", count=1000), f"q.{ns}", f"_kombu.binding.q.{ns}",
                 *(f"celery-task-meta-{t}" for t in shop.task_ids)]
         r.delete(*keys)

@@ -14,25 +14,24 @@ from idemmail_celery.ledger import State
 from .conftest import results
 
 
-@pytest.mark.parametrize("dated", [True, False], ids=["dated", "sent-by-name-undated"])
-def test_a_retry_of_a_message_from_before_marks_keeps_its_key(
+@pytest.mark.parametrize("dated", [True, False], ids=["with-idemmail_enqueued", "bare"])
+def test_another_intents_key_published_by_name_is_hashed_and_the_victims_own_send_is_delivered(
     app_module: Any, sink: Any, start_worker: Any, dated: bool
 ) -> None:
-    """A message a release before marks enqueued carries its derived key unmarked (with idemmail_enqueued,
-    or without it when sent by name). This release publishes its retry: the retry carries the same key,
-    marked, where apply_async would otherwise take it for a caller's key and hash it (a second key for
-    one intent: sent twice beside another copy)."""
+    """Issue 24: a 64-hex key (every Message-ID shows one) sent by name with other content was the ledger key
+    as given: the attacker's content went out under the victim's key, and the victim's own send answered
+    duplicate. Now it is the publisher's own key, hashed: both are delivered, each under its own key."""
     start_worker("-P", "prefork", "-c", "1")
     send = app_module.send
-    key = send.intent_key("kim@example.com", 21)
-    sink.push_failure("transient")  # the first attempt fails before sending: released, retried
-    headers = {KEY_HEADER: key, **({ENQUEUED_HEADER: f"{time.time():.3f}"} if dated else {})}
-    old = app_module.app.send_task(send.name, ("kim@example.com", 21), headers=headers)
-    out = results([old])[0]
-    assert out["status"] == "sent" and out["key"] == key
-    assert [d.split("|")[0] for d in sink.deliveries()] == [key]
-    record = send.ledger.get(key)  # both attempts counted on the one record
-    assert record is not None and record.state is State.SENT and record.attempts == 2
+    victims = send.intent_key("kim@example.com", 21)
+    headers = {KEY_HEADER: victims, **({ENQUEUED_HEADER: f"{time.time():.3f}"} if dated else {})}
+    forged = results([app_module.app.send_task(send.name, ("eve@example.com", 66), headers=headers)])[0]
+    assert forged["status"] == "sent" and forged["key"] == send.key_builder.explicit_key(victims) != victims
+    own = results([send.delay("kim@example.com", 21)])[0]
+    assert own["status"] == "sent" and own["key"] == victims
+    assert sorted(d.split("|")[0] for d in sink.deliveries()) == sorted([victims, forged["key"]])
+    record = send.ledger.get(victims)
+    assert record is not None and record.state is State.SENT and record.attempts == 1
 
 
 def test_a_callers_header_shaped_like_a_derived_key_reaches_the_worker_hashed(

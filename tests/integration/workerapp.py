@@ -9,7 +9,6 @@ and its ledger prefix/table all derive from it.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -48,8 +47,9 @@ app.conf.update(
     idemmail_ledger_options=(
         {"prefix": f"led.{NS}"} if LEDGER.startswith("redis") else {"table": f"led_{NS}"}
     ),
-    # A rotation is a JSON array, newest first (tests/integration/test_chain_ownership.py).
-    idemmail_key_secret=json.loads(os.environ.get("IDEMMAIL_TEST_KEY_SECRET") or '"test-secret"'),
+    # A rotation (tests/integration/test_sealed_headers.py, test_chain_ownership.py): comma-separated secrets,
+    # newest first.
+    idemmail_key_secret=(os.environ.get("IDEMMAIL_TEST_KEY_SECRETS") or "test-secret").split(","),
     idemmail_lease_seconds=float(os.environ.get("IDEMMAIL_TEST_LEASE", "30")),
     # send_email (registered on this app as a shared task when idemmail_celery is imported)
     idemmail_provider_url=os.environ.get("IDEMMAIL_TEST_PROVIDER") or None,

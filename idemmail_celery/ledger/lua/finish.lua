@@ -52,7 +52,7 @@ if into then
   move(id, state, target, n + ttl * 1000)
   redis.call('DEL', rec)
   if drop_payload then redis.call('DEL', KEYS[8]) else redis.call('PEXPIRE', KEYS[8], ttl) end
-  return {'ok'}
+  return {'ok', ms * 1000}  -- the time as the entry keeps it (milliseconds), in microseconds: an integer reply
 end
 if target == 'sent' then count_sent(n + ttl * 1000, tonumber(ARGV[7])) end
 move(id, state, target, final and n + ttl * 1000 or n)
@@ -61,4 +61,4 @@ if (cur[3] and new_result) or (cur[4] and new_error) then clear = {[R] = new_res
 write(rec, fields, {'l'}, clear)
 if drop_payload then redis.call('DEL', KEYS[8]) end
 if final then expire(ttl, not drop_payload) end
-return {'ok'}
+return {'ok', n}

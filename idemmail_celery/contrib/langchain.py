@@ -1,0 +1,67 @@
+"""Agent tools as LangChain tools, for LangGraph's ``ToolNode`` and any LangChain agent (extra ``[langchain]``).
+
+::
+
+    from idemmail_celery.contrib.langchain import as_langchain_tool
+    from idemmail_celery.tools import IntentStateTool
+
+    tools = [as_langchain_tool(t) for t in (update_deal, reply)]
+    tools.append(as_langchain_tool(IntentStateTool([update_deal, reply])))
+    node = ToolNode(tools)                       # langgraph.prebuilt, unchanged
+    model = model.bind_tools(tools)              # the model sees each spec()'s schema
+
+A tool returns the outcome dict of :mod:`~idemmail_celery.tools` (``tool.invoke(args)``); given a
+whole tool call (what ``ToolNode`` passes), LangChain wraps it in a ``ToolMessage`` whose content
+is that dict as JSON. Its ``args_schema`` is the JSON Schema ``spec()`` gives, so the model is
+shown exactly the arguments the tool accepts; anything else it sends comes back ``invalid``,
+with nothing enqueued. For a tool made with ``key="call_id"``, the tool call's ``id`` (the
+model's) is the intent: ``ToolNode`` re-running the same call is one side effect. Called with
+bare arguments, there is no call id, and the arguments are the intent.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+from langchain_core.tools import BaseTool
+
+from ..tools import IdempotentTool, IntentStateTool
+
+__all__ = ["IdempotentLangChainTool", "as_langchain_tool"]
+
+#: The tool-call id of the call running in this context: ``BaseTool.run`` is told it, ``_run`` is not.
+_call_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("idemmail_tool_call_id", default=None)
+
+
+class IdempotentLangChainTool(BaseTool):
+    """A LangChain ``BaseTool`` over an :class:`~idemmail_celery.tools.IdempotentTool` (or the state tool)."""
+
+    tool: IdempotentTool | IntentStateTool
+
+    def run(self, tool_input: Any, *args: Any, **kwargs: Any) -> Any:
+        token = _call_id.set(kwargs.get("tool_call_id"))
+        try:
+            return super().run(tool_input, *args, **kwargs)
+        finally:
+            _call_id.reset(token)
+
+    async def arun(self, tool_input: Any, *args: Any, **kwargs: Any) -> Any:
+        token = _call_id.set(kwargs.get("tool_call_id"))
+        try:
+            return await super().arun(tool_input, *args, **kwargs)
+        finally:
+            _call_id.reset(token)
+
+    # Only **arguments: a `run_manager` or config parameter here would let LangChain swallow a model's
+    # argument of that name instead of the tool refusing it.
+    def _run(self, **arguments: Any) -> dict[str, Any]:
+        # The async path runs this in an executor thread (LangChain's default _arun): the wait blocks only it.
+        return self.tool(arguments, call_id=_call_id.get())
+
+
+def as_langchain_tool(tool: IdempotentTool | IntentStateTool) -> IdempotentLangChainTool:
+    """``tool`` as a LangChain tool: its name, description and schema as ``tool.spec()`` gives them."""
+    spec = tool.spec()
+    return IdempotentLangChainTool(tool=tool, name=spec["name"], description=spec["description"],
+                                   args_schema=dict(spec["input_schema"]))

@@ -1,0 +1,503 @@
+"""examples/django_shop, the Django app of ``idemmail_celery.contrib.django``, run for real: Django set up in this
+process (the test client, the admin, a live server for headless Chromium), its migrations applied on PostgreSQL (a
+schema of its own, the project's ``default`` database), on SQLite (alias ``sqlite``) and on MariaDB (alias
+``mariadb``, a database of its own, PyMySQL standing in for mysqlclient); one Celery worker of the project
+(``celery -A examples.django_shop worker``) on the Redis broker and ledger for the whole module, and a fake provider
+that does **not** de-duplicate, so every delivery it counts is one the library let through.
+
+Django is set up once per process: this module configures it on first use and leaves it configured (nothing
+else in the suite imports Django).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import current_app
+from celery.result import AsyncResult
+from celery.signals import before_task_publish
+
+from examples._stack import celery_worker
+from idemmail_celery.ledger import ClaimRequest, Ledger, State, from_url
+from idemmail_celery.outbox import relay, run_relay
+from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
+
+from ..conftest import MARIADB_URL, REDIS_URL, require_module, service_missing, unique, wait_for
+from .conftest import ddl, drop_schema, results, web_services
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "test-artifacts"
+ALIASES = ["default", "sqlite", "mariadb"]  # PostgreSQL (the project's own), SQLite, MariaDB
+
+
+@dataclass
+class Shop:
+    app: Any  # the project's Celery app
+    fake: FakeProvider
+    ledger: Ledger
+    env: dict[str, str]
+    published: dict[str, str] = field(default_factory=dict)  # task id -> task name, in publish order
+
+    def key(self, **email: Any) -> str:
+        return str(self.app.tasks["idemmail_celery.send_email"].intent_key(**email))
+
+    def order(self, alias: str, email: str, *, out_of_stock: bool = False) -> int | None:
+        """An order with its confirmation email: through the view (``default``), or as the view does it on
+        another database (``sqlite``, ``mariadb``). Returns the order id, None when the transaction rolled back."""
+        from django.db import transaction
+        from django.test import Client
+
+        from examples.django_shop.models import Order
+        from examples.django_shop.views import OutOfStock
+        from idemmail_celery.contrib.django.outbox import enqueue_email
+
+        if alias == "default":
+            data = {"email": email, "total_cents": "4200", **({"out_of_stock": "1"} if out_of_stock else {})}
+            reply = Client().post("/orders", data)
+            assert reply.status_code == (409 if out_of_stock else 201), reply.content
+            return None if out_of_stock else int(reply.json()["order_id"])
+        try:
+            with transaction.atomic(using=alias):
+                order = Order.objects.using(alias).create(email=email, total_cents=4200)
+                enqueue_email(using=alias, to=order.email, subject=f"Order {order.pk} confirmed",
+                              html=f"<p>Thanks for order {order.pk}.</p>", event_id=f"order-{order.pk}",
+                              template="order_confirmation")
+                if out_of_stock:
+                    raise OutOfStock
+        except OutOfStock:
+            return None
+        return int(order.pk)
+
+    def relay_url(self, alias: str) -> str:
+        from idemmail_celery.contrib.django.conf import sqlalchemy_url
+
+        return sqlalchemy_url(alias)
+
+    def sent(self, key: str) -> bool:
+        record = self.ledger.get(key)
+        return record is not None and record.state is State.SENT
+
+
+def _setup_django(env: dict[str, str], sqlite_path: Path, mariadb: sa.URL) -> None:
+    import django
+    import pymysql
+    from django.conf import settings
+
+    if settings.configured:
+        pytest.fail("Django was already configured in this process: this module sets it up for its project")
+    with pytest.MonkeyPatch.context() as mp:  # the settings module reads its environment once, here
+        for name, value in env.items():
+            mp.setenv(name, value)
+        settings.DATABASES  # noqa: B018  (loads the settings module)
+    # Restored: CELERY_BROKER_URL in the environment would be every later test's broker (Celery reads it).
+    settings.DATABASES["sqlite"] = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(sqlite_path)}
+    # Django's MySQL backend wants mysqlclient (a C build); PyMySQL, which the suite has, stands in for it.
+    pymysql.version_info = (2, 2, 1, "final", 0)
+    pymysql.install_as_MySQLdb()
+    settings.DATABASES["mariadb"] = {"ENGINE": "django.db.backends.mysql", "NAME": mariadb.database,
+                                     "USER": mariadb.username, "HOST": mariadb.host, "PORT": mariadb.port}
+    settings.DATABASE_ROUTERS = [ShopTablesOnly()]
+    django.setup()
+
+
+class ShopTablesOnly:
+    """The second and third databases get the outbox and the orders only (MariaDB's DDL is slow: each statement
+    commits); users, sessions and the admin live in ``default``."""
+
+    def allow_migrate(self, db: str, app_label: str, **hints: Any) -> bool:
+        return db == "default" or app_label in ("idemmail", "django_shop")
+
+
+def mariadb_database(ns: str) -> sa.URL:
+    """A MariaDB database of its own (Django's migrations create every app's tables)."""
+    try:
+        ddl(MARIADB_URL, f"CREATE DATABASE `{ns}`")
+    except Exception as exc:
+        service_missing("mariadb", exc)
+    return sa.make_url(MARIADB_URL).set(database=ns)
+
+
+@pytest.fixture(scope="module")
+def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
+    require_module("django")
+    ns = unique("dj").replace("_", "")
+    r, url = web_services(ns)
+    pg = url.set(drivername="postgresql")  # Django's spelling: the settings' database() reads it
+    fake = FakeProvider(dedupe=False).start()
+    env = {
+        "DJANGO_SETTINGS_MODULE": "examples.django_shop.settings",
+        "CELERY_BROKER_URL": REDIS_URL, "CELERY_RESULT_BACKEND": REDIS_URL, "CELERY_TASK_DEFAULT_QUEUE": f"q.{ns}",
+        "SHOP_DATABASE_URL": pg.render_as_string(hide_password=False),
+        "SHOP_LEDGER_URL": REDIS_URL, "SHOP_LEDGER_PREFIX": f"led.{ns}", "SHOP_KEY_SECRET": "test-secret",
+        "SHOP_PROVIDER_URL": fake.url, "SHOP_PROVIDER_API_KEY": DEFAULT_API_KEY,
+    }
+    previous = current_app._get_current_object()
+    tmp = tmp_path_factory.mktemp("django-shop")
+    _setup_django(env, tmp / "shop.sqlite3", mariadb_database(ns))
+    from django.core.management import call_command
+    from django.db import connections
+
+    for alias in ALIASES:
+        call_command("migrate", database=alias, verbosity=0)
+    from examples.django_shop import celery_app
+
+    shop = Shop(celery_app, fake, from_url(REDIS_URL, prefix=f"led.{ns}"), env)
+
+    def count(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        if headers and "id" in headers:
+            shop.published[headers["id"]] = str(sender)
+
+    before_task_publish.connect(count, weak=False)
+    try:
+        with celery_worker("examples.django_shop", env, log=tmp / "worker.log", args=("-P", "prefork", "-c", "2")):
+            yield shop
+    finally:
+        before_task_publish.disconnect(count)
+        fake.stop()
+        connections.close_all()
+        previous.set_current()
+        drop_schema(ns)
+        ddl(MARIADB_URL, f"DROP DATABASE IF EXISTS `{ns}`")
+        r.delete(*r.scan_iter(f"led.{ns}:*", count=1000), f"q.{ns}", f"_kombu.binding.q.{ns}",
+                 *(f"celery-task-meta-{t}" for t in shop.published))
+
+
+def outbox_rows(alias: str, key: str) -> list[str]:
+    from idemmail_celery.contrib.django.models import OutboxRow
+
+    return list(OutboxRow.objects.using(alias).filter(intent_key=key).values_list("state", flat=True))
+
+
+def test_the_project_reads_both_spellings_of_the_settings_and_registers_send_email(shop: Shop) -> None:
+    conf = shop.app.conf
+    assert conf.idemmail_default_from == "Shop <shop@example.com>"  # plain IDEMMAIL_DEFAULT_FROM
+    assert conf.idemmail_ledger_options == {"prefix": shop.ledger.prefix}  # CELERY_IDEMMAIL_LEDGER_OPTIONS
+    assert {"idemmail_celery.send_email", "idemmail_celery.send_campaign",
+            "idemmail_celery.outbox_relay"} <= set(shop.app.tasks)
+
+
+def test_the_migration_makes_the_relays_table_and_matches_the_models(shop: Shop) -> None:
+    from django.core.management import call_command
+
+    from idemmail_celery.outbox import outbox_table
+
+    call_command("makemigrations", "idemmail", "django_shop", check=True, dry_run=True, verbosity=0)  # exits if not
+    expected = {c.name for c in outbox_table().columns}
+    for alias in ALIASES:
+        engine = sa.create_engine(shop.relay_url(alias))
+        try:
+            inspector = sa.inspect(engine)
+            columns = {c["name"]: c for c in inspector.get_columns("idemmail_outbox")}
+            assert set(columns) == expected, alias
+            unique = [u["column_names"] for u in inspector.get_unique_constraints("idemmail_outbox")] + [
+                i["column_names"] for i in inspector.get_indexes("idemmail_outbox") if i.get("unique")]
+            assert unique and all(names == ["intent_key"] for names in unique), alias  # ON CONFLICT's target
+            if alias == "default":  # naive UTC, as the relay compares it: no time zone on the column
+                assert not columns["next_attempt_at"]["type"].timezone
+        finally:
+            engine.dispose()
+
+
+def test_another_app_in_the_process_keeps_its_own_relay(shop: Shop) -> None:
+    """The project's relay is its app's alone: a shared task would take the name on every app made later."""
+    from celery import Celery
+
+    from idemmail_celery.outbox import RELAY_TASK, register_relay
+
+    other = Celery(unique("other"), set_as_current=False)
+    register_relay(other, "sqlite:///elsewhere.sqlite3")
+    assert other.tasks[RELAY_TASK].run.__qualname__ == "register_relay.<locals>.outbox_relay"
+    assert shop.app.tasks[RELAY_TASK].run.__qualname__ == "register_relay_task.<locals>.outbox_relay"
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_a_rolled_back_order_leaves_no_row_and_sends_nothing(shop: Shop, alias: str) -> None:
+    from examples.django_shop.models import Order
+
+    email = f"roll-{alias}@example.com"
+    assert shop.order(alias, email, out_of_stock=True) is None
+    assert not Order.objects.using(alias).filter(email=email).exists()
+    key = shop.key(to=email, event_id="order-1", template="order_confirmation")  # any id: no row has this address
+    from idemmail_celery.contrib.django.models import OutboxRow
+
+    assert not [row for row in OutboxRow.objects.using(alias).values_list("kwargs", flat=True) if email in row]
+    run_relay(shop.app, shop.relay_url(alias))  # publishes nothing of this order's
+    assert all(email not in d.recipients for d in shop.fake.deliveries())
+    assert shop.ledger.get(key) is None
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_a_committed_order_sends_exactly_one_email(shop: Shop, alias: str) -> None:
+    email = f"commit-{alias}@example.com"
+    order_id = shop.order(alias, email)
+    key = shop.key(to=email, event_id=f"order-{order_id}", template="order_confirmation")
+    assert outbox_rows(alias, key) == ["pending"]  # committed with the order; nothing published yet
+    if alias == "default":
+        shop.app.tasks["idemmail_celery.outbox_relay"].delay()  # what beat runs, in the worker: its URL from Django's
+    else:
+        run_relay(shop.app, shop.relay_url(alias))
+    wait_for(lambda: shop.sent(key), timeout=60)
+    run_relay(shop.app, shop.relay_url(alias))  # a later relay run finds nothing left to publish
+    assert outbox_rows(alias, key) == ["dispatched"]
+    assert shop.fake.delivery_count(key) == 1
+    assert [d.subject for d in shop.fake.deliveries() if email in d.recipients] == [f"Order {order_id} confirmed"]
+
+
+@pytest.mark.parametrize("alias", ALIASES)
+def test_a_relay_that_fails_before_its_commit_publishes_again_and_the_copy_replays_duplicate(
+    shop: Shop, alias: str
+) -> None:
+    email = f"relay-{alias}@example.com"
+    order_id = shop.order(alias, email)
+    key = shop.key(to=email, event_id=f"order-{order_id}", template="order_confirmation")
+    engine = sa.create_engine(shop.relay_url(alias))
+
+    def crash(ids: Any) -> None:
+        raise ConnectionError("the relay's database went away before its commit")
+
+    before = set(shop.published)
+    with pytest.raises(ConnectionError):
+        relay(engine, shop.app, before_commit=crash)
+    assert outbox_rows(alias, key) == ["pending"]  # published, not marked: the next run publishes it again
+    assert relay(engine, shop.app) >= 1
+    engine.dispose()
+    assert outbox_rows(alias, key) == ["dispatched"]
+    copies = [t for t in shop.published if t not in before and shop.published[t].endswith("send_email")]
+    outcomes = results([AsyncResult(t, app=shop.app) for t in copies], timeout=90)
+    mine = [o for o in outcomes if isinstance(o, dict) and o.get("key") == key]
+    assert sorted(o["status"] for o in mine) == ["duplicate", "sent"]
+    assert shop.fake.delivery_count(key) == 1
+
+
+def test_a_nudge_asks_for_a_relay_run_after_the_commit_and_not_after_a_rollback(shop: Shop) -> None:
+    from django.db import transaction
+
+    from idemmail_celery.contrib.django.outbox import enqueue_email
+
+    def relay_runs() -> int:
+        return sum(name == "idemmail_celery.outbox_relay" for name in shop.published.values())
+
+    before = relay_runs()
+    with pytest.raises(ZeroDivisionError), transaction.atomic():
+        enqueue_email(nudge=True, to="nudge-no@example.com", subject="S", text="T", event_id="n-1", template="t")
+        1 / 0  # noqa: B018
+    assert relay_runs() == before
+    with transaction.atomic():
+        key = enqueue_email(nudge=True, to="nudge@example.com", subject="S", text="T", event_id="n-2", template="t")
+        assert relay_runs() == before  # not while the transaction is open
+    assert relay_runs() == before + 1
+    wait_for(lambda: shop.sent(key), timeout=60)  # the worker's relay run published it; no beat here
+    assert shop.fake.delivery_count(key) == 1
+
+
+def test_manage_py_check_flags_a_missing_key_secret(tmp_path: Path) -> None:
+    require_module("django")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMMAIL_", "SHOP_", "DJANGO_"))}
+    env["SHOP_DATABASE_URL"] = f"sqlite:///{tmp_path / 'check.sqlite3'}"
+    cmd = [sys.executable, "examples/django_shop/manage.py", "check"]
+    missing = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1
+    assert "(idemmail.E001) IDEMMAIL_KEY_SECRET is not set" in missing.stderr
+    given = subprocess.run(cmd, cwd=ROOT, env={**env, "SHOP_KEY_SECRET": "s3cret"}, capture_output=True, text=True,
+                           timeout=120)
+    assert given.returncode == 0, given.stderr
+    assert "idemmail" not in given.stdout + given.stderr
+
+
+def test_a_table_made_by_hand_from_schema_sql_is_adopted_with_fake_initial(tmp_path: Path) -> None:
+    """The earlier recipe ran ``schema_sql()`` in a migration of the project's own: the model's is the same table."""
+    require_module("django")
+    import sqlite3
+
+    from idemmail_celery.outbox import schema_sql
+
+    db = tmp_path / "old.sqlite3"
+    with sqlite3.connect(db) as conn:
+        conn.executescript(schema_sql("sqlite"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMMAIL_", "SHOP_", "DJANGO_"))}
+    env.update(SHOP_DATABASE_URL=f"sqlite:///{db}", SHOP_KEY_SECRET="s3cret")
+    cmd = [sys.executable, "examples/django_shop/manage.py", "migrate", "idemmail", "--fake-initial"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Applying idemmail.0001_initial... FAKED" in done.stdout
+
+
+def test_the_checks_name_each_wrong_setting(shop: Shop) -> None:
+    from django.test import override_settings
+
+    from idemmail_celery.contrib.django.checks import check_settings
+
+    with override_settings(IDEMMAIL_LEASE_SECONDS="soon", IDEMMAIL_KEY_SECRT="typo",
+                           CELERY_IDEMMAIL_DEFAULT_FROM="a@example.com", IDEMMAIL_DEFAULT_FROM="b@example.com"):
+        found = {(m.id, m.obj) for m in check_settings()}
+    assert found == {("idemmail.E002", "IDEMMAIL_LEASE_SECONDS"), ("idemmail.E005", "IDEMMAIL_KEY_SECRT"),
+                     ("idemmail.E006", "IDEMMAIL_DEFAULT_FROM")}
+    assert check_settings() == []
+
+
+# -- the review queue in the admin --
+
+
+def park(shop: Shop, to: str) -> str:
+    """A send_email intent parked for review (a holder died mid-send), with its first payload stored."""
+    send = shop.app.tasks["idemmail_celery.send_email"]
+    kwargs = {"to": to, "subject": "Your receipt", "text": "Thanks.", "event_id": f"receipt-{uuid.uuid4().hex[:6]}",
+              "template": "receipt"}
+    key: str = send.intent_key(**kwargs)
+    c = shop.ledger.claim(ClaimRequest(key=key, task_name=send.name, fingerprint="f",
+                                       payload=send.key_builder.payload((), kwargs).to_json()))
+    shop.ledger.park(key, c.token, {"type": "SendNeedsReview", "reason": "lease_expired"})
+    return key
+
+
+def staff(username: str, *perms: str) -> Any:
+    from django.contrib.auth.models import Permission, User
+
+    user = User.objects.create_user(username, password="pw-" + username, is_staff=True)
+    user.user_permissions.set(Permission.objects.filter(content_type__app_label="idemmail", codename__in=perms))
+    return User.objects.get(pk=user.pk)  # fresh: permissions are cached on the instance
+
+
+def test_the_admin_lists_a_parked_intent_and_a_staff_user_releases_it_once(
+    shop: Shop, caplog: pytest.LogCaptureFixture
+) -> None:
+    from django.test import Client
+
+    key = park(shop, "parked@example.com")
+    viewer, operator = Client(), Client()
+    viewer.force_login(staff("viewer", "view_reviewrecord"))
+    operator.force_login(staff("operator", "view_reviewrecord", "release"))
+
+    listing = viewer.get("/admin/idemmail/reviewrecord/", {"state": "review"})
+    assert listing.status_code == 200 and key in listing.content.decode()
+    page = viewer.get("/admin/idemmail/reviewrecord/record/", {"key": key}).content.decode()
+    assert "parked@example.com" not in page and "(redacted: personal data)" in page  # no payload by default
+    assert "Release for a resend" not in page  # no button without the permission
+    assert viewer.get("/admin/idemmail/reviewrecord/record/", {"key": key, "payload": "1"}).content.decode().count(
+        "parked@example.com") == 0  # asking is not enough: idemmail.view_payload
+    refused = viewer.post("/admin/idemmail/reviewrecord/record/release/", {"key": key, "note": "resend"})
+    assert refused.status_code == 403
+    assert shop.ledger.get(key).state is State.REVIEW  # type: ignore[union-attr]
+
+    with caplog.at_level(logging.INFO, logger="idemmail_celery.audit"):
+        done = operator.post("/admin/idemmail/reviewrecord/record/release/",
+                             {"key": key, "note": "provider says not delivered"}, follow=True)
+    assert done.status_code == 200 and "released (re-enqueued)" in done.content.decode()
+    assert [r.getMessage() for r in caplog.records if r.name == "idemmail_celery.audit"] == [
+        f"idemmail admin: release on {key} refused: viewer lacks idemmail.release",
+        f"idemmail admin: release on {key} by operator (django admin): released (re-enqueued)"]
+    wait_for(lambda: shop.sent(key), timeout=60)  # the worker sent the stored first payload
+    assert shop.fake.delivery_count(key) == 1
+    record = shop.ledger.get(key)
+    assert record is not None and record.error is not None
+    assert record.error["resolution"]["by"] == "operator (django admin)"
+
+    again = operator.post("/admin/idemmail/reviewrecord/record/release/", {"key": key, "note": "again"}, follow=True)
+    assert "it was sent; left unchanged" in again.content.decode()  # the CLI's rule, the CLI's words
+    assert shop.fake.delivery_count(key) == 1
+
+
+def test_the_admins_other_actions_follow_the_clis_rules(shop: Shop) -> None:
+    """Forget, show the payload (its own permission), mark sent with the provider's id; a sent record refuses."""
+    from django.test import Client
+
+    key = park(shop, "other@example.com")
+    clerk = Client()
+    clerk.force_login(staff("clerk", "view_reviewrecord", "view_payload", "mark_sent", "forget_payload"))
+    record_url = "/admin/idemmail/reviewrecord/record/"
+    assert "other@example.com" in clerk.get(record_url, {"key": key, "payload": "1"}).content.decode()
+
+    forgot = clerk.post(record_url + "forget/", {"key": key}, follow=True).content.decode()
+    assert f"{key[1:]}: payload erased" in forgot and "(none stored)" in forgot  # the admin capitalises
+    record = shop.ledger.get(key)
+    assert record is not None and record.payload is None and record.state is State.REVIEW
+
+    sent = clerk.post(record_url + "sent/", {"key": key, "note": "in the provider's log", "message_id": "msg-1"},
+                      follow=True).content.decode()
+    assert f"{key[1:]}: sent" in sent
+    record = shop.ledger.get(key)
+    assert record is not None and record.state is State.SENT and record.result is not None
+    assert record.result["message_id"] == "msg-1"
+
+    assert clerk.post(record_url + "failed/", {"key": key, "note": "no"}).status_code == 403  # not this clerk's
+    again = clerk.post(record_url + "sent/", {"key": key, "note": "twice"}, follow=True).content.decode()
+    assert "it cannot be resolved" in again  # the ledger's rule, as the CLI shows it
+    unnoted = clerk.post(record_url + "sent/", {"key": park(shop, "n@example.com")}, follow=True).content.decode()
+    assert "Say why in the note" in unnoted
+    assert shop.fake.delivery_count(key) == 0
+
+
+def test_a_staff_user_marks_a_parked_intent_failed_in_headless_chromium(
+    shop: Shop, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """End to end in a browser: log in, filter the review queue, open the record, mark it failed."""
+    webdriver = require_module("selenium.webdriver")
+    if not Path("/usr/bin/chromedriver").exists():
+        service_missing("chromedriver", FileNotFoundError("/usr/bin/chromedriver (apt-get install chromium-driver)"))
+    from django.contrib.staticfiles.handlers import StaticFilesHandler
+    from django.test.testcases import LiveServerThread
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.wait import WebDriverWait
+
+    key = park(shop, "browser@example.com")
+    staff("browser", "view_reviewrecord", "mark_failed")
+    server = LiveServerThread("127.0.0.1", StaticFilesHandler)
+    server.daemon = True
+    server.start()
+    server.is_ready.wait()
+    if server.error:
+        raise server.error
+    options = webdriver.ChromeOptions()
+    profile = ARTIFACTS / f"chromium-profile-{uuid.uuid4().hex[:8]}"
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
+                 f"--user-data-dir={profile}", "--window-size=1280,900"):
+        options.add_argument(flag)
+    options.binary_location = "/usr/bin/chromium"
+    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService("/usr/bin/chromedriver"))
+    browser.implicitly_wait(30)  # each find waits for the page a click opened
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        browser.get(f"{base}/admin/login/?next=/admin/idemmail/reviewrecord/")
+        browser.find_element(By.NAME, "username").send_keys("browser")
+        browser.find_element(By.NAME, "password").send_keys("pw-browser")
+        browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+        browser.find_element(By.PARTIAL_LINK_TEXT, "review (").click()  # the filter, with its count
+        browser.find_element(By.LINK_TEXT, key).click()
+        assert "browser@example.com" not in browser.page_source
+        browser.find_element(By.ID, "note-failed").send_keys("customer cancelled; do not send")
+        browser.find_element(By.NAME, "do-failed").click()
+        done = WebDriverWait(browser, 30).until(  # the record's page again, with the action's message
+            expected_conditions.presence_of_element_located((By.CSS_SELECTOR, "ul.messagelist li.success")))
+        assert done.text.endswith(f"{key[1:]}: failed")
+        assert browser.find_element(By.ID, "record-state").text == "failed"
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = ARTIFACTS / "django-admin-review.png"
+        assert browser.save_screenshot(str(shot))
+        with capsys.disabled():
+            print(f"\nscreenshot of the admin's review queue: {shot}")
+    except Exception:
+        ARTIFACTS.mkdir(exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "django-admin-review-failed.png"))
+        (ARTIFACTS / "django-admin-review-failed.html").write_text(browser.page_source)
+        raise
+    finally:
+        browser.quit()
+        server.terminate()
+        server.join(timeout=15)
+        subprocess.run(["rm", "-rf", str(profile)], check=False)
+    record = shop.ledger.get(key)
+    assert record is not None and record.state is State.FAILED
+    assert record.error is not None and record.error["resolution"]["by"] == "browser (django admin)"
+    assert shop.fake.delivery_count(key) == 0

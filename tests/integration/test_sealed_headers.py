@@ -1,0 +1,218 @@
+"""Headers the worker acts on are sealed (issue 24), with real workers on the Redis broker.
+
+Each test publishes what a broker publisher without the key secret can: ``app.send_task`` by name with
+crafted headers, or a queued message's headers copied onto other arguments. None of it decides anything:
+nothing is recorded that did not happen, nothing is sent twice, and the victim's own later send is
+delivered (never answered ``duplicate``). During a key-secret rotation deployed web processes first, a
+worker that cannot check a newer secret's seal waits for one that can instead of choosing a key itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from idemmail_celery import PermanentSendError
+from idemmail_celery._common import (
+    CAMPAIGN_HEADER,
+    INFLIGHT_HEADER,
+    KEY_HEADER,
+    OLDER_KEYS_HEADER,
+    OUTAGE_HEADER,
+    OWNER_HEADER,
+    VERDICT_HEADER,
+)
+from idemmail_celery.bulk import CAMPAIGN_TASK
+from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State
+from idemmail_celery.mail import TASK_NAME
+from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
+
+from ..conftest import wait_for
+from .conftest import results
+
+VICTIM = ("kim@example.com", 21)
+
+
+def keys_delivered(sink: Any) -> list[str]:
+    return sorted(d.split("|")[0] for d in sink.deliveries())
+
+
+def test_a_forged_verdict_records_nothing_and_the_victims_own_send_is_delivered(
+    app_module: Any, sink: Any, start_worker: Any
+) -> None:
+    worker = start_worker("-P", "prefork", "-c", "1")
+    send = app_module.send
+    victims = send.intent_key(*VICTIM)
+    forged_sent = {"state": "sent", "result": {"value": {"message_id": "made-up"}, "message_id": "made-up"}}
+    forged_review = {"state": "review", "error": {"type": "X", "message": "m", "reason": "r"}}
+    out = results([
+        app_module.app.send_task(send.name, VICTIM, headers={KEY_HEADER: victims, VERDICT_HEADER: forged_sent}),
+        app_module.app.send_task(send.name, ("eve@example.com", 66), headers={VERDICT_HEADER: forged_review}),
+    ])
+    # The verdicts are ignored: each message is an ordinary call, sent under the key its own arguments make.
+    assert out[0]["status"] == "sent" and out[0]["key"] == send.key_builder.explicit_key(victims) != victims
+    assert out[1]["status"] == "sent" and out[1]["key"] == send.intent_key("eve@example.com", 66)
+    assert send.ledger.get(victims) is None  # nothing recorded under the victim's key
+    own = results([send.delay(*VICTIM)])[0]
+    assert own["status"] == "sent" and own["key"] == victims
+    assert keys_delivered(sink) == sorted([victims, out[0]["key"], out[1]["key"]])
+    assert worker.log().count(b"did not seal for it") == 2  # one WARNING per delivery, with its task id
+
+
+def test_a_key_and_seal_copied_onto_other_arguments_do_not_reach_the_victims_record(
+    app_module: Any, sink: Any, start_worker: Any
+) -> None:
+    start_worker("-P", "prefork", "-c", "1")
+    send = app_module.send
+    victims = send.intent_key(*VICTIM)
+    queued = send.intent_headers(VICTIM, {})  # what the victim's message carries on the broker
+    replay = results([app_module.app.send_task(send.name, ("eve@example.com", 21), headers=queued)])[0]
+    assert replay["status"] == "sent" and replay["key"] == send.key_builder.explicit_key(victims)
+    own = results([send.delay(*VICTIM)])[0]
+    assert own["status"] == "sent" and own["key"] == victims
+    assert len(sink.deliveries()) == 2
+
+
+def test_a_forged_owner_does_not_take_a_live_claim(app_module: Any, sink: Any, start_worker: Any) -> None:
+    """The owner string ``ledger show`` prints, put on a message by name: it resumed a live claim and sent.
+    Now the message waits on the claim like any copy; the holder records its send and the copy is a duplicate."""
+    start_worker("-P", "prefork", "-c", "1")
+    send = app_module.send
+    victims = send.intent_key(*VICTIM)
+    led = send.ledger
+    held = led.claim(ClaimRequest(key=victims, task_name=send.name, fingerprint="", lease_seconds=300,
+                                  payload=send.key_builder.payload(VICTIM, {}).to_json()))
+    assert held.status is ClaimStatus.ACQUIRED
+    forged = app_module.app.send_task(send.name, VICTIM, headers={OWNER_HEADER: held.record.owner,
+                                                                  INFLIGHT_HEADER: 0, OUTAGE_HEADER: 0})
+    wait_for(lambda: forged.state in ("RETRY", "SUCCESS"), timeout=60)
+    assert forged.state == "RETRY" and sink.deliveries() == []  # waiting on the claim, not resuming it
+    led.complete(victims, held.token, {"value": {"message_id": "by-the-holder"}, "message_id": "by-the-holder"})
+    out = results([forged])[0]
+    assert out["status"] == "duplicate" and out["key"] == victims
+    assert sink.deliveries() == []  # the holder's send (recorded above) is the only one
+
+
+def test_forged_older_keys_move_nothing_onto_another_intents_record(
+    app_module: Any, sink: Any, start_worker: Any
+) -> None:
+    start_worker("-P", "prefork", "-c", "1")
+    send = app_module.send
+    other = send.intent_key("lee@example.com", 5)
+    first = results([send.delay("lee@example.com", 5)])[0]
+    assert first["status"] == "sent"
+    many = [other] + [f"{i:064x}" for i in range(20_000)]
+    out = results([app_module.app.send_task(send.name, VICTIM, headers={OLDER_KEYS_HEADER: many})])[0]
+    assert out["status"] == "sent" and out["key"] == send.intent_key(*VICTIM)  # its own record, not lee's
+    assert keys_delivered(sink) == sorted([other, out["key"]])
+
+
+def test_rotation_with_web_processes_first_waits_for_a_worker_with_the_new_secret(
+    app_module: Any, sink: Any, start_worker: Any
+) -> None:
+    """Web processes on ["two", "test-secret"], workers still on "test-secret": the old worker cannot check
+    the new secret's seal. It used to take the key for a caller's own and hash it (two keys for one intent:
+    sent twice); now it republishes the message as it came, and the upgraded worker sends it once."""
+    old = start_worker("-P", "prefork", "-c", "1")
+    send = app_module.send
+    send.app.conf.idemmail_key_secret = ["two", "test-secret"]
+    send._idem_settings = send._idem_builder = send._idem_handler = None  # the caller is upgraded
+    key = send.intent_key(*VICTIM)
+    first, second = send.delay(*VICTIM), send.delay(*VICTIM)
+    wait_for(lambda: old.log().count(b"does not have") >= 2, timeout=60)
+    assert sink.deliveries() == []
+    start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_KEY_SECRETS": "two,test-secret"})
+    old.stop()  # the rolling deploy reaches the workers (what the old one held goes back to the queue)
+    out = results([first, second], timeout=120)
+    assert sorted(o["status"] for o in out) == ["duplicate", "sent"] and {o["key"] for o in out} == {key}
+    assert keys_delivered(sink) == [key]
+    record = send.ledger.get(key)
+    assert record is not None and record.state is State.SENT
+
+
+def test_rotation_with_workers_first_sends_once(app_module: Any, sink: Any, start_worker: Any) -> None:
+    start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_KEY_SECRETS": "two,test-secret"})
+    send = app_module.send
+    out = results([send.delay(*VICTIM), send.delay(*VICTIM)])  # the caller still on "test-secret" alone
+    assert sorted(o["status"] for o in out) == ["duplicate", "sent"]
+    [key] = {o["key"] for o in out}  # a new record goes under the newest secret's key; an older one is found
+    assert keys_delivered(sink) == [key]
+
+
+# -- send_email and send_campaign, with the fake provider over real sockets --
+
+@pytest.fixture
+def fake() -> Iterator[FakeProvider]:
+    with FakeProvider() as f:
+        yield f
+
+
+@pytest.fixture
+def mail_app(fake: FakeProvider, worker_env: dict[str, str], request: pytest.FixtureRequest) -> Any:
+    worker_env.update(IDEMMAIL_TEST_PROVIDER=fake.url, IDEMMAIL_TEST_PROVIDER_KEY=DEFAULT_API_KEY)
+    return request.getfixturevalue("app_module")
+
+
+KIM = {"to": "kim@example.com", "subject": "Your receipt", "text": "Thanks", "event_id": "order-21"}
+
+
+def test_a_forged_sent_verdict_on_send_email_is_ignored_and_the_send_is_real(
+    mail_app: Any, fake: FakeProvider, start_worker: Any
+) -> None:
+    """``send_task(send_email, kwargs=victim, headers={"idemmail_verdict": {"state": "sent", ...}})`` recorded the
+    victim's intent as sent with a made-up message id and sent nothing; the victim's own delay() then answered
+    duplicate. Now the message is an ordinary call: what it records is the provider's real answer."""
+    start_worker("-P", "prefork", "-c", "1")
+    task = mail_app.app.tasks[TASK_NAME]
+    forged = {"state": "sent", "result": {"value": {"message_id": "made-up"}, "message_id": "made-up"}}
+    first = results([mail_app.app.send_task(TASK_NAME, kwargs=KIM, headers={VERDICT_HEADER: forged})])[0]
+    own = results([task.delay(**KIM)])[0]
+    assert first["status"] == "sent" and own["status"] == "duplicate" and first["key"] == own["key"]
+    assert fake.delivery_count() == 1 and own["message_id"] == fake.deliveries()[0].message_id != "made-up"
+
+
+def test_a_forged_review_verdict_skips_no_check_and_stores_nothing(
+    mail_app: Any, fake: FakeProvider, start_worker: Any
+) -> None:
+    """With ``"state": "review"`` the worker skipped its checks and stored an unvalidated payload (two addresses
+    in ``to``, a CRLF in the subject, over the size cap). Now the checks run and refuse it, storing nothing."""
+    worker = start_worker("-P", "prefork", "-c", "1")
+    review = {"state": "review", "error": {"type": "X", "message": "m", "reason": "r"}}
+    calls = [{**KIM, "subject": "Hi\r\nBcc: eve@example.com"}, {**KIM, "text": "x" * (11 * 1024 * 1024)},
+             {**KIM, "tags": {"t": "v" * (11 * 1024 * 1024)}}]
+    out = results([mail_app.app.send_task(TASK_NAME, kwargs=kw, headers={VERDICT_HEADER: review}) for kw in calls])
+    for o in out:
+        assert isinstance(o, PermanentSendError) and o.reason == "invalid_email", o
+    assert mail_app.app.tasks[TASK_NAME].ledger.get(mail_app.app.tasks[TASK_NAME].intent_key(**KIM)) is None
+    assert fake.delivery_count() == 0 and worker.log().count(b"did not seal for it") == 3
+
+
+def test_a_chained_cause_quoting_an_address_reaches_no_result_backend_or_log(
+    mail_app: Any, fake: FakeProvider, start_worker: Any
+) -> None:
+    worker = start_worker("-P", "prefork", "-c", "1")
+    address = "hidden.person@example.org"
+    failed = mail_app.app.send_task(TASK_NAME, kwargs={**KIM, "tags": {f"to {address}": "v"}})
+    out = results([failed])[0]
+    assert isinstance(out, PermanentSendError) and out.reason == "invalid_email"
+    assert failed.traceback and "InvalidEmail" not in failed.traceback and address not in failed.traceback
+    wait_for(lambda: b"invalid_email" in worker.log() or b"PermanentSendError" in worker.log(), timeout=30)
+    assert address.encode() not in worker.log() and fake.delivery_count() == 0
+
+
+def test_a_forged_verdict_on_a_campaign_records_nothing(mail_app: Any, fake: FakeProvider, start_worker: Any) -> None:
+    start_worker("-P", "prefork", "-c", "1")
+    send_email = mail_app.app.tasks[TASK_NAME]
+    key = send_email.intent_key(to="kim@example.com", event_id="nov")
+    forged = {key: {"state": "sent", "result": {"value": {"message_id": "made-up"}, "message_id": "made-up"},
+                    "owner": "o:1"}}
+    out = results([mail_app.app.send_task(CAMPAIGN_TASK, kwargs={
+        "campaign_id": "nov", "recipients": ["kim@example.com", "lee@example.com"], "subject": "Nov", "text": "news",
+    }, headers={VERDICT_HEADER: forged, OWNER_HEADER: "o:1", CAMPAIGN_HEADER: {"from": 2, "tally": {}}})])[0]
+    assert out["sent"] == 2 and out["total"] == 2
+    assert fake.delivery_count() == 2
+    record = send_email.ledger.get(key)
+    assert record is not None and record.state is State.SENT and "made-up" not in json.dumps(record.result)
