@@ -214,6 +214,24 @@ def plain_http(to: str, subject: str, text: str, n: int) -> dict[str, Any]:
     return dict(sender.provider.send(message, key=f"plain-{RUN}-{n}").to_dict())
 
 
+_naive_ledger: redis.Redis | None = None
+
+
+@app.task(name="bench.naive_http", acks_late=True)
+def naive_http(to: str, subject: str, text: str, n: int) -> dict[str, Any]:
+    """The I/O runs' floor: ``bench.plain_http``'s call between the hand-rolled claim (``SET NX`` before,
+    ``SET`` after) on the ledger's Redis, as ``bench.naive`` does for the no-op runs."""
+    global _naive_ledger
+    if _naive_ledger is None:
+        _naive_ledger = redis.Redis.from_url(os.environ["BENCH_LEDGER"])
+    key = f"{NS}.naive_http.{hashlib.sha256(f'{to}|{n}'.encode()).hexdigest()}"
+    if not _naive_ledger.set(key, "claimed", nx=True, ex=300):
+        return {"status": "duplicate"}
+    out = plain_http(to, subject, text, n)
+    _naive_ledger.set(key, "sent", ex=7 * 86400)
+    return out
+
+
 # -- the I/O-bound and bulk runs: completions stamped after the task, ledger round trips counted --
 
 

@@ -786,7 +786,7 @@ def _io(h: Harness, args: argparse.Namespace, provider: FakeProvider, ledger_red
         facts: str, command: str) -> str:
     t0 = time.monotonic()
     ledgers = [x for x in args.io_ledgers.split(",") if x]
-    variants = ["plain"] + [{"redis": "idem-redis", "postgresql": "idem-pg"}[x] for x in ledgers]
+    variants = ["plain", "naive-http"] + [{"redis": "idem-redis", "postgresql": "idem-pg"}[x] for x in ledgers]
     latencies = [float(x) for x in args.io_latencies.split(",") if x]
     runs: list[scale.IoRun] = []
     for rep in range(args.repeat):

@@ -43,9 +43,10 @@ from idemmail_celery.testing.fake_provider import FakeProvider
 if TYPE_CHECKING:
     from bench.run import Harness
 
-IO_VARIANTS = ("plain", "idem-redis", "idem-pg")
+IO_VARIANTS = ("plain", "naive-http", "idem-redis", "idem-pg")
 IO_LABELS = {
     "plain": "plain Celery task, same HTTP call",
+    "naive-http": "the same call under a hand-rolled SET NX claim (the floor)",
     "idem-redis": "send_email, Redis ledger",
     "idem-pg": "send_email, PostgreSQL ledger",
 }
@@ -106,7 +107,7 @@ def io_drain(h: Harness, provider: FakeProvider, ledger_redis: str, variant: str
         options = {**options, **PG_POOL}
     else:
         url, options = ledger_redis, {"prefix": f"{h.ns}.{mid}.led"}
-    if variant != "plain":  # the table (or the scripts and markers) outside the measurement
+    if variant not in ("plain", "naive-http"):  # the table (or the scripts and markers) outside the measurement
         led = from_url(url, **options)
         led.ping()
         led.close()
@@ -115,8 +116,8 @@ def io_drain(h: Harness, provider: FakeProvider, ledger_redis: str, variant: str
     provider.reset()
     lo, hi = max(1, sends // 10), max(2, sends * 9 // 10)
     h.queue[0] = f"{h.ns}.{mid}"
-    if variant == "plain":
-        task = h.app.tasks["bench.plain_http"]
+    if variant in ("plain", "naive-http"):
+        task = h.app.tasks["bench.plain_http" if variant == "plain" else "bench.naive_http"]
         for i in range(sends):
             task.delay(f"u{i}.{mid}@example.com", SUBJECT, TEXT, i)
     else:
@@ -132,7 +133,7 @@ def io_drain(h: Harness, provider: FakeProvider, ledger_redis: str, variant: str
     try:
         w.start(wait_ready=0)
         # A plain task that fails is done with; send_email's "not SUCCESS" are retries, still to come.
-        failed_for_good = 1 if variant == "plain" else 0
+        failed_for_good = 1 if variant in ("plain", "naive-http") else 0
         marks: dict[int, tuple[float, float]] = {}  # this process's CPU (the fake provider's threads) at lo and hi
 
         def finished() -> bool:

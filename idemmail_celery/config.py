@@ -157,7 +157,7 @@ port = _at_least(parse_int, 0)
 #: The typed keywords of our backends (``RedisLedger``, ``SQLLedger``) in ``idemmail_ledger_options``.
 _LEDGER_OPTION_PARSERS: dict[str, Parser] = {
     "keep_payload": parse_bool, "allow_eviction": parse_bool, "auto_init": parse_bool,
-    "create_table": parse_bool, "retention_seconds": parse_float, "buckets": parse_int,
+    "create_table": parse_bool, "retention_seconds": parse_float, "buckets": parse_int, "shelves": parse_int,
     "policy_recheck_seconds": parse_float,
 }
 

@@ -56,7 +56,7 @@ def raw_store(ledger: Ledger) -> str:
         out = []
         raw = redis.Redis.from_url(REDIS_URL)  # not decoding
         for name in r.scan_iter(f"*{inner.prefix}*", count=1000):
-            if r.type(name) == "hash" and ":s:" in name:  # a sent archive: binary fields and fingerprints
+            if r.type(name) == "hash" and ":d:" in name:  # a shelf of sent records: binary fields and fingerprints
                 out.append(json.dumps({k.hex(): v.decode("latin-1") for k, v in raw.hgetall(name).items()}))
             elif r.type(name) == "hash":
                 out.append(json.dumps(r.hgetall(name)))

@@ -41,7 +41,7 @@ def users_client(url: str = REDIS_URL, **kwargs: Any) -> CountingRedis:
 
 
 def test_every_script_file_is_packaged_and_loads_on_a_real_server() -> None:
-    lua = resources.files("idemmail_celery.ledger") / "lua"
+    lua = resources.files("idemmail_celery.ledger.redis")  # the scripts beside the store
     names = sorted(p.name[:-4] for p in lua.iterdir() if p.name.endswith(".lua"))
     assert {"prelude", "claim", "finish", "renew", "force", "purge", "erase", "flag", "mark"} <= set(names)
     client = redis.Redis.from_url(REDIS_URL, decode_responses=True)

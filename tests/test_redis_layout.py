@@ -1,5 +1,6 @@
-"""The Redis ledger's lean record: compact ``sent`` records without an index, listed by SCAN, counted by
-counters; long results and errors in chunks; a store of the previous layout refused, then migrated."""
+"""The Redis ledger's lean record (layout 4): ``sent`` records on shelves found by their key alone, without an
+index, listed by SCAN, counted by counters; long results and errors in chunks; a layout 1 store refused, then
+migrated (layouts 2 and 3, written by the real older versions: tests/test_redis_migration.py)."""
 
 from __future__ import annotations
 
@@ -40,30 +41,30 @@ def led(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisLedger]:
     drop_ledger(ledger)
 
 
-def archives(led: RedisLedger, key: str) -> dict[str, int]:
-    """The sent archives of ``key``'s bucket that exist: name -> entries."""
-    stem = led._stems[led._bucket(key)]
-    return {name: led.client.hlen(name) for name in led.client.scan_iter(f"{stem}s:*", count=1000)}
+def shelf(led: RedisLedger, key: str) -> dict[str, int]:
+    """``key``'s shelf if it exists: name -> its entries, live or dead (the sweep's own field left out)."""
+    name = led._shelf_of(key)
+    raw = redis.Redis.from_url(REDIS_URL)  # a shelf's fields are bytes: read without decoding
+    return {name: sum(1 for f in raw.hkeys(name) if f)} if raw.exists(name) else {}
 
 
-def test_a_sent_record_leaves_no_key_of_its_own_and_replays_from_its_archive(led: RedisLedger) -> None:
+def test_a_sent_record_leaves_no_key_of_its_own_and_replays_from_its_shelf(led: RedisLedger) -> None:
     key = hexkey()
     claim = led.claim(req(key))  # a long payload: the claimed record is a hash, its payload a string
     assert led.client.exists(led._rec(key), led._payload(key)) == 2
     message_id = "0100018c2b7f4a5e-3f2a1b4c-5d6e-4f70-8a9b-0c1d2e3f4a5b-000000"
     result = {"message_id": message_id, "value": {"message_id": message_id, "provider": "ses"}}
     led.complete(key, claim.token, result)
-    assert led.client.exists(led._rec(key), led._payload(key)) == 0  # no record, no payload: one archive entry
-    [(name, entries)] = archives(led, key).items()
-    assert entries == 1 and name.startswith(led._stems[led._bucket(key)] + "s:")
-    granule_end = (int(name.rsplit(":", 1)[1]) + 1) * led._archive_ms
-    assert led.client.pexpiretime(name) == granule_end + led._lookback_ms  # its archive expires by itself
+    assert led.client.exists(led._rec(key), led._payload(key)) == 0  # no record, no payload: one shelf entry
+    [(name, entries)] = shelf(led, key).items()
+    assert entries == 1 and name.startswith(led._stems[led._bucket(key)] + "d:")
     members = [m for b in range(led.buckets) for s in State for m in led.client.zrange(led._index(b, s), 0, -1)]
     assert key not in members  # no sent index
     record = led.get(key)
     assert record is not None and record.state is State.SENT and record.result == result and record.token == 1
     assert record.fingerprint == "ab" * 32 and record.payload is None
     assert record.expires_at is not None and abs(record.expires_at - record.updated_at - led.retention_seconds) < 0.01
+    assert led.client.pexpiretime(name) == round(record.expires_at * 1000)  # the shelf lives as long as its entry
     dup = led.claim(req(key, payload="{}"))
     assert dup.status is ClaimStatus.DONE and dup.record == record  # what a duplicate is told
     assert led.client.exists(led._rec(key)) == 0  # a duplicate writes nothing
@@ -79,7 +80,7 @@ def test_a_sent_record_leaves_no_key_of_its_own_and_replays_from_its_archive(led
     {"message_id": "m", "value": {"message_id": "other"}},  # a value naming another id
     {"message_id": "Grüße 🙂 ~ . R"},
 ])
-def test_every_result_shape_reads_back_from_the_archive(led: RedisLedger, result: dict[str, Any]) -> None:
+def test_every_result_shape_reads_back_from_the_shelf(led: RedisLedger, result: dict[str, Any]) -> None:
     # A 64-hex key and fingerprint (packed), any other text, and a key whose field would be 32 bytes long.
     cases = {hexkey(): "ab" * 32, "plain key ~! Grüße": "not hex, Grüße", "x" * 31: ""}
     for key, fingerprint in cases.items():
@@ -103,23 +104,23 @@ def test_a_finish_run_twice_after_its_reply_was_lost_is_ok_and_a_stale_one_is_re
     with pytest.raises(StaleTokenError):
         led.fail(key, c.token, {"reason": "late"})
     record = led.get(key)
-    assert record is not None and record.result == {"message_id": "m"} and sum(archives(led, key).values()) == 1
+    assert record is not None and record.result == {"message_id": "m"} and sum(shelf(led, key).values()) == 1
 
 
-def test_an_operator_can_take_a_record_out_of_its_archive_and_forget_one_in_it(led: RedisLedger) -> None:
+def test_an_operator_can_take_a_record_off_its_shelf_and_forget_one_on_it(led: RedisLedger) -> None:
     key = hexkey()
     c = led.claim(req(key))
     led.complete(key, c.token, {"message_id": "m", "to": "ann@example.com"})
-    assert led.forget(key) is True  # erased in the archive, in place
+    assert led.forget(key) is True  # erased on the shelf, in place
     forgotten = led.get(key)
     assert forgotten is not None and forgotten.result == {"message_id": "m", "forgotten": True}
-    raw = redis.Redis.from_url(REDIS_URL)  # an archive holds bytes: read without decoding
-    assert b"ann@example.com" not in b"".join(raw.hgetall(next(iter(archives(led, key)))).values())
+    raw = redis.Redis.from_url(REDIS_URL)  # a shelf holds bytes: read without decoding
+    assert b"ann@example.com" not in b"".join(raw.hgetall(next(iter(shelf(led, key)))).values())
     moved = replace(forgotten, state=State.REVIEW, token=forgotten.token + 1, expires_at=None,
                     error={"reason": "operator"}, updated_at=time.time())
     assert led._force(key, forgotten.token + 5, moved) is False  # a stale expectation changes nothing
     assert led._force(key, forgotten.token, moved) is True
-    assert sum(archives(led, key).values()) == 0  # out of the archive
+    assert sum(shelf(led, key).values()) == 0  # off the shelf
     assert led.get(key) == moved and [r.key for r in led.iter_records(State.REVIEW)] == [key]
     assert led.claim(req(key)).status is ClaimStatus.DONE  # review replays its error
     released = led.resolve(key, "released", note="resend")
@@ -127,47 +128,69 @@ def test_an_operator_can_take_a_record_out_of_its_archive_and_forget_one_in_it(l
     assert again.status is ClaimStatus.REOPENED and again.token == released.token + 1
     led.complete(key, again.token, {"message_id": "m2"})
     archived = led.get(key)  # its token (3) kept in the entry
-    assert sum(archives(led, key).values()) == 1 and archived is not None and archived.token == again.token > 1
+    assert sum(shelf(led, key).values()) == 1 and archived is not None and archived.token == again.token > 1
     assert archived.result == {"message_id": "m2"} and led.claim(req(key)).record.token == again.token
 
 
 def test_a_record_near_the_end_of_its_retention_replays_until_then_and_not_after(led: RedisLedger) -> None:
-    led.retention_seconds = 2.0  # within the ledger's (the markers' retention): archived
+    led.retention_seconds = 2.0  # shorter than the ledger's (the markers' retention): the entry says so
     key = hexkey()
     c = led.claim(req(key))
     led.complete(key, c.token, {"message_id": "m"})
     completed = time.monotonic()
-    assert sum(archives(led, key).values()) == 1
+    assert sum(shelf(led, key).values()) == 1
     time.sleep(1.0)
     assert time.monotonic() - completed < 1.9, "the machine stalled: this look would be past the retention"
     assert led.claim(req(key)).status is ClaimStatus.DONE  # near the end: still done
-    time.sleep(max(0.0, completed + 2.2 - time.monotonic()))
+    time.sleep(max(0.0, completed + 2.4 - time.monotonic()))  # (its expiry: tenths of a second, rounded up)
     assert led.get(key) is None and list(led.iter_records(State.SENT)) == []
     again = led.claim(req(key))  # past it: a new intent (the spent entry goes with the claim)
-    assert again.status is ClaimStatus.ACQUIRED and sum(archives(led, key).values()) == 0
+    assert again.status is ClaimStatus.ACQUIRED and sum(shelf(led, key).values()) == 0
 
 
-def test_a_sent_record_kept_longer_than_the_ledger_retention_stays_a_hash_of_its_own(led: RedisLedger) -> None:
-    led.retention_seconds = led._lookback_ms / 1000 * 2  # longer than the archives reach: its own key, as before
+def test_a_sent_record_kept_longer_than_the_ledger_retention_is_shelved_with_its_own(led: RedisLedger) -> None:
+    led.retention_seconds = led._retention_ms / 1000 * 2  # longer than the ledger's: the entry carries its own
     key = hexkey()
     c = led.claim(req(key))
     led.complete(key, c.token, {"message_id": "m"})
-    assert not archives(led, key) and led.client.pttl(led._rec(key)) > led._lookback_ms
+    assert not led.client.exists(led._rec(key)) and sum(shelf(led, key).values()) == 1
+    record = led.get(key)
+    assert record is not None and record.expires_at is not None
+    assert abs(record.expires_at - record.updated_at - led.retention_seconds) < 0.01
+    assert led.client.pexpiretime(led._shelf_of(key)) == round(record.expires_at * 1000)
     assert led.claim(req(key)).status is ClaimStatus.DONE
     assert [r.key for r in led.iter_records(State.SENT)] == [key]
 
 
-def test_a_claim_from_a_clock_far_off_the_servers_is_corrected_and_still_finds_the_record(
-        led: RedisLedger) -> None:
-    key = hexkey()
-    c = led.claim(req(key))
-    led.complete(key, c.token, {"message_id": "m"})
-    led._clock_ms = -3 * led._lookback_ms  # this process's clock three retentions behind
-    dup = led.claim(req(key))
-    assert dup.status is ClaimStatus.DONE and dup.record.result == {"message_id": "m"}
-    assert abs(led._clock_ms) < 60_000  # the server told it
-    led._clock_ms = 3 * led._lookback_ms
-    assert [c.status for c in led.claim_many([req(key), req(hexkey())])] == [ClaimStatus.DONE, ClaimStatus.ACQUIRED]
+def test_a_shelf_sweeps_its_dead_entries_when_written_past_its_sweep_time() -> None:
+    """Entries are found by key alone, so nothing visits a dead one to delete it: a write to its shelf
+    does, at most once per sweep step (retention / 8, at least 1 s), and the shelf expires with its last entry."""
+    led = RedisLedger(REDIS_URL, prefix=unique("sweep"), buckets=1, shelves=1, retention_seconds=1.0)
+    try:
+        led.prepare()  # the markers say 1 s: a sweep is due 1 s after the shelf's first write
+        keeper = hexkey()
+        led.retention_seconds = 60.0  # one entry that outlives the others keeps the shelf
+        led.complete(keeper, led.claim(req(keeper)).token, {"message_id": keeper})
+        led.retention_seconds = 1.0
+        old = [hexkey() for _ in range(5)]
+        for k in old:
+            led.complete(k, led.claim(req(k)).token, {"message_id": k})
+        name = led._shelf_of(keeper)
+        assert shelf(led, keeper) == {name: 6}
+        time.sleep(2.2)  # past their expiry (1 s) and the first sweep's time (1 s after the first write)
+        assert all(led.get(k) is None for k in old) and shelf(led, keeper) == {name: 6}  # dead, still there
+        new = hexkey()
+        led.complete(new, led.claim(req(new)).token, {"message_id": new})
+        assert shelf(led, new) == {name: 2}  # the five dead entries went in the sweep
+        led.retention_seconds = 1.0
+        late = hexkey()
+        led.complete(late, led.claim(req(late)).token, {"message_id": late})
+        time.sleep(1.3)  # dead, and its shelf's next sweep not due: `purge --expired` sweeps it now
+        assert shelf(led, late) == {name: 3} and led.purge_expired() >= 0
+        assert shelf(led, late) == {name: 1}  # the keeper: the other two (1 s each) were dead too
+        assert all(led.get(k) is None for k in old)
+    finally:
+        drop_ledger(led)
 
 
 def test_sent_records_are_listed_by_scan_counted_and_purged(led: RedisLedger) -> None:
@@ -183,7 +206,7 @@ def test_sent_records_are_listed_by_scan_counted_and_purged(led: RedisLedger) ->
     assert [r.key for r in led.iter_records(State.REVIEW)] == ["parked"]
     assert {k: v for k, v in led.stats().items() if v} == {"sent": len(keys), "review": 1}
     assert time.monotonic() - first < 2.8, "the machine stalled: the looks above may have been past the retention"
-    time.sleep(max(0.0, first + 3.2 - time.monotonic()))
+    time.sleep(max(0.0, first + 3.4 - time.monotonic()))  # (expiries: tenths of a second, rounded up)
     assert list(led.iter_records(State.SENT)) == []
     assert {k: v for k, v in led.stats().items() if v} == {"review": 1}
     assert led.purge_expired() == len(keys)  # the counters' spent granules, and what they counted
@@ -251,10 +274,11 @@ def test_a_store_of_the_previous_layout_is_refused_then_migrated_and_settles() -
         assert isinstance(led, RedisLedger)
         with pytest.raises(UnsafeLedgerError, match="migrate_layout"):
             led.claim(req(hexkey()))
-        assert RedisLedger(REDIS_URL, prefix=prefix).migrate_layout() == {
-            "claimed": 1, "released": 1, "sent": 1, "failed": 1, "review": 1, "left": 0}
+        # (quiet_seconds=0: the markers were written just now, by this test standing in for an old worker)
+        assert RedisLedger(REDIS_URL, prefix=prefix).migrate_layout(quiet_seconds=0) == {
+            "claimed": 1, "released": 1, "sent": 1, "failed": 1, "review": 1, "left": 0, "shelved": 0}
         assert not [n for n in client.scan_iter(f"{prefix}:*i:sent", count=1000)]  # the sent index is gone
-        assert RedisLedger(REDIS_URL, prefix=prefix).migrate_layout()["left"] == 0  # idempotent
+        assert RedisLedger(REDIS_URL, prefix=prefix).migrate_layout(quiet_seconds=0)["left"] == 0  # idempotent
 
         led = from_url(REDIS_URL, prefix=prefix)  # what a new worker builds
         assert {k: v for k, v in led.stats().items() if v} == {
@@ -299,64 +323,3 @@ def test_a_workers_long_owner_and_task_name_keep_the_record_compact(led: RedisLe
     assert led.client.object("encoding", led._rec(key)) == "listpack"
     record = led.get(key)
     assert record is not None and (record.owner, record.task_name) == ("o:1", task)
-
-
-def test_a_layout_2_store_is_refused_then_marked_and_its_sent_records_still_replay() -> None:
-    """Layout 2 kept each sent record as a hash of its own with a TTL: this layout still reads those, so
-    migrating only marks the store (a layout 2 worker refuses it from then on: it would not see the archives)."""
-    prefix = unique("v2")
-    led = from_url(REDIS_URL, prefix=prefix)
-    assert isinstance(led, RedisLedger)
-    try:
-        led.prepare()
-        led.retention_seconds = led._lookback_ms / 1000 * 2  # kept as a hash of its own: layout 2's shape
-        key = hexkey()
-        led.complete(key, led.claim(req(key)).token, {"message_id": "m-2"})
-        assert led.client.exists(led._rec(key)) and led.client.pttl(led._rec(key)) > 0
-        for b in range(led.buckets):  # the markers as layout 2 wrote them
-            led.client.hset(led._marker(b), "layout", "2")
-            led.client.hdel(led._marker(b), "archive_ms", "retention_ms")
-        fresh = from_url(REDIS_URL, prefix=prefix)
-        with pytest.raises(UnsafeLedgerError, match=r"layout 2.*migrate_layout"):
-            fresh.claim(req(hexkey()))
-        assert RedisLedger(REDIS_URL, prefix=prefix).migrate_layout()["left"] == 0
-        markers = [led.client.hgetall(led._marker(b)) for b in range(led.buckets)]
-        assert {(m["layout"], m["archive_ms"], m["retention_ms"]) for m in markers} == {
-            ("3", str(7 * 24 * 3600 * 1000 // 8), str(7 * 24 * 3600 * 1000))}
-        worker = from_url(REDIS_URL, prefix=prefix)  # what a new worker builds
-        dup = worker.claim(req(key))
-        assert dup.status is ClaimStatus.DONE and dup.record.result == {"message_id": "m-2"}
-        other = hexkey()
-        worker.complete(other, worker.claim(req(other)).token, {"message_id": "m-3"})
-        assert not worker.client.exists(worker._rec(other)) and archives(worker, other)
-        assert sorted(r.key for r in worker.iter_records(State.SENT)) == sorted([key, other])
-        assert worker.stats()["sent"] == 2
-    finally:
-        drop_ledger(led)
-
-
-def test_a_read_from_a_clock_far_off_the_servers_still_finds_the_archived_record(led: RedisLedger) -> None:
-    """``get`` is what a key-secret rotation's lookup and ``ledger show`` use: a sent record must never
-    read as absent because this process's clock names the wrong archives."""
-    key = hexkey()
-    led.complete(key, led.claim(req(key)).token, {"message_id": "m"})
-    for off in (-3, 3):
-        led._clock_ms = off * led._lookback_ms  # a fresh process, its clock retentions away from the server's
-        record = led.get(key)
-        assert record is not None and record.state is State.SENT and record.result == {"message_id": "m"}
-        assert abs(led._clock_ms) < 60_000  # the server told it
-
-
-def test_a_clock_the_server_keeps_contradicting_fails_closed(led: RedisLedger, monkeypatch: Any) -> None:
-    """A claim told twice that its archive names miss the server's granules writes nothing and says the
-    ledger is unavailable (the task reschedules), never a crash that would ack the message."""
-    from idemmail_celery.errors import LedgerUnavailableError
-
-    monkeypatch.setattr(RedisLedger, "_set_clock", lambda self, ms: setattr(self, "_clock_ms", -3 * self._lookback_ms))
-    led._clock_ms = -3 * led._lookback_ms
-    key = hexkey()
-    with pytest.raises(LedgerUnavailableError):
-        led.claim(req(key))
-    with pytest.raises(LedgerUnavailableError):
-        led.get(key)
-    assert not led.client.exists(led._rec(key))

@@ -409,7 +409,7 @@ def test_claim_complete_duplicate_through_sentinel(sentinel: SentinelSetup) -> N
     assert dup.status is ClaimStatus.DONE and dup.record.result == {"message_id": "m"}
     # The record is on the server Sentinel named, not somewhere else.
     direct = redis.Redis(host="127.0.0.1", port=sentinel.redis_port, decode_responses=True)
-    assert direct.exists(*led._archives(led._bucket("k")))  # type: ignore[attr-defined]  # its sent archive
+    assert direct.exists(led._shelf_of("k"))  # type: ignore[attr-defined]  # its sent record's shelf
     led.close()
 
 

@@ -194,7 +194,9 @@ def test_a_reschedule_says_its_reason_once_and_shows_as_it_in_a_monitor(redis_br
     key = held.intent_key("ann@example.com")
     held.ledger.claim(ClaimRequest(key=key, task_name=held.name, payload="{}", fingerprint="f", owner="another",
                                    lease_seconds=60))
-    held.push_request(id="delivery-1", args=["ann@example.com"], kwargs={}, headers={KEY_HEADER: key},
+    headers = held.intent_headers(("ann@example.com",), {})  # sealed, as delay() sends them
+    assert headers[KEY_HEADER] == key
+    held.push_request(id="delivery-1", args=["ann@example.com"], kwargs={}, headers=headers,
                       retries=0, is_eager=False, called_directly=False,
                       delivery_info={"exchange": "", "routing_key": app.conf.task_default_queue})
     try:

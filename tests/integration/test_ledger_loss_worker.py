@@ -28,7 +28,7 @@ def ledger_keys(sink: Sink) -> list[str]:
 
 
 def lost_flagged(sink: Sink) -> bool:
-    return any(sink.r.hget(k, "lost") for k in ledger_keys(sink) if k.endswith(":epoch"))
+    return any(sink.r.hget(k, "lost") for k in ledger_keys(sink) if k.endswith(":epoch4"))
 
 
 def test_flushed_ledger_sends_nothing_until_the_loss_is_acknowledged(

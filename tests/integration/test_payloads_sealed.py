@@ -47,14 +47,12 @@ def stored_hash(ledger: Any, key: str) -> dict[str, str]:
     inner = ledger.inner
     client = inner.client  # type: ignore[attr-defined]
     record = dict(client.hgetall(inner._rec(key)))  # type: ignore[attr-defined]
-    if not record:  # sent: an entry of its bucket's archive (layout 3), field the packed key
+    if not record:  # sent: an entry of its shelf (layout 4), field the packed key
         from idemmail_celery.ledger.redis import _field
 
-        for name in inner._archives(inner._bucket(key)):  # type: ignore[attr-defined]
-            entry = client.hget(name, _field(key))
-            if entry is not None:
-                record = {"archived": entry}
-                break
+        entry = client.hget(inner._shelf_of(key), _field(key))  # type: ignore[attr-defined]
+        if entry is not None:
+            record = {"shelved": entry}
     assert record, key
     payload = client.get(inner._payload(key))  # type: ignore[attr-defined]  # the first payload's own key
     return {**record, **({"payload": payload} if payload is not None else {})}

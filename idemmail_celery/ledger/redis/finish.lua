@@ -1,16 +1,16 @@
 -- Runs after prelude.lua.
 -- ARGV: epoch, id, token, target, retention (ms), drop_payload ('1' erases it on sent), counter
 -- granule (us), then the result's chunks (their count first, 0 for none), then the error's, then
--- the packed key (the archive field), the archive granule (ms), the ledger's retention (ms: a sent
--- record kept longer stays a hash of its own), and the entry's result and error as the caller encoded them.
+-- the packed key (the shelf's field), the ledger's retention (ms: an entry with another says so), the
+-- shelf's sweep step (ms), and the entry's result and error as the caller encoded them.
 if lost() then return {'lost'} end
 local rec, id, token, target = KEYS[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local field, width, lookback = ARGV[#ARGV - 3], tonumber(ARGV[#ARGV - 2]), tonumber(ARGV[#ARGV - 1])
+local field, retention = ARGV[#ARGV - 3], tonumber(ARGV[#ARGV - 2])
 local cur = redis.call('HMGET', rec, 's', 't', 'r', 'e', 'f', 'a', 'c')
 local state = cur[1]
 if not state then
-  -- Archived (sent): this very call run twice (a lost reply) is ok, anything else is stale.
-  local v, _, held = archived(field, width)
+  -- Shelved (sent): this very call run twice (a lost reply) is ok, anything else is stale.
+  local v, held = shelved(field)
   if not v then return {'missing'} end
   if target == 'sent' and held == token then return {'ok'} end
   return {'stale', 'sent', tostring(held)}
@@ -30,9 +30,8 @@ local new_error = chunks(fields, 'e', at) > at + 1
 local final = target == 'sent' or target == 'failed'
 local drop_payload = target == 'sent' and ARGV[6] == '1'
 local ms = math.floor(n / 1000)
-local into = target == 'sent' and ttl <= lookback and archive_of(math.floor(ms / width))
-if into then
-  -- Archived: the record's hash goes; the entry keeps what a duplicate and an operator need.
+if target == 'sent' then
+  -- Shelved: the record's hash goes; the entry keeps what a duplicate and an operator need.
   local body = ARGV[#ARGV]
   if not ((new_result or not cur[3]) and (new_error or not cur[4])) then
     -- The record keeps a result or error the caller did not pass (a late truth over a parked record).
@@ -44,17 +43,19 @@ if into then
       (new_error and joined(fields_of(e), 'e') or joined(f, 'e') or 'null') .. ']'
   end
   local attempts, reclaims = tonumber(cur[6] or 1), tonumber(cur[7] or 0)
-  local value = table.concat({b36(ms + ttl - granule(into) * width), ttl == lookback and '' or 'R' .. b36(ttl),
+  local expires = math.ceil((ms + ttl) / 100)  -- tenths of a second, rounded up: a shorter entry
+  local value = table.concat({b36(expires), ttl == retention and '' or 'R' .. b36(ttl),
     held == 1 and '' or 'T' .. b36(held), attempts == 1 and '' or 'A' .. b36(attempts),
     reclaims == 0 and '' or 'C' .. b36(reclaims), entry_fp(cur[5]), body})
-  archive(into, field, value, width, lookback)
+  shelve(field, value, expires * 100, ms, tonumber(ARGV[#ARGV - 1]))
   count_sent(n + ttl * 1000, tonumber(ARGV[7]))
   move(id, state, target, n + ttl * 1000)
   redis.call('DEL', rec)
   if drop_payload then redis.call('DEL', KEYS[8]) else redis.call('PEXPIRE', KEYS[8], ttl) end
-  return {'ok', ms * 1000}  -- the time as the entry keeps it (milliseconds), in microseconds: an integer reply
+  -- The time as a read gives it back (the entry keeps its expiry in tenths of a second, rounded up, and
+  -- its retention: sent = expiry - retention), in microseconds: an integer reply.
+  return {'ok', (expires * 100 - ttl) * 1000}
 end
-if target == 'sent' then count_sent(n + ttl * 1000, tonumber(ARGV[7])) end
 move(id, state, target, final and n + ttl * 1000 or n)
 local clear = nil  -- a new result or error replaces the chunks of one the record has
 if (cur[3] and new_result) or (cur[4] and new_error) then clear = {[R] = new_result, [E] = new_error} end

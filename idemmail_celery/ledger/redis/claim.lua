@@ -1,28 +1,19 @@
 -- Runs after prelude.lua.
 -- ARGV: epoch, id, payload, fingerprint, lease (ms), resume_owner ('' for none), then the task
--- name's chunks (their count first), then the owner's, then the packed key (the archive field),
--- the archive granule (ms) and the ledger's retention (ms).
+-- name's chunks (their count first), then the owner's, then the packed key (the shelf's field).
 if lost() then return {'lost'} end
 local rec, id = KEYS[1], ARGV[2]
 local n = now()
 local lease = n + tonumber(ARGV[5]) * 1000
 local h = redis.call('HGETALL', rec)
-local stale = nil  -- an archived entry past its expiry: it goes with the new claim
 if #h == 0 then
-  local field, width, lookback = ARGV[#ARGV - 2], tonumber(ARGV[#ARGV - 1]), tonumber(ARGV[#ARGV])
-  local ms = math.floor(n / 1000)
-  -- The caller chose the archives from its clock: they must cover every granule a live entry can be in.
-  local newest, oldest = granule(ARCHIVES), granule(#KEYS)
-  if newest < math.floor(ms / width) or oldest > math.floor((ms - lookback) / width) then
-    return {'clock', ms}
-  end
-  local v, i, _, expires = archived(field, width)
+  local field = ARGV[#ARGV]
+  local v, _, expires = shelved(field)
   if v then
-    if expires > ms then return {'done', {}, redis.call('GET', KEYS[8]), v, granule(i)} end
-    stale = i
+    if expires > math.floor(n / 1000) then return {'done', {}, redis.call('GET', KEYS[8]), v} end
   end
   move(id, nil, 'claimed', n)
-  if stale then redis.call('HDEL', KEYS[stale], field) end
+  if v then redis.call('HDEL', KEYS[SHELF], field) end  -- a dead entry goes with the new claim
   local fields = {'s', 'claimed', 't', 1, 'l', lease, 'a', 1, 'c', 0, 'f', ARGV[4], 'k', n, 'u', n}
   chunks(fields, 'o', chunks(fields, 'n', 7))
   redis.call('HSET', rec, unpack(fields))

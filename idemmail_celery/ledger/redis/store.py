@@ -1,128 +1,19 @@
-"""Redis ledger: ``redis://``, ``rediss://``, ``redis+cluster://`` and ``sentinel://``.
-
-A record in progress is a hash, a sent one an entry in an archive hash; every transition is one
-Lua script (``ledger/lua/*.lua``, registered with the client's script support and called with
-EVALSHA, loaded again on NOSCRIPT), so a claim, a completion or a replay is one atomic round trip.
-Lease times come from the Redis server's clock (``TIME``), so worker clocks do
-not have to agree.
-
-**Buckets.** Keys are spread over ``buckets`` hash-tagged buckets (16 by default)
-so that every script touches keys of one hash slot, as Redis Cluster requires::
-
-    <prefix>:{<bb>}:r:<packed key>   a record not yet sent, or sent and kept longer than the archives reach (a hash)
-    <prefix>:{<bb>}:p:<packed key>   its first payload (a string; gone on sent unless keep_payload)
-    <prefix>:{<bb>}:s:<granule>      the bucket's sent records of one time granule (a hash; expires)
-    <prefix>:{<bb>}:i:<state>        the bucket's index of claimed, released, failed or review records
-    <prefix>:{<bb>}:c:sent           the bucket's count of sent records, by expiry (a hash)
-    <prefix>:{<bb>}:h:<digest>       a reschedule's mark (see ``mark_hop``; expires)
-    <prefix>:{<bb>}:epoch            the bucket's epoch marker (a hash)
-
-``bb`` is the bucket number in two hex digits, chosen by CRC32 of the intent key.
-On one Redis the buckets cost nothing on the hot path; listing, stats and purge
-visit every bucket.
-
-**A record in progress** (``claimed``, ``released``, ``failed``, ``review``) is a hash of its own:
-short field names (see ``lua/prelude.lua``), times as integer microseconds, a 64-hex key packed in
-43 base64url characters in its name, a 64-hex fingerprint in 37 base-126 ASCII characters (anything
-else as ``~`` + itself), the owner, task name, result and error in chunks of at most 64 bytes, and
-the payload in a string of its own: every value within Redis's ``hash-max-listpack-value``, so
-the hash stays compact (listpack).
-
-**A sent record has no key of its own** (layout 3). Most records are ``sent`` and stay for the
-retention, and any key with a TTL costs Redis about 150 bytes before its first byte of data (the
-key object, its dictionary entry, its expiry entry). So the completion that makes a record
-``sent`` moves it, in the same script, into its bucket's *archive* of the time granule it was sent
-in (``s:<granule>``, the granule number by the server's clock), and deletes its hash and payload.
-An archive is one hash: field the key's 32 bytes (a 64-hex key; anything else ``~`` + itself),
-value one string: expiry, token, attempts and reclaims (each only when not the usual 1, 1, 0), the
-fingerprint (its 37 characters, copied as they are), and the result with its message id stored once
-(a UUID packed in 22 characters; ``send_email``'s ``value`` repeating the message id is rebuilt on
-read; anything else as JSON). Task name, owner and the time of the first claim are not kept: nothing
-reads them once the intent is sent (a duplicate is told the result, a must-match check reads the
-fingerprint, ``forget`` rewrites the result; attempts and reclaims stay for operators). The archive
-expires by itself at its granule's end plus the ledger's retention, so no entry is ever visited to
-be deleted; an entry counts, replays and lists only until its own expiry.
-Fields are bytes, not text: read an archive through the ledger (or a client that does not decode
-replies); the listing's script replies with them in hex.
-
-A claim that finds no record looks in the bucket's live archives, newest first (one ``HGET``
-each, inside the same script): the ledger's retention over the granule, plus one or two. The
-granule is a trade-off, fixed in the markers when the ledger is created (``archive_ms``, from the
-creating process's retention, kept in ``retention_ms``): retention / 8, within 1 s .. 1 day. A
-smaller granule means more lookups per new claim; a larger one keeps spent entries in memory
-longer (up to one granule past their expiry, 1/16 of the retention on average). Every key a
-script touches must be named in KEYS (Redis Cluster), so the caller names the archives from its
-own clock, a skew's worth wider either side, and the script checks them against the server's
-``TIME``: a claim whose names miss a live granule writes nothing and answers ``clock``, and the
-process follows the server's clock from then on. A completion writes into the granule of the
-server's clock; if the caller did not name it, or if the record's retention is longer than the
-ledger's (the archives would not be looked in that far back), the record stays a hash of its own
-with a TTL, as in layout 2, which every claim still reads first. An operator's change
-(``resolve``, ``confirm_sent``, ``_force``) writes a hash of its own too, taking a record out of
-its archive: rare, and what the caller gets back is exactly what the store holds.
-
-Measured (``python -m bench.memory``, 100,000 ``send_email`` records as workers write them, see
-docs/benchmarks.md): 191 bytes each in ``INFO memory`` (178 by ``MEMORY USAGE``), 175 with a
-result of the message id alone, from 553 and 425 in layout 2 (a key of its own per record, with
-a TTL); about 13 µs more Redis CPU per send (the claim's lookups, the entry's building).
-``stats`` still reads the per-bucket counters (``HLEN`` of the archives would count spent entries
-up to a granule late), which count a record until its expiry's granule ends (at most 1% of the
-retention late).
-
-**Loss detection.** A Redis without persistence can be flushed or restart
-empty, silently reopening every key. Each bucket holds an epoch marker; every
-script is handed the epoch this process read at first use (a worker reads it in
-its main process at start, see :meth:`RedisLedger.prepare`) and refuses, writing
-nothing, when the bucket's marker is missing, different, or flagged lost. The
-process then reads every marker again: an epoch an operator acknowledged (``ledger
-ack-loss``) is adopted; anything else raises :class:`LedgerLostError` (a
-:class:`LedgerUnavailableError`, so tasks fail closed and retry) and flags every
-marker lost, so processes that start later stop too. A process that has seen a
-loss remembers it: from then on it accepts only an epoch an operator acknowledged,
-never a "new" store (emptied again, flags and all) nor an unacknowledged fresh
-epoch. What is detected and what is not is in :meth:`RedisLedger.loss_status` and
-docs/operations.md ("Ledger loss").
-
-Operator tools and the metrics scrape build the ledger ``passive``: they read the
-markers and never write them (no ``auto_init``, no lost flags); only
-:meth:`~RedisLedger.init_store` and :meth:`~RedisLedger.acknowledge_loss` do.
-
-**Old layouts.** Versions before the buckets kept ``<prefix>:r:<key>`` and
-``<prefix>:i:<state>``. This version would not see those records, so at first use
-it looks for the old index keys and refuses (:class:`UnsafeLedgerError`) if any exist.
-Later layouts are told by the epoch markers' ``layout`` (none: layout 1, long field names and a
-``sent`` index; ``2``: every record a hash of its own, ``sent`` ones with a TTL; ``3``: this one,
-sent records archived). This version refuses any other layout at first use, naming the step: stop
-the workers and run :meth:`RedisLedger.migrate_layout` once, which rewrites layout 1 records in
-place (keeping state, token, lease and TTL) and marks the layout; layout 2 records need no
-rewriting (this layout reads a ``sent`` hash with a TTL as layout 2 wrote it, and they expire
-by themselves). A layout 2 worker refuses a layout 3 store the same way, so no older worker ever
-claims a key whose ``sent`` record it could not see in an archive (it would send again).
-Refusing, rather than reading every layout, keeps every script single-minded.
-
-The store must not evict keys: an evicted ``sent`` record reopens its key and
-the next duplicate sends again. At first use the ledger reads
-``maxmemory-policy`` and refuses anything but ``noeviction`` unless built with
-``allow_eviction=True``; the claim path reads it again every ``policy_recheck_seconds``
-(30 s), so a policy changed at runtime is refused too, until it is set back. Run Redis
-with AOF persistence for the same reason: a worker that meets a server with neither AOF
-nor RDB save points logs a warning at start. Where CONFIG is disabled or renamed (managed
-Redis), both checks log that they could not look, and the ledger carries on.
+"""The Redis ledger's moves: :class:`RedisLedger`, each transition one script beside this module
+(``<name>.lua``, after ``prelude.lua`` for a record script), the store's checks (eviction policy,
+persistence, layout, epoch markers) and the migration from older layouts. Key names and packing:
+``layout.py``; what the layout is and why: the package docstring.
 """
 
 from __future__ import annotations
 
-import base64
 import functools
 import hashlib
-import json
 import logging
 import re
 import secrets
 import threading
 import time
 import weakref
-import zlib
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from typing import Any
@@ -137,8 +28,8 @@ try:  # the ``redis`` extra brings it; without it, redis-py packs commands in Py
 except ImportError:  # pragma: no cover - the test extras install hiredis
     _pack_command = None  # type: ignore[assignment]
 
-from .._common import after_fork
-from ..errors import (
+from ..._common import after_fork
+from ...errors import (
     ConfigurationError,
     IllegalTransitionError,
     LedgerError,
@@ -148,7 +39,7 @@ from ..errors import (
     StaleTokenError,
     UnsafeLedgerError,
 )
-from .base import (
+from ..base import (
     DEFAULT_RETENTION_SECONDS,
     Claim,
     ClaimRequest,
@@ -158,13 +49,34 @@ from .base import (
     State,
     _check_unique,
     default_owner,
-    dumps_json,
     loads_json,
 )
+from .layout import (
+    _ENTRY,
+    _INDEXED,
+    _STATES,
+    _SWEEP_SPLIT,
+    DEFAULT_BUCKETS,
+    DEFAULT_SHELVES,
+    LAYOUT,
+    Names,
+    _b36,
+    _body,
+    _chunked,
+    _counted,
+    _field,
+    _joined,
+    _layout1_fields,
+    _pack_fp,
+    _seconds,
+    _unbody,
+    _unfield,
+    _unpack,
+    _unpack_fp,
+)
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("idemmail_celery.ledger.redis")  # the package's name, as before the split
 
-DEFAULT_BUCKETS = 16
 #: Error replies meaning "not now", each refused before the script wrote anything: out of memory
 #: (maxmemory with noeviction), a replica after a failover (READONLY), too few replicas acknowledging
 #: (min-replicas-to-write), the last RDB/AOF write failed (MISCONF), a script or function running past
@@ -183,216 +95,16 @@ _UNAVAILABLE_TYPES = (
 # The code of an error reply: its first word, or (a Redis 6 script error) the word after a '-'.
 _REPLY_CODE = re.compile(r"^([A-Z]+)\b|\s-([A-Z]+)\s")
 
-#: The scripts in ``lua/``, each one atomic transition; record scripts start with ``prelude.lua``.
-_RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page")
+#: The scripts beside this module, each one atomic transition; record scripts start with ``prelude.lua``.
+_RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page", "restock", "sweep")
 
 
 @functools.cache
 def _lua(name: str) -> str:
-    """The text of ``lua/<name>.lua`` (read once per process), after the prelude for a record script."""
-    text = (resources.files(__package__) / "lua" / f"{name}.lua").read_text("utf-8")
+    """The text of ``<name>.lua`` beside this module (read once per process), after the prelude for a
+    record script."""
+    text = (resources.files(__package__) / f"{name}.lua").read_text("utf-8")
     return _lua("prelude") + text if name in _RECORD_SCRIPTS else text
-
-
-_STATES = (State.CLAIMED, State.RELEASED, State.SENT, State.FAILED, State.REVIEW)
-#: States with an index (a sorted set per bucket): those an operator acts on, and ``failed`` for purge.
-#: ``sent`` has none: its records expire by TTL, a counter keeps their number, listing them scans.
-_INDEXED = (State.CLAIMED, State.RELEASED, State.FAILED, State.REVIEW)
-#: This layout's version, in every epoch marker; a marker without it was written by the layout before.
-LAYOUT = "3"
-#: Longest value kept in a record field: Redis keeps a hash compact (listpack) while every value is at
-#: most ``hash-max-listpack-value`` (64 by default), so longer results and errors are stored in chunks.
-_CHUNK = 64
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-#: A sent archive's granule is the ledger's retention over this (within 1 s .. 1 day): a claim that
-#: finds no record looks in about this many archives (plus two), and an entry stays in memory up to
-#: one granule past its expiry (its archive goes at the granule's end plus the retention).
-_ARCHIVE_SPLIT = 8
-#: How far the archives a caller names reach beyond its clock (at most one granule): a claim whose
-#: names miss a granule by the server's clock is told so, and this process corrects its clock's offset.
-_SKEW_MS = 60_000
-
-
-def _archive_granule(retention_ms: int) -> int:
-    return max(1_000, min(86_400_000, retention_ms // _ARCHIVE_SPLIT))
-
-
-def _b36(n: int) -> str:
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-    out = ""
-    while n > 0:
-        n, d = divmod(n, 36)
-        out = digits[d] + out
-    return out or "0"
-
-
-def _message_id(mid: str) -> str:
-    """A message id as an entry holds it: a UUID in 22 base64url characters after ``u``, else ``=`` + itself."""
-    if len(mid) == 36 and _UUID.fullmatch(mid):
-        return "u" + base64.urlsafe_b64encode(bytes.fromhex(mid.replace("-", "")))[:22].decode("ascii")
-    return "=" + mid
-
-
-def _message_id_of(text: str) -> str:
-    if text[0] == "=":
-        return text[1:]
-    h = base64.urlsafe_b64decode(text[1:] + "==").hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-
-def _body(result: dict[str, Any] | None, error: dict[str, Any] | None) -> str:
-    """A sent record's result and error as its archive entry ends: the message id stored once.
-
-    ``m<id>``: the result is the message id alone; ``v<json><id>``: the message id and a ``value``
-    repeating it (what ``send_email`` stores), the value's other fields in JSON; ``r<json><id>``: the
-    message id and other fields; ``*[result, error]``: anything else (an error, no message id);
-    ``""``: neither. ``<id>`` is ``u`` + a UUID packed in 22 characters, or ``=`` + the id itself, last
-    (it may hold any character). Whatever does not read back equal is stored the plain way.
-    """
-    r, e = dumps_json(result), dumps_json(error)
-    plain = "" if r is None and e is None else f"*[{r or 'null'},{e or 'null'}]"
-    if result is None or error is not None or not isinstance(result.get("message_id"), str):
-        return plain
-    mid = result["message_id"]
-    rest = {k: v for k, v in result.items() if k != "message_id"}
-    value = rest.get("value")
-    if not rest:
-        text = "m" + _message_id(mid)
-    elif list(rest) == ["value"] and isinstance(value, dict) and value.get("message_id") == mid:
-        text = "v" + (dumps_json({k: v for k, v in value.items() if k != "message_id"}) or "") + _message_id(mid)
-    else:
-        text = "r" + (dumps_json(rest) or "") + _message_id(mid)
-    return text if _unbody(text) == (loads_json(r), None) else plain
-
-
-_DECODER = json.JSONDecoder()
-
-
-def _unbody(text: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The result and error of an archive entry's end (see :func:`_body`)."""
-    if not text:
-        return None, None
-    kind = text[0]
-    if kind == "*":
-        result, error = json.loads(text[1:])
-        return result, error
-    if kind == "m":
-        return {"message_id": _message_id_of(text[1:])}, None
-    rest, end = _DECODER.raw_decode(text, 1)
-    mid = _message_id_of(text[end:])
-    if kind == "v":
-        return {"message_id": mid, "value": {"message_id": mid, **rest}}, None
-    return {"message_id": mid, **rest}, None
-
-
-def _seconds(value: str | None) -> float | None:
-    """A stored time in seconds: the server's clock in integer microseconds, or (written by an operator's
-    change, which keeps the caller's clock exactly) seconds with a point."""
-    if value is None or value == "":
-        return None
-    return float(value) if "." in value or "e" in value else int(value) / 1_000_000
-
-
-def _pack(text: str) -> str:
-    """A 64-hex digest (every intent key and fingerprint the library makes) as 43 base64url characters,
-    anything else as ``~`` + itself: shorter key names and fields, and never two texts packed alike."""
-    if len(text) == 64 and _HEX64.fullmatch(text):
-        return base64.urlsafe_b64encode(bytes.fromhex(text))[:43].decode("ascii")
-    return "~" + text if text else ""
-
-
-#: The digits of a packed fingerprint: ASCII but NUL and ``~``, so it is text (UTF-8) a script copies as it is.
-_B126 = "".join(chr(i) for i in range(1, 128) if i != 0x7E)
-_B126_PAIRS = [a + b for a in _B126 for b in _B126]  # index d: the two base-126 digits of d < 126 * 126
-_B126_VALUE = {ch: i for i, ch in enumerate(_B126)}
-
-
-def _pack_fp(fingerprint: str) -> str:
-    """A 64-hex fingerprint as 37 base-126 characters (a record's ``f``, copied into its archive entry
-    by the completion's script as it is), anything else as ``~`` + itself, none as ``""``."""
-    if len(fingerprint) == 64 and _HEX64.fullmatch(fingerprint):
-        n, pairs = int(fingerprint, 16), []
-        for _ in range(19):  # two digits a step (half the big-number divisions); the 38th digit is always 0
-            n, d = divmod(n, 126 * 126)
-            pairs.append(_B126_PAIRS[d])
-        return "".join(reversed(pairs))[1:]
-    return "~" + fingerprint if fingerprint else ""
-
-
-def _unpack_fp(packed: str) -> str:
-    """A record's ``f`` read back: 37 base-126 characters, or (layout 2) 43 base64url ones, or ``~`` + text."""
-    if len(packed) == 37 and packed[0] != "~":
-        n = 0
-        for ch in packed:
-            n = n * 126 + _B126_VALUE[ch]
-        return f"{n:064x}"
-    return _unpack(packed)
-
-
-def _field(key: str) -> bytes:
-    """A key as its archive field: a 64-hex key as its 32 bytes, anything else ``~`` + itself (``!~`` +
-    itself where that would be 32 bytes long too). Scripts give a 32-byte field back in hex."""
-    if len(key) == 64 and _HEX64.fullmatch(key):
-        return bytes.fromhex(key)
-    text = ("~" + key).encode()
-    return b"!" + text if len(text) == 32 else text
-
-
-def _unfield(text: str) -> str:
-    if text[:1] == "~":
-        return text[1:]
-    return text[2:] if text[:1] == "!" else text
-
-
-#: An archive entry: expiry, retention, token, then its fingerprint's kind (see ``lua/prelude.lua``).
-_ENTRY = re.compile(r"([0-9a-z]+)(?:R([0-9a-z]+))?(?:T([0-9a-z]+))?(?:A([0-9a-z]+))?(?:C([0-9a-z]+))?([.,~])")
-
-
-def _unpack(packed: str) -> str:
-    if not packed or packed[0] == "~":
-        return packed[1:]
-    return base64.urlsafe_b64decode(packed + "=").hex()
-
-
-def _chunked(value: dict[str, Any] | None) -> list[Any]:
-    """The canonical JSON of ``value`` as script arguments: how many chunks, then the chunks."""
-    return _counted(dumps_json(value) or "")
-
-
-def _counted(text: str) -> list[Any]:
-    """``text`` as script arguments: how many chunks, then the chunks."""
-    parts = _chunks(text)
-    return [len(parts), *parts]
-
-
-def _chunks(text: str) -> list[str]:
-    """``text`` in pieces of at most :data:`_CHUNK` bytes of UTF-8, cut between characters."""
-    if text.isascii():
-        parts = [text[i:i + _CHUNK] for i in range(0, len(text), _CHUNK)]
-    else:
-        parts, part, size = [], "", 0
-        for ch in text:
-            n = len(ch.encode("utf-8"))
-            if size + n > _CHUNK:
-                parts.append(part)
-                part, size = "", 0
-            part, size = part + ch, size + n
-        if part:
-            parts.append(part)
-    return parts
-
-
-def _joined(h: dict[str, str], base: str) -> str | None:
-    """A chunked field read back: ``base``, ``base2``, ``base3``, ... joined."""
-    first = h.get(base)
-    if first is None:
-        return None
-    parts, i = [first], 2
-    while f"{base}{i}" in h:
-        parts.append(h[f"{base}{i}"])
-        i += 1
-    return "".join(parts)
 
 
 def _connect(url: str, master_name: str | None, options: dict[str, Any]) -> Any:
@@ -414,19 +126,6 @@ def _connect(url: str, master_name: str | None, options: dict[str, Any]) -> Any:
         return sentinel.master_for(  # type: ignore[no-untyped-call]
             master_name, decode_responses=True, db=db, username=user, password=password)
     return redis_lib.Redis.from_url(url, decode_responses=True, **options)
-
-
-def _layout1_fields(h: dict[str, str]) -> list[str]:
-    """A record of layout 1 (long names, seconds) as this layout's fields, flat."""
-    out: list[Any] = ["s", h["state"], "t", h["token"], "a", h.get("attempts", "1"), "c", h.get("reclaims", "0"),
-                      "f", _pack_fp(h.get("fp", ""))]
-    for name, new in (("lease", "l"), ("created", "k"), ("updated", "u")):
-        if h.get(name):
-            out += [new, int(float(h[name]) * 1_000_000)]
-    for name, base in (("task", "n"), ("owner", "o"), ("result", "r"), ("error", "e")):
-        for i, part in enumerate(_chunks(h.get(name) or ""), start=1):
-            out += [base if i == 1 else f"{base}{i}", part]
-    return out
 
 
 def _check_client(client: Any) -> None:
@@ -464,7 +163,9 @@ class RedisLedger(Ledger):
     (``sentinel://host:26379;sentinel://host2:26379`` with ``master_name``).
 
     Options: ``prefix`` (key prefix, default ``"idemmail"``), ``buckets`` (hash-tagged
-    buckets, default 16; fixed for the life of a ledger), ``retention_seconds``,
+    buckets, default 16; fixed for the life of a ledger), ``shelves`` (hashes per bucket holding
+    ``sent`` records, default 64; the markers' value wins once the ledger exists: about 100 records
+    a shelf at 100,000 sent records is the memory sweet spot), ``retention_seconds``,
     ``auto_init`` (default True: a process that finds no markers and no records starts a
     new ledger; False requires ``idemmail ledger init`` first, which tells a store emptied
     while no worker ran from a new one), ``passive`` (default False: never write epoch
@@ -492,6 +193,7 @@ class RedisLedger(Ledger):
         prefix: str = "idemmail",
         buckets: int = DEFAULT_BUCKETS,
         retention_seconds: float = DEFAULT_RETENTION_SECONDS,
+        shelves: int = DEFAULT_SHELVES,
         auto_init: bool = True,
         passive: bool = False,
         allow_eviction: bool = False,
@@ -506,6 +208,9 @@ class RedisLedger(Ledger):
         buckets = int(buckets)
         if not 1 <= buckets <= 256:
             raise ConfigurationError(f"buckets must be between 1 and 256, not {buckets}")
+        shelves = int(shelves)
+        if not 1 <= shelves <= 65536:
+            raise ConfigurationError(f"shelves must be between 1 and 65536, not {shelves}")
         #: Built here from the URL (closed by :meth:`close`, hot path on connections of its own), or
         #: the caller's, which every command goes through: its pool limits and instrumentation apply.
         self._own_client = client is None
@@ -556,63 +261,55 @@ class RedisLedger(Ledger):
         self._mark = self.client.register_script(_lua("mark"))
         self._hop = self.client.register_script(_lua("hop"))
         self._migrate = self.client.register_script(_lua("migrate"))
+        self._restock = self.client.register_script(_lua("restock"))
+        self._fence = self.client.register_script(_lua("fence"))
+        self._sweep = self.client.register_script(_lua("sweep"))
         self._read = self.client.register_script(_lua("read"))
         self._page = self.client.register_script(_lua("page"))
-        # Per bucket, built once: the record key's stem and the bucket's other keys (indexes, marker).
-        self._stems = [f"{prefix}:{{{b:02x}}}:" for b in range(buckets)]
-        self._tails = [[*(f"{stem}i:{s.value}" for s in _INDEXED), f"{stem}c:sent", f"{stem}epoch"]
-                       for stem in self._stems]
-        # The sent archives' granule and the ledger's retention (ms), as the markers say (read at first use).
-        self._archive_ms = self._lookback_ms = 0
-        self._clock_ms = 0.0  # the server's clock minus this one's, as a claim told it (see _archives)
-        self._archive_names: tuple[int, int, dict[int, list[str]]] = (0, 0, {})
+        #: Every key name (see ``layout.py``); its shelves per bucket are this process's until the markers say.
+        self.names = Names(prefix, buckets, shelves)
+        self._stems = self.names.stems
+        # The ledger's retention (ms): this process's until the markers say (first use).
+        self._retention_ms = max(1, int(self.retention_seconds * 1000))
 
-    # -- keys --
+    # -- keys (spelled in layout.Names) --
+
+    @property
+    def shelves(self) -> int:
+        """Shelves per bucket: the markers' once the ledger exists (fixed when it was created)."""
+        return self.names.shelves
+
+    @shelves.setter
+    def shelves(self, value: int) -> None:
+        self.names.shelves = value
 
     def _bucket(self, key: str) -> int:
-        return zlib.crc32(key.encode()) % self.buckets
+        return self.names.bucket(key)
 
     def _rec(self, key: str) -> str:
-        return f"{self._stems[self._bucket(key)]}r:{_pack(key)}"
+        return self.names.record(key)
 
     def _payload(self, key: str) -> str:
-        """The name of the string holding the record's first payload (beside it, in its bucket)."""
-        return f"{self._stems[self._bucket(key)]}p:{_pack(key)}"
+        return self.names.payload(key)
+
+    def _shelf_of(self, key: str) -> str:
+        return self.names.shelf(key)
 
     def _keys(self, key: str) -> list[str]:
-        """A record script's KEYS: record, indexes, sent counter, epoch marker, payload, sent archives."""
+        """A record script's KEYS (the store checked first: its shelves are the markers')."""
         if not self._checked:
             self._check_store()
-        b = zlib.crc32(key.encode()) % self.buckets
-        packed = _pack(key)
-        return [f"{self._stems[b]}r:{packed}", *self._tails[b], f"{self._stems[b]}p:{packed}", *self._archives(b)]
+        return self.names.script_keys(key)
 
-    def _archives(self, bucket: int) -> list[str]:
-        """The bucket's sent archives a live entry can be in, newest first, by this process's clock
-        (corrected by what the server said): every granule from the retention ago to now, and one
-        skew's worth either side. Scripts choose among them by the server's clock."""
-        now = time.time() * 1000 + self._clock_ms
-        width = self._archive_ms
-        skew = min(_SKEW_MS, width)
-        hi, lo = int((now + skew) // width), int((now - self._lookback_ms - skew) // width)
-        cached_hi, cached_lo, names = self._archive_names
-        if (hi, lo) != (cached_hi, cached_lo):
-            names = {}
-            self._archive_names = (hi, lo, names)
-        found = names.get(bucket)
-        if found is None:
-            found = names[bucket] = [f"{self._stems[bucket]}s:{g}" for g in range(hi, lo - 1, -1)]
-        return found
-
-    def _entry_record(self, key: str, value: str, granule: int, payload: str | None) -> Record:
-        """An archived ``sent`` record: expiry, retention, token, attempts, reclaims, fingerprint,
+    def _entry_record(self, key: str, value: str, payload: str | None) -> Record:
+        """A shelved ``sent`` record: expiry, retention, token, attempts, reclaims, fingerprint,
         result and error.
 
         Task name, owner and the time of the first claim are not kept (empty, empty, the time it
         was sent)."""
         m = _ENTRY.match(value)
         if m is None:
-            raise LedgerError(f"Redis ledger error: the archived record of {key} cannot be read")
+            raise LedgerError(f"Redis ledger error: the shelved record of {key} cannot be read")
         expires, retention, token, attempts, reclaims, kind = m.groups()
         at = m.end()
         if kind == ".":
@@ -622,8 +319,8 @@ class RedisLedger(Ledger):
         else:
             space = value.index(" ", at)
             fp, body = bytes.fromhex(value[at:space]).decode(), value[space + 1:]
-        expires_ms = granule * self._archive_ms + int(expires, 36)
-        updated = (expires_ms - (int(retention, 36) if retention else self._lookback_ms)) / 1000
+        expires_ms = int(expires, 36) * 100  # tenths of a second
+        updated = (expires_ms - (int(retention, 36) if retention else self._retention_ms)) / 1000
         result, error = _unbody(body)
         return Record(
             key=key, task_name="", state=State.SENT, token=int(token, 36) if token else 1, owner="",
@@ -632,27 +329,32 @@ class RedisLedger(Ledger):
             error=error, created_at=updated, updated_at=updated, expires_at=expires_ms / 1000,
         )
 
-    def _archive_settings(self, marker: dict[str, Any]) -> dict[str, int]:
-        """The markers' archive fields: kept from ``marker`` when it has them, else from this retention."""
-        if marker.get("archive_ms") and marker.get("retention_ms"):
-            return {"archive_ms": int(marker["archive_ms"]), "retention_ms": int(marker["retention_ms"])}
-        retention = max(1, int(self.retention_seconds * 1000))
-        return {"archive_ms": _archive_granule(retention), "retention_ms": retention}
+    def _store_settings(self, marker: dict[str, Any]) -> dict[str, int]:
+        """The markers' shelf fields (shelves per bucket, the ledger's retention in ms): kept from
+        ``marker`` when it has them, else this process's."""
+        if marker.get("shelves") and marker.get("retention_ms"):
+            return {"shelves": int(marker["shelves"]), "retention_ms": int(marker["retention_ms"])}
+        return {"shelves": self.shelves, "retention_ms": max(1, int(self.retention_seconds * 1000))}
+
+    def _sweep_ms(self) -> int:
+        """How often a shelf's dead entries are swept (ms): see :data:`_SWEEP_SPLIT`."""
+        return max(1_000, self._retention_ms // _SWEEP_SPLIT)
 
     def _index(self, bucket: int, state: State) -> str:
-        """The name of the bucket's index of ``state`` (``sent`` has none: that name is never written)."""
-        return f"{self._stems[bucket]}i:{state.value}"
+        return self.names.index(bucket, state)
 
     def _counter(self, bucket: int) -> str:
-        """The bucket's count of ``sent`` records: a hash of expiry granule (ms) -> records."""
-        return self._tails[bucket][-2]
+        return self.names.counter(bucket)
 
     def _granule_ms(self) -> int:
         """Width of a counter granule (µs): a record counts until the end of its expiry's granule (<= 1% late)."""
         return max(1, min(60_000_000, int(self.retention_seconds * 10_000)))
 
     def _marker(self, bucket: int) -> str:
-        return self._tails[bucket][-1]
+        return self.names.marker(bucket)
+
+    def _old_marker(self, bucket: int) -> str:
+        return self.names.old_marker(bucket)
 
     # -- plumbing --
 
@@ -721,6 +423,7 @@ class RedisLedger(Ledger):
             self._check_policy(warn=True)
             if not self.passive:  # a worker, not an operator's look or a metrics scrape
                 self._check_persistence()
+                self._check_version()
             self._check_layout()
             self._look(expected=None)
             self._checked = True
@@ -783,6 +486,24 @@ class RedisLedger(Ledger):
                 "detected and claims stop until `idemmail ledger ack-loss`). Turn on AOF: appendonly yes.",
                 self.prefix)
 
+    def _check_version(self) -> None:
+        """Refuse a server older than Redis 7.0: a completion grows its shelf's TTL with ``PEXPIREAT ... GT``,
+        which an older server refuses (every completion would fail). Where INFO is disabled: a warning."""
+        try:
+            info = self._raw(self.client.info, "server")
+        except LedgerUnavailableError:
+            raise
+        except LedgerError as exc:
+            log.warning("idemmail: cannot read the Redis version (%s); this ledger needs Redis 7.0 or later", exc)
+            return
+        found = [info] if "redis_version" in info else [v for v in info.values() if isinstance(v, dict)]
+        for node in found:
+            version = str(node.get("redis_version", ""))
+            parts = version.split(".")
+            if len(parts) >= 2 and parts[0].isdigit() and int(parts[0]) < 7:
+                raise UnsafeLedgerError(f"Redis {version}: this ledger (record layout {LAYOUT}) needs Redis 7.0 or "
+                                        "later (PEXPIREAT ... GT on its shelves of sent records)")
+
     def _check_layout(self, *, allow_old: bool = False) -> None:
         """Refuse a store that still holds the pre-bucket key layout (one pipeline, at first use), or
         (unless ``allow_old``) one whose markers were written by the earlier record layout."""
@@ -797,18 +518,23 @@ class RedisLedger(Ledger):
                 "workers, let its claims and reviews be resolved and its sent records expire, delete the old keys), "
                 "or give this version a new `prefix`."
             )
-        epoch, layout = self._raw(self.client.hmget, self._marker(0), "epoch", "layout")
-        if epoch and layout != LAYOUT and not allow_old:
-            # Layout 1 records would not be found; a layout 2 process would not find layout 3's archived
-            # sent records (so an older worker refuses this store the same way, by its layout).
+        # EXISTS, not a read: it leaves the markers' idle time alone, which the migration reads as the
+        # last sign of life of an older worker (see migrate_layout).
+        ours, older = self._which_markers()
+        if older and not ours and not allow_old:
             raise UnsafeLedgerError(
-                f"Redis ledger prefix {self.prefix!r} was written by an earlier version (record layout "
-                f"{layout or '1'}; this version reads layout {LAYOUT}, sent records in per-bucket archives) and "
-                "would not find its records, so every intent recorded there would look new and send again. "
-                "Stop the old workers, then convert it once: "
-                "`python -c 'from idemmail_celery.ledger import from_url; "
-                f"from_url(URL, prefix={self.prefix!r}).migrate_layout()'` (idempotent; safe to run again)."
+                f"Redis ledger prefix {self.prefix!r} was written by an earlier version (record layout 1-3; this "
+                f"version reads layout {LAYOUT}, sent records on shelves found by their key) and would not find its "
+                "records, so every intent recorded there would look new and send again. Convert it once, after "
+                "stopping the old workers (the command refuses while they run): "
+                f"`celery -A proj idemmail ledger migrate` (or RedisLedger(URL, prefix={self.prefix!r})"
+                ".migrate_layout(); idempotent, safe to run again)."
             )
+
+    def _which_markers(self) -> tuple[bool, bool]:
+        """Whether bucket 0 has a marker of this layout, and one of layouts 1-3 (EXISTS: not touched)."""
+        new, old = self._pipeline([("exists", (self._marker(0),)), ("exists", (self._old_marker(0),))])
+        return bool(int(new)), bool(int(old))
 
     def _config_get(self, name: str) -> list[str]:
         """The setting on every server holding ledger keys (every primary of a cluster)."""
@@ -894,7 +620,7 @@ class RedisLedger(Ledger):
 
     def _has_records(self) -> bool:
         """Any index or sent counter in any bucket (one pipeline)."""
-        checks = [("exists", (idx,)) for b in range(self.buckets) for idx in self._tails[b][:-1]]
+        checks = [("exists", (idx,)) for b in range(self.buckets) for idx in self.names.tails[b][:-1]]
         return any(self._pipeline(checks))
 
     def loss_status(self) -> dict[str, Any]:
@@ -925,7 +651,7 @@ class RedisLedger(Ledger):
         n = self.buckets
         first = next((m for m in markers if m), {})
         out: dict[str, Any] = {"state": "ok", "buckets": n, "epoch": first.get("epoch"), "reason": ""}
-        for name in ("created_at", "created_by", "acked_at", "acked_by", "note", "archive_ms", "retention_ms"):
+        for name in ("created_at", "created_by", "acked_at", "acked_by", "note", "shelves", "retention_ms"):
             if first.get(name):
                 out[name] = first[name]
         counts = {m["buckets"] for m in markers if m.get("buckets")}
@@ -970,8 +696,8 @@ class RedisLedger(Ledger):
         status = self._status(held)
         if status["state"] == "new" and held is None and dead is None and self.auto_init and not self.passive:
             status = self._create_markers(default_owner(), "auto_init")
-        archive = self._archive_settings(status)
-        self._archive_ms, self._lookback_ms = archive["archive_ms"], archive["retention_ms"]
+        settings = self._store_settings(status)
+        self.shelves, self._retention_ms = settings["shelves"], settings["retention_ms"]
         if dead is not None and status["state"] != "lost" and (not status.get("acked_at") or status["epoch"] == dead):
             # Seen lost once: the flags may be gone with the data (emptied again), but not the memory of it.
             said = status["reason"] or f"epoch {status['epoch']}, not acknowledged since"
@@ -1004,21 +730,34 @@ class RedisLedger(Ledger):
         self._epoch, self._lost_reason = None, reason
 
     def _flag_lost(self, dead_epoch: str, reason: str) -> None:
-        """Mark every bucket lost, so that processes starting later stop too."""
+        """Mark every bucket lost, so that processes starting later stop too; the older layouts' markers
+        too (a store emptied has lost its fence: an older worker would start a ledger of its own there)."""
         args = [dead_epoch, reason, default_owner(), time.time()]
         self._run_scripts(self._flag, [([self._marker(b)], args) for b in range(self.buckets)])
+        self._fence_old_layouts(f"the layout {LAYOUT} ledger here is lost ({reason})")
 
     def _create_markers(self, actor: str, note: str) -> dict[str, Any]:
         """A new ledger's markers. Concurrent creators converge on the epoch bucket 0 got first."""
         fields = {"epoch": secrets.token_hex(8), "buckets": self.buckets, "layout": LAYOUT, "created_at": time.time(),
-                  "created_by": actor, "note": note, **self._archive_settings({})}
+                  "created_by": actor, "note": note, **self._store_settings({})}
         marker0 = self._marker(0)
         self._run_scripts(self._mark, [([marker0], ["0", *(x for kv in fields.items() for x in kv)])])
-        # Bucket 0's epoch and archive settings (a concurrent creator's retention may differ from ours).
-        fields["epoch"], fields["archive_ms"], fields["retention_ms"] = self._raw(
-            self.client.hmget, marker0, "epoch", "archive_ms", "retention_ms")
+        # After bucket 0's: a process of this version starting meanwhile sees it and joins (old markers
+        # and no new one would read as a store to migrate).
+        self._fence_old_layouts(f"this ledger is layout {LAYOUT}, created by {actor}")
+        # Bucket 0's epoch and shelf settings (a concurrent creator's may differ from ours).
+        fields["epoch"], fields["shelves"], fields["retention_ms"] = self._raw(
+            self.client.hmget, marker0, "epoch", "shelves", "retention_ms")
         self._write_markers(fields, replace=False)
         return self._judge(self._markers(), None, True)
+
+    def _fence_old_layouts(self, reason: str) -> None:
+        """Flag every marker of layouts 1-3 (``<prefix>:{bb}:epoch``) lost, writing one where there is
+        none: a worker of an older version then refuses this store, at start (its layout check) and on
+        its next script (its epoch check), and never creates a ledger of its own beside this one."""
+        marked = ["layout", LAYOUT, "buckets", self.buckets, "lost", f"{reason}: upgrade this worker",
+                  "lost_by", default_owner(), "lost_at", time.time()]
+        self._run_scripts(self._fence, [([self._old_marker(b)], marked) for b in range(self.buckets)])
 
     def _confirm_loss(self) -> None:
         """A script said ``lost``: read the markers again; raise unless an acknowledged epoch was adopted.
@@ -1036,25 +775,59 @@ class RedisLedger(Ledger):
             "Nothing is claimed until an operator runs `idemmail ledger ack-loss --note ...`."
         )
 
-    def migrate_layout(self) -> dict[str, int]:
-        """Convert a ledger written by an earlier record layout (1 or 2) to this one (3), in place; idempotent.
+    def migrate_layout(self, *, quiet_seconds: float = 60.0, actor: str = "") -> dict[str, int]:
+        """Convert a ledger written by an earlier record layout (1, 2 or 3) to this one (4), in place.
 
-        Run it once with every worker stopped (old ones would keep writing the old layout, and a
-        layout 2 worker would not see archived sent records; new ones refuse until it is done):
-        ``RedisLedger(url, prefix=...).migrate_layout()``. Layout 1: each record is rewritten
-        atomically under its own bucket (so a cluster is fine) keeping its TTL, token and state; a
-        record that changes meanwhile is left for a second run. Layout 2 records stay as they are
-        (this layout still reads a ``sent`` record kept as a hash of its own; they expire by their
-        TTL). The markers then say layout 3, with the archives' granule and retention (this
-        process's retention). Returns how many records were converted per state, and ``left``
-        (changed meanwhile).
+        The command behind ``celery -A proj idemmail ledger migrate``; idempotent. It refuses
+        (:class:`UnsafeLedgerError`, nothing written) while a worker of an older version uses the
+        store: every script of layouts 1-3 reads its bucket's marker ``<prefix>:{bb}:epoch``, which
+        this version never reads (it only asks whether it exists), so the markers' idle time
+        (``OBJECT IDLETIME``) is how long ago an older worker, or an older version's operator tool,
+        last ran anything. Under ``quiet_seconds`` (60 s) in any bucket: refused. Then, in order:
+
+        1. the old markers are flagged lost (layout 4): an older worker that wakes up later writes
+           nothing (its scripts check that flag atomically) and one that starts refuses the store;
+        2. layout 1 records are rewritten in place (keeping TTL, token, state; a record that changes
+           meanwhile is left for a second run); layout 2 records stay as they are (this layout reads a
+           ``sent`` record kept as a hash of its own; they expire by their TTL);
+        3. layout 3's time-granule archives (``s:<granule>``) are put on the shelves, their entries'
+           expiry made absolute, and deleted;
+        4. the layout 4 markers (``<prefix>:{bb}:epoch4``) are written, keeping the epoch: only now do
+           workers of this version, which refuse a store with old markers and no new ones, start.
+
+        A run again within ``quiet_seconds`` of the last (which read the old markers) is refused too.
+        Returns how many records were converted per state, ``shelved`` (archive entries moved) and
+        ``left`` (changed meanwhile: run it again).
         """
         self._check_layout(allow_old=True)
-        granule = self._granule_ms()
+        new, old = self._which_markers()
         done = {s.value: 0 for s in State}
-        done["left"] = 0
-        layout = self._raw(self.client.hget, self._marker(0), "layout")
-        for b in range(self.buckets if layout in (None, "1") else 0):
+        done["left"] = done["shelved"] = 0
+        if new or not old:
+            return done  # layout 4 already (or nothing here yet)
+        self._check_quiet(quiet_seconds)
+        olds = self._pipeline([("hgetall", (self._old_marker(b),)) for b in range(self.buckets)])
+        first: dict[str, str] = next((m for m in olds if m.get("epoch")), {})
+        layout = first.get("layout") or "1"
+        if layout == LAYOUT:  # fenced by a run that stopped half-way: the layout it came from is noted
+            layout = first.get("from_layout") or "3"
+        else:
+            # A loss the older version saw (or markers that disagree) stays its operator's call: carried
+            # over, the new markers would hide it and the intents it forgot would send again unasked.
+            epochs = {m.get("epoch") for m in olds}
+            lost = next((m["lost"] for m in olds if m.get("lost")), "")
+            if lost or len(epochs) != 1:
+                raise UnsafeLedgerError(
+                    f"Redis ledger prefix {self.prefix!r}: the older version's markers say the ledger is lost or "
+                    f"disagree ({lost or 'epochs ' + ', '.join(sorted(str(e) for e in epochs))}): settle it with "
+                    "that version (`ledger stats`, `ledger ack-loss`) before migrating. Nothing was changed.")
+            if layout == "3" and not first.get("archive_ms"):
+                raise UnsafeLedgerError(f"Redis ledger prefix {self.prefix!r}: layout 3 markers without archive_ms: "
+                                        "its archived sent records cannot be found. Nothing was changed.")
+            self._raw(self.client.hset, self._old_marker(0), "from_layout", layout)
+        self._fence_old_layouts(f"migrated to layout {LAYOUT} (from {layout})")
+        granule = self._granule_ms()
+        for b in range(self.buckets if layout in (None, "", "1") else 0):
             stem = self._stems[b]
             for state in _STATES:
                 index = self._index(b, state)
@@ -1081,13 +854,63 @@ class RedisLedger(Ledger):
                         done[state.value if int(out) else "left"] += 1
             if not self._raw(self.client.zcard, self._index(b, State.SENT)):
                 self._raw(self.client.delete, self._index(b, State.SENT))
+        if layout == "3" and first.get("archive_ms"):
+            done["shelved"] = self._restock_archives(int(first["archive_ms"]))
         if not done["left"]:
-            markers = self._markers()
-            marked: dict[str, Any] = {"layout": LAYOUT, **self._archive_settings(next((m for m in markers if m), {}))}
-            self._pipeline([("hset", (self._marker(b), None, None, marked)) for b, m in enumerate(markers)
-                            if m.get("epoch")])
+            kept = {k: v for k, v in first.items() if k in ("epoch", "created_at", "created_by", "acked_at",
+                                                           "acked_by", "note", "previous", "loss")}
+            settings = self._store_settings({"retention_ms": first.get("retention_ms"), "shelves": self.shelves})
+            marked: dict[str, Any] = {**kept, "buckets": self.buckets, "layout": LAYOUT, **settings,
+                                      "migrated_at": time.time(), "migrated_by": actor or default_owner(),
+                                      "migrated_from": layout}
+            if marked.get("epoch"):
+                self._write_markers(marked, replace=True)
         log.warning("idemmail: Redis ledger %s: layout migrated: %s", self.prefix, done)
         return done
+
+    def _check_quiet(self, quiet_seconds: float) -> None:
+        """Refuse while a worker of layouts 1-3 ran anything in the last ``quiet_seconds`` (see
+        :meth:`migrate_layout`): the idle time of the old markers, read without touching them."""
+        try:
+            idle = self._pipeline([("object", ("idletime", self._old_marker(b))) for b in range(self.buckets)])
+        except LedgerError as exc:
+            raise UnsafeLedgerError(f"cannot tell whether older workers still run ({exc}); "
+                                    "the migration needs OBJECT IDLETIME (an LFU maxmemory-policy hides it)") from exc
+        busy = [(int(s), b) for b, s in enumerate(idle) if s is not None and int(s) < quiet_seconds]
+        if busy:
+            seconds, bucket = min(busy)
+            raise UnsafeLedgerError(
+                f"Redis ledger prefix {self.prefix!r}: a worker of an older version (or its operator tools) used "
+                f"the store {seconds} s ago (bucket {bucket:02x}): stop every older worker, then run the migration "
+                f"again once the store has been quiet for {quiet_seconds:g} s. Nothing was changed.")
+
+    def _restock_archives(self, archive_ms: int) -> int:
+        """Layout 3's time-granule archives onto the shelves (absolute expiries), then deleted."""
+        moved, step = 0, self._sweep_ms()
+        for b in range(self.buckets):
+            stem = self._stems[b]
+            for name in self._raw(self._scan, _glob_escape(f"{stem}s:") + "*"):
+                granule = name[len(stem) + 2:]
+                if not granule.isdigit():
+                    continue
+                cursor, start = "0", int(granule) * archive_ms
+                while True:
+                    cursor, items = self._raw(self._page, keys=[name], args=[cursor, 500])
+                    shelves: dict[str, list[Any]] = {}
+                    for field, value in zip(items[::2], items[1::2], strict=True):
+                        m = _ENTRY.match(value)
+                        if m is None:
+                            continue
+                        key, expires = _unfield(field), -(-(start + int(m[1], 36)) // 100)  # 1/10 s, rounded up
+                        shelves.setdefault(self._shelf_of(key), []).extend(
+                            [_field(key), _b36(expires) + value[len(m[1]):], expires * 100])
+                    if shelves:
+                        self._run_scripts(self._restock, [([shelf], [step, *args]) for shelf, args in shelves.items()])
+                        moved += sum(len(args) // 3 for args in shelves.values())
+                    if str(cursor) == "0":
+                        break
+                self._raw(self.client.delete, name)
+        return moved
 
     def init_store(self, *, actor: str = "") -> dict[str, Any]:
         """Create the epoch markers of a new (empty) ledger; a no-op on an initialised one.
@@ -1118,7 +941,8 @@ class RedisLedger(Ledger):
         fields = {"epoch": secrets.token_hex(8), "buckets": self.buckets, "layout": LAYOUT, "created_at": now,
                   "created_by": actor or default_owner(), "acked_at": now, "acked_by": actor or default_owner(),
                   "note": note, "previous": before.get("epoch") or "", "loss": before["reason"],
-                  **self._archive_settings(before)}
+                  **self._store_settings(before)}
+        self._fence_old_layouts(f"this ledger is layout {LAYOUT}, its loss acknowledged by {fields['acked_by']}")
         self._write_markers(fields, replace=True)
         with self._check_lock:
             self._epoch, self._lost_reason, self._dead_epoch = str(fields["epoch"]), "", None
@@ -1130,20 +954,8 @@ class RedisLedger(Ledger):
     def claim(self, request: ClaimRequest) -> Claim:
         if self._checked:
             self._watch_policy()
-        out = self._eval(self._claim, self._keys(request.key), self._claim_args(request))
-        if out[0] == "clock":
-            self._set_clock(out[1])
-            out = self._eval(self._claim, self._keys(request.key), self._claim_args(request))
-            if out[0] == "clock":  # nothing written; a clock still moving (or nodes that disagree): fail closed
-                raise LedgerUnavailableError(f"Redis ledger {self.prefix}: the server's clock keeps moving")
-        return self._claim_result(request, out)
-
-    def _set_clock(self, server_ms: Any) -> None:
-        """A claim said this process's archive names miss a granule by the server's clock: follow the server's."""
-        offset = int(server_ms) - time.time() * 1000
-        log.warning("idemmail: Redis ledger %s: this clock is %.1f s off the server's; following the server's",
-                    self.prefix, -offset / 1000)
-        self._clock_ms = offset
+        return self._claim_result(request, self._eval(self._claim, self._keys(request.key),
+                                                      self._claim_args(request)))
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """The batch's claim scripts in one pipeline (one per node on a cluster)."""
@@ -1180,10 +992,6 @@ class RedisLedger(Ledger):
             if any(out[0] == "lost" for out in outs):
                 self._release_held(requests, outs, epoch, "batch_met_lost_ledger")
                 raise self._lost_error()
-        if any(out[0] == "clock" for out in outs):  # nothing written for those: claim them again
-            self._set_clock(next(out[1] for out in outs if out[0] == "clock"))
-            return [self.claim(r) if out[0] == "clock" else self._claim_result(r, out)
-                    for r, out in zip(requests, outs, strict=True)]
         return [self._claim_result(r, out) for r, out in zip(requests, outs, strict=True)]
 
     def _release_held(self, requests: Sequence[ClaimRequest], outs: list[Any], epoch: str, reason: str) -> None:
@@ -1200,7 +1008,7 @@ class RedisLedger(Ledger):
         release: list[tuple[list[str], list[Any]]] = []
         expire: list[tuple[list[str], list[Any]]] = []
         for r, out in zip(requests, outs, strict=True):
-            if isinstance(out, Exception) or out[0] in ("lost", "clock") or not ClaimStatus(out[0]).holds:
+            if isinstance(out, Exception) or out[0] == "lost" or not ClaimStatus(out[0]).holds:
                 continue
             status = ClaimStatus(out[0])
             if status is ClaimStatus.RESUMED:
@@ -1219,7 +1027,7 @@ class RedisLedger(Ledger):
     def _claim_args(self, request: ClaimRequest) -> list[Any]:
         return [request.key, request.payload, _pack_fp(request.fingerprint), int(request.lease_seconds * 1000),
                 request.resume_owner or "", *_counted(request.task_name), *_counted(request.owner),
-                _field(request.key), self._archive_ms, self._lookback_ms]
+                _field(request.key)]
 
     def _claim_result(self, request: ClaimRequest, out: list[Any]) -> Claim:
         status = ClaimStatus(out[0])
@@ -1232,8 +1040,8 @@ class RedisLedger(Ledger):
                 created_at=now, updated_at=now,
             )
             return Claim(status, record)
-        if len(out) > 3:  # archived
-            return Claim(status, self._entry_record(request.key, out[3], int(out[4]), out[2]))
+        if len(out) > 3:  # shelved
+            return Claim(status, self._entry_record(request.key, out[3], out[2]))
         return Claim(status, self._record(request.key, out[1], out[2]))
 
     def _finish(
@@ -1257,8 +1065,8 @@ class RedisLedger(Ledger):
     def _finish_args(self, key: str, token: int, state: State, result: dict[str, Any] | None,
                      error: dict[str, Any] | None) -> list[Any]:
         return [key, token, state.value, int(self.retention_seconds * 1000), "0" if self.keep_payload else "1",
-                self._granule_ms(), *_chunked(result), *_chunked(error), _field(key), self._archive_ms,
-                self._lookback_ms, _body(result, error) if state is State.SENT else ""]
+                self._granule_ms(), *_chunked(result), *_chunked(error), _field(key), self._retention_ms,
+                self._sweep_ms(), _body(result, error) if state is State.SENT else ""]
 
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         return bool(self._eval(self._renew, self._keys(key), [token, int(lease_seconds * 1000)])[0] == "ok")
@@ -1266,23 +1074,15 @@ class RedisLedger(Ledger):
     def get(self, key: str) -> Record | None:
         if not self._checked:
             self._check_store()
-        out = self._call(self._read, keys=self._keys(key), args=[_field(key), self._archive_ms, self._lookback_ms])
-        if out[0] == "clock":  # this process's clock names the wrong archives: follow the server's, once
-            self._set_clock(out[1])
-            out = self._call(self._read, keys=self._keys(key), args=[_field(key), self._archive_ms, self._lookback_ms])
-            if out[0] == "clock":
-                raise LedgerUnavailableError(f"Redis ledger {self.prefix}: the server's clock keeps moving")
+        out = self._call(self._read, keys=self._keys(key), args=[_field(key)])
         h = dict(zip(out[0][::2], out[0][1::2], strict=True))
         if h:
             return self._record(key, h, out[1])
-        if len(out) > 2:
-            record = self._entry_record(key, out[2], int(out[3]), out[1])
-            return record if (record.expires_at or 0) > time.time() else None
-        return None
+        return self._entry_record(key, out[2], out[1]) if len(out) > 2 else None
 
     def iter_records(self, state: State | None = None) -> Iterator[Record]:
         """Indexed states from their indexes; ``sent`` (no index) and all records by SCAN of the buckets
-        (records) and HSCAN of their archives."""
+        (records) and HSCAN of their shelves."""
         if not self._checked:
             self._check_store()
         for b in range(self.buckets):
@@ -1302,15 +1102,11 @@ class RedisLedger(Ledger):
                     if h and (state is None or h.get("s") == state.value):
                         yield self._record(key, h, payload)
             if state in (None, State.SENT):
-                yield from self._archived(b)
+                yield from self._shelved(b)
 
-    def _archived(self, bucket: int) -> Iterator[Record]:
-        """The bucket's archived ``sent`` records, not yet expired."""
-        stem = self._stems[bucket]
-        for name in self._call(self._scan, _glob_escape(f"{stem}s:") + "*"):
-            granule = name[len(stem) + 2:]
-            if not granule.isdigit():
-                continue
+    def _shelved(self, bucket: int) -> Iterator[Record]:
+        """The bucket's shelved ``sent`` records, not yet expired (by this process's clock: a listing)."""
+        for name in self._call(self._scan, _glob_escape(f"{self._stems[bucket]}d:") + "*"):
             cursor = "0"
             while True:
                 cursor, items = self._call(self._page, keys=[name], args=[cursor, 500])
@@ -1318,7 +1114,7 @@ class RedisLedger(Ledger):
                 payloads = self._pipeline([("get", (self._payload(key),)) for key, _ in chunk]) if chunk else []
                 now = time.time()
                 for (key, value), payload in zip(chunk, payloads, strict=True):
-                    record = self._entry_record(key, value, int(granule), payload)
+                    record = self._entry_record(key, value, payload)
                     if (record.expires_at or 0) > now:
                         yield record
                 if str(cursor) == "0":
@@ -1350,15 +1146,14 @@ class RedisLedger(Ledger):
         ttl = "" if new.expires_at is None else int((new.expires_at - new.updated_at) * 1000)
         drop = new.payload is None or (new.state is State.SENT and not self.keep_payload)
         args = [key, expected_token, new.state.value, new.token, repr(float(new.updated_at)), ttl,
-                "1" if drop else "0", self._granule_ms(), _field(key), self._archive_ms, _pack_fp(new.fingerprint),
+                "1" if drop else "0", self._granule_ms(), _field(key), "", _pack_fp(new.fingerprint),
                 repr(float(new.created_at)), new.attempts, new.reclaims, *_counted(new.owner), *_chunked(new.result),
                 *_chunked(new.error), *_counted(new.task_name)]
         return bool(self._call(self._force_script, keys=self._keys(key), args=args))
 
     def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
-        args = [expected_token, *_chunked(result), *_chunked(error), _field(key), self._archive_ms,
-                _body(result, error)]
+        args = [expected_token, *_chunked(result), *_chunked(error), _field(key), _body(result, error)]
         return bool(self._call(self._erase_script, keys=self._keys(key), args=args))
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool:
@@ -1368,15 +1163,17 @@ class RedisLedger(Ledger):
         the call that set it still answers True (a plain SET NX would answer False to its own write).
         """
         digest = hashlib.blake2b(f"{key}\0{hop}".encode(), digest_size=16).hexdigest()
-        mark = f"{self._stems[self._bucket(key)]}h:{digest}"
+        mark = self.names.hop(key, digest)
         nonce = secrets.token_hex(8)
         return bool(self._call(self._hop, keys=[mark], args=[nonce, max(1, int(ttl_seconds * 1000))]))
 
     def purge_expired(self, now: float | None = None) -> int:
-        """Expired ``failed`` records' index entries, and the sent counters' spent granules.
+        """Expired ``failed`` records' index entries, the sent counters' spent granules, and the shelves'
+        dead entries.
 
-        ``sent`` and ``failed`` records go by themselves (TTL); this keeps the ``failed`` index
-        and the counters from growing. Returns how many expired records it accounted for: the
+        ``failed`` records go by themselves (TTL) and ``sent`` ones are swept from their shelf by the
+        next completion onto it; this keeps the ``failed`` index and the counters from growing, and
+        sweeps every shelf now. Returns how many expired records it accounted for: the
         ``failed`` entries removed, and the ``sent`` records the spent granules counted.
         """
         if not self._checked:
@@ -1395,6 +1192,9 @@ class RedisLedger(Ledger):
             if spent:
                 self._call(self.client.hdel, counter, *spent)
                 gone += sum(spent.values())
+            shelves = self._call(self._scan, _glob_escape(f"{self._stems[b]}d:") + "*")
+            if shelves:  # counted above, by the counters
+                self._run_scripts(self._sweep, [([name], []) for name in shelves])
         return gone
 
     def ping(self) -> None:

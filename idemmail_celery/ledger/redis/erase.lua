@@ -1,15 +1,14 @@
--- Runs after prelude.lua (for its archive helpers; no epoch check: an operator's change, as force).
--- KEYS: record, (unused up to) payload as KEYS[8], then the bucket's sent archives. ARGV: expected
--- token, then the result's chunks (count first, 0 for none), then the error's, then the packed key,
--- the archive granule (ms) and the entry's result and error as the caller encoded them. Drops the
+-- Runs after prelude.lua (for its shelf helpers; no epoch check: an operator's change, as force).
+-- KEYS: as a record script's. ARGV: expected token, then the result's chunks (count first, 0 for
+-- none), then the error's, then the packed key and the entry's result and error as the caller encoded them. Drops the
 -- payload and replaces result and error of an existing record whose token is still the expected
 -- one; never creates one. Written in place: state, lease and TTL stay as they are.
 local rec = KEYS[1]
 local t = redis.call('HGET', rec, 't')
 if not t then
-  local v, i, token = archived(ARGV[#ARGV - 2], tonumber(ARGV[#ARGV - 1]))
+  local v, token = shelved(ARGV[#ARGV - 1])
   if not v or token ~= tonumber(ARGV[1]) then return 0 end
-  redis.call('HSET', KEYS[i], ARGV[#ARGV - 2], string.sub(v, 1, body_at(v) - 1) .. ARGV[#ARGV])
+  redis.call('HSET', KEYS[SHELF], ARGV[#ARGV - 1], string.sub(v, 1, body_at(v) - 1) .. ARGV[#ARGV])
   redis.call('DEL', KEYS[8])
   return 1
 end

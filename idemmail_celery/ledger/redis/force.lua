@@ -1,23 +1,23 @@
 -- Runs after prelude.lua.
 -- An operator's change: replace the record if its token is still the expected one; never creates one.
--- The record it writes is a hash of its own (an archived ``sent`` record comes out of its archive):
+-- The record it writes is a hash of its own (a shelved ``sent`` record comes off its shelf):
 -- operators' changes are rare, and what the caller gets back is then exactly what the store holds.
 -- ARGV: id, expected_token, state, token, updated (seconds), ttl (ms, '' = never expires),
--- drop_payload, counter granule (us), the packed key (the archive field), the archive granule (ms),
--- then what the hash needs when the record comes out of the archive: fingerprint (packed), created
+-- drop_payload, counter granule (us), the packed key (the shelf's field), (unused),
+-- then what the hash needs when the record comes off its shelf: fingerprint (packed), created
 -- (seconds), attempts, reclaims; then the owner's chunks (count first), the result's, the error's and
 -- the task name's.
 local rec, id, field = KEYS[1], ARGV[1], ARGV[9]
 local cur = redis.call('HMGET', rec, 's', 't')
 local old, held, from = cur[1], cur[2], nil
 if not old then
-  local v, i, token, expires = archived(field, tonumber(ARGV[10]))
-  if v and expires > math.floor(now() / 1000) then old, held, from = 'sent', token, i end
+  local v, token, expires = shelved(field)
+  if v and expires > math.floor(now() / 1000) then old, held, from = 'sent', token, SHELF end
 end
 if not old or tonumber(held) ~= tonumber(ARGV[2]) then return 0 end
 local fields = {'s', ARGV[3], 't', ARGV[4], 'u', ARGV[5]}
 local task_at = chunks(fields, 'e', chunks(fields, 'r', chunks(fields, 'o', 15)))
-if from then  -- out of the archive: a hash of its own again, whole
+if from then  -- off the shelf: a hash of its own again, whole
   for _, kv in ipairs({{'f', ARGV[11]}, {'k', ARGV[12]}, {'a', ARGV[13]}, {'c', ARGV[14]}}) do
     fields[#fields + 1] = kv[1]
     fields[#fields + 1] = kv[2]

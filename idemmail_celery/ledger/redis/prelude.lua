@@ -6,13 +6,13 @@
 -- The first payload, longer, is a string of its own beside it, gone with it (or on sent).
 -- KEYS: record, the bucket's index of claimed, released, failed and review records (sorted sets),
 -- the bucket's sent counter (a hash: expiry granule -> records), the bucket's epoch marker, payload,
--- then the bucket's sent archives the caller may need (``<prefix>:{bb}:s:<granule>``, newest first).
--- A ``sent`` record lives in the archive of the time granule it was sent in (field: the key's 32
--- bytes, see ``_field`` in redis.py) as one string: its expiry (ms after the granule's start),
--- ['R' its retention (ms) if not the ledger's], ['T' its token if not 1], ['A' its attempts if not 1],
--- ['C' its reclaims if not 0], the fingerprint (see
--- ``entry_fp``), then the result and error (see ``_body`` in redis.py); numbers in base 36. The archive expires
--- at its granule's end plus the ledger's retention; an entry counts until its own expiry.
+-- then the record's shelf (``<prefix>:{bb}:d:<shelf>``, chosen by the key alone, see ``_shelf`` in
+-- layout.py). A ``sent`` record lives in its shelf (field: the key's 32 bytes, see ``_field`` in
+-- layout.py) as one string: its expiry (server time, in tenths of a second, rounded up), ['R' its retention (ms) if not
+-- the ledger's], ['T' its token if not 1], ['A' its attempts if not 1], ['C' its reclaims if not 0],
+-- the fingerprint (see ``entry_fp``), then the result and error (see ``_body`` in layout.py); numbers
+-- in base 36. An entry past its expiry is dead: a claim replaces it, a read ignores it, a sweep
+-- drops it. A clock stepped back only makes an entry live longer; no key is chosen by the clock.
 -- ARGV[1] is always the epoch the caller expects. Times are the server's, in microseconds (an
 -- operator's change writes its own clock's seconds, with a point); durations are milliseconds.
 local function now()
@@ -44,9 +44,7 @@ local function chunks(fields, base, at)
   return at + count + 1
 end
 local R, E, O = string.byte('r'), string.byte('e'), string.byte('o')
--- The sent archives: KEYS from 9 on, their granule the number ending each name.
-local ARCHIVES = 9
-local function granule(i) return tonumber(string.match(KEYS[i], '(%d+)$')) end
+local SHELF = #KEYS  -- the last key: the record's shelf (a record script passes 9)
 local function b36(x)
   x = math.floor(x)
   if x <= 0 then return '0' end
@@ -75,28 +73,37 @@ local function body_at(v)
   if kind == 46 then return p + 38 elseif kind == 44 then return p + 44 end
   return string.find(v, ' ', p, true) + 1
 end
--- An archived entry of ``field`` (newest archive first): its value, its KEYS index, its token, its expiry (ms).
-local function archived(field, width)
-  for i = ARCHIVES, #KEYS do
-    local v = redis.call('HGET', KEYS[i], field)
-    if v then
-      local off, token = string.match(v, '^([0-9a-z]+)R?[0-9a-z]*T?([0-9a-z]*)A?[0-9a-z]*C?[0-9a-z]*[.,~]')
-      return v, i, token == '' and 1 or tonumber(token, 36), granule(i) * width + tonumber(off, 36)
-    end
+-- The shelved entry of ``field``: its value, token and expiry (ms); nil if none.
+local function shelved(field)
+  local v = redis.call('HGET', KEYS[SHELF], field)
+  if v then
+    local exp, token = string.match(v, '^([0-9a-z]+)R?[0-9a-z]*T?([0-9a-z]*)A?[0-9a-z]*C?[0-9a-z]*[.,~]')
+    return v, token == '' and 1 or tonumber(token, 36), tonumber(exp, 36) * 100
   end
 end
--- The archive of the granule ``g`` among KEYS (nil: the caller did not pass it).
-local function archive_of(g)
-  for i = ARCHIVES, #KEYS do
-    if granule(i) == g then return i end
+-- Drop a shelf's dead entries (expired by ``ms``, the server's clock); how many.
+local function sweep(shelf, ms)
+  local h, dead = redis.call('HGETALL', shelf), {}
+  for i = 1, #h, 2 do
+    local exp = h[i] ~= '' and string.match(h[i + 1], '^[0-9a-z]+')
+    if exp and tonumber(exp, 36) * 100 <= ms then dead[#dead + 1] = h[i] end
   end
+  for i = 1, #dead, 1000 do redis.call('HDEL', shelf, unpack(dead, i, math.min(i + 999, #dead))) end
+  return #dead
 end
--- Write an entry into archive ``i``, which expires at its granule's end plus the ledger's retention.
-local function archive(i, field, value, width, lookback)
-  redis.call('HSET', KEYS[i], field, value)
-  if redis.call('PTTL', KEYS[i]) < 0 then
-    redis.call('PEXPIREAT', KEYS[i], (granule(i) + 1) * width + lookback)
+-- Put an entry on the shelf. The shelf lives as long as its longest-lived entry (its TTL only ever
+-- grows: GT); dead entries go in a sweep, due at most every ``step`` ms (field '': when, by the server's
+-- clock), so that a shelf written to for ever holds at most one step's worth of dead entries.
+local function shelve(field, value, expires, ms, step)
+  local shelf = KEYS[SHELF]
+  redis.call('HSET', shelf, field, value)
+  if redis.call('PEXPIREAT', shelf, expires, 'GT') == 0 and redis.call('PTTL', shelf) == -1 then
+    redis.call('PEXPIREAT', shelf, expires)
   end
+  local due = redis.call('HGET', shelf, '')
+  if due and tonumber(due) > ms then return end
+  if due then sweep(shelf, ms) end
+  redis.call('HSET', shelf, '', ms + step)
 end
 -- A hash's HGETALL as a table, and a chunked field of it read back whole.
 local function fields_of(h)

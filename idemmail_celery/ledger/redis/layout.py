@@ -1,0 +1,302 @@
+"""The Redis ledger's record layout (4): every key name and every packing, in one place.
+
+:class:`Names` spells each key a ledger writes; the functions below pack what goes into them and read
+it back. The Lua scripts beside this module (``*.lua``) write the same shapes (their shared helpers are
+in ``prelude.lua``); the moves themselves are in ``store.py``. What the layout is and why: the package
+docstring.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import zlib
+from typing import Any
+
+from ..base import State, dumps_json
+
+DEFAULT_BUCKETS = 16
+_STATES = (State.CLAIMED, State.RELEASED, State.SENT, State.FAILED, State.REVIEW)
+#: States with an index (a sorted set per bucket): those an operator acts on, and ``failed`` for purge.
+#: ``sent`` has none: its records expire by TTL, a counter keeps their number, listing them scans.
+_INDEXED = (State.CLAIMED, State.RELEASED, State.FAILED, State.REVIEW)
+#: This layout's version, in every epoch marker (``<prefix>:{bb}:epoch4``); layouts 1-3 kept theirs
+#: in ``<prefix>:{bb}:epoch``, which a layout 4 store keeps flagged lost so that no older worker runs on it.
+LAYOUT = "4"
+#: Shelves per bucket unless the markers say otherwise (fixed when the ledger is created, see ``_shelf``).
+DEFAULT_SHELVES = 64
+#: A shelf's dead entries are swept at most every retention / this (so at most this fraction of a
+#: retention's entries stays in memory past its expiry), and at least every second.
+_SWEEP_SPLIT = 8
+#: Longest value kept in a record field: Redis keeps a hash compact (listpack) while every value is at
+#: most ``hash-max-listpack-value`` (64 by default), so longer results and errors are stored in chunks.
+_CHUNK = 64
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _shelf(key: str, shelves: int) -> int:
+    """The shelf of ``key`` within its bucket, from the key alone: bits of a 64-hex key other than the
+    ones its bucket comes from (CRC32 of its text), else Adler-32 of its text."""
+    if len(key) == 64 and _HEX64.fullmatch(key):
+        return int(key[8:16], 16) % shelves
+    return zlib.adler32(key.encode()) % shelves
+
+
+def _b36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while n > 0:
+        n, d = divmod(n, 36)
+        out = digits[d] + out
+    return out or "0"
+
+
+def _message_id(mid: str) -> str:
+    """A message id as an entry holds it: a UUID in 22 base64url characters after ``u``, else ``=`` + itself."""
+    if len(mid) == 36 and _UUID.fullmatch(mid):
+        return "u" + base64.urlsafe_b64encode(bytes.fromhex(mid.replace("-", "")))[:22].decode("ascii")
+    return "=" + mid
+
+
+def _message_id_of(text: str) -> str:
+    if text[0] == "=":
+        return text[1:]
+    h = base64.urlsafe_b64decode(text[1:] + "==").hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def _body(result: dict[str, Any] | None, error: dict[str, Any] | None) -> str:
+    """A sent record's result and error as its archive entry ends: the message id stored once.
+
+    ``m<id>``: the result is the message id alone; ``v<json><id>``: the message id and a ``value``
+    repeating it (what ``send_email`` stores), the value's other fields in JSON; ``r<json><id>``: the
+    message id and other fields; ``*[result, error]``: anything else (an error, no message id);
+    ``""``: neither. ``<id>`` is ``u`` + a UUID packed in 22 characters, or ``=`` + the id itself, last
+    (it may hold any character). Whatever does not read back equal is stored the plain way.
+    """
+    if result is None or error is not None or not isinstance(result.get("message_id"), str):
+        return _plain(result, error)
+    mid = result["message_id"]
+    rest = {k: v for k, v in result.items() if k != "message_id"}
+    value = rest.get("value")
+    if not rest:
+        text = "m" + _message_id(mid)
+    elif list(rest) == ["value"] and isinstance(value, dict) and value.get("message_id") == mid:
+        text = "v" + (dumps_json({k: v for k, v in value.items() if k != "message_id"}) or "") + _message_id(mid)
+    else:
+        text = "r" + (dumps_json(rest) or "") + _message_id(mid)
+    # Compared with the result itself (not its JSON read back: a send's hot path): a result that JSON
+    # would change (a tuple, a non-string key) differs here too, and is stored the plain way.
+    return text if _unbody(text) == (result, None) else _plain(result, error)
+
+
+def _plain(result: dict[str, Any] | None, error: dict[str, Any] | None) -> str:
+    r, e = dumps_json(result), dumps_json(error)
+    return "" if r is None and e is None else f"*[{r or 'null'},{e or 'null'}]"
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _unbody(text: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The result and error of an archive entry's end (see :func:`_body`)."""
+    if not text:
+        return None, None
+    kind = text[0]
+    if kind == "*":
+        result, error = json.loads(text[1:])
+        return result, error
+    if kind == "m":
+        return {"message_id": _message_id_of(text[1:])}, None
+    rest, end = _DECODER.raw_decode(text, 1)
+    mid = _message_id_of(text[end:])
+    if kind == "v":
+        return {"message_id": mid, "value": {"message_id": mid, **rest}}, None
+    return {"message_id": mid, **rest}, None
+
+
+def _seconds(value: str | None) -> float | None:
+    """A stored time in seconds: the server's clock in integer microseconds, or (written by an operator's
+    change, which keeps the caller's clock exactly) seconds with a point."""
+    if value is None or value == "":
+        return None
+    return float(value) if "." in value or "e" in value else int(value) / 1_000_000
+
+
+def _pack(text: str) -> str:
+    """A 64-hex digest (every intent key and fingerprint the library makes) as 43 base64url characters,
+    anything else as ``~`` + itself: shorter key names and fields, and never two texts packed alike."""
+    if len(text) == 64 and _HEX64.fullmatch(text):
+        return base64.urlsafe_b64encode(bytes.fromhex(text))[:43].decode("ascii")
+    return "~" + text if text else ""
+
+
+#: The digits of a packed fingerprint: ASCII but NUL and ``~``, so it is text (UTF-8) a script copies as it is.
+_B126 = "".join(chr(i) for i in range(1, 128) if i != 0x7E)
+_B126_PAIRS = [a + b for a in _B126 for b in _B126]  # index d: the two base-126 digits of d < 126 * 126
+_B126_VALUE = {ch: i for i, ch in enumerate(_B126)}
+
+
+def _pack_fp(fingerprint: str) -> str:
+    """A 64-hex fingerprint as 37 base-126 characters (a record's ``f``, copied into its archive entry
+    by the completion's script as it is), anything else as ``~`` + itself, none as ``""``."""
+    if len(fingerprint) == 64 and _HEX64.fullmatch(fingerprint):
+        n, pairs = int(fingerprint, 16), []
+        for _ in range(19):  # two digits a step (half the big-number divisions); the 38th digit is always 0
+            n, d = divmod(n, 126 * 126)
+            pairs.append(_B126_PAIRS[d])
+        return "".join(reversed(pairs))[1:]
+    return "~" + fingerprint if fingerprint else ""
+
+
+def _unpack_fp(packed: str) -> str:
+    """A record's ``f`` read back: 37 base-126 characters, or (layout 2) 43 base64url ones, or ``~`` + text."""
+    if len(packed) == 37 and packed[0] != "~":
+        n = 0
+        for ch in packed:
+            n = n * 126 + _B126_VALUE[ch]
+        return f"{n:064x}"
+    return _unpack(packed)
+
+
+def _field(key: str) -> bytes:
+    """A key as its archive field: a 64-hex key as its 32 bytes, anything else ``~`` + itself (``!~`` +
+    itself where that would be 32 bytes long too). Scripts give a 32-byte field back in hex."""
+    if len(key) == 64 and _HEX64.fullmatch(key):
+        return bytes.fromhex(key)
+    text = ("~" + key).encode()
+    return b"!" + text if len(text) == 32 else text
+
+
+def _unfield(text: str) -> str:
+    if text[:1] == "~":
+        return text[1:]
+    return text[2:] if text[:1] == "!" else text
+
+
+#: A shelf's entry: expiry, retention, token, attempts, reclaims, then its fingerprint's kind (see ``prelude.lua``).
+_ENTRY = re.compile(r"([0-9a-z]+)(?:R([0-9a-z]+))?(?:T([0-9a-z]+))?(?:A([0-9a-z]+))?(?:C([0-9a-z]+))?([.,~])")
+
+
+def _unpack(packed: str) -> str:
+    if not packed or packed[0] == "~":
+        return packed[1:]
+    return base64.urlsafe_b64decode(packed + "=").hex()
+
+
+def _chunked(value: dict[str, Any] | None) -> list[Any]:
+    """The canonical JSON of ``value`` as script arguments: how many chunks, then the chunks."""
+    return _counted(dumps_json(value) or "")
+
+
+def _counted(text: str) -> list[Any]:
+    """``text`` as script arguments: how many chunks, then the chunks."""
+    parts = _chunks(text)
+    return [len(parts), *parts]
+
+
+def _chunks(text: str) -> list[str]:
+    """``text`` in pieces of at most :data:`_CHUNK` bytes of UTF-8, cut between characters."""
+    if text.isascii():
+        parts = [text[i:i + _CHUNK] for i in range(0, len(text), _CHUNK)]
+    else:
+        parts, part, size = [], "", 0
+        for ch in text:
+            n = len(ch.encode("utf-8"))
+            if size + n > _CHUNK:
+                parts.append(part)
+                part, size = "", 0
+            part, size = part + ch, size + n
+        if part:
+            parts.append(part)
+    return parts
+
+
+def _joined(h: dict[str, str], base: str) -> str | None:
+    """A chunked field read back: ``base``, ``base2``, ``base3``, ... joined."""
+    first = h.get(base)
+    if first is None:
+        return None
+    parts, i = [first], 2
+    while f"{base}{i}" in h:
+        parts.append(h[f"{base}{i}"])
+        i += 1
+    return "".join(parts)
+
+
+def _layout1_fields(h: dict[str, str]) -> list[str]:
+    """A record of layout 1 (long names, seconds) as this layout's fields, flat."""
+    out: list[Any] = ["s", h["state"], "t", h["token"], "a", h.get("attempts", "1"), "c", h.get("reclaims", "0"),
+                      "f", _pack_fp(h.get("fp", ""))]
+    for name, new in (("lease", "l"), ("created", "k"), ("updated", "u")):
+        if h.get(name):
+            out += [new, int(float(h[name]) * 1_000_000)]
+    for name, base in (("task", "n"), ("owner", "o"), ("result", "r"), ("error", "e")):
+        for i, part in enumerate(_chunks(h.get(name) or ""), start=1):
+            out += [base if i == 1 else f"{base}{i}", part]
+    return out
+
+
+class Names:
+    """The key names of one ledger (its prefix, bucket count and shelves per bucket)::
+
+        <prefix>:{<bb>}:r:<packed key>   a record not yet sent (a hash)
+        <prefix>:{<bb>}:p:<packed key>   its first payload (a string)
+        <prefix>:{<bb>}:d:<shelf>        sent records whose key falls on this shelf (a hash)
+        <prefix>:{<bb>}:i:<state>        the bucket's index of claimed, released, failed or review records
+        <prefix>:{<bb>}:c:sent           the bucket's count of sent records, by expiry (a hash)
+        <prefix>:{<bb>}:h:<digest>       a reschedule's mark
+        <prefix>:{<bb>}:epoch4           the bucket's epoch marker (a hash)
+        <prefix>:{<bb>}:epoch            layouts 1-3's marker (flagged lost on a layout 4 store)
+        <prefix>:{<bb>}:s:<granule>      layout 3's sent archives (moved onto the shelves by the migration)
+
+    ``bb``: the bucket, CRC32 of the intent key, two hex digits; every script touches one bucket (one hash
+    slot on a cluster). ``shelves`` is the markers' once the ledger exists (set by the store).
+    """
+
+    def __init__(self, prefix: str, buckets: int, shelves: int) -> None:
+        self.prefix, self.buckets, self.shelves = prefix, buckets, shelves
+        #: Per bucket, built once: the names' stem, and a record script's bucket keys (indexes, counter, marker).
+        self.stems = [f"{prefix}:{{{b:02x}}}:" for b in range(buckets)]
+        self.tails = [[*(f"{stem}i:{s.value}" for s in _INDEXED), f"{stem}c:sent", f"{stem}epoch4"]
+                      for stem in self.stems]
+
+    def bucket(self, key: str) -> int:
+        return zlib.crc32(key.encode()) % self.buckets
+
+    def record(self, key: str) -> str:
+        return f"{self.stems[self.bucket(key)]}r:{_pack(key)}"
+
+    def payload(self, key: str) -> str:
+        """The string holding the record's first payload (beside it, in its bucket)."""
+        return f"{self.stems[self.bucket(key)]}p:{_pack(key)}"
+
+    def shelf(self, key: str) -> str:
+        """The hash holding ``key``'s record once it is sent: chosen by the key alone."""
+        return f"{self.stems[self.bucket(key)]}d:{_shelf(key, self.shelves):x}"
+
+    def script_keys(self, key: str) -> list[str]:
+        """A record script's KEYS: record, indexes, sent counter, epoch marker, payload, shelf."""
+        b = zlib.crc32(key.encode()) % self.buckets
+        stem, packed = self.stems[b], _pack(key)
+        return [f"{stem}r:{packed}", *self.tails[b], f"{stem}p:{packed}", f"{stem}d:{_shelf(key, self.shelves):x}"]
+
+    def index(self, bucket: int, state: State) -> str:
+        """The bucket's index of ``state`` (``sent`` has none: that name is never written)."""
+        return f"{self.stems[bucket]}i:{state.value}"
+
+    def counter(self, bucket: int) -> str:
+        """The bucket's count of ``sent`` records: a hash of expiry granule (µs) -> records."""
+        return self.tails[bucket][-2]
+
+    def marker(self, bucket: int) -> str:
+        return self.tails[bucket][-1]
+
+    def old_marker(self, bucket: int) -> str:
+        """Where layouts 1-3 kept the bucket's epoch marker."""
+        return f"{self.stems[bucket]}epoch"
+
+    def hop(self, key: str, digest: str) -> str:
+        return f"{self.stems[self.bucket(key)]}h:{digest}"
