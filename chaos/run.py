@@ -18,7 +18,12 @@ redis-redis-keyless    HTTP fake with ``dedupe=False`` and a send task that does
 redis-vt-defaults      the library's default settings, Redis ``visibility_timeout`` 10 s, whole-worker
                        kills only: copies per task id, and the time from a kill to delivery
 rabbitmq-pg-smtp       SMTP sink (no key support at all), RabbitMQ, PostgreSQL ledger
-redis-redis-gevent     workers on ``-P gevent -c 50``, SIGKILLed whole (no pool children to kill)
+redis-redis-gevent     workers on ``-P gevent -c 50``, SIGKILLed whole (no pool children to kill), with
+                       the Redis transport's default unacked-restore settings
+campaign-blips-rotate  ``send_campaign`` (each enqueued twice) to the SMTP sink; the ledger (a Redis of
+                       the run's own) is stopped for 3 s three times, and once 25 % are delivered the
+                       key secret is rotated worker by worker in docs/security.md's two steps
+                       (``[old, new]``, then ``[new, old]``), each a warm restart
 drill-keyed            ledger-loss drill: the Redis ledger is flushed mid-run and the loss stands 10 s
                        before ``ledger ack-loss``; keyed provider
 drill-keyless          the same drill with the keyless provider
@@ -73,7 +78,13 @@ def scenarios(intents: int, copies: int, kills: int, seed: int) -> list[Scenario
                 visibility_timeout=10.0, provider_timeout=10.0, fault_rate=0.02, defaults=True, latency=0.2,
                 enqueue_seconds=max(10.0, side * copies / 300), deadline=900.0, seed=seed + 8),
         replace(base, name="redis-redis-gevent", pool="gevent", concurrency=50, whole_worker_share=1.0,
-                intents=side, kills=side_kills, enqueue_seconds=max(10.0, side * copies / 300), seed=seed + 9),
+                intents=side, kills=side_kills, enqueue_seconds=max(10.0, side * copies / 300), seed=seed + 9,
+                restore_defaults=True),
+        # Campaigns through ledger outages and a key-secret rotation (issue 23): no recipient twice, every
+        # record final, under its old key or its new one.
+        replace(base, name="campaign-blips-rotate", provider="smtp", campaigns=12, intents=side, copies=2,
+                kills=side_kills, ledger_blips=3, rotate_secret_at=0.25, enqueue_seconds=10.0, lease=10.0,
+                seed=seed + 10),
         # The drills enqueue every copy before the workers start: all of them predate the loss.
         replace(base, name="drill-keyed", intents=side, kills=0, fault_rate=0.0, flush_ledger_at=0.5,
                 enqueue_seconds=2.0, seed=seed + 6),

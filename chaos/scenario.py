@@ -37,15 +37,17 @@ from typing import Any
 
 import redis
 
+from idemmail_celery.bulk import CAMPAIGN_TASK
 from idemmail_celery.ledger import Ledger, State, from_url
 from idemmail_celery.ledger.redis import RedisLedger
 from idemmail_celery.ledger.sql import SQLLedger
 from idemmail_celery.mail import TASK_NAME
 from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
+from idemmail_celery.testing.redis_server import RedisServer
 from idemmail_celery.testing.smtp_sink import SMTPSink
 
 from .procs import WorkerProcess, stop_all, wait_until
-from .workerapp import KEYLESS_TASK, build_app, receipts_key, trace_key, worker_env
+from .workerapp import KEY_SECRET, KEYLESS_TASK, build_app, receipts_key, trace_key, worker_env
 
 REDIS_URL = os.environ.get("CHAOS_REDIS", "redis://127.0.0.1:6379/0")
 RABBITMQ_URL = os.environ.get("CHAOS_RABBITMQ", "amqp://guest:guest@127.0.0.1:5672//")
@@ -95,6 +97,17 @@ class Scenario:
     #: How long the provider takes over every send (seconds): a real provider's 50-300 ms keeps sends in
     #: flight, so a whole-worker kill cuts some short.
     latency: float = 0.0
+    #: Campaign mode: the intents are the recipients of this many ``send_campaign`` calls (each enqueued
+    #: ``copies`` times), not single sends.
+    campaigns: int = 0
+    #: The ledger is a Redis of the run's own, stopped for ``blip_seconds`` this many times mid-run.
+    ledger_blips: int = 0
+    blip_seconds: float = 3.0
+    #: When this share of the intents is delivered, every worker is restarted with a rotated key secret
+    #: (``[new, old]``).
+    rotate_secret_at: float | None = None
+    #: The Redis transport's own unacked-restore settings (not the quick ones the other runs use).
+    restore_defaults: bool = False
 
     @property
     def keyed(self) -> bool:
@@ -148,6 +161,10 @@ class Result:
     killed_executions: int = 0  # executions a whole-worker kill cut short
     kill_to_delivery: list[float] = field(default_factory=list)  # s from each such kill to its intent's delivery
     kill_to_settled: list[float] = field(default_factory=list)  # s from each such kill to its intent's final record
+    ledger_blips: int = 0
+    rotated: bool = False
+    split_records: int = 0  # intents recorded under both their old and their new key (a rotation gone wrong)
+    drained: bool = True
     ok: bool = False
     problems: list[str] = field(default_factory=list)
 
@@ -476,6 +493,11 @@ class Run:
         self.requests_at_settled = 0
         self.requests_at_ack = 0
         self.messages = 0
+        # A ledger of the run's own to stop and start (the blips), and one restart of a worker at a time.
+        self.ledger_server = RedisServer(log_dir / "ledger-redis") if s.ledger_blips else None
+        self.restart_lock = threading.Lock()
+        self.blips = 0
+        self.rotated = False
 
     # -- set-up --
 
@@ -483,7 +505,10 @@ class Run:
         s = self.s
         broker = REDIS_URL if s.broker == "redis" else RABBITMQ_URL
         ledger = REDIS_URL if s.ledger == "redis" else POSTGRES_URL
+        if self.ledger_server is not None:
+            ledger = self.ledger_server.url
         return {
+            "key_secrets": "", "restore_defaults": "1" if s.restore_defaults else "",
             "ns": self.ns, "broker": broker, "ledger": ledger, "provider": self.provider.url,
             "provider_key": self.provider.api_key, "provider_timeout": str(s.provider_timeout),
             "lease": str(s.lease), "visibility_timeout": str(s.visibility_timeout), "trace": REDIS_URL,
@@ -494,9 +519,19 @@ class Run:
         return KEYLESS_TASK if self.s.provider == "http-keyless" else TASK_NAME
 
     def intent(self, i: int, copy: int) -> dict[str, Any]:
+        if self.s.campaigns:  # recipient i of campaign c: the send_email call a campaign makes for it
+            c = i % self.s.campaigns
+            return {"to": f"user{i}@example.com", "subject": f"News {c}", "text": "hello",
+                    "event_id": f"{self.ns}-campaign-{c}"}
         # The body differs per copy (an agent rewrote it); the intent is the event and the recipient.
         return {"to": f"user{i}@example.com", "subject": f"Receipt {i}", "text": f"copy {copy} of {i}",
                 "event_id": f"{self.ns}-order-{i}", "template": "receipt"}
+
+    def campaign(self, c: int) -> dict[str, Any]:
+        """The ``send_campaign`` call of campaign ``c``: the intents ``i`` with ``i % campaigns == c``."""
+        s = self.s
+        return {"campaign_id": f"{self.ns}-campaign-{c}", "subject": f"News {c}", "text": "hello",
+                "recipients": [f"user{i}@example.com" for i in range(c, s.intents, s.campaigns)], "batch_size": 25}
 
     # -- threads --
 
@@ -511,7 +546,7 @@ class Run:
 
     def enqueue(self, task: Any) -> None:
         s = self.s
-        order = [i for i in range(s.intents) for _ in range(s.copies)]
+        order = [i for i in range(s.campaigns or s.intents) for _ in range(s.copies)]
         self.rng.shuffle(order)
         copies: Counter[int] = Counter()
         self.log("enqueue_start", messages=len(order))
@@ -521,7 +556,7 @@ class Run:
             if self.stop.is_set():
                 break
             copies[i] += 1
-            task.apply_async(kwargs=self.intent(i, copies[i]))
+            task.apply_async(kwargs=self.campaign(i) if s.campaigns else self.intent(i, copies[i]))
             self.messages += 1
             ahead = t0 + (n + 1) * per - time.monotonic()
             if ahead > 0:
@@ -563,18 +598,20 @@ class Run:
                 deck = ["worker" if s.whole_worker_share > 0 else "child"] + ["child"] * (size - 1)
                 self.rng.shuffle(deck)
             if deck.pop() == "worker" and len(alive) >= 2:
-                pid, children = w.pid, w.pool_children()
-                w.kill()
-                self.worker_kills += 1
-                self.log("kill_worker", worker=w.name, pid=pid, children=children, signal="SIGKILL",
-                         scope="process group")
-                # Executions run in the pool children, or in the worker itself (-P gevent, -P threads, solo).
-                self.worker_kill_times.append((time.time(), {*children, *([pid] if pid else [])}))
-                if self.stop.wait(self.rng.uniform(0.5, 2.0)):
-                    return
-                t = time.monotonic()
-                w.start()
-                self.log("restart_worker", worker=w.name, pid=w.pid, ready_after=round(time.monotonic() - t, 2))
+                with self.restart_lock:
+                    pid, children = w.pid, w.pool_children()
+                    w.kill()
+                    self.worker_kills += 1
+                    self.log("kill_worker", worker=w.name, pid=pid, children=children, signal="SIGKILL",
+                             scope="process group")
+                    # Executions run in the pool children, or in the worker itself (-P gevent, -P threads, solo).
+                    self.worker_kill_times.append((time.time(), {*children, *([pid] if pid else [])}))
+                    if self.stop.wait(self.rng.uniform(0.5, 2.0)):
+                        return
+                    t = time.monotonic()
+                    w.start()
+                    self.log("restart_worker", worker=w.name, pid=w.pid,
+                             ready_after=round(time.monotonic() - t, 2))
             else:
                 kids = w.pool_children()
                 if not kids:
@@ -584,6 +621,44 @@ class Run:
                     os.kill(pid, signal.SIGKILL)
                     self.child_kills += 1
                     self.log("kill_pool_child", worker=w.name, worker_pid=w.pid, pid=pid, signal="SIGKILL")
+
+    def blip_ledger(self) -> None:
+        """Stop the run's ledger Redis for ``blip_seconds`` at random moments while sends flow, then start it."""
+        s, server = self.s, self.ledger_server
+        assert server is not None
+        while not self.stop.is_set() and self.provider.requests() < 5:
+            time.sleep(0.05)
+        while not self.stop.is_set() and self.blips < s.ledger_blips:
+            if self.stop.wait(s.enqueue_seconds / (s.ledger_blips + 1) * self.rng.uniform(0.5, 1.5)):
+                return
+            server.stop()
+            self.blips += 1
+            self.log("ledger_down", blip=self.blips)
+            self.stop.wait(s.blip_seconds)
+            server.start()
+            self.log("ledger_up", blip=self.blips)
+
+    def rotate_secret(self) -> None:
+        """Once ``rotate_secret_at`` of the intents are delivered, rotate the key secret as docs/security.md
+        says, worker by worker (a rolling redeploy, warm shutdowns): first ``[old, new]`` everywhere (keys
+        still made under ``old``, records under ``new`` found), then ``[new, old]``."""
+        s = self.s
+        assert s.rotate_secret_at is not None
+        while not self.stop.wait(0.1):
+            if self.provider.delivered() >= s.intents * s.rotate_secret_at:
+                break
+        else:
+            return
+        for phase, secrets in enumerate(([KEY_SECRET, f"{KEY_SECRET}-2"], [f"{KEY_SECRET}-2", KEY_SECRET]), 1):
+            self.log("key_secret_rotating", phase=phase, delivered=self.provider.delivered())
+            for w in self.workers:
+                with self.restart_lock:
+                    w.env = {**w.env, "CHAOS_KEY_SECRETS": json.dumps(secrets)}  # a restart after a kill gets it too
+                    if w.alive():
+                        w.stop(timeout=60.0)  # a redeploy: warm shutdown, the running pass finishes or hands on
+                        w.start()
+        self.rotated = True
+        self.log("key_secret_rotated", secrets="[new, old]", delivered=self.provider.delivered())
 
     def flush_ledger(self, view: LedgerView) -> None:
         s = self.s
@@ -625,9 +700,12 @@ class Run:
         s = self.s
         result = Result(scenario=s, ns=self.ns, log_dir=str(self.log_dir), intents=s.intents)
         self.provider.start()
+        if self.ledger_server is not None:
+            self.ledger_server.start()
         config = self.config()
         app = build_app(config)
         task = app.tasks[self.task_name()]
+        sender = app.tasks[CAMPAIGN_TASK] if s.campaigns else task
         queue = app.conf.task_default_queue
         broker = BrokerView(app, config["broker"], self.ns, queue)
         view = LedgerView(config["ledger"], {"retention_seconds": 7 * 24 * 3600.0, **app.conf.idemmail_ledger_options})
@@ -642,9 +720,9 @@ class Run:
                 self.workers.append(w)
             targets: list[tuple[str, Callable[[], None]]] = []
             if s.drill:  # every copy is in the queue before the first send: all of them predate the loss
-                self.enqueue(task)
+                self.enqueue(sender)
             else:
-                targets.append(("enqueue", lambda: self.enqueue(task)))
+                targets.append(("enqueue", lambda: self.enqueue(sender)))
             for w in self.workers:
                 w.start()
                 self.log("worker_started", worker=w.name, pid=w.pid, children=w.pool_children())
@@ -655,6 +733,10 @@ class Run:
                 targets.append(("kills", self.kill_things))
             if s.drill:
                 targets.append(("flush", lambda: self.flush_ledger(view)))
+            if self.ledger_server is not None:
+                targets.append(("blips", self.blip_ledger))
+            if s.rotate_secret_at is not None:
+                targets.append(("rotation", self.rotate_secret))
             for name, fn in targets:
                 th = threading.Thread(target=self._guard(fn, name), name=f"chaos-{name}", daemon=True)
                 th.start()
@@ -671,6 +753,7 @@ class Run:
             drained = wait_until(lambda: broker.depth() == 0, timeout=max(60.0, s.visibility_timeout * 6),
                                  interval=0.25)
             self.log("queue_drained" if drained else "queue_not_drained", depth=broker.depth())
+            result.drained = drained
             self._settle()
             stop_all(self.workers)
             self.log("workers_stopped")
@@ -685,6 +768,8 @@ class Run:
             self.provider.stop()
             broker.cleanup()
             view.drop()
+            if self.ledger_server is not None:
+                self.ledger_server.stop()
             self.log("run_end", ok=result.ok, problems=result.problems)
             self.log.close()
         return result
@@ -697,7 +782,11 @@ class Run:
         while time.monotonic() < deadline:
             if self.errors:
                 return False
-            counts = view.state_counts()
+            try:
+                counts = view.state_counts()
+            except Exception:  # the run's own ledger is blipped: look again when it is back
+                time.sleep(0.5)
+                continue
             final = sum(n for st, n in counts.items() if st in FINAL)
             open_ = sum(n for st, n in counts.items() if st not in FINAL)
             if time.monotonic() - last_log > 5:
@@ -778,9 +867,19 @@ class Run:
     def _judge(self, r: Result, task: Any, view: LedgerView) -> None:
         s = self.s
         keys = [task.intent_key(**self.intent(i, 1)) for i in range(s.intents)]
-        known = set(keys)
         delivered = self.provider.deliveries_by_key()
         records = view.states(keys)
+        r.ledger_blips, r.rotated = self.blips, self.rotated
+        if self.rotated:  # an intent is one whether it went out (and was recorded) under its old or its new key
+            rotated = build_app({**self.config(), "key_secrets": json.dumps([f"{KEY_SECRET}-2", KEY_SECRET])})
+            news = [rotated.tasks[task.name].intent_key(**self.intent(i, 1)) for i in range(s.intents)]
+            for old, new in zip(keys, news, strict=True):
+                delivered[old] += delivered.pop(new, 0)
+                newer = view.ledger.get(new)
+                if records[old] is not None and newer is not None:
+                    r.split_records += 1
+                records[old] = records[old] or newer
+        known = set(keys)
         r.messages = self.messages
         r.deliveries = sum(delivered.values())
         r.duplicates = sum(n - 1 for k, n in delivered.items() if n > 1)
@@ -824,6 +923,10 @@ class Run:
             r.resends_before_ack = total - r.resends
         open_ = sum(n for st, n in states.items() if st not in FINAL and st != "none")
         problems = list(self.errors)
+        if not r.drained:
+            problems.append("the broker queue was not drained")
+        if r.split_records:
+            problems.append(f"{r.split_records} intents recorded under both their old and their new key")
         if r.stuck:
             problems.append(f"not every record final within {s.deadline:.0f}s: {dict(states)}")
         if s.drill:

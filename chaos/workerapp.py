@@ -24,6 +24,8 @@ import redis
 from celery import Celery
 from celery.signals import task_postrun, task_prerun
 
+import idemmail_celery.redrive  # noqa: F401  (green pools restore the broker's unacked messages on a timer)
+from idemmail_celery.bulk import CAMPAIGN_TASK, send_campaign  # noqa: F401  (the campaign scenario)
 from idemmail_celery.mail import TASK_NAME, SendEmailTask, register
 
 KEYLESS_TASK = "chaos.send_email_keyless"
@@ -40,6 +42,8 @@ ENV = {
     "visibility_timeout": "CHAOS_VT",
     "trace": "CHAOS_TRACE",
     "defaults": "CHAOS_DEFAULTS",
+    "key_secrets": "CHAOS_KEY_SECRETS",
+    "restore_defaults": "CHAOS_RESTORE_DEFAULTS",
 }
 """Config name -> environment variable, for :func:`config_from_env` and :func:`worker_env`."""
 
@@ -68,14 +72,15 @@ def worker_env(config: dict[str, str]) -> dict[str, str]:
 
 
 def broker_options(config: dict[str, str]) -> dict[str, Any]:
-    """Redis transport options: its own key prefix, and restores within seconds (kombu 5.7 names)."""
+    """Redis transport options: its own key prefix, and restores within seconds (kombu 5.7 names), or at
+    the transport's own pace (``restore_defaults``: 10 s x 10 in the event loop, 10 s in a green pool's timer)."""
     if not config["broker"].startswith("redis"):
         return {}
+    quick = {} if config.get("restore_defaults") else {"unacked_restore_interval": 1, "unacked_restore_throttle": 1}
     return {
         "global_keyprefix": f"{config['ns']}.",
         "visibility_timeout": float(config["visibility_timeout"] or 3600),
-        "unacked_restore_interval": 1,
-        "unacked_restore_throttle": 1,
+        **quick,
         "max_connections": 200,  # a gevent worker acks from each of its greenlets (kombu's default pool: 10)
     }
 
@@ -111,7 +116,8 @@ def build_app(config: dict[str, str]) -> Celery:
         broker_transport_options=broker_options(config),
         idemmail_ledger_url=config["ledger"],
         idemmail_ledger_options=ledger_options(config),
-        idemmail_key_secret=KEY_SECRET,
+        # A rotation mid-run: a JSON array, newest first (the old secret last, so older records are found).
+        idemmail_key_secret=json.loads(config["key_secrets"]) if config.get("key_secrets") else KEY_SECRET,
         idemmail_provider_url=config["provider"] or None,
         idemmail_provider_api_key=config["provider_key"] or None,
         idemmail_provider_timeout=float(config["provider_timeout"] or 1.0),

@@ -9,7 +9,7 @@ import logging
 import os
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 log = logging.getLogger("idemmail_celery")
@@ -32,7 +32,7 @@ ENQUEUED_HEADER = "idemmail_enqueued"
 INFLIGHT_HEADER = "idemmail_inflight"
 #: How many times this chain was rescheduled because the ledger (or the provider's set-up) was unavailable.
 OUTAGE_HEADER = "idemmail_outage"
-#: The owner this chain's last claim was made under, when it may still hold it (see ``ClaimRequest.resume_owner``).
+#: The owners this chain may still hold its claim under, newest first (a list; see ``Delivery.resume_owners``).
 OWNER_HEADER = "idemmail_owner"
 #: A verdict this chain reached but could not record (the ledger was down): recorded by the next delivery.
 VERDICT_HEADER = "idemmail_verdict"
@@ -69,6 +69,17 @@ MAX_OLDER_KEYS = 8
 
 #: Headers that belong to one reschedule chain: a ``retry()`` starts a new chain without them.
 CHAIN_HEADERS = (INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, NOT_BEFORE_HEADER)
+
+
+def chain_headers(headers: Mapping[str, Any], state: Mapping[str, Any], *, drop: Iterable[str]) -> dict[str, Any]:
+    """The headers of a chain's next message: ``headers`` less the chain state named in ``drop``, plus
+    ``state`` (owners, verdicts, budgets, a campaign pass's place). Every adapter writes chain state
+    through here (single sends in ``task.py``, campaign passes in ``bulk.py``): one place for a hook
+    that signs or checks it."""
+    dropped = set(drop)
+    out = {k: v for k, v in headers.items() if k not in dropped}
+    out.update(state)
+    return out
 
 
 def backoff(attempt: int, base: float, cap: float, *, jitter: bool = True) -> float:

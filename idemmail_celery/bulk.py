@@ -40,12 +40,26 @@ from ._common import (
     SEALED_HEADERS,
     VERDICT_HEADER,
     backoff,
+    chain_headers,
     transport_visibility_timeout,
 )
 from ._lease import keeper
 from .config import Settings
-from .errors import LedgerError, SendNeedsReview
-from .handler import Action, Delivery, Handler, Outcome, Step, error_record, verdict_of
+from .errors import ConfigurationError, LedgerError, SendNeedsReview
+from .handler import (
+    INVALID_INPUT,
+    Action,
+    Delivery,
+    Handler,
+    Outcome,
+    Policy,
+    Step,
+    error_record,
+    held_by,
+    owners_of,
+    say_setup_error_once,
+    verdict_of,
+)
 from .keys import Payload, Seal, untrusted_removed
 from .ledger import Claim
 from .ledger.base import new_owner
@@ -106,10 +120,16 @@ class BatchResult:
         return Counter(self.outcomes())
 
     def verdicts(self) -> dict[str, dict[str, Any]]:
-        """Verdicts this batch reached and could not record yet (delivery key -> verdict), each with
-        the ``owner`` its claim is held by: the pass that records it takes the claim back as that owner."""
-        return {k: {**s.carry[VERDICT_HEADER], "owner": s.carry.get(OWNER_HEADER)}
-                for k, s in zip(self.keys, self.steps, strict=True) if VERDICT_HEADER in s.carry}
+        """Verdicts this batch reached and could not record yet, by the key their claim was made with
+        (during a key-secret rotation an older key, which the next pass's secrets may not derive), each
+        with the ``owner`` (a list, newest first) its claim is held by: the pass that records it takes
+        the claim back as that owner, under that key."""
+        return {s.key: {**s.carry[VERDICT_HEADER], "owner": s.carry.get(OWNER_HEADER)}
+                for s in self.steps if VERDICT_HEADER in s.carry}
+
+    def settled_keys(self) -> set[str]:
+        """Every key this batch settled a recipient under: the deliveries' and their claims'."""
+        return {*self.keys, *(s.key for s in self.steps)}
 
 
 
@@ -118,7 +138,7 @@ def send_batch(handler: Handler, deliveries: Sequence[Delivery], *, owner: str, 
 
     ``deliveries`` have distinct keys. Raises :class:`LedgerError` only when the batch claim
     itself fails, or a key-secret rotation's lookup of older keys does (nothing was sent; the
-    claims may have landed: retry with ``owner`` as the next pass's ``resume_owner``). On the
+    claims may have landed: the next pass takes them back, ``owner`` among its ``resume_owners``). On the
     ``last`` pass nothing is left held for a next one: a recipient whose settling failed
     unexpectedly is parked for review.
     """
@@ -135,6 +155,11 @@ def send_batch(handler: Handler, deliveries: Sequence[Delivery], *, owner: str, 
             deliveries[i] = handler.recorded_key(d)
         claimable.append(i)
     claims = handler.ledger.claim_many([handler.request(deliveries[i], owner) for i in claimable])
+    for n, (i, c) in enumerate(zip(claimable, claims, strict=True)):
+        try:  # held under an older owner of this campaign's (a batch claim whose reply was lost): taken back
+            claims[n] = handler.take_back(deliveries[i], c, owner)
+        except LedgerError as exc:  # left busy: the next pass tries again, with this pass's owners
+            log.warning("idemmail: taking a campaign recipient's claim back failed (%s)", type(exc).__name__)
     held = [(i, c) for i, c in zip(claimable, claims, strict=True) if c.status.holds]
     lease = handler.policy.lease_seconds
     for _, c in held:  # renewed while the batch runs, not only while each one is sent
@@ -208,20 +233,30 @@ def _send_campaign(
     base = {"subject": subject, "text": text, "html": html, "from_": from_, "event_id": campaign_id,
             "template": template, "tenant": tenant, "headers": headers, "tags": tags}
     base = {k: v for k, v in base.items() if v is not None}
-    sender.check_call((), {**base, "to": recipients[0]} if recipients else base)  # fail the whole run early
-
     request_headers = _trusted(self, sender)
     owner = new_owner(self.request.id or "campaign")
+    # The owners whose claims this pass may hold or find held (a batch claim whose reply was lost may or may
+    # not have landed): every pass it hands on to takes back whichever of them holds a recipient's claim.
+    owners = held_by(owner, owners_of(request_headers.get(OWNER_HEADER)))
     carried = request_headers.get(VERDICT_HEADER)
     verdicts = carried if isinstance(carried, dict) else {}
-    handler = Handler(sender.ledger, builder, sender.policy, CampaignEffect(sender, self))
     # A pass that ran out of time handed the rest of the list to this one (see _yield_pass).
     resumed = _Resumed.of(request_headers.get(CAMPAIGN_HEADER), len(recipients))
-    passes = max(0, (self.request.retries or 0) - resumed.continued)  # running out of time is not a retry
+    # Neither running out of time nor waiting on an outage is a retry of the campaign.
+    passes = max(0, (self.request.retries or 0) - resumed.continued - resumed.outages)
+    policy = sender._policy_or_default()
+    try:
+        sender.check_call((), {**base, "to": recipients[0]} if recipients else base)  # fail the whole run early
+        handler = Handler(sender.ledger, builder, policy, CampaignEffect(sender, self))
+    except INVALID_INPUT:
+        raise
+    except Exception as exc:  # this worker cannot send now (no provider, a missing driver): wait, as send_email does
+        say_setup_error_once(exc)
+        raise _again(self, policy, exc, owners, verdicts, passes, resumed, outage=True) from exc
     last = passes >= MAX_PASSES
-    deliveries = _unique(builder, base, recipients, tenant, self.request, request_headers, owner, verdicts, passes)
+    deliveries, recipient_of = _unique(builder, base, recipients, tenant, self.request, owners, verdicts, passes)
     if resumed.start > len(deliveries):  # not this list's place: the whole list (the ledger skips the settled)
-        resumed = _Resumed(continued=resumed.continued)
+        resumed = _Resumed(continued=resumed.continued, outages=resumed.outages)
     tally: Counter[Outcome] = Counter(dict(resumed.tally))
     # Verdicts still to record: those this pass came with, until their recipients are settled, and
     # those it reaches and cannot record. A pass that stops early carries both on.
@@ -240,7 +275,7 @@ def _send_campaign(
     # owner's whether or not this claim lands: a verdict is recorded, never sent, whoever takes it back.
     holders: dict[str, list[Delivery]] = {}
     for d in first:
-        holders.setdefault(d.resume_owner or owner, []).append(d)
+        holders.setdefault(handler.claimant(d), []).append(d)
     batches: list[tuple[int | None, str, list[Delivery]]] = [
         (None, holder, held[i:i + size]) for holder, held in holders.items() for i in range(0, len(held), size)]
     batches += [(i, owner, deliveries[i:i + size]) for i in range(resumed.start, len(deliveries), size)]
@@ -248,7 +283,7 @@ def _send_campaign(
     started = time.monotonic()
     for at, claimant, chunk in batches:
         if at is not None and at > resumed.start and time.monotonic() - started >= budget:
-            raise _yield_pass(self, handler, owner, pending_verdicts, passes, at, tally, resumed.continued)
+            raise _yield_pass(self, policy, owners, pending_verdicts, passes, at, tally, resumed)
         if at is not None:  # recorded first in this pass: counted here, not sent for again
             recorded = [d.key for d in chunk if d.key in early]
             tally.update(early.pop(key) for key in recorded)
@@ -260,7 +295,7 @@ def _send_campaign(
         except Exception as exc:  # the ledger failed (or worse): nothing more sent; this pass's claims are ours
             if not isinstance(exc, LedgerError):
                 log.exception("idemmail: campaign %s batch failed; retrying the campaign", campaign_id)
-            raise _again(self, handler, exc, owner, pending_verdicts, passes, resumed.continued) from exc
+            raise _again(self, policy, exc, owners, pending_verdicts, passes, resumed) from exc
         if at is None:
             for d, outcome in zip(chunk, batch.outcomes(), strict=True):
                 if d.key in behind:
@@ -269,9 +304,13 @@ def _send_campaign(
                     early[d.key] = outcome
         else:
             tally.update(batch.tally())
-        for key in batch.keys:
+        for key in batch.settled_keys():
             pending_verdicts.pop(key, None)
-        pending_verdicts.update(batch.verdicts())
+        # Each verdict says which recipient it is, so a pass with other key secrets finds its claim all the same.
+        pending_verdicts.update({k: {**v, "recipient": recipient_of.get(k)} for k, v in batch.verdicts().items()})
+        setup = next((s.error for s in batch.steps if s.outcome is Outcome.SETUP_ERROR), None)
+        if setup is not None:  # the rest of the list meets it too: wait on the outage budget, as send_email does
+            raise _again(self, policy, setup, owners, pending_verdicts, passes, resumed, outage=True) from setup
         processed = resumed.start if at is None else min(at + size, len(deliveries))
         progress = {"total": len(deliveries), "processed": processed, **{o.value: n for o, n in tally.items()}}
         try:
@@ -282,7 +321,7 @@ def _send_campaign(
     if pending_verdicts or (tally[Outcome.PENDING] and not last):
         # Verdicts of this campaign's own sends are never given up on (the outage budget aside):
         # the claims they hold would otherwise be left to nobody. The next pass goes over the whole list.
-        raise _again(self, handler, None, owner, pending_verdicts, passes, resumed.continued)
+        raise _again(self, policy, None, owners, pending_verdicts, passes, resumed)
     if tally[Outcome.PENDING]:  # held by other deliveries after MAX_PASSES: theirs to settle
         log.warning("idemmail: campaign %s leaves %d recipients to the deliveries holding them after %d passes",
                     campaign_id, tally[Outcome.PENDING], passes)
@@ -307,12 +346,15 @@ def pass_seconds(app: Any, settings: Settings) -> float:
 
 @dataclass(frozen=True)
 class _Resumed:
-    """What a pass that ran out of time handed on (the ``idemmail_campaign`` header): where the next
-    pass starts in the de-duplicated list, what the passes so far came to, and how many there were."""
+    """What a pass handed on (the ``idemmail_campaign`` header): where the next pass starts in the
+    de-duplicated list, what the passes so far came to, how many passes only ran out of time
+    (``continued``), and how many waited on an outage or a set-up error (``outages``): neither counts
+    towards ``MAX_PASSES``; the outages count towards ``idemmail_outage_max_retries``."""
 
     start: int = 0
     tally: tuple[tuple[Outcome, int], ...] = ()
     continued: int = 0
+    outages: int = 0
 
     @classmethod
     def of(cls, header: Any, total: int) -> _Resumed:
@@ -321,35 +363,54 @@ class _Resumed:
         if not isinstance(header, dict):
             return cls()
         start, continued, counts = header.get("from"), header.get("continued"), header.get("tally")
+        outages = header.get("outages", 0)
         if not (isinstance(start, int) and isinstance(continued, int) and isinstance(counts, dict)
-                and 0 <= start <= total and continued >= 0):
+                and isinstance(outages, int) and 0 <= start <= total and continued >= 0 and outages >= 0):
             return cls()
         try:
             tally = tuple((Outcome(k), int(v)) for k, v in counts.items())
         except (ValueError, TypeError):
             return cls()
-        return cls(start, tally, continued)
+        return cls(start, tally, continued, outages)
+
+    def header(self, start: int = 0, tally: Counter[Outcome] | None = None, *, continued: int = 0,
+               outages: int = 0) -> dict[str, Any] | None:
+        """The header the next pass gets: this one's counts of passes plus ``continued`` and ``outages``
+        (none when there is nothing to hand on)."""
+        counts = {o.value: c for o, c in (tally or Counter()).items()}
+        head = {"from": start, "tally": counts, "continued": self.continued + continued,
+                "outages": self.outages + outages}
+        return head if start or counts or head["continued"] or head["outages"] else None
 
 
-def _yield_pass(task: Task, handler: Handler, owner: str, verdicts: dict[str, Any], passes: int, start: int,
-                tally: Counter[Outcome], continued: int) -> BaseException:
+def _yield_pass(task: Task, policy: Policy, owners: list[str], verdicts: dict[str, Any], passes: int, start: int,
+                tally: Counter[Outcome], resumed: _Resumed) -> BaseException:
     """End this pass before the broker hands its message out again: the next pass, published now,
     starts at ``start`` with this pass's counts, claim owner and unrecorded verdicts (it records
     those first). With none of those it starts at once; with some, within a third of the lease.
     """
-    headers = _pass_headers(task, owner, verdicts, {"from": start, "tally": {o.value: c for o, c in tally.items()},
-                                                    "continued": continued + 1})
+    headers = _pass_headers(task, owners, verdicts, resumed.header(start, tally, continued=1))
     log.info("idemmail: campaign pass ran for its time; the next one starts at recipient %d", start)
-    countdown = _countdown(task, handler, passes, verdicts) if verdicts else 0
+    countdown = _countdown(task, policy, passes, verdicts) if verdicts else 0
     return task.retry(countdown=countdown, headers=headers)  # type: ignore[no-any-return]
 
 
 def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: str | None, request: Any,
-            headers: dict[str, Any], owner: str, verdicts: dict[str, Any], passes: int) -> list[Delivery]:
-    """One delivery per intent: recipients whose keys agree (two spellings of one mailbox) are one."""
+            owners: list[str], verdicts: dict[str, Any], passes: int) -> tuple[list[Delivery], dict[str, int]]:
+    """One delivery per intent: recipients whose keys agree (two spellings of one mailbox) are one.
+    Each claims as ``owners[0]`` (this pass) and takes back a claim held by any of the others.
+
+    A recipient with a verdict to record is claimed under the key the verdict was reached under, found
+    by that key (or one of the recipient's older keys) or, after a key-secret rotation this pass's secrets
+    cannot derive it from, by the recipient's place in the list. Also returns each key a recipient may be
+    recorded under (its own, its older ones, its verdict's) -> its place in ``recipients``.
+    """
     out: dict[str, Delivery] = {}
-    resume = headers.get(OWNER_HEADER) or None
-    for to in recipients:
+    recipient_of: dict[str, int] = {}
+    owner, resume = owners[0], tuple(owners[1:])
+    by_place = {v["recipient"]: k for k, v in verdicts.items()
+                if isinstance(v, dict) and isinstance(v.get("recipient"), int)}
+    for place, to in enumerate(recipients):
         payload = builder.payload((), {**base, "to": to})
         older: tuple[str, ...] = ()
         try:
@@ -357,47 +418,60 @@ def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: s
             older = builder.older_keys(payload, tenant=tenant)  # () unless the key secret is being rotated
         except Exception:  # an address the key cannot be made of: the check refuses it below, by name
             key = f"invalid:{len(out)}"
-        if key not in out:
-            verdict = verdict_of(verdicts.get(key))
-            held_by = verdict.get("owner") if verdict is not None else None
-            out[key] = Delivery(key=key, task_name=SEND_EMAIL, payload=payload, attempt_id=request.id or "",
-                                retries=passes, max_retries=MAX_PASSES, owner=owner,
-                                resume_owner=held_by if isinstance(held_by, str) and held_by else resume,
-                                verdict=verdict, older_keys=older)
-    return list(out.values())
+        if key in out:
+            continue
+        claim_key = next((k for k in (key, *older) if k in verdicts), None) or by_place.get(place)
+        verdict = verdict_of(verdicts.get(claim_key)) if claim_key is not None else None
+        for k in (key, *older, *([claim_key] if verdict is not None else [])):
+            recipient_of.setdefault(str(k), place)
+        holders = owners_of(verdict.get("owner")) if verdict is not None else ()
+        out[key] = Delivery(key=str(claim_key) if verdict is not None else key, task_name=SEND_EMAIL,
+                            payload=payload, attempt_id=request.id or "", retries=passes, max_retries=MAX_PASSES,
+                            owner=owner, resume_owners=holders or resume, verdict=verdict,
+                            older_keys=() if verdict is not None else older)
+    return list(out.values()), recipient_of
 
 
-def _again(task: Task, handler: Handler, exc: BaseException | None, owner: str,
-           verdicts: dict[str, Any], passes: int, continued: int) -> BaseException:
+def _again(task: Task, policy: Policy, exc: BaseException | None, owners: list[str],
+           verdicts: dict[str, Any], passes: int, resumed: _Resumed, *, outage: bool = False) -> BaseException:
     """Retry the campaign; the next pass takes this pass's claims back and records its verdicts.
 
-    A pass cut short by the ledger waits on the outage budget (``idemmail_outage_max_retries``,
-    unlimited by default), any other pass on ``MAX_PASSES``; past its budget the campaign fails
-    with the error. Campaigns never fail open.
+    A pass cut short by the ledger, or by a set-up error (``outage``, or :func:`waits_on_outage`), waits on the
+    outage budget (``idemmail_outage_max_retries``, unlimited by default) and does not count towards
+    ``MAX_PASSES``, as ``send_email`` waits; any other pass counts towards ``MAX_PASSES``. Past its
+    budget the campaign fails with the error. Campaigns never fail open.
     """
-    policy = handler.policy
+    outage = outage or (exc is not None and waits_on_outage(exc))
     if exc is not None:
-        budget = policy.outage_max_retries if isinstance(exc, LedgerError) else MAX_PASSES
-        if budget is not None and passes >= budget:
-            log.error("idemmail: campaign gives up after %d passes: %s", passes, type(exc).__name__)
+        budget, spent = (policy.outage_max_retries, resumed.outages) if outage else (MAX_PASSES, passes)
+        if budget is not None and spent >= budget:
+            log.error("idemmail: campaign gives up after %d passes: %s", spent, type(exc).__name__)
             return exc
-    countdown = _countdown(task, handler, passes, verdicts)
-    # The next pass goes over the whole list; passes that only ran out of time stay out of MAX_PASSES.
-    headers = _pass_headers(task, owner, verdicts, {"from": 0, "tally": {}, "continued": continued} if continued
-                            else None)
+    countdown = _countdown(task, policy, resumed.outages if outage else passes, verdicts)
+    # The next pass goes over the whole list.
+    headers = _pass_headers(task, owners, verdicts, resumed.header(outages=int(outage)))
     return task.retry(exc=exc, countdown=countdown, headers=headers)  # type: ignore[no-any-return]
 
 
-def _pass_headers(task: Task, owner: str, verdicts: dict[str, Any], resume: dict[str, Any] | None) -> dict[str, Any]:
-    """The next pass's headers: this message's, with this pass's claim owner, its unrecorded verdicts
+def waits_on_outage(exc: BaseException) -> bool:
+    """Does a pass that met ``exc`` wait on the outage budget? The ledger could not answer, or the
+    call cannot be set up on this worker (no API key, a missing driver): nothing was sent for it."""
+    return isinstance(exc, (LedgerError, ConfigurationError, ImportError))
+
+
+def _pass_headers(task: Task, owners: list[str], verdicts: dict[str, Any],
+                  resume: dict[str, Any] | None) -> dict[str, Any]:
+    """The next pass's headers: this message's, with the claim owners it may hold, its unrecorded verdicts
     and where the next pass starts (none: the whole list) in place of the ones it came with."""
-    headers = untrusted_removed(task.request.headers or {}, keep=())  # what this pass did not write goes
-    headers[OWNER_HEADER] = owner
+    state: dict[str, Any] = {OWNER_HEADER: owners}
     if verdicts:
-        headers[VERDICT_HEADER] = verdicts
+        state[VERDICT_HEADER] = verdicts
     if resume is not None:
-        headers[CAMPAIGN_HEADER] = resume
-    # Last, sealed: the next pass acts on these only if this library wrote them for this campaign (see _trusted).
+        state[CAMPAIGN_HEADER] = resume
+    # What this pass did not write goes; then, last, the seal: the next pass acts on these only if this
+    # library wrote them for this campaign (see _trusted).
+    headers = chain_headers(untrusted_removed(task.request.headers or {}, keep=()), state,
+                            drop=(OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER))
     headers[KEY_MARK_HEADER] = task.app.tasks[SEND_EMAIL].key_builder.seal(headers, _campaign_call(task),
                                                                           task_name=CAMPAIGN_TASK)
     return headers
@@ -430,10 +504,9 @@ def _trusted(task: Task, sender: SendEmailTask) -> dict[str, Any]:
     return untrusted_removed(headers, keep=())
 
 
-def _countdown(task: Task, handler: Handler, passes: int, verdicts: dict[str, Any]) -> float:
+def _countdown(task: Task, policy: Policy, passes: int, verdicts: dict[str, Any]) -> float:
     """The wait before the next pass: backoff, kept below the visibility timeout, and with verdicts to
     record, below a third of the lease (back before the claims can run out: no other delivery may take them)."""
-    policy = handler.policy
     countdown = backoff(passes, policy.inflight_backoff, policy.inflight_backoff_max)
     if verdicts:
         countdown = min(countdown, policy.lease_seconds / 3)

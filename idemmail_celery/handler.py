@@ -9,7 +9,7 @@ a redundant copy. Read top to bottom, :meth:`Handler.handle` is the guarantee:
 1. **check** the call before anything is stored: bad input ends ``failed`` (never stored,
    never retried); a side effect that cannot be set up (a provider without its API key)
    waits on the outage budget like an unavailable ledger.
-2. **claim** the key (taking back this chain's own earlier claim, see ``resume_owner``).
+2. **claim** the key (taking back this chain's own earlier claim, see ``Delivery.resume_owners``).
    An unavailable ledger fails closed: rescheduled on the outage budget, nothing sent
    (or run without a claim when ``fail_open`` says so).
 3. **settle** by what the ledger says:
@@ -99,6 +99,8 @@ class Outcome(str, enum.Enum):
     COPY_DROPPED = "copy_dropped"              #: a second copy of a reschedule already published: dropped
     LEDGER_UNAVAILABLE = "ledger_unavailable"  #: fail closed: rescheduled until the ledger (or set-up) is back
     LEDGER_GAVE_UP = "ledger_unavailable_gave_up"  #: the outage budget ran out: the message fails
+    SETUP_ERROR = "setup_error"                #: this worker cannot set the call up (a missing API key or driver,
+                                               #: a broken install): rescheduled on the outage budget, nothing claimed
     RECLAIMED = "reclaimed"                    #: a dead holder's expired lease was taken over (a step)
     KEY_REUSE = "key_reuse"                    #: refused: the key came back with other must-match values
     FAIL_OPEN = "fail_open"                    #: the ledger was down and fail_open ran the body without a claim
@@ -171,9 +173,10 @@ class Delivery:
     outage: int = 0
     #: When the intent was first enqueued (caller's clock), for the ledger-loss rule; None: not said.
     enqueued_at: float | None = None
-    #: The claim owner this chain may still hold (``ClaimRequest.resume_owner``), and the verdict it
-    #: could not record (``{"state": "sent", "result": ...}`` or ``{"state": "failed"|"review", "error": ...}``).
-    resume_owner: str | None = None
+    #: The claim owners this chain may still hold its claim under, newest first (``ClaimRequest.resume_owner``:
+    #: a claim whose reply was lost may or may not have landed, so the one before it is kept too), and the
+    #: verdict it could not record (``{"state": "sent", "result": ...}`` or ``{"state": "failed"|"review", ...}``).
+    resume_owners: tuple[str, ...] = ()
     verdict: dict[str, Any] | None = None
     #: The id of the published message this delivery is a copy of (``Ledger.mark_hop``).
     hop: str = ""
@@ -258,18 +261,39 @@ class Handler:
                 d = self.recorded_key(d)
             except (LedgerUnavailableError, UnsafeLedgerError) as exc:
                 # Nothing claimed yet: the next delivery looks again, holding what this one held.
-                return self.unavailable(d, exc, carry=_held(d, d.resume_owner) or None)
-        # A verdict is claimed as the owner holding its claim, so that the claim stays that owner's
-        # whether or not this one lands (its reply may be lost): it is recorded, never run, whoever takes it.
-        owner = (d.verdict is not None and d.resume_owner) or d.owner or new_owner(d.attempt_id)
+                return self.unavailable(d, exc)
+        owner = self.claimant(d)
+        request = self.request(d, owner)  # arguments no JSON can hold raise here, as they always have
         try:
-            claim = self.ledger.claim(self.request(d, owner))
-        except (LedgerUnavailableError, UnsafeLedgerError) as exc:
-            # Fail closed. The claim may have landed with its reply lost: the next delivery takes it back.
+            claim = self.take_back(d, self.ledger.claim(request), owner)
+        except Exception as exc:
+            # Fail closed. The claim may have landed with its reply lost, or not: the next delivery
+            # takes back whichever of this chain's owners holds it.
             return self.unavailable(d, exc, carry=_held(d, owner))
         if _said_unreachable:  # the ledger answers again: its next outage gets its ERROR line too
             _said_unreachable.discard(id(self.ledger))
         return self.settle(d, claim)
+
+    def claimant(self, d: Delivery) -> str:
+        """The owner a delivery claims under. A verdict is claimed as the owner holding its claim, so
+        that the claim stays that owner's whether or not this one lands (its reply may be lost): it is
+        recorded, never run, whoever takes it."""
+        if d.verdict is not None and d.resume_owners:
+            return d.resume_owners[0]
+        return d.owner or new_owner(d.attempt_id)
+
+    def take_back(self, d: Delivery, claim: Claim, owner: str) -> Claim:
+        """A claim found busy under an older owner of this chain (an earlier claim of it landed, a later
+        one did not) is taken back as that owner: never left to wait out its lease as someone else's.
+
+        Raises :class:`LedgerUnavailableError` like :meth:`Ledger.claim`.
+        """
+        holder = claim.record.owner
+        # A store may keep an owner with a suffix of its own (the SQL ledgers add a nonce to a new claim's).
+        if claim.status is not ClaimStatus.BUSY or not any(holder.startswith(o) for o in d.resume_owners[1:]):
+            return claim
+        request = self.request(d, holder if d.verdict is not None else owner)
+        return self.ledger.claim(replace(request, resume_owner=holder))
 
     def check(self, d: Delivery) -> Step | None:
         """None if the call may be claimed; else the step that ends it, with nothing stored."""
@@ -288,6 +312,8 @@ class Handler:
             error.__cause__ = exc
             cut_leaking_chain(error)  # a header or tag name holding an address: the cause would print it
             return Step(Outcome.FAILED, Action.RAISE, d.key, error=error)
+        except Exception as exc:  # a missing module, a broken install, a defect: nothing was sent, nothing claimed
+            return self.unavailable(d, exc)
         return None
 
     def recorded_key(self, d: Delivery) -> Delivery:
@@ -315,7 +341,8 @@ class Handler:
         payload = d.payload
         return ClaimRequest(key=d.key, task_name=d.task_name, payload=payload.to_json(),
                             fingerprint=self.builder.fingerprint(payload), owner=owner,
-                            lease_seconds=self.policy.lease_seconds, resume_owner=d.resume_owner)
+                            lease_seconds=self.policy.lease_seconds,
+                            resume_owner=d.resume_owners[0] if d.resume_owners else None)
 
     def settle(self, d: Delivery, claim: Claim) -> Step:
         """Everything after the claim (bulk sends call this for each claim of a batch)."""
@@ -394,7 +421,7 @@ class Handler:
                 countdown = max(countdown, exc.retry_after)
             # If the release did not land, the retry takes its own claim back instead of waiting on it.
             return Step(Outcome.RETRY, Action.RETRY, key, error=exc, countdown=countdown,
-                        carry={OWNER_HEADER: claim.record.owner})
+                        carry={OWNER_HEADER: [claim.record.owner]})
         if sent_maybe:
             found = self.reconciled(d, claim.record)
             if found is not None:
@@ -448,7 +475,7 @@ class Handler:
             self.effect.report(Outcome.SENT, key, message_id=outcome["message_id"], reason=unrecorded,
                                recorded="false")
             return self.unavailable(d, LedgerUnavailableError(f"{key}: sent, not yet recorded"), carry={
-                OWNER_HEADER: claim.record.owner, VERDICT_HEADER: {"state": "sent", "result": stored}},
+                OWNER_HEADER: [claim.record.owner], VERDICT_HEADER: {"state": "sent", "result": stored}},
                 value=outcome)
         if unrecorded:
             self.effect.report(Outcome.SENT, key, message_id=outcome["message_id"], reason=unrecorded,
@@ -471,7 +498,7 @@ class Handler:
             log.error("idemmail: could not record %s for %s yet: %s", state.value, d.key, exc_ledger)
             self.effect.report(outcome, d.key, reason=reason, recorded="false", error=snake(type(exc_ledger).__name__))
             return self.unavailable(d, exc_ledger, carry={
-                OWNER_HEADER: claim.record.owner, VERDICT_HEADER: {"state": state.value, "error": error}},
+                OWNER_HEADER: [claim.record.owner], VERDICT_HEADER: {"state": state.value, "error": error}},
                 error=exc)
         except LedgerError as exc_ledger:  # the claim was taken over: the newer holder's record wins
             log.error("idemmail: could not record %s for %s: %s", state.value, d.key, exc_ledger)
@@ -561,27 +588,17 @@ class Handler:
                     value: Any = None, error: BaseException | None = None) -> Step:
         """The ledger (or the side effect's set-up) cannot be used now: reschedule on the outage budget.
 
-        ``carry`` travels with the next delivery (an owner to take back, a verdict to record).
+        ``carry`` travels with the next delivery (an owner to take back, a verdict to record); without
+        it, what this delivery came with does (the owners that may hold its claim, its verdict): nothing
+        that ends a delivery before its outcome is recorded leaves the chain's claim to nobody.
         When the budget runs out the step returns ``value`` or raises ``error`` (default ``exc``).
         """
-        p, key = self.policy, d.key
-        word = snake(type(exc).__name__)
+        carry = _held(d) if carry is None else carry
         if isinstance(exc, (LedgerUnavailableError, UnsafeLedgerError)):
             _say_unreachable_once(self.ledger, exc)
-        if p.fail_open and isinstance(exc, (LedgerUnavailableError, UnsafeLedgerError)) and VERDICT_HEADER not in (
-                carry or {}):
-            return self.fail_open(d, exc)
-        if p.outage_max_retries is not None and d.outage >= p.outage_max_retries:
-            self.effect.report(Outcome.LEDGER_GAVE_UP, key, reason=word, reschedules=d.outage)
-            if value is not None:
-                return Step(Outcome.SENT, Action.RETURN, key, value=value)
-            return Step(Outcome.LEDGER_GAVE_UP, Action.RAISE, key, error=error or exc)
-        countdown = backoff(d.outage, p.inflight_backoff, p.inflight_backoff_max)
-        if carry and VERDICT_HEADER in carry:  # back before the claim's lease can run out: no copy may take it
-            countdown = min(countdown, p.lease_seconds / 3)
-        self.effect.report(Outcome.LEDGER_UNAVAILABLE, key, reason=word, reschedules=d.outage + 1)
-        return Step(Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE, key, countdown=countdown, error=exc,
-                    carry={INFLIGHT_HEADER: d.inflight, OUTAGE_HEADER: d.outage + 1, **(carry or {})})
+            if self.policy.fail_open and VERDICT_HEADER not in carry:
+                return self.fail_open(d, exc)
+        return wait_out(self.policy, self.effect, d, exc, carry=carry, value=value, error=error)
 
     def fail_open(self, d: Delivery, exc: Exception) -> Step:
         """``fail_open``: run the side effect without a claim (at-least-once, by the operator's choice)."""
@@ -681,6 +698,70 @@ class Handler:
                     error=IdempotencyKeyReuseError(message, key=record.key, fields=fields))
 
 
+def wait_out(policy: Policy, effect: SideEffect, d: Delivery, exc: BaseException, *,
+             carry: dict[str, Any] | None = None, value: Any = None, error: BaseException | None = None) -> Step:
+    """Reschedule ``d`` on the outage budget (see :meth:`Handler.unavailable`), with ``carry`` for its next
+    delivery. A ledger that cannot answer is ``ledger_unavailable``; anything else (a set-up error: a missing
+    API key or driver, a broken install, a defect before the claim) is ``setup_error``, and its fix is
+    logged at ERROR once per process. Adapters call this when even the handler cannot be built."""
+    key = d.key
+    carry = _held(d) if carry is None else carry
+    word = snake(type(exc).__name__)
+    ledger_down = isinstance(exc, (LedgerError, UnsafeLedgerError))
+    if not ledger_down:
+        say_setup_error_once(exc)
+    if policy.outage_max_retries is not None and d.outage >= policy.outage_max_retries:
+        effect.report(Outcome.LEDGER_GAVE_UP, key, reason=word, reschedules=d.outage)
+        if value is not None:
+            return Step(Outcome.SENT, Action.RETURN, key, value=value)
+        return Step(Outcome.LEDGER_GAVE_UP, Action.RAISE, key, error=error or exc)
+    countdown = backoff(d.outage, policy.inflight_backoff, policy.inflight_backoff_max)
+    if carry and VERDICT_HEADER in carry:  # back before the claim's lease can run out: no copy may take it
+        countdown = min(countdown, policy.lease_seconds / 3)
+    outcome = Outcome.LEDGER_UNAVAILABLE if ledger_down else Outcome.SETUP_ERROR
+    effect.report(outcome, key, reason=word, reschedules=d.outage + 1)
+    return Step(outcome, Action.RESCHEDULE, key, countdown=countdown, error=exc,
+                carry={INFLIGHT_HEADER: d.inflight, OUTAGE_HEADER: d.outage + 1, **(carry or {})})
+
+
+#: The optional extra that installs each driver a ledger or provider imports on demand.
+EXTRA_OF_MODULE = {"psycopg": "postgres", "psycopg2": "postgres", "pymysql": "mysql", "MySQLdb": "mysql",
+                   "redis": "redis", "hiredis": "redis", "prometheus_client": "metrics", "cryptography": "crypto"}
+
+
+def setup_fix(exc: BaseException) -> str:
+    """What an operator does about a set-up error, in one sentence."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+    root = str(missing or "").split(".")[0]
+    if root in ("psycopg2", "MySQLdb"):  # a URL without a driver name: SQLAlchemy's default driver, not the extra's
+        scheme = "postgresql+psycopg" if root == "psycopg2" else "mysql+pymysql"
+        return (f"install the driver: pip install 'idemmail-celery[{EXTRA_OF_MODULE[root]}]' and name it in the "
+                f"ledger URL ({scheme}://...), then restart the worker")
+    if root in EXTRA_OF_MODULE:
+        return f"install the driver: pip install 'idemmail-celery[{EXTRA_OF_MODULE[root]}]', then restart the worker"
+    if isinstance(exc, ImportError):
+        return f"install the missing module {missing or ''} (or repair the install), then restart the worker"
+    if isinstance(exc, ConfigurationError):
+        return f"fix the configuration ({scrub(str(exc))[:300]}), then restart the worker"
+    return "a defect or a broken install: see the traceback, fix it and restart the worker"
+
+
+_said_setup: set[tuple[str, str]] = set()
+
+
+def say_setup_error_once(exc: BaseException, what: str = "tasks cannot be set up on this worker") -> None:
+    """One ERROR line per process and problem, with its fix (:func:`setup_fix`); each delivery then
+    reports ``setup_error`` at WARNING."""
+    problem = (type(exc).__name__, str(exc)[:200])
+    with _said_lock:
+        if problem in _said_setup:
+            return
+        _said_setup.add(problem)
+    log.error("idemmail: %s (%s: %s): %s; messages wait on the outage budget (idemmail_outage_max_retries) "
+              "and are sent once it is fixed", what, type(exc).__name__, scrub(str(exc))[:300], setup_fix(exc),
+              exc_info=not isinstance(exc, (ConfigurationError, ImportError)))
+
+
 _said_unreachable: set[int] = set()
 _said_lock = threading.Lock()
 
@@ -712,10 +793,31 @@ def _iso(ts: float | None) -> str | None:
     return None if not ts else dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat()
 
 
-def _held(d: Delivery, owner: str | None) -> dict[str, Any]:
-    """What a delivery that met an outage hands to the next one: the owner that may hold its claim,
-    and its verdict (dropped, the claim would wait out its lease and be decided again)."""
-    carry: dict[str, Any] = {OWNER_HEADER: owner} if owner else {}
+#: How many of a chain's owners travel (one more each time a claim's reply is lost in a row).
+MAX_OWNERS = 16
+
+
+def held_by(owner: str | None, owners: tuple[str, ...]) -> list[str]:
+    """The owners that may hold a chain's claim after a claim as ``owner`` whose reply did not come back:
+    ``owner`` (it landed) or any of ``owners`` (it did not), newest first, each once."""
+    return list(dict.fromkeys(o for o in (owner, *owners) if o))[:MAX_OWNERS]
+
+
+def owners_of(header: Any) -> tuple[str, ...]:
+    """An owner header as the broker returns it (a list, newest first; one string from older releases)."""
+    if isinstance(header, str):
+        return (header,) if header else ()
+    if isinstance(header, (list, tuple)):
+        return tuple(str(o) for o in header if isinstance(o, str) and o)[:MAX_OWNERS]
+    return ()
+
+
+def _held(d: Delivery, owner: str | None = None) -> dict[str, Any]:
+    """What a delivery that met an outage hands to the next one: the owners that may hold its claim
+    (``owner``, the one it just claimed under, if any), and its verdict (dropped, the claim would wait
+    out its lease and be decided again)."""
+    owners = held_by(owner, d.resume_owners)
+    carry: dict[str, Any] = {OWNER_HEADER: owners} if owners else {}
     if d.verdict is not None:
         carry[VERDICT_HEADER] = d.verdict
     return carry

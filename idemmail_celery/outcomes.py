@@ -9,8 +9,8 @@ Each report is
   ``sent`` record), whose status, key and message id Celery's own "succeeded" line
   already shows (the task's result is the outcome); INFO otherwise (a campaign's
   recipients, a reconciled send, a replayed failure, a retry, ...), WARNING for
-  ``review``, ``failed``, ``in_flight_gave_up``, ``key_reuse``, ``fail_open`` and
-  any ``recorded=false``, ERROR for ``ledger_unavailable_gave_up`` and a ``sent``
+  ``review``, ``failed``, ``in_flight_gave_up``, ``key_reuse``, ``fail_open``,
+  ``setup_error`` and any ``recorded=false``, ERROR for ``ledger_unavailable_gave_up`` and a ``sent``
   the ledger did not record;
 * a ``task-idemmail`` Celery event, when the worker sends task events (``-E`` or
   ``worker_send_task_events``), only for outcomes whose task ends in FAILURE or
@@ -48,12 +48,13 @@ log = logging.getLogger("idemmail_celery.outcome")
 
 EVENT = "task-idemmail"
 
-_WARN = {Outcome.REVIEW, Outcome.FAILED, Outcome.IN_FLIGHT_GAVE_UP, Outcome.KEY_REUSE, Outcome.FAIL_OPEN}
+_WARN = {Outcome.REVIEW, Outcome.FAILED, Outcome.IN_FLIGHT_GAVE_UP, Outcome.KEY_REUSE, Outcome.FAIL_OPEN,
+         Outcome.SETUP_ERROR}
 _ERROR = {Outcome.LEDGER_GAVE_UP}
 #: Outcomes whose task ends in FAILURE or RETRY: only they need a ``task-idemmail`` event, since a
 #: task that succeeds carries its outcome as its result (``task-succeeded``).
 _EVENTFUL = {Outcome.REVIEW, Outcome.FAILED, Outcome.RETRY, Outcome.IN_FLIGHT, Outcome.IN_FLIGHT_GAVE_UP,
-             Outcome.LEDGER_UNAVAILABLE, Outcome.LEDGER_GAVE_UP, Outcome.KEY_REUSE}
+             Outcome.LEDGER_UNAVAILABLE, Outcome.LEDGER_GAVE_UP, Outcome.KEY_REUSE, Outcome.SETUP_ERROR}
 _REASON = re.compile(r"[a-z0-9_]{1,40}(,[a-z0-9_]{1,40})*")
 
 

@@ -23,12 +23,13 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, NoReturn
 
 from celery import Task
 from celery import _state as _celery_state
 from celery.exceptions import Ignore, Retry
-from celery.signals import before_task_publish, worker_init
+from celery.signals import before_task_publish, celeryd_after_setup, worker_init
 from kombu.exceptions import KombuError
 from kombu.serialization import dumps as kombu_dumps
 from kombu.serialization import loads as kombu_loads
@@ -52,20 +53,34 @@ from ._common import (
     SECRET_WAIT_HEADER,
     TENANT_HEADER,
     VERDICT_HEADER,
+    chain_headers,
     transport_visibility_timeout,
 )
 from .config import Settings
 from .errors import (
     ConfigurationError,
     IdemmailError,
+    LedgerError,
     PermanentSendError,
     TransientSendError,
     UnserializableArgumentsError,
 )
-from .handler import Action, Delivery, Handler, Outcome, Policy, Step, verdict_of
+from .handler import (
+    Action,
+    Delivery,
+    Handler,
+    Outcome,
+    Policy,
+    Step,
+    owners_of,
+    say_setup_error_once,
+    verdict_of,
+    wait_out,
+)
 from .keys import IntentKeyBuilder, KeySpec, Payload, RoundTrip, Seal, untrusted_removed
 from .ledger import Ledger, backend_for, shared
 from .ledger.base import new_owner
+from .redaction import scrub
 
 log = logging.getLogger("idemmail_celery")
 
@@ -421,25 +436,39 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _deliver(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         received = dict(request.headers or {})
         payload = Payload(list(args), dict(kwargs))
-        headers = request.idemmail_trusted = self._trusted(received, payload)
-        key, older = self._claim_key(payload, headers)
-        # Whatever this delivery publishes next (a retry, a reschedule, the next hop of a wait)
-        # carries the key it claims under, sealed: apply_async sends it unchanged.
-        request.idemmail_key_headers = self.key_headers(key, payload, older)
-        headers.update(request.idemmail_key_headers)
-        self._wait_until_due(headers)
+        headers = untrusted_removed(received)  # until the seal is checked: nothing it vouches for is acted on
+        try:
+            headers = request.idemmail_trusted = self._trusted(received, payload)
+            chain = _chain_state(self.name, request, headers, payload)
+            key, older = self._claim_key(payload, headers)
+            # Whatever this delivery publishes next (a retry, a reschedule, the next hop of a wait)
+            # carries the key it claims under, sealed: apply_async sends it unchanged.
+            request.idemmail_key_headers = self.key_headers(key, payload, older)
+            headers.update(request.idemmail_key_headers)
+            self._wait_until_due(headers)
+            handler = self.handler  # opens the ledger: its driver is imported here
+        except (PermanentSendError, Retry, Ignore):
+            raise  # a key that cannot be made of the call (refused by name), or the next hop of a wait
+        except Exception as exc:
+            # Nothing claimed, nothing sent: a missing driver, a broken install or a defect must not end the
+            # message FAILURE (acknowledged, gone). It waits on the outage budget, its chain state kept.
+            step = wait_out(self._policy_or_default(), self, _chain_state(self.name, request, headers, payload), exc)
+            return self._carry_out(step, headers)
         request.idempotency_key = key
         request.idemmail_owner = owner = new_owner(request.id or "")
-        step = self.handler.handle(Delivery(
-            older_keys=older,
-            key=key, task_name=self.name, payload=payload, attempt_id=request.id or "",
-            retries=request.retries or 0, max_retries=self.max_retries,
-            inflight=_count(headers.get(INFLIGHT_HEADER)), outage=_count(headers.get(OUTAGE_HEADER)),
-            enqueued_at=_number(headers.get(ENQUEUED_HEADER)), resume_owner=headers.get(OWNER_HEADER) or None,
-            verdict=verdict_of(headers.get(VERDICT_HEADER)), hop=str(headers.get(HOP_HEADER) or request.id or ""),
+        step = handler.handle(replace(
+            chain, key=key, older_keys=older, retries=request.retries or 0, max_retries=self.max_retries,
+            enqueued_at=_number(headers.get(ENQUEUED_HEADER)), hop=str(headers.get(HOP_HEADER) or request.id or ""),
             owner=owner,
         ))
         return self._carry_out(step, headers)
+
+    def _policy_or_default(self) -> Policy:
+        """This task's policy, or the defaults when its settings cannot be read either."""
+        try:
+            return self.policy
+        except Exception:
+            return Policy()
 
     def _trusted(self, headers: dict[str, Any], payload: Payload) -> dict[str, Any]:
         """The headers this delivery may act on: all of them under a valid seal; else none of those the seal
@@ -546,7 +575,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             trusted = getattr(self.request, "idemmail_trusted", None)  # never what the message carried unsealed
             if trusted is None:
                 trusted = untrusted_removed(self.request.headers or {})
-            headers = _chain(dict(trusted), {OWNER_HEADER: owner} if owner else {}, keep=False)
+            headers = _chain(dict(trusted), {OWNER_HEADER: [owner]} if owner else {}, keep=False)
             headers.update(getattr(self.request, "idemmail_key_headers", None) or {})  # the key claimed (sealed below)
         if countdown is None and eta is None:
             countdown = self.default_retry_delay
@@ -671,9 +700,16 @@ def _chain(headers: dict[str, Any], carry: dict[str, Any], *, keep: bool) -> dic
     """The headers of the next delivery: this one's, less its chain state (all of it for a new
     chain, ``keep=False``; the one-shot parts otherwise), plus what the handler carries."""
     drop = CHAIN_HEADERS if not keep else (OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, NOT_BEFORE_HEADER)
-    out = {k: v for k, v in headers.items() if k not in drop}
-    out.update(carry)
-    return out
+    return chain_headers(headers, carry, drop=drop)
+
+
+def _chain_state(task_name: str, request: Any, headers: dict[str, Any], payload: Payload) -> Delivery:
+    """This chain's state as ``headers`` bring it (the budgets spent, the owners that may hold its claim, a
+    verdict to record): kept whatever the delivery comes to."""
+    return Delivery(key=str(headers.get(KEY_HEADER) or ""), task_name=task_name, payload=payload,
+                    attempt_id=request.id or "", inflight=_count(headers.get(INFLIGHT_HEADER)),
+                    outage=_count(headers.get(OUTAGE_HEADER)), resume_owners=owners_of(headers.get(OWNER_HEADER)),
+                    verdict=verdict_of(headers.get(VERDICT_HEADER)))
 
 
 def _count(value: Any) -> int:
@@ -690,30 +726,67 @@ def _number(value: Any) -> float | None:
         return None
 
 
-def _prepare_ledgers(sender: Any = None, **_: Any) -> None:
-    """On ``worker_init`` (main process, before the pool forks): open every idempotent task's ledger.
+def start_up_problems(app: Any) -> list[tuple[str, BaseException]]:
+    """What would keep this worker's idempotent tasks from running, checked once at start: each task's
+    settings, its key secret, its ledger (its driver imports, it opens and answers) and, for tasks with
+    a provider (``send_email``), that the provider builds. A list of (task name, error); empty when all pass.
 
-    Pool children, and children the pool starts later (``max_tasks_per_child``, a child
-    killed), inherit what it read: the Redis ledger's epoch. A child that first met the
-    store after it was emptied would take it for a new ledger and send again. Never raises:
-    a store that is down now is checked again at the first claim.
+    Opening the ledgers here also reads what pool children must inherit (the Redis ledger's epoch):
+    a child that first met the store after it was emptied would take it for a new ledger and send again.
     """
-    app = getattr(sender, "app", None)
-    if app is None:
-        return
+    problems: list[tuple[str, BaseException]] = []
     seen: set[int] = set()
     for task in list(app.tasks.values()):
         if not isinstance(task, IdempotentTask):
             continue
         try:
+            settings = task.idem_settings
+            if not (settings.key_secrets or settings.allow_plain_keys or settings.ledger_url.startswith("sqlite")):
+                raise ConfigurationError("idemmail_key_secret is not set: set it (or IDEMMAIL_KEY_SECRET)")
             ledger = task.ledger
-            if id(ledger) in seen:
-                continue
-            seen.add(id(ledger))
-            ledger.prepare()
-        except Exception as exc:  # the worker must start; the first claim checks again and fails closed
-            log.warning("idemmail: could not open the ledger of %s at worker start (%s: %s); it is checked "
-                        "again at the first claim", task.name, type(exc).__name__, exc)
+            if id(ledger) not in seen:
+                seen.add(id(ledger))
+                ledger.prepare()
+                ledger.ping()  # a SQL ledger imports its driver on first use: here, not at the first message
+            if settings.provider_url and hasattr(task, "provider"):
+                task.provider  # noqa: B018 - a provider without its API key, or its module missing
+        except Exception as exc:
+            problems.append((task.name, exc))
+    return problems
+
+
+_found_at_start: dict[int, list[tuple[str, BaseException]]] = {}
+
+
+def _check_at_start(sender: Any = None, **_: Any) -> None:
+    """On ``worker_init`` (main process, before the pool forks): :func:`start_up_problems`, kept for
+    :func:`_report_at_start` (Celery's logging is not set up yet). Never raises."""
+    app = getattr(sender, "app", None)
+    if app is not None:
+        _found_at_start[id(app)] = start_up_problems(app)
+
+
+def _report_at_start(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """On ``celeryd_after_setup`` (``celery worker``: logging set up, the pool not started, before ``ready``):
+    one ERROR line with its fix per start-up problem. Messages then wait on the outage budget until it is
+    fixed; with ``idemmail_refuse_to_start`` the worker exits instead."""
+    app = getattr(instance, "app", None)
+    problems = _found_at_start.pop(id(app), []) if app is not None else []
+    for name, exc in problems:
+        if isinstance(exc, LedgerError):  # the store is down now: the first claim finds out again
+            log.error("idemmail: start-up check of %s failed (%s: %s): start the ledger's store or correct "
+                      "idemmail_ledger_url; messages wait until it answers", name, type(exc).__name__,
+                      scrub(str(exc))[:300])
+        else:  # said once per process: pool children forked after this do not say it again per message
+            say_setup_error_once(exc, f"start-up check of {name} failed")
+    if problems and app is not None:
+        try:
+            refuse = Settings.resolve(app.conf).refuse_to_start
+        except ConfigurationError:
+            refuse = False
+        if refuse:
+            raise SystemExit(f"idemmail: refusing to start: {len(problems)} start-up check(s) failed (see the "
+                             "ERROR lines above); idemmail_refuse_to_start is set")
 
 
 def _redact_on_publish(sender: str | None = None, headers: dict[str, Any] | None = None, **rest: Any) -> None:
@@ -752,7 +825,8 @@ def _pending_idempotent(name: str | None) -> bool:
 
 
 # outcomes (imported above) connected its worker_init handler first: metrics are on before this opens ledgers.
-worker_init.connect(_prepare_ledgers, weak=False)
+worker_init.connect(_check_at_start, weak=False)
+celeryd_after_setup.connect(_report_at_start, weak=False)
 # Every publish path (apply_async, send_task by name, the outbox relay, canvas, retries) passes this signal. The
 # rules are in redaction, which stays Celery-free for the handler; the hook belongs to the adapter.
 before_task_publish.connect(_redact_on_publish, weak=False)

@@ -55,7 +55,7 @@ def test_a_ledger_blip_recording_one_recipient_settles_it_and_the_batch_goes_on(
     assert len(box.sent) == 5 and set(batch.verdicts()) == {blip_key}
     # The next pass takes its own claim back and records the verdict: nothing is sent again.
     refusing.down.clear()
-    again = [replace(d, resume_owner="camp:1:aaaa", verdict=batch.verdicts().get(d.key), retries=1)
+    again = [replace(d, resume_owners=("camp:1:aaaa",), verdict=batch.verdicts().get(d.key), retries=1)
              for d in recipients(5, "b1")]
     second = send_batch(handler, again, owner="camp:1:bbbb")
     assert second.tally() == Counter({Outcome.SENT: 1, Outcome.DUPLICATE: 4}) and len(box.sent) == 5
@@ -228,7 +228,7 @@ def test_a_recipient_whose_settling_broke_after_the_send_is_parked_not_sent_agai
     parked = ledger.get(ds[1].key)
     assert parked is not None and parked.state is State.REVIEW
     assert parked.error["reason"] == "unexpected_error"  # type: ignore[index]
-    again = [replace(d, resume_owner="camp:5:aaaa", retries=1) for d in ds]
+    again = [replace(d, resume_owners=("camp:5:aaaa",), retries=1) for d in ds]
     second = send_batch(handler, again, owner="camp:5:bbbb")
     assert second.tally() == Counter({Outcome.DUPLICATE: 3}) and len(box.sent) == 3  # nothing sent twice
 
@@ -448,3 +448,117 @@ def test_a_verdict_whose_next_pass_met_the_ledger_down_is_still_recorded_by_the_
     record = real.get(ann)
     assert record is not None and record.state is State.SENT, record
     assert len(list((tmp_path / "out").iterdir())) == 2
+
+
+def test_a_batch_claim_whose_reply_was_lost_then_a_refused_pass_sends_every_recipient_once(tmp_path: Any) -> None:
+    # Case 1 of issue 23: the first pass's batch claim lands with its reply lost; the next pass's claim
+    # is refused. The pass after must take back the claims the first one holds, not find them busy
+    # until their leases run out (and then park them for review, having sent nothing).
+    from idemmail_celery.errors import LedgerUnavailableError
+
+    app, campaign = campaign_app(tmp_path, "s", "bulk-lost-reply")
+    sender = app.tasks["idemmail_celery.send_email"]
+    real = sender.ledger
+
+    class LostThenDown(LedgerWrapper):
+        calls = 0
+
+        def claim_many(self, requests: Any) -> Any:
+            self.calls += 1
+            if self.calls == 1:
+                self.inner.claim_many(requests)  # it lands; its reply never comes back
+                raise LedgerUnavailableError("reply lost")
+            if self.calls == 2:
+                raise LedgerUnavailableError("store went away")
+            return self.inner.claim_many(requests)
+
+    sender._idem_ledger = LostThenDown(real)
+    people = [f"r{i}@example.com" for i in range(5)]
+    out = campaign.apply(kwargs={"campaign_id": "c-lost", "subject": "Hi", "text": "x",
+                                 "recipients": people}).get()
+    assert (out["sent"], out["review"], out["pending"]) == (5, 0, 0)
+    assert len(list((tmp_path / "out").iterdir())) == 5  # one email per recipient
+    for to in people:
+        record = real.get(sender.intent_key(to=to, subject="Hi", text="x", event_id="c-lost"))
+        assert record is not None and record.state is State.SENT and record.reclaims == 0
+
+
+def _no_provider_for(sender: Any, monkeypatch: pytest.MonkeyPatch, checks: int) -> list[int]:
+    """The worker's provider cannot be built (no API key) for the first ``checks`` checks."""
+    from idemmail_celery.errors import ConfigurationError
+
+    seen = [0]
+    real = sender.check
+
+    def check(payload: Payload) -> None:
+        seen[0] += 1
+        if seen[0] <= checks:
+            raise ConfigurationError("set idemmail_provider_api_key (or the provider's env variable)")
+        real(payload)
+
+    monkeypatch.setattr(sender, "check", check)
+    return seen
+
+
+def test_a_campaign_whose_provider_cannot_be_built_waits_and_sends_once_it_can(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Case 3 of issue 23: before, the campaign spent its 30 passes on the set-up error and ended SUCCESS
+    # with "pending: 4", nobody holding them and nothing sent. Now it waits on the outage budget
+    # (unlimited by default) like send_email, and sends when the provider can be built.
+    from idemmail_celery.bulk import MAX_PASSES
+
+    app, campaign = campaign_app(tmp_path, "s", "bulk-setup")
+    sender = app.tasks["idemmail_celery.send_email"]
+    _no_provider_for(sender, monkeypatch, checks=4 * (MAX_PASSES + 5))  # four a pass: past MAX_PASSES passes
+    people = [f"r{i}@example.com" for i in range(4)]
+    out = campaign.apply(kwargs={"campaign_id": "c-setup", "subject": "Hi", "text": "x",
+                                 "recipients": people}).get()
+    assert out["sent"] + out["duplicate"] == 4 and (out["pending"], out["failed"], out["review"]) == (0, 0, 0)
+    assert len(list((tmp_path / "out").iterdir())) == 4  # each sent once
+
+
+def test_a_campaign_past_its_outage_budget_fails_rather_than_ending_with_recipients_nobody_holds(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from idemmail_celery.errors import ConfigurationError
+
+    app, campaign = campaign_app(tmp_path, "s", "bulk-setup-budget")
+    app.conf.idemmail_outage_max_retries = 3
+    sender = app.tasks["idemmail_celery.send_email"]
+    _no_provider_for(sender, monkeypatch, checks=10_000)
+    result = campaign.apply(kwargs={"campaign_id": "c-setup-2", "subject": "Hi", "text": "x",
+                                    "recipients": ["ann@example.com", "bob@example.com"]})
+    assert result.state == "FAILURE" and isinstance(result.result, ConfigurationError)
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_key_secret_rotation_between_passes_records_each_verdict_under_its_claims_key(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Case 2 of issue 23: a pass sends and cannot record (verdicts handed on); the next pass runs with
+    # other key secrets. Before: its keys matched none of the verdicts, it took the claims back under the
+    # older keys and sent those recipients again, and the campaign never ended (verdicts left for ever).
+    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
+    first, then = ["old"], ["new", "old"]
+    app, campaign = campaign_app(tmp_path, first, "bulk-rotate")
+    sender = app.tasks["idemmail_celery.send_email"]
+    real = sender.ledger
+    people = [f"r{i}@example.com" for i in range(6)]
+    unrecorded = {sender.intent_key(to=to, subject="Hi", text="x", event_id="c-rot2"): 4 for to in people[::2]}
+    sender._idem_ledger = RecordsLate(real, unrecorded)
+    retried = campaign.retry
+    passes = [0]
+
+    def rotate_then_retry(*args: Any, **kwargs: Any) -> Any:
+        passes[0] += 1
+        assert passes[0] < 10, "the campaign never ends"
+        app.conf.idemmail_key_secret = then  # the workers are redeployed with the other secrets
+        sender._idem_settings = sender._idem_builder = None
+        return retried(*args, **kwargs)
+
+    monkeypatch.setattr(campaign, "retry", rotate_then_retry)
+    out = campaign.apply(kwargs={"campaign_id": "c-rot2", "subject": "Hi", "text": "x", "recipients": people}).get()
+    assert len(list((tmp_path / "out").iterdir())) == 6  # one email per recipient: none sent twice
+    assert out["sent"] + out["duplicate"] == 6 and out["pending"] == 0, out
+    assert all(real.get(k).state is State.SENT for k in unrecorded)  # type: ignore[union-attr]

@@ -26,7 +26,7 @@ from idemmail_celery.errors import (
     SendNeedsReview,
     TransientSendError,
 )
-from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Policy, Step
+from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Policy, Step, owners_of
 from idemmail_celery.keys import IntentKeyBuilder, Payload
 from idemmail_celery.ledger import ClaimRequest, Ledger, State
 from idemmail_celery.ledger.wrapper import LedgerWrapper
@@ -101,7 +101,7 @@ def next_of(d: Delivery, step: Step, **kw: Any) -> Delivery:
     """The next delivery of a chain, as the adapter would make it from ``step.carry``."""
     carry = step.carry
     return delivery(d.key, d.payload.kwargs["body"], inflight=carry.get(INFLIGHT_HEADER, 0),
-                    outage=carry.get(OUTAGE_HEADER, 0), resume_owner=carry.get(OWNER_HEADER),
+                    outage=carry.get(OUTAGE_HEADER, 0), resume_owners=owners_of(carry.get(OWNER_HEADER)),
                     verdict=carry.get(VERDICT_HEADER), **kw)
 
 
@@ -137,7 +137,7 @@ def test_transient_failure_releases_and_the_retry_sends_the_first_payload(ledger
     record = ledger.get("h2")
     assert record is not None and record.state is State.RELEASED
     box.fail_with = None
-    done = handler.handle(delivery("h2", "regenerated", retries=1, resume_owner=step.carry[OWNER_HEADER]))
+    done = handler.handle(delivery("h2", "regenerated", retries=1, resume_owners=owners_of(step.carry[OWNER_HEADER])))
     assert done.outcome is Outcome.SENT and box.sent == [("h2", "first")]
 
 
@@ -199,11 +199,36 @@ def test_a_side_effect_that_cannot_be_set_up_waits_on_the_outage_budget_unclaime
     handler, box = build(ledger, outage_max_retries=2)
     box.invalid = ConfigurationError("no API key")
     step = handler.handle(delivery("h8"))
-    assert (step.outcome, step.action) == (Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE)
+    assert (step.outcome, step.action) == (Outcome.SETUP_ERROR, Action.RESCHEDULE)
     assert step.carry[OUTAGE_HEADER] == 1 and ledger.get("h8") is None
     last = handler.handle(delivery("h8", outage=2))
     assert (last.outcome, last.action) == (Outcome.LEDGER_GAVE_UP, Action.RAISE)
     assert isinstance(last.error, ConfigurationError) and ledger.get("h8") is None
+
+
+class NoDriver(LedgerWrapper):
+    """A ledger whose driver is not installed: its first use imports it, and fails."""
+
+    def claim(self, request: ClaimRequest) -> Any:
+        raise ModuleNotFoundError("No module named 'psycopg'", name="psycopg")
+
+
+@pytest.mark.parametrize("where", ["check", "claim"])
+def test_an_unexpected_error_before_the_claim_waits_on_the_outage_budget_and_says_the_fix(
+    ledger: Ledger, where: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Case 4 of issue 23: a missing driver (or a broken import, a bug) before the claim used to end the
+    # message FAILURE, acknowledged and gone. Nothing was sent: it waits, and one ERROR says what to do.
+    handler, box = build(NoDriver(ledger) if where == "claim" else ledger, outage_max_retries=5)
+    if where == "check":
+        box.invalid = ModuleNotFoundError("No module named 'psycopg'", name="psycopg")
+    monkeypatch.setattr("idemmail_celery.handler._said_setup", set())  # one ERROR per process: this one's
+    caplog.set_level("ERROR", logger="idemmail_celery")
+    steps = [handler.handle(delivery(f"h-setup-{where}", outage=n)) for n in range(2)]
+    assert [(s.outcome, s.action) for s in steps] == [(Outcome.SETUP_ERROR, Action.RESCHEDULE)] * 2
+    assert steps[1].carry[OUTAGE_HEADER] == 2 and box.sent == [] and ledger.get(f"h-setup-{where}") is None
+    fixes = [r for r in caplog.records if "pip install 'idemmail-celery[postgres]'" in r.getMessage()]
+    assert len(fixes) == 1 and fixes[0].levelname == "ERROR"  # once, not per delivery
 
 
 def test_a_live_claim_reschedules_within_the_holders_lease_and_gives_up_on_budget(ledger: Ledger) -> None:
@@ -259,6 +284,75 @@ def test_a_release_that_failed_is_taken_back_by_the_retry(ledger: Ledger) -> Non
     box.fail_with = None
     done = handler.handle(next_of(d, step, retries=1))
     assert done.outcome is Outcome.SENT and box.sent == [("h12", "first")]
+
+
+@pytest.mark.parametrize("carries_key", [False, True])
+def test_a_retry_whose_release_failed_and_whose_claim_met_the_outage_takes_its_claim_back(
+    ledger: Ledger, carries_key: bool
+) -> None:
+    # Case 1 of issue 23: the release meets a blip, and so does the retry's claim. The delivery after
+    # must take back the claim its chain holds (not find it busy, wait out its lease, and then be
+    # parked as lease_expired or resent although it never ran).
+    refusing = Refusing(ledger)
+    handler, box = build(refusing, Mailbox(carries_key=carries_key), inflight_max_retries=2)
+    refusing.down.add("released")
+    box.fail_with = TransientSendError("connect refused", reason="connect")
+    d = delivery("h-rel-out")
+    step = handler.handle(d)
+    assert step.action is Action.RETRY
+    refusing.down = {"claim"}
+    box.fail_with = None
+    retry = next_of(d, step, retries=1)
+    second = handler.handle(retry)
+    assert (second.outcome, second.action) == (Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE)
+    refusing.down = set()
+    third = handler.handle(next_of(retry, second, retries=1))
+    assert third.outcome is Outcome.SENT and box.sent == [("h-rel-out", "first")]
+    record = ledger.get("h-rel-out")
+    assert record is not None and record.state is State.SENT and record.reclaims == 0
+
+
+@pytest.mark.parametrize("second_outage", ["claim", "claim_lost_reply"])
+def test_a_lost_claim_reply_then_an_outage_at_the_next_claim_keeps_the_claim_in_the_chain(
+    ledger: Ledger, second_outage: str
+) -> None:
+    # The first claim lands with its reply lost; the next delivery's claim meets the ledger down (or
+    # lands too, its reply lost again). Whichever owner holds the claim, the chain takes it back.
+    refusing = Refusing(ledger)
+    handler, box = build(refusing, inflight_max_retries=1)
+    refusing.down = {"claim_lost_reply"}
+    d = delivery("h-lost-out")
+    first = handler.handle(d)
+    assert first.outcome is Outcome.LEDGER_UNAVAILABLE
+    refusing.down = {second_outage}
+    second_delivery = next_of(d, first)
+    second = handler.handle(second_delivery)
+    assert second.outcome is Outcome.LEDGER_UNAVAILABLE
+    refusing.down = set()
+    third = handler.handle(next_of(second_delivery, second))
+    assert third.outcome is Outcome.SENT and box.sent == [("h-lost-out", "first")]
+    record = ledger.get("h-lost-out")
+    assert record is not None and record.state is State.SENT and record.reclaims == 0
+
+
+def test_a_delivery_that_cannot_set_up_its_side_effect_hands_on_the_owner_holding_the_claim(ledger: Ledger) -> None:
+    # A retry whose release failed lands on a worker without the provider's API key: it waits, and
+    # the chain still holds its claim when the key is back.
+    refusing = Refusing(ledger)
+    handler, box = build(refusing, inflight_max_retries=1)
+    refusing.down.add("released")
+    box.fail_with = TransientSendError("connect refused", reason="connect")
+    d = delivery("h-conf-owner")
+    step = handler.handle(d)
+    refusing.down = set()
+    box.fail_with = None
+    box.invalid = ConfigurationError("no API key")
+    retry = next_of(d, step, retries=1)
+    waiting = handler.handle(retry)
+    assert waiting.action is Action.RESCHEDULE and waiting.carry.get(OWNER_HEADER)
+    box.invalid = None
+    done = handler.handle(next_of(retry, waiting, retries=1))
+    assert done.outcome is Outcome.SENT and box.sent == [("h-conf-owner", "first")]
 
 
 @pytest.mark.parametrize("state", ["review", "failed"])
@@ -399,7 +493,7 @@ def test_a_carried_verdict_is_recorded_whatever_the_claim_finds_and_nothing_runs
     handler, box = build(ledger)
     sent = {"state": "sent", "result": {"value": {"message_id": "m-earlier"}, "message_id": "m-earlier"}}
     # The record went away meanwhile (an operator released it, or it was purged): still not sent again.
-    step = handler.handle(delivery("h17", resume_owner="gone:1", verdict=sent))
+    step = handler.handle(delivery("h17", resume_owners=("gone:1",), verdict=sent))
     assert step.outcome is Outcome.SENT and box.sent == []
     record = ledger.get("h17")
     assert record is not None and record.state is State.SENT and record.result["message_id"] == "m-earlier"  # type: ignore[index]

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "outcomes": 4, "task": 4,
     # 5: what is built on the adapter
     "mail": 5, "bulk": 6, "tools": 6, "outbox": 5, "beat": 5, "webhooks": 5, "cli": 6, "testing": 5,
+    "redrive": 5,
     "__main__": 7, "__init__": 7,
     # integrations, each an optional extra: one row per module (a sub-package's rows go by its first two names)
     "contrib": 7, "contrib.mcp": 6, "contrib.langchain": 6, "contrib.django": 7,

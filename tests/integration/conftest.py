@@ -17,6 +17,8 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from idemmail_celery.testing.redis_server import RedisServer
+
 from ..conftest import POSTGRES_URL, REDIS_URL, service_missing, unique, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,6 +208,17 @@ def results(async_results: list[Any], timeout: float = 60) -> list[Any]:
     return [ar.get(timeout=max(1.0, deadline - time.monotonic()), propagate=False) for ar in async_results]
 
 
+
+@pytest.fixture
+def ledger_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis ledger the test can stop and start (``.stop()``, ``.start()``); use ``.url`` as the ledger URL."""
+    server = RedisServer(tmp_path / "ledger-redis")
+    try:
+        server.start()
+    except FileNotFoundError as exc:
+        service_missing("redis-server (to start a private one)", exc)
+    yield server
+    server.stop()
 def web_services(ns: str) -> tuple[redis.Redis, sa.URL]:
     """Redis (pinged) and a new PostgreSQL schema ``ns`` for a web example's module: the URL's search_path.
 

@@ -207,7 +207,12 @@ def test_a_provider_that_cannot_be_built_waits_unclaimed_and_sends_once_fixed(
     broken = start_worker("-P", "prefork", "-c", "1")
     task = send_email(app_module)
     ar = task.delay(to="ann@example.com", subject="Hi", text="t", event_id="misconfigured-1")
-    wait_for(lambda: broken.log().count(b"status=ledger_unavailable") >= 2, timeout=30)
+    wait_for(lambda: broken.log().count(b"status=setup_error") >= 2, timeout=30)
+    # Its own outcome, not "ledger", at WARNING; one ERROR line says what to fix (issue 23, case 6).
+    lines = broken.log().decode(errors="replace").splitlines()
+    assert all("WARNING" in line for line in lines if "status=setup_error" in line)
+    assert len([line for line in lines if "ERROR" in line and "idemmail_provider_api_key" in line]) == 1
+    assert b"status=ledger_unavailable" not in broken.log()
     assert list(task.ledger.iter_records()) == []  # not claimed: nothing held, nothing "maybe sent"
     assert fake.attempt_count() == 0
     broken.stop()

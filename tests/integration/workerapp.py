@@ -18,6 +18,7 @@ import redis
 from celery import Celery
 from celery.signals import task_postrun
 
+import idemmail_celery.redrive  # noqa: F401  (the sweep task; green pools restore the broker's unacked messages)
 from idemmail_celery import AmbiguousSendError, IdempotentTask, TransientSendError, send_campaign, send_email  # noqa: F401
 
 NS = os.environ.get("IDEMMAIL_TEST_NS", "default")
@@ -46,7 +47,8 @@ app.conf.update(
     idemmail_ledger_options=(
         {"prefix": f"led.{NS}"} if LEDGER.startswith("redis") else {"table": f"led_{NS}"}
     ),
-    # A rotation (tests/integration/test_sealed_headers.py): comma-separated secrets, newest first.
+    # A rotation (tests/integration/test_sealed_headers.py, test_chain_ownership.py): comma-separated secrets,
+    # newest first.
     idemmail_key_secret=(os.environ.get("IDEMMAIL_TEST_KEY_SECRETS") or "test-secret").split(","),
     idemmail_lease_seconds=float(os.environ.get("IDEMMAIL_TEST_LEASE", "30")),
     # send_email (registered on this app as a shared task when idemmail_celery is imported)
@@ -58,6 +60,7 @@ app.conf.update(
     idemmail_metrics_port=int(os.environ.get("IDEMMAIL_TEST_METRICS_PORT") or 0) or None,
     idemmail_metrics_addr="127.0.0.1",
     idemmail_campaign_pass_seconds=os.environ.get("IDEMMAIL_TEST_CAMPAIGN_PASS") or None,
+    idemmail_refuse_to_start=bool(os.environ.get("IDEMMAIL_TEST_REFUSE_TO_START")),
 )
 
 if not os.environ.get("IDEMMAIL_TEST_DEFAULT_BACKOFF"):  # short waits keep the tests short

@@ -1,0 +1,50 @@
+"""The sweep that re-drives stranded claims (``idemmail_celery.redrive``), on a real ledger and broker queue."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from idemmail_celery import IdempotentTask
+from idemmail_celery._common import KEY_HEADER
+from idemmail_celery.keys import Payload
+from idemmail_celery.ledger import ClaimRequest
+from idemmail_celery.redrive import LOCK_KEY, SWEEP_TASK, sweep_stranded
+
+from .conftest import REDIS_URL
+
+
+def test_one_sweeper_at_a_time_republishes_a_stranded_claim_once_under_its_own_key(
+    redis_broker_app: Celery,
+) -> None:
+    app = redis_broker_app
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, idempotency_key=("to",))
+    def notify(self: Any, to: str) -> None: ...
+
+    ledger = notify.ledger
+    key = notify.intent_key("ann@example.com")
+    first = Payload(["ann@example.com"], {})
+    ledger.claim(ClaimRequest(key=key, task_name=notify.name, payload=first.to_json(),
+                              fingerprint=notify.key_builder.fingerprint(first), owner="gone:1:dead",
+                              lease_seconds=0.1))
+    later = time.time() + 120
+    other = ledger.claim(ClaimRequest(key=LOCK_KEY, task_name=SWEEP_TASK, payload=Payload([], {}).to_json(),
+                                      fingerprint="", owner="another-sweeper", lease_seconds=60.0))
+    assert sweep_stranded(app, after_seconds=60, now=later) == []  # another sweeper has this ledger
+    ledger.release(LOCK_KEY, other.token)
+    assert sweep_stranded(app, after_seconds=60, now=later) == [key]
+    assert sweep_stranded(app, after_seconds=60, now=later) == []  # not twice in one period
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        queued = [json.loads(m) for m in r.lrange(app.conf.task_default_queue, 0, -1)]
+    finally:
+        r.close()
+    assert len(queued) == 1 and queued[0]["headers"][KEY_HEADER] == key  # claimed under its own key, as it is
+    body = json.loads(base64.b64decode(queued[0]["body"]))  # kombu's Redis transport: base64 bodies
+    assert body[0] == ["ann@example.com"]  # from the stored first payload
