@@ -335,10 +335,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         arguments, other headers, another task) is a caller's own, checked and hashed (see
         :meth:`apply_async`).
         """
-        headers: dict[str, Any] = {KEY_HEADER: key}
-        if older:
-            headers[OLDER_KEYS_HEADER] = list(older)
-        return self.sealed(headers, payload)
+        return self.sealed(_key_only(key, older), payload)
 
     def sealed(self, headers: dict[str, Any], payload: Payload) -> dict[str, Any]:
         """``headers`` with the seal of what they hold for the call ``payload`` (in place; returned).
@@ -442,8 +439,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             chain = _chain_state(self.name, request, headers, payload)
             key, older = self._claim_key(payload, headers)
             # Whatever this delivery publishes next (a retry, a reschedule, the next hop of a wait)
-            # carries the key it claims under, sealed: apply_async sends it unchanged.
-            request.idemmail_key_headers = self.key_headers(key, payload, older)
+            # carries the key it claims under. Not sealed here: every publish point seals last, after
+            # its own headers (see sealed()), so a seal made now would be thrown away, at the cost of
+            # a digest of the arguments and an HMAC on every delivery.
+            request.idemmail_key_headers = _key_only(key, older)
             headers.update(request.idemmail_key_headers)
             self._wait_until_due(headers)
             handler = self.handler  # opens the ledger: its driver is imported here
@@ -694,6 +693,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def report(self, outcome: Outcome, key: str, **fields: Any) -> None:
         """One outcome to the log, Flower and metrics (:mod:`idemmail_celery.outcomes`)."""
         outcomes.report(self, outcome, key, **fields)
+
+
+def _key_only(key: str, older: Sequence[str]) -> dict[str, Any]:
+    """The key headers of :meth:`IdempotentTask.key_headers`, unsealed: for a publish point that seals last."""
+    headers: dict[str, Any] = {KEY_HEADER: key}
+    if older:
+        headers[OLDER_KEYS_HEADER] = list(older)
+    return headers
 
 
 def _chain(headers: dict[str, Any], carry: dict[str, Any], *, keep: bool) -> dict[str, Any]:
