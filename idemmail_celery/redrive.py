@@ -33,6 +33,7 @@ from celery import Task, current_app, shared_task
 from celery.signals import worker_ready, worker_shutdown
 
 from .config import Settings
+from .errors import IdemmailError, LedgerError
 from .keys import Payload
 from .ledger import ClaimRequest, Ledger, State
 from .ledger.base import new_owner
@@ -62,34 +63,52 @@ def sweep_stranded(app: Any, *, after_seconds: float, now: float | None = None,
     ledgers: dict[int, tuple[Ledger, dict[str, IdempotentTask]]] = {}
     for task in list(app.tasks.values()):
         if isinstance(task, IdempotentTask):
-            ledgers.setdefault(id(task.ledger), (task.ledger, {}))[1][task.name] = task
+            try:
+                ledger = task.ledger
+            except IdemmailError as exc:  # its ledger cannot be opened here (a missing driver, bad settings)
+                log.warning("idemmail: the sweep skips %s, whose ledger cannot be opened (%s)", task.name,
+                            type(exc).__name__)
+                continue
+            ledgers.setdefault(id(ledger), (ledger, {}))[1][task.name] = task
     republished: list[str] = []
     for ledger, tasks in ledgers.values():
-        lock = ledger.claim(ClaimRequest(key=LOCK_KEY, task_name=SWEEP_TASK, payload=Payload([], {}).to_json(),
-                                         fingerprint="", owner=new_owner("sweep"), lease_seconds=300.0))
-        if not lock.status.holds:
-            continue  # another sweeper has this ledger
         try:
-            for record in ledger.iter_records(State.CLAIMED):
-                if len(republished) >= limit:
-                    break
-                task = tasks.get(record.task_name)
-                quiet = now - max(record.lease_expires_at or 0.0, record.updated_at)
-                if task is None or record.key == LOCK_KEY or quiet < after_seconds:
-                    continue
-                if not record.payload or is_sealed(record.payload):
-                    log.warning("idemmail: claim %s is stranded and has no payload this process can read; "
-                                "resolve it by hand (idemmail ledger resolve)", record.key)
-                    continue
-                if ledger.mark_hop(record.key, "sweep", after_seconds) is False:
-                    continue  # republished by a sweep not long ago
-                first = Payload.from_json(record.payload)
-                task.apply_async(list(first.args), dict(first.kwargs), headers=task.key_headers(record.key, first))
-                log.warning("idemmail: claim %s of %s had no holder for %.0f s: republished from its first payload",
-                            record.key, record.task_name, quiet)
-                republished.append(record.key)
-        finally:
-            ledger.release(LOCK_KEY, lock.token)
+            republished += _sweep_ledger(ledger, tasks, after_seconds, now, limit - len(republished))
+        except LedgerError as exc:  # one ledger down (a task of another service, say) stops no other's sweep
+            log.warning("idemmail: the sweep skips a ledger that does not answer (%s: %s); it is looked at again "
+                        "next time", type(exc).__name__, exc)
+    return republished
+
+
+def _sweep_ledger(ledger: Ledger, tasks: dict[str, IdempotentTask], after_seconds: float, now: float,
+                  limit: int) -> list[str]:
+    """:func:`sweep_stranded` on one ledger, under its sweep lock (none if another sweeper holds it)."""
+    republished: list[str] = []
+    lock = ledger.claim(ClaimRequest(key=LOCK_KEY, task_name=SWEEP_TASK, payload=Payload([], {}).to_json(),
+                                     fingerprint="", owner=new_owner("sweep"), lease_seconds=300.0))
+    if not lock.status.holds:
+        return republished  # another sweeper has this ledger
+    try:
+        for record in ledger.iter_records(State.CLAIMED):
+            if len(republished) >= limit:
+                break
+            task = tasks.get(record.task_name)
+            quiet = now - max(record.lease_expires_at or 0.0, record.updated_at)
+            if task is None or record.key == LOCK_KEY or quiet < after_seconds:
+                continue
+            if not record.payload or is_sealed(record.payload):
+                log.warning("idemmail: claim %s is stranded and has no payload this process can read; "
+                            "resolve it by hand (idemmail ledger resolve)", record.key)
+                continue
+            if ledger.mark_hop(record.key, "sweep", after_seconds) is False:
+                continue  # republished by a sweep not long ago
+            first = Payload.from_json(record.payload)
+            task.apply_async(list(first.args), dict(first.kwargs), headers=task.key_headers(record.key, first))
+            log.warning("idemmail: claim %s of %s had no holder for %.0f s: republished from its first payload",
+                        record.key, record.task_name, quiet)
+            republished.append(record.key)
+    finally:
+        ledger.release(LOCK_KEY, lock.token)
     return republished
 
 

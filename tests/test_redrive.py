@@ -27,6 +27,11 @@ def test_one_sweeper_at_a_time_republishes_a_stranded_claim_once_under_its_own_k
     @app.task(base=IdempotentTask, bind=True, shared=False, idempotency_key=("to",))
     def notify(self: Any, to: str) -> None: ...
 
+    # A task of the same app whose ledger does not answer: the sweep skips it and goes on with the others.
+    @app.task(base=IdempotentTask, shared=False, name=f"{app.main}.elsewhere",
+              idempotency_ledger_url="redis://127.0.0.1:1/0")
+    def elsewhere(to: str) -> None: ...
+
     ledger = notify.ledger
     key = notify.intent_key("ann@example.com")
     first = Payload(["ann@example.com"], {})
