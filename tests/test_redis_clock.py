@@ -27,6 +27,8 @@ from idemmail_celery.ledger.redis import RedisLedger
 from .conftest import service_missing, unique, wait_for
 from .test_redis_scaleout import free_port, pings
 
+pytestmark = pytest.mark.worker  # runs a process of its own (a redis-server under a clock shim)
+
 SHIM = r"""
 #define _GNU_SOURCE
 #include <fcntl.h>

@@ -24,6 +24,8 @@ from idemmail_celery.ledger.redis import RedisLedger
 
 from .conftest import REDIS_URL, drop_ledger, unique, wait_for
 
+pytestmark = pytest.mark.worker  # runs processes of its own (an older version's workers)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: An older version's worker, reduced to its ledger moves. ``write N``: N sends, one claim left held, their
