@@ -17,7 +17,8 @@ and a crashed copy's batch is recovered by the usual lease rules (resent with th
 when the provider de-duplicates, reconciled or parked for review otherwise). A pass that
 leaves recipients pending (released after a transient error, held by another copy, or
 sent with the record not yet written) retries the campaign, carrying its claim owner and
-those verdicts, so the next pass takes its own claims back and records what it knows.
+those verdicts, so the next pass takes its own claims back and records what it knows (even over
+a ``review`` a stale copy of an earlier pass parked it in after the lease ran out).
 Progress is reported as the Celery task state ``PROGRESS`` with counts, visible in Flower.
 """
 

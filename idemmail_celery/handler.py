@@ -348,7 +348,7 @@ class Handler:
         """Everything after the claim (bulk sends call this for each claim of a batch)."""
         status, record = claim.status, claim.record
         if status is ClaimStatus.DONE:
-            return self.check_reuse(d, record) or self.replay(record)
+            return self.check_reuse(d, record) or self.confirm_verdict(d, record) or self.replay(record)
         if status is ClaimStatus.BUSY:
             return self.check_reuse(d, record) or self.in_flight(d, record)
         if d.verdict is not None:  # this chain decided, and could not record it: record it, never run again
@@ -519,6 +519,31 @@ class Handler:
         if state == State.FAILED.value:
             return self.record_final(d, claim, State.FAILED, error, PermanentSendError(message, reason, d.key))
         return self.record_final(d, claim, State.REVIEW, error, SendNeedsReview(message, reason, d.key))
+
+    def confirm_verdict(self, d: Delivery, record: Record) -> Step | None:
+        """A "sent" verdict of this chain's own that meets its record parked for ``review``: recorded as sent.
+
+        Another copy of the chain (a message the broker handed out again, its pass state older than the
+        verdict) found the claim's lease run out while the ledger could not take the verdict, and parked
+        it as "may have been sent". The verdict says it was: the record is confirmed (as an operator's
+        ``resolve`` would be), never sent again, never left for someone to look into. None: not that case.
+        """
+        verdict = d.verdict
+        if verdict is None or verdict.get("state") != State.SENT.value or record.state is not State.REVIEW:
+            return None
+        stored = verdict.get("result") or {}
+        try:
+            confirmed = self.ledger.confirm_sent(record.key, stored, note="sent by this chain; recorded from its "
+                                                                          "verdict", actor=d.owner or d.attempt_id)
+        except (LedgerUnavailableError, UnsafeLedgerError) as exc:  # the next delivery tries again
+            return self.unavailable(d, exc)
+        except LedgerError as exc:  # changed meanwhile (an operator's decision): the record as it is stands
+            log.warning("idemmail: %s: the verdict could not be recorded over its review (%s)", record.key,
+                        type(exc).__name__)
+            return None
+        self.effect.report(Outcome.SENT, record.key, message_id=stored.get("message_id"), reason="verdict_confirmed")
+        return Step(Outcome.SENT, Action.RETURN, record.key,
+                    value=sent_outcome("sent", record.key, stored, confirmed.updated_at))
 
     def released(self, d: Delivery, claim: Claim, note: dict[str, Any]) -> None:
         """Release the claim (nothing left the process); reported as a retry. A release that fails

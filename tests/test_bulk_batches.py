@@ -10,6 +10,7 @@ the batch is sent, once.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import replace
@@ -562,3 +563,53 @@ def test_a_key_secret_rotation_between_passes_records_each_verdict_under_its_cla
     assert len(list((tmp_path / "out").iterdir())) == 6  # one email per recipient: none sent twice
     assert out["sent"] + out["duplicate"] == 6 and out["pending"] == 0, out
     assert all(real.get(k).state is State.SENT for k in unrecorded)  # type: ignore[union-attr]
+
+
+def test_a_stale_copy_of_a_pass_parks_its_sends_and_the_pass_with_their_verdicts_records_them_sent(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The flake of tests/integration/test_chain_ownership.py (issue 23, case 2), step by step: the first pass
+    # sends and cannot record (the ledger is down) and hands its verdicts on; its worker's pool child is killed
+    # (systemd's or a test's SIGTERM to the whole process group) after that retry was published and before its
+    # message was acked, so the broker hands the first pass out again, with none of that state. The leases ran
+    # out meanwhile (nothing renews them while the ledger is down): that copy takes the claims over as a crash
+    # and, the provider keeping no key, parks them for review. Before: the pass carrying the verdicts then
+    # counted them "duplicate" and left them in review for an operator, though it knew they were sent (the
+    # integration test saw "sent 0, duplicate 3, ..." with "review: 37" cut off). Now it records them sent.
+    monkeypatch.setattr("idemmail_celery.handler.time.sleep", lambda s: None)
+    app, campaign = campaign_app(tmp_path, "s", "bulk-stale-copy")
+    app.conf.idemmail_lease_seconds = 0.3
+    sender = app.tasks["idemmail_celery.send_email"]
+    monkeypatch.setattr(sender, "carries_key", lambda: False)  # as SMTP: a resend would go out again
+    monkeypatch.setattr(sender, "reconcile", lambda key, payload: None)  # and nothing to search
+    real = sender.ledger
+    people = [f"r{i}@example.com" for i in range(5)]
+    call = {"campaign_id": "c-stale", "subject": "Hi", "text": "x", "recipients": people}
+    keys = [sender.intent_key(to=to, subject="Hi", text="x", event_id="c-stale") for to in people]
+    sender._idem_ledger = RecordsLate(real, {k: 4 for k in keys[1:]})  # r0 recorded; r1..r4 sent, not recorded
+    deliver = sender.deliver
+    sends: list[str] = []
+
+    def counted(kwargs: dict[str, Any], key: str) -> Any:
+        sends.append(kwargs["to"])
+        return deliver(kwargs, key)
+
+    monkeypatch.setattr(sender, "deliver", counted)
+    retried = campaign.retry
+    stale: list[Any] = []
+
+    def redelivered_then_retry(*args: Any, **kwargs: Any) -> Any:
+        if not stale:  # the first pass's message, handed out again once its leases ran out
+            ends = [r.lease_expires_at or 0.0 for r in (real.get(k) for k in keys[1:]) if r is not None]
+            threading.Event().wait(max([0.0, *(t - time.time() for t in ends)]) + 0.05)  # time.sleep is a no-op
+            stale.append(campaign.apply(kwargs=call).get())
+        return retried(*args, **kwargs)
+
+    monkeypatch.setattr(campaign, "retry", redelivered_then_retry)
+    out = campaign.apply(kwargs=call).get()
+    assert sorted(sends) == sorted(people)  # everyone once: the stale copy sent nobody again
+    assert stale[0]["review"] == 4 and stale[0]["duplicate"] == 1  # it could not know
+    assert (out["sent"], out["duplicate"], out["review"], out["pending"]) == (4, 1, 0, 0), out
+    for key in keys:
+        record = real.get(key)
+        assert record is not None and record.state is State.SENT, record

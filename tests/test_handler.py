@@ -389,6 +389,36 @@ def sent_not_recorded(ledger: Ledger, key: str,
     return refusing, handler, box, d, first
 
 
+def test_a_sent_verdict_is_recorded_over_the_review_a_stale_copy_parked_it_in(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Sent, not recorded; the ledger stays away past the lease, and a copy of the message from before the
+    # verdict (redelivered: its worker was killed after publishing the retry) takes the claim over as a crash
+    # and parks it (no key downstream). The delivery with the verdict knows it went out: recorded sent, not
+    # left for an operator, and nothing sent again.
+    refusing = Refusing(ledger)
+    handler, box = build(refusing, lease_seconds=0.3)
+    refusing.down.add("sent")
+    d = delivery("h-stale")
+    with monkeypatch.context() as m:
+        m.setattr("idemmail_celery.handler.time.sleep", lambda s: None)  # its tries to record, at once
+        first = handler.handle(d)
+    assert first.carry[VERDICT_HEADER]["state"] == "sent"
+    refusing.down = set()
+    held = ledger.get("h-stale")
+    assert held is not None and held.lease_expires_at is not None
+    time.sleep(max(0.0, held.lease_expires_at - time.time()) + 0.05)  # the lease runs out, nobody renewing it
+    stale = handler.handle(delivery("h-stale"))
+    assert stale.outcome is Outcome.REVIEW and ledger.get("h-stale").state is State.REVIEW  # type: ignore[union-attr]
+    step = handler.handle(next_of(d, first))
+    assert (step.outcome, step.action) == (Outcome.SENT, Action.RETURN) and len(box.sent) == 1
+    record = ledger.get("h-stale")
+    assert record is not None and record.state is State.SENT
+    assert record.result["message_id"] == first.carry[VERDICT_HEADER]["result"]["message_id"]  # type: ignore[index]
+    # A copy after that replays the send.
+    assert handler.handle(delivery("h-stale")).outcome is Outcome.DUPLICATE and len(box.sent) == 1
+
+
 @pytest.mark.parametrize("outage", ["claim", "claim_lost_reply"])
 def test_a_verdict_survives_a_second_outage_at_the_next_claim(
     ledger: Ledger, outage: str, monkeypatch: pytest.MonkeyPatch

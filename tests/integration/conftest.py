@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -85,6 +86,9 @@ def worker_reaper() -> Iterator[Reaper]:
     reaper.join()  # before the session's Redis sweep (tests/conftest.py)
 
 
+_WORKER_SERIAL = itertools.count()
+
+
 class WorkerProcess:
     """``celery worker`` for one test namespace: start, kill, restart, stop."""
 
@@ -92,10 +96,12 @@ class WorkerProcess:
         self.ns, self.env, self.log_dir, self.args = ns, env, log_dir, args
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        # Each worker of a test logs to files of its own: a second worker must not overwrite the first's log.
+        self.serial = next(_WORKER_SERIAL)
 
     def start(self) -> WorkerProcess:
         self.starts += 1
-        log = open(self.log_dir / f"worker-{self.starts}.log", "wb")  # noqa: SIM115
+        log = open(self.log_path(), "wb")  # noqa: SIM115
         cmd = [sys.executable, "-m", "celery", "-A", "tests.integration.workerapp", "worker",
                "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
                "-n", f"{self.ns}-{id(self) % 10**6}-{self.starts}@%h", *self.args]
@@ -105,8 +111,12 @@ class WorkerProcess:
         wait_for(lambda: b"ready." in self.log(), timeout=60)
         return self
 
+    def log_path(self) -> Path:
+        """This start's log file (``worker-<n>-<start>.log``, n numbering the test's workers)."""
+        return self.log_dir / f"worker-{self.serial}-{self.starts}.log"
+
     def log(self) -> bytes:
-        return (self.log_dir / f"worker-{self.starts}.log").read_bytes()
+        return self.log_path().read_bytes()
 
     def stop(self) -> None:
         if self.proc:
