@@ -46,7 +46,7 @@ from ._common import (
 )
 from ._lease import keeper
 from .config import Settings
-from .errors import ConfigurationError, LedgerError, SendNeedsReview
+from .errors import ConfigurationError, IdemmailError, LedgerError, SendNeedsReview
 from .handler import (
     INVALID_INPUT,
     Action,
@@ -230,11 +230,14 @@ def _send_campaign(
     ``duplicate``).
     """
     sender: SendEmailTask = self.app.tasks[SEND_EMAIL]
-    builder = sender.key_builder
+    try:
+        builder = sender.key_builder
+        request_headers = _trusted(self, sender)
+    except IdemmailError as exc:  # no key secret, bad settings: its pass state cannot be read here, nor kept
+        sender.wait_as_received(exc, running=self)
     base = {"subject": subject, "text": text, "html": html, "from_": from_, "event_id": campaign_id,
             "template": template, "tenant": tenant, "headers": headers, "tags": tags}
     base = {k: v for k, v in base.items() if v is not None}
-    request_headers = _trusted(self, sender)
     owner = new_owner(self.request.id or "campaign")
     # The owners whose claims this pass may hold or find held (a batch claim whose reply was lost may or may
     # not have landed): every pass it hands on to takes back whichever of them holds a recipient's claim.

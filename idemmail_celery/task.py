@@ -640,6 +640,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         self._publish_again(countdown, headers, "waiting for the key secret", TransientSendError(
             "sealed under an unknown key secret", reason="unknown_key_secret"), as_received=True, running=running)
 
+    def wait_as_received(self, exc: Exception, running: Task) -> NoReturn:
+        """``running`` (a campaign) cannot even read its headers here (``exc``: no key secret, bad settings):
+        one ERROR with the fix, and the message is requeued exactly as it came, for a worker that can."""
+        say_setup_error_once(exc)
+        countdown = min(self._policy_or_default().inflight_backoff_max, self._countdown_cap() or 60.0)
+        self._publish_again(countdown, dict(running.request.headers or {}), "set-up error", exc, as_received=True,
+                            running=running)
+
     def _publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception, *,
                        as_received: bool = False, running: Task | None = None) -> NoReturn:
         """Requeue this message (or the one ``running`` runs) like ``retry()``, without spending ``max_retries``.
@@ -651,7 +659,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         request = running.request
         if not as_received:
             countdown = self._split(countdown, headers)
-            self.sealed(headers, self._received())
+            try:
+                self.sealed(headers, self._received())
+            except IdemmailError:
+                # This worker cannot seal (no key secret, settings that do not parse): the message goes on
+                # exactly as it came, its own seal and chain state intact, for a worker that can. Ending it
+                # here would acknowledge an intent nobody recorded.
+                headers, as_received = dict(request.headers or {}), True
         sig = running.signature_from_request(request, countdown=countdown, retries=request.retries, headers=headers)
         if request.is_eager:  # ``Task.apply``: nothing is published (Celery would re-apply ``sig`` in-line, for ever)
             raise Rescheduled(why, exc=reason, when=countdown)

@@ -187,6 +187,22 @@ def test_a_pass_sealed_under_a_secret_this_worker_lacks_waits_for_one_that_has_i
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())  # nothing sent
 
 
+def test_a_worker_without_the_key_secret_keeps_campaigns_and_sends_waiting(tmp_path: Any) -> None:
+    """A server ledger and no key secret on this worker: no key can be made, no seal read or written. The
+    message must not end FAILURE (acknowledged, nothing recorded): it waits, as it came, for a worker that can."""
+    from .conftest import REDIS_URL, unique
+
+    app, campaign = campaign_app(tmp_path, None, "bulk-no-secret")
+    app.conf.update(idemmail_ledger_url=REDIS_URL, idemmail_ledger_options={"prefix": unique("nosecret")})
+    call = {"campaign_id": "c-n", "subject": "Hi", "text": "x", "recipients": ["ann@example.com"]}
+    out = campaign.apply(kwargs=call)
+    assert out.state == "RETRY", out.result
+    single = app.tasks["idemmail_celery.send_email"].apply(kwargs={"to": "ann@example.com", "subject": "Hi",
+                                                                   "text": "x", "event_id": "e-n"})
+    assert single.state == "RETRY", single.result
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())  # nothing sent
+
+
 def test_a_long_wait_for_a_key_secret_is_said_at_error(
         tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     """A secret removed while messages sealed under it were queued: the wait never ends by itself (nothing
