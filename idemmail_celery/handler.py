@@ -534,7 +534,8 @@ class Handler:
         stored = verdict.get("result") or {}
         try:
             confirmed = self.ledger.confirm_sent(record.key, stored, note="sent by this chain; recorded from its "
-                                                                          "verdict", actor=d.owner or d.attempt_id)
+                                                                          "verdict", actor=d.owner or d.attempt_id,
+                                                 expect=record)  # the review it met: nothing decided since
         except (LedgerUnavailableError, UnsafeLedgerError) as exc:  # the next delivery tries again
             return self.unavailable(d, exc)
         except LedgerError as exc:  # changed meanwhile (an operator's decision): the record as it is stands

@@ -373,6 +373,23 @@ def test_operator_or_webhook_sent_erases_the_payload(ledger: Ledger) -> None:
     assert returned == confirmed
 
 
+def test_a_confirmation_of_the_record_as_it_was_leaves_a_decision_made_since(ledger: Ledger) -> None:
+    c = ledger.claim(req("p-decided"))
+    ledger.park("p-decided", c.token, {"reason": "lease_expired"})
+    parked = ledger.get("p-decided")
+    assert parked is not None and parked.state is State.REVIEW
+    ledger.resolve("p-decided", "failed", note="did not go out", actor="ops")  # an operator, in between
+    with pytest.raises(IllegalTransitionError):
+        ledger.confirm_sent("p-decided", {"message_id": "late"}, expect=parked)
+    kept = ledger.get("p-decided")
+    assert kept is not None and kept.state is State.FAILED
+    c2 = ledger.claim(req("p-undecided"))
+    ledger.park("p-undecided", c2.token, {"reason": "lease_expired"})
+    untouched = ledger.get("p-undecided")
+    assert untouched is not None
+    assert ledger.confirm_sent("p-undecided", {"message_id": "m"}, expect=untouched).state is State.SENT
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_keep_payload_keeps_it_after_sent_for_audit(backend: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     led = make_ledger(backend, tmp_path_factory, keep_payload=True)

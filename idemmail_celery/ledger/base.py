@@ -417,12 +417,15 @@ class Ledger(ABC):
         """``claimed`` -> ``released``: nothing left the process; the next claim runs the stored payload."""
         self._finish(key, token, State.RELEASED, error=error)
 
-    def confirm_sent(self, key: str, result: dict[str, Any], *, note: str = "", actor: str = "") -> Record:
+    def confirm_sent(self, key: str, result: dict[str, Any], *, note: str = "", actor: str = "",
+                     expect: Record | None = None) -> Record:
         """Evidence from outside (a provider webhook, a search) that the intent was delivered.
 
         Moves ``review``, ``released``, ``failed`` or ``claimed`` (live or not) to ``sent`` with
         ``result``; a ``sent`` record is returned unchanged. The holder of a live claim then
-        finds its token stale when it records, and keeps the confirmed result.
+        finds its token stale when it records, and keeps the confirmed result. With ``expect``,
+        only that record as it was (its state and token): anything that moved it since (an
+        operator's decision, a new claim) stands, and :class:`IllegalTransitionError` says so.
         """
         for _ in range(5):
             record = self.get(key)
@@ -430,6 +433,9 @@ class Ledger(ABC):
                 raise RecordNotFoundError(f"no ledger record for key {key}")
             if record.state is State.SENT:
                 return record
+            if expect is not None and (record.state, record.token) != (expect.state, expect.token):
+                raise IllegalTransitionError(f"record {key} is {record.state.value} with token {record.token} now, "
+                                             f"not {expect.state.value} with token {expect.token}: left as it is")
             now = time.time()
             new = replace(
                 record, state=State.SENT, token=record.token + 1, lease_expires_at=None, result=result,
