@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
+
 from idemmail_celery.keys import Payload
 from idemmail_celery.ledger import ClaimRequest, State
 from idemmail_celery.redrive import sweep_stranded
@@ -38,6 +40,9 @@ def test_a_claim_no_message_will_come_back_for_is_republished_and_settled_once(
     assert held is not None and held.state is State.CLAIMED
 
 
+# Alone, after the rest: kombu's restore takes one mutex per Redis database, and other tests kill workers
+# there (one killed mid-restore holds it for up to unacked_mutex_expire); and it keeps pace with seconds.
+@pytest.mark.serial
 def test_a_gevent_worker_gets_back_a_killed_workers_unacked_message_on_a_redis_broker(
     app_module: Any, sink: Sink, start_worker: Any, worker_env: dict[str, str]
 ) -> None:
@@ -55,6 +60,9 @@ def test_a_gevent_worker_gets_back_a_killed_workers_unacked_message_on_a_redis_b
     assert b"restores the Redis broker's unacked messages" in second.log()
 
 
+# Alone, after the rest: kombu's restore takes one mutex per Redis database, and other tests kill workers
+# there (one killed mid-restore holds it for up to unacked_mutex_expire); and it keeps pace with seconds.
+@pytest.mark.serial
 def test_the_restore_timer_hands_a_dead_workers_unacked_message_back_with_no_worker_running(
     app_module: Any, ns: str, sink: Sink, start_worker: Any, worker_env: dict[str, str]
 ) -> None:
