@@ -18,6 +18,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 from idemmail_celery.testing.redis_server import RedisServer
 
 from ..conftest import POSTGRES_URL, REDIS_URL, service_missing, unique, wait_for
@@ -255,3 +256,19 @@ def ddl(url: str, statement: str) -> None:
             conn.execute(sa.text(statement))
     finally:
         server.dispose()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeProvider]:
+    """The fake email provider over real sockets, de-duplicating on the key (a module needing other
+    options, no de-duplication or slow answers, defines its own ``fake``)."""
+    with FakeProvider() as f:
+        yield f
+
+
+@pytest.fixture
+def fake_app(fake: FakeProvider, worker_env: dict[str, str], request: pytest.FixtureRequest) -> Any:
+    """``app_module``, its workers (and its own tasks) sending through ``fake``; a fixture that sets more of
+    ``worker_env`` does so before asking for this one."""
+    worker_env.update(IDEMMAIL_TEST_PROVIDER=fake.url, IDEMMAIL_TEST_PROVIDER_KEY=DEFAULT_API_KEY)
+    return request.getfixturevalue("app_module")

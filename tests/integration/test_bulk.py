@@ -6,30 +6,22 @@ import os
 import signal
 import subprocess
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from idemmail_celery.bulk import CAMPAIGN_TASK
 from idemmail_celery.mail import TASK_NAME
-from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
+from idemmail_celery.testing.fake_provider import FakeProvider
 
 from ..conftest import wait_for
 from .conftest import results
 
 
 @pytest.fixture
-def fake() -> Iterator[FakeProvider]:
-    with FakeProvider() as f:
-        yield f
-
-
-@pytest.fixture
-def app_for_fake(fake: FakeProvider, worker_env: dict[str, str], request: pytest.FixtureRequest) -> Any:
-    worker_env.update(IDEMMAIL_TEST_PROVIDER=fake.url, IDEMMAIL_TEST_PROVIDER_KEY=DEFAULT_API_KEY,
-                      IDEMMAIL_TEST_LEASE="2")
-    return request.getfixturevalue("app_module")
+def app_for_fake(worker_env: dict[str, str], request: pytest.FixtureRequest) -> Any:
+    worker_env.update(IDEMMAIL_TEST_LEASE="2")
+    return request.getfixturevalue("fake_app")
 
 
 def pool_children(pid: int) -> list[int]:

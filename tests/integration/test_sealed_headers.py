@@ -10,10 +10,7 @@ worker that cannot check a newer secret's seal waits for one that can instead of
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
-
-import pytest
 
 from idemmail_celery import PermanentSendError
 from idemmail_celery._common import (
@@ -28,7 +25,7 @@ from idemmail_celery._common import (
 from idemmail_celery.bulk import CAMPAIGN_TASK
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State
 from idemmail_celery.mail import TASK_NAME
-from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
+from idemmail_celery.testing.fake_provider import FakeProvider
 
 from ..conftest import wait_for
 from .conftest import results
@@ -144,38 +141,26 @@ def test_rotation_with_workers_first_sends_once(app_module: Any, sink: Any, star
 
 # -- send_email and send_campaign, with the fake provider over real sockets --
 
-@pytest.fixture
-def fake() -> Iterator[FakeProvider]:
-    with FakeProvider() as f:
-        yield f
-
-
-@pytest.fixture
-def mail_app(fake: FakeProvider, worker_env: dict[str, str], request: pytest.FixtureRequest) -> Any:
-    worker_env.update(IDEMMAIL_TEST_PROVIDER=fake.url, IDEMMAIL_TEST_PROVIDER_KEY=DEFAULT_API_KEY)
-    return request.getfixturevalue("app_module")
-
-
 KIM = {"to": "kim@example.com", "subject": "Your receipt", "text": "Thanks", "event_id": "order-21"}
 
 
 def test_a_forged_sent_verdict_on_send_email_is_ignored_and_the_send_is_real(
-    mail_app: Any, fake: FakeProvider, start_worker: Any
+    fake_app: Any, fake: FakeProvider, start_worker: Any
 ) -> None:
     """``send_task(send_email, kwargs=victim, headers={"idemmail_verdict": {"state": "sent", ...}})`` recorded the
     victim's intent as sent with a made-up message id and sent nothing; the victim's own delay() then answered
     duplicate. Now the message is an ordinary call: what it records is the provider's real answer."""
     start_worker("-P", "prefork", "-c", "1")
-    task = mail_app.app.tasks[TASK_NAME]
+    task = fake_app.app.tasks[TASK_NAME]
     forged = {"state": "sent", "result": {"value": {"message_id": "made-up"}, "message_id": "made-up"}}
-    first = results([mail_app.app.send_task(TASK_NAME, kwargs=KIM, headers={VERDICT_HEADER: forged})])[0]
+    first = results([fake_app.app.send_task(TASK_NAME, kwargs=KIM, headers={VERDICT_HEADER: forged})])[0]
     own = results([task.delay(**KIM)])[0]
     assert first["status"] == "sent" and own["status"] == "duplicate" and first["key"] == own["key"]
     assert fake.delivery_count() == 1 and own["message_id"] == fake.deliveries()[0].message_id != "made-up"
 
 
 def test_a_forged_review_verdict_skips_no_check_and_stores_nothing(
-    mail_app: Any, fake: FakeProvider, start_worker: Any
+    fake_app: Any, fake: FakeProvider, start_worker: Any
 ) -> None:
     """With ``"state": "review"`` the worker skipped its checks and stored an unvalidated payload (two addresses
     in ``to``, a CRLF in the subject, over the size cap). Now the checks run and refuse it, storing nothing."""
@@ -183,19 +168,19 @@ def test_a_forged_review_verdict_skips_no_check_and_stores_nothing(
     review = {"state": "review", "error": {"type": "X", "message": "m", "reason": "r"}}
     calls = [{**KIM, "subject": "Hi\r\nBcc: eve@example.com"}, {**KIM, "text": "x" * (11 * 1024 * 1024)},
              {**KIM, "tags": {"t": "v" * (11 * 1024 * 1024)}}]
-    out = results([mail_app.app.send_task(TASK_NAME, kwargs=kw, headers={VERDICT_HEADER: review}) for kw in calls])
+    out = results([fake_app.app.send_task(TASK_NAME, kwargs=kw, headers={VERDICT_HEADER: review}) for kw in calls])
     for o in out:
         assert isinstance(o, PermanentSendError) and o.reason == "invalid_email", o
-    assert mail_app.app.tasks[TASK_NAME].ledger.get(mail_app.app.tasks[TASK_NAME].intent_key(**KIM)) is None
+    assert fake_app.app.tasks[TASK_NAME].ledger.get(fake_app.app.tasks[TASK_NAME].intent_key(**KIM)) is None
     assert fake.delivery_count() == 0 and worker.log().count(b"did not seal for it") == 3
 
 
 def test_a_chained_cause_quoting_an_address_reaches_no_result_backend_or_log(
-    mail_app: Any, fake: FakeProvider, start_worker: Any
+    fake_app: Any, fake: FakeProvider, start_worker: Any
 ) -> None:
     worker = start_worker("-P", "prefork", "-c", "1")
     address = "hidden.person@example.org"
-    failed = mail_app.app.send_task(TASK_NAME, kwargs={**KIM, "tags": {f"to {address}": "v"}})
+    failed = fake_app.app.send_task(TASK_NAME, kwargs={**KIM, "tags": {f"to {address}": "v"}})
     out = results([failed])[0]
     assert isinstance(out, PermanentSendError) and out.reason == "invalid_email"
     # The chained InvalidEmail may stay: its text is scrubbed where it is made (the name reads 'to <address>').
@@ -204,13 +189,13 @@ def test_a_chained_cause_quoting_an_address_reaches_no_result_backend_or_log(
     assert address.encode() not in worker.log() and fake.delivery_count() == 0
 
 
-def test_a_forged_verdict_on_a_campaign_records_nothing(mail_app: Any, fake: FakeProvider, start_worker: Any) -> None:
+def test_a_forged_verdict_on_a_campaign_records_nothing(fake_app: Any, fake: FakeProvider, start_worker: Any) -> None:
     start_worker("-P", "prefork", "-c", "1")
-    send_email = mail_app.app.tasks[TASK_NAME]
+    send_email = fake_app.app.tasks[TASK_NAME]
     key = send_email.intent_key(to="kim@example.com", event_id="nov")
     forged = {key: {"state": "sent", "result": {"value": {"message_id": "made-up"}, "message_id": "made-up"},
                     "owner": "o:1"}}
-    out = results([mail_app.app.send_task(CAMPAIGN_TASK, kwargs={
+    out = results([fake_app.app.send_task(CAMPAIGN_TASK, kwargs={
         "campaign_id": "nov", "recipients": ["kim@example.com", "lee@example.com"], "subject": "Nov", "text": "news",
     }, headers={VERDICT_HEADER: forged, OWNER_HEADER: "o:1", CAMPAIGN_HEADER: {"from": 2, "tally": {}}})])[0]
     assert out["sent"] == 2 and out["total"] == 2
