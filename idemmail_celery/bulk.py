@@ -60,6 +60,7 @@ from .handler import (
     owners_of,
     say_setup_error_once,
     verdict_of,
+    writes_ahead,
 )
 from .keys import Payload, Seal, untrusted_removed
 from .ledger import Claim
@@ -92,6 +93,9 @@ class CampaignEffect:
 
     def carries_key(self) -> bool:
         return self.sender.carries_key()
+
+    def writes_ahead(self) -> bool:
+        return self.sender.writes_ahead()
 
     def reconcile(self, key: str, payload: Payload) -> Any | None:
         return self.sender.reconcile(key, payload)
@@ -238,7 +242,9 @@ def _send_campaign(
     base = {"subject": subject, "text": text, "html": html, "from_": from_, "event_id": campaign_id,
             "template": template, "tenant": tenant, "headers": headers, "tags": tags}
     base = {k: v for k, v in base.items() if v is not None}
-    owner = new_owner(self.request.id or "campaign")
+    # A provider without a key marks the ledger before each recipient's send: a pass that dies leaves
+    # the recipients it had not reached unmarked, and the next pass sends them instead of parking them.
+    owner = new_owner(self.request.id or "campaign", ahead=writes_ahead(sender))
     # The owners whose claims this pass may hold or find held (a batch claim whose reply was lost may or may
     # not have landed): every pass it hands on to takes back whichever of them holds a recipient's claim.
     owners = held_by(owner, owners_of(request_headers.get(OWNER_HEADER)))

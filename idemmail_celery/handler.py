@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from ._ahead import writing_ahead
 from ._common import INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff
 from ._lease import keeper
 from .errors import (
@@ -72,7 +73,7 @@ from .errors import (
 )
 from .keys import IntentKeyBuilder, Payload
 from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
-from .ledger.base import new_owner
+from .ledger.base import AHEAD_FIELD, ahead_mark, new_owner, owner_writes_ahead
 from .ledger.sealed import PAYLOAD_KEY_UNKNOWN, is_sealed, park_unreadable
 from .redaction import cut_leaking_chain, scrub
 
@@ -202,6 +203,10 @@ class SideEffect(Protocol):
     def carries_key(self) -> bool:
         """Does the side effect pass the key to a service that de-duplicates on it?"""
 
+    def writes_ahead(self) -> bool:
+        """Does ``perform`` call :func:`~idemmail_celery.providers.base.about_to_send` before the side
+        effect can happen? Then a claim left without the mark is known not to have run it."""
+
     def reconcile(self, key: str, payload: Payload) -> Any | None:
         """Ask the service whether the intent already happened: its result, or None (not proof)."""
 
@@ -229,6 +234,15 @@ def message_id_of(value: Any) -> Any:
     if isinstance(value, dict):
         return value.get("message_id") or value.get("id")
     return None
+
+
+def writes_ahead(effect: SideEffect) -> bool:
+    """Does ``effect`` mark the ledger before it can happen? Only a side effect without a key does (one
+    that carries it is sent again with it anyway); False when it cannot say (a provider not built yet)."""
+    try:
+        return not effect.carries_key() and effect.writes_ahead()
+    except Exception:
+        return False
 
 
 def snake(name: str) -> str:
@@ -280,7 +294,11 @@ class Handler:
         recorded, never run, whoever takes it."""
         if d.verdict is not None and d.resume_owners:
             return d.resume_owners[0]
-        return d.owner or new_owner(d.attempt_id)
+        return d.owner or new_owner(d.attempt_id, ahead=self.writes_ahead())
+
+    def writes_ahead(self) -> bool:
+        """Will this handler's attempts mark the ledger before their side effect (:meth:`Ledger.write_ahead`)?"""
+        return writes_ahead(self.effect)
 
     def take_back(self, d: Delivery, claim: Claim, owner: str) -> Claim:
         """A claim found busy under an older owner of this chain (an earlier claim of it landed, a later
@@ -355,8 +373,10 @@ class Handler:
             return self.record_verdict(d, claim, d.verdict)
         if status is not ClaimStatus.ACQUIRED and is_sealed(record.payload):
             return self.unreadable(d, claim)  # this process has no payload keys: never run it, never strand it
-        # A resumed claim with a dead holder behind it: this chain's own reclaim whose reply was lost.
-        if status is ClaimStatus.RECLAIMED or (status is ClaimStatus.RESUMED and record.reclaims > 0):
+        # A resumed claim with a dead holder behind it (this chain's own reclaim whose reply was lost), or
+        # with a write-ahead mark (an earlier delivery of this chain that began its side effect and died).
+        if status is ClaimStatus.RECLAIMED or (
+                status is ClaimStatus.RESUMED and (record.reclaims > 0 or ahead_mark(record) is not None)):
             step = self.after_crash(d, claim)
             if step is not None:
                 return step
@@ -388,8 +408,10 @@ class Handler:
     def attempt(self, d: Delivery, claim: Claim, payload: Payload) -> Step:
         """Run the side effect once and record what came of it (see :meth:`run`)."""
         key = d.key
+        hook = self.ahead_hook(d, claim) if self.writes_ahead() else None
         try:
-            value = self.effect.perform(payload, key)
+            with writing_ahead(hook):
+                value = self.effect.perform(payload, key)
         except self.passthrough as exc:
             # The body handed control back (Celery's retry()): by that contract nothing was sent.
             self.released(d, claim, {"reason": "body_retried", "at": time.time()})
@@ -406,6 +428,23 @@ class Handler:
             reason = exc.reason if isinstance(exc, AmbiguousSendError) else "unexpected_error"
             return self.retry_or_park(d, claim, exc, reason, sent_maybe=True)
         return self.record_sent(d, claim, value)
+
+    def ahead_hook(self, d: Delivery, claim: Claim) -> Callable[[str], None]:
+        """What answers the side effect's :func:`~idemmail_celery.providers.base.about_to_send`: the
+        write-ahead mark in the ledger, or a :class:`TransientSendError` that keeps it from sending."""
+        lease = self.policy.lease_seconds
+
+        def mark(stage: str) -> None:
+            try:
+                held = self.ledger.write_ahead(d.key, claim.token, lease, stage)
+            except LedgerError as exc:
+                raise TransientSendError(f"the write-ahead mark could not be recorded ({type(exc).__name__}); "
+                                         "nothing was sent", reason="ahead_unrecorded", key=d.key) from exc
+            if not held:
+                raise TransientSendError("the claim was lost before the send began (its lease was taken over); "
+                                         "nothing was sent", reason="lease_lost", key=d.key)
+
+        return mark
 
     def retry_or_park(self, d: Delivery, claim: Claim, exc: Exception, reason: str, *, sent_maybe: bool) -> Step:
         """A failed attempt: release and retry while budget and safety allow, else reconcile or park."""
@@ -640,21 +679,35 @@ class Handler:
         return Step(Outcome.FAIL_OPEN, Action.RETURN, d.key, value=value)
 
     def after_crash(self, d: Delivery, claim: Claim) -> Step | None:
-        """A reclaimed expired lease: its holder died, maybe mid-send. None: run again with the key."""
+        """A reclaimed expired lease (or a resumed claim an earlier delivery marked): its holder died,
+        maybe mid-send. None: run again (with the key, or because it surely did not send)."""
         record = claim.record
+        mark = ahead_mark(record)
         self.effect.report(Outcome.RECLAIMED, d.key, reclaims=record.reclaims)
+        extra: dict[str, Any] = {}
         if record.reclaims > self.policy.max_reclaims:
             reason = "reclaim_limit"  # a poison message that kills its worker every time
         elif not self.effect.carries_key():
+            if mark is None and claim.status is ClaimStatus.RECLAIMED and owner_writes_ahead(
+                    claim.previous_owner or ""):
+                # Its holder would have marked the ledger before sending, and did not: nothing left. (A
+                # resumed claim's previous owner is this chain's own: it says nothing of the dead holder.)
+                log.warning("idemmail: %s reclaimed after an expired lease; its holder had not begun the "
+                            "send (no write-ahead mark): sending it now", d.key)
+                return None
             found = self.reconciled(d, record)
             if found is not None:  # the provider has it: record the truth, do not send again
                 return self.record_sent(d, claim, found, reconciled=True)
             reason = "lease_expired"  # it may have sent, and nothing downstream would dedupe
+            if mark is not None:
+                extra["stage"] = mark[AHEAD_FIELD]
         else:
             log.warning("idemmail: %s reclaimed after an expired lease; resending with the same key", d.key)
             return None
-        return self.park_unknown(d, claim, reason, f"previous holder {record.owner} lost its lease "
-                                                   f"(reclaims: {record.reclaims})")
+        reached = f" after its write-ahead mark ({extra['stage']})" if extra else ""
+        holder = claim.previous_owner or "the previous holder"
+        return self.park_unknown(d, claim, reason, f"{holder} lost its lease{reached} "
+                                                   f"(reclaims: {record.reclaims})", **extra)
 
     def older_than_loss(self, d: Delivery) -> bool:
         """Was this message enqueued before an acknowledged ledger loss (``Ledger.recovered_at``)?"""
@@ -679,9 +732,9 @@ class Handler:
         return self.park_unknown(d, claim, "ledger_lost", "enqueued before an acknowledged ledger loss: it may have "
                                                           "been sent, and the record of it lost")
 
-    def park_unknown(self, d: Delivery, claim: Claim, reason: str, message: str) -> Step:
-        """Park a claim whose outcome cannot be known."""
-        error = {"type": "SendNeedsReview", "reason": reason, "at": time.time(), "message": message}
+    def park_unknown(self, d: Delivery, claim: Claim, reason: str, message: str, **extra: Any) -> Step:
+        """Park a claim whose outcome cannot be known (``extra``: more fields for its ``error``)."""
+        error = {"type": "SendNeedsReview", "reason": reason, "at": time.time(), "message": message, **extra}
         return self.record_final(d, claim, State.REVIEW, error, SendNeedsReview(message, reason=reason, key=d.key))
 
     def unreadable(self, d: Delivery, claim: Claim) -> Step:

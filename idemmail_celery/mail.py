@@ -250,6 +250,12 @@ class SendEmailTask(IdempotentTask):
     def carries_key(self) -> bool:
         return self.provider.accepts_idempotency_key
 
+    def writes_ahead(self) -> bool:
+        try:
+            return bool(self.provider.writes_ahead)
+        except Exception:  # no provider yet (the worker's check says why): no promise made
+            return False
+
     def reconcile(self, key: str, payload: _Payload) -> Any | None:
         found = self.provider.find_sent(key)
         return None if found is None else {**found.to_dict(), "reconciled": True}

@@ -454,7 +454,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             step = wait_out(self._policy_or_default(), self, _chain_state(self.name, request, headers, payload), exc)
             return self._carry_out(step, headers)
         request.idempotency_key = key
-        request.idemmail_owner = owner = new_owner(request.id or "")
+        request.idemmail_owner = owner = new_owner(request.id or "", ahead=handler.writes_ahead())
         step = handler.handle(replace(
             chain, key=key, older_keys=older, retries=request.retries or 0, max_retries=self.max_retries,
             enqueued_at=_number(headers.get(ENQUEUED_HEADER)), hop=str(headers.get(HOP_HEADER) or request.id or ""),
@@ -693,6 +693,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         at run time (``send_email`` asks its provider) override this.
         """
         return self.idem_settings.carries_key
+
+    def writes_ahead(self) -> bool:
+        """Does the body call :func:`~idemmail_celery.providers.base.about_to_send` before its side
+        effect? A plain task's body does not (a crashed holder's claim is parked, or resent with the
+        key); ``send_email`` asks its provider."""
+        return False
 
     def reconcile(self, key: str, payload: Payload) -> Any | None:
         """Ask the side effect's service whether this intent already happened.

@@ -29,13 +29,16 @@ from idemmail_celery.errors import (
 from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Policy, Step, owners_of
 from idemmail_celery.keys import IntentKeyBuilder, Payload
 from idemmail_celery.ledger import ClaimRequest, Ledger, State
+from idemmail_celery.ledger.base import ahead_mark, new_owner
 from idemmail_celery.ledger.wrapper import LedgerWrapper
+from idemmail_celery.providers.base import about_to_send
 
 
 class Mailbox:
     """The side effect: records each send; ``fail_with`` makes the next sends raise."""
 
-    def __init__(self, *, carries_key: bool = False) -> None:
+    def __init__(self, *, carries_key: bool = False, ahead: bool = False) -> None:
+        self.ahead = ahead  # marks the ledger (about_to_send) before each send, as SMTP does
         self.sent: list[tuple[str, Any]] = []
         self.fail_with: BaseException | None = None
         self.invalid: BaseException | None = None
@@ -48,6 +51,8 @@ class Mailbox:
             raise self.invalid
 
     def perform(self, payload: Payload, key: str) -> Any:
+        if self.ahead:
+            about_to_send("message")
         if self.fail_with is not None:
             raise self.fail_with
         self.sent.append((key, payload.kwargs.get("body")))
@@ -55,6 +60,9 @@ class Mailbox:
 
     def carries_key(self) -> bool:
         return self.keyed
+
+    def writes_ahead(self) -> bool:
+        return self.ahead
 
     def reconcile(self, key: str, payload: Payload) -> Any:
         return self.found
@@ -555,3 +563,88 @@ def test_a_rotation_lookup_that_fails_claims_nothing_and_sends_nothing(ledger: L
     handler.ledger = ledger  # the store answers again: the older key's record is replayed
     again = handler.handle(delivery("rot-new", older_keys=("rot-old",)))
     assert again.outcome is Outcome.DUPLICATE and len(box.sent) == 1
+
+
+def dead_holder(ledger: Ledger, key: str, *, ahead: bool, marked: bool) -> None:
+    """A holder that claimed ``key`` (promising write-ahead marks or not), maybe marked it, and died."""
+    c = ledger.claim(ClaimRequest(key=key, task_name="tests.mail", payload=delivery(key).payload.to_json(),
+                                  fingerprint="", owner=new_owner("dead", ahead=ahead), lease_seconds=0.2))
+    if marked:
+        assert ledger.write_ahead(key, c.token, 0.2, "message") is True
+    time.sleep(0.35)
+
+
+def test_a_dead_holder_that_had_not_reached_its_write_ahead_mark_is_sent_by_the_next_claimer(ledger: Ledger) -> None:
+    handler, box = build(ledger, Mailbox(ahead=True))
+    dead_holder(ledger, "wa-h1", ahead=True, marked=False)
+    step = handler.handle(delivery("wa-h1"))
+    assert step.outcome is Outcome.SENT and box.sent == [("wa-h1", "first")]
+    record = ledger.get("wa-h1")
+    assert record is not None and record.state is State.SENT and record.reclaims == 1
+
+
+@pytest.mark.parametrize("promised", [True, False], ids=["marked", "holder-made-no-promise"])
+def test_a_dead_holder_that_may_have_sent_is_parked_with_the_stage_it_reached(ledger: Ledger, promised: bool) -> None:
+    handler, box = build(ledger, Mailbox(ahead=True))
+    # Marked: it began the send. No promise (a worker of an earlier release): no mark proves nothing.
+    dead_holder(ledger, "wa-h2", ahead=promised, marked=promised)
+    step = handler.handle(delivery("wa-h2"))
+    record = ledger.get("wa-h2")
+    assert step.outcome is Outcome.REVIEW and box.sent == []
+    assert record is not None and record.state is State.REVIEW and record.error is not None
+    assert record.error["reason"] == "lease_expired"
+    assert record.error.get("stage") == ("message" if promised else None)
+
+
+def test_each_send_is_marked_in_the_ledger_before_it_happens(ledger: Ledger) -> None:
+    seen: list[Any] = []
+
+    class Watching(Mailbox):
+        def perform(self, payload: Payload, key: str) -> Any:
+            before = ahead_mark(ledger.get(key))  # type: ignore[arg-type]
+            out = super().perform(payload, key)
+            seen.extend([before, ahead_mark(ledger.get(key))])  # type: ignore[arg-type]
+            return out
+
+    handler, _box = build(ledger, Watching(ahead=True))
+    assert handler.handle(delivery("wa-h3")).outcome is Outcome.SENT
+    assert seen[0] is None and seen[1] is not None and seen[1]["ahead"] == "message"
+    record = ledger.get("wa-h3")
+    assert record is not None and record.state is State.SENT and record.error is None  # sent replaces nothing
+
+
+class NoMarks(LedgerWrapper):
+    """A real ledger whose write-ahead marks fail (the store went away at that moment)."""
+
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+        raise LedgerUnavailableError("store went away (write_ahead)")
+
+
+def test_a_send_whose_write_ahead_mark_fails_sends_nothing_and_retries(ledger: Ledger) -> None:
+    handler, box = build(NoMarks(ledger), Mailbox(ahead=True))
+    d = delivery("wa-h4")
+    step = handler.handle(d)
+    assert step.action is Action.RETRY and box.sent == []
+    assert isinstance(step.error, TransientSendError) and step.error.reason == "ahead_unrecorded"
+    record = ledger.get("wa-h4")
+    assert record is not None and record.state is State.RELEASED  # nothing went out: the next try sends
+    handler2, box2 = build(ledger, Mailbox(ahead=True))
+    assert handler2.handle(next_of(d, step, retries=1)).outcome is Outcome.SENT and len(box2.sent) == 1
+
+
+def test_an_earlier_delivery_of_the_chain_that_marked_and_died_is_not_sent_again(ledger: Ledger) -> None:
+    refusing = Refusing(ledger)
+    handler, box = build(refusing, Mailbox(ahead=True))
+    d = delivery("wa-h5")
+    refusing.down.add("claim_lost_reply")  # the first claim lands, its reply does not: the chain holds it
+    step = handler.handle(d)
+    assert step.action is Action.RESCHEDULE
+    refusing.down.clear()
+    record = ledger.get("wa-h5")
+    assert record is not None
+    # That owner began the send (the mark) and died before recording anything.
+    assert ledger.write_ahead("wa-h5", record.token, 30, "message") is True
+    done = handler.handle(next_of(d, step))
+    assert done.outcome is Outcome.REVIEW and box.sent == []
+    parked = ledger.get("wa-h5")
+    assert parked is not None and parked.error is not None and parked.error.get("stage") == "message"

@@ -11,6 +11,8 @@ import pytest
 
 from idemmail_celery.errors import IllegalTransitionError, RecordNotFoundError, StaleTokenError
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger, State, from_url
+from idemmail_celery.ledger.base import ahead_mark, new_owner, owner_writes_ahead
+from idemmail_celery.ledger.wrapper import LedgerWrapper
 
 from .conftest import BACKENDS, drop_ledger, make_ledger, unique
 
@@ -532,3 +534,61 @@ def test_forget_on_a_live_claim_keeps_the_claim_working(ledger: Ledger) -> None:
     ledger.complete("fg3", c.token, {"message_id": "m-fg3"})
     record = ledger.get("fg3")
     assert record is not None and record.state is State.SENT and record.result == {"message_id": "m-fg3"}
+
+
+class DefaultWriteAhead(LedgerWrapper):
+    """A backend that leaves ``write_ahead`` to the base class (read, then replace under the token)."""
+
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+        return Ledger.write_ahead(self, key, token, lease_seconds, stage)
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["backend", "base-default"])
+def test_a_write_ahead_mark_is_fenced_kept_by_a_reclaim_and_replaced_by_a_release(ledger: Ledger, own: bool) -> None:
+    store: Ledger = DefaultWriteAhead(ledger) if own else ledger
+    c = store.claim(req("wa1", lease_seconds=0.2, owner=new_owner("t", ahead=True)))
+    assert c.status is ClaimStatus.ACQUIRED and c.previous_owner is None
+    assert store.write_ahead("wa1", c.token + 1, 30, "message") is False  # not the holder's token
+    assert ahead_mark(store.get("wa1")) is None  # type: ignore[arg-type]
+    before = time.time()
+    assert store.write_ahead("wa1", c.token, 0.2, "message") is True
+    marked = store.get("wa1")
+    assert marked is not None and marked.state is State.CLAIMED and marked.lease_expires_at is not None
+    assert marked.lease_expires_at >= before + 0.15  # the mark renews the lease too
+    mark = ahead_mark(marked)
+    assert mark is not None and mark["ahead"] == "message" and mark["at"] >= before - 1
+    time.sleep(0.35)
+    r = store.claim(req("wa1", lease_seconds=30))
+    assert r.status is ClaimStatus.RECLAIMED
+    assert r.previous_owner is not None and owner_writes_ahead(r.previous_owner)
+    assert r.record.owner != r.previous_owner
+    assert ahead_mark(r.record) == mark  # the next claimer sees what the dead holder had begun
+    assert store.write_ahead("wa1", c.token, 30, "message") is False  # the dead holder's token is stale
+    store.release("wa1", r.token, {"reason": "tempfail"})
+    assert store.write_ahead("wa1", r.token, 30, "message") is False  # released: not held
+    again = store.claim(req("wa1"))
+    assert again.status is ClaimStatus.REOPENED and again.previous_owner is None
+    assert ahead_mark(again.record) is None and again.record.error == {"reason": "tempfail"}
+
+
+def test_a_reclaim_names_the_holder_it_took_over_from(ledger: Ledger) -> None:
+    c = ledger.claim(req("wa2", lease_seconds=0.2, owner="old-worker:1:abcd"))
+    time.sleep(0.35)
+    r = ledger.claim(req("wa2"))
+    assert r.status is ClaimStatus.RECLAIMED and r.previous_owner is not None
+    assert r.previous_owner.startswith("old-worker:1:abcd") and not owner_writes_ahead(r.previous_owner)
+    assert c.token < r.token
+
+
+def test_a_move_out_of_claimed_drops_the_write_ahead_mark_it_does_not_replace(ledger: Ledger) -> None:
+    c = ledger.claim(req("wa3"))
+    assert ledger.write_ahead("wa3", c.token, 30, "message") is True
+    ledger.release("wa3", c.token)  # no note: nothing was sent, and the mark no longer says otherwise
+    released = ledger.get("wa3")
+    assert released is not None and released.state is State.RELEASED and released.error is None
+    c2 = ledger.claim(req("wa3"))
+    assert ledger.write_ahead("wa3", c2.token, 30, "message") is True
+    ledger.complete("wa3", c2.token, {"message_id": "m-wa3"})
+    sent = ledger.get("wa3")
+    assert sent is not None and sent.state is State.SENT and sent.error is None
+    assert sent.result == {"message_id": "m-wa3"}

@@ -124,6 +124,10 @@ class Claim:
 
     status: ClaimStatus
     record: Record
+    #: Who held the claim just before this one took it (``reclaimed`` and ``resumed`` claims; None
+    #: otherwise, or when the store cannot say): whether that holder promised a write-ahead mark
+    #: (:func:`owner_writes_ahead`) tells a claim it left unmarked from one that may have run.
+    previous_owner: str | None = None
 
     @property
     def token(self) -> int:
@@ -168,19 +172,52 @@ def _forget_owner() -> None:
     _owner = ""  # a forked child has a pid of its own
 
 
-def new_owner(detail: str = "") -> str:
-    """A unique owner string for one claim: ``host:pid[:detail]:nonce``.
+#: The part of an owner string that says its holder writes ahead (see :meth:`Ledger.write_ahead`).
+WRITES_AHEAD = "ahead"
+#: The field of a write-ahead mark naming the stage its holder was about to begin.
+AHEAD_FIELD = "ahead"
+
+
+def new_owner(detail: str = "", *, ahead: bool = False) -> str:
+    """A unique owner string for one claim: ``host:pid[:detail][:ahead]:nonce``.
 
     The nonce makes every claim's owner distinct, even two deliveries of the
     same task id in one process, so a store can tell "my row" from "a row".
+    ``ahead``: the holder promises a write-ahead mark before its side effect can
+    happen, so a claim it left without one is known not to have run it
+    (:func:`owner_writes_ahead`).
     """
-    parts = [default_owner(), detail, secrets.token_hex(4)]
+    parts = [default_owner(), detail, WRITES_AHEAD if ahead else "", secrets.token_hex(4)]
     return ":".join(p for p in parts if p)
+
+
+def owner_writes_ahead(owner: str) -> bool:
+    """Did the holder ``owner`` promise a write-ahead mark before its side effect (``new_owner(ahead=True)``)?"""
+    return f":{WRITES_AHEAD}:" in owner
+
+
+def ahead_mark(record: Record) -> dict[str, Any] | None:
+    """The write-ahead mark a ``claimed`` record carries (see :meth:`Ledger.write_ahead`), or None."""
+    error = record.error
+    if record.state is State.CLAIMED and isinstance(error, dict) and isinstance(error.get(AHEAD_FIELD), str):
+        return error
+    return None
+
 
 
 def _check_unique(requests: Sequence[ClaimRequest]) -> None:
     if len({r.key for r in requests}) != len(requests):
         raise ValueError("claim_many needs distinct keys")
+
+
+#: How a stored write-ahead mark's JSON begins (canonical JSON: sorted keys, no spaces). A transition
+#: out of ``claimed`` drops a mark it does not replace: it is not an error, and it is no longer true.
+AHEAD_JSON_PREFIX = '{"ahead":'
+
+
+def ahead_error(stage: str, at: float) -> dict[str, Any]:
+    """The ``error`` field a write-ahead mark writes (see :meth:`Ledger.write_ahead`)."""
+    return {AHEAD_FIELD: stage, "at": at}
 
 
 def dumps_json(value: dict[str, Any] | None) -> str | None:
@@ -289,7 +326,8 @@ class Ledger(ABC):
     ) -> float | None:
         """Move the claim held with ``token`` to ``state`` (sent/failed/review/released).
 
-        Moving to ``sent`` also erases the stored payload unless ``self.keep_payload``.
+        Moving to ``sent`` also erases the stored payload unless ``self.keep_payload``; a
+        write-ahead mark (:meth:`write_ahead`) in the record's ``error`` goes with any move.
         Returns the time written as the record's ``updated_at``, exactly as :meth:`get` will read
         it back (a store keeping milliseconds says milliseconds), or None when it cannot say (a
         move that had already landed).
@@ -302,6 +340,27 @@ class Ledger(ABC):
     @abstractmethod
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         """Extend the lease of a claim still held with ``token``. False if it is not."""
+
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+        """Record, before a side effect that carries no key can happen, that the holder is about to
+        begin it: the claim held with ``token`` gets the mark ``{"ahead": stage, "at": time}`` in its
+        ``error`` field and a fresh lease. False (nothing written) if ``token`` no longer holds it.
+
+        A claim whose holder promised marks (:func:`owner_writes_ahead`) and died without one is known
+        not to have run its side effect: the next claimer runs it instead of parking it for
+        review. The mark stays until the claim moves on (a release or a final state replaces the
+        ``error``); a reclaim keeps it, so the next claimer sees it (:func:`ahead_mark`).
+
+        This default reads the record, replaces it under its token and renews the lease (a
+        backend's ``_force`` need not keep leases): three round trips. The built-in backends
+        override it with one atomic operation.
+        """
+        record = self.get(key)
+        if record is None or record.state is not State.CLAIMED or record.token != token:
+            return False
+        now = time.time()
+        marked = replace(record, error=ahead_error(stage, now), lease_expires_at=now + lease_seconds)
+        return self._force(key, token, marked) and self.renew(key, token, lease_seconds)
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
         """Note that the reschedule ``hop`` of a copy of ``key`` is being published, once.

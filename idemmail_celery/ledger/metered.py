@@ -56,6 +56,9 @@ class MeteredLedger(LedgerWrapper):
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         return self._timed("renew", lambda: self.inner.renew(key, token, lease_seconds))
 
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+        return self._timed("write_ahead", lambda: self.inner.write_ahead(key, token, lease_seconds, stage))
+
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
         return self._timed("mark_hop", lambda: self.inner.mark_hop(key, hop, ttl_seconds))
 

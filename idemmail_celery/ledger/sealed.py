@@ -178,14 +178,14 @@ class SealedLedger(LedgerWrapper):
 
     def _opened(self, request: ClaimRequest, claim: Claim) -> tuple[Claim, bool]:
         if claim.status is ClaimStatus.ACQUIRED:  # a fresh record: its payload is the one we sent
-            return Claim(claim.status, replace(claim.record, payload=request.payload)), True
+            return replace(claim, record=replace(claim.record, payload=request.payload)), True
         record, ok = self.codec.open_readable(claim.record)
         if ok or not claim.status.holds:
-            return Claim(claim.status, record), ok
+            return replace(claim, record=record), ok
         # Held, and its first payload cannot be read: never run it; a person decides. The note holds
         # no personal data and is left plain (inner): whoever has the right key must read it.
         # Parked: done; not parked: busy, and the next claimer after the lease meets the same record.
-        return park_unreadable(self.inner, Claim(claim.status, record)), False
+        return park_unreadable(self.inner, replace(claim, record=record)), False
 
     def get(self, key: str) -> Record | None:
         record = self.inner.get(key)

@@ -52,6 +52,7 @@ from ..errors import (
     StaleTokenError,
 )
 from .base import (
+    AHEAD_JSON_PREFIX,
     DEFAULT_RETENTION_SECONDS,
     Claim,
     ClaimRequest,
@@ -60,6 +61,7 @@ from .base import (
     Record,
     State,
     _check_unique,
+    ahead_error,
     dumps_json,
     loads_json,
 )
@@ -389,12 +391,13 @@ class SQLLedger(Ledger):
             out["insert"] = ins.on_conflict_do_nothing(index_elements=["intent_key"]).returning(t.c.token)
         else:
             out["insert"] = ins.on_duplicate_key_update(intent_key=ins.inserted.intent_key).returning(*t.c)
-        # A transition: NULL result/error parameters keep what the row has.
+        # A transition: NULL result/error parameters keep what the row has, but for a write-ahead mark.
+        kept_error = sa.case((t.c.error.startswith(AHEAD_JSON_PREFIX, autoescape=True), sa.null()), else_=t.c.error)
         finish_values = {
             "state": sa.bindparam("st"), "lease_expires_at": None, "updated_at": sa.bindparam("now"),
             "expires_at": sa.bindparam("exp", type_=sa.Double),
             "result": sa.func.coalesce(sa.bindparam("res", type_=_LONG_TEXT), t.c.result),
-            "error": sa.func.coalesce(sa.bindparam("err", type_=_LONG_TEXT), t.c.error),
+            "error": sa.func.coalesce(sa.bindparam("err", type_=_LONG_TEXT), kept_error),
         }
         # Moving to sent erases the first payload in the same statement, unless kept for audit.
         sent_values = finish_values if self.keep_payload else {**finish_values, "payload": None}
@@ -580,7 +583,8 @@ class SQLLedger(Ledger):
             return None
         if status is ClaimStatus.ACQUIRED:
             return Claim(status, self._from_row(values))
-        return Claim(status, self._from_row({**_row_of(seen), **values}))
+        previous = seen.owner if seen.state is State.CLAIMED else None
+        return Claim(status, self._from_row({**_row_of(seen), **values}), previous_owner=previous)
 
     def _insert_new(self, conn: Connection, values: dict[str, Any]) -> tuple[bool, Record | None]:
         """Insert a new claim. Returns (inserted, the existing record when the store told us)."""
@@ -653,6 +657,17 @@ class SQLLedger(Ledger):
             sa.update(t)
             .where(t.c.intent_key == key, t.c.state == State.CLAIMED.value, t.c.token == token)
             .values(lease_expires_at=time.time() + lease_seconds)
+        )
+        return bool(self._run(lambda conn: conn.execute(stmt).rowcount == 1))
+
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+        """One ``UPDATE`` fenced by state and token (see :meth:`Ledger.write_ahead`)."""
+        t = self.table
+        now = time.time()
+        stmt = (
+            sa.update(t)
+            .where(t.c.intent_key == key, t.c.state == State.CLAIMED.value, t.c.token == token)
+            .values(error=dumps_json(ahead_error(stage, now)), lease_expires_at=now + lease_seconds)
         )
         return bool(self._run(lambda conn: conn.execute(stmt).rowcount == 1))
 

@@ -24,7 +24,7 @@ from ..errors import AmbiguousSendError, ConfigurationError, PermanentSendError,
 from ..redaction import scrub as redact
 from ..redaction import scrubbed
 from ._http import MAX_ERROR_TEXT, HTTPClientProvider, netloc, retry_after, scrub, split_url, transport_error
-from .base import SendResult, first_time, is_loopback
+from .base import SendResult, about_to_send, first_time, is_loopback
 
 __all__ = ["KEY_HEADER", "KEY_TAG", "KeylessHTTPProvider", "tagged_headers"]
 
@@ -47,6 +47,7 @@ class KeylessHTTPProvider(HTTPClientProvider):
     """
 
     accepts_idempotency_key = False
+    writes_ahead = True
     #: URL schemes this provider serves.
     schemes: ClassVar[tuple[str, ...]] = ()
     #: Where the credential may come from when ``api_key=`` is not given.
@@ -133,6 +134,7 @@ class KeylessHTTPProvider(HTTPClientProvider):
             raise PermanentSendError(f"the {self.name} provider needs the intent key to tag the message", "missing_key")
         path, payload = self._build(message, key)
         body = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        about_to_send("request")  # the write-ahead mark: a worker killed before it sent nothing
         response = self._call("POST", path, key, content=body)
         personal = message.personal_texts()
         self._check(response, key, personal=personal)

@@ -19,9 +19,14 @@ raise                       when
 when True, an ambiguous attempt is retried with the same key; when False it is
 parked for review (or reconciled, where the provider can be asked).
 
+``writes_ahead`` says that a provider without a key calls :func:`about_to_send` right before
+the first byte that could make the message exist at the service (see :mod:`idemmail_celery._ahead`):
+a worker killed before that point is then known to have sent nothing, and its intent is sent
+again instead of being parked for review.
+
 It also holds two helpers every kind of provider needs: :func:`is_loopback`
 (plain-text transports are allowed to loopback hosts only) and
-:func:`log_once_lock` (for errors logged once per process, such as refused
+:func:`first_time` (for errors logged once per process, such as refused
 credentials).
 """
 
@@ -33,8 +38,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._ahead import about_to_send
 from .._common import after_fork
 from ..email import EmailMessage
+
+__all__ = ["Provider", "SendResult", "about_to_send", "first_time", "is_loopback"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,8 @@ class Provider(ABC):
     name: str = "provider"
     #: True if the provider de-duplicates on the key we send it.
     accepts_idempotency_key: bool = False
+    #: True if :meth:`send` calls :func:`about_to_send` before anything can reach the service.
+    writes_ahead: bool = False
 
     @abstractmethod
     def send(self, message: EmailMessage, *, key: str) -> SendResult:

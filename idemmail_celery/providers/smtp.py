@@ -64,8 +64,12 @@ was written``), and so does the ``review`` record of an ``after_data`` send (``l
 A send interrupted by an exception of the worker's own (Celery's ``SoftTimeLimitExceeded``)
 is told apart the same way: before the message was written the server holds nothing, so it is
 retried, never parked; only from the first message byte on is it parked for review. A worker
-killed outright (SIGKILL) records no stage: its claim's lease runs out and the record reads
-``lease_expired``; the server's log tells, by the Message-ID ``<key@domain>``.
+killed outright (SIGKILL) cannot say anything, so the provider says it beforehand: once the
+server has accepted ``DATA``, and before the first message byte, it writes a mark into the ledger
+(:func:`~idemmail_celery.providers.base.about_to_send`; no mark, no message). A worker killed
+before the mark sent nothing the server keeps: the next claimer sends the intent once. One killed
+after it is parked as ``lease_expired`` with ``stage: message`` (it may have been queued); the
+server's log tells, by the Message-ID ``<key@domain>``.
 
 A provider holds no connection between sends, so one instance can be shared by threads.
 """
@@ -85,7 +89,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from ..email import EmailMessage, message_id_for, split_address
 from ..errors import AmbiguousSendError, ConfigurationError, PermanentSendError, SendError, TransientSendError
 from ..redaction import scrub, scrubbed
-from .base import Provider, SendResult, first_time, is_loopback
+from .base import Provider, SendResult, about_to_send, first_time, is_loopback
 
 __all__ = ["PASSWORD_ENV", "SMTPProvider", "message_id_domain"]
 
@@ -122,6 +126,7 @@ class SMTPProvider(Provider):
 
     name = "smtp"
     accepts_idempotency_key = False
+    writes_ahead = True
 
     def __init__(
         self,
@@ -225,9 +230,19 @@ class SMTPProvider(Provider):
             refused = self._rcpt_to(conn, recipients, key)
             stage = "DATA"
             self._data_command(conn, key)
+            # The server stores nothing before the message's end: the write-ahead mark goes here, the
+            # last moment before bytes that may make it exist. Refused (no mark): hang up mid-DATA, so
+            # the server discards what it has, and send nothing.
+            stage = "write-ahead"
+            about_to_send("message")
             stage = "message"
             reply = self._transmit(conn, raw, key)
-        except (SendError, smtplib.SMTPException):
+        except SendError:
+            if stage == "write-ahead":
+                _close(conn)  # no QUIT: inside DATA it would be read as the message's first line
+                conn = None
+            raise
+        except smtplib.SMTPException:
             raise
         except Exception as exc:  # an interruption of the worker's own (a soft time limit) mid-conversation
             _close(conn)  # no QUIT: the server may be the thing that hung

@@ -23,8 +23,9 @@ end
 local f = fields_of(h)
 local state = f.s
 local status = 'reopened'
+local holder = ''  -- who held it before (a reclaimed or resumed claim): the reply says
 if state == 'claimed' then
-  local holder = joined(f, 'o')
+  holder = joined(f, 'o')
   local at = 8 + tonumber(ARGV[7])
   local own = table.concat({unpack(ARGV, at + 1, at + tonumber(ARGV[at]))})
   -- Resumed: this chain's earlier claim (resume_owner), or this very request run twice (a client
@@ -51,4 +52,4 @@ if #old > 0 then redis.call('HDEL', rec, unpack(old)) end
 local fields = {'s', 'claimed', 'l', lease, 'u', n}
 chunks(fields, 'o', 8 + tonumber(ARGV[7]))
 redis.call('HSET', rec, unpack(fields))
-return {status, redis.call('HGETALL', rec), redis.call('GET', KEYS[8])}
+return {status, redis.call('HGETALL', rec), redis.call('GET', KEYS[8]), holder}

@@ -15,6 +15,9 @@ if not state then
   if target == 'sent' and held == token then return {'ok'} end
   return {'stale', 'sent', tostring(held)}
 end
+-- A write-ahead mark (see Ledger.write_ahead) is no error and no longer true: it goes with the move.
+local mark = cur[4] and string.sub(cur[4], 1, 9) == '{"ahead":'
+if mark then cur[4] = false end
 local held = tonumber(cur[2])
 if state == target and held == token then return {'ok'} end  -- this very call, run twice (a lost reply)
 local mine = state == 'claimed' and held == token
@@ -58,7 +61,9 @@ if target == 'sent' then
 end
 move(id, state, target, final and n + ttl * 1000 or n)
 local clear = nil  -- a new result or error replaces the chunks of one the record has
-if (cur[3] and new_result) or (cur[4] and new_error) then clear = {[R] = new_result, [E] = new_error} end
+if (cur[3] and new_result) or (cur[4] and new_error) or mark then
+  clear = {[R] = new_result, [E] = new_error or mark}
+end
 write(rec, fields, {'l'}, clear)
 if drop_payload then redis.call('DEL', KEYS[8]) end
 if final then expire(ttl, not drop_payload) end

@@ -48,6 +48,7 @@ from ..base import (
     Record,
     State,
     _check_unique,
+    ahead_error,
     default_owner,
     loads_json,
 )
@@ -1040,9 +1041,12 @@ class RedisLedger(Ledger):
                 created_at=now, updated_at=now,
             )
             return Claim(status, record)
-        if len(out) > 3:  # shelved
-            return Claim(status, self._entry_record(request.key, out[3], out[2]))
-        return Claim(status, self._record(request.key, out[1], out[2]))
+        if status is ClaimStatus.DONE:
+            if len(out) > 3:  # shelved
+                return Claim(status, self._entry_record(request.key, out[3], out[2]))
+            return Claim(status, self._record(request.key, out[1], out[2]))
+        previous = str(out[3]) if len(out) > 3 and out[3] else None  # who held it before (taken over)
+        return Claim(status, self._record(request.key, out[1], out[2]), previous_owner=previous)
 
     def _finish(
         self,
@@ -1070,6 +1074,11 @@ class RedisLedger(Ledger):
 
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         return bool(self._eval(self._renew, self._keys(key), [token, int(lease_seconds * 1000)])[0] == "ok")
+
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+        """The lease's renewal with the mark written in the same script (see :meth:`Ledger.write_ahead`)."""
+        mark = _chunked(ahead_error(stage, time.time()))
+        return bool(self._eval(self._renew, self._keys(key), [token, int(lease_seconds * 1000), *mark])[0] == "ok")
 
     def get(self, key: str) -> Record | None:
         if not self._checked:
