@@ -196,6 +196,11 @@ class SMTPSink:
         with self._lock:
             self._faults.append([kind, times])
 
+    def faults_left(self) -> int:
+        """How many queued faults have not been applied yet (0: every ``fail_next`` has hit a command)."""
+        with self._lock:
+            return sum(times for _, times in self._faults)
+
     def _take_fault(self, kinds: dict[str, str]) -> str | None:
         with self._lock:
             for entry in self._faults:

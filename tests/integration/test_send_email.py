@@ -241,6 +241,39 @@ def test_smtp_crash_after_data_is_parked_for_review(
         assert sink.count() == 1
 
 
+@pytest.mark.parametrize("stalled_at", ["stall_rcpt", "stall_after_data"])
+def test_a_worker_killed_mid_smtp_is_resent_before_data_and_parked_after_it(
+    worker_env: dict[str, str], request: pytest.FixtureRequest, start_worker: Any, stalled_at: str
+) -> None:
+    # Issue 26 item 8 and issue 23: before, both kills left identical review records (lease_expired). Now the
+    # provider marks the ledger once DATA is accepted: killed at RCPT (no mark, nothing stored) the intent is
+    # sent by the next claimer; killed after the message (marked, stored) it is parked with its stage.
+    with SMTPSink() as sink:
+        worker_env.update(IDEMMAIL_TEST_PROVIDER=sink.url, IDEMMAIL_TEST_PROVIDER_TIMEOUT="60",
+                          IDEMMAIL_TEST_LEASE="2")
+        app_module = request.getfixturevalue("app_module")
+        first = start_worker("-P", "prefork", "-c", "1")
+        sink.fail_next(stalled_at)  # type: ignore[arg-type]
+        task = send_email(app_module)
+        call = {"to": "dan@example.com", "subject": "Invoice", "text": "due", "event_id": f"inv-{stalled_at}"}
+        task.delay(**call)
+        wait_for(lambda: sink.faults_left() == 0, timeout=60)  # the conversation hangs where the fault is
+        first.kill()  # SIGKILL, whole worker, mid-conversation
+        start_worker("-P", "prefork", "-c", "1")
+        out = results([task.delay(**call)], timeout=90)[0]  # the same intent again: it meets the dead claim
+        record = task.ledger.get(task.intent_key(**call))
+        assert record is not None
+        if stalled_at == "stall_rcpt":
+            assert isinstance(out, dict) and out["status"] == "sent", out
+            assert [m.acknowledged for m in sink.messages()] == [True]  # one message, sent once
+            assert record.state is State.SENT and record.reclaims == 1
+        else:
+            assert isinstance(out, SendNeedsReview) and out.reason == "lease_expired", out
+            assert [m.acknowledged for m in sink.messages()] == [False]  # stored once, never sent again
+            assert record.state is State.REVIEW and record.error is not None
+            assert record.error["stage"] == "message"
+
+
 @pytest.mark.parametrize("searchable", [True, False])
 def test_keyless_provider_ambiguous_send_is_reconciled_or_parked(
     searchable: bool, worker_env: dict[str, str], request: pytest.FixtureRequest, start_worker: Any
