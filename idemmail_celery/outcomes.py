@@ -55,6 +55,8 @@ _ERROR = {Outcome.LEDGER_GAVE_UP}
 #: task that succeeds carries its outcome as its result (``task-succeeded``).
 _EVENTFUL = {Outcome.REVIEW, Outcome.FAILED, Outcome.RETRY, Outcome.IN_FLIGHT, Outcome.IN_FLIGHT_GAVE_UP,
              Outcome.LEDGER_UNAVAILABLE, Outcome.LEDGER_GAVE_UP, Outcome.KEY_REUSE, Outcome.SETUP_ERROR}
+#: Outcomes whose task ends in SUCCESS.
+_SUCCESS = {Outcome.SENT, Outcome.DUPLICATE, Outcome.FAIL_OPEN}
 _REASON = re.compile(r"[a-z0-9_]{1,40}(,[a-z0-9_]{1,40})*")
 
 
@@ -100,9 +102,13 @@ def report(task: Any, status: Outcome | str, key: str, *, message_id: Any = None
                 if unrecorded:
                     active.unrecorded(name, status.value, reason or "other")
         replayed_failure = status is Outcome.DUPLICATE and extra.get("recorded") in ("failed", "review")
-        if event and _Worker.task_events and request.hostname and (status in _EVENTFUL or unrecorded
-                                                                   or replayed_failure):
-            _event(task, status, key, message_id, reason, attempts, extra)
+        if event and _Worker.task_events and request.hostname:
+            if status in _EVENTFUL or unrecorded or replayed_failure:
+                _event(task, status, key, message_id, reason, attempts, extra)
+            elif status in _SUCCESS and getattr(request, "idemmail_rescheduled", False):
+                # Flower keeps the exception of an earlier task-retried event after the task succeeds (its
+                # task-succeeded names none): this event clears it, and changes nothing else.
+                _Events.send(task.app, request.hostname, request.id, {"exception": None, "traceback": None})
     except Exception:  # pragma: no cover - a broken handler or broker must not change the outcome
         log.debug("idemmail: reporting %s for %s failed", status, key, exc_info=True)
 

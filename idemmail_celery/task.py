@@ -437,6 +437,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             headers = request.idemmail_trusted = self._trusted(received, payload)
             chain = _chain_state(self.name, request, headers, payload)
+            # A delivery after a retry or a reschedule: its success clears the retry's exception in Flower.
+            request.idemmail_rescheduled = bool(chain.inflight or chain.outage or request.retries)
             key, older = self._claim_key(payload, headers)
             # Whatever this delivery publishes next (a retry, a reschedule, the next hop of a wait)
             # carries the key it claims under. Not sealed here: every publish point seals last, after
