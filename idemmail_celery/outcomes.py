@@ -107,8 +107,8 @@ def report(task: Any, status: Outcome | str, key: str, *, message_id: Any = None
                 _event(task, status, key, message_id, reason, attempts, extra)
             elif status in _SUCCESS and getattr(request, "idemmail_rescheduled", False):
                 # Flower keeps the exception of an earlier task-retried event after the task succeeds (its
-                # task-succeeded names none): this event clears it, and changes nothing else.
-                _Events.send(task.app, request.hostname, request.id, {"exception": None, "traceback": None})
+                # task-succeeded names none): this event clears it, and leaves the result to task-succeeded.
+                _event(task, status, key, message_id, reason, attempts, extra, clear_exception=True)
     except Exception:  # pragma: no cover - a broken handler or broker must not change the outcome
         log.debug("idemmail: reporting %s for %s failed", status, key, exc_info=True)
 
@@ -159,15 +159,19 @@ def _logfmt(value: Any) -> str:
 
 
 def _event(task: Any, status: Outcome, key: str, message_id: str | None, reason: str | None, attempts: int,
-           extra: dict[str, Any]) -> None:
-    shown = {"status": status.value, "key": key, "message_id": message_id}
-    if reason:
-        shown["reason"] = reason
-    shown.update(extra)
-    # Flower lists only Celery's own task fields: ``result`` is the one an event may fill.
+           extra: dict[str, Any], *, clear_exception: bool = False) -> None:
     request = task.request
     fields = {"status": status.value, "key": key, "message_id": message_id, "reason": reason, "attempts": attempts,
-              "result": repr(shown), **extra}
+              **extra}
+    if clear_exception:  # a success: task-succeeded brings the result; the retry's exception goes
+        fields.update(exception=None, traceback=None)
+    else:
+        shown = {"status": status.value, "key": key, "message_id": message_id}
+        if reason:
+            shown["reason"] = reason
+        shown.update(extra)
+        # Flower lists only Celery's own task fields: ``result`` is the one an event may fill.
+        fields["result"] = repr(shown)
     _Events.send(task.app, request.hostname, request.id, fields)
 
 

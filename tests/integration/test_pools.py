@@ -79,10 +79,12 @@ def pool_worker(start_worker: Callable[..., WorkerProcess], pool: str, *args: st
 
 
 class EventTap:
-    """Every event on the app's broker, received in a thread of the test process."""
+    """Every event on the app's broker, received in a thread of the test process; :meth:`of_type` keeps
+    this test's workers' (named after its namespace ``ns``): events are fanned out to every listener,
+    and other tests' workers send theirs on the same broker meanwhile."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    def __init__(self, app: Any, ns: str) -> None:
+        self.app, self.ns = app, ns
         self.events: list[dict[str, Any]] = []
         self.conn = app.connection_for_read()
         self.receiver = app.events.Receiver(self.conn, handlers={"*": self.events.append})
@@ -106,7 +108,7 @@ class EventTap:
         return self
 
     def of_type(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.events[:] if e["type"] == kind]
+        return [e for e in self.events[:] if e["type"] == kind and str(e.get("hostname", "")).startswith(self.ns)]
 
     def stop(self) -> None:
         self.receiver.should_stop = True
@@ -115,8 +117,8 @@ class EventTap:
 
 
 @pytest.fixture
-def event_tap(app_module: Any) -> Iterator[EventTap]:
-    tap = EventTap(app_module.app).start()
+def event_tap(app_module: Any, ns: str) -> Iterator[EventTap]:
+    tap = EventTap(app_module.app, ns).start()
     try:
         yield tap
     finally:
