@@ -241,9 +241,10 @@ def test_smtp_crash_after_data_is_parked_for_review(
         assert sink.count() == 1
 
 
+@pytest.mark.parametrize("pool", [["-P", "prefork", "-c", "1"], ["-P", "gevent", "-c", "20"]], ids=["prefork", "gevent"])
 @pytest.mark.parametrize("stalled_at", ["stall_rcpt", "stall_after_data"])
 def test_a_worker_killed_mid_smtp_is_resent_before_data_and_parked_after_it(
-    worker_env: dict[str, str], request: pytest.FixtureRequest, start_worker: Any, stalled_at: str
+    worker_env: dict[str, str], request: pytest.FixtureRequest, start_worker: Any, stalled_at: str, pool: list[str]
 ) -> None:
     # Issue 26 item 8 and issue 23: before, both kills left identical review records (lease_expired). Now the
     # provider marks the ledger once DATA is accepted: killed at RCPT (no mark, nothing stored) the intent is
@@ -252,14 +253,14 @@ def test_a_worker_killed_mid_smtp_is_resent_before_data_and_parked_after_it(
         worker_env.update(IDEMMAIL_TEST_PROVIDER=sink.url, IDEMMAIL_TEST_PROVIDER_TIMEOUT="60",
                           IDEMMAIL_TEST_LEASE="2")
         app_module = request.getfixturevalue("app_module")
-        first = start_worker("-P", "prefork", "-c", "1")
+        first = start_worker(*pool)
         sink.fail_next(stalled_at)  # type: ignore[arg-type]
         task = send_email(app_module)
         call = {"to": "dan@example.com", "subject": "Invoice", "text": "due", "event_id": f"inv-{stalled_at}"}
         task.delay(**call)
         wait_for(lambda: sink.faults_left() == 0, timeout=60)  # the conversation hangs where the fault is
         first.kill()  # SIGKILL, whole worker, mid-conversation
-        start_worker("-P", "prefork", "-c", "1")
+        start_worker(*pool)
         out = results([task.delay(**call)], timeout=90)[0]  # the same intent again: it meets the dead claim
         record = task.ledger.get(task.intent_key(**call))
         assert record is not None
