@@ -241,7 +241,8 @@ def test_smtp_crash_after_data_is_parked_for_review(
         assert sink.count() == 1
 
 
-@pytest.mark.parametrize("pool", [["-P", "prefork", "-c", "1"], ["-P", "gevent", "-c", "20"]], ids=["prefork", "gevent"])
+@pytest.mark.parametrize("pool", [["-P", "prefork", "-c", "1"], ["-P", "gevent", "-c", "20"]],
+                         ids=["prefork", "gevent"])
 @pytest.mark.parametrize("stalled_at", ["stall_rcpt", "stall_after_data"])
 def test_a_worker_killed_mid_smtp_is_resent_before_data_and_parked_after_it(
     worker_env: dict[str, str], request: pytest.FixtureRequest, start_worker: Any, stalled_at: str, pool: list[str]
