@@ -23,6 +23,7 @@ from idemmail_celery.bulk import CAMPAIGN_TASK, send_batch
 from idemmail_celery.handler import Delivery, Outcome
 from idemmail_celery.keys import Payload
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger, State
+from idemmail_celery.ledger.base import new_owner
 from idemmail_celery.ledger.wrapper import LedgerWrapper
 
 from .test_handler import Mailbox, Refusing, build
@@ -102,6 +103,23 @@ def test_a_reconcile_search_that_fails_parks_that_recipient_and_the_batch_goes_o
     parked = ledger.get(ds[1].key)
     assert parked is not None and parked.state is State.REVIEW and parked.error["reason"] == "lease_expired"  # type: ignore[index]
     assert [k for k, _ in box.sent] == [ds[0].key, ds[2].key]
+
+
+def test_a_dead_passs_batch_parks_only_the_recipient_whose_send_had_begun(ledger: Ledger) -> None:
+    # A pass claimed five recipients, marked the first (its send began: SMTP had accepted DATA) and died.
+    # Before the write-ahead mark all five were parked lease_expired, four of them never sent.
+    ds = recipients(5, "b6")
+    dead = new_owner("camp-dead", ahead=True)
+    claims = ledger.claim_many([ClaimRequest(key=d.key, task_name="tests.mail", payload=d.payload.to_json(),
+                                             fingerprint="", owner=dead, lease_seconds=0.2) for d in ds])
+    assert ledger.write_ahead(ds[0].key, claims[0].token, 0.2, "message") is True
+    time.sleep(0.35)
+    handler, box = build(ledger, Mailbox(ahead=True))
+    batch = send_batch(handler, ds, owner=new_owner("camp-next", ahead=True))
+    assert [s.outcome for s in batch.steps] == [Outcome.REVIEW] + [Outcome.SENT] * 4
+    assert [k for k, _ in box.sent] == [d.key for d in ds[1:]]
+    parked = ledger.get(ds[0].key)
+    assert parked is not None and parked.error is not None and parked.error["stage"] == "message"
 
 
 def test_every_claim_of_a_batch_is_renewed_until_it_is_settled(ledger: Ledger) -> None:
