@@ -236,6 +236,18 @@ def message_id_of(value: Any) -> Any:
     return None
 
 
+def live_mark(claim: Claim) -> dict[str, Any] | None:
+    """The write-ahead mark a claim came back with, unless it is void: a resumed claim's mark written
+    by the very claim it resumed (its token is the one before). That holder is the owner this chain
+    carried, so its delivery ended with a step, not a kill; having marked, it would have carried a
+    verdict had it sent, or might have ("sent", "review"). It carried none: it sent nothing (a
+    transient error, a mark whose reply was lost) and only its release failed."""
+    mark = ahead_mark(claim.record)
+    if mark is not None and claim.status is ClaimStatus.RESUMED and mark.get("token") == claim.token - 1:
+        return None
+    return mark
+
+
 def writes_ahead(effect: SideEffect) -> bool:
     """Does ``effect`` mark the ledger before it can happen? Only a side effect without a key does (one
     that carries it is sent again with it anyway); False when it cannot say (a provider not built yet)."""
@@ -376,7 +388,7 @@ class Handler:
         # A resumed claim with a dead holder behind it (this chain's own reclaim whose reply was lost), or
         # with a write-ahead mark (an earlier delivery of this chain that began its side effect and died).
         if status is ClaimStatus.RECLAIMED or (
-                status is ClaimStatus.RESUMED and (record.reclaims > 0 or ahead_mark(record) is not None)):
+                status is ClaimStatus.RESUMED and (record.reclaims > 0 or live_mark(claim) is not None)):
             step = self.after_crash(d, claim)
             if step is not None:
                 return step
@@ -682,7 +694,7 @@ class Handler:
         """A reclaimed expired lease (or a resumed claim an earlier delivery marked): its holder died,
         maybe mid-send. None: run again (with the key, or because it surely did not send)."""
         record = claim.record
-        mark = ahead_mark(record)
+        mark = live_mark(claim)
         self.effect.report(Outcome.RECLAIMED, d.key, reclaims=record.reclaims)
         extra: dict[str, Any] = {}
         if record.reclaims > self.policy.max_reclaims:

@@ -215,9 +215,10 @@ def _check_unique(requests: Sequence[ClaimRequest]) -> None:
 AHEAD_JSON_PREFIX = '{"ahead":'
 
 
-def ahead_error(stage: str, at: float) -> dict[str, Any]:
-    """The ``error`` field a write-ahead mark writes (see :meth:`Ledger.write_ahead`)."""
-    return {AHEAD_FIELD: stage, "at": at}
+def ahead_error(stage: str, at: float, token: int) -> dict[str, Any]:
+    """The ``error`` field a write-ahead mark writes (see :meth:`Ledger.write_ahead`): the stage, when,
+    and the token of the claim that wrote it."""
+    return {AHEAD_FIELD: stage, "at": at, "token": token}
 
 
 def dumps_json(value: dict[str, Any] | None) -> str | None:
@@ -343,7 +344,7 @@ class Ledger(ABC):
 
     def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
         """Record, before a side effect that carries no key can happen, that the holder is about to
-        begin it: the claim held with ``token`` gets the mark ``{"ahead": stage, "at": time}`` in its
+        begin it: the claim held with ``token`` gets the mark ``{"ahead": stage, "at": time, "token": token}`` in its
         ``error`` field and a fresh lease. False (nothing written) if ``token`` no longer holds it.
 
         A claim whose holder promised marks (:func:`owner_writes_ahead`) and died without one is known
@@ -359,7 +360,7 @@ class Ledger(ABC):
         if record is None or record.state is not State.CLAIMED or record.token != token:
             return False
         now = time.time()
-        marked = replace(record, error=ahead_error(stage, now), lease_expires_at=now + lease_seconds)
+        marked = replace(record, error=ahead_error(stage, now, token), lease_expires_at=now + lease_seconds)
         return self._force(key, token, marked) and self.renew(key, token, lease_seconds)
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:

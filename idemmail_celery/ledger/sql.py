@@ -667,7 +667,7 @@ class SQLLedger(Ledger):
         stmt = (
             sa.update(t)
             .where(t.c.intent_key == key, t.c.state == State.CLAIMED.value, t.c.token == token)
-            .values(error=dumps_json(ahead_error(stage, now)), lease_expires_at=now + lease_seconds)
+            .values(error=dumps_json(ahead_error(stage, now, token)), lease_expires_at=now + lease_seconds)
         )
         return bool(self._run(lambda conn: conn.execute(stmt).rowcount == 1))
 

@@ -1077,7 +1077,7 @@ class RedisLedger(Ledger):
 
     def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
         """The lease's renewal with the mark written in the same script (see :meth:`Ledger.write_ahead`)."""
-        mark = _chunked(ahead_error(stage, time.time()))
+        mark = _chunked(ahead_error(stage, time.time(), token))
         return bool(self._eval(self._renew, self._keys(key), [token, int(lease_seconds * 1000), *mark])[0] == "ok")
 
     def get(self, key: str) -> Record | None:
