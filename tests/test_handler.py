@@ -632,19 +632,31 @@ def test_a_send_whose_write_ahead_mark_fails_sends_nothing_and_retries(ledger: L
     assert handler2.handle(next_of(d, step, retries=1)).outcome is Outcome.SENT and len(box2.sent) == 1
 
 
-def test_an_earlier_delivery_of_the_chain_that_marked_and_died_is_not_sent_again(ledger: Ledger) -> None:
+def test_a_delivery_of_the_chain_that_marked_and_died_is_not_sent_again_by_its_redelivered_copy(
+        ledger: Ledger) -> None:
     refusing = Refusing(ledger)
-    handler, box = build(refusing, Mailbox(ahead=True))
+    handler, box = build(refusing, Mailbox(ahead=True), lease_seconds=0.3)
     d = delivery("wa-h5")
     refusing.down.add("claim_lost_reply")  # the first claim lands, its reply does not: the chain holds it
     step = handler.handle(d)
     assert step.action is Action.RESCHEDULE
     refusing.down.clear()
-    record = ledger.get("wa-h5")
-    assert record is not None
-    # That owner began the send (the mark) and died before recording anything.
-    assert ledger.write_ahead("wa-h5", record.token, 30, "message") is True
-    done = handler.handle(next_of(d, step))
+
+    class Killed(BaseException):  # the worker dies mid-send: nothing the handler could catch
+        pass
+
+    class DiesAfterTheMark(Mailbox):
+        def perform(self, payload: Payload, key: str) -> Any:
+            about_to_send("message")
+            raise Killed
+
+    handler.effect = DiesAfterTheMark(ahead=True)
+    resumed = next_of(d, step)
+    with pytest.raises(Killed):  # the next delivery takes the claim back, marks it, and dies
+        handler.handle(resumed)
+    time.sleep(0.45)
+    handler.effect = box
+    done = handler.handle(resumed)  # the same message handed out again, its lease run out
     assert done.outcome is Outcome.REVIEW and box.sent == []
     parked = ledger.get("wa-h5")
     assert parked is not None and parked.error is not None and parked.error.get("stage") == "message"
