@@ -19,7 +19,9 @@ a redundant copy. Read top to bottom, :meth:`Handler.handle` is the guarantee:
    ============================  ==========================================================
    ``acquired``                  run the body (after an acknowledged ledger loss, a message
                                  enqueued before it is reconciled or parked unless the key
-                                 travels downstream)
+                                 travels downstream; during a key-secret rotation, only once the
+                                 intent's other keys are read again and found empty: else the
+                                 claim is withdrawn and rescheduled, see ``cross_check``)
    ``reopened``/``resumed``      run the *stored first payload* (``resumed`` with a verdict
                                  this chain could not record: record it, run nothing)
    ``done``                      replay: return the stored result, or raise the stored error
