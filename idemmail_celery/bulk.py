@@ -146,6 +146,11 @@ def send_batch(handler: Handler, deliveries: Sequence[Delivery], *, owner: str, 
     claims may have landed: the next pass takes them back, ``owner`` among its ``resume_owners``). On the
     ``last`` pass nothing is left held for a next one: a recipient whose settling failed
     unexpectedly is parked for review.
+
+    During a key-secret rotation each recipient's new claim is checked before it is sent
+    (:meth:`~idemmail_celery.handler.Handler.cross_check`, in ``settle``): a copy of the campaign on a
+    worker of the other phase may have claimed it under its other key since the look-up. Such a
+    recipient's claim is withdrawn and the recipient left pending for the next pass, as a busy one is.
     """
     steps: dict[int, Step] = {}
     claimable = []

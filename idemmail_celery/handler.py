@@ -19,7 +19,9 @@ a redundant copy. Read top to bottom, :meth:`Handler.handle` is the guarantee:
    ============================  ==========================================================
    ``acquired``                  run the body (after an acknowledged ledger loss, a message
                                  enqueued before it is reconciled or parked unless the key
-                                 travels downstream)
+                                 travels downstream; during a key-secret rotation, only once the
+                                 intent's other keys are read again and found empty: else the
+                                 claim is withdrawn and rescheduled, see ``cross_check``)
    ``reopened``/``resumed``      run the *stored first payload* (``resumed`` with a verdict
                                  this chain could not record: record it, run nothing)
    ``done``                      replay: return the stored result, or raise the stored error
@@ -186,6 +188,9 @@ class Delivery:
     #: During a key-secret rotation, the keys this intent had under the older secrets, newest first:
     #: an intent recorded under one of them is claimed (and replayed) there, never sent again.
     older_keys: tuple[str, ...] = ()
+    #: The intent's keys other than ``key`` once :meth:`Handler.recorded_key` has chosen the one to claim
+    #: (during a rotation only): read again after the claim, before anything runs (:meth:`Handler.cross_check`).
+    other_keys: tuple[str, ...] = ()
 
 
 class SideEffect(Protocol):
@@ -354,17 +359,102 @@ class Handler:
         claiming under the new key could then send an intent recorded under an old one (the keys
         live in other buckets, on a cluster on other nodes, and a blip may pass before the claim).
         """
+        keys = (d.key, *d.older_keys)
         for old in d.older_keys:
             try:
-                if self.ledger.get(old) is not None:
-                    return replace(d, key=old, older_keys=())
+                found = self.ledger.get(old) is not None
             except PayloadKeyError:  # sealed with a key this process lacks: the record is there all the same
-                return replace(d, key=old, older_keys=())
+                found = True
             except (LedgerUnavailableError, UnsafeLedgerError):
                 raise
             except LedgerError as exc:  # anything else the store said: not an answer either way
                 raise LedgerUnavailableError(f"rotation lookup of {old} failed: {exc}") from exc
-        return d
+            if found:
+                if d.resume_owners and d.verdict is None:
+                    self.drop_unchecked(d)
+                return replace(d, key=old, older_keys=(), other_keys=tuple(k for k in keys if k != old))
+        return replace(d, other_keys=d.older_keys)
+
+    def drop_unchecked(self, d: Delivery) -> None:
+        """The intent is recorded under another key, and this chain may hold a claim under ``d.key`` that
+        never ran (an earlier delivery's :meth:`cross_check` could not read, nor withdraw; or its claim's
+        reply was lost): withdrawn, so that nobody takes it over once its lease runs out and sends the
+        intent again. A claim with any sign of having run (a reclaim, a write-ahead mark) is left alone.
+
+        Raises :class:`LedgerUnavailableError` (or :class:`UnsafeLedgerError`) like :meth:`recorded_key`.
+        """
+        try:
+            record = self.ledger.get(d.key)
+            if (record is not None and record.state is State.CLAIMED and record.reclaims == 0
+                    and ahead_mark(record) is None and any(record.owner.startswith(o) for o in d.resume_owners)):
+                self.ledger.withdraw(d.key, record.token)
+        except PayloadKeyError:  # sealed with a key this process lacks: not this chain's claim to judge
+            return
+        except (LedgerUnavailableError, UnsafeLedgerError):
+            raise
+        except LedgerError as exc:
+            raise LedgerUnavailableError(f"rotation clean-up of {d.key} failed: {exc}") from exc
+        except NotImplementedError:  # a ledger without withdraw: its lease runs out, the reclaim rules decide
+            log.warning("idemmail: %s: %s cannot withdraw a claim; it is left to its lease", d.key,
+                        type(self.ledger.backend).__name__)
+
+    def cross_check(self, d: Delivery, claim: Claim) -> Step | None:
+        """During a key-secret rotation, between a new claim and anything it runs: read the intent's other
+        keys (``Delivery.other_keys``) again. None: none has a record, the claim may run.
+
+        The look-up before the claim (:meth:`recorded_key`) is not atomic with it. While the workers are
+        restarted onto the second step of a rotation, some claim under the old secret's key (looking up the
+        new one's) and others under the new one's (looking up the old one's): two copies of one intent on
+        workers of each kind may both look, both find nothing, and both claim, each under its own key.
+        This re-read makes that safe. Of two such claims, the later one's re-read comes after the earlier
+        claim and sees it, so at most one of them runs; if both re-reads see the other claim, both
+        withdraw and try again after a randomized countdown, and the next look-ups decide. A claim that
+        met another key's record is withdrawn (:meth:`Ledger.withdraw`: it never ran, it leaves no trace)
+        and rescheduled as an in-flight collision: the next delivery's look-up finds the other key's record
+        and follows it. A re-read that fails runs nothing either (:meth:`unchecked`).
+
+        It runs on a new claim (``acquired``), and on one this chain takes back with no sign of having run
+        (``resumed``, neither reclaimed nor marked): the claim an earlier delivery could not check, which a
+        delivery on a worker of the other phase reaches by its look-up without ever looking at its own key.
+        Without a rotation ``other_keys`` is empty and this costs nothing.
+        """
+        for other in d.other_keys:
+            try:
+                record = self.ledger.get(other)
+            except PayloadKeyError:  # sealed with a key this process lacks: a record all the same
+                record = claim.record
+            except (LedgerError, UnsafeLedgerError) as exc:
+                return self.unchecked(d, claim, exc)
+            if record is not None:
+                return self.withdrawn(d, claim, other, record)
+        return None
+
+    def withdrawn(self, d: Delivery, claim: Claim, other: str, record: Record) -> Step:
+        """Another key of the intent has a record: withdraw this claim and come back as if it were busy."""
+        try:
+            self.ledger.withdraw(d.key, claim.token)  # False: no longer ours (its lease ran out), nothing to do
+        except (LedgerError, UnsafeLedgerError, NotImplementedError) as exc:
+            # Still held, never run: the next delivery takes it back or drops it (see unchecked).
+            return self.unavailable(d, exc, carry=_held(d, claim.record.owner))
+        log.warning("idemmail: %s: another delivery claimed the same intent under another key of a key-secret "
+                    "rotation (%s) meanwhile; this claim is withdrawn unsent", d.key, other)
+        return self.in_flight(d, record)
+
+    def unchecked(self, d: Delivery, claim: Claim, exc: Exception) -> Step:
+        """The re-read of :meth:`cross_check` failed: run nothing, and wait on the outage budget.
+
+        The claim is withdrawn if the store takes that (a read of another key may fail where this key's
+        node answers): the next delivery then starts over. Otherwise it is still held, never run, and the next
+        delivery carries its owner: its look-up finds another key's record (and withdraws this claim,
+        :meth:`drop_unchecked`), or it takes the claim back (``resumed``) and this check runs again.
+        """
+        try:
+            gone = self.ledger.withdraw(d.key, claim.token)
+        except (LedgerError, UnsafeLedgerError, NotImplementedError):
+            gone = False
+        if not isinstance(exc, (LedgerUnavailableError, UnsafeLedgerError)):
+            exc = LedgerUnavailableError(f"rotation re-read after claiming {d.key} failed: {exc}")
+        return self.unavailable(d, exc, carry=_held(d) if gone else _held(d, claim.record.owner))
 
     def request(self, d: Delivery, owner: str) -> ClaimRequest:
         """The claim a delivery makes."""
@@ -383,6 +473,11 @@ class Handler:
             return self.check_reuse(d, record) or self.in_flight(d, record)
         if d.verdict is not None:  # this chain decided, and could not record it: record it, never run again
             return self.record_verdict(d, claim, d.verdict)
+        if d.other_keys and (status is ClaimStatus.ACQUIRED or (
+                status is ClaimStatus.RESUMED and record.reclaims == 0 and ahead_mark(record) is None)):
+            step = self.cross_check(d, claim)  # a key-secret rotation: another key's claim may have come meanwhile
+            if step is not None:
+                return step
         if status is not ClaimStatus.ACQUIRED and is_sealed(record.payload):
             return self.unreadable(d, claim)  # this process has no payload keys: never run it, never strand it
         # A resumed claim with a dead holder behind it (this chain's own reclaim whose reply was lost), or

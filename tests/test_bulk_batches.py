@@ -26,7 +26,7 @@ from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger, State
 from idemmail_celery.ledger.base import new_owner
 from idemmail_celery.ledger.wrapper import LedgerWrapper
 
-from .test_handler import Mailbox, Refusing, build
+from .test_handler import Lockstep, Mailbox, Refusing, build
 
 
 def recipients(n: int, prefix: str) -> list[Delivery]:
@@ -647,3 +647,61 @@ def test_a_stale_copy_of_a_pass_parks_its_sends_and_the_pass_with_their_verdicts
     for key in keys:
         record = real.get(key)
         assert record is not None and record.state is State.SENT, record
+
+
+def rotating_recipients(n: int, prefix: str) -> tuple[list[Delivery], list[Delivery]]:
+    """One campaign's recipients as a worker still on secrets [old, new] makes them (claimed under the old
+    key, the new one looked up) and as one already on [new, old] does: phase 2 of a rotation, half-way
+    through its rolling restart, with two copies of the campaign running."""
+    ds = recipients(n, prefix)
+    return ([replace(d, key=f"{prefix}-old-{i}", older_keys=(f"{prefix}-new-{i}",)) for i, d in enumerate(ds)],
+            [replace(d, key=f"{prefix}-new-{i}", older_keys=(f"{prefix}-old-{i}",)) for i, d in enumerate(ds)])
+
+
+def test_two_copies_of_a_campaign_on_workers_of_both_rotation_phases_send_each_recipient_once(ledger: Ledger) -> None:
+    """The other copy looks up, claims and sends the whole batch between this copy's look-ups and its batch
+    claim: both looked and found nothing. Before the re-read after the claim, both sent every recipient."""
+    on_old, on_new = rotating_recipients(5, "br1")
+    box = Mailbox()
+    other, _ = build(ledger, box)
+    theirs: list[Any] = []
+    handler, _ = build(Lockstep(ledger, "br1-new-4", lambda: theirs.append(
+        send_batch(other, on_new, owner="camp-b:1"))), box)
+    batch = send_batch(handler, on_old, owner="camp-a:1")
+    assert theirs[0].tally() == Counter({Outcome.SENT: 5})
+    assert batch.tally() == Counter({Outcome.PENDING: 5})  # withdrawn, left for the next pass as busy ones are
+    assert {s.outcome for s in batch.steps} == {Outcome.IN_FLIGHT} and sorted(k for k, _ in box.sent) == [
+        f"br1-new-{i}" for i in range(5)]
+    assert all(ledger.get(d.key) is None for d in on_old)  # no trace of the withdrawn claims
+    again = send_batch(handler, [replace(d, resume_owners=("camp-a:1",), retries=1) for d in on_old], owner="camp-a:2")
+    assert again.tally() == Counter({Outcome.DUPLICATE: 5}) and len(box.sent) == 5
+
+
+def test_two_campaign_copies_in_lockstep_across_rotation_phases_withdraw_where_they_meet_and_send_once(
+        ledger: Ledger) -> None:
+    """Both copies look up, both claim the batch, then re-read recipient by recipient: this copy meets the
+    other's claims and withdraws; the other then re-reads, meets only this copy's last claim, and both
+    withdraw that one. The next passes send it once and replay the rest: five sends for five recipients."""
+    on_old, on_new = rotating_recipients(5, "br2")
+    box = Mailbox()
+    other, _ = build(ledger, box)
+    theirs: dict[str, Any] = {}
+
+    def their_lookups_and_claim() -> None:  # after this copy's look-ups, before its batch claim
+        theirs["ds"] = ds = [other.recorded_key(d) for d in on_new]
+        theirs["claims"] = ledger.claim_many([other.request(d, "camp-b:1") for d in ds])
+
+    def their_rereads() -> None:  # this copy is re-reading its last recipient: the other settles its batch
+        theirs["steps"] = [other.settle(d, c) for d, c in zip(theirs["ds"], theirs["claims"], strict=True)]
+
+    handler, _ = build(Lockstep(ledger, "br2-new-4", their_lookups_and_claim, their_rereads), box)
+    batch = send_batch(handler, on_old, owner="camp-a:1")
+    assert batch.tally() == Counter({Outcome.PENDING: 5})
+    assert [s.outcome for s in theirs["steps"]] == [Outcome.SENT] * 4 + [Outcome.IN_FLIGHT]
+    assert sorted(k for k, _ in box.sent) == [f"br2-new-{i}" for i in range(4)]
+    assert ledger.get("br2-old-4") is None and ledger.get("br2-new-4") is None  # both withdrew where they met
+    mine = send_batch(handler, [replace(d, resume_owners=("camp-a:1",), retries=1) for d in on_old], owner="camp-a:2")
+    later = send_batch(other, [replace(d, resume_owners=("camp-b:1",), retries=1) for d in on_new], owner="camp-b:2")
+    assert mine.tally() == Counter({Outcome.DUPLICATE: 4, Outcome.SENT: 1})
+    assert later.tally() == Counter({Outcome.DUPLICATE: 5})
+    assert sorted(k for k, _ in box.sent) == sorted([f"br2-new-{i}" for i in range(4)] + ["br2-old-4"])

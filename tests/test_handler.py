@@ -695,3 +695,164 @@ def test_a_chains_own_mark_from_an_attempt_that_sent_nothing_does_not_park_it(le
     box.fail_with = None
     done = handler.handle(next_of(d, step, retries=1))
     assert done.outcome is Outcome.SENT and box.sent == [("wa-h6", "first")]
+
+
+class Lockstep(LedgerWrapper):
+    """A real ledger on which another worker's delivery of the same intent moves in lockstep with this one:
+    right after each read of ``key`` comes back, the next of ``then`` runs (the other worker's steps)."""
+
+    def __init__(self, inner: Ledger, key: str, *then: Any) -> None:
+        super().__init__(inner)
+        self.key, self.then = key, list(then)
+
+    def get(self, key: str) -> Any:
+        record = self.inner.get(key)
+        if key == self.key and self.then:
+            self.then.pop(0)()
+        return record
+
+
+def rotating(old: str, new: str) -> tuple[Delivery, Delivery]:
+    """One intent's delivery on a worker still on secrets [old, new] (it claims under the old key and looks
+    up the new one), and on a worker already on [new, old] (the other way round): phase 2 of a rotation,
+    half-way through its rolling restart (see docs/security.md)."""
+    return delivery(old, older_keys=(new,)), delivery(new, older_keys=(old,))
+
+
+def test_a_rotation_race_between_workers_of_both_phases_sends_once(ledger: Ledger) -> None:
+    """The other worker looks up, claims and sends between this one's look-up and its claim: both
+    look-ups found nothing. Before the re-read after the claim, both sent (campaign-blips-rotate)."""
+    on_old, on_new = rotating("rr1-old", "rr1-new")
+    box = Mailbox()
+    other, _ = build(ledger, box)
+    theirs: list[Step] = []
+    handler, _ = build(Lockstep(ledger, "rr1-new", lambda: theirs.append(other.handle(on_new))), box)
+    step = handler.handle(on_old)
+    assert [s.outcome for s in theirs] == [Outcome.SENT] and theirs[0].key == "rr1-new"
+    assert (step.outcome, step.action) == (Outcome.IN_FLIGHT, Action.RESCHEDULE) and OWNER_HEADER not in step.carry
+    assert box.sent == [("rr1-new", "first")]
+    assert ledger.get("rr1-old") is None  # withdrawn: the claim that never ran left no trace
+    again = handler.handle(next_of(on_old, step, older_keys=("rr1-new",)))  # its look-up now follows the record
+    assert (again.outcome, again.key) == (Outcome.DUPLICATE, "rr1-new") and again.value["message_id"] == "m-1"
+    assert len(box.sent) == 1
+
+
+def test_a_rotation_race_where_both_claims_see_each_other_withdraws_both_and_the_next_sends_once(
+        ledger: Ledger) -> None:
+    """Lockstep: both look up (nothing), both claim, both re-read and see the other's claim. Neither runs;
+    both withdraw and are rescheduled; the next deliveries send it once and replay it once."""
+    on_old, on_new = rotating("rr2-old", "rr2-new")
+    box = Mailbox()
+    other, _ = build(ledger, box)
+    theirs: dict[str, Any] = {}
+
+    def their_lookup_and_claim() -> None:  # after this one's look-up, before its claim
+        theirs["d"] = d = other.recorded_key(on_new)
+        theirs["claim"] = ledger.claim(other.request(d, new_owner("task-2")))
+
+    def their_reread() -> None:  # after this one's claim and re-read: the other re-reads too
+        theirs["step"] = other.settle(theirs["d"], theirs["claim"])
+
+    handler, _ = build(Lockstep(ledger, "rr2-new", their_lookup_and_claim, their_reread), box)
+    step = handler.handle(on_old)
+    assert theirs["claim"].status.value == "acquired"
+    assert (step.outcome, step.action) == (Outcome.IN_FLIGHT, Action.RESCHEDULE)
+    assert (theirs["step"].outcome, theirs["step"].action) == (Outcome.IN_FLIGHT, Action.RESCHEDULE)
+    assert box.sent == [] and ledger.get("rr2-old") is None and ledger.get("rr2-new") is None
+    mine = handler.handle(next_of(on_old, step, older_keys=("rr2-new",)))
+    later = other.handle(next_of(on_new, theirs["step"], older_keys=("rr2-old",)))
+    assert (mine.outcome, mine.key) == (Outcome.SENT, "rr2-old")
+    assert (later.outcome, later.key) == (Outcome.DUPLICATE, "rr2-old") and box.sent == [("rr2-old", "first")]
+
+
+class RereadFails(LedgerWrapper):
+    """A real ledger whose reads of ``key`` fail after the first (the look-up answers, the re-read does not),
+    and whose withdrawals fail too while ``down`` says so (the whole store went away)."""
+
+    def __init__(self, inner: Ledger, key: str, *, down: bool) -> None:
+        super().__init__(inner)
+        self.key, self.down, self.reads = key, down, 0
+
+    def get(self, key: str) -> Any:
+        if key == self.key:
+            self.reads += 1
+            if self.reads > 1:
+                raise LedgerUnavailableError("connection reset")
+        return self.inner.get(key)
+
+    def withdraw(self, key: str, token: int) -> bool:
+        if self.down:
+            raise LedgerUnavailableError("store went away (withdraw)")
+        return self.inner.withdraw(key, token)
+
+
+@pytest.mark.parametrize("down", [False, True], ids=["withdrawn", "store-down"])
+def test_a_rotation_reread_that_fails_runs_nothing_and_leaves_no_claim_behind(ledger: Ledger, down: bool) -> None:
+    """The other worker sent it under the other key between this one's look-up and claim, and this one's
+    re-read fails: nothing runs. Its claim is withdrawn then or, with the store down, by the next delivery
+    (whose look-up finds the other key's record): left, it would be taken over and sent again after its lease."""
+    on_old, on_new = rotating("rr3-old", "rr3-new")
+    box = Mailbox()
+    other, _ = build(ledger, box)
+    inner = Lockstep(ledger, "rr3-new", lambda: other.handle(on_new))
+    handler, _ = build(RereadFails(inner, "rr3-new", down=down), box)
+    step = handler.handle(on_old)
+    assert (step.outcome, step.action) == (Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE)
+    assert box.sent == [("rr3-new", "first")]  # the other worker's send, and only that
+    held = ledger.get("rr3-old")
+    if down:  # still held, never run: the next delivery carries its owner
+        assert held is not None and held.state is State.CLAIMED and step.carry[OWNER_HEADER] == [held.owner]
+    else:
+        assert held is None and OWNER_HEADER not in step.carry
+    handler.ledger = ledger  # the store answers again
+    again = handler.handle(next_of(on_old, step, older_keys=("rr3-new",)))
+    assert (again.outcome, again.key) == (Outcome.DUPLICATE, "rr3-new") and len(box.sent) == 1
+    assert ledger.get("rr3-old") is None
+
+
+def test_a_rotation_claim_left_unchecked_then_taken_back_on_the_other_phase_is_checked(ledger: Ledger) -> None:
+    """As above with the store down, but the next delivery runs on a worker of the other phase: its key is
+    the new one, and its look-up of the old one finds the chain's own unchecked claim and takes it back,
+    without looking at the new key. The check after the claim does, and withdraws it: sent once."""
+    on_old, on_new = rotating("rr5-old", "rr5-new")
+    box = Mailbox()
+    other, _ = build(ledger, box)
+    handler, _ = build(RereadFails(Lockstep(ledger, "rr5-new", lambda: other.handle(on_new)), "rr5-new", down=True),
+                       box)
+    step = handler.handle(on_old)
+    assert step.outcome is Outcome.LEDGER_UNAVAILABLE and box.sent == [("rr5-new", "first")]
+    handler.ledger = ledger
+    hopped = next_of(on_new, step, older_keys=("rr5-old",))  # the chain's key, as a worker on [new, old] makes it
+    again = handler.handle(hopped)
+    assert (again.outcome, again.action) == (Outcome.IN_FLIGHT, Action.RESCHEDULE) and len(box.sent) == 1
+    assert ledger.get("rr5-old") is None
+    last = handler.handle(next_of(hopped, again, older_keys=("rr5-old",)))
+    assert (last.outcome, last.key) == (Outcome.DUPLICATE, "rr5-new") and len(box.sent) == 1
+
+
+@pytest.mark.parametrize("down", [False, True], ids=["withdrawn", "store-down"])
+def test_a_rotation_race_with_a_failed_reread_is_checked_again_and_sends_once(ledger: Ledger, down: bool) -> None:
+    """Lockstep, and this one's re-read fails: nothing runs. Then the other re-reads: it meets this one's
+    claim (store down: still held) and withdraws, or it does not and sends. This one's next delivery takes its
+    claim back or follows the other key's record: sent once in all."""
+    on_old, on_new = rotating("rr4-old", "rr4-new")
+    box = Mailbox()
+    other, _ = build(ledger, box)
+    theirs: dict[str, Any] = {}
+
+    def their_lookup_and_claim() -> None:
+        theirs["d"] = d = other.recorded_key(on_new)
+        theirs["claim"] = ledger.claim(other.request(d, new_owner("task-2")))
+
+    handler, _ = build(RereadFails(Lockstep(ledger, "rr4-new", their_lookup_and_claim), "rr4-new", down=down), box)
+    step = handler.handle(on_old)
+    assert step.outcome is Outcome.LEDGER_UNAVAILABLE and box.sent == []
+    their_step = other.settle(theirs["d"], theirs["claim"])
+    assert their_step.outcome is (Outcome.IN_FLIGHT if down else Outcome.SENT)
+    handler.ledger = ledger
+    again = handler.handle(next_of(on_old, step, older_keys=("rr4-new",)))
+    later = other.handle(next_of(on_new, their_step, older_keys=("rr4-old",)))
+    winner = "rr4-old" if down else "rr4-new"
+    assert box.sent == [(winner, "first")]
+    assert {again.outcome, later.outcome} == ({Outcome.SENT, Outcome.DUPLICATE} if down else {Outcome.DUPLICATE})
+    assert again.key == later.key == winner and ledger.get("rr4-old" if not down else "rr4-new") is None

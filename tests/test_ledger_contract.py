@@ -592,3 +592,37 @@ def test_a_move_out_of_claimed_drops_the_write_ahead_mark_it_does_not_replace(le
     sent = ledger.get("wa3")
     assert sent is not None and sent.state is State.SENT and sent.error is None
     assert sent.result == {"message_id": "m-wa3"}
+
+
+def test_a_withdrawn_claim_leaves_no_trace_and_the_next_claim_is_new(ledger: Ledger) -> None:
+    c = ledger.claim(req("wd1", owner="host:1:rotating:aaaa"))
+    assert c.status is ClaimStatus.ACQUIRED
+    assert ledger.withdraw("wd1", c.token + 1) is False  # not the holder's token: nothing changes
+    held = ledger.get("wd1")
+    assert held is not None and held.state is State.CLAIMED and held.token == c.token
+    assert ledger.withdraw("wd1", c.token) is True
+    assert ledger.get("wd1") is None
+    assert ledger.stats()["claimed"] == 0 and list(ledger.iter_records(State.CLAIMED)) == []  # the index too
+    assert ledger.withdraw("wd1", c.token) is False  # gone: a second withdrawal finds nothing
+    again = ledger.claim(ClaimRequest(key="wd1", task_name="tests.send", payload='{"args":[2],"kwargs":{}}',
+                                      fingerprint="e" * 64, owner="host:2:other:bbbb"))
+    assert again.status is ClaimStatus.ACQUIRED and again.record.token == 1
+    record = ledger.get("wd1")
+    assert record is not None and record.payload == '{"args":[2],"kwargs":{}}' and record.attempts == 1
+    assert record.owner.startswith("host:2:other:bbbb")
+
+
+@pytest.mark.parametrize("state", [State.RELEASED, State.SENT, State.REVIEW])
+def test_only_a_held_claim_can_be_withdrawn(ledger: Ledger, state: State) -> None:
+    c = ledger.claim(req("wd2"))
+    if state is State.SENT:
+        ledger.complete("wd2", c.token, {"message_id": "m-wd2"})
+    elif state is State.REVIEW:
+        ledger.park("wd2", c.token, {"reason": "lease_expired"})
+    else:
+        ledger.release("wd2", c.token)
+    before = ledger.get("wd2")
+    assert before is not None and before.state is state
+    assert ledger.withdraw("wd2", before.token) is False and ledger.withdraw("wd2", c.token) is False
+    assert ledger.get("wd2") == before
+    assert ledger.claim(req("wd2")).status is (ClaimStatus.REOPENED if state is State.RELEASED else ClaimStatus.DONE)

@@ -29,7 +29,7 @@ from idemmail_celery.ledger.redis import RedisLedger
 from .conftest import wait_for
 from .test_redis_store_checks import free_port, redis_server
 
-HELD = ("c", "f", "p", "r", "n", "e")  # complete, fail, park, release, renew, erase
+HELD = ("c", "f", "p", "r", "n", "w", "e")  # complete, fail, park, release, renew, withdraw, erase
 
 
 def req(key: str) -> ClaimRequest:
@@ -58,6 +58,7 @@ def writes(led: RedisLedger, tokens: dict[str, int]) -> dict[str, Callable[[], o
         "park": lambda: led.park("p", tokens["p"], {"reason": "x"}),
         "release": lambda: led.release("r", tokens["r"]),
         "renew": lambda: led.renew("n", tokens["n"], 30),
+        "withdraw": lambda: led.withdraw("w", tokens["w"]),
         "mark_hop": lambda: led.mark_hop("c", "task:1", 60),
         "_erase": lambda: led._erase("e", tokens["e"], None, None),
     }

@@ -342,6 +342,22 @@ class Ledger(ABC):
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         """Extend the lease of a claim still held with ``token``. False if it is not."""
 
+    def withdraw(self, key: str, token: int) -> bool:
+        """Take back a claim that never ran, as if it had never been made: the record (and its stored
+        payload) goes, and the next claim of ``key`` is ``acquired``. Only a ``claimed`` record held
+        with ``token``; False (nothing changed) for any other token or state, or without a record.
+
+        For a claim the caller has just ``acquired`` and decided not to run: during a key-secret
+        rotation, another delivery of the same intent claimed it under another key meanwhile (see
+        :meth:`~idemmail_celery.handler.Handler.cross_check`). A claim whose side effect may have
+        begun must never be withdrawn: it would leave no trace of a send.
+
+        This default raises :class:`NotImplementedError` (a backend that cannot delete a record
+        under its token atomically must not pretend to); the built-in backends do it in one
+        atomic operation.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot withdraw a claim")
+
     def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
         """Record, before a side effect that carries no key can happen, that the holder is about to
         begin it: the claim held with ``token`` gets the mark ``{"ahead": stage, "at": time, "token": token}`` in its

@@ -56,6 +56,9 @@ class MeteredLedger(LedgerWrapper):
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         return self._timed("renew", lambda: self.inner.renew(key, token, lease_seconds))
 
+    def withdraw(self, key: str, token: int) -> bool:
+        return self._timed("withdraw", lambda: self.inner.withdraw(key, token))
+
     def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
         return self._timed("write_ahead", lambda: self.inner.write_ahead(key, token, lease_seconds, stage))
 

@@ -660,6 +660,12 @@ class SQLLedger(Ledger):
         )
         return bool(self._run(lambda conn: conn.execute(stmt).rowcount == 1))
 
+    def withdraw(self, key: str, token: int) -> bool:
+        """One ``DELETE`` fenced by state and token (see :meth:`Ledger.withdraw`)."""
+        t = self.table
+        stmt = sa.delete(t).where(t.c.intent_key == key, t.c.state == State.CLAIMED.value, t.c.token == token)
+        return bool(self._run(lambda conn: conn.execute(stmt).rowcount == 1))
+
     def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
         """One ``UPDATE`` fenced by state and token (see :meth:`Ledger.write_ahead`)."""
         t = self.table

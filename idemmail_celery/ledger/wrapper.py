@@ -49,6 +49,9 @@ class LedgerWrapper(Ledger):
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         return self.inner.renew(key, token, lease_seconds)
 
+    def withdraw(self, key: str, token: int) -> bool:
+        return self.inner.withdraw(key, token)
+
     def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
         return self.inner.write_ahead(key, token, lease_seconds, stage)
 

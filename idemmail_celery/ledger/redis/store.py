@@ -97,7 +97,7 @@ _UNAVAILABLE_TYPES = (
 _REPLY_CODE = re.compile(r"^([A-Z]+)\b|\s-([A-Z]+)\s")
 
 #: The scripts beside this module, each one atomic transition; record scripts start with ``prelude.lua``.
-_RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page", "restock", "sweep")
+_RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page", "restock", "sweep", "withdraw")
 
 
 @functools.cache
@@ -267,6 +267,7 @@ class RedisLedger(Ledger):
         self._sweep = self.client.register_script(_lua("sweep"))
         self._read = self.client.register_script(_lua("read"))
         self._page = self.client.register_script(_lua("page"))
+        self._withdraw = self.client.register_script(_lua("withdraw"))
         #: Every key name (see ``layout.py``); its shelves per bucket are this process's until the markers say.
         self.names = Names(prefix, buckets, shelves)
         self._stems = self.names.stems
@@ -1074,6 +1075,10 @@ class RedisLedger(Ledger):
 
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         return bool(self._eval(self._renew, self._keys(key), [token, int(lease_seconds * 1000)])[0] == "ok")
+
+    def withdraw(self, key: str, token: int) -> bool:
+        """One script: the record, its payload and its index entry go together (see :meth:`Ledger.withdraw`)."""
+        return bool(self._eval(self._withdraw, self._keys(key), [key, token])[0] == "ok")
 
     def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
         """The lease's renewal with the mark written in the same script (see :meth:`Ledger.write_ahead`)."""
