@@ -1,4 +1,4 @@
--- Runs after prelude.lua.
+-- Runs after prelude.lua: base, index, fields, shelved.
 -- ARGV: epoch, id, payload, fingerprint, lease (ms), resume_owner ('' for none), then the task
 -- name's chunks (their count first), then the owner's, then the packed key (the shelf's field).
 if lost() then return {'lost'} end
@@ -12,9 +12,11 @@ if #h == 0 then
   if v then
     if expires > math.floor(n / 1000) then return {'done', {}, redis.call('GET', KEYS[8]), v} end
   end
-  move(id, nil, 'claimed', n)
+  local at = string.format('%d', n)  -- numbers as strings: see the prelude's base part
+  move(id, nil, 'claimed', at)
   if v then redis.call('HDEL', KEYS[SHELF], field) end  -- a dead entry goes with the new claim
-  local fields = {'s', 'claimed', 't', 1, 'l', lease, 'a', 1, 'c', 0, 'f', ARGV[4], 'k', n, 'u', n}
+  local fields = {'s', 'claimed', 't', '1', 'l', string.format('%d', lease), 'a', '1', 'c', '0', 'f', ARGV[4],
+    'k', at, 'u', at}
   chunks(fields, 'o', chunks(fields, 'n', 7))
   redis.call('HSET', rec, unpack(fields))
   redis.call('SET', KEYS[8], ARGV[3])

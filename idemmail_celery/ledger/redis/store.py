@@ -99,12 +99,36 @@ _REPLY_CODE = re.compile(r"^([A-Z]+)\b|\s-([A-Z]+)\s")
 _RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page", "restock", "sweep")
 
 
+#: A record script's first line naming the prelude's parts it uses (none named: all of them).
+_PARTS_USED = re.compile(r"-- Runs after prelude\.lua: ([a-z, ]+)\.")
+_PART = re.compile(r"^-- part: ([a-z]+)\n", re.M)
+
+
 @functools.cache
 def _lua(name: str) -> str:
     """The text of ``<name>.lua`` beside this module (read once per process), after the prelude for a
-    record script."""
+    record script: the parts of it the script's first line names, or all of it."""
     text = (resources.files(__package__) / f"{name}.lua").read_text("utf-8")
-    return _lua("prelude") + text if name in _RECORD_SCRIPTS else text
+    if name not in _RECORD_SCRIPTS:
+        return text
+    used = _PARTS_USED.match(text)
+    if used is None:
+        return _lua("prelude") + text
+    return _prelude(tuple(part.strip() for part in used[1].split(","))) + text
+
+
+@functools.cache
+def _prelude(parts: tuple[str, ...]) -> str:
+    """The prelude's opening comment, then ``parts`` in the prelude's own order (later parts call earlier ones).
+
+    Each helper a script defines costs every call of it (a closure made per call; a script keeps no
+    state between calls), so a hot script carries only the parts it uses."""
+    pieces = _PART.split(_lua("prelude"))  # [intro, name, body, name, body, ...]
+    known = dict(zip(pieces[1::2], pieces[2::2], strict=True))
+    unknown = sorted(set(parts) - set(known))
+    if unknown:
+        raise LedgerError(f"Redis ledger scripts name unknown prelude parts: {', '.join(unknown)}")
+    return pieces[0] + "".join(f"-- part: {name}\n{body}" for name, body in known.items() if name in parts)
 
 
 def _connect(url: str, master_name: str | None, options: dict[str, Any]) -> Any:
