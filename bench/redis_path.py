@@ -47,6 +47,12 @@ def _requests(tag: str, pairs: int) -> list[ClaimRequest]:
     return out
 
 
+def _result() -> dict[str, Any]:
+    """What ``send_email`` records: the provider's answer, and its message id beside it."""
+    mid = str(uuid.uuid4())
+    return {"value": {"message_id": mid, "provider": "http"}, "message_id": mid}
+
+
 def _server_counters(admin: redis.Redis) -> tuple[float, int, float]:
     """(server CPU seconds, EVALSHA calls, EVALSHA µs in all)."""
     cpu = admin.info("cpu")
@@ -75,7 +81,7 @@ def run_once(url: str, admin: redis.Redis, pairs: int, rep: int) -> dict[str, fl
         warm = _requests(f"warm{rep}", 200)
         _pairs(led, warm, [{"message_id": str(uuid.uuid4())} for _ in warm])
         requests = _requests(f"r{rep}.{uuid.uuid4().hex[:6]}", pairs)
-        results = [{"message_id": str(uuid.uuid4())} for _ in requests]
+        results = [_result() for _ in requests]
         before = _server_counters(admin)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         _pairs(led, requests, results)
@@ -108,7 +114,7 @@ def profile(url: str, pairs: int) -> None:
     try:
         _pairs(led, _requests("pwarm", 200), [{"message_id": "w"}] * 200)
         requests = _requests(f"p.{uuid.uuid4().hex[:6]}", pairs)
-        results = [{"message_id": str(uuid.uuid4())} for _ in requests]
+        results = [_result() for _ in requests]
         prof = cProfile.Profile()
         prof.enable()
         _pairs(led, requests, results)

@@ -64,6 +64,7 @@ from .layout import (
     _body,
     _chunked,
     _counted,
+    _counted_name,
     _field,
     _joined,
     _layout1_fields,
@@ -94,6 +95,9 @@ _UNAVAILABLE_TYPES = (
 )
 # The code of an error reply: its first word, or (a Redis 6 script error) the word after a '-'.
 _REPLY_CODE = re.compile(r"^([A-Z]+)\b|\s-([A-Z]+)\s")
+
+#: A claim script's answer as its status (a dict: calling the Enum costs as much as building the call's keys).
+_CLAIM_STATUS = {status.value: status for status in ClaimStatus}
 
 #: The scripts beside this module, each one atomic transition; record scripts start with ``prelude.lua``.
 _RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page", "restock", "sweep")
@@ -1050,11 +1054,11 @@ class RedisLedger(Ledger):
 
     def _claim_args(self, request: ClaimRequest) -> list[Any]:
         return [request.key, request.payload, _pack_fp(request.fingerprint), int(request.lease_seconds * 1000),
-                request.resume_owner or "", *_counted(request.task_name), *_counted(request.owner),
+                request.resume_owner or "", *_counted_name(request.task_name), *_counted(request.owner),
                 _field(request.key)]
 
     def _claim_result(self, request: ClaimRequest, out: list[Any]) -> Claim:
-        status = ClaimStatus(out[0])
+        status = _CLAIM_STATUS[out[0]]
         if status is ClaimStatus.ACQUIRED:
             now, lease = int(out[1]) / 1_000_000, int(out[2]) / 1_000_000
             record = Record(
