@@ -37,20 +37,21 @@ if state == 'claimed' then
     return {'busy', h, redis.call('GET', KEYS[8])}
   else
     status = 'reclaimed'
-    redis.call('HINCRBY', rec, 'c', 1)
+    redis.call('HINCRBY', rec, 'c', '1')
   end
 elseif state ~= 'released' then
   return {'done', h, redis.call('GET', KEYS[8])}
 end
-move(id, state, 'claimed', n)
-redis.call('HINCRBY', rec, 't', 1)
-redis.call('HINCRBY', rec, 'a', 1)
+local at = string.format('%d', n)
+move(id, state, 'claimed', at)
+redis.call('HINCRBY', rec, 't', '1')
+redis.call('HINCRBY', rec, 'a', '1')
 local old = {}  -- the owner's chunks: the new owner's may be fewer
 for name in pairs(f) do
   if string.byte(name) == O then old[#old + 1] = name end
 end
 if #old > 0 then redis.call('HDEL', rec, unpack(old)) end
-local fields = {'s', 'claimed', 'l', lease, 'u', n}
+local fields = {'s', 'claimed', 'l', string.format('%d', lease), 'u', at}
 chunks(fields, 'o', 8 + tonumber(ARGV[7]))
 redis.call('HSET', rec, unpack(fields))
 return {status, redis.call('HGETALL', rec), redis.call('GET', KEYS[8])}

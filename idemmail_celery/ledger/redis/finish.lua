@@ -58,8 +58,8 @@ if target == 'sent' then
   -- its retention: sent = expiry - retention), in microseconds: an integer reply.
   return {'ok', (expires * 100 - ttl) * 1000}
 end
-move(id, state, target, final and n + ttl * 1000 or n)
-local fields = {'s', target, 'u', n}  -- a record written in place: its result's and error's chunks too
+move(id, state, target, string.format('%d', final and n + ttl * 1000 or n))
+local fields = {'s', target, 'u', string.format('%d', n)}  -- a record written in place: its result's and error's chunks too
 chunks(fields, 'e', chunks(fields, 'r', 8))
 local clear = nil  -- a new result or error replaces the chunks of one the record has
 if (cur[3] and new_result) or (cur[4] and new_error) then clear = {[R] = new_result, [E] = new_error} end

@@ -140,6 +140,7 @@ end
 -- The record's expiry, and its payload's (false: the payload is gone).
 local function expire(ttl, payload)
   if ttl then
+    ttl = string.format('%d', ttl)
     redis.call('PEXPIRE', KEYS[1], ttl)
     if payload then redis.call('PEXPIRE', KEYS[8], ttl) end
   else
