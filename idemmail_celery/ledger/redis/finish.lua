@@ -1,6 +1,7 @@
 -- Runs after prelude.lua: base, index, fields, shelved, entry, shelve, write.
 -- ARGV: epoch, id, token, target, retention (ms), drop_payload ('1' erases it on sent), counter
--- granule (us), then the result's chunks (their count first, 0 for none), then the error's, then
+-- granule (us), then the result's chunks (their count first, 0 for none; to sent, one piece: a sent
+-- record's hash goes, its result and error are only read whole), then the error's, then
 -- the packed key (the shelf's field), the ledger's retention (ms: an entry with another says so), the
 -- shelf's sweep step (ms), and the entry's result and error as the caller encoded them.
 if lost() then return {'lost'} end

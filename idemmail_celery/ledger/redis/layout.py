@@ -313,6 +313,12 @@ class Names:
             self._recent[key] = keys
         return list(keys)
 
+    def claim_keys(self, key: str) -> list[str]:
+        """The claim script's KEYS: record, indexes of claimed and released records, epoch marker,
+        payload, shelf (what it touches: each key costs the call, about as much as a command)."""
+        k = self.script_keys(key)
+        return [k[0], k[1], k[2], k[6], k[7], k[8]]
+
     def index(self, bucket: int, state: State) -> str:
         """The bucket's index of ``state`` (``sent`` has none: that name is never written)."""
         return f"{self.stems[bucket]}i:{state.value}"

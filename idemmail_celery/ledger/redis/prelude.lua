@@ -26,11 +26,11 @@ local function now()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
-local function lost()
-  local m = redis.call('HMGET', KEYS[7], 'epoch', 'lost')
+local function lost(marker)  -- the marker: KEYS[7] but where a script passes its own (the claim)
+  local m = redis.call('HMGET', marker or KEYS[7], 'epoch', 'lost')
   return m[1] ~= ARGV[1] or m[2] ~= false
 end
-local SHELF = #KEYS  -- the last key: the record's shelf (a record script passes 9)
+local SHELF = #KEYS  -- the last key: the record's shelf (a record script passes 9, the claim 6)
 -- part: index
 -- ``sent`` has no index (it expires by TTL; listing it scans): the counter keeps its numbers.
 local IDX = {claimed=KEYS[2], released=KEYS[3], failed=KEYS[4], review=KEYS[5]}

@@ -49,6 +49,7 @@ from ..base import (
     State,
     _check_unique,
     default_owner,
+    dumps_json,
     loads_json,
 )
 from .layout import (
@@ -328,6 +329,12 @@ class RedisLedger(Ledger):
         if not self._checked:
             self._check_store()
         return self.names.script_keys(key)
+
+    def _claim_keys(self, key: str) -> list[str]:
+        """The claim script's KEYS (the store checked first, as for :meth:`_keys`)."""
+        if not self._checked:
+            self._check_store()
+        return self.names.claim_keys(key)
 
     def _entry_record(self, key: str, value: str, payload: str | None) -> Record:
         """A shelved ``sent`` record: expiry, retention, token, attempts, reclaims, fingerprint,
@@ -982,7 +989,7 @@ class RedisLedger(Ledger):
     def claim(self, request: ClaimRequest) -> Claim:
         if self._checked:
             self._watch_policy()
-        return self._claim_result(request, self._eval(self._claim, self._keys(request.key),
+        return self._claim_result(request, self._eval(self._claim, self._claim_keys(request.key),
                                                       self._claim_args(request)))
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
@@ -997,7 +1004,7 @@ class RedisLedger(Ledger):
 
         def run() -> tuple[list[Any], str]:
             epoch = self._epoch or ""
-            calls = [(self._keys(r.key), [epoch, *self._claim_args(r)]) for r in requests]
+            calls = [(self._claim_keys(r.key), [epoch, *self._claim_args(r)]) for r in requests]
             outs = self._run_scripts(self._claim, calls, partial=True)
             failed = next((out for out in outs if isinstance(out, Exception)), None)
             if failed is not None:
@@ -1092,8 +1099,15 @@ class RedisLedger(Ledger):
 
     def _finish_args(self, key: str, token: int, state: State, result: dict[str, Any] | None,
                      error: dict[str, Any] | None) -> list[Any]:
+        if state is State.SENT:
+            # Gone with the record's hash, a sent record's result and error are never written in chunks:
+            # the script only reads them whole (into the entry, beside one the record keeps), so each
+            # goes as one "chunk" (every argument costs the call).
+            texts = [*_whole(dumps_json(result)), *_whole(dumps_json(error))]
+        else:
+            texts = [*_chunked(result), *_chunked(error)]
         return [key, token, state.value, int(self.retention_seconds * 1000), "0" if self.keep_payload else "1",
-                self._granule_ms(), *_chunked(result), *_chunked(error), _field(key), self._retention_ms,
+                self._granule_ms(), *texts, _field(key), self._retention_ms,
                 self._sweep_ms(), _body(result, error) if state is State.SENT else ""]
 
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
@@ -1262,6 +1276,11 @@ class RedisLedger(Ledger):
         a lock one of its threads held (a metrics scrape checking the store) would never be released.
         redis-py's own pool notices the fork by itself."""
         self._spare, self._check_lock = [], threading.Lock()
+
+
+def _whole(text: str | None) -> tuple[Any, ...]:
+    """``text`` as script arguments in the chunks' shape, in one piece: ``(1, text)``, or ``(0,)`` for none."""
+    return (0,) if text is None else (1, text)
 
 
 _live: weakref.WeakSet[RedisLedger] = weakref.WeakSet()
