@@ -795,10 +795,12 @@ class Handler:
         if record.reclaims > self.policy.max_reclaims:
             reason = "reclaim_limit"  # a poison message that kills its worker every time
         elif not self.effect.carries_key():
-            if mark is None and claim.status is ClaimStatus.RECLAIMED and owner_writes_ahead(
-                    claim.previous_owner or ""):
-                # Its holder would have marked the ledger before sending, and did not: nothing left. (A
-                # resumed claim's previous owner is this chain's own: it says nothing of the dead holder.)
+            if mark is None and (
+                    (claim.status is ClaimStatus.RECLAIMED and owner_writes_ahead(claim.previous_owner or ""))
+                    or (claim.status is ClaimStatus.RESUMED and self.ledger.marks_takeovers)):
+                # Its holder would have marked the ledger before sending, and did not: nothing left. A claim
+                # resumed after this chain's own reclaim: the holder it took over from left no mark, and the
+                # store marks a takeover from a holder that made no promise, so that one made it too.
                 log.warning("idemmail: %s reclaimed after an expired lease; its holder had not begun the "
                             "send (no write-ahead mark): sending it now", d.key)
                 return None

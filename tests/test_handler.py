@@ -593,7 +593,7 @@ def test_a_dead_holder_that_may_have_sent_is_parked_with_the_stage_it_reached(le
     assert step.outcome is Outcome.REVIEW and box.sent == []
     assert record is not None and record.state is State.REVIEW and record.error is not None
     assert record.error["reason"] == "lease_expired"
-    assert record.error.get("stage") == ("message" if promised else None)
+    assert record.error.get("stage") == ("message" if promised else "unknown")
 
 
 def test_each_send_is_marked_in_the_ledger_before_it_happens(ledger: Ledger) -> None:
@@ -856,3 +856,33 @@ def test_a_rotation_race_with_a_failed_reread_is_checked_again_and_sends_once(le
     assert box.sent == [(winner, "first")]
     assert {again.outcome, later.outcome} == ({Outcome.SENT, Outcome.DUPLICATE} if down else {Outcome.DUPLICATE})
     assert again.key == later.key == winner and ledger.get("rr4-old" if not down else "rr4-new") is None
+
+
+class MarkRefused(Refusing):
+    """The write-ahead mark fails (nothing written), and so does the release that follows."""
+
+    refused = False
+
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+        if self.refused:
+            return self.inner.write_ahead(key, token, lease_seconds, stage)
+        self.refused = True
+        self.down.add("released")
+        raise LedgerUnavailableError("store went away (write_ahead)")
+
+
+def test_a_claim_taken_over_by_the_chain_and_resumed_without_a_mark_is_sent(ledger: Ledger) -> None:
+    # The chain took the claim over from a dead holder that had not begun (no mark), then could not
+    # mark (the store blinked) nor release: its next delivery resumes a claim with one reclaim and no
+    # mark. Before: parked lease_expired, never sent (the chaos run's case).
+    store = MarkRefused(ledger)
+    handler, box = build(store, Mailbox(ahead=True))
+    dead_holder(ledger, "wa-h7", ahead=True, marked=False)
+    d = delivery("wa-h7")
+    step = handler.handle(d)
+    assert step.action is Action.RETRY and box.sent == []
+    store.down.clear()
+    done = handler.handle(next_of(d, step, retries=1))
+    assert done.outcome is Outcome.SENT and box.sent == [("wa-h7", "first")]
+    record = ledger.get("wa-h7")
+    assert record is not None and record.state is State.SENT and record.reclaims == 1

@@ -578,6 +578,12 @@ def test_a_reclaim_names_the_holder_it_took_over_from(ledger: Ledger) -> None:
     assert r.status is ClaimStatus.RECLAIMED and r.previous_owner is not None
     assert r.previous_owner.startswith("old-worker:1:abcd") and not owner_writes_ahead(r.previous_owner)
     assert c.token < r.token
+    # That holder made no write-ahead promise and left no mark: the takeover says it may have run.
+    assert ledger.marks_takeovers is True
+    mark = ahead_mark(r.record)
+    assert mark is not None and mark["ahead"] == "unknown" and mark["token"] == c.token
+    resumed = ledger.claim(req("wa2", owner="next:1:ef01", resume_owner=r.record.owner))
+    assert resumed.status is ClaimStatus.RESUMED and ahead_mark(resumed.record) == mark  # kept for the chain
 
 
 def test_a_move_out_of_claimed_drops_the_write_ahead_mark_it_does_not_replace(ledger: Ledger) -> None:

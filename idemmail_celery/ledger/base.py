@@ -176,6 +176,9 @@ def _forget_owner() -> None:
 WRITES_AHEAD = "ahead"
 #: The field of a write-ahead mark naming the stage its holder was about to begin.
 AHEAD_FIELD = "ahead"
+#: The stage of the mark a ledger writes when a claim is taken over from a holder that made no
+#: write-ahead promise and left no mark (``Ledger.marks_takeovers``): it may have run.
+UNKNOWN_STAGE = "unknown"
 
 
 def new_owner(detail: str = "", *, ahead: bool = False) -> str:
@@ -357,6 +360,12 @@ class Ledger(ABC):
         atomic operation.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot withdraw a claim")
+
+    #: Does a reclaim from a holder that made no write-ahead promise (:func:`owner_writes_ahead`) and
+    #: left no mark write the mark ``{"ahead": "unknown", ...}`` with that holder's token? The built-in
+    #: backends do; then a claim resumed after this chain's own reclaim, carrying no mark, is known
+    #: not to have been sent by the holder it took over from. Without it such a claim is parked.
+    marks_takeovers: bool = False
 
     def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
         """Record, before a side effect that carries no key can happen, that the holder is about to

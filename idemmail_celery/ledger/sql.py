@@ -54,6 +54,7 @@ from ..errors import (
 from .base import (
     AHEAD_JSON_PREFIX,
     DEFAULT_RETENTION_SECONDS,
+    UNKNOWN_STAGE,
     Claim,
     ClaimRequest,
     ClaimStatus,
@@ -62,8 +63,10 @@ from .base import (
     State,
     _check_unique,
     ahead_error,
+    ahead_mark,
     dumps_json,
     loads_json,
+    owner_writes_ahead,
 )
 
 log = logging.getLogger("idemmail_celery")
@@ -199,6 +202,8 @@ class SQLLedger(Ledger):
     ``create_table`` (default True: create it on first use), and any
     ``sqlalchemy.create_engine`` keyword.
     """
+
+    marks_takeovers = True  # a reclaim from a holder without the write-ahead promise marks it 'unknown'
 
     def __init__(
         self,
@@ -574,6 +579,9 @@ class SQLLedger(Ledger):
                 "lease_expires_at": lease, "attempts": seen.attempts + 1,
                 "reclaims": seen.reclaims + (1 if status is ClaimStatus.RECLAIMED else 0), "updated_at": now,
             }
+            if status is ClaimStatus.RECLAIMED and not owner_writes_ahead(seen.owner) and ahead_mark(seen) is None:
+                # Taken over from a holder that made no write-ahead promise and left no mark: it may have run.
+                values["error"] = dumps_json(ahead_error(UNKNOWN_STAGE, int(now), seen.token))
         moved = conn.execute(
             sa.update(t)
             .where(t.c.intent_key == request.key, t.c.token == seen.token, t.c.state == seen.state.value)

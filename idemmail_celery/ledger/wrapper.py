@@ -31,6 +31,10 @@ class LedgerWrapper(Ledger):
         return f"{type(self).__name__}({self.inner!r})"
 
     @property
+    def marks_takeovers(self) -> bool:  # type: ignore[override]
+        return self.inner.marks_takeovers
+
+    @property
     def backend(self) -> Ledger:
         """The innermost ledger: the store itself."""
         inner = self.inner

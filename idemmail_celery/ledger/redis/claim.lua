@@ -1,7 +1,9 @@
--- Runs after prelude.lua.
+-- Runs after prelude.lua: base, fields, shelved.
+-- KEYS (fewer than the other record scripts': each costs the call): record, the bucket's index of
+-- claimed and of released records, epoch marker, payload, shelf.
 -- ARGV: epoch, id, payload, fingerprint, lease (ms), resume_owner ('' for none), then the task
 -- name's chunks (their count first), then the owner's, then the packed key (the shelf's field).
-if lost() then return {'lost'} end
+if lost(KEYS[4]) then return {'lost'} end
 local rec, id = KEYS[1], ARGV[2]
 local n = now()
 local lease = n + tonumber(ARGV[5]) * 1000
@@ -10,14 +12,16 @@ if #h == 0 then
   local field = ARGV[#ARGV]
   local v, _, expires = shelved(field)
   if v then
-    if expires > math.floor(n / 1000) then return {'done', {}, redis.call('GET', KEYS[8]), v} end
+    if expires > math.floor(n / 1000) then return {'done', {}, redis.call('GET', KEYS[5]), v} end
   end
-  move(id, nil, 'claimed', n)
+  local at = string.format('%d', n)  -- numbers as strings: see the prelude's base part
+  redis.call('ZADD', KEYS[2], at, id)  -- the first write: one Redis refuses when out of memory
   if v then redis.call('HDEL', KEYS[SHELF], field) end  -- a dead entry goes with the new claim
-  local fields = {'s', 'claimed', 't', 1, 'l', lease, 'a', 1, 'c', 0, 'f', ARGV[4], 'k', n, 'u', n}
+  local fields = {'s', 'claimed', 't', '1', 'l', string.format('%d', lease), 'a', '1', 'c', '0', 'f', ARGV[4],
+    'k', at, 'u', at}
   chunks(fields, 'o', chunks(fields, 'n', 7))
   redis.call('HSET', rec, unpack(fields))
-  redis.call('SET', KEYS[8], ARGV[3])
+  redis.call('SET', KEYS[5], ARGV[3])
   return {'acquired', n, lease}
 end
 local f = fields_of(h)
@@ -33,23 +37,35 @@ if state == 'claimed' then
   if (ARGV[6] ~= '' and holder == ARGV[6]) or holder == own then
     status = 'resumed'
   elseif tonumber(f.l or 0) > n then
-    return {'busy', h, redis.call('GET', KEYS[8])}
+    return {'busy', h, redis.call('GET', KEYS[5])}
   else
     status = 'reclaimed'
-    redis.call('HINCRBY', rec, 'c', 1)
+    redis.call('HINCRBY', rec, 'c', '1')
   end
 elseif state ~= 'released' then
-  return {'done', h, redis.call('GET', KEYS[8])}
+  return {'done', h, redis.call('GET', KEYS[5])}
 end
-move(id, state, 'claimed', n)
-redis.call('HINCRBY', rec, 't', 1)
-redis.call('HINCRBY', rec, 'a', 1)
-local old = {}  -- the owner's chunks: the new owner's may be fewer
+local at = string.format('%d', n)
+redis.call('ZADD', KEYS[2], at, id)
+if state == 'released' then redis.call('ZREM', KEYS[3], id) end
+redis.call('HINCRBY', rec, 't', '1')
+redis.call('HINCRBY', rec, 'a', '1')
+-- Taken over from a holder that made no write-ahead promise (no ':ahead:' in its owner) and left no
+-- mark: it may have run, so the record gets a mark saying so ('unknown'), with that holder's token.
+-- A later look (this chain's own delivery resuming the claim) then knows what this one knew.
+local unknown = status == 'reclaimed' and not string.find(holder, ':ahead:', 1, true) and
+  not (f.e and string.sub(f.e, 1, 9) == '{"ahead":')
+local old = {}  -- the owner's chunks: the new owner's may be fewer (and the error's, for the mark)
 for name in pairs(f) do
-  if string.byte(name) == O then old[#old + 1] = name end
+  local first = string.byte(name)
+  if first == O or (unknown and first == E) then old[#old + 1] = name end
 end
 if #old > 0 then redis.call('HDEL', rec, unpack(old)) end
-local fields = {'s', 'claimed', 'l', lease, 'u', n}
+local fields = {'s', 'claimed', 'l', string.format('%d', lease), 'u', at}
+if unknown then
+  fields[#fields + 1] = 'e'
+  fields[#fields + 1] = string.format('{"ahead":"unknown","at":%d,"token":%d}', math.floor(n / 1000000), tonumber(f.t))
+end
 chunks(fields, 'o', 8 + tonumber(ARGV[7]))
 redis.call('HSET', rec, unpack(fields))
-return {status, redis.call('HGETALL', rec), redis.call('GET', KEYS[8]), holder}
+return {status, redis.call('HGETALL', rec), redis.call('GET', KEYS[5]), holder}

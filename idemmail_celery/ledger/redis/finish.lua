@@ -1,6 +1,7 @@
--- Runs after prelude.lua.
+-- Runs after prelude.lua: base, index, fields, shelved, entry, shelve, write.
 -- ARGV: epoch, id, token, target, retention (ms), drop_payload ('1' erases it on sent), counter
--- granule (us), then the result's chunks (their count first, 0 for none), then the error's, then
+-- granule (us), then the result's chunks (their count first, 0 for none; to sent, one piece: a sent
+-- record's hash goes, its result and error are only read whole), then the error's, then
 -- the packed key (the shelf's field), the ledger's retention (ms: an entry with another says so), the
 -- shelf's sweep step (ms), and the entry's result and error as the caller encoded them.
 if lost() then return {'lost'} end
@@ -26,10 +27,8 @@ local late_truth = target == 'sent' and token < held and
 if not (mine or late_truth) then return {'stale', state, tostring(held)} end
 local n = now()
 local ttl = tonumber(ARGV[5])
-local fields = {'s', target, 'u', n}
-local at = chunks(fields, 'r', 8)
-local new_result = at > 9
-local new_error = chunks(fields, 'e', at) > at + 1
+local at = 9 + tonumber(ARGV[8])  -- where the error's chunks begin (their count)
+local new_result, new_error = at > 9, tonumber(ARGV[at]) > 0
 local final = target == 'sent' or target == 'failed'
 local drop_payload = target == 'sent' and ARGV[6] == '1'
 local ms = math.floor(n / 1000)
@@ -53,13 +52,19 @@ if target == 'sent' then
   shelve(field, value, expires * 100, ms, tonumber(ARGV[#ARGV - 1]))
   count_sent(n + ttl * 1000, tonumber(ARGV[7]))
   move(id, state, target, n + ttl * 1000)
-  redis.call('DEL', rec)
-  if drop_payload then redis.call('DEL', KEYS[8]) else redis.call('PEXPIRE', KEYS[8], ttl) end
+  if drop_payload then
+    redis.call('DEL', rec, KEYS[8])
+  else
+    redis.call('DEL', rec)
+    redis.call('PEXPIRE', KEYS[8], ARGV[5])  -- ttl as the caller wrote it (see the prelude's base part)
+  end
   -- The time as a read gives it back (the entry keeps its expiry in tenths of a second, rounded up, and
   -- its retention: sent = expiry - retention), in microseconds: an integer reply.
   return {'ok', (expires * 100 - ttl) * 1000}
 end
-move(id, state, target, final and n + ttl * 1000 or n)
+move(id, state, target, string.format('%d', final and n + ttl * 1000 or n))
+local fields = {'s', target, 'u', string.format('%d', n)}  -- a record written in place: its result's and error's chunks too
+chunks(fields, 'e', chunks(fields, 'r', 8))
 local clear = nil  -- a new result or error replaces the chunks of one the record has
 if (cur[3] and new_result) or (cur[4] and new_error) or mark then
   clear = {[R] = new_result, [E] = new_error or mark}

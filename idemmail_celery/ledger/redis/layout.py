@@ -9,6 +9,7 @@ docstring.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import re
 import zlib
@@ -161,6 +162,7 @@ def _unpack_fp(packed: str) -> str:
     return _unpack(packed)
 
 
+@functools.lru_cache(maxsize=256)  # a claim's, then its completion's: spelled once
 def _field(key: str) -> bytes:
     """A key as its archive field: a 64-hex key as its 32 bytes, anything else ``~`` + itself (``!~`` +
     itself where that would be 32 bytes long too). Scripts give a 32-byte field back in hex."""
@@ -195,6 +197,12 @@ def _counted(text: str) -> list[Any]:
     """``text`` as script arguments: how many chunks, then the chunks."""
     parts = _chunks(text)
     return [len(parts), *parts]
+
+
+@functools.lru_cache(maxsize=256)
+def _counted_name(text: str) -> tuple[Any, ...]:
+    """:func:`_counted` of a text that comes back every call (a task's name): cut once."""
+    return tuple(_counted(text))
 
 
 def _chunks(text: str) -> list[str]:
@@ -257,11 +265,23 @@ class Names:
     """
 
     def __init__(self, prefix: str, buckets: int, shelves: int) -> None:
-        self.prefix, self.buckets, self.shelves = prefix, buckets, shelves
+        self.prefix, self.buckets = prefix, buckets
+        #: The KEYS of the keys used last (a claim's, then its completion's; see ``script_keys``).
+        self._recent: dict[str, tuple[str, ...]] = {}
+        self._shelves = shelves
         #: Per bucket, built once: the names' stem, and a record script's bucket keys (indexes, counter, marker).
         self.stems = [f"{prefix}:{{{b:02x}}}:" for b in range(buckets)]
         self.tails = [[*(f"{stem}i:{s.value}" for s in _INDEXED), f"{stem}c:sent", f"{stem}epoch4"]
                       for stem in self.stems]
+
+    @property
+    def shelves(self) -> int:
+        return self._shelves
+
+    @shelves.setter
+    def shelves(self, value: int) -> None:
+        self._shelves = value
+        self._recent = {}  # their shelf names may change
 
     def bucket(self, key: str) -> int:
         return zlib.crc32(key.encode()) % self.buckets
@@ -278,10 +298,26 @@ class Names:
         return f"{self.stems[self.bucket(key)]}d:{_shelf(key, self.shelves):x}"
 
     def script_keys(self, key: str) -> list[str]:
-        """A record script's KEYS: record, indexes, sent counter, epoch marker, payload, shelf."""
-        b = zlib.crc32(key.encode()) % self.buckets
-        stem, packed = self.stems[b], _pack(key)
-        return [f"{stem}r:{packed}", *self.tails[b], f"{stem}p:{packed}", f"{stem}d:{_shelf(key, self.shelves):x}"]
+        """A record script's KEYS: record, indexes, sent counter, epoch marker, payload, shelf.
+
+        The last keys' are kept (at most 256, then forgotten all at once): a completion, a renewal or a
+        release follows its claim in the same process, and spelling the names again (a CRC32, two
+        regex matches, base64) costs as much as the rest of building the call."""
+        keys = self._recent.get(key)
+        if keys is None:
+            b = zlib.crc32(key.encode()) % self.buckets
+            stem, packed = self.stems[b], _pack(key)
+            keys = (f"{stem}r:{packed}", *self.tails[b], f"{stem}p:{packed}", f"{stem}d:{_shelf(key, self._shelves):x}")
+            if len(self._recent) >= 256:
+                self._recent = {}
+            self._recent[key] = keys
+        return list(keys)
+
+    def claim_keys(self, key: str) -> list[str]:
+        """The claim script's KEYS: record, indexes of claimed and released records, epoch marker,
+        payload, shelf (what it touches: each key costs the call, about as much as a command)."""
+        k = self.script_keys(key)
+        return [k[0], k[1], k[2], k[6], k[7], k[8]]
 
     def index(self, bucket: int, state: State) -> str:
         """The bucket's index of ``state`` (``sent`` has none: that name is never written)."""

@@ -50,6 +50,7 @@ from ..base import (
     _check_unique,
     ahead_error,
     default_owner,
+    dumps_json,
     loads_json,
 )
 from .layout import (
@@ -65,6 +66,7 @@ from .layout import (
     _body,
     _chunked,
     _counted,
+    _counted_name,
     _field,
     _joined,
     _layout1_fields,
@@ -96,16 +98,43 @@ _UNAVAILABLE_TYPES = (
 # The code of an error reply: its first word, or (a Redis 6 script error) the word after a '-'.
 _REPLY_CODE = re.compile(r"^([A-Z]+)\b|\s-([A-Z]+)\s")
 
+#: A claim script's answer as its status (a dict: calling the Enum costs as much as building the call's keys).
+_CLAIM_STATUS = {status.value: status for status in ClaimStatus}
+
 #: The scripts beside this module, each one atomic transition; record scripts start with ``prelude.lua``.
 _RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page", "restock", "sweep", "withdraw")
+
+
+#: A record script's first line naming the prelude's parts it uses (none named: all of them).
+_PARTS_USED = re.compile(r"-- Runs after prelude\.lua: ([a-z, ]+)\.")
+_PART = re.compile(r"^-- part: ([a-z]+)\n", re.M)
 
 
 @functools.cache
 def _lua(name: str) -> str:
     """The text of ``<name>.lua`` beside this module (read once per process), after the prelude for a
-    record script."""
+    record script: the parts of it the script's first line names, or all of it."""
     text = (resources.files(__package__) / f"{name}.lua").read_text("utf-8")
-    return _lua("prelude") + text if name in _RECORD_SCRIPTS else text
+    if name not in _RECORD_SCRIPTS:
+        return text
+    used = _PARTS_USED.match(text)
+    if used is None:
+        return _lua("prelude") + text
+    return _prelude(tuple(part.strip() for part in used[1].split(","))) + text
+
+
+@functools.cache
+def _prelude(parts: tuple[str, ...]) -> str:
+    """The prelude's opening comment, then ``parts`` in the prelude's own order (later parts call earlier ones).
+
+    Each helper a script defines costs every call of it (a closure made per call; a script keeps no
+    state between calls), so a hot script carries only the parts it uses."""
+    pieces = _PART.split(_lua("prelude"))  # [intro, name, body, name, body, ...]
+    known = dict(zip(pieces[1::2], pieces[2::2], strict=True))
+    unknown = sorted(set(parts) - set(known))
+    if unknown:
+        raise LedgerError(f"Redis ledger scripts name unknown prelude parts: {', '.join(unknown)}")
+    return pieces[0] + "".join(f"-- part: {name}\n{body}" for name, body in known.items() if name in parts)
 
 
 def _connect(url: str, master_name: str | None, options: dict[str, Any]) -> Any:
@@ -185,6 +214,8 @@ class RedisLedger(Ledger):
     closes it nor bypasses it: the hot path's connections of its own (see ``_direct``) serve
     only clients it built.
     """
+
+    marks_takeovers = True  # a reclaim from a holder without the write-ahead promise marks it 'unknown'
 
     def __init__(
         self,
@@ -302,6 +333,12 @@ class RedisLedger(Ledger):
         if not self._checked:
             self._check_store()
         return self.names.script_keys(key)
+
+    def _claim_keys(self, key: str) -> list[str]:
+        """The claim script's KEYS (the store checked first, as for :meth:`_keys`)."""
+        if not self._checked:
+            self._check_store()
+        return self.names.claim_keys(key)
 
     def _entry_record(self, key: str, value: str, payload: str | None) -> Record:
         """A shelved ``sent`` record: expiry, retention, token, attempts, reclaims, fingerprint,
@@ -956,7 +993,7 @@ class RedisLedger(Ledger):
     def claim(self, request: ClaimRequest) -> Claim:
         if self._checked:
             self._watch_policy()
-        return self._claim_result(request, self._eval(self._claim, self._keys(request.key),
+        return self._claim_result(request, self._eval(self._claim, self._claim_keys(request.key),
                                                       self._claim_args(request)))
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
@@ -971,7 +1008,7 @@ class RedisLedger(Ledger):
 
         def run() -> tuple[list[Any], str]:
             epoch = self._epoch or ""
-            calls = [(self._keys(r.key), [epoch, *self._claim_args(r)]) for r in requests]
+            calls = [(self._claim_keys(r.key), [epoch, *self._claim_args(r)]) for r in requests]
             outs = self._run_scripts(self._claim, calls, partial=True)
             failed = next((out for out in outs if isinstance(out, Exception)), None)
             if failed is not None:
@@ -1028,11 +1065,11 @@ class RedisLedger(Ledger):
 
     def _claim_args(self, request: ClaimRequest) -> list[Any]:
         return [request.key, request.payload, _pack_fp(request.fingerprint), int(request.lease_seconds * 1000),
-                request.resume_owner or "", *_counted(request.task_name), *_counted(request.owner),
+                request.resume_owner or "", *_counted_name(request.task_name), *_counted(request.owner),
                 _field(request.key)]
 
     def _claim_result(self, request: ClaimRequest, out: list[Any]) -> Claim:
-        status = ClaimStatus(out[0])
+        status = _CLAIM_STATUS[out[0]]
         if status is ClaimStatus.ACQUIRED:
             now, lease = int(out[1]) / 1_000_000, int(out[2]) / 1_000_000
             record = Record(
@@ -1069,8 +1106,15 @@ class RedisLedger(Ledger):
 
     def _finish_args(self, key: str, token: int, state: State, result: dict[str, Any] | None,
                      error: dict[str, Any] | None) -> list[Any]:
+        if state is State.SENT:
+            # Gone with the record's hash, a sent record's result and error are never written in chunks:
+            # the script only reads them whole (into the entry, beside one the record keeps), so each
+            # goes as one "chunk" (every argument costs the call).
+            texts = [*_whole(dumps_json(result)), *_whole(dumps_json(error))]
+        else:
+            texts = [*_chunked(result), *_chunked(error)]
         return [key, token, state.value, int(self.retention_seconds * 1000), "0" if self.keep_payload else "1",
-                self._granule_ms(), *_chunked(result), *_chunked(error), _field(key), self._retention_ms,
+                self._granule_ms(), *texts, _field(key), self._retention_ms,
                 self._sweep_ms(), _body(result, error) if state is State.SENT else ""]
 
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
@@ -1248,6 +1292,11 @@ class RedisLedger(Ledger):
         a lock one of its threads held (a metrics scrape checking the store) would never be released.
         redis-py's own pool notices the fork by itself."""
         self._spare, self._check_lock = [], threading.Lock()
+
+
+def _whole(text: str | None) -> tuple[Any, ...]:
+    """``text`` as script arguments in the chunks' shape, in one piece: ``(1, text)``, or ``(0,)`` for none."""
+    return (0,) if text is None else (1, text)
 
 
 _live: weakref.WeakSet[RedisLedger] = weakref.WeakSet()

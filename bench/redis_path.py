@@ -1,0 +1,211 @@
+"""The Redis ledger's common path alone: claims of new keys (``acquired``) each completed (``sent``).
+
+``python -m bench.redis_path [--pairs 20000] [--runs 3] [--url redis://...] [--profile]``
+
+One process, one thread, one claim then one completion per key, as a worker's task does, against a
+private ``redis-server`` (or ``--url``: then ``INFO commandstats`` counts everybody's EVALSHA, so use a
+quiet server). Per pair: the client's CPU (``time.process_time``) and wall time, and the server's
+EVALSHA time (``INFO commandstats``: the scripts' own commands run inside it) and CPU (``INFO cpu``,
+which adds the server's reading and writing of the sockets). Medians and min-max over ``--runs``.
+``--profile`` runs one more pass under cProfile and prints its top functions by own time.
+``--pipelined`` times the two scripts alone: the same calls (built by the store's own call builders)
+sent 100 at a time on one connection, best of ``--runs`` x ``--pairs``; on a loaded machine the one
+at a time figures move by a third between runs, these by a few percent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import hashlib
+import json
+import logging
+import os
+import pstats
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from idemmail_celery.ledger import ClaimRequest, State, from_url
+from idemmail_celery.ledger.base import new_owner
+from idemmail_celery.ledger.redis import RedisLedger
+from idemmail_celery.mail import TASK_NAME
+
+PAYLOAD = json.dumps({"args": [], "kwargs": {"to": "ann@example.com", "subject": "Your receipt for order 4821",
+                                             "text": "Hello,\n\nthank you for your order.", "event_id": "o-4821"}})
+
+
+def _requests(tag: str, pairs: int) -> list[ClaimRequest]:
+    """What a worker's claims carry: 64-hex keys and fingerprints (as the library makes them), a payload."""
+    out = []
+    for i in range(pairs):
+        key = hashlib.sha256(f"{tag}.{i}".encode()).hexdigest()
+        fp = hashlib.sha256(f"fp.{tag}.{i}".encode()).hexdigest()
+        out.append(ClaimRequest(key=key, task_name=TASK_NAME, payload=PAYLOAD, fingerprint=fp,
+                                owner=new_owner("bench"), lease_seconds=300))
+    return out
+
+
+def _result() -> dict[str, Any]:
+    """What ``send_email`` records: the provider's answer, and its message id beside it."""
+    mid = str(uuid.uuid4())
+    return {"value": {"message_id": mid, "provider": "http"}, "message_id": mid}
+
+
+def _server_counters(admin: redis.Redis) -> tuple[float, int, float]:
+    """(server CPU seconds, EVALSHA calls, EVALSHA µs in all)."""
+    cpu = admin.info("cpu")
+    stats = admin.info("commandstats").get("cmdstat_evalsha", {"calls": 0, "usec": 0})
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), int(stats["calls"]), float(stats["usec"])
+
+
+def _pairs(led: Any, requests: list[ClaimRequest], results: list[dict[str, Any]]) -> None:
+    for r, result in zip(requests, results, strict=True):
+        claim = led.claim(r)
+        led.complete(r.key, claim.token, result)
+
+
+def _claims(led: Any, requests: list[ClaimRequest]) -> list[int]:
+    return [led.claim(r).token for r in requests]
+
+
+def _completions(led: Any, requests: list[ClaimRequest], tokens: list[int], results: list[dict[str, Any]]) -> None:
+    for r, token, result in zip(requests, tokens, results, strict=True):
+        led.complete(r.key, token, result)
+
+
+def run_once(url: str, admin: redis.Redis, pairs: int, rep: int) -> dict[str, float]:
+    led = from_url(url, prefix=f"bench.path.{uuid.uuid4().hex[:8]}")
+    try:
+        warm = _requests(f"warm{rep}", 200)
+        _pairs(led, warm, [{"message_id": str(uuid.uuid4())} for _ in warm])
+        requests = _requests(f"r{rep}.{uuid.uuid4().hex[:6]}", pairs)
+        results = [_result() for _ in requests]
+        before = _server_counters(admin)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        _pairs(led, requests, results)
+        cpu1, wall1 = time.process_time(), time.perf_counter()
+        after = _server_counters(admin)
+        calls = after[1] - before[1]
+        if calls != 2 * pairs:
+            print(f"  (EVALSHA calls {calls}, not {2 * pairs}: someone else uses this server)")
+        # The same again in two phases (every claim, then every completion): each script's share.
+        requests = _requests(f"s{rep}.{uuid.uuid4().hex[:6]}", pairs)
+        split = _server_counters(admin)
+        tokens = _claims(led, requests)
+        claimed = _server_counters(admin)
+        _completions(led, requests, tokens, results)
+        completed = _server_counters(admin)
+        return {
+            "client_cpu_us": (cpu1 - cpu0) * 1e6 / pairs,
+            "client_wall_us": (wall1 - wall0) * 1e6 / pairs,
+            "server_evalsha_us": (after[2] - before[2]) / pairs,
+            "server_cpu_us": (after[0] - before[0]) * 1e6 / pairs,
+            "claim_evalsha_us": (claimed[2] - split[2]) / pairs,
+            "complete_evalsha_us": (completed[2] - claimed[2]) / pairs,
+        }
+    finally:
+        led.close()
+
+
+def profile(url: str, pairs: int) -> None:
+    led = from_url(url, prefix=f"bench.path.{uuid.uuid4().hex[:8]}")
+    try:
+        _pairs(led, _requests("pwarm", 200), [{"message_id": "w"}] * 200)
+        requests = _requests(f"p.{uuid.uuid4().hex[:6]}", pairs)
+        results = [_result() for _ in requests]
+        prof = cProfile.Profile()
+        prof.enable()
+        _pairs(led, requests, results)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    finally:
+        led.close()
+
+
+def pipelined(url: str, admin: redis.Redis, pairs: int, runs: int) -> tuple[float, float]:
+    """The claim's and the completion's EVALSHA time per call (µs), their calls pipelined: best of ``runs``."""
+    led = RedisLedger(url, prefix=f"bench.path.{uuid.uuid4().hex[:8]}")
+    try:
+        led.prepare()
+        for script in (led._claim, led._finish_script):
+            admin.script_load(script.script)
+        conn: Any = admin.connection_pool.get_connection()
+
+        def timed(sha: str, calls: list[tuple[list[str], list[Any]]]) -> float:
+            before = _server_counters(admin)
+            for i in range(0, len(calls), 100):
+                batch = calls[i:i + 100]
+                conn.send_packed_command(conn.pack_commands([("EVALSHA", sha, len(k), *k, *a) for k, a in batch]))
+                for _ in batch:
+                    conn.read_response()
+            after = _server_counters(admin)
+            return (after[2] - before[2]) / (after[1] - before[1])
+
+        claim = complete = float("inf")
+        for rep in range(runs):
+            requests = _requests(f"pipe{rep}.{uuid.uuid4().hex[:6]}", pairs)
+            claim = min(claim, timed(led._claim.sha, [(led._claim_keys(r.key), [led._epoch, *led._claim_args(r)])
+                                                      for r in requests]))
+            complete = min(complete, timed(led._finish_script.sha, [
+                (led._keys(r.key), [led._epoch, *led._finish_args(r.key, 1, State.SENT, _result(), None)])
+                for r in requests]))
+        admin.connection_pool.release(conn)
+        return claim, complete
+    finally:
+        led.close()
+
+
+def _fmt(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=20_000)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--url", help="a Redis of your own (default: a private redis-server)")
+    parser.add_argument("--profile", action="store_true", help="one more pass under cProfile")
+    parser.add_argument("--pipelined", action="store_true", help="the two scripts alone, 100 calls at a time")
+    args = parser.parse_args()
+    # The private server keeps nothing on disk, as meant: the ledger's warning about it is noise here.
+    logging.getLogger("idemmail_celery.ledger.redis").setLevel(logging.ERROR)
+    private = None
+    if args.url:
+        url = args.url
+    else:
+        from bench.run import PrivateRedis  # the bench's own server, as the other parts use
+
+        private = PrivateRedis(Path(tempfile.mkdtemp(prefix="idemmail-path-")))
+        url = private.url
+    admin = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        print(f"load average at start: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        if args.pipelined:
+            claim, complete = pipelined(url, admin, args.pairs, args.runs)
+            print(f"EVALSHA µs per call, pipelined, best of {args.runs} x {args.pairs}: claim {claim:.1f}, "
+                  f"completion {complete:.1f}, pair {claim + complete:.1f}")
+            return
+        runs = []
+        for rep in range(args.runs):
+            runs.append(run_once(url, admin, args.pairs, rep))
+            print("  run", rep + 1, {k: round(v, 1) for k, v in runs[-1].items()})
+        print(f"{args.pairs} pairs x {args.runs} runs, median (min-max), µs per claim+complete pair:")
+        for name in ("server_evalsha_us", "claim_evalsha_us", "complete_evalsha_us", "server_cpu_us",
+                     "client_cpu_us", "client_wall_us"):
+            print(f"  {name:18} {_fmt([r[name] for r in runs])}")
+        if args.profile:
+            profile(url, args.pairs)
+    finally:
+        admin.close()
+        if private is not None:
+            private.stop()
+
+
+if __name__ == "__main__":
+    main()
