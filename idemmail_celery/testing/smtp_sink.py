@@ -33,6 +33,9 @@ the order they were queued:
                              without the final reply (the crash-after-DATA case)
 ``"stall_after_data"``       like ``drop_after_data``, but the connection stays open
                              with no reply until the client gives up (its timeout)
+``"slow_data"``              the next ``times`` messages are recorded as delivered, and
+                             the ``250`` comes ``slow_seconds`` (option, 1.0) later: a
+                             test can act while the client waits for the final reply
 ===========================  ==========================================================
 
 Options: ``credentials=("user", "password")`` offers AUTH (over plain text, tests
@@ -59,7 +62,7 @@ __all__ = ["FaultKind", "ReceivedMessage", "SMTPSink"]
 FaultKind = Literal[
     "tempfail_mail", "reject_mail", "tempfail_rcpt", "reject_rcpt", "stall_rcpt", "tempfail_data_command",
     "reject_data_command",
-    "tempfail_data", "reject_data", "drop_after_data", "stall_after_data",
+    "tempfail_data", "reject_data", "drop_after_data", "stall_after_data", "slow_data",
 ]
 _MAIL_FAULTS: dict[str, str] = {
     "tempfail_mail": "451 4.3.0 Sender temporarily refused (injected)",
@@ -79,6 +82,7 @@ _DATA_FAULTS: dict[str, str] = {
     "reject_data": "554 5.6.0 Message rejected (injected)",
     "drop_after_data": "",
     "stall_after_data": "",
+    "slow_data": "",
 }
 
 
@@ -110,10 +114,12 @@ class SMTPSink:
         credentials: tuple[str, str] | None = None,
         ssl_context: ssl.SSLContext | None = None,
         implicit_tls: bool = False,
+        slow_seconds: float = 1.0,
     ) -> None:
         if implicit_tls and ssl_context is None:
             raise ValueError("implicit_tls needs an ssl_context")
         self.host = host
+        self.slow_seconds = slow_seconds
         self.implicit_tls = implicit_tls
         self._credentials = credentials
         self._ssl_context = ssl_context
@@ -269,6 +275,10 @@ class _Handler:
                 server.transport.close()
             # Never answer: closing the connection (ours or the client's) cancels this coroutine.
             await asyncio.get_running_loop().create_future()
+        if fault == "slow_data":
+            n = self.sink._record(envelope, session, acknowledged=True)
+            await asyncio.sleep(self.sink.slow_seconds)
+            return f"250 2.0.0 OK: queued as SINK{n}"
         if fault is not None:
             return _DATA_FAULTS[fault]
         n = self.sink._record(envelope, session, acknowledged=True)

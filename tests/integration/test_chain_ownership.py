@@ -137,16 +137,20 @@ def test_a_campaign_whose_key_secret_is_rotated_between_passes_sends_each_recipi
     from idemmail_celery.bulk import CAMPAIGN_TASK
     from idemmail_celery.testing.smtp_sink import SMTPSink
 
-    with SMTPSink() as smtp:
-        worker_env.update(IDEMMAIL_TEST_PROVIDER=smtp.url, IDEMMAIL_TEST_PROVIDER_TIMEOUT="2",
+    with SMTPSink(slow_seconds=1.0) as smtp:
+        worker_env.update(IDEMMAIL_TEST_PROVIDER=smtp.url, IDEMMAIL_TEST_PROVIDER_TIMEOUT="5",
                           IDEMMAIL_TEST_LEDGER=ledger_redis.url)
         old = start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_KEY_SECRETS": "old"})
+        # The first send's final reply comes a second late: the ledger stops while it waits, after its
+        # write-ahead mark, so it is sent and cannot be recorded (the sends after it send nothing: their
+        # marks cannot be written while the ledger is down).
+        smtp.fail_next("slow_data")
         # One batch of 40: the ledger stops while most of them are still to be sent (no timing to win).
         people = [f"r{i}@example.com" for i in range(40)]
         ar = app_module.app.tasks[CAMPAIGN_TASK].delay(campaign_id="rotated", recipients=people, subject="Hi",
                                                          text="t", batch_size=40)
         wait_for(lambda: smtp.count() >= 1, timeout=60, interval=0.005)
-        ledger_redis.stop()  # the sends go on; their records cannot be written
+        ledger_redis.stop()  # while the first send waits for its final reply
         wait_for(lambda: old.log().count(b"was sent but could not be recorded yet") >= 1, timeout=60)
         wait_for(lambda: b"send_campaign[" in old.log() and b"retry:" in old.log(), timeout=60)
         # SIGTERM to the whole process group (as systemd's default KillMode does): the pool child dies at once,
