@@ -515,7 +515,9 @@ class Handler:
     def attempt(self, d: Delivery, claim: Claim, payload: Payload) -> Step:
         """Run the side effect once and record what came of it (see :meth:`run`)."""
         key = d.key
-        hook = self.ahead_hook(d, claim) if self.writes_ahead() else None
+        # Marked whenever the claim's owner promised it (decided when the owner was made), or the effect says so.
+        promised = owner_writes_ahead(claim.record.owner) or self.writes_ahead()
+        hook = self.ahead_hook(d, claim) if promised else None
         try:
             with writing_ahead(hook):
                 value = self.effect.perform(payload, key)
@@ -797,10 +799,12 @@ class Handler:
         elif not self.effect.carries_key():
             if mark is None and (
                     (claim.status is ClaimStatus.RECLAIMED and owner_writes_ahead(claim.previous_owner or ""))
-                    or (claim.status is ClaimStatus.RESUMED and self.ledger.marks_takeovers)):
+                    or (claim.status is ClaimStatus.RESUMED and self.ledger.marks_takeovers
+                        and owner_writes_ahead(claim.previous_owner or ""))):
                 # Its holder would have marked the ledger before sending, and did not: nothing left. A claim
                 # resumed after this chain's own reclaim: the holder it took over from left no mark, and the
-                # store marks a takeover from a holder that made no promise, so that one made it too.
+                # store marks a takeover from a holder that made no promise, so that one made it too (if this
+                # chain's reclaimer ran this release: an earlier one's owner has no ':ahead:' and wrote no mark).
                 log.warning("idemmail: %s reclaimed after an expired lease; its holder had not begun the "
                             "send (no write-ahead mark): sending it now", d.key)
                 return None

@@ -632,3 +632,8 @@ def test_only_a_held_claim_can_be_withdrawn(ledger: Ledger, state: State) -> Non
     assert ledger.withdraw("wd2", before.token) is False and ledger.withdraw("wd2", c.token) is False
     assert ledger.get("wd2") == before
     assert ledger.claim(req("wd2")).status is (ClaimStatus.REOPENED if state is State.RELEASED else ClaimStatus.DONE)
+
+
+def test_a_task_id_cannot_spell_the_write_ahead_promise() -> None:
+    assert not owner_writes_ahead(new_owner("x:ahead:y"))  # a caller's task id: no promise made
+    assert owner_writes_ahead(new_owner("x:ahead:y", ahead=True))

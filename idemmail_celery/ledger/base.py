@@ -190,7 +190,8 @@ def new_owner(detail: str = "", *, ahead: bool = False) -> str:
     happen, so a claim it left without one is known not to have run it
     (:func:`owner_writes_ahead`).
     """
-    parts = [default_owner(), detail, WRITES_AHEAD if ahead else "", secrets.token_hex(4)]
+    # A ':' in the detail (a task id is the caller's choice) could spell ':ahead:' without the promise.
+    parts = [default_owner(), detail.replace(":", "_"), WRITES_AHEAD if ahead else "", secrets.token_hex(4)]
     return ":".join(p for p in parts if p)
 
 

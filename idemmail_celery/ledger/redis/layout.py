@@ -303,14 +303,16 @@ class Names:
         The last keys' are kept (at most 256, then forgotten all at once): a completion, a renewal or a
         release follows its claim in the same process, and spelling the names again (a CRC32, two
         regex matches, base64) costs as much as the rest of building the call."""
-        keys = self._recent.get(key)
+        recent = self._recent  # replaced when the shelf count changes: names made before stay out of it
+        keys = recent.get(key)
         if keys is None:
             b = zlib.crc32(key.encode()) % self.buckets
             stem, packed = self.stems[b], _pack(key)
             keys = (f"{stem}r:{packed}", *self.tails[b], f"{stem}p:{packed}", f"{stem}d:{_shelf(key, self._shelves):x}")
-            if len(self._recent) >= 256:
-                self._recent = {}
-            self._recent[key] = keys
+            if len(recent) >= 256:
+                recent = self._recent = {}
+            if recent is self._recent:
+                recent[key] = keys
         return list(keys)
 
     def claim_keys(self, key: str) -> list[str]:
