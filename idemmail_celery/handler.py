@@ -515,9 +515,8 @@ class Handler:
     def attempt(self, d: Delivery, claim: Claim, payload: Payload) -> Step:
         """Run the side effect once and record what came of it (see :meth:`run`)."""
         key = d.key
-        # Marked whenever the claim's owner promised it (decided when the owner was made), or the effect says so.
-        promised = owner_writes_ahead(claim.record.owner) or self.writes_ahead()
-        hook = self.ahead_hook(d, claim) if promised else None
+        # Marked whenever the claim's owner promised it: decided once, when the owner was made (claimant()).
+        hook = self.ahead_hook(d, claim) if owner_writes_ahead(claim.record.owner) else None
         try:
             with writing_ahead(hook):
                 value = self.effect.perform(payload, key)
@@ -797,10 +796,8 @@ class Handler:
         if record.reclaims > self.policy.max_reclaims:
             reason = "reclaim_limit"  # a poison message that kills its worker every time
         elif not self.effect.carries_key():
-            if mark is None and (
-                    (claim.status is ClaimStatus.RECLAIMED and owner_writes_ahead(claim.previous_owner or ""))
-                    or (claim.status is ClaimStatus.RESUMED and self.ledger.marks_takeovers
-                        and owner_writes_ahead(claim.previous_owner or ""))):
+            if mark is None and owner_writes_ahead(claim.previous_owner or "") and (
+                    claim.status is ClaimStatus.RECLAIMED or self.ledger.marks_takeovers):
                 # Its holder would have marked the ledger before sending, and did not: nothing left. A claim
                 # resumed after this chain's own reclaim: the holder it took over from left no mark, and the
                 # store marks a takeover from a holder that made no promise, so that one made it too (if this

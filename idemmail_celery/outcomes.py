@@ -55,8 +55,8 @@ _ERROR = {Outcome.LEDGER_GAVE_UP}
 #: task that succeeds carries its outcome as its result (``task-succeeded``).
 _EVENTFUL = {Outcome.REVIEW, Outcome.FAILED, Outcome.RETRY, Outcome.IN_FLIGHT, Outcome.IN_FLIGHT_GAVE_UP,
              Outcome.LEDGER_UNAVAILABLE, Outcome.LEDGER_GAVE_UP, Outcome.KEY_REUSE, Outcome.SETUP_ERROR}
-#: Outcomes whose task ends in SUCCESS.
-_SUCCESS = {Outcome.SENT, Outcome.DUPLICATE, Outcome.FAIL_OPEN}
+#: Outcomes whose task ends in SUCCESS (a fail_open run is never recorded: it has its event already).
+_SUCCESS = {Outcome.SENT, Outcome.DUPLICATE}
 _REASON = re.compile(r"[a-z0-9_]{1,40}(,[a-z0-9_]{1,40})*")
 
 

@@ -662,18 +662,22 @@ def test_a_delivery_of_the_chain_that_marked_and_died_is_not_sent_again_by_its_r
     assert parked is not None and parked.error is not None and parked.error.get("stage") == "message"
 
 
-class MarkReplyLost(Refusing):
-    """The write-ahead mark lands, its reply does not; the release that follows meets the store down."""
+class MarkFails(Refusing):
+    """The first write-ahead mark fails, and so does the release that follows; ``lands``: the mark is
+    written all the same, only its reply is lost."""
 
-    lost = False
+    def __init__(self, inner: Ledger, *, lands: bool) -> None:
+        super().__init__(inner)
+        self.lands, self.failed = lands, False
 
     def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
-        held = self.inner.write_ahead(key, token, lease_seconds, stage)
-        if self.lost:
-            return held
-        self.lost = True
+        if self.failed:
+            return self.inner.write_ahead(key, token, lease_seconds, stage)
+        self.failed = True
+        if self.lands:
+            self.inner.write_ahead(key, token, lease_seconds, stage)
         self.down.add("released")
-        raise LedgerUnavailableError("reply lost (write_ahead)")
+        raise LedgerUnavailableError("store went away (write_ahead)")
 
 
 @pytest.mark.parametrize("how", ["transient-after-mark", "mark-reply-lost"])
@@ -681,7 +685,7 @@ def test_a_chains_own_mark_from_an_attempt_that_sent_nothing_does_not_park_it(le
     # The attempt marked the ledger, then knew it sent nothing (a 4xx to the message, a mark whose reply
     # was lost), and its release met the store down: the next delivery resumes a claim carrying that mark.
     # Before: parked lease_expired, never sent (13 of 1,666 in one chaos run).
-    store: Refusing = MarkReplyLost(ledger) if how == "mark-reply-lost" else Refusing(ledger)
+    store: Refusing = MarkFails(ledger, lands=True) if how == "mark-reply-lost" else Refusing(ledger)
     handler, box = build(store, Mailbox(ahead=True))
     if how == "transient-after-mark":
         store.down.add("released")
@@ -858,24 +862,11 @@ def test_a_rotation_race_with_a_failed_reread_is_checked_again_and_sends_once(le
     assert again.key == later.key == winner and ledger.get("rr4-old" if not down else "rr4-new") is None
 
 
-class MarkRefused(Refusing):
-    """The write-ahead mark fails (nothing written), and so does the release that follows."""
-
-    refused = False
-
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
-        if self.refused:
-            return self.inner.write_ahead(key, token, lease_seconds, stage)
-        self.refused = True
-        self.down.add("released")
-        raise LedgerUnavailableError("store went away (write_ahead)")
-
-
 def test_a_claim_taken_over_by_the_chain_and_resumed_without_a_mark_is_sent(ledger: Ledger) -> None:
     # The chain took the claim over from a dead holder that had not begun (no mark), then could not
     # mark (the store blinked) nor release: its next delivery resumes a claim with one reclaim and no
     # mark. Before: parked lease_expired, never sent (the chaos run's case).
-    store = MarkRefused(ledger)
+    store = MarkFails(ledger, lands=False)
     handler, box = build(store, Mailbox(ahead=True))
     dead_holder(ledger, "wa-h7", ahead=True, marked=False)
     d = delivery("wa-h7")

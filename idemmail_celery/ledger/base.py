@@ -216,7 +216,7 @@ def _check_unique(requests: Sequence[ClaimRequest]) -> None:
 
 #: How a stored write-ahead mark's JSON begins (canonical JSON: sorted keys, no spaces). A transition
 #: out of ``claimed`` drops a mark it does not replace: it is not an error, and it is no longer true.
-AHEAD_JSON_PREFIX = '{"ahead":'
+AHEAD_JSON_PREFIX = f'{{"{AHEAD_FIELD}":'
 
 
 def ahead_error(stage: str, at: float, token: int) -> dict[str, Any]:
