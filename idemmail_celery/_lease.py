@@ -40,14 +40,17 @@ class LeaseKeeper:
     def _reset(self) -> None:
         # In a forked child: the parent's thread does not exist here and its lock may be held.
         self._held: dict[tuple[int, str, int], _Held] = {}
-        self._cond = threading.Condition()
+        # hold() and drop() run on every send: they take the plain lock (a C call) rather than go
+        # through the Condition's Python methods; the Condition shares it for the thread's waits.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._running = False
         self._wake_at = 0.0  # when the renewal thread next wakes up by itself
 
     def hold(self, ledger: Ledger, key: str, token: int, lease_seconds: float) -> None:
         """Renew this claim every third of ``lease_seconds`` until :meth:`drop`."""
         entry = _Held(ledger, key, token, lease_seconds, time.monotonic() + lease_seconds / 3)
-        with self._cond:
+        with self._lock:
             self._held[(id(ledger), key, token)] = entry
             if not self._running:
                 self._running = True
@@ -58,7 +61,7 @@ class LeaseKeeper:
 
     def drop(self, ledger: Ledger, key: str, token: int) -> None:
         """Stop renewing this claim (its side effect ended)."""
-        with self._cond:
+        with self._lock:
             self._held.pop((id(ledger), key, token), None)
 
     def holding(self) -> int:

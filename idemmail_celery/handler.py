@@ -41,6 +41,7 @@ a redundant copy. Read top to bottom, :meth:`Handler.handle` is the guarantee:
 
 from __future__ import annotations
 
+import datetime as _dt
 import enum
 import json
 import logging
@@ -977,9 +978,7 @@ def sent_outcome(status: str, key: str, stored: dict[str, Any], at: float) -> di
 
 
 def _iso(ts: float | None) -> str | None:
-    import datetime as dt
-
-    return None if not ts else dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat()
+    return None if not ts else _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).isoformat()
 
 
 #: How many of a chain's owners travel (one more each time a claim's reply is lost in a row).

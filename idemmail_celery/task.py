@@ -23,7 +23,6 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any, NoReturn
 
 from celery import Task
@@ -433,12 +432,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _deliver(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         received = dict(request.headers or {})
         payload = Payload(list(args), dict(kwargs))
-        headers = untrusted_removed(received)  # until the seal is checked: nothing it vouches for is acted on
+        headers: dict[str, Any] | None = None  # until the seal is checked: nothing it vouches for is acted on
         try:
             headers = request.idemmail_trusted = self._trusted(received, payload)
-            chain = _chain_state(self.name, request, headers, payload)
+            chain = _chain_fields(headers)
             # A delivery after a retry or a reschedule: its success clears the retry's exception in Flower.
-            request.idemmail_rescheduled = bool(chain.inflight or chain.outage or request.retries)
+            request.idemmail_rescheduled = bool(chain["inflight"] or chain["outage"] or request.retries)
             key, older = self._claim_key(payload, headers)
             # Whatever this delivery publishes next (a retry, a reschedule, the next hop of a wait)
             # carries the key it claims under. Not sealed here: every publish point seals last, after
@@ -453,12 +452,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except Exception as exc:
             # Nothing claimed, nothing sent: a missing driver, a broken install or a defect must not end the
             # message FAILURE (acknowledged, gone). It waits on the outage budget, its chain state kept.
+            if headers is None:
+                headers = untrusted_removed(received)
             step = wait_out(self._policy_or_default(), self, _chain_state(self.name, request, headers, payload), exc)
             return self._carry_out(step, headers)
         request.idempotency_key = key
         request.idemmail_owner = owner = new_owner(request.id or "", ahead=handler.writes_ahead())
-        step = handler.handle(replace(
-            chain, key=key, older_keys=older, retries=request.retries or 0, max_retries=self.max_retries,
+        step = handler.handle(Delivery(
+            key=key, task_name=self.name, payload=payload, attempt_id=request.id or "", **chain, older_keys=older,
+            retries=request.retries or 0, max_retries=self.max_retries,
             enqueued_at=_number(headers.get(ENQUEUED_HEADER)), hop=str(headers.get(HOP_HEADER) or request.id or ""),
             owner=owner,
         ))
@@ -732,13 +734,17 @@ def _chain(headers: dict[str, Any], carry: dict[str, Any], *, keep: bool) -> dic
     return chain_headers(headers, carry, drop=drop)
 
 
-def _chain_state(task_name: str, request: Any, headers: dict[str, Any], payload: Payload) -> Delivery:
+def _chain_fields(headers: dict[str, Any]) -> dict[str, Any]:
     """This chain's state as ``headers`` bring it (the budgets spent, the owners that may hold its claim, a
-    verdict to record): kept whatever the delivery comes to."""
+    verdict to record), as :class:`Delivery` fields: kept whatever the delivery comes to."""
+    return {"inflight": _count(headers.get(INFLIGHT_HEADER)), "outage": _count(headers.get(OUTAGE_HEADER)),
+            "resume_owners": owners_of(headers.get(OWNER_HEADER)), "verdict": verdict_of(headers.get(VERDICT_HEADER))}
+
+
+def _chain_state(task_name: str, request: Any, headers: dict[str, Any], payload: Payload) -> Delivery:
+    """A delivery that claims nothing (it waits on an outage): its chain state (:func:`_chain_fields`) alone."""
     return Delivery(key=str(headers.get(KEY_HEADER) or ""), task_name=task_name, payload=payload,
-                    attempt_id=request.id or "", inflight=_count(headers.get(INFLIGHT_HEADER)),
-                    outage=_count(headers.get(OUTAGE_HEADER)), resume_owners=owners_of(headers.get(OWNER_HEADER)),
-                    verdict=verdict_of(headers.get(VERDICT_HEADER)))
+                    attempt_id=request.id or "", **_chain_fields(headers))
 
 
 def _count(value: Any) -> int:
