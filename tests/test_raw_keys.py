@@ -16,10 +16,11 @@ import redis
 from celery import Celery
 
 from idemmail_celery import IdempotentTask
-from idemmail_celery._common import ENQUEUED_HEADER, KEY_HEADER, KEY_MARK_HEADER
+from idemmail_celery._common import ENQUEUED_HEADER, KEY_HEADER, KEY_MARK_HEADER, MAX_OLDER_KEYS
 from idemmail_celery.errors import IdempotencyKeyError, InvalidEmail, PermanentSendError
 from idemmail_celery.keys import Seal, is_derived_key
 from idemmail_celery.ledger import ClaimRequest
+from idemmail_celery.ledger.wrapper import LedgerWrapper
 from idemmail_celery.mail import register
 
 from .conftest import REDIS_URL, unique
@@ -168,3 +169,23 @@ def test_an_exception_text_reaches_the_ledger_without_addresses(app: Celery) -> 
     assert record is not None and record.error is not None
     assert "ann.private@example.com" not in json.dumps(record.error) and "<address>" in record.error["message"]
     assert isinstance(outcome.result, (PermanentSendError, Exception))
+
+
+def test_a_sealed_list_of_older_keys_is_cut_to_max_older_keys(app: Celery) -> None:
+    """A rotation has at most a few older secrets; a sealed list longer than MAX_OLDER_KEYS (a defect, or
+    a publisher that holds the secret) costs at most that many ledger reads, the first ones listed."""
+    charge = charge_task(app)
+    key = charge.intent_key(1)
+    older = [hashlib.sha256(f"older-{i}".encode()).hexdigest() for i in range(20)]
+    headers = charge.key_headers(key, charge.key_builder.payload((1,), {}), older)
+    reads: list[str] = []
+
+    class CountingReads(LedgerWrapper):
+        def get(self, k: str) -> Any:
+            reads.append(k)
+            return self.inner.get(k)
+
+    charge._idem_ledger = CountingReads(charge.ledger)  # before the handler is made: it keeps this ledger
+    out = charge.apply((1,), headers=headers).get()
+    assert out["status"] == "sent" and out["key"] == key
+    assert set(reads) == set(older[:MAX_OLDER_KEYS]) and len(reads) <= 2 * MAX_OLDER_KEYS, reads
