@@ -32,7 +32,7 @@ from idemmail_celery.ledger import ClaimRequest, Ledger, State, from_url
 from idemmail_celery.outbox import relay, run_relay
 from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 
-from ..conftest import MARIADB_URL, REDIS_URL, require_module, service_missing, unique, wait_for
+from ..conftest import MARIADB_URL, POSTGRES_URL, REDIS_URL, require_module, service_missing, unique, wait_for
 from .conftest import ddl, drop_schema, results, web_services
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -348,15 +348,17 @@ def test_the_checks_name_each_wrong_setting(shop: Shop) -> None:
 # -- the review queue in the admin --
 
 
-def park(shop: Shop, to: str) -> str:
-    """A send_email intent parked for review (a holder died mid-send), with its first payload stored."""
+def park(shop: Shop, to: str, ledger: Ledger | None = None) -> str:
+    """A send_email intent parked for review (a holder died mid-send), with its first payload stored
+    (in the project's ledger unless ``ledger`` is given)."""
+    led = ledger or shop.ledger
     send = shop.app.tasks["idemmail_celery.send_email"]
     kwargs = {"to": to, "subject": "Your receipt", "text": "Thanks.", "event_id": f"receipt-{uuid.uuid4().hex[:6]}",
               "template": "receipt"}
     key: str = send.intent_key(**kwargs)
-    c = shop.ledger.claim(ClaimRequest(key=key, task_name=send.name, fingerprint="f",
-                                       payload=send.key_builder.payload((), kwargs).to_json()))
-    shop.ledger.park(key, c.token, {"type": "SendNeedsReview", "reason": "lease_expired"})
+    c = led.claim(ClaimRequest(key=key, task_name=send.name, fingerprint="f",
+                               payload=send.key_builder.payload((), kwargs).to_json()))
+    led.park(key, c.token, {"type": "SendNeedsReview", "reason": "lease_expired"})
     return key
 
 
@@ -434,6 +436,57 @@ def test_the_admins_other_actions_follow_the_clis_rules(shop: Shop) -> None:
     assert "it cannot be resolved" in again  # the ledger's rule, as the CLI shows it
     unnoted = clerk.post(record_url + "sent/", {"key": park(shop, "n@example.com")}, follow=True).content.decode()
     assert "Say why in the note" in unnoted
+    assert shop.fake.delivery_count(key) == 0
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def sql_ledger(shop: Shop, request: pytest.FixtureRequest, tmp_path: Path,
+               monkeypatch: pytest.MonkeyPatch) -> Iterator[Ledger]:
+    """The project's ledger setting pointed at a SQL ledger, for the admin in this process (the worker keeps
+    the Redis one: nothing here goes through it)."""
+    from idemmail_celery.contrib.django import admin as review_admin
+
+    table = unique("adm")
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}" if request.param == "sqlite" else POSTGRES_URL
+    ledger = from_url(url, table=table)
+    try:
+        ledger.ping()
+    except Exception as exc:
+        service_missing(request.param, exc)
+    monkeypatch.setitem(shop.app.conf, "idemmail_ledger_url", url)
+    monkeypatch.setitem(shop.app.conf, "idemmail_ledger_options", {"table": table})
+    monkeypatch.setattr(review_admin, "_operators", {})  # the admin opens the ledger the setting names
+    try:
+        yield ledger
+    finally:
+        ledger.drop_table()  # type: ignore[attr-defined]
+        ledger.close()
+
+
+def test_the_admin_lists_and_resolves_a_parked_intent_on_a_sql_ledger(
+    shop: Shop, sql_ledger: Ledger, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The review queue reads whatever ledger the project names (it lists through the Ledger API): here
+    SQLite and PostgreSQL, with the same redaction, permission and audit line as on Redis."""
+    from django.test import Client
+
+    key = park(shop, "sql.parked@example.com", sql_ledger)
+    assert shop.ledger.get(key) is None  # not in the Redis ledger: what the admin shows below is the SQL one's
+    name = f"sqlclerk{request.node.callspec.params['sql_ledger']}"
+    clerk = Client()
+    clerk.force_login(staff(name, "view_reviewrecord", "mark_failed"))
+    listing = clerk.get("/admin/idemmail/reviewrecord/", {"state": "review"}).content.decode()
+    assert key in listing
+    page = clerk.get("/admin/idemmail/reviewrecord/record/", {"key": key}).content.decode()
+    assert "sql.parked@example.com" not in page and "(redacted: personal data)" in page
+    with caplog.at_level(logging.INFO, logger="idemmail_celery.audit"):
+        done = clerk.post("/admin/idemmail/reviewrecord/record/failed/", {"key": key, "note": "customer cancelled"},
+                          follow=True)
+    assert done.status_code == 200 and f"{key[1:]}: failed" in done.content.decode()
+    record = sql_ledger.get(key)
+    assert record is not None and record.state is State.FAILED
+    assert [r.getMessage() for r in caplog.records if r.name == "idemmail_celery.audit"] == [
+        f"idemmail admin: failed on {key} by {name} (django admin): failed"]
     assert shop.fake.delivery_count(key) == 0
 
 
