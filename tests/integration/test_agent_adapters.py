@@ -144,15 +144,26 @@ def test_mcp_over_stdio_lists_each_spec_sends_a_repeated_call_once_and_refuses_a
     assert not any(d.subject == subject + " again" for d in stack.provider.deliveries())
 
 
-def test_mcp_over_http_a_call_outliving_its_wait_is_pending_and_asking_again_later_gives_the_result(
-        stack: Stack) -> None:
+def quick_client(stack: Stack, transport: str) -> Any:
+    """An MCP client of the tools that wait 1 s (``agentapp.quick``): the module's HTTP server, or a stdio
+    server of its own started from the CLI."""
+    if transport == "http":
+        return mcp.Client(stack.http_url, read_timeout_seconds=60)
+    params = mcp.StdioServerParameters(command=sys.executable, env=stack.env, cwd=str(ROOT),
+                                       args=serve_command("--tools", "tests.integration.agentapp:quick")[1:])
+    return mcp.Client(params, read_timeout_seconds=60)
+
+
+@pytest.mark.parametrize("transport", ["http", "stdio"])
+def test_mcp_a_call_outliving_its_wait_is_pending_and_asking_again_later_gives_the_result(
+        stack: Stack, transport: str) -> None:
     subject = f"Slow {uuid.uuid4().hex[:8]}"
     call_id = f"toolu_{uuid.uuid4().hex[:8]}"
     stack.provider.fail_next("slow")  # held 3 s; the served tools wait 1 s
 
     async def main() -> list[dict[str, Any]]:
         outcomes = []
-        async with mcp.Client(stack.http_url, read_timeout_seconds=60) as client:
+        async with quick_client(stack, transport) as client:
             meta = {contrib_mcp.CALL_ID_META: call_id}
             outcomes.append((await client.call_tool("send_email", email(subject), meta=meta)).structured_content)
             for _ in range(60):  # the agent asks again (a bounded loop; each try waits 1 s)
@@ -162,7 +173,7 @@ def test_mcp_over_http_a_call_outliving_its_wait_is_pending_and_asking_again_lat
                     break
             state = await client.call_tool("intent_state", {"key": outcomes[0]["key"]})
             outcomes.append(state.structured_content)
-            note = {"deal_id": "D-8", "text": "call me"}
+            note = {"deal_id": "D-8", "text": f"call me ({transport})"}
             outcomes += [(await client.call_tool("add_note", note, meta=meta)).structured_content for _ in range(2)]
         return outcomes
 
@@ -173,7 +184,27 @@ def test_mcp_over_http_a_call_outliving_its_wait_is_pending_and_asking_again_lat
     assert state == {**state, "key": first["key"], "state": "sent", "message_id": again[-1]["message_id"]}
     assert [d.subject for d in stack.provider.deliveries()].count(subject) == 1
     assert (note["status"], note_again["status"]) == ("sent", "duplicate")
-    assert stack.notes().count("D-8: call me") == 1
+    assert stack.notes().count(f"D-8: call me ({transport})") == 1
+
+
+def test_mcp_over_http_refuses_an_unoffered_argument_and_enqueues_nothing(stack: Stack) -> None:
+    subject = f"Bcc {uuid.uuid4().hex[:8]}"
+    received_before = stack.received()
+
+    async def main() -> list[Any]:
+        async with quick_client(stack, "http") as client:
+            refused = await client.call_tool("send_email", {**email(subject), "bcc": "attacker@evil.example"})
+            note = await client.call_tool("add_note", {"deal_id": "D-9", "text": "after"},
+                                          meta={contrib_mcp.CALL_ID_META: f"toolu_{uuid.uuid4().hex[:8]}"})
+            return [refused, note]
+
+    refused, note = anyio.run(main)
+    assert refused.is_error and refused.structured_content["status"] == "invalid"
+    assert refused.structured_content["error"]["field"] == "bcc" and note.structured_content["status"] == "sent"
+    # The worker received the note only: the refused call was never enqueued, and the provider never saw it.
+    wait_for(lambda: stack.received() >= received_before + 1)
+    assert stack.received() == received_before + 1
+    assert not any(d.subject == subject for d in stack.provider.deliveries())
 
 
 def test_langgraph_toolnode_runs_a_repeated_tool_call_once_and_refuses_an_unoffered_argument(stack: Stack) -> None:
