@@ -701,7 +701,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def writes_ahead(self) -> bool:
         """Does the body call :func:`~idemmail_celery.providers.base.about_to_send` before its side
         effect? A plain task's body does not (a crashed holder's claim is parked, or resent with the
-        key); ``send_email`` asks its provider."""
+        key); ``send_email`` asks its provider. Return True from a subclass whose bodies call it: a
+        holder that died before its mark is then run again by the next claimer (the guarantee page)."""
         return False
 
     def reconcile(self, key: str, payload: Payload) -> Any | None:

@@ -209,3 +209,57 @@ def test_a_reschedule_says_its_reason_once_and_shows_as_it_in_a_monitor(redis_br
     assert repr(retry) == repr(retry.exc) == f"IdempotencyInFlightError('{key} held by another worker, reschedule 1')"
     wrapped = pickle.loads(pickle.dumps(ExceptionWithTraceback(retry, "tb")))  # as a prefork child hands it back
     assert repr(wrapped.exc) == repr(retry.exc)
+
+
+# -- a plain task's own point of no return (the write-ahead mark, as send_email's providers make it) --
+
+def test_a_plain_task_that_names_its_point_of_no_return_is_marked_resent_or_parked_by_it(tmp_path: Path) -> None:
+    """A task whose body calls ``about_to_send`` and says so (``writes_ahead``) gets what the keyless providers
+    get: each run is marked before its side effect; a holder that died before its mark is run again by the
+    next claimer; one that died after it is parked with the stage it reached. Without a key downstream
+    (``carries_key`` False, the default), a plain task's dead holder would otherwise always be parked."""
+    from idemmail_celery.ledger import ClaimRequest, State
+    from idemmail_celery.ledger.base import ahead_mark, new_owner, owner_writes_ahead
+    from idemmail_celery.providers.base import about_to_send
+
+    app = Celery("adapter", broker="memory://", set_as_current=False)
+    app.conf.update(idemmail_ledger_url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}", idemmail_key_secret="s")
+    ran: list[tuple[int, Any, bool]] = []
+
+    class MarksItsCharge(IdempotentTask):  # type: ignore[misc]
+        def writes_ahead(self) -> bool:
+            return True
+
+    @app.task(base=MarksItsCharge, name="adapter.charge", shared=False, bind=True)
+    def charge(self: Any, order_id: int) -> dict[str, str]:
+        key = self.request.idempotency_key
+        about_to_send("charge")  # the point after which the card may have been charged
+        record = self.ledger.get(key)
+        ran.append((order_id, ahead_mark(record), owner_writes_ahead(record.owner)))
+        return {"id": f"ch-{order_id}"}
+
+    def dead_holder(order_id: int, *, marked: bool) -> str:
+        key: str = charge.intent_key(order_id)
+        c = charge.ledger.claim(ClaimRequest(key=key, task_name=charge.name, fingerprint="", lease_seconds=0.2,
+                                             payload=charge.key_builder.payload((order_id,), {}).to_json(),
+                                             owner=new_owner("dead", ahead=True)))
+        if marked:
+            assert charge.ledger.write_ahead(key, c.token, 0.2, "charge") is True
+        time.sleep(0.35)
+        return key
+
+    assert charge.apply((1,)).get()["status"] == "sent"
+    [(_, mark, promised)] = ran
+    assert mark is not None and mark["ahead"] == "charge" and promised  # marked before the side effect
+
+    unmarked = dead_holder(2, marked=False)
+    assert charge.apply((2,)).get()["status"] == "sent" and [r[0] for r in ran] == [1, 2]
+    record = charge.ledger.get(unmarked)
+    assert record is not None and record.state is State.SENT and record.reclaims == 1
+
+    marked = dead_holder(3, marked=True)
+    parked = charge.apply((3,)).get(propagate=False)
+    record = charge.ledger.get(marked)
+    assert type(parked).__name__ == "SendNeedsReview" and [r[0] for r in ran] == [1, 2]  # never run again
+    assert record is not None and record.state is State.REVIEW and record.error is not None
+    assert record.error["reason"] == "lease_expired" and record.error.get("stage") == "charge"
