@@ -40,6 +40,10 @@ app.conf.update(
         "visibility_timeout": float(os.environ.get("IDEMMAIL_TEST_VT", "3600")),
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        # The restore's lock is one key on the whole broker (every test's workers share it). A worker SIGKILLed
+        # while it holds the lock leaves it held for unacked_mutex_expire (kombu: 300 s), and no worker of
+        # any test restores anything meanwhile; a restore here takes milliseconds.
+        "unacked_mutex_expire": 5,
         # Threads and gevent pools ack from every thread or greenlet: the pool must hold that many (kombu: 10).
         "max_connections": int(os.environ.get("IDEMMAIL_TEST_MAX_CONNECTIONS", "10")),
     },
