@@ -254,6 +254,12 @@ def live_mark(claim: Claim) -> dict[str, Any] | None:
     return mark
 
 
+def owned_by(holder: str, owners: tuple[str, ...]) -> bool:
+    """Is ``holder`` (a record's owner) one of ``owners``? A store may keep an owner with a suffix of its
+    own (the SQL ledgers add a nonce to a new claim's)."""
+    return any(holder.startswith(o) for o in owners)
+
+
 def writes_ahead(effect: SideEffect) -> bool:
     """Does ``effect`` mark the ledger before it can happen? Only a side effect without a key does (one
     that carries it is sent again with it anyway); False when it cannot say (a provider not built yet)."""
@@ -325,8 +331,7 @@ class Handler:
         Raises :class:`LedgerUnavailableError` like :meth:`Ledger.claim`.
         """
         holder = claim.record.owner
-        # A store may keep an owner with a suffix of its own (the SQL ledgers add a nonce to a new claim's).
-        if claim.status is not ClaimStatus.BUSY or not any(holder.startswith(o) for o in d.resume_owners[1:]):
+        if claim.status is not ClaimStatus.BUSY or not owned_by(holder, d.resume_owners[1:]):
             return claim
         request = self.request(d, holder if d.verdict is not None else owner)
         return self.ledger.claim(replace(request, resume_owner=holder))
@@ -387,7 +392,7 @@ class Handler:
         try:
             record = self.ledger.get(d.key)
             if (record is not None and record.state is State.CLAIMED and record.reclaims == 0
-                    and ahead_mark(record) is None and any(record.owner.startswith(o) for o in d.resume_owners)):
+                    and ahead_mark(record) is None and owned_by(record.owner, d.resume_owners)):
                 self.ledger.withdraw(d.key, record.token)
         except PayloadKeyError:  # sealed with a key this process lacks: not this chain's claim to judge
             return

@@ -251,10 +251,8 @@ class SendEmailTask(IdempotentTask):
         return self.provider.accepts_idempotency_key
 
     def writes_ahead(self) -> bool:
-        try:
-            return bool(self.provider.writes_ahead)
-        except Exception:  # no provider yet (the worker's check says why): no promise made
-            return False
+        # No provider yet raises here; the handler's writes_ahead() takes that as no promise made.
+        return bool(self.provider.writes_ahead)
 
     def reconcile(self, key: str, payload: _Payload) -> Any | None:
         found = self.provider.find_sent(key)

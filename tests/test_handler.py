@@ -91,6 +91,11 @@ class Refusing(LedgerWrapper):
             raise LedgerUnavailableError(f"store went away ({state.value})")
         self.inner._finish(key, token, state, **kw)
 
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+        if "write_ahead" in self.down:
+            raise LedgerUnavailableError("store went away (write_ahead)")
+        return self.inner.write_ahead(key, token, lease_seconds, stage)
+
 
 def build(ledger: Ledger, mailbox: Mailbox | None = None, **policy: Any) -> tuple[Handler, Mailbox]:
     builder = IntentKeyBuilder(task_name="tests.mail", signature=inspect.signature(lambda to, body="": None))
@@ -613,15 +618,10 @@ def test_each_send_is_marked_in_the_ledger_before_it_happens(ledger: Ledger) -> 
     assert record is not None and record.state is State.SENT and record.error is None  # sent replaces nothing
 
 
-class NoMarks(LedgerWrapper):
-    """A real ledger whose write-ahead marks fail (the store went away at that moment)."""
-
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
-        raise LedgerUnavailableError("store went away (write_ahead)")
-
-
 def test_a_send_whose_write_ahead_mark_fails_sends_nothing_and_retries(ledger: Ledger) -> None:
-    handler, box = build(NoMarks(ledger), Mailbox(ahead=True))
+    refusing = Refusing(ledger)
+    refusing.down.add("write_ahead")  # the store went away at that moment
+    handler, box = build(refusing, Mailbox(ahead=True))
     d = delivery("wa-h4")
     step = handler.handle(d)
     assert step.action is Action.RETRY and box.sent == []

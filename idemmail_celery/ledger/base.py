@@ -208,7 +208,6 @@ def ahead_mark(record: Record) -> dict[str, Any] | None:
     return None
 
 
-
 def _check_unique(requests: Sequence[ClaimRequest]) -> None:
     if len({r.key for r in requests}) != len(requests):
         raise ValueError("claim_many needs distinct keys")

@@ -659,31 +659,28 @@ class SQLLedger(Ledger):
         written: float | None = self._run(do)
         return written
 
-    def renew(self, key: str, token: int, lease_seconds: float) -> bool:
+    def _held(self, key: str, token: int) -> sa.ColumnElement[bool]:
+        """The row of a claim still held with ``token``: the fence of every move a holder makes."""
         t = self.table
-        stmt = (
-            sa.update(t)
-            .where(t.c.intent_key == key, t.c.state == State.CLAIMED.value, t.c.token == token)
-            .values(lease_expires_at=time.time() + lease_seconds)
-        )
+        return sa.and_(t.c.intent_key == key, t.c.state == State.CLAIMED.value, t.c.token == token)
+
+    def _one_row(self, stmt: Any) -> bool:
+        """Run a fenced single-row statement: did it match its row?"""
         return bool(self._run(lambda conn: conn.execute(stmt).rowcount == 1))
+
+    def renew(self, key: str, token: int, lease_seconds: float) -> bool:
+        return self._one_row(sa.update(self.table).where(self._held(key, token))
+                             .values(lease_expires_at=time.time() + lease_seconds))
 
     def withdraw(self, key: str, token: int) -> bool:
         """One ``DELETE`` fenced by state and token (see :meth:`Ledger.withdraw`)."""
-        t = self.table
-        stmt = sa.delete(t).where(t.c.intent_key == key, t.c.state == State.CLAIMED.value, t.c.token == token)
-        return bool(self._run(lambda conn: conn.execute(stmt).rowcount == 1))
+        return self._one_row(sa.delete(self.table).where(self._held(key, token)))
 
     def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
         """One ``UPDATE`` fenced by state and token (see :meth:`Ledger.write_ahead`)."""
-        t = self.table
         now = time.time()
-        stmt = (
-            sa.update(t)
-            .where(t.c.intent_key == key, t.c.state == State.CLAIMED.value, t.c.token == token)
-            .values(error=dumps_json(ahead_error(stage, now, token)), lease_expires_at=now + lease_seconds)
-        )
-        return bool(self._run(lambda conn: conn.execute(stmt).rowcount == 1))
+        return self._one_row(sa.update(self.table).where(self._held(key, token)).values(
+            error=dumps_json(ahead_error(stage, now, token)), lease_expires_at=now + lease_seconds))
 
     def get(self, key: str) -> Record | None:
         record: Record | None = self._run(lambda conn: self._select(conn, key))
@@ -724,8 +721,7 @@ class SQLLedger(Ledger):
         }
         if new.state is State.SENT and not self.keep_payload:
             values["payload"] = None
-        stmt = sa.update(t).where(t.c.intent_key == key, t.c.token == expected_token).values(values)
-        return bool(self._run(lambda conn: conn.execute(stmt).rowcount == 1))
+        return self._one_row(sa.update(t).where(t.c.intent_key == key, t.c.token == expected_token).values(values))
 
     def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
@@ -733,7 +729,7 @@ class SQLLedger(Ledger):
         stmt = (sa.update(t).where(t.c.intent_key == key, t.c.token == expected_token)
                 .values(payload=None, result=dumps_json(result), error=dumps_json(error)))
         # Rows matched, not changed (MariaDB gets CLIENT_FOUND_ROWS): erasing twice is still True.
-        return bool(self._run(lambda conn: conn.execute(stmt).rowcount == 1))
+        return self._one_row(stmt)
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
         """One upsert: a new mark, or an expired one replaced, is True; a live one is False.

@@ -214,6 +214,53 @@ def app_module(ns: str, worker_env: dict[str, str], monkeypatch: pytest.MonkeyPa
     sys.modules.pop("tests.integration.workerapp", None)
 
 
+class EventTap:
+    """Every event on the app's broker, received in a thread of the test process; :meth:`of_type` keeps
+    this test's workers' (named after its namespace ``ns``): events are fanned out to every listener,
+    and other tests' workers send theirs on the same broker meanwhile."""
+
+    def __init__(self, app: Any, ns: str) -> None:
+        self.app, self.ns = app, ns
+        self.events: list[dict[str, Any]] = []
+        self.conn = app.connection_for_read()
+        self.receiver = app.events.Receiver(self.conn, handlers={"*": self.events.append})
+        self.thread = threading.Thread(target=self._run, name="event-tap", daemon=True)
+
+    def _run(self) -> None:
+        self.receiver.capture(limit=None, timeout=None, wakeup=False)
+
+    def start(self) -> EventTap:
+        self.thread.start()
+        # Events are fanned out: only those sent after the tap's queue exists arrive. Probe until one does.
+        with self.app.connection_for_write() as conn:
+            dispatcher = self.app.events.Dispatcher(conn, hostname="event-tap-probe")
+
+            def seen() -> bool:
+                dispatcher.send("tap-probe")
+                return any(e["type"] == "tap-probe" for e in self.events[:])
+
+            wait_for(seen, timeout=20, interval=0.2)
+            dispatcher.close()
+        return self
+
+    def of_type(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events[:] if e["type"] == kind and str(e.get("hostname", "")).startswith(self.ns)]
+
+    def stop(self) -> None:
+        self.receiver.should_stop = True
+        self.thread.join(timeout=10)
+        self.conn.release()
+
+
+@pytest.fixture
+def event_tap(app_module: Any, ns: str) -> Iterator[EventTap]:
+    tap = EventTap(app_module.app, ns).start()
+    try:
+        yield tap
+    finally:
+        tap.stop()
+
+
 def results(async_results: list[Any], timeout: float = 60) -> list[Any]:
     deadline = time.monotonic() + timeout
     return [ar.get(timeout=max(1.0, deadline - time.monotonic()), propagate=False) for ar in async_results]

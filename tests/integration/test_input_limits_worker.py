@@ -12,16 +12,13 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-import pytest
-
 from idemmail_celery import PermanentSendError
 from idemmail_celery.email import MAX_ATTACHMENTS
 from idemmail_celery.mail import TASK_NAME
 from idemmail_celery.testing.fake_provider import FakeProvider
 
 from ..conftest import wait_for
-from .conftest import results
-from .test_pools import EventTap
+from .conftest import EventTap, results
 
 KIM = {"to": "kim@example.com", "subject": "Your receipt", "text": "Thanks", "event_id": "order-21"}
 
@@ -55,15 +52,6 @@ def test_bad_input_published_by_name_is_refused_by_the_worker_and_nothing_is_sto
     # The same worker still sends a good call (nothing above left it stuck or its ledger marked).
     good = results([app.tasks[TASK_NAME].delay(**KIM)])[0]
     assert good["status"] == "sent" and fake.delivery_count() == 1
-
-
-@pytest.fixture
-def event_tap(fake_app: Any, ns: str) -> Any:
-    tap = EventTap(fake_app.app, ns).start()
-    try:
-        yield tap
-    finally:
-        tap.stop()
 
 
 def test_the_task_failed_event_of_a_refusal_quotes_no_address(
