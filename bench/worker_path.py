@@ -1,0 +1,169 @@
+"""Where a worker's time per send goes: the task layer, the store's round trips, and the scripts' work.
+
+``python -m bench.worker_path [--calls 3000] [--runs 3] [--url redis://...]``
+
+The worker's path of the no-op bench tasks (:mod:`bench.benchapp`), timed in this process: each call
+runs under a pushed request, as a worker's pool runs it (``called_directly`` off; for
+``bench.idem`` the sealed headers ``apply_async`` would send), without the broker's fetch and
+acknowledgement, which every variant pays alike. Variants, measured in alternation in every run:
+
+==================  ==================================================================================
+``plain``           the no-op body alone (one pipelined Redis round trip that stamps the completion)
+``naive``           the hand-rolled floor: ``SET NX`` + body + ``SET``
+``naive-null``      the same with the two ``SET``\\ s answered in process: its key's hash and the body
+``idem``            ``IdempotentTask`` on the Redis ledger
+``idem-constant``   the same with the claim and completion scripts cut short: each still checks the
+                    ledger's epoch and reads the server's clock, then answers as for a new key
+                    (``acquired``, ``ok``) without reading or writing the record: the round trips are
+                    kept, the scripts' work is not
+``idem-null``       the same with the store's claim and completion answered in process: the task
+                    layer alone (seal, key, chain state, claim request, lease keeper, outcome, report)
+==================  ==================================================================================
+
+Per call, CPU (``time.process_time``) and wall time in µs, medians (min-max) over ``--runs``; then
+the differences that split the gap between ``idem`` and the floor: the task layer (``idem-null``
+minus ``naive-null``), the store's two round trips against the floor's two ``SET``\\ s (``idem`` minus
+``idem-null``, against ``naive`` minus ``naive-null``), and the part of those that is the scripts' work
+(``idem`` minus ``idem-constant``). Celery's own per-task work around the call (decoding the message,
+``saferepr`` of the result, the acknowledgement) is not in these figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+VARIANTS = ("plain", "naive", "naive-null", "idem", "idem-constant", "idem-null")
+
+#: Inserted after each hot script's epoch check: the round trip and the checks stay, the work goes.
+_CUT = {
+    "claim": ("if lost(KEYS[4]) then return {'lost'} end\n",
+              "do local n = now(); return {'acquired', n, n + tonumber(ARGV[5]) * 1000} end\n"),
+    "finish": ("if lost() then return {'lost'} end\n", "do return {'ok', now()} end\n"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.worker_path", description=__doc__.split("\n")[0])
+    p.add_argument("--calls", type=int, default=3000, help="calls per variant and run (default 3000)")
+    p.add_argument("--runs", type=int, default=3, help="runs, each variant once per run (default 3)")
+    p.add_argument("--url", default=os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/0"),
+                   help="Redis for the ledger and the bench's stamps (default: BENCH_REDIS or the local one)")
+    args = p.parse_args(argv)
+    ns = f"wpath{uuid.uuid4().hex[:8]}"
+    # bench.benchapp reads its namespace and ledger from the environment when imported.
+    os.environ.update(BENCH_NS=ns, BENCH_RUN="w", BENCH_REDIS=args.url, BENCH_LEDGER=args.url,
+                      BENCH_LEDGER_OPTIONS=f'{{"prefix": "{ns}.led"}}')
+    from bench import benchapp
+
+    try:
+        results = _measure(benchapp, ns, args.calls, args.runs)
+    finally:
+        stale = list(benchapp._r.scan_iter(f"{ns}*", count=1000))
+        for i in range(0, len(stale), 1000):
+            benchapp._r.delete(*stale[i:i + 1000])
+    _print(results, args.calls, args.runs)
+    return 0
+
+
+def _measure(benchapp: Any, ns: str, calls: int, runs: int) -> dict[str, list[tuple[float, float]]]:
+    from idemmail_celery.ledger.redis import store
+
+    app = benchapp.app
+    tasks = {"plain": app.tasks["bench.plain"], "naive": app.tasks["bench.naive"], "idem": app.tasks["bench.idem"]}
+    backend = tasks["idem"].handler.ledger.backend  # opens the ledger (its scripts loaded) outside the timing
+    real = {"claim": backend._claim, "finish": backend._finish_script, "_finish": backend._finish,
+            "store_claim": backend.claim, "set": benchapp._r.set}
+    cut = {name: backend.client.register_script(store._lua(name).replace(at, at + early, 1))
+           for name, (at, early) in _CUT.items()}
+    answered: dict[str, Any] = {}
+
+    def claim_in_process(request: Any) -> Any:
+        # The first claim is a real one: its answer, re-keyed, answers every later one.
+        first = answered.get("claim")
+        if first is None:
+            first = answered["claim"] = real["store_claim"](request)
+            return first
+        return dataclasses.replace(first, record=dataclasses.replace(first.record, key=request.key))
+
+    def setup(variant: str) -> None:
+        backend._claim, backend._finish_script = real["claim"], real["finish"]
+        backend.claim, backend._finish, benchapp._r.set = real["store_claim"], real["_finish"], real["set"]
+        if variant == "idem-constant":
+            backend._claim, backend._finish_script = cut["claim"], cut["finish"]
+        elif variant == "idem-null":
+            backend.claim = claim_in_process
+            backend._finish = lambda *_a, **_k: time.time()
+        elif variant == "naive-null":
+            benchapp._r.set = lambda *_a, **_k: True
+
+    def one(variant: str, tag: str) -> tuple[float, float]:
+        task = tasks[variant.split("-")[0]]
+        prepared = []
+        for i in range(calls):
+            call_args = (f"u{i}.{tag}.{ns}@example.com", i)
+            headers = task.intent_headers(call_args, {}) if task is tasks["idem"] else {}
+            prepared.append((call_args, {"id": str(uuid.uuid4()), "headers": headers, "delivery_info": {},
+                                         "hostname": "worker-path", "called_directly": False, **headers}))
+        setup(variant)
+        try:
+            return _timed(task, prepared)
+        finally:
+            setup("")
+
+    one("idem", "warm")
+    one("naive", "warm")
+    results: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
+    for r in range(runs):
+        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+        for variant in order:
+            results[variant].append(one(variant, f"{r}{variant}"))
+    return results
+
+
+def _timed(task: Any, prepared: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> tuple[float, float]:
+    push, pop = task.push_request, task.pop_request
+    c0, t0 = time.process_time(), time.perf_counter()
+    for call_args, request in prepared:
+        push(**request)
+        try:
+            task(*call_args)
+        finally:
+            pop()
+    n = len(prepared)
+    return (time.process_time() - c0) / n * 1e6, (time.perf_counter() - t0) / n * 1e6
+
+
+def _print(results: dict[str, list[tuple[float, float]]], calls: int, runs: int) -> None:
+    def med(variant: str, i: int) -> float:
+        return statistics.median(x[i] for x in results[variant])
+
+    print(f"{calls} calls x {runs} runs per variant, µs per call, median (min-max)")
+    print(f"{'variant':15} {'CPU':>22} {'wall':>22}")
+    for v in VARIANTS:
+        cells = [f"{med(v, i):6.0f} ({min(x[i] for x in results[v]):.0f}-{max(x[i] for x in results[v]):.0f})"
+                 for i in (0, 1)]
+        print(f"{v:15} {cells[0]:>22} {cells[1]:>22}")
+    diff: Callable[[str, str, int], float] = lambda a, b, i: med(a, i) - med(b, i)  # noqa: E731
+    print("split of the gap to the floor (CPU / wall):")
+    print(f"  task layer (idem-null - naive-null)              {diff('idem-null', 'naive-null', 0):+6.0f} / "
+          f"{diff('idem-null', 'naive-null', 1):+6.0f}")
+    print(f"  ledger round trips (idem - idem-null)            {diff('idem', 'idem-null', 0):+6.0f} / "
+          f"{diff('idem', 'idem-null', 1):+6.0f}")
+    print(f"  floor's SETs (naive - naive-null)                {diff('naive', 'naive-null', 0):+6.0f} / "
+          f"{diff('naive', 'naive-null', 1):+6.0f}")
+    print(f"  scripts' work (idem - idem-constant)             {diff('idem', 'idem-constant', 0):+6.0f} / "
+          f"{diff('idem', 'idem-constant', 1):+6.0f}")
+    print(f"  whole gap (idem - naive)                         {diff('idem', 'naive', 0):+6.0f} / "
+          f"{diff('idem', 'naive', 1):+6.0f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
