@@ -81,8 +81,12 @@ def _measure(benchapp: Any, ns: str, calls: int, runs: int) -> dict[str, list[tu
     backend = tasks["idem"].handler.ledger.backend  # opens the ledger (its scripts loaded) outside the timing
     real = {"claim": backend._claim, "finish": backend._finish_script, "_finish": backend._finish,
             "store_claim": backend.claim, "set": benchapp._r.set}
-    cut = {name: backend.client.register_script(store._lua(name).replace(at, at + early, 1))
-           for name, (at, early) in _CUT.items()}
+    cut = {}
+    for name, (at, early) in _CUT.items():
+        text = store._lua(name)
+        if at not in text:  # the script changed: a silent full script would be measured as a cut one
+            raise SystemExit(f"bench.worker_path: {name}.lua no longer has the line {at.strip()!r} to cut after")
+        cut[name] = backend.client.register_script(text.replace(at, at + early, 1))
     answered: dict[str, Any] = {}
 
     def claim_in_process(request: Any) -> Any:
