@@ -1,6 +1,6 @@
 """Where a worker's time per send goes: the task layer, the store's round trips, and the scripts' work.
 
-``python -m bench.worker_path [--calls 3000] [--runs 3] [--url redis://...]``
+``python -m bench.worker_path [--calls 3000] [--runs 3] [--url redis://...] [--ledger postgresql]``
 
 The worker's path of the no-op bench tasks (:mod:`bench.benchapp`), timed in this process: each call
 runs under a pushed request, as a worker's pool runs it (``called_directly`` off; for
@@ -20,6 +20,10 @@ acknowledgement, which every variant pays alike. Variants, measured in alternati
                     layer alone (seal, key, chain state, claim request, lease keeper, outcome, report)
 ==================  ==================================================================================
 
+``--ledger postgresql``: ``IdempotentTask`` on the PostgreSQL ledger (``--postgres``), against its floor
+``naive-pg`` (``bench.naive_pg``: ``INSERT ... ON CONFLICT DO NOTHING`` + body + ``UPDATE`` on a
+two-column table); no ``idem-constant``, and the round trips are the two statements of each.
+
 Per call, CPU (``time.process_time``) and wall time in µs, medians (min-max) over ``--runs``; then
 the differences that split the gap between ``idem`` and the floor: the task layer (``idem-null``
 minus ``naive-null``), the store's two round trips against the floor's two ``SET``\\ s (``idem`` minus
@@ -37,10 +41,13 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
-VARIANTS = ("plain", "naive", "naive-null", "idem", "idem-constant", "idem-null")
+VARIANTS = {"redis": ("plain", "naive", "naive-null", "idem", "idem-constant", "idem-null"),
+            "postgresql": ("plain", "naive-pg", "naive-null", "idem", "idem-null")}
+#: The task each variant calls (``-null`` and ``-constant``: the same task, with its store answered or cut).
+TASK_OF = {"plain": "bench.plain", "naive": "bench.naive", "naive-null": "bench.naive", "naive-pg": "bench.naive_pg",
+           "idem": "bench.idem", "idem-constant": "bench.idem", "idem-null": "bench.idem"}
 
 #: Inserted after each hot script's epoch check: the round trip and the checks stay, the work goes.
 _CUT = {
@@ -56,37 +63,65 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="runs, each variant once per run (default 3)")
     p.add_argument("--url", default=os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/0"),
                    help="Redis for the ledger and the bench's stamps (default: BENCH_REDIS or the local one)")
+    p.add_argument("--ledger", choices=sorted(VARIANTS), default="redis", help="the ledger measured (default redis)")
+    p.add_argument("--postgres", default=os.environ.get("BENCH_POSTGRES",
+                                                        "postgresql+psycopg://postgres@127.0.0.1:5432/test"),
+                   help="--ledger postgresql: the database (default: BENCH_POSTGRES or the local one)")
     args = p.parse_args(argv)
     ns = f"wpath{uuid.uuid4().hex[:8]}"
+    if args.ledger == "postgresql":
+        ledger_url, options = args.postgres, f'{{"table": "{ns}"}}'
+    else:
+        ledger_url, options = args.url, f'{{"prefix": "{ns}.led"}}'
     # bench.benchapp reads its namespace and ledger from the environment when imported.
-    os.environ.update(BENCH_NS=ns, BENCH_RUN="w", BENCH_REDIS=args.url, BENCH_LEDGER=args.url,
-                      BENCH_LEDGER_OPTIONS=f'{{"prefix": "{ns}.led"}}')
+    os.environ.update(BENCH_NS=ns, BENCH_RUN="w", BENCH_REDIS=args.url, BENCH_LEDGER=ledger_url,
+                      BENCH_LEDGER_OPTIONS=options)
     from bench import benchapp
 
+    floor_table = f"{ns}_floor"
     try:
-        results = _measure(benchapp, ns, args.calls, args.runs)
+        if args.ledger == "postgresql":
+            _sql(args.postgres, f'CREATE TABLE "{floor_table}" (k varchar(64) PRIMARY KEY, state varchar(16))')
+        results = _measure(benchapp, ns, args.ledger, floor_table, args.calls, args.runs)
     finally:
         stale = list(benchapp._r.scan_iter(f"{ns}*", count=1000))
         for i in range(0, len(stale), 1000):
             benchapp._r.delete(*stale[i:i + 1000])
-    _print(results, args.calls, args.runs)
+        if args.ledger == "postgresql":
+            for table in (ns, f"{ns}_hops", floor_table):  # the ledger's tables (its hops beside it) and the floor's
+                _sql(args.postgres, f'DROP TABLE IF EXISTS "{table}"')
+    _print(results, args.ledger, args.calls, args.runs)
     return 0
 
 
-def _measure(benchapp: Any, ns: str, calls: int, runs: int) -> dict[str, list[tuple[float, float]]]:
-    from idemmail_celery.ledger.redis import store
+def _sql(url: str, statement: str) -> None:
+    import sqlalchemy as sa
 
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(statement))
+    finally:
+        engine.dispose()
+
+
+def _measure(benchapp: Any, ns: str, ledger: str, floor_table: str, calls: int,
+             runs: int) -> dict[str, list[tuple[float, float]]]:
     app = benchapp.app
-    tasks = {"plain": app.tasks["bench.plain"], "naive": app.tasks["bench.naive"], "idem": app.tasks["bench.idem"]}
-    backend = tasks["idem"].handler.ledger.backend  # opens the ledger (its scripts loaded) outside the timing
-    real = {"claim": backend._claim, "finish": backend._finish_script, "_finish": backend._finish,
-            "store_claim": backend.claim, "set": benchapp._r.set}
-    cut = {}
-    for name, (at, early) in _CUT.items():
-        text = store._lua(name)
-        if at not in text:  # the script changed: a silent full script would be measured as a cut one
-            raise SystemExit(f"bench.worker_path: {name}.lua no longer has the line {at.strip()!r} to cut after")
-        cut[name] = backend.client.register_script(text.replace(at, at + early, 1))
+    idem = app.tasks["bench.idem"]
+    backend = idem.handler.ledger.backend  # opens the ledger (its scripts loaded, its table made) outside the timing
+    real = {"_finish": backend._finish, "store_claim": backend.claim, "set": benchapp._r.set,
+            "options": app.conf.idemmail_ledger_options}
+    cut: dict[str, Any] = {}
+    if ledger == "redis":
+        from idemmail_celery.ledger.redis import store
+
+        real.update(claim=backend._claim, finish=backend._finish_script)
+        for name, (at, early) in _CUT.items():
+            text = store._lua(name)
+            if at not in text:  # the script changed: a silent full script would be measured as a cut one
+                raise SystemExit(f"bench.worker_path: {name}.lua no longer has the line {at.strip()!r} to cut after")
+            cut[name] = backend.client.register_script(text.replace(at, at + early, 1))
     answered: dict[str, Any] = {}
 
     def claim_in_process(request: Any) -> Any:
@@ -98,9 +133,13 @@ def _measure(benchapp: Any, ns: str, calls: int, runs: int) -> dict[str, list[tu
         return dataclasses.replace(first, record=dataclasses.replace(first.record, key=request.key))
 
     def setup(variant: str) -> None:
-        backend._claim, backend._finish_script = real["claim"], real["finish"]
+        if cut:
+            backend._claim, backend._finish_script = real["claim"], real["finish"]
         backend.claim, backend._finish, benchapp._r.set = real["store_claim"], real["_finish"], real["set"]
-        if variant == "idem-constant":
+        app.conf.idemmail_ledger_options = real["options"]
+        if variant == "naive-pg":  # its own two-column table (it reads the name from the ledger's options)
+            app.conf.idemmail_ledger_options = {"table": floor_table}
+        elif variant == "idem-constant":
             backend._claim, backend._finish_script = cut["claim"], cut["finish"]
         elif variant == "idem-null":
             backend.claim = claim_in_process
@@ -109,11 +148,11 @@ def _measure(benchapp: Any, ns: str, calls: int, runs: int) -> dict[str, list[tu
             benchapp._r.set = lambda *_a, **_k: True
 
     def one(variant: str, tag: str) -> tuple[float, float]:
-        task = tasks[variant.split("-")[0]]
+        task = app.tasks[TASK_OF[variant]]
         prepared = []
         for i in range(calls):
             call_args = (f"u{i}.{tag}.{ns}@example.com", i)
-            headers = task.intent_headers(call_args, {}) if task is tasks["idem"] else {}
+            headers = task.intent_headers(call_args, {}) if task is idem else {}
             prepared.append((call_args, {"id": str(uuid.uuid4()), "headers": headers, "delivery_info": {},
                                          "hostname": "worker-path", "called_directly": False, **headers}))
         setup(variant)
@@ -122,11 +161,12 @@ def _measure(benchapp: Any, ns: str, calls: int, runs: int) -> dict[str, list[tu
         finally:
             setup("")
 
+    variants = VARIANTS[ledger]
     one("idem", "warm")
-    one("naive", "warm")
-    results: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
+    one(variants[1], "warm")
+    results: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
     for r in range(runs):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
         for variant in order:
             results[variant].append(one(variant, f"{r}{variant}"))
     return results
@@ -145,28 +185,26 @@ def _timed(task: Any, prepared: list[tuple[tuple[Any, ...], dict[str, Any]]]) ->
     return (time.process_time() - c0) / n * 1e6, (time.perf_counter() - t0) / n * 1e6
 
 
-def _print(results: dict[str, list[tuple[float, float]]], calls: int, runs: int) -> None:
+def _print(results: dict[str, list[tuple[float, float]]], ledger: str, calls: int, runs: int) -> None:
     def med(variant: str, i: int) -> float:
         return statistics.median(x[i] for x in results[variant])
 
-    print(f"{calls} calls x {runs} runs per variant, µs per call, median (min-max)")
+    print(f"{ledger} ledger: {calls} calls x {runs} runs per variant, µs per call, median (min-max)")
     print(f"{'variant':15} {'CPU':>22} {'wall':>22}")
-    for v in VARIANTS:
+    for v in results:
         cells = [f"{med(v, i):6.0f} ({min(x[i] for x in results[v]):.0f}-{max(x[i] for x in results[v]):.0f})"
                  for i in (0, 1)]
         print(f"{v:15} {cells[0]:>22} {cells[1]:>22}")
-    diff: Callable[[str, str, int], float] = lambda a, b, i: med(a, i) - med(b, i)  # noqa: E731
+    floor = "naive" if ledger == "redis" else "naive-pg"
+    lines = [("task layer (idem-null - naive-null)", "idem-null", "naive-null"),
+             ("ledger round trips (idem - idem-null)", "idem", "idem-null"),
+             (f"floor's round trips ({floor} - naive-null)", floor, "naive-null"),
+             ("scripts' work (idem - idem-constant)", "idem", "idem-constant"),
+             (f"whole gap (idem - {floor})", "idem", floor)]
     print("split of the gap to the floor (CPU / wall):")
-    print(f"  task layer (idem-null - naive-null)              {diff('idem-null', 'naive-null', 0):+6.0f} / "
-          f"{diff('idem-null', 'naive-null', 1):+6.0f}")
-    print(f"  ledger round trips (idem - idem-null)            {diff('idem', 'idem-null', 0):+6.0f} / "
-          f"{diff('idem', 'idem-null', 1):+6.0f}")
-    print(f"  floor's SETs (naive - naive-null)                {diff('naive', 'naive-null', 0):+6.0f} / "
-          f"{diff('naive', 'naive-null', 1):+6.0f}")
-    print(f"  scripts' work (idem - idem-constant)             {diff('idem', 'idem-constant', 0):+6.0f} / "
-          f"{diff('idem', 'idem-constant', 1):+6.0f}")
-    print(f"  whole gap (idem - naive)                         {diff('idem', 'naive', 0):+6.0f} / "
-          f"{diff('idem', 'naive', 1):+6.0f}")
+    for label, a, b in lines:
+        if a in results and b in results:
+            print(f"  {label:47} {med(a, 0) - med(b, 0):+6.0f} / {med(a, 1) - med(b, 1):+6.0f}")
 
 
 if __name__ == "__main__":
