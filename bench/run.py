@@ -257,13 +257,7 @@ class Harness:
             led.ping()
             led.close()
         elif variant == "naive-pg":
-            import sqlalchemy as sa
-
-            engine = sa.create_engine(POSTGRES_URL)
-            with engine.begin() as conn:
-                table = options["table"]
-                conn.execute(sa.text(f'CREATE TABLE "{table}" (k varchar(64) PRIMARY KEY, state varchar(16))'))
-            engine.dispose()
+            self.benchapp.run_sql(POSTGRES_URL, self.benchapp.FLOOR_TABLE_DDL.format(table=options["table"]))
         task = self.task(variant)
         keys = self.benchapp.keys(mid)
         self.queue[0] = f"{self.ns}.warm"
@@ -349,15 +343,8 @@ class Harness:
         names += list(self.r.scan_iter(f"qo_*{self.ns}*", count=1000))
         for i in range(0, len(names), 500):
             self.r.delete(*names[i:i + 500])
-        import sqlalchemy as sa
-
         if self.tables:
-            engine = sa.create_engine(POSTGRES_URL)
-            with engine.begin() as conn:
-                for t in self.tables:
-                    conn.execute(sa.text(f'DROP TABLE IF EXISTS "{t}_hops"'))  # the ledger's marks table
-                    conn.execute(sa.text(f'DROP TABLE IF EXISTS "{t}"'))
-            engine.dispose()
+            self.benchapp.run_sql(POSTGRES_URL, *self.benchapp.dropped(self.tables))
         if self.args.keep_logs:
             print(f"worker logs kept in {self.tmp}", file=sys.stderr)
             return

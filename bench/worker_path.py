@@ -81,28 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     floor_table = f"{ns}_floor"
     try:
         if args.ledger == "postgresql":
-            _sql(args.postgres, f'CREATE TABLE "{floor_table}" (k varchar(64) PRIMARY KEY, state varchar(16))')
+            benchapp.run_sql(args.postgres, benchapp.FLOOR_TABLE_DDL.format(table=floor_table))
         results = _measure(benchapp, ns, args.ledger, floor_table, args.calls, args.runs)
     finally:
         stale = list(benchapp._r.scan_iter(f"{ns}*", count=1000))
         for i in range(0, len(stale), 1000):
             benchapp._r.delete(*stale[i:i + 1000])
         if args.ledger == "postgresql":
-            for table in (ns, f"{ns}_hops", floor_table):  # the ledger's tables (its hops beside it) and the floor's
-                _sql(args.postgres, f'DROP TABLE IF EXISTS "{table}"')
+            benchapp.run_sql(args.postgres, *benchapp.dropped([ns, floor_table]))
     _print(results, args.ledger, args.calls, args.runs)
     return 0
-
-
-def _sql(url: str, statement: str) -> None:
-    import sqlalchemy as sa
-
-    engine = sa.create_engine(url)
-    try:
-        with engine.begin() as conn:
-            conn.execute(sa.text(statement))
-    finally:
-        engine.dispose()
 
 
 def _measure(benchapp: Any, ns: str, ledger: str, floor_table: str, calls: int,
