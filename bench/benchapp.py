@@ -160,24 +160,6 @@ def naive(to: str, n: int) -> dict[str, Any]:
 FLOOR_TABLE_DDL = 'CREATE TABLE "{table}" (k varchar(64) PRIMARY KEY, state varchar(16))'
 
 
-def run_sql(url: str, *statements: str) -> None:
-    """Run ``statements`` on the database at ``url`` in one transaction (the bench's own tables, made or dropped)."""
-    import sqlalchemy as sa
-
-    engine = sa.create_engine(url)
-    try:
-        with engine.begin() as conn:
-            for statement in statements:
-                conn.execute(sa.text(statement))
-    finally:
-        engine.dispose()
-
-
-def dropped(tables: list[str]) -> list[str]:
-    """The statements that drop the bench's ``tables``, each with the SQL ledger's hops table beside it."""
-    return [f'DROP TABLE IF EXISTS "{name}"' for t in tables for name in (f"{t}_hops", t)]
-
-
 _pg: tuple[int, Any] | None = None  # (pid, psycopg connection): one per process, never across a fork
 
 

@@ -65,6 +65,7 @@ from typing import Any
 import redis
 
 from bench import memory, scale
+from bench.cleanup import delete_matching, dropped, run_sql
 from chaos.procs import WorkerProcess, install_signal_handlers, reap_all, wait_until
 from chaos.report import write_section
 from idemmail_celery.ledger import ClaimRequest, Ledger, from_url
@@ -257,7 +258,7 @@ class Harness:
             led.ping()
             led.close()
         elif variant == "naive-pg":
-            self.benchapp.run_sql(POSTGRES_URL, self.benchapp.FLOOR_TABLE_DDL.format(table=options["table"]))
+            run_sql(POSTGRES_URL, self.benchapp.FLOOR_TABLE_DDL.format(table=options["table"]))
         task = self.task(variant)
         keys = self.benchapp.keys(mid)
         self.queue[0] = f"{self.ns}.warm"
@@ -339,12 +340,9 @@ class Harness:
 
     def cleanup(self) -> None:
         # Our namespace, and celery-once's locks (named after the arguments, which carry the namespace).
-        names = list(self.r.scan_iter(f"{self.ns}*", count=1000))
-        names += list(self.r.scan_iter(f"qo_*{self.ns}*", count=1000))
-        for i in range(0, len(names), 500):
-            self.r.delete(*names[i:i + 500])
+        delete_matching(self.r, f"{self.ns}*", f"qo_*{self.ns}*")
         if self.tables:
-            self.benchapp.run_sql(POSTGRES_URL, *self.benchapp.dropped(self.tables))
+            run_sql(POSTGRES_URL, *dropped(self.tables))
         if self.args.keep_logs:
             print(f"worker logs kept in {self.tmp}", file=sys.stderr)
             return
@@ -748,9 +746,7 @@ def _noop(h: Harness, args: argparse.Namespace, variants: list[str], pools: list
         finally:
             for name, led in ledgers.items():
                 if isinstance(led, RedisLedger):
-                    names = list(led.client.scan_iter(f"{led.prefix}:*", count=1000))
-                    for i in range(0, len(names), 500):
-                        led.client.delete(*names[i:i + 500])
+                    delete_matching(led.client, f"{led.prefix}:*")
                 elif isinstance(led, SQLLedger) and name == "postgresql":
                     led.drop_table()
                 led.close()

@@ -19,6 +19,7 @@ import uuid
 
 from cryptography.fernet import Fernet
 
+from bench.cleanup import delete_matching
 from idemmail_celery.ledger import ClaimRequest, Ledger, from_url
 from idemmail_celery.ledger.sealed import PayloadCodec, SealedLedger
 
@@ -50,10 +51,7 @@ def drop(ledger: Ledger) -> None:
     if drop_table is not None:
         drop_table()
     else:
-        client = inner.client  # type: ignore[attr-defined]
-        keys = list(client.scan_iter(f"*{inner.prefix}*", count=1000))  # type: ignore[attr-defined]
-        for start in range(0, len(keys), 500):
-            client.delete(*keys[start:start + 500])
+        delete_matching(inner.client, f"*{inner.prefix}*")  # type: ignore[attr-defined]
     inner.close()
 
 

@@ -43,6 +43,8 @@ import time
 import uuid
 from typing import Any
 
+from bench.cleanup import delete_matching, dropped, run_sql
+
 VARIANTS = {"redis": ("plain", "naive", "naive-null", "idem", "idem-constant", "idem-null"),
             "postgresql": ("plain", "naive-pg", "naive-null", "idem", "idem-null")}
 #: The task each variant calls (``-null`` and ``-constant``: the same task, with its store answered or cut).
@@ -81,14 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     floor_table = f"{ns}_floor"
     try:
         if args.ledger == "postgresql":
-            benchapp.run_sql(args.postgres, benchapp.FLOOR_TABLE_DDL.format(table=floor_table))
+            run_sql(args.postgres, benchapp.FLOOR_TABLE_DDL.format(table=floor_table))
         results = _measure(benchapp, ns, args.ledger, floor_table, args.calls, args.runs)
     finally:
-        stale = list(benchapp._r.scan_iter(f"{ns}*", count=1000))
-        for i in range(0, len(stale), 1000):
-            benchapp._r.delete(*stale[i:i + 1000])
+        delete_matching(benchapp._r, f"{ns}*")
         if args.ledger == "postgresql":
-            benchapp.run_sql(args.postgres, *benchapp.dropped([ns, floor_table]))
+            run_sql(args.postgres, *dropped([ns, floor_table]))
     _print(results, args.ledger, args.calls, args.runs)
     return 0
 
