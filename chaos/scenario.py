@@ -10,7 +10,9 @@
    accept-then-500, 503-before-accept, slow past the client timeout) and a chaos thread
    SIGKILLs random pool children and whole workers (which it restarts);
 3. waits, with a deadline, until every ledger record is final and the broker queue is empty;
-4. judges from the provider's own delivery records and the ledger, never from return values.
+4. judges from the provider's own records (deliveries, and every request per key) and the
+   ledger, never from return values: :func:`verdict` turns what a run measured into its problems,
+   including a disturbance that was planned and never happened.
 
 Every kill, fault and phase goes to a JSON-lines event log. Everything the run creates lives
 under its own namespace (queue, Redis key prefixes, SQL table) and is removed at the end;
@@ -30,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,7 @@ from idemmail_celery.ledger import Ledger, State, from_url
 from idemmail_celery.ledger.redis import RedisLedger
 from idemmail_celery.ledger.sql import SQLLedger
 from idemmail_celery.mail import TASK_NAME
-from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
+from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, Attempt, FakeProvider
 from idemmail_celery.testing.redis_server import RedisServer
 from idemmail_celery.testing.smtp_sink import SMTPSink
 
@@ -64,6 +66,16 @@ STORM_COPIES = 12
 #: With default settings: the longest a dead worker's intent may wait for its final record (the 10 s
 #: visibility timeout, then the 30 s lease of its last renewal, then one reschedule's countdown).
 RECOVERY_SECONDS = 75.0
+#: Outcomes of a request the de-duplicating fake answered from its memory of the key (a replay, or a 409
+#: for a rewritten body or a request still in flight): a copy that reached the provider and that only
+#: the provider kept from being a second email. Each must have a cause the library could not see past.
+DEDUPED_OUTCOMES = ("replayed", "key_payload_mismatch", "in_flight")
+#: Faults that leave the sender unable to know whether the provider has the message: the library
+#: resends under the same key, and the provider's de-duplication is what answers.
+AMBIGUOUS_FAULTS = ("drop_after_accept", "500_after_accept", "slow")
+#: Requests answered from the key's memory per ambiguous fault on that key at most (measured: about 1.0;
+#: a slow fault can add a 409 for the request still in flight before the replay).
+DEDUPED_PER_FAULT = 3
 
 
 @dataclass
@@ -144,12 +156,20 @@ class Result:
     faults_by_kind: dict[str, int] = field(default_factory=dict)
     posts: int = 0
     suppressed: int = 0
+    #: Requests the provider answered from its memory of the key (see :data:`DEDUPED_OUTCOMES`); the
+    #: drills' requests for intents whose record was flushed, after the flush, are judged by the drill.
+    deduped: int = 0
+    #: Of those, the ones under keys that no ambiguous fault hit (a kill or an overlapping copy must explain them).
+    deduped_unexplained: int = 0
+    ambiguous_faults: int = 0  # faults of :data:`AMBIGUOUS_FAULTS` that acted on an accepted request
     wall: float = 0.0
     stuck: bool = False
     executions: int = 0
     redelivered: int = 0
     overlapping: int = 0
     records_flushed: int = 0
+    delivered_at_flush: int = 0  # intents the provider had delivered when the drill flushed the ledger
+    acknowledged: bool = False  # the drill's loss was acknowledged (``ledger ack-loss``)
     resends_before_ack: int = 0  # POSTs for intents already delivered, between the flush and the acknowledgement
     requests_before_ack: int = 0  # POSTs of any kind in that window (sends under way at the flush land in it)
     requests_while_lost: int = 0  # POSTs of any kind after those landed, before the acknowledgement
@@ -238,6 +258,11 @@ class ProviderUnderTest:
         """(requests, deliveries) for ``keys`` received after the epoch time ``when``."""
         return 0, 0
 
+    def deduped(self, exempt: set[str], since: float | None) -> tuple[int, int, int]:
+        """(requests answered from the key's memory, those of them under keys no ambiguous fault hit,
+        ambiguous faults), leaving out requests for ``exempt`` keys after the epoch time ``since``."""
+        return 0, 0, 0
+
     def first_delivery_times(self) -> dict[str, float]:
         """key -> when it was first delivered (epoch seconds); empty where the provider cannot tell."""
         return {}
@@ -290,6 +315,29 @@ class HTTPFake(ProviderUnderTest):
         delivered = sum(1 for d in self.fake.deliveries() if d.at > when and d.key in keys)
         return posts, delivered
 
+    def deduped(self, exempt: set[str], since: float | None) -> tuple[int, int, int]:
+        return tally_deduped(self.fake.attempts(), exempt, since)
+
+
+def tally_deduped(attempts: list[Attempt], exempt: Collection[str] = (),
+                  since: float | None = None) -> tuple[int, int, int]:
+    """Per key, the requests a de-duplicating provider answered from its memory of the key, against the
+    ambiguous faults that hit the key: (deduped, deduped under keys no such fault hit, ambiguous faults).
+
+    Attempts for ``exempt`` keys after the epoch time ``since`` are left out (the drill judges those)."""
+    deduped: Counter[str | None] = Counter()
+    ambiguous: Counter[str | None] = Counter()
+    for a in attempts:
+        if since is not None and a.at > since and a.key in exempt:
+            continue
+        if a.outcome.startswith(DEDUPED_OUTCOMES):
+            deduped[a.key] += 1
+        # A fault that met a 409 did nothing: the request was refused, and its sender knows it.
+        if a.fault in AMBIGUOUS_FAULTS and a.outcome.startswith(("delivered", "replayed")):
+            ambiguous[a.key] += 1
+    unexplained = sum(n for key, n in deduped.items() if not ambiguous[key])
+    return sum(deduped.values()), unexplained, sum(ambiguous.values())
+
 
 class SMTPFake(ProviderUnderTest):
     """:class:`SMTPSink`: no key support; deliveries are told apart by their ``<key@domain>`` Message-ID."""
@@ -298,7 +346,6 @@ class SMTPFake(ProviderUnderTest):
 
     def __init__(self) -> None:
         self.sink = SMTPSink()
-        self._queued: list[dict[str, Any]] = []
 
     def start(self) -> None:
         self.sink.start()
@@ -315,21 +362,18 @@ class SMTPFake(ProviderUnderTest):
 
     def queue_fault(self, kind: str) -> None:
         self.sink.fail_next(kind)  # type: ignore[arg-type]
-        self._queued.append({"kind": kind, "at": time.time()})
 
     def deliveries_by_key(self) -> Counter[str]:
-        out: Counter[str] = Counter()
-        for m in self.sink.messages():
-            mid = (m.message_id or "<none@x>").strip("<>")
-            out[mid.split("@", 1)[0]] += 1
-        return out
+        return Counter(_smtp_key(m.message_id) or "<none>" for m in self.sink.messages())
 
     def applied_faults(self) -> list[dict[str, Any]]:
-        # A fault after DATA leaves an unacknowledged message with its key; one before DATA leaves nothing.
-        dropped = [{"kind": "drop_after_data|stall_after_data", "key": (m.message_id or "").strip("<>").split("@")[0]}
-                   for m in self.sink.messages() if not m.acknowledged]
-        before = [q for q in self._queued if q["kind"] == "tempfail_data_command"]
-        return dropped + [{"kind": q["kind"], "key": None, "at": q["at"]} for q in before]
+        # As the sink applied them: a fault still queued at the end hit nothing, and is not counted.
+        return [{"kind": f.kind, "key": _smtp_key(f.message_id), "at": f.at} for f in self.sink.applied()]
+
+
+def _smtp_key(message_id: str | None) -> str | None:
+    """The intent key in a ``<key@domain>`` Message-ID."""
+    return message_id.strip("<>").split("@", 1)[0] if message_id else None
 
 
 def make_provider(s: Scenario) -> ProviderUnderTest:
@@ -375,15 +419,22 @@ class LedgerView:
         led = self.ledger
         if isinstance(led, RedisLedger):
             names = list(led.client.scan_iter(f"{led.prefix}:*", count=1000))
-            records = sum(1 for n in names if ":r:" in n)
-            # All at one instant (MULTI/EXEC), as a restart without persistence or a FLUSHDB loses them.
-            # Deleted batch by batch, a claim could find its record gone and its bucket's epoch marker
-            # still there for a moment: the partial loss docs/operations.md says markers cannot tell.
+            # A record in progress is a key of its own (``:r:``); a sent one is an entry on a shelf (``:d:``,
+            # a hash whose field "" is its sweep time, not a record): both are records lost.
+            shelves = [n for n in names if ":d:" in n]
+            # All at one instant (MULTI/EXEC), as a restart without persistence or a FLUSHDB loses them, and
+            # counted in the same transaction. Deleted batch by batch, a claim could find its record gone and
+            # its bucket's epoch marker still there for a moment: the partial loss docs/operations.md says
+            # markers cannot tell.
             pipe = led.client.pipeline(transaction=True)
+            for n in shelves:
+                pipe.hlen(n)
+                pipe.hexists(n, "")
             for i in range(0, len(names), 500):
                 pipe.delete(*names[i:i + 500])
-            pipe.execute()
-            return records
+            replies = pipe.execute()[:2 * len(shelves)]
+            on_shelves = sum(int(n) - int(sweep) for n, sweep in zip(replies[::2], replies[1::2], strict=True))
+            return sum(1 for n in names if ":r:" in n) + on_shelves
         if isinstance(led, SQLLedger):
             import sqlalchemy as sa
 
@@ -478,6 +529,7 @@ class Run:
         self.log = EventLog(log_dir / "events.jsonl")
         self.stop = threading.Event()
         self.enqueued = threading.Event()
+        self.kills_done = threading.Event()  # every planned kill has happened
         self.errors: list[str] = []
         self.provider = make_provider(s)
         self.workers: list[WorkerProcess] = []
@@ -621,6 +673,7 @@ class Run:
                     os.kill(pid, signal.SIGKILL)
                     self.child_kills += 1
                     self.log("kill_pool_child", worker=w.name, worker_pid=w.pid, pid=pid, signal="SIGKILL")
+        self.kills_done.set()
 
     def blip_ledger(self) -> None:
         """Stop the run's ledger Redis for ``blip_seconds`` at random moments while sends flow, then start it."""
@@ -793,7 +846,10 @@ class Run:
                 last_log = time.monotonic()
                 self.log("progress", states=dict(counts), requests=self.provider.requests(),
                          enqueued=self.messages)
-            if self.enqueued.is_set() and open_ == 0 and (final >= s.intents or (s.drill and self.acked.is_set())):
+            # The run goes on until its planned kills have happened too: the verdict requires them.
+            planned = not s.kills or self.kills_done.is_set()
+            if (self.enqueued.is_set() and planned and open_ == 0
+                    and (final >= s.intents or (s.drill and self.acked.is_set()))):
                 self.log("all_final", states=dict(counts))
                 return True
             time.sleep(0.5)
@@ -921,56 +977,111 @@ class Run:
                 r.requests_before_ack = self.requests_at_ack - self.requests_at_flush
                 r.requests_while_lost = self.requests_at_ack - self.requests_at_settled
             r.resends_before_ack = total - r.resends
-        open_ = sum(n for st, n in states.items() if st not in FINAL and st != "none")
-        problems = list(self.errors)
-        if not r.drained:
-            problems.append("the broker queue was not drained")
-        if r.split_records:
-            problems.append(f"{r.split_records} intents recorded under both their old and their new key")
-        if r.stuck:
-            problems.append(f"not every record final within {s.deadline:.0f}s: {dict(states)}")
-        if s.drill:
-            # While the loss stands nothing may reach the provider; after the acknowledgement, copies
-            # enqueued before it are sent only with their key (the provider de-duplicates) or parked
-            # for review: no duplicate delivery either way, and nothing undelivered outside review.
-            if self.ack_time is None:
-                problems.append("the loss was never acknowledged")
-            if r.resends_before_ack or r.requests_while_lost:
-                problems.append(f"{r.requests_while_lost} provider requests ({r.resends_before_ack} for intents "
-                                "already delivered) while the ledger was lost and unacknowledged")
-            if r.duplicates:
-                problems.append(f"{r.duplicates} duplicate deliveries after the acknowledgement")
-            if not s.keyed and r.undelivered_not_review:
-                problems.append(f"{r.undelivered_not_review} intents neither delivered nor in review (silently lost)")
-        elif r.duplicates:
-            problems.append(f"{r.duplicates} duplicate deliveries")
-        if r.unknown_deliveries:
-            problems.append(f"{r.unknown_deliveries} deliveries under keys no intent has")
-        if s.defaults:
-            # A storm multiplies copies of one task id; a held claim of a dead worker must not wait long.
-            if r.max_copies_per_task > STORM_COPIES:
-                problems.append(f"one task id was handed out {r.max_copies_per_task} times (a storm)")
-            if self.worker_kill_times and not r.killed_executions:
-                problems.append("no whole-worker kill cut an execution short: the recovery time measured nothing")
-            if r.kill_to_settled and r.kill_to_settled[-1] > RECOVERY_SECONDS:
-                problems.append(f"an intent cut short by a kill was settled {r.kill_to_settled[-1]:.0f} s later")
-        if open_:
-            problems.append(f"{open_} records not final")
-        if not s.drill:
-            if r.no_record:
-                problems.append(f"{r.no_record} intents without a ledger record")
-            if s.keyed:
-                if r.missing:
-                    problems.append(f"{r.missing} intents never delivered")
-                if r.deliveries != s.intents:
-                    problems.append(f"{r.deliveries} deliveries for {s.intents} intents")
-            elif r.undelivered_not_review:
-                problems.append(f"{r.undelivered_not_review} intents neither delivered nor in review (silently lost)")
-        r.problems = problems
-        r.ok = not problems
-        self.log("verdict", ok=r.ok, problems=problems, deliveries=r.deliveries, duplicates=r.duplicates,
+        r.delivered_at_flush = len(self.flushed_keys)
+        r.acknowledged = self.ack_time is not None
+        r.deduped, r.deduped_unexplained, r.ambiguous_faults = self.provider.deduped(self.flushed_keys, self.flush_time)
+        r.problems = list(self.errors) + verdict(r)
+        r.ok = not r.problems
+        self.log("verdict", ok=r.ok, problems=r.problems, deliveries=r.deliveries, duplicates=r.duplicates,
                  missing=r.missing, states=r.states, reviews=r.reviews, review_reasons=r.review_reasons,
-                 posts=r.posts, faults=r.faults_by_kind, kills=r.kills)
+                 posts=r.posts, faults=r.faults_by_kind, kills=r.kills, deduped=r.deduped,
+                 deduped_unexplained=r.deduped_unexplained)
+
+
+def fault_kinds(s: Scenario) -> tuple[str, ...]:
+    """The faults a scenario's provider is given, every kind in turn."""
+    return SMTP_FAULTS if s.provider == "smtp" else HTTP_FAULTS
+
+
+def verdict(r: Result) -> list[str]:
+    """What is wrong with a run, from what it measured (``r``) against what its scenario planned: empty
+    when it passed. Read from the provider's records and the ledger, never the workers' return values."""
+    s = r.scenario
+    problems: list[str] = []
+    if not r.drained:
+        problems.append("the broker queue was not drained")
+    if r.split_records:
+        problems.append(f"{r.split_records} intents recorded under both their old and their new key")
+    if r.stuck:
+        problems.append(f"not every record final within {s.deadline:.0f}s: {r.states}")
+    problems += _undisturbed(r)
+    if s.drill:
+        # While the loss stands nothing may reach the provider; after the acknowledgement, copies
+        # enqueued before it are sent only with their key (the provider de-duplicates) or parked
+        # for review: no duplicate delivery either way, and nothing undelivered outside review.
+        if not r.acknowledged:
+            problems.append("the loss was never acknowledged")
+        if r.resends_before_ack or r.requests_while_lost:
+            problems.append(f"{r.requests_while_lost} provider requests ({r.resends_before_ack} for intents "
+                            "already delivered) while the ledger was lost and unacknowledged")
+        if r.duplicates:
+            problems.append(f"{r.duplicates} duplicate deliveries after the acknowledgement")
+    elif r.duplicates:
+        problems.append(f"{r.duplicates} duplicate deliveries")
+    problems += _hidden_copies(r)
+    if r.unknown_deliveries:
+        problems.append(f"{r.unknown_deliveries} deliveries under keys no intent has")
+    if s.defaults:
+        # A storm multiplies copies of one task id; a held claim of a dead worker must not wait long.
+        if r.max_copies_per_task > STORM_COPIES:
+            problems.append(f"one task id was handed out {r.max_copies_per_task} times (a storm)")
+        if r.worker_kills and not r.killed_executions:
+            problems.append("no whole-worker kill cut an execution short: the recovery time measured nothing")
+        if r.kill_to_settled and r.kill_to_settled[-1] > RECOVERY_SECONDS:
+            problems.append(f"an intent cut short by a kill was settled {r.kill_to_settled[-1]:.0f} s later")
+    open_ = sum(n for st, n in r.states.items() if st not in FINAL and st != "none")
+    if open_:
+        problems.append(f"{open_} records not final")
+    if r.no_record and not s.drill:  # a drill's intents sent in full before the flush have none, rightly
+        problems.append(f"{r.no_record} intents without a ledger record")
+    if s.keyed:
+        if r.missing:
+            problems.append(f"{r.missing} intents never delivered")
+        if r.deliveries != s.intents:
+            problems.append(f"{r.deliveries} deliveries for {s.intents} intents")
+    if r.undelivered_not_review:
+        problems.append(f"{r.undelivered_not_review} intents neither delivered nor in review (silently lost)")
+    return problems
+
+
+def _undisturbed(r: Result) -> list[str]:
+    """The disturbances the scenario planned that did not happen: a run nothing disturbed proves nothing."""
+    s = r.scenario
+    problems: list[str] = []
+    if r.kills < s.kills:
+        problems.append(f"{r.kills} of the {s.kills} planned kills happened")
+    if s.fault_rate > 0:
+        never = [k for k in fault_kinds(s) if not r.faults_by_kind.get(k)]
+        if never:
+            problems.append(f"planned faults never applied: {', '.join(never)} ({r.faults} applied in all)")
+    if r.ledger_blips < s.ledger_blips:
+        problems.append(f"{r.ledger_blips} of the {s.ledger_blips} planned ledger outages happened")
+    if s.rotate_secret_at is not None and not r.rotated:
+        problems.append("the key secret was never rotated")
+    if s.drill and r.records_flushed < max(1, r.delivered_at_flush):
+        # Every intent delivered by then had a record: fewer deleted means the ledger was not lost.
+        problems.append(f"the flush deleted {r.records_flushed} records when {r.delivered_at_flush} intents "
+                        "had been delivered")
+    return problems
+
+
+def _hidden_copies(r: Result) -> list[str]:
+    """Copies that reached the provider and that only its de-duplication kept from being a second email:
+    each needs a cause the library could not see past (an ambiguous fault on that key, a kill, a copy run
+    while another still ran); a library that sent every copy under the same key would pass on
+    deliveries alone."""
+    s = r.scenario
+    problems: list[str] = []
+    # A pool child's kill cuts one send short, a whole worker's up to its concurrency.
+    allowance = r.child_kills + r.worker_kills * s.concurrency + r.overlapping
+    if r.deduped_unexplained > allowance:
+        problems.append(f"{r.deduped_unexplained} requests the provider de-duplicated under keys no ambiguous "
+                        f"fault hit (kills and overlapping copies explain at most {allowance})")
+    explained = r.deduped - r.deduped_unexplained
+    if explained > DEDUPED_PER_FAULT * r.ambiguous_faults:
+        problems.append(f"{explained} requests the provider de-duplicated after {r.ambiguous_faults} ambiguous "
+                        f"faults (at most {DEDUPED_PER_FAULT} each)")
+    return problems
 
 
 def run_scenario(s: Scenario, log_dir: Path) -> Result:

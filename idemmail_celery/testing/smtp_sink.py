@@ -38,6 +38,9 @@ the order they were queued:
                              test can act while the client waits for the final reply
 ===========================  ==========================================================
 
+:meth:`SMTPSink.applied` lists the faults that acted on a command (a queued one that never met its
+command is not there; :meth:`SMTPSink.faults_left` counts those).
+
 Options: ``credentials=("user", "password")`` offers AUTH (over plain text, tests
 only) and accepts only that pair; ``ssl_context`` (a server context) offers
 STARTTLS, or with ``implicit_tls=True`` serves TLS from the first byte (``smtps://``).
@@ -50,6 +53,7 @@ import email.parser
 import email.policy
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, get_args
@@ -57,7 +61,7 @@ from typing import Any, Literal, get_args
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
 
-__all__ = ["FaultKind", "ReceivedMessage", "SMTPSink"]
+__all__ = ["AppliedFault", "FaultKind", "ReceivedMessage", "SMTPSink"]
 
 FaultKind = Literal[
     "tempfail_mail", "reject_mail", "tempfail_rcpt", "reject_rcpt", "stall_rcpt", "tempfail_data_command",
@@ -100,6 +104,17 @@ class ReceivedMessage:
     login: str | None = None
 
 
+@dataclass(frozen=True)
+class AppliedFault:
+    """One fault that acted on a command."""
+
+    kind: str
+    #: When it acted (epoch seconds).
+    at: float
+    #: The Message-ID of the message it hit, for the faults that act once the data is in (``*_data``).
+    message_id: str | None = None
+
+
 class SMTPSink:
     """An SMTP server on 127.0.0.1 and a free port, recording what it receives.
 
@@ -126,6 +141,7 @@ class SMTPSink:
         self._lock = threading.Lock()
         self._messages: list[ReceivedMessage] = []
         self._faults: list[list[Any]] = []  # [kind, remaining], in queue order
+        self._applied: list[AppliedFault] = []
         self._controller: _Controller | None = None
         self._port: int | None = None
 
@@ -185,11 +201,17 @@ class SMTPSink:
         with self._lock:
             return sum(1 for m in self._messages if message_id is None or m.message_id == message_id)
 
+    def applied(self) -> list[AppliedFault]:
+        """Every fault that acted on a command, oldest first (a copy)."""
+        with self._lock:
+            return list(self._applied)
+
     def reset(self) -> None:
-        """Forget recorded messages and pending faults."""
+        """Forget recorded messages, pending faults and applied ones."""
         with self._lock:
             self._messages.clear()
             self._faults.clear()
+            self._applied.clear()
 
     # -- faults --
 
@@ -207,25 +229,27 @@ class SMTPSink:
         with self._lock:
             return sum(times for _, times in self._faults)
 
-    def _take_fault(self, kinds: dict[str, str]) -> str | None:
+    def _take_fault(self, kinds: dict[str, str], envelope: Envelope | None = None) -> str | None:
+        """The first queued fault of ``kinds``, taken off the queue and recorded as applied (``envelope``:
+        the message it hits, once its data is in), or None."""
         with self._lock:
             for entry in self._faults:
                 if entry[0] in kinds:
                     entry[1] -= 1
                     if entry[1] == 0:
                         self._faults.remove(entry)
+                    message_id = _message_id(envelope.original_content or b"") if envelope is not None else None
+                    self._applied.append(AppliedFault(str(entry[0]), time.time(), message_id))
                     return str(entry[0])
         return None
 
     def _record(self, envelope: Envelope, session: Session, acknowledged: bool) -> int:
         raw = envelope.original_content or b""
-        headers = email.parser.BytesHeaderParser(policy=email.policy.compat32).parsebytes(raw)
-        message_id = headers.get("Message-ID")
         auth = session.auth_data
         received = ReceivedMessage(
             mail_from=envelope.mail_from or "",
             rcpt_tos=tuple(envelope.rcpt_tos),
-            message_id=str(message_id).strip() if message_id is not None else None,
+            message_id=_message_id(raw),
             raw=raw,
             acknowledged=acknowledged,
             login=auth.login.decode("utf-8", "replace") if isinstance(auth, LoginPassword) else None,
@@ -239,6 +263,12 @@ class SMTPSink:
         ok = (isinstance(auth_data, LoginPassword) and self._credentials is not None
               and (auth_data.login, auth_data.password) == tuple(c.encode() for c in self._credentials))
         return AuthResult(success=ok, handled=False, auth_data=auth_data if ok else None)
+
+
+def _message_id(raw: bytes) -> str | None:
+    """The Message-ID header of a raw message, or None."""
+    value = email.parser.BytesHeaderParser(policy=email.policy.compat32).parsebytes(raw).get("Message-ID")
+    return str(value).strip() if value is not None else None
 
 
 class _Handler:
@@ -268,7 +298,7 @@ class _Handler:
         return "250 2.1.5 OK"
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
-        fault = self.sink._take_fault(_DATA_FAULTS)
+        fault = self.sink._take_fault(_DATA_FAULTS, envelope)
         if fault in ("drop_after_data", "stall_after_data"):
             self.sink._record(envelope, session, acknowledged=False)
             if fault == "drop_after_data" and server.transport is not None:
