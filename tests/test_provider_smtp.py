@@ -14,7 +14,6 @@ import hashlib
 import inspect
 import logging
 import os
-import shutil
 import signal
 import socket
 import ssl
@@ -33,6 +32,8 @@ from idemmail_celery.errors import AmbiguousSendError, ConfigurationError, Perma
 from idemmail_celery.providers import from_url
 from idemmail_celery.providers.smtp import PASSWORD_ENV, SMTPProvider
 from idemmail_celery.testing.smtp_sink import SMTPSink
+
+from .conftest import require_program
 
 PASSWORD = "correct-horse-battery-staple-7f3a"
 
@@ -323,9 +324,7 @@ def test_starttls_required_but_not_offered_is_transient_connect(sink: SMTPSink) 
 
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl is needed to make a test certificate")
+    openssl = require_program("openssl")  # to make a test certificate
     directory = tmp_path_factory.mktemp("tls")
     cert, key = directory / "cert.pem", directory / "key.pem"
     subprocess.run(
