@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -119,7 +120,7 @@ def test_verdict_bounds_the_copies_one_ambiguous_fault_explains(keyed: HTTPFake)
 def test_verdict_fails_a_run_whose_planned_disturbances_did_not_happen() -> None:
     s = Scenario(name="planned", intents=100, kills=6, fault_rate=0.05, ledger_blips=3, rotate_secret_at=0.25)
     assert verdict(clean_run(s)) == []
-    cases = {
+    cases: dict[str, dict[str, Any]] = {
         "0 of the 6 planned kills happened": {"child_kills": 0},
         "5 of the 6 planned kills happened": {"child_kills": 3, "worker_kills": 2},
         "planned faults never applied: slow": {"faults_by_kind": {k: 1 for k in HTTP_FAULTS if k != "slow"}},
@@ -204,7 +205,7 @@ def test_drill_flush_counts_sent_records_on_their_shelves_too() -> None:
 def test_a_missing_service_fails_the_test_unless_skips_are_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.delenv("IDEMMAIL_TEST_ALLOW_SKIPS", raising=False)
-    with pytest.raises(BaseException) as caught:  # noqa: PT011 - a skip is the failure this test looks for
+    with pytest.raises(BaseException) as caught:  # a skip is the failure this looks for
         service_missing("redis", ConnectionError("refused"))
     assert caught.type is pytest.fail.Exception, caught.type
     monkeypatch.setenv("IDEMMAIL_TEST_ALLOW_SKIPS", "1")
@@ -218,7 +219,7 @@ def test_a_missing_service_fails_the_test_unless_skips_are_allowed(monkeypatch: 
 def test_a_missing_program_fails_the_test(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("IDEMMAIL_TEST_ALLOW_SKIPS", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no openssl here
-    with pytest.raises(BaseException) as caught:  # noqa: PT011 - a skip is the failure this test looks for
+    with pytest.raises(BaseException) as caught:  # a skip is the failure this looks for
         require_program("openssl")
     assert caught.type is pytest.fail.Exception, caught.type
 
