@@ -72,7 +72,7 @@ def judged(provider: HTTPFake, s: Scenario) -> Result:
     delivered = provider.deliveries_by_key()
     r.deliveries = sum(delivered.values())
     r.duplicates = sum(n - 1 for n in delivered.values() if n > 1)
-    r.deduped, r.deduped_unexplained, r.ambiguous_faults = provider.deduped(set(), None)
+    r.deduped, r.deduped_unexplained, r.ambiguous_faults = provider.deduped()
     return r
 
 
