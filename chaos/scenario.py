@@ -156,8 +156,8 @@ class Result:
     faults_by_kind: dict[str, int] = field(default_factory=dict)
     posts: int = 0
     suppressed: int = 0
-    #: Requests the provider answered from its memory of the key (see :data:`DEDUPED_OUTCOMES`); the
-    #: drills' requests for intents whose record was flushed, after the flush, are judged by the drill.
+    #: Requests the provider answered from its memory of the key (see :data:`DEDUPED_OUTCOMES`); in a
+    #: drill, those before the flush (the drill's own rules judge the rest).
     deduped: int = 0
     #: Of those, the ones under keys that no ambiguous fault hit (a kill or an overlapping copy must explain them).
     deduped_unexplained: int = 0
