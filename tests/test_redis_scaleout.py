@@ -1,8 +1,8 @@
 """The Redis ledger on a real 3-node Redis Cluster and behind a real Sentinel, all on loopback.
 
 The fixtures start ``redis-server`` processes on free ports in a temporary directory
-(cluster mode, no persistence) and always stop them. With CI=true a missing
-``redis-server``/``redis-cli`` binary fails the tests instead of skipping them.
+(cluster mode, no persistence) and always stop them. A missing ``redis-server``/``redis-cli``
+binary fails the tests (see ``service_missing`` in conftest.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ pool is raised to the concurrency (see docs/deployment.md, "Pools"); the claim r
 renewal run once more per ledger, Redis and PostgreSQL (psycopg, which waits through gevent's hub
 once Celery has patched the standard library).
 
-gevent is a test dependency: with ``CI=true`` a missing one fails the run instead of skipping.
+gevent is a test dependency: a missing one fails the run (see ``require_module`` in conftest.py).
 """
 
 from __future__ import annotations
