@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ._common import logsafe
+
 log = logging.getLogger("idemmail_celery")
 
 LEDGER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -202,7 +204,7 @@ class RecordsCollector:
                 stats = ledger.stats()  # one pipeline (Redis) or one GROUP BY (SQL)
                 counts = {s: int(stats.get(s, 0)) for s in RECORD_STATES}
             except Exception as exc:
-                log.warning("idemmail metrics: cannot count ledger records: %s", exc)
+                log.warning("idemmail metrics: cannot count ledger records: %s", logsafe(exc))
                 counts = None
             self._cached = (time.monotonic(), counts)
             return counts

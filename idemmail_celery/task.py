@@ -53,6 +53,7 @@ from ._common import (
     TENANT_HEADER,
     VERDICT_HEADER,
     chain_headers,
+    logsafe,
     transport_visibility_timeout,
 )
 from .config import Settings
@@ -489,7 +490,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ignored = sorted(k for k in headers if k != KEY_HEADER and (k in SEALED_HEADERS or k == KEY_MARK_HEADER))
         if ignored:
             log.warning("idemmail: task %s[%s] carries headers the library did not seal for it (%s: %s); they are "
-                        "ignored", self.name, self.request.id, check.value, ", ".join(ignored))
+                        "ignored", logsafe(self.name), logsafe(self.request.id), check.value, ", ".join(ignored))
         return untrusted_removed(headers)
 
     def _claim_key(self, payload: Payload, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
@@ -639,7 +640,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         log.log(logging.ERROR if waited > SECRET_WAIT_ERROR_SECONDS else logging.WARNING,
                 "idemmail: task %s[%s] is sealed under a key secret this worker does not have (a newer "
                 "idemmail_key_secret, or one removed too early: put it back in the list); it has waited %.0f s "
-                "for a worker that has it", running.name, running.request.id, waited)
+                "for a worker that has it", logsafe(running.name), logsafe(running.request.id), waited)
         countdown = min(self.policy.inflight_backoff_max, self._countdown_cap() or 60.0)
         self._publish_again(countdown, headers, "waiting for the key secret", TransientSendError(
             "sealed under an unknown key secret", reason="unknown_key_secret"), as_received=True, running=running)
@@ -811,8 +812,8 @@ def _report_at_start(sender: Any = None, instance: Any = None, **_: Any) -> None
     for name, exc in problems:
         if isinstance(exc, LedgerError):  # the store is down now: the first claim finds out again
             log.error("idemmail: start-up check of %s failed (%s: %s): start the ledger's store or correct "
-                      "idemmail_ledger_url; messages wait until it answers", name, type(exc).__name__,
-                      scrub(str(exc))[:300])
+                      "idemmail_ledger_url; messages wait until it answers", logsafe(name), type(exc).__name__,
+                      logsafe(scrub(str(exc))[:300]))
         else:  # said once per process: pool children forked after this do not say it again per message
             say_setup_error_once(exc, f"start-up check of {name} failed")
     if problems and app is not None:

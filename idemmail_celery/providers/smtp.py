@@ -86,6 +86,7 @@ import ssl
 from typing import Any, NoReturn
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from .._common import logsafe
 from ..email import EmailMessage, message_id_for, split_address
 from ..errors import AmbiguousSendError, ConfigurationError, PermanentSendError, SendError, TransientSendError
 from ..redaction import scrub, scrubbed
@@ -254,7 +255,7 @@ class SMTPProvider(Provider):
         extra: dict[str, Any] = {"smtp_reply": reply}
         if refused:
             extra["refused"] = refused
-            log.warning("idemmail smtp: %s sent, but %d of %d recipient(s) refused: %s", key, len(refused),
+            log.warning("idemmail smtp: %s sent, but %d of %d recipient(s) refused: %s", logsafe(key), len(refused),
                         len(recipients), ", ".join(f"#{r['index']} {r['code']}" for r in refused))
         return SendResult(message_id=message_id, provider=self.name, extra=extra)
 
@@ -446,7 +447,8 @@ def _refuse_before_data(command: str, code: int, reply: bytes, key: str) -> NoRe
 def _log_auth_failure_once(message: str) -> None:
     if not first_time("auth:smtp"):
         return
-    log.error("idemmail smtp: %s; sends are retried (then parked as failed) until the credentials are fixed", message)
+    log.error("idemmail smtp: %s; sends are retried (then parked as failed) until the credentials are fixed",
+              logsafe(message))
 
 
 def _dot_stuff(raw: bytes) -> bytes:
