@@ -937,7 +937,7 @@ def setup_fix(exc: BaseException) -> str:
     if isinstance(exc, ImportError):
         return f"install the missing module {missing or ''} (or repair the install), then restart the worker"
     if isinstance(exc, ConfigurationError):
-        return f"fix the configuration ({scrub(str(exc))[:300]}), then restart the worker"
+        return "fix the configuration as it says, then restart the worker"
     return "a defect or a broken install: see the traceback, fix it and restart the worker"
 
 

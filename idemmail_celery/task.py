@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -129,6 +130,28 @@ class Rescheduled(Retry):  # type: ignore[misc]
         return repr(self.exc) if self.exc is not None else f"Rescheduled({self.message!r})"
 
 
+class _ToldOf(type):
+    def __instancecheck__(cls, instance: Any) -> bool:
+        try:
+            return instance in _told
+        except TypeError:  # not weak-referenceable: never one of ours
+            return False
+
+
+class Reported(metaclass=_ToldOf):
+    """Matches (``isinstance``) an error ending a delivery whose outcome the library has logged already: a
+    parked, failed, refused or replayed intent (its ``idemmail outcome`` line, at WARNING for ``review``).
+
+    In every ``IdempotentTask``'s ``throws``, so Celery logs such an error at INFO ("raised expected",
+    no traceback) instead of at ERROR with one: a parked send is one WARNING line, not an error. Any
+    other error, of whatever class, is still "raised unexpected", as is an intent given up on
+    (``ledger_unavailable_gave_up``, whose outcome line is an ERROR of its own).
+    """
+
+
+_told: weakref.WeakSet[BaseException] = weakref.WeakSet()
+
+
 class IdempotentTask(Task):  # type: ignore[misc]
     """Base class for tasks whose side effect must happen once per intent.
 
@@ -171,6 +194,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     abstract = True
     acks_late = True
     reject_on_worker_lost = True
+    throws: tuple[type, ...] = (Reported,)
 
     idempotency_key: KeySpec = None
     idempotency_tenant: str | None = None
@@ -369,8 +393,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Register the task for redaction on every publish path (:mod:`idemmail_celery.redaction`)."""
+        """Register the task for redaction on every publish path (:mod:`idemmail_celery.redaction`), and keep
+        :class:`Reported` in its ``throws``."""
         super().on_bound(app)
+        if Reported not in cls.throws:  # a task's own throws=(...) adds to the library's
+            cls.throws = (*cls.throws, Reported)
         name = cls.name
         if name:
             def redacts() -> bool:
@@ -565,6 +592,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             assert isinstance(step.error, Exception)
             self._publish_again(step.countdown, _chain(headers, step.carry, keep=True), why, step.error)
         assert step.error is not None
+        if step.outcome is not Outcome.LEDGER_GAVE_UP:  # reported by the handler: see Reported
+            _told.add(step.error)
         raise step.error
 
     def retry(self, args: Any = None, kwargs: Any = None, exc: Any = None, throw: bool = True,

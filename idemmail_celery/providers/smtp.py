@@ -184,7 +184,10 @@ class SMTPProvider(Provider):
         explicit = password if password is not None else api_key
         if self.username is None:
             if explicit is not None:
-                raise ConfigurationError("an SMTP password was given but the URL names no user (smtp://user@host)")
+                # No "user@host" example: error texts are scrubbed of anything shaped like an address.
+                raise ConfigurationError("an SMTP password was given (idemmail_provider_api_key) but the URL names no "
+                                         "user to log in as: put the user name in the URL, before the host and an "
+                                         "'@', or give no password to send without AUTH")
             return None  # IDEMMAIL_SMTP_PASSWORD may be meant for another provider; no user, no AUTH
         chosen = explicit if explicit is not None else os.environ.get(PASSWORD_ENV)
         if not chosen:
