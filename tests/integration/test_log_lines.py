@@ -1,0 +1,89 @@
+"""Issue 35, item 7: what a real worker's log says about a parked send, and about a provider it cannot build.
+
+An operator reads the worker's log (what ``celery worker`` writes, captured here from its output): a send
+parked for review is the library's one WARNING outcome line, not an ERROR with a traceback; a provider the
+worker cannot build is one clear ERROR line before ``ready.`` that names the setting and no secret.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from idemmail_celery.errors import SendNeedsReview
+from idemmail_celery.ledger import State, from_url
+
+from ..conftest import REDIS_URL, wait_for
+from .conftest import ROOT, Sink
+
+#: A Celery worker log line: ``[2026-11-27 15:40:00,123: WARNING/ForkPoolWorker-1] ...``.
+_LEVEL = re.compile(r"^\[[^\]]*: (DEBUG|INFO|WARNING|ERROR|CRITICAL)/")
+
+
+def level(line: str) -> str | None:
+    found = _LEVEL.match(line)
+    return found.group(1) if found else None
+
+
+@pytest.mark.parametrize("pool", [["-P", "prefork", "-c", "2"], ["-P", "threads", "-c", "8"]],
+                         ids=["prefork", "threads"])
+def test_a_parked_send_is_one_warning_line_without_an_error_or_a_traceback(
+    app_module: Any, ns: str, sink: Sink, start_worker: Any, pool: list[str]
+) -> None:
+    worker = start_worker(*pool)
+    sink.push_failure("ambiguous")  # sent, then a timeout: the outcome cannot be known, so it is parked
+    ar = app_module.send.delay("ann@example.com", 35)
+    with pytest.raises(SendNeedsReview):
+        ar.get(timeout=60)
+    # Celery's own line about the task's end comes last: wait for it before reading the log.
+    wait_for(lambda: re.search(rf"{ar.id}\] raised".encode(), worker.log()), timeout=30)
+    log = worker.log().decode(errors="replace")
+    about = [line for line in log.splitlines() if ar.id in line]
+    warnings = [line for line in about if level(line) == "WARNING"]
+    assert len(warnings) == 1 and "idemmail outcome status=review" in warnings[0], about
+    assert [line for line in log.splitlines() if level(line) in ("ERROR", "CRITICAL")] == []
+    assert "Traceback" not in log and "raised unexpected" not in log
+    assert len(sink.deliveries()) == 1
+    ledger = from_url(REDIS_URL, prefix=f"led.{ns}")
+    record = ledger.get(app_module.send.intent_key("ann@example.com", 35))
+    assert record is not None and record.state is State.REVIEW
+
+
+def test_a_worker_whose_provider_cannot_be_built_says_which_setting_before_ready_and_can_refuse_to_start(
+    worker_env: dict[str, str], start_worker: Any, tmp_path: Path
+) -> None:
+    # An SMTP URL without a user, and an API key: every send would fail. Before, the start-up line read
+    # "... but the URL names no user (smtp:<address>)" twice (the example was scrubbed as an address).
+    secret = "sekrit-4f1c9e"
+    worker_env.update(IDEMMAIL_TEST_PROVIDER="smtp://127.0.0.1:2525", IDEMMAIL_TEST_PROVIDER_KEY=secret)
+    log = start_worker("-P", "solo").log().decode(errors="replace")
+    ready = log.index("ready.")
+    errors = [line for line in log[:ready].splitlines() if level(line) == "ERROR"]
+    assert len(errors) == 1, errors
+    line = errors[0]
+    assert "start-up check of idemmail_celery.send_email failed" in line
+    assert "idemmail_provider_url (smtp://...) cannot be used" in line and "names no user" in line
+    assert "<address>" not in line and line.count("names no user") == 1
+    assert secret not in log
+    out = tmp_path / "refusing.log"
+    with open(out, "wb") as sink_log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.integration.workerapp", "worker", "-P", "solo",
+             "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
+            cwd=ROOT, env={**worker_env, "IDEMMAIL_TEST_REFUSE_TO_START": "1"},
+            stdout=sink_log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            time.sleep(0)
+    text = out.read_text(errors="replace")
+    assert code != 0 and "refusing to start" in text and "ready." not in text
+    assert "idemmail_provider_url (smtp://...) cannot be used" in text and secret not in text
