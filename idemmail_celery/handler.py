@@ -954,7 +954,7 @@ def say_setup_error_once(exc: BaseException, what: str = "tasks cannot be set up
         _said_setup.add(problem)
     log.error("idemmail: %s (%s: %s): %s; messages wait on the outage budget (idemmail_outage_max_retries) "
               "and are sent once it is fixed", logsafe(what), type(exc).__name__, logsafe(scrub(str(exc))[:300]),
-              setup_fix(exc),
+              logsafe(setup_fix(exc)),
               exc_info=not isinstance(exc, (ConfigurationError, ImportError)))
 
 

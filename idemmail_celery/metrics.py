@@ -165,7 +165,7 @@ def broken(exc: BaseException) -> None:
         first, _broken, active = not _broken, True, None
     if first:
         log.error("idemmail metrics: prometheus_client failed (%s: %s); metrics are OFF in process %d, "
-                  "sends go on. Check PROMETHEUS_MULTIPROC_DIR (%s)", type(exc).__name__, exc, os.getpid(),
+                  "sends go on. Check PROMETHEUS_MULTIPROC_DIR (%s)", type(exc).__name__, logsafe(exc), os.getpid(),
                   multiprocess_dir() or "unset")
 
 
@@ -275,7 +275,7 @@ def prepare_worker(*, port: int, pool: str) -> bool:
     try:
         enable()
     except Exception as exc:
-        log.error("idemmail metrics: cannot enable them (%s); metrics are OFF for this worker", exc)
+        log.error("idemmail metrics: cannot enable them (%s); metrics are OFF for this worker", logsafe(exc))
         return False
     if "prefork" in pool and not path:
         log.warning("idemmail metrics: a prefork worker counts in its pool processes; set "
@@ -292,7 +292,7 @@ def _on_process_shutdown(pid: int | None = None, **_: Any) -> None:
         try:  # removes the process's live-gauge files only; its counters stay (and count)
             multiprocess.mark_process_dead(pid or os.getpid(), path)  # type: ignore[no-untyped-call]
         except Exception as exc:
-            log.warning("idemmail metrics: mark_process_dead failed: %s", exc)
+            log.warning("idemmail metrics: mark_process_dead failed: %s", logsafe(exc))
 
 
 def _connect() -> None:

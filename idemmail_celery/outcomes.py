@@ -214,7 +214,7 @@ def configure_metrics(app: Any, worker: Any) -> None:
     try:
         settings = Settings.resolve(app.conf)
     except Exception as exc:  # a bad setting elsewhere is the task's to report; metrics stay off
-        log.error("idemmail metrics: settings could not be read (%s); metrics are OFF for this worker", exc)
+        log.error("idemmail metrics: settings could not be read (%s); metrics are OFF for this worker", logsafe(exc))
         return
     port = settings.metrics_port
     if not (settings.metrics or port):
@@ -225,7 +225,7 @@ def configure_metrics(app: Any, worker: Any) -> None:
         try:
             metrics.serve(port, settings.metrics_addr, app_ledger(app))
         except Exception as exc:
-            log.error("idemmail metrics: cannot serve /metrics on port %d: %s", port, exc)
+            log.error("idemmail metrics: cannot serve /metrics on port %d: %s", port, logsafe(exc))
 
 
 def app_ledger(app: Any) -> Callable[[], Any]:

@@ -588,8 +588,8 @@ def handle_webhook(
     ignored = 0
     for event in _events(provider, data):
         if event.get("Type") == "SubscriptionConfirmation":
-            logger.warning("idemmail: SNS asks to confirm a subscription to %r: visit %r",
-                           event.get("TopicArn"), event.get("SubscribeURL"))
+            logger.warning("idemmail: SNS asks to confirm a subscription to %s: visit %s",
+                           logsafe(event.get("TopicArn")), logsafe(event.get("SubscribeURL")))
         try:
             record = reconcile(event, ledger=ledger, provider=provider)
         except RecordNotFoundError as exc:

@@ -183,7 +183,7 @@ class ReviewQueueAdmin(admin.ModelAdmin):
             raise Http404("no such action")
         outcome, perm, _ = ACTIONS[action]
         if not request.user.has_perm(perm):
-            audit.warning("idemmail admin: %s on %s refused: %s lacks %s", action, key,
+            audit.warning("idemmail admin: %s on %s refused: %s lacks %s", action, logsafe(key),
                           logsafe(request.user.get_username()), perm)
             raise PermissionDenied
         note = request.POST.get("note", "").strip()
@@ -202,10 +202,10 @@ class ReviewQueueAdmin(admin.ModelAdmin):
                 done += " (re-enqueued)" if action == "release" else ""
         except (OperatorError, PayloadKeyError) as exc:
             why = EXIT_CODES[exc.code].split(":")[0] if isinstance(exc, OperatorError) else "payload key missing"
-            audit.warning("idemmail admin: %s on %s by %s refused (%s)", action, key, logsafe(actor), why)
+            audit.warning("idemmail admin: %s on %s by %s refused (%s)", action, logsafe(key), logsafe(actor), why)
             messages.error(request, str(exc))
             return back
-        audit.info("idemmail admin: %s on %s by %s: %s", action, key, logsafe(actor), done)
+        audit.info("idemmail admin: %s on %s by %s: %s", action, logsafe(key), logsafe(actor), done)
         messages.success(request, f"{key}: {done}")
         return back
 

@@ -533,7 +533,8 @@ class RedisLedger(Ledger):
         except LedgerUnavailableError:
             raise
         except LedgerError as exc:
-            log.warning("idemmail: cannot read the Redis version (%s); this ledger needs Redis 7.0 or later", exc)
+            log.warning("idemmail: cannot read the Redis version (%s); this ledger needs Redis 7.0 or later",
+                        logsafe(exc))
             return
         found = [info] if "redis_version" in info else [v for v in info.values() if isinstance(v, dict)]
         for node in found:
