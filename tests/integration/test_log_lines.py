@@ -8,9 +8,6 @@ worker cannot build is one clear ERROR line before ``ready.`` that names the set
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +17,7 @@ from idemmail_celery.errors import SendNeedsReview
 from idemmail_celery.ledger import State, from_url
 
 from ..conftest import REDIS_URL, wait_for
-from .conftest import ROOT, Sink
+from .conftest import Sink, refusing_worker
 
 #: A Celery worker log line: ``[2026-11-27 15:40:00,123: WARNING/ForkPoolWorker-1] ...``.
 _LEVEL = re.compile(r"^\[[^\]]*: (DEBUG|INFO|WARNING|ERROR|CRITICAL)/")
@@ -71,19 +68,6 @@ def test_a_worker_whose_provider_cannot_be_built_says_which_setting_before_ready
     assert "idemmail_provider_url (smtp://...) cannot be used" in line and "names no user" in line
     assert "<address>" not in line and line.count("names no user") == 1
     assert secret not in log
-    out = tmp_path / "refusing.log"
-    with open(out, "wb") as sink_log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.integration.workerapp", "worker", "-P", "solo",
-             "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
-            cwd=ROOT, env={**worker_env, "IDEMMAIL_TEST_REFUSE_TO_START": "1"},
-            stdout=sink_log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        code = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            time.sleep(0)
-    text = out.read_text(errors="replace")
+    code, text = refusing_worker(worker_env, tmp_path / "refusing.log")
     assert code != 0 and "refusing to start" in text and "ready." not in text
     assert "idemmail_provider_url (smtp://...) cannot be used" in text and secret not in text
