@@ -16,7 +16,7 @@ import pytest
 from idemmail_celery.errors import SendNeedsReview
 from idemmail_celery.ledger import State, from_url
 
-from ..conftest import REDIS_URL, wait_for
+from ..conftest import REDIS_URL, require_module, wait_for
 from .conftest import Sink, refusing_worker
 
 #: A Celery worker log line: ``[2026-11-27 15:40:00,123: WARNING/ForkPoolWorker-1] ...``.
@@ -28,28 +28,38 @@ def level(line: str) -> str | None:
     return found.group(1) if found else None
 
 
-@pytest.mark.parametrize("pool", [["-P", "prefork", "-c", "2"], ["-P", "threads", "-c", "8"]],
-                         ids=["prefork", "threads"])
-def test_a_parked_send_is_one_warning_line_without_an_error_or_a_traceback(
-    app_module: Any, ns: str, sink: Sink, start_worker: Any, pool: list[str]
+POOLS = {"prefork": ["-P", "prefork", "-c", "2"], "threads": ["-P", "threads", "-c", "20"],
+         "gevent": ["-P", "gevent", "-c", "100"]}
+
+
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_parked_sends_are_one_warning_line_each_without_an_error_or_a_traceback(
+    app_module: Any, ns: str, sink: Sink, start_worker: Any, pool: str
 ) -> None:
-    worker = start_worker(*pool)
-    sink.push_failure("ambiguous")  # sent, then a timeout: the outcome cannot be known, so it is parked
-    ar = app_module.send.delay("ann@example.com", 35)
-    with pytest.raises(SendNeedsReview):
-        ar.get(timeout=60)
-    # Celery's own line about the task's end comes last: wait for it before reading the log.
-    wait_for(lambda: re.search(rf"{ar.id}\] raised".encode(), worker.log()), timeout=30)
+    if pool == "gevent":
+        require_module("gevent")
+    worker = start_worker(*POOLS[pool])
+    orders = range(350, 358)
+    for _ in range(2 * len(orders)):  # more than the sends: each takes one, racing the others
+        sink.push_failure("ambiguous")  # sent, then a timeout: the outcome cannot be known, so it is parked
+    ars = [app_module.send.delay("ann@example.com", n) for n in orders]
+    for ar in ars:
+        with pytest.raises(SendNeedsReview):
+            ar.get(timeout=60)
+    # Celery's own line about a task's end comes last: wait for them before reading the log.
+    wait_for(lambda: all(re.search(rf"{ar.id}\] raised".encode(), worker.log()) for ar in ars), timeout=30)
     log = worker.log().decode(errors="replace")
-    about = [line for line in log.splitlines() if ar.id in line]
-    warnings = [line for line in about if level(line) == "WARNING"]
-    assert len(warnings) == 1 and "idemmail outcome status=review" in warnings[0], about
+    for ar in ars:
+        about = [line for line in log.splitlines() if ar.id in line]
+        warnings = [line for line in about if level(line) == "WARNING"]
+        assert len(warnings) == 1 and "idemmail outcome status=review" in warnings[0], about
     assert [line for line in log.splitlines() if level(line) in ("ERROR", "CRITICAL")] == []
     assert "Traceback" not in log and "raised unexpected" not in log
-    assert len(sink.deliveries()) == 1
+    assert len(sink.deliveries()) == len(orders)
     ledger = from_url(REDIS_URL, prefix=f"led.{ns}")
-    record = ledger.get(app_module.send.intent_key("ann@example.com", 35))
-    assert record is not None and record.state is State.REVIEW
+    for n in orders:
+        record = ledger.get(app_module.send.intent_key("ann@example.com", n))
+        assert record is not None and record.state is State.REVIEW
 
 
 def test_a_worker_whose_provider_cannot_be_built_says_which_setting_before_ready_and_can_refuse_to_start(
