@@ -145,3 +145,27 @@ def transport_visibility_timeout(app: Any) -> float | None:
         return float(value)
     except Exception:  # an unusual conf object: no cap rather than a crash on the task path
         return None
+
+
+# -- log lines: what an outsider's text may not do to them --
+
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def quoted(text: str) -> str:
+    """``text`` in double quotes, with quotes, backslashes and every unprintable character escaped."""
+    return '"' + "".join(_ESCAPES.get(c) or (c if c.isprintable() else f"\\x{ord(c):02x}") for c in text) + '"'
+
+
+def logsafe(value: object) -> str:
+    """``value`` as a log or audit line may show it: as it is when it is printable text without quotes or
+    backslashes, else :func:`quoted` (so it spans one line and cannot pass for a line of its own).
+
+    Every value a log call takes from outside the library's own code (keys, task names and ids, message
+    ids, event types, user names, texts quoted from a webhook or a store) goes through it: a newline in
+    one would otherwise write a second, well-formed line saying whatever its author chose.
+    """
+    text = str(value)
+    if text.isprintable() and '"' not in text and "\\" not in text:
+        return text
+    return quoted(text)

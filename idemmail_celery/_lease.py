@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ._common import after_fork
+from ._common import after_fork, logsafe
 from .ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -86,11 +86,11 @@ class LeaseKeeper:
     def _renew(self, h: _Held) -> None:
         try:
             if not h.ledger.renew(h.key, h.token, h.lease_seconds):
-                log.warning("idemmail: lease on %s lost to another holder (token %s)", h.key, h.token)
+                log.warning("idemmail: lease on %s lost to another holder (token %s)", logsafe(h.key), h.token)
                 self.drop(h.ledger, h.key, h.token)
         except Exception as exc:  # any error: keep the claim and try again soon, well within the lease
-            log.warning("idemmail: could not renew lease on %s (%s: %s); trying again", h.key,
-                        type(exc).__name__, exc)
+            log.warning("idemmail: could not renew lease on %s (%s: %s); trying again", logsafe(h.key),
+                        type(exc).__name__, logsafe(exc))
             with self._cond:
                 h.due = min(h.due, time.monotonic() + min(h.lease_seconds / 6, 2.0))
 

@@ -48,7 +48,7 @@ from celery import Celery
 from celery.beat import PersistentScheduler
 from celery.schedules import schedstate, schedule
 
-from ._common import KEY_HEADER, SLOT_HEADER
+from ._common import KEY_HEADER, SLOT_HEADER, logsafe
 from .errors import IdemmailError, InvalidEmail
 from .keys import untrusted_removed
 from .redaction import scrub
@@ -336,7 +336,7 @@ def send_digest(
         except InvalidEmail as exc:
             # InvalidEmail never quotes the address; scrubbed all the same, as every text that reaches a log.
             reason = scrub(str(exc), (str(recipient), *str(recipient).rpartition("@")[::2]))
-            log.error("idemmail: digest %s: skipping recipient #%d: %s", event_id, position, reason)
+            log.error("idemmail: digest %s: skipping recipient #%d: %s", logsafe(event_id), position, logsafe(reason))
             invalid.append({"position": position, "reason": reason})
             continue
         publish = dict(options or {})

@@ -42,6 +42,7 @@ from ._common import (
     VERDICT_HEADER,
     backoff,
     chain_headers,
+    logsafe,
     transport_visibility_timeout,
 )
 from ._lease import keeper
@@ -309,7 +310,7 @@ def _send_campaign(
             batch = send_batch(handler, chunk, owner=claimant, last=last)
         except Exception as exc:  # the ledger failed (or worse): nothing more sent; this pass's claims are ours
             if not isinstance(exc, LedgerError):
-                log.exception("idemmail: campaign %s batch failed; retrying the campaign", campaign_id)
+                log.exception("idemmail: campaign %s batch failed; retrying the campaign", logsafe(campaign_id))
             raise _again(self, policy, exc, owners, pending_verdicts, passes, resumed) from exc
         if at is None:
             for d, outcome in zip(chunk, batch.outcomes(), strict=True):
@@ -331,7 +332,7 @@ def _send_campaign(
         try:
             self.update_state(state="PROGRESS", meta=progress)
         except Exception as exc:  # progress is best effort: a result backend blip must not stop the campaign
-            log.warning("idemmail: campaign %s progress not stored: %s", campaign_id, type(exc).__name__)
+            log.warning("idemmail: campaign %s progress not stored: %s", logsafe(campaign_id), type(exc).__name__)
 
     if pending_verdicts or (tally[Outcome.PENDING] and not last):
         # Verdicts of this campaign's own sends are never given up on (the outage budget aside):
@@ -339,7 +340,7 @@ def _send_campaign(
         raise _again(self, policy, None, owners, pending_verdicts, passes, resumed)
     if tally[Outcome.PENDING]:  # held by other deliveries after MAX_PASSES: theirs to settle
         log.warning("idemmail: campaign %s leaves %d recipients to the deliveries holding them after %d passes",
-                    campaign_id, tally[Outcome.PENDING], passes)
+                    logsafe(campaign_id), tally[Outcome.PENDING], passes)
     return {"campaign_id": campaign_id, "total": len(deliveries),
             **{o.value: tally[o] for o in (Outcome.SENT, Outcome.DUPLICATE, Outcome.FAILED, Outcome.REVIEW,
                                             Outcome.PENDING)}}
@@ -515,7 +516,7 @@ def _trusted(task: Task, sender: SendEmailTask) -> dict[str, Any]:
     ignored = sorted(k for k in headers if k in SEALED_HEADERS or k == KEY_MARK_HEADER)
     if ignored:
         log.warning("idemmail: campaign %s carries pass state the library did not seal for it (%s: %s); it is "
-                    "ignored", task.request.id, check.value, ", ".join(ignored))
+                    "ignored", logsafe(task.request.id), check.value, ", ".join(ignored))
     return untrusted_removed(headers, keep=())
 
 

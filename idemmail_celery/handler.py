@@ -52,7 +52,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ._ahead import writing_ahead
-from ._common import INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff
+from ._common import INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff, logsafe
 from ._lease import keeper
 from .errors import (
     SEND_ERRORS,
@@ -401,7 +401,7 @@ class Handler:
         except LedgerError as exc:
             raise LedgerUnavailableError(f"rotation clean-up of {d.key} failed: {exc}") from exc
         except NotImplementedError:  # a ledger without withdraw: its lease runs out, the reclaim rules decide
-            log.warning("idemmail: %s: %s cannot withdraw a claim; it is left to its lease", d.key,
+            log.warning("idemmail: %s: %s cannot withdraw a claim; it is left to its lease", logsafe(d.key),
                         type(self.ledger.backend).__name__)
 
     def cross_check(self, d: Delivery, claim: Claim) -> Step | None:
@@ -443,7 +443,7 @@ class Handler:
             # Still held, never run: the next delivery takes it back or drops it (see unchecked).
             return self.unavailable(d, exc, carry=_held(d, claim.record.owner))
         log.warning("idemmail: %s: another delivery claimed the same intent under another key of a key-secret "
-                    "rotation (%s) meanwhile; this claim is withdrawn unsent", d.key, other)
+                    "rotation (%s) meanwhile; this claim is withdrawn unsent", logsafe(d.key), logsafe(other))
         return self.in_flight(d, record)
 
     def unchecked(self, d: Delivery, claim: Claim, exc: Exception) -> Step:
@@ -611,14 +611,14 @@ class Handler:
             except StaleTokenError as exc:
                 # Our lease was taken over while we ran; the newer holder's record wins. If it also
                 # sent (no key downstream), the intent went out twice: said loudly.
-                log.error("idemmail: %s completed after losing its lease: %s", key, exc)
+                log.error("idemmail: %s completed after losing its lease: %s", logsafe(key), logsafe(exc))
                 unrecorded = "lease_lost"
                 break
             except LedgerError as exc:
                 if attempt < COMPLETE_ATTEMPTS and isinstance(exc, LedgerUnavailableError):
                     time.sleep(0.1 * 2 ** attempt)
                     continue
-                log.error("idemmail: %s was sent but could not be recorded yet: %s", key, exc)
+                log.error("idemmail: %s was sent but could not be recorded yet: %s", logsafe(key), logsafe(exc))
                 unrecorded = "unrecorded"
                 break
         outcome = sent_outcome("sent", key, stored, recorded_at or time.time())
@@ -648,13 +648,13 @@ class Handler:
         try:
             move(d.key, claim.token, error)
         except LedgerUnavailableError as exc_ledger:
-            log.error("idemmail: could not record %s for %s yet: %s", state.value, d.key, exc_ledger)
+            log.error("idemmail: could not record %s for %s yet: %s", state.value, logsafe(d.key), logsafe(exc_ledger))
             self.effect.report(outcome, d.key, reason=reason, recorded="false", error=snake(type(exc_ledger).__name__))
             return self.unavailable(d, exc_ledger, carry={
                 OWNER_HEADER: [claim.record.owner], VERDICT_HEADER: {"state": state.value, "error": error}},
                 error=exc)
         except LedgerError as exc_ledger:  # the claim was taken over: the newer holder's record wins
-            log.error("idemmail: could not record %s for %s: %s", state.value, d.key, exc_ledger)
+            log.error("idemmail: could not record %s for %s: %s", state.value, logsafe(d.key), logsafe(exc_ledger))
             self.effect.report(outcome, d.key, reason=reason, recorded="false", error=snake(type(exc_ledger).__name__))
             return Step(outcome, Action.RAISE, d.key, error=exc)
         self.effect.report(outcome, d.key, reason=reason)
@@ -692,7 +692,7 @@ class Handler:
         except (LedgerUnavailableError, UnsafeLedgerError) as exc:  # the next delivery tries again
             return self.unavailable(d, exc)
         except LedgerError as exc:  # changed meanwhile (an operator's decision): the record as it is stands
-            log.warning("idemmail: %s: the verdict could not be recorded over its review (%s)", record.key,
+            log.warning("idemmail: %s: the verdict could not be recorded over its review (%s)", logsafe(record.key),
                         type(exc).__name__)
             return None
         self.effect.report(Outcome.SENT, record.key, message_id=stored.get("message_id"), reason="verdict_confirmed")
@@ -712,7 +712,7 @@ class Handler:
         try:
             move()
         except LedgerError as exc:
-            log.warning("idemmail: a ledger move failed (%s: %s)", type(exc).__name__, exc)
+            log.warning("idemmail: a ledger move failed (%s: %s)", type(exc).__name__, logsafe(exc))
             landed = {"recorded": "false", "error": snake(type(exc).__name__)}
         if report is not None:
             report(**landed)
@@ -781,7 +781,7 @@ class Handler:
 
     def fail_open(self, d: Delivery, exc: Exception) -> Step:
         """``fail_open``: run the side effect without a claim (at-least-once, by the operator's choice)."""
-        log.warning("idemmail: fail_open: running %s without a claim", d.key)
+        log.warning("idemmail: fail_open: running %s without a claim", logsafe(d.key))
         reason = snake(type(exc).__name__)
         try:
             value = self.effect.perform(d.payload, d.key)
@@ -809,7 +809,7 @@ class Handler:
                 # store marks a takeover from a holder that made no promise, so that one made it too (if this
                 # chain's reclaimer ran this release: an earlier one's owner has no ':ahead:' and wrote no mark).
                 log.warning("idemmail: %s reclaimed after an expired lease; its holder had not begun the "
-                            "send (no write-ahead mark): sending it now", d.key)
+                            "send (no write-ahead mark): sending it now", logsafe(d.key))
                 return None
             found = self.reconciled(d, record)
             if found is not None:  # the provider has it: record the truth, do not send again
@@ -818,7 +818,7 @@ class Handler:
             if mark is not None:
                 extra["stage"] = mark[AHEAD_FIELD]
         else:
-            log.warning("idemmail: %s reclaimed after an expired lease; resending with the same key", d.key)
+            log.warning("idemmail: %s reclaimed after an expired lease; resending with the same key", logsafe(d.key))
             return None
         reached = f" after its write-ahead mark ({extra['stage']})" if extra else ""
         holder = claim.previous_owner or "the previous holder"
@@ -870,7 +870,7 @@ class Handler:
         try:
             return self.effect.reconcile(d.key, Payload.from_json(record.payload) if record.payload else d.payload)
         except Exception as exc:  # review is the safe answer
-            log.warning("idemmail: reconciling %s failed: %s", d.key, type(exc).__name__)
+            log.warning("idemmail: reconciling %s failed: %s", logsafe(d.key), type(exc).__name__)
             return None
 
     def check_reuse(self, d: Delivery, record: Record) -> Step | None:
@@ -937,7 +937,7 @@ def setup_fix(exc: BaseException) -> str:
     if isinstance(exc, ImportError):
         return f"install the missing module {missing or ''} (or repair the install), then restart the worker"
     if isinstance(exc, ConfigurationError):
-        return f"fix the configuration ({scrub(str(exc))[:300]}), then restart the worker"
+        return "fix the configuration as it says, then restart the worker"
     return "a defect or a broken install: see the traceback, fix it and restart the worker"
 
 
@@ -953,7 +953,8 @@ def say_setup_error_once(exc: BaseException, what: str = "tasks cannot be set up
             return
         _said_setup.add(problem)
     log.error("idemmail: %s (%s: %s): %s; messages wait on the outage budget (idemmail_outage_max_retries) "
-              "and are sent once it is fixed", what, type(exc).__name__, scrub(str(exc))[:300], setup_fix(exc),
+              "and are sent once it is fixed", logsafe(what), type(exc).__name__, logsafe(scrub(str(exc))[:300]),
+              logsafe(setup_fix(exc)),
               exc_info=not isinstance(exc, (ConfigurationError, ImportError)))
 
 
@@ -968,7 +969,7 @@ def _say_unreachable_once(ledger: Ledger, exc: Exception) -> None:
             return
         _said_unreachable.add(id(ledger))
     what = "lost (see the CRITICAL log line)" if isinstance(exc, LedgerLostError) else "unreachable"
-    log.error("idemmail: ledger %s (%s); tasks retry until it is back", what, exc)
+    log.error("idemmail: ledger %s (%s); tasks retry until it is back", what, logsafe(exc))
 
 
 def sent_outcome(status: str, key: str, stored: dict[str, Any], at: float) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from typing import Any
 from celery import Celery, shared_task
 
 from ._common import after_fork
+from .config import Settings
 from .email import EmailMessage
 from .errors import AmbiguousSendError, ConfigurationError, InvalidEmail, PermanentSendError, SendError
 from .keys import Payload as _Payload
@@ -66,6 +67,40 @@ def _forget_providers() -> None:
     global _providers_lock
     _providers.clear()
     _providers_lock = threading.Lock()
+
+
+def provider_url(settings: Settings) -> str:
+    """``idemmail_provider_url``, or :class:`ConfigurationError` when it is not set."""
+    url = settings.provider_url
+    if not url:
+        raise ConfigurationError("set idemmail_provider_url (resend://, https://..., smtp://..., file:///dir, console://)")
+    return str(url)
+
+
+def build_provider(settings: Settings) -> Provider:
+    """The provider ``settings`` name (``idemmail_provider_url`` with ``idemmail_provider_api_key`` and
+    ``idemmail_provider_timeout``), built once per process and credentials.
+
+    What ``send_email`` sends through, and what the worker's start-up check and Django's system checks
+    build, so a provider that cannot be built fails there. Raises :class:`ConfigurationError` naming the
+    setting and the scheme, never the key (nor the URL, which a mistaken one may hold it in).
+    """
+    url = provider_url(settings)
+    api_key = settings.provider_api_key or None
+    # The cache key holds a digest of the API key, never the key itself.
+    cache_key = (url, hashlib.sha256((api_key or "").encode()).hexdigest()[:12])
+    with _providers_lock:
+        provider = _providers.get(cache_key)
+        if provider is None:
+            options: dict[str, Any] = {"api_key": api_key}
+            if settings.provider_timeout:
+                options["timeout"] = float(settings.provider_timeout)
+            try:
+                provider = _providers[cache_key] = provider_from_url(url, **options)
+            except ConfigurationError as exc:
+                scheme = url.partition(":")[0][:20]
+                raise ConfigurationError(f"idemmail_provider_url ({scheme}://...) cannot be used: {exc}") from None
+        return provider
 
 
 #: Arguments whose empty value (``""``, ``[]``, ``{}``) means the same as leaving them out.
@@ -184,12 +219,7 @@ class SendEmailTask(IdempotentTask):
 
     def provider_url(self) -> str:
         """``idemmail_provider_url``, or :class:`ConfigurationError` when it is not set."""
-        url = self.idem_settings.provider_url
-        if not url:
-            raise ConfigurationError(
-                "set idemmail_provider_url (resend://, https://..., smtp://..., file:///dir, console://)"
-            )
-        return str(url)
+        return provider_url(self.idem_settings)
 
     _idem_provider: tuple[Any, Provider] | None = None  # (the settings it was built for, the provider)
 
@@ -204,24 +234,9 @@ class SendEmailTask(IdempotentTask):
         held = self._idem_provider
         if held is not None and held[0] is settings:
             return held[1]
-        provider = self._build_provider(settings)
+        provider = build_provider(settings)
         self._idem_provider = (settings, provider)
         return provider
-
-    def _build_provider(self, settings: Any) -> Provider:
-        url = self.provider_url()
-        api_key = settings.provider_api_key or None
-        # The cache key holds a digest of the API key, never the key itself.
-        secret_id = hashlib.sha256((api_key or "").encode()).hexdigest()[:12]
-        cache_key = (url, secret_id)
-        with _providers_lock:
-            provider = _providers.get(cache_key)
-            if provider is None:
-                options: dict[str, Any] = {"api_key": api_key}
-                if settings.provider_timeout:
-                    options["timeout"] = float(settings.provider_timeout)
-                provider = _providers[cache_key] = provider_from_url(url, **options)
-            return provider
 
     def deliver(self, kwargs: dict[str, Any], key: str) -> dict[str, Any]:
         """Build the message ``kwargs`` describe and send it once under ``key``: the side effect of

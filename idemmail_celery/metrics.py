@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ._common import logsafe
+
 log = logging.getLogger("idemmail_celery")
 
 LEDGER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -163,7 +165,7 @@ def broken(exc: BaseException) -> None:
         first, _broken, active = not _broken, True, None
     if first:
         log.error("idemmail metrics: prometheus_client failed (%s: %s); metrics are OFF in process %d, "
-                  "sends go on. Check PROMETHEUS_MULTIPROC_DIR (%s)", type(exc).__name__, exc, os.getpid(),
+                  "sends go on. Check PROMETHEUS_MULTIPROC_DIR (%s)", type(exc).__name__, logsafe(exc), os.getpid(),
                   multiprocess_dir() or "unset")
 
 
@@ -202,7 +204,7 @@ class RecordsCollector:
                 stats = ledger.stats()  # one pipeline (Redis) or one GROUP BY (SQL)
                 counts = {s: int(stats.get(s, 0)) for s in RECORD_STATES}
             except Exception as exc:
-                log.warning("idemmail metrics: cannot count ledger records: %s", exc)
+                log.warning("idemmail metrics: cannot count ledger records: %s", logsafe(exc))
                 counts = None
             self._cached = (time.monotonic(), counts)
             return counts
@@ -273,7 +275,7 @@ def prepare_worker(*, port: int, pool: str) -> bool:
     try:
         enable()
     except Exception as exc:
-        log.error("idemmail metrics: cannot enable them (%s); metrics are OFF for this worker", exc)
+        log.error("idemmail metrics: cannot enable them (%s); metrics are OFF for this worker", logsafe(exc))
         return False
     if "prefork" in pool and not path:
         log.warning("idemmail metrics: a prefork worker counts in its pool processes; set "
@@ -290,7 +292,7 @@ def _on_process_shutdown(pid: int | None = None, **_: Any) -> None:
         try:  # removes the process's live-gauge files only; its counters stay (and count)
             multiprocess.mark_process_dead(pid or os.getpid(), path)  # type: ignore[no-untyped-call]
         except Exception as exc:
-            log.warning("idemmail metrics: mark_process_dead failed: %s", exc)
+            log.warning("idemmail metrics: mark_process_dead failed: %s", logsafe(exc))
 
 
 def _connect() -> None:

@@ -63,7 +63,7 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, scoped_session
 
-from ._common import KEY_HEADER, after_fork, backoff
+from ._common import KEY_HEADER, after_fork, backoff, logsafe
 from .config import Settings
 from .errors import ConfigurationError
 from .keys import untrusted_removed
@@ -499,7 +499,7 @@ def relay(
         for row, error in failed:
             delay = backoff(row.attempts, retry_backoff, retry_backoff_max)
             log.warning("idemmail outbox: publishing row %s (%s) failed, next try in %.1fs: %s",
-                        row.id, row.task_name, delay, error)
+                        row.id, logsafe(row.task_name), delay, logsafe(error))
             conn.execute(
                 sa.update(t).where(t.c.id == row.id).values(
                     attempts=t.c.attempts + 1,

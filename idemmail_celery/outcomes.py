@@ -39,7 +39,7 @@ from typing import Any
 from celery.signals import worker_init
 
 from . import metrics
-from ._common import after_fork
+from ._common import after_fork, logsafe, quoted
 from .config import Settings
 from .handler import Outcome
 from .ledger import passive_options, shared
@@ -110,7 +110,7 @@ def report(task: Any, status: Outcome | str, key: str, *, message_id: Any = None
                 # task-succeeded names none): this event clears it, and leaves the result to task-succeeded.
                 _event(task, status, key, message_id, reason, attempts, extra, clear_exception=True)
     except Exception:  # pragma: no cover - a broken handler or broker must not change the outcome
-        log.debug("idemmail: reporting %s for %s failed", status, key, exc_info=True)
+        log.debug("idemmail: reporting %s for %s failed", status, logsafe(key), exc_info=True)
 
 
 def clean_reason(reason: Any) -> str:
@@ -144,18 +144,12 @@ def _log(level: int, status: Outcome, name: str, key: str, task_id: str | None, 
     log.log(level, "idemmail outcome %s", line, extra={"idemmail": fields})
 
 
-_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
 def _logfmt(value: Any) -> str:
     """One logfmt value: quoted and escaped when needed, never spanning lines (no forged log lines)."""
     if value is None:
         return "-"
     text = str(value)
-    if not text or any(c in text for c in ' "=\\') or not text.isprintable():
-        escaped = "".join(_ESCAPES.get(c) or (c if c.isprintable() else f"\\x{ord(c):02x}") for c in text)
-        return '"' + escaped + '"'
-    return text
+    return quoted(text) if not text or " " in text or "=" in text else logsafe(text)
 
 
 def _event(task: Any, status: Outcome, key: str, message_id: str | None, reason: str | None, attempts: int,
@@ -220,7 +214,7 @@ def configure_metrics(app: Any, worker: Any) -> None:
     try:
         settings = Settings.resolve(app.conf)
     except Exception as exc:  # a bad setting elsewhere is the task's to report; metrics stay off
-        log.error("idemmail metrics: settings could not be read (%s); metrics are OFF for this worker", exc)
+        log.error("idemmail metrics: settings could not be read (%s); metrics are OFF for this worker", logsafe(exc))
         return
     port = settings.metrics_port
     if not (settings.metrics or port):
@@ -231,7 +225,7 @@ def configure_metrics(app: Any, worker: Any) -> None:
         try:
             metrics.serve(port, settings.metrics_addr, app_ledger(app))
         except Exception as exc:
-            log.error("idemmail metrics: cannot serve /metrics on port %d: %s", port, exc)
+            log.error("idemmail metrics: cannot serve /metrics on port %d: %s", port, logsafe(exc))
 
 
 def app_ledger(app: Any) -> Callable[[], Any]:

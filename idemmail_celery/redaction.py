@@ -46,7 +46,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from ._common import KEY_HEADER, LIBRARY_TASKS
+from ._common import KEY_HEADER, LIBRARY_TASKS, logsafe
 from .errors import SendError
 
 if TYPE_CHECKING:
@@ -345,7 +345,7 @@ def redacts(name: str | None, headers: dict[str, Any]) -> bool:
     try:
         return check()
     except Exception as exc:  # a broken setting: redact (it also fails at apply_async, loudly)
-        log.debug("idemmail: redaction setting for %s failed: %s", name, exc)
+        log.debug("idemmail: redaction setting for %s failed: %s", logsafe(name), logsafe(exc))
         return True
 
 

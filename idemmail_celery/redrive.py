@@ -32,6 +32,7 @@ from typing import Any
 from celery import Task, current_app, shared_task
 from celery.signals import worker_ready, worker_shutdown
 
+from ._common import logsafe
 from .config import Settings
 from .errors import IdemmailError, LedgerError
 from .keys import Payload
@@ -66,7 +67,7 @@ def sweep_stranded(app: Any, *, after_seconds: float, now: float | None = None,
             try:
                 ledger = task.ledger
             except IdemmailError as exc:  # its ledger cannot be opened here (a missing driver, bad settings)
-                log.warning("idemmail: the sweep skips %s, whose ledger cannot be opened (%s)", task.name,
+                log.warning("idemmail: the sweep skips %s, whose ledger cannot be opened (%s)", logsafe(task.name),
                             type(exc).__name__)
                 continue
             ledgers.setdefault(id(ledger), (ledger, {}))[1][task.name] = task
@@ -76,7 +77,7 @@ def sweep_stranded(app: Any, *, after_seconds: float, now: float | None = None,
             republished += _sweep_ledger(ledger, tasks, after_seconds, now, limit - len(republished))
         except LedgerError as exc:  # one ledger down (a task of another service, say) stops no other's sweep
             log.warning("idemmail: the sweep skips a ledger that does not answer (%s: %s); it is looked at again "
-                        "next time", type(exc).__name__, exc)
+                        "next time", type(exc).__name__, logsafe(exc))
     return republished
 
 
@@ -98,14 +99,14 @@ def _sweep_ledger(ledger: Ledger, tasks: dict[str, IdempotentTask], after_second
                 continue
             if not record.payload or is_sealed(record.payload):
                 log.warning("idemmail: claim %s is stranded and has no payload this process can read; "
-                            "resolve it by hand (idemmail ledger resolve)", record.key)
+                            "resolve it by hand (idemmail ledger resolve)", logsafe(record.key))
                 continue
             if ledger.mark_hop(record.key, "sweep", after_seconds) is False:
                 continue  # republished by a sweep not long ago
             first = Payload.from_json(record.payload)
             task.apply_async(list(first.args), dict(first.kwargs), headers=task.key_headers(record.key, first))
             log.warning("idemmail: claim %s of %s had no holder for %.0f s: republished from its first payload",
-                        record.key, record.task_name, quiet)
+                        logsafe(record.key), logsafe(record.task_name), quiet)
             republished.append(record.key)
     finally:
         ledger.release(LOCK_KEY, lock.token)

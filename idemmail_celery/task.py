@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -53,6 +54,7 @@ from ._common import (
     TENANT_HEADER,
     VERDICT_HEADER,
     chain_headers,
+    logsafe,
     transport_visibility_timeout,
 )
 from .config import Settings
@@ -128,6 +130,28 @@ class Rescheduled(Retry):  # type: ignore[misc]
         return repr(self.exc) if self.exc is not None else f"Rescheduled({self.message!r})"
 
 
+class _ToldOf(type):
+    def __instancecheck__(cls, instance: Any) -> bool:
+        try:
+            return instance in _told
+        except TypeError:  # not weak-referenceable: never one of ours
+            return False
+
+
+class Reported(metaclass=_ToldOf):
+    """Matches (``isinstance``) an error ending a delivery whose outcome the library has logged already: a
+    parked, failed, refused or replayed intent (its ``idemmail outcome`` line, at WARNING for ``review``).
+
+    In every ``IdempotentTask``'s ``throws``, so Celery logs such an error at INFO ("raised expected",
+    no traceback) instead of at ERROR with one: a parked send is one WARNING line, not an error. Any
+    other error, of whatever class, is still "raised unexpected", as is an intent given up on
+    (``ledger_unavailable_gave_up``, whose outcome line is an ERROR of its own).
+    """
+
+
+_told: weakref.WeakSet[BaseException] = weakref.WeakSet()
+
+
 class IdempotentTask(Task):  # type: ignore[misc]
     """Base class for tasks whose side effect must happen once per intent.
 
@@ -170,6 +194,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     abstract = True
     acks_late = True
     reject_on_worker_lost = True
+    throws: tuple[type, ...] = (Reported,)
 
     idempotency_key: KeySpec = None
     idempotency_tenant: str | None = None
@@ -368,8 +393,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Register the task for redaction on every publish path (:mod:`idemmail_celery.redaction`)."""
+        """Register the task for redaction on every publish path (:mod:`idemmail_celery.redaction`), and keep
+        :class:`Reported` in its ``throws``."""
         super().on_bound(app)
+        if Reported not in cls.throws:  # a task's own throws=(...) adds to the library's
+            cls.throws = (*cls.throws, Reported)
         name = cls.name
         if name:
             def redacts() -> bool:
@@ -489,7 +517,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ignored = sorted(k for k in headers if k != KEY_HEADER and (k in SEALED_HEADERS or k == KEY_MARK_HEADER))
         if ignored:
             log.warning("idemmail: task %s[%s] carries headers the library did not seal for it (%s: %s); they are "
-                        "ignored", self.name, self.request.id, check.value, ", ".join(ignored))
+                        "ignored", logsafe(self.name), logsafe(self.request.id), check.value, ", ".join(ignored))
         return untrusted_removed(headers)
 
     def _claim_key(self, payload: Payload, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
@@ -564,6 +592,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             assert isinstance(step.error, Exception)
             self._publish_again(step.countdown, _chain(headers, step.carry, keep=True), why, step.error)
         assert step.error is not None
+        if step.outcome is not Outcome.LEDGER_GAVE_UP:  # reported by the handler: see Reported
+            _told.add(step.error)
         raise step.error
 
     def retry(self, args: Any = None, kwargs: Any = None, exc: Any = None, throw: bool = True,
@@ -639,7 +669,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         log.log(logging.ERROR if waited > SECRET_WAIT_ERROR_SECONDS else logging.WARNING,
                 "idemmail: task %s[%s] is sealed under a key secret this worker does not have (a newer "
                 "idemmail_key_secret, or one removed too early: put it back in the list); it has waited %.0f s "
-                "for a worker that has it", running.name, running.request.id, waited)
+                "for a worker that has it", logsafe(running.name), logsafe(running.request.id), waited)
         countdown = min(self.policy.inflight_backoff_max, self._countdown_cap() or 60.0)
         self._publish_again(countdown, headers, "waiting for the key secret", TransientSendError(
             "sealed under an unknown key secret", reason="unknown_key_secret"), as_received=True, running=running)
@@ -811,8 +841,8 @@ def _report_at_start(sender: Any = None, instance: Any = None, **_: Any) -> None
     for name, exc in problems:
         if isinstance(exc, LedgerError):  # the store is down now: the first claim finds out again
             log.error("idemmail: start-up check of %s failed (%s: %s): start the ledger's store or correct "
-                      "idemmail_ledger_url; messages wait until it answers", name, type(exc).__name__,
-                      scrub(str(exc))[:300])
+                      "idemmail_ledger_url; messages wait until it answers", logsafe(name), type(exc).__name__,
+                      logsafe(scrub(str(exc))[:300]))
         else:  # said once per process: pool children forked after this do not say it again per message
             say_setup_error_once(exc, f"start-up check of {name} failed")
     if problems and app is not None:

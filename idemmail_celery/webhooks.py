@@ -80,7 +80,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ._common import KEY_TAG
+from ._common import KEY_TAG, logsafe
 from .errors import ConfigurationError, IdemmailError, LedgerError, RecordNotFoundError
 from .ledger.base import Ledger, Record
 
@@ -267,8 +267,8 @@ def reconcile(event: Mapping[str, Any], *, ledger: Ledger, provider: str | None 
             f"{found.provider} reports {found.event} of message {found.message_id} for key {found.key}, "
             "but the ledger has no record of it (expired past retention, another ledger, or never claimed)"
         ) from None
-    logger.info("idemmail: %s confirmed by %s %s webhook (message %s)", found.key, found.provider, found.event,
-                found.message_id)
+    logger.info("idemmail: %s confirmed by %s %s webhook (message %s)", logsafe(found.key), logsafe(found.provider),
+                logsafe(found.event), logsafe(found.message_id))
     return record
 
 
@@ -588,12 +588,12 @@ def handle_webhook(
     ignored = 0
     for event in _events(provider, data):
         if event.get("Type") == "SubscriptionConfirmation":
-            logger.warning("idemmail: SNS asks to confirm a subscription to %r: visit %r",
-                           event.get("TopicArn"), event.get("SubscribeURL"))
+            logger.warning("idemmail: SNS asks to confirm a subscription to %s: visit %s",
+                           logsafe(event.get("TopicArn")), logsafe(event.get("SubscribeURL")))
         try:
             record = reconcile(event, ledger=ledger, provider=provider)
         except RecordNotFoundError as exc:
-            logger.warning("idemmail: %s", exc)
+            logger.warning("idemmail: %s", logsafe(exc))
             found = evidence(event, provider=provider)
             unknown.append(found.key[:128] if found else "")
             continue
@@ -632,10 +632,10 @@ def _answer(provider: str, headers: Mapping[str, str], body: bytes, ledger: Ledg
     except WebhookPayloadError as exc:
         return "400 Bad Request", {"error": str(exc)}, []
     except LedgerError as exc:
-        logger.error("idemmail: %s webhook could not be recorded: %s", provider, exc)
+        logger.error("idemmail: %s webhook could not be recorded: %s", logsafe(provider), logsafe(exc))
         return "503 Service Unavailable", {"error": "ledger unavailable; retry later"}, []
     except Exception as exc:  # a bug, or a ledger failing in a way it should have typed: no traceback to the caller
-        logger.error("idemmail: %s webhook failed: %s", provider, type(exc).__name__)
+        logger.error("idemmail: %s webhook failed: %s", logsafe(provider), type(exc).__name__)
         return "500 Internal Server Error", {"error": "internal error; retry later"}, []
     return "200 OK", {"confirmed": len(outcome.confirmed), "unknown": len(outcome.unknown_keys),
                       "ignored": outcome.ignored}, []

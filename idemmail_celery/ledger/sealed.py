@@ -35,6 +35,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
+from .._common import logsafe
 from ..errors import LedgerError, PayloadKeyError
 from ..keys import canonical_json
 from ..sealing import INSTALL_HINT, PLAIN, Keyring  # noqa: F401  # re-exported: part of this module's API
@@ -70,7 +71,7 @@ def park_unreadable(ledger: Ledger, claim: Claim) -> Claim:
         ledger._finish(record.key, claim.token, State.REVIEW, error=error)
     except LedgerError as exc:
         log.error("idemmail: could not park unreadable record %s (retried when its lease runs out): %s",
-                  record.key, exc)
+                  logsafe(record.key), logsafe(exc))
         return Claim(ClaimStatus.BUSY, record)
     parked = replace(record, state=State.REVIEW, lease_expires_at=None, payload=None, error=error)
     return Claim(ClaimStatus.DONE, parked)
@@ -197,7 +198,8 @@ class SealedLedger(LedgerWrapper):
             try:
                 yield self.codec.open_record(record)
             except PayloadKeyError:
-                log.warning("idemmail: record %s is sealed with a key not in idemmail_payload_keys", record.key)
+                log.warning("idemmail: record %s is sealed with a key not in idemmail_payload_keys",
+                            logsafe(record.key))
                 yield record
 
     def _readable(self, key: str) -> Record | None:

@@ -18,7 +18,7 @@ from urllib.parse import SplitResult, parse_qs, urlsplit, urlunsplit
 
 import httpx
 
-from .._common import KEY_TAG
+from .._common import KEY_TAG, logsafe
 from ..email import EmailMessage
 from ..errors import AmbiguousSendError, ConfigurationError, PermanentSendError, TransientSendError
 from ..redaction import scrub as redact
@@ -206,7 +206,7 @@ class KeylessHTTPProvider(HTTPClientProvider):
     def _accepted_without_id(self, response: httpx.Response, key: str, personal: tuple[str, ...] = ()) -> SendResult:
         # Accepted all the same: raising would make the caller treat something that went out as failed.
         self.log.warning("%s accepted the message for %s but its answer has no message id (HTTP %s)",
-                       self.name, key, response.status_code)
+                       self.name, logsafe(key), response.status_code)
         return SendResult(message_id="", provider=self.name, request_id=self._request_id(response),
                           extra={"response": self._scrub(response.text[:SCRUB_WINDOW], personal)[:MAX_ERROR_TEXT]})
 

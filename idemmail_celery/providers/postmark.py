@@ -57,6 +57,7 @@ from typing import Any
 
 import httpx
 
+from .._common import logsafe
 from ..email import EmailMessage
 from ..errors import AmbiguousSendError
 from ._keyless import KEY_HEADER, KEY_TAG, KeylessHTTPProvider, tagged_headers
@@ -149,7 +150,7 @@ class PostmarkProvider(KeylessHTTPProvider):
         metadata = found.get("Metadata")
         if isinstance(metadata, Mapping) and metadata.get(KEY_TAG) != key:
             # Guard against a search that ignored the filter and returned someone else's message.
-            logger.warning("postmark search for %s returned a message tagged otherwise; ignoring it", key)
+            logger.warning("postmark search for %s returned a message tagged otherwise; ignoring it", logsafe(key))
             return None
         message_id = found.get("MessageID")
         if not isinstance(message_id, str) or not message_id:

@@ -86,6 +86,7 @@ import ssl
 from typing import Any, NoReturn
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from .._common import logsafe
 from ..email import EmailMessage, message_id_for, split_address
 from ..errors import AmbiguousSendError, ConfigurationError, PermanentSendError, SendError, TransientSendError
 from ..redaction import scrub, scrubbed
@@ -183,7 +184,10 @@ class SMTPProvider(Provider):
         explicit = password if password is not None else api_key
         if self.username is None:
             if explicit is not None:
-                raise ConfigurationError("an SMTP password was given but the URL names no user (smtp://user@host)")
+                # No "user@host" example: error texts are scrubbed of anything shaped like an address.
+                raise ConfigurationError("an SMTP password was given (idemmail_provider_api_key) but the URL names no "
+                                         "user to log in as: put the user name in the URL, before the host and an "
+                                         "'@', or give no password to send without AUTH")
             return None  # IDEMMAIL_SMTP_PASSWORD may be meant for another provider; no user, no AUTH
         chosen = explicit if explicit is not None else os.environ.get(PASSWORD_ENV)
         if not chosen:
@@ -254,7 +258,7 @@ class SMTPProvider(Provider):
         extra: dict[str, Any] = {"smtp_reply": reply}
         if refused:
             extra["refused"] = refused
-            log.warning("idemmail smtp: %s sent, but %d of %d recipient(s) refused: %s", key, len(refused),
+            log.warning("idemmail smtp: %s sent, but %d of %d recipient(s) refused: %s", logsafe(key), len(refused),
                         len(recipients), ", ".join(f"#{r['index']} {r['code']}" for r in refused))
         return SendResult(message_id=message_id, provider=self.name, extra=extra)
 
@@ -446,7 +450,8 @@ def _refuse_before_data(command: str, code: int, reply: bytes, key: str) -> NoRe
 def _log_auth_failure_once(message: str) -> None:
     if not first_time("auth:smtp"):
         return
-    log.error("idemmail smtp: %s; sends are retried (then parked as failed) until the credentials are fixed", message)
+    log.error("idemmail smtp: %s; sends are retried (then parked as failed) until the credentials are fixed",
+              logsafe(message))
 
 
 def _dot_stuff(raw: bytes) -> bytes:

@@ -130,6 +130,22 @@ class WorkerProcess:
         self.proc.wait(timeout=15)
 
 
+def refusing_worker(env: dict[str, str], log_path: Path) -> tuple[int, str]:
+    """Run ``celery worker`` (the test app, solo pool) with ``idemmail_refuse_to_start`` set until it exits:
+    its exit code and what it wrote. Fails the test if it is still running after 60 s."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.integration.workerapp", "worker", "-P", "solo",
+             "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
+            cwd=ROOT, env={**env, "IDEMMAIL_TEST_REFUSE_TO_START": "1"}, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        stop_group(proc)
+    return code, log_path.read_text(errors="replace")
+
+
 class Sink:
     """Reads what the side effects wrote, and sets per-test controls."""
 

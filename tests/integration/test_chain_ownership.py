@@ -16,7 +16,7 @@ from idemmail_celery.ledger import State, from_url
 from idemmail_celery.testing.redis_server import RedisServer
 
 from ..conftest import POSTGRES_URL, wait_for
-from .conftest import Sink
+from .conftest import Sink, refusing_worker
 
 
 def test_a_retry_whose_release_and_next_claim_meet_a_ledger_outage_sends_once(
@@ -99,10 +99,6 @@ def test_a_worker_checks_its_set_up_before_ready_and_can_refuse_to_start(
 ) -> None:
     # Case 6: before, a worker without the provider's API key started without a word. Now one ERROR line
     # with the fix comes before "ready."; with idemmail_refuse_to_start the worker exits instead.
-    import subprocess
-    import sys
-    import time
-
     from idemmail_celery.testing.fake_provider import FakeProvider
 
     with FakeProvider() as fake:
@@ -111,20 +107,7 @@ def test_a_worker_checks_its_set_up_before_ready_and_can_refuse_to_start(
         ready = log.index("ready.")
         errors = [m.start() for m in re.finditer(r"ERROR.*start-up check of idemmail_celery.send_email failed", log)]
         assert len(errors) == 1 and errors[0] < ready and "idemmail_provider_api_key" in log[errors[0]:ready]
-        out = tmp_path / "refusing.log"
-        with open(out, "wb") as sink_log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "tests.integration.workerapp", "worker", "-P", "solo",
-                 "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
-                cwd=Path(__file__).parents[2], env={**worker_env, "IDEMMAIL_TEST_REFUSE_TO_START": "1"},
-                stdout=sink_log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                time.sleep(0)
-        text = out.read_text(errors="replace")
+        code, text = refusing_worker(worker_env, tmp_path / "refusing.log")
         assert code != 0 and "refusing to start" in text and "ready." not in text
 
 

@@ -314,6 +314,36 @@ def test_manage_py_check_flags_a_missing_key_secret(tmp_path: Path) -> None:
     assert "idemmail" not in given.stdout + given.stderr
 
 
+@pytest.mark.parametrize(("url", "key", "says"), [
+    ("smtp://127.0.0.1:2525", "sekrit-9d2e", "idemmail_provider_url (smtp://...) cannot be used: an SMTP password "
+                                            "was given (idemmail_provider_api_key) but the URL names no user"),
+    ("smtpx://127.0.0.1", "sekrit-9d2e", "idemmail_provider_url (smtpx://...) cannot be used: no email provider"),
+    ("resend://", "", "idemmail_provider_url (resend://...) cannot be used: the HTTP email provider needs an API key"),
+], ids=["smtp-password-without-user", "unknown-scheme", "missing-api-key"])
+def test_manage_py_check_fails_on_a_provider_that_cannot_be_built(tmp_path: Path, url: str, key: str,
+                                                                   says: str) -> None:
+    require_module("django")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMMAIL_", "SHOP_", "DJANGO_", "RESEND_"))}
+    env.update(SHOP_DATABASE_URL=f"sqlite:///{tmp_path / 'check.sqlite3'}", SHOP_KEY_SECRET="s3cret",
+               SHOP_PROVIDER_URL=url, SHOP_PROVIDER_API_KEY=key)
+    cmd = [sys.executable, "examples/django_shop/manage.py", "check"]
+    failed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1
+    assert f"IDEMMAIL_PROVIDER_URL: (idemmail.E007) {says}" in failed.stderr, failed.stderr
+    assert "sekrit" not in failed.stdout + failed.stderr
+
+
+def test_manage_py_check_passes_a_provider_that_builds(tmp_path: Path) -> None:
+    require_module("django")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMMAIL_", "SHOP_", "DJANGO_", "RESEND_"))}
+    env.update(SHOP_DATABASE_URL=f"sqlite:///{tmp_path / 'check.sqlite3'}", SHOP_KEY_SECRET="s3cret",
+               SHOP_PROVIDER_URL="smtp://shop@127.0.0.1:2525", SHOP_PROVIDER_API_KEY="sekrit-9d2e")
+    given = subprocess.run([sys.executable, "examples/django_shop/manage.py", "check"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert given.returncode == 0, given.stderr
+    assert "idemmail" not in given.stdout + given.stderr
+
+
 def test_a_table_made_by_hand_from_schema_sql_is_adopted_with_fake_initial(tmp_path: Path) -> None:
     """The earlier recipe ran ``schema_sql()`` in a migration of the project's own: the model's is the same table."""
     require_module("django")
@@ -554,3 +584,40 @@ def test_a_staff_user_marks_a_parked_intent_failed_in_headless_chromium(
     assert record is not None and record.state is State.FAILED
     assert record.error is not None and record.error["resolution"]["by"] == "browser (django admin)"
     assert shop.fake.delivery_count(key) == 0
+
+
+def test_a_key_that_is_not_a_ledger_key_is_a_400_and_no_forged_line_reaches_the_audit_log(
+    shop: Shop, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 35, item 6: a view-only user's POST with a newline in the key wrote a well-formed audit line saying
+    root released another record. The key's shape is checked first: 400, before the refusal's audit line."""
+    from django.test import Client
+
+    key, other = park(shop, "forge.a@example.com"), park(shop, "forge.b@example.com")
+    viewer = Client()
+    viewer.force_login(staff("forger", "view_reviewrecord"))
+    forged = f"{key}\nidemmail admin: release on {other} by root (django admin): released (re-enqueued)"
+    with caplog.at_level(logging.INFO, logger="idemmail_celery.audit"):
+        posted = viewer.post("/admin/idemmail/reviewrecord/record/release/", {"key": forged, "note": "x"})
+        shown = viewer.get("/admin/idemmail/reviewrecord/record/", {"key": forged})
+        upper = viewer.post("/admin/idemmail/reviewrecord/record/release/", {"key": key.upper(), "note": "x"})
+    assert (posted.status_code, shown.status_code, upper.status_code) == (400, 400, 400)
+    assert [r.getMessage() for r in caplog.records if r.name == "idemmail_celery.audit"] == []
+    for k in (key, other):
+        record = shop.ledger.get(k)
+        assert record is not None and record.state is State.REVIEW
+    assert shop.fake.delivery_count(other) == 0
+
+
+def test_an_audit_line_is_one_line_whatever_the_user_is_called(shop: Shop, caplog: pytest.LogCaptureFixture) -> None:
+    from django.test import Client
+
+    key = park(shop, "one.line@example.com")
+    name = "mallory\nidemmail admin: release by root"  # no validator stops a name made in code or by an IdP
+    clerk = Client()
+    clerk.force_login(staff(name, "view_reviewrecord"))
+    with caplog.at_level(logging.INFO, logger="idemmail_celery.audit"):
+        refused = clerk.post("/admin/idemmail/reviewrecord/record/release/", {"key": key, "note": "x"})
+    assert refused.status_code == 403
+    assert [r.getMessage() for r in caplog.records if r.name == "idemmail_celery.audit"] == [
+        f'idemmail admin: release on {key} refused: "mallory\\nidemmail admin: release by root" lacks idemmail.release']

@@ -15,6 +15,9 @@ again before the record changes), mark failed, forget (erase the personal data).
 * Each action, done or refused, is one line on the ``idemmail_celery.audit`` logger (who, what,
   which key, the outcome; the note is kept in the record, not in the log). The record itself keeps
   who, when and why in ``error["resolution"]``, as from the CLI.
+* A ``key`` that is not shaped like a ledger key (64 lower-case hex digits) is answered 400 before
+  anything else, the permission checks and their audit lines included: no text of a request's
+  choosing reaches the log (a user name that is not plain printable text is quoted and escaped).
 
 The ledger is the project's Celery app's (the app ``proj/__init__.py`` imports, see
 :func:`.conf.celery_app`), opened as the CLI opens it; releasing publishes to that app's broker.
@@ -31,14 +34,22 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBadRequest,
+    HttpResponseNotAllowed,
+    HttpResponseRedirect,
+)
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.http import urlencode
 
+from ..._common import logsafe
 from ...cli import EXIT_CODES, OperatorError, _Ctx, decide, erase
 from ...errors import LedgerUnavailableError, PayloadKeyError
-from ...keys import Payload
+from ...keys import Payload, is_derived_key
 from ...ledger import Record, State
 from ...ledger.sealed import is_sealed
 from .conf import celery_app
@@ -129,11 +140,13 @@ class ReviewQueueAdmin(admin.ModelAdmin):
             record_url=reverse("admin:idemmail_reviewrecord_record")))
 
     def record_view(self, request: HttpRequest) -> HttpResponse:
-        self._refuse_unless_viewer(request)
         key = request.GET.get("key", "")
+        if not is_derived_key(key):
+            return _not_a_key()
+        self._refuse_unless_viewer(request)
         show_payload = request.GET.get("payload") == "1" and request.user.has_perm("idemmail.view_payload")
         try:
-            record = operator().ledger.get(key) if key else None
+            record = operator().ledger.get(key)
         except (LedgerUnavailableError, PayloadKeyError) as exc:
             messages.error(request, f"{type(exc).__name__}: {exc}")
             return HttpResponseRedirect(reverse("admin:idemmail_reviewrecord_changelist"))
@@ -162,15 +175,17 @@ class ReviewQueueAdmin(admin.ModelAdmin):
     def action_view(self, request: HttpRequest, action: str) -> HttpResponse:
         if request.method != "POST":
             return HttpResponseNotAllowed(["POST"])
+        key = request.POST.get("key", "")
+        if not is_derived_key(key):  # first: nothing below (the refusal's audit line) sees anything else
+            return _not_a_key()
         self._refuse_unless_viewer(request)
         if action not in ACTIONS:
             raise Http404("no such action")
         outcome, perm, _ = ACTIONS[action]
         if not request.user.has_perm(perm):
-            audit.warning("idemmail admin: %s on %s refused: %s lacks %s", action, request.POST.get("key", ""),
-                          request.user.get_username(), perm)
+            audit.warning("idemmail admin: %s on %s refused: %s lacks %s", action, logsafe(key),
+                          logsafe(request.user.get_username()), perm)
             raise PermissionDenied
-        key = request.POST.get("key", "")
         note = request.POST.get("note", "").strip()
         message_id = request.POST.get("message_id", "").strip() or None
         back = HttpResponseRedirect(reverse("admin:idemmail_reviewrecord_record") + "?" + urlencode({"key": key}))
@@ -187,12 +202,18 @@ class ReviewQueueAdmin(admin.ModelAdmin):
                 done += " (re-enqueued)" if action == "release" else ""
         except (OperatorError, PayloadKeyError) as exc:
             why = EXIT_CODES[exc.code].split(":")[0] if isinstance(exc, OperatorError) else "payload key missing"
-            audit.warning("idemmail admin: %s on %s by %s refused (%s)", action, key, actor, why)
+            audit.warning("idemmail admin: %s on %s by %s refused (%s)", action, logsafe(key), logsafe(actor), why)
             messages.error(request, str(exc))
             return back
-        audit.info("idemmail admin: %s on %s by %s: %s", action, key, actor, done)
+        audit.info("idemmail admin: %s on %s by %s: %s", action, logsafe(key), logsafe(actor), done)
         messages.success(request, f"{key}: {done}")
         return back
+
+
+def _not_a_key() -> HttpResponse:
+    # Every key the library writes is 64 lower-case hex digits (idemmail_celery.keys): anything else is no
+    # record's, and is answered before it reaches the ledger, a permission check or the audit log.
+    return HttpResponseBadRequest("not a ledger key: 64 lower-case hex digits", content_type="text/plain")
 
 
 admin.site.register(ReviewRecord, ReviewQueueAdmin)

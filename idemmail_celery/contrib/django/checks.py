@@ -8,6 +8,9 @@ One message per setting that is missing or wrong, each with its own id:
 * ``idemmail.E004`` ``IDEMMAIL_OUTBOX_TABLE`` is not the table of the outbox model;
 * ``idemmail.E005`` an ``IDEMMAIL_*`` name the library does not know (a typo, with the likely one);
 * ``idemmail.E006`` the same setting as ``IDEMMAIL_X`` and ``CELERY_IDEMMAIL_X``, with different values;
+* ``idemmail.E007`` the provider cannot be built from ``IDEMMAIL_PROVIDER_URL`` and its credentials (a
+  scheme no provider serves, a missing API key, an SMTP password without a user): built here as the
+  worker builds it, so every send would fail the same way (the message names the setting, never the key);
 * ``idemmail.W002`` no ``IDEMMAIL_DEFAULT_FROM``; ``idemmail.W003`` no ``IDEMMAIL_PROVIDER_URL``.
 """
 
@@ -20,6 +23,7 @@ from django.core.checks import CheckMessage, Error, Warning, register
 
 from ...config import SETTINGS, Settings, _refuse_unknown
 from ...errors import ConfigurationError
+from ...mail import build_provider
 from ...outbox import DEFAULT_TABLE
 from .conf import NAMES, NAMESPACE, DjangoConf, celery_app, django_names
 
@@ -62,7 +66,15 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             f"IDEMMAIL_OUTBOX_TABLE is {resolved.outbox_table!r}, but the outbox model (and its migration) is the "
             f"table {DEFAULT_TABLE!r}: the relay would drain a table nothing writes to.",
             hint="Leave IDEMMAIL_OUTBOX_TABLE unset with this app.", id="idemmail.E004", obj="IDEMMAIL_OUTBOX_TABLE"))
-    if not resolved.provider_url:
+    if resolved.provider_url:
+        try:
+            build_provider(resolved)
+        except (ConfigurationError, ImportError) as exc:
+            problem = str(exc) if isinstance(exc, ConfigurationError) else (
+                f"idemmail_provider_url names a provider whose module cannot be imported ({exc})")
+            messages.append(Error(problem, id="idemmail.E007", obj="IDEMMAIL_PROVIDER_URL",
+                                  hint="See the providers page (docs/providers.md)."))
+    else:
         messages.append(Warning(
             "IDEMMAIL_PROVIDER_URL is not set: send_email has no provider to send through.",
             hint="e.g. IDEMMAIL_PROVIDER_URL = 'resend://' (see docs/providers.md).", id="idemmail.W003",

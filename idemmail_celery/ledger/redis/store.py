@@ -28,7 +28,7 @@ try:  # the ``redis`` extra brings it; without it, redis-py packs commands in Py
 except ImportError:  # pragma: no cover - the test extras install hiredis
     _pack_command = None  # type: ignore[assignment]
 
-from ..._common import after_fork
+from ..._common import after_fork, logsafe
 from ...errors import (
     ConfigurationError,
     IllegalTransitionError,
@@ -478,7 +478,7 @@ class RedisLedger(Ledger):
                 raise error from exc
             if warn:
                 log.warning("idemmail: cannot read Redis %s (%s); check it by hand (see the Redis ledger's docs)",
-                            name, exc)
+                            name, logsafe(exc))
             return None
 
     def _check_policy(self, *, warn: bool = False) -> None:
@@ -533,7 +533,8 @@ class RedisLedger(Ledger):
         except LedgerUnavailableError:
             raise
         except LedgerError as exc:
-            log.warning("idemmail: cannot read the Redis version (%s); this ledger needs Redis 7.0 or later", exc)
+            log.warning("idemmail: cannot read the Redis version (%s); this ledger needs Redis 7.0 or later",
+                        logsafe(exc))
             return
         found = [info] if "redis_version" in info else [v for v in info.values() if isinstance(v, dict)]
         for node in found:
@@ -746,7 +747,8 @@ class RedisLedger(Ledger):
         if status["state"] == "ok":
             if held is not None and status["epoch"] != held:
                 log.warning("idemmail: Redis ledger %s: adopting epoch %s acknowledged by %s (%s)",
-                            self.prefix, status["epoch"], status.get("acked_by"), status.get("note"))
+                            self.prefix, logsafe(status["epoch"]), logsafe(status.get("acked_by")),
+                            logsafe(status.get("note")))
             self._epoch, self._lost_reason, self._dead_epoch = status["epoch"], "", None
             self.recovered_at = float(status["acked_at"]) if status.get("acked_at") else None
             return
@@ -763,9 +765,9 @@ class RedisLedger(Ledger):
                 log.critical(
                     "idemmail: Redis ledger %s is LOST: %s. Nothing is claimed or sent until an operator "
                     "decides: check the store, then run `celery -A proj idemmail ledger ack-loss --note ...` "
-                    "(intents recorded before the loss are then forgotten).", self.prefix, reason)
+                    "(intents recorded before the loss are then forgotten).", self.prefix, logsafe(reason))
             elif status["state"] == "lost":
-                log.warning("idemmail: Redis ledger %s is LOST: %s", self.prefix, reason)
+                log.warning("idemmail: Redis ledger %s is LOST: %s", self.prefix, logsafe(reason))
         self._epoch, self._lost_reason = None, reason
 
     def _flag_lost(self, dead_epoch: str, reason: str) -> None:
@@ -1017,7 +1019,7 @@ class RedisLedger(Ledger):
                     self._release_held(requests, outs, epoch, "batch_met_failed_node")
                 except LedgerError as exc:  # their leases will run out
                     log.warning("idemmail: Redis ledger %s: could not hand back a failed batch's claims: %s",
-                                self.prefix, exc)
+                                self.prefix, logsafe(exc))
                 raise _ledger_error(failed)
             return outs, epoch
 
