@@ -7,6 +7,7 @@ outage of seconds failed intents for good (``retries_exhausted`` after Celery's 
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from .conftest import results
 from .test_monitoring import metrics_worker, scrape
 
 OUTAGE_SECONDS = 20.0
-INTENTS = 20
+INTENTS = 8
 COPIES = 3
 
 
@@ -58,16 +59,15 @@ def test_a_provider_refusing_connections_for_20_s_costs_no_email(
         task = app_module.app.tasks[TASK_NAME]
         keys = [task.intent_key(**intent(i)) for i in range(INTENTS)]
         server.stop()  # connection refused from now on
-        down_at = time.monotonic()
-        start_worker(*pool)
+        worker = start_worker(*pool)
         sent = [task.delay(**intent(i)) for _ in range(COPIES) for i in range(INTENTS)]
 
         def all_refused() -> bool:  # each intent tried and released: the worker met the outage
             records = [task.ledger.get(k) for k in keys]
             return all(r is not None and r.state is State.RELEASED for r in records)
 
-        wait_for(all_refused, timeout=OUTAGE_SECONDS)
-        time.sleep(max(0.0, down_at + OUTAGE_SECONDS - time.monotonic()))
+        wait_for(all_refused, timeout=60)
+        time.sleep(OUTAGE_SECONDS)  # the outage, counted from the refusals (a worker may be slow to start)
         server.start()
         out = results(sent, timeout=120)
 
@@ -81,8 +81,9 @@ def test_a_provider_refusing_connections_for_20_s_costs_no_email(
             assert by_key == dict.fromkeys(keys, 1)
         records = [task.ledger.get(k) for k in keys]
         assert all(r.state is State.SENT for r in records)
-        # Past Celery's max_retries=3 (4 attempts): the count no longer decides.
-        assert max(r.attempts for r in records) > 4, [r.attempts for r in records]
+        # A copy refused a fifth time was retried again, past Celery's max_retries=3: the count no longer decides.
+        refused = re.findall(r"status=retry .* attempts=(\d+) reason=connect", worker.log().decode())
+        assert max(map(int, refused)) >= 5, Counter(refused)
     finally:
         server.stop()
 
