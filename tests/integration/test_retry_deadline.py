@@ -22,7 +22,7 @@ from idemmail_celery.mail import TASK_NAME
 from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 from idemmail_celery.testing.smtp_sink import SMTPSink
 
-from ..conftest import wait_for
+from ..conftest import require_module, wait_for
 from .conftest import results
 from .test_monitoring import metrics_worker, scrape
 
@@ -35,10 +35,17 @@ def intent(i: int) -> dict[str, Any]:
     return {"to": f"user{i}@example.com", "subject": "Your receipt", "text": f"order {i}", "event_id": f"order-{i}"}
 
 
-@pytest.mark.parametrize("provider", ["http", "smtp"])
+@pytest.mark.parametrize(("provider", "pool"), [
+    ("http", ("-P", "prefork", "-c", "2")),
+    ("smtp", ("-P", "gevent", "-c", "50")),  # the pools a sender runs, at their concurrency
+    ("http", ("-P", "threads", "-c", "20")),
+], ids=["http-prefork", "smtp-gevent", "http-threads"])
 def test_a_provider_refusing_connections_for_20_s_costs_no_email(
-    provider: str, worker_env: dict[str, str], request: pytest.FixtureRequest, start_worker: Callable[..., Any]
+    provider: str, pool: tuple[str, ...], worker_env: dict[str, str], request: pytest.FixtureRequest,
+    start_worker: Callable[..., Any]
 ) -> None:
+    if "gevent" in pool:
+        require_module("gevent")
     # The library's retry budget (its default deadline); only the backoff's cap is lowered, to 4 s from 300 s,
     # so the intents are back within seconds of the provider: Celery's 3 retries still end within 10 s of 20.
     worker_env.update(IDEMMAIL_TEST_RETRY_BACKOFF="2", IDEMMAIL_TEST_RETRY_BACKOFF_MAX="4")
@@ -47,12 +54,10 @@ def test_a_provider_refusing_connections_for_20_s_costs_no_email(
     if http is not None:
         http.start()
         worker_env.update(IDEMMAIL_TEST_PROVIDER=http.url, IDEMMAIL_TEST_PROVIDER_KEY=DEFAULT_API_KEY)
-        pool = ("-P", "prefork", "-c", "2")
     else:
         assert smtp is not None
         smtp.start()
         worker_env.update(IDEMMAIL_TEST_PROVIDER=smtp.url, IDEMMAIL_TEST_PROVIDER_TIMEOUT="5")
-        pool = ("-P", "gevent", "-c", "50")  # the green pool at a concurrency a sender runs
     server: Any = http or smtp
     try:
         app_module = request.getfixturevalue("app_module")
