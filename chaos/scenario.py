@@ -120,6 +120,10 @@ class Scenario:
     rotate_secret_at: float | None = None
     #: The Redis transport's own unacked-restore settings (not the quick ones the other runs use).
     restore_defaults: bool = False
+    #: The provider is stopped (connections refused) for this long once ``outage_at`` of the intents are
+    #: delivered, then started again on the same port.
+    provider_outage: float = 0.0
+    outage_at: float = 0.2
 
     @property
     def keyed(self) -> bool:
@@ -185,6 +189,9 @@ class Result:
     rotated: bool = False
     split_records: int = 0  # intents recorded under both their old and their new key (a rotation gone wrong)
     drained: bool = True
+    outage_seconds: float = 0.0  # how long the provider was down (0: no outage in this run)
+    delivered_at_outage: int = 0  # intents delivered when it went down
+    recovery_seconds: float = 0.0  # from its return to the last intent's first delivery
     ok: bool = False
     problems: list[str] = field(default_factory=list)
 
@@ -550,6 +557,8 @@ class Run:
         self.restart_lock = threading.Lock()
         self.blips = 0
         self.rotated = False
+        self.outage: tuple[float, float] | None = None  # (down, back), epoch seconds
+        self.delivered_at_outage = 0
 
     # -- set-up --
 
@@ -700,6 +709,24 @@ class Run:
             server.start()
             self.log("ledger_up", blip=self.blips)
 
+    def stop_provider(self) -> None:
+        """Once ``outage_at`` of the intents are delivered, stop the provider for ``provider_outage`` seconds
+        (every send is refused at connect: nothing was sent), then start it again on the same port."""
+        s = self.s
+        while not self.stop.wait(0.05):
+            if self.provider.delivered() >= s.intents * s.outage_at:
+                break
+        else:
+            return
+        self.provider.stop()
+        down = time.time()
+        self.delivered_at_outage = self.provider.delivered()
+        self.log("provider_down", delivered=self.delivered_at_outage, seconds=s.provider_outage)
+        self.stop.wait(s.provider_outage)
+        self.provider.start()
+        self.outage = (down, time.time())
+        self.log("provider_up", delivered=self.provider.delivered(), down_seconds=round(time.time() - down, 1))
+
     def rotate_secret(self) -> None:
         """Once ``rotate_secret_at`` of the intents are delivered, rotate the key secret as docs/security.md
         says, worker by worker (a rolling redeploy, warm shutdowns): first ``[old, new]`` everywhere (keys
@@ -799,6 +826,8 @@ class Run:
                 targets.append(("blips", self._planned(self.blip_ledger)))
             if s.rotate_secret_at is not None:
                 targets.append(("rotation", self._planned(self.rotate_secret)))
+            if s.provider_outage:
+                targets.append(("outage", self.stop_provider))
             for name, fn in targets:
                 th = threading.Thread(target=self._guard(fn, name), name=f"chaos-{name}", daemon=True)
                 th.start()
@@ -989,6 +1018,11 @@ class Run:
         r.delivered_at_flush = len(self.flushed_keys)
         r.acknowledged = self.ack_time is not None
         r.deduped, r.deduped_unexplained, r.ambiguous_faults = self.provider.deduped(self.flush_time)
+        if s.provider_outage and self.outage is not None:
+            down, back = self.outage
+            r.outage_seconds, r.delivered_at_outage = round(back - down, 1), self.delivered_at_outage
+            firsts = self.provider.first_delivery_times()
+            r.recovery_seconds = round(max((firsts.get(k, back) for k in keys), default=back) - back, 1)
         r.problems = list(self.errors) + verdict(r)
         r.ok = not r.problems
         self.log("verdict", ok=r.ok, problems=r.problems, deliveries=r.deliveries, duplicates=r.duplicates,
@@ -1030,9 +1064,16 @@ def verdict(r: Result) -> list[str]:
     problems += _hidden_copies(r)
     if r.unknown_deliveries:
         problems.append(f"{r.unknown_deliveries} deliveries under keys no intent has")
+    if s.provider_outage:
+        # Refused at connect, nothing was sent: every intent is retried until the provider is back, none fails.
+        if not r.outage_seconds:
+            problems.append("the provider was never stopped")
+        if r.states.get(State.FAILED.value):
+            problems.append(f"{r.states[State.FAILED.value]} intents failed during a provider outage")
     if s.defaults:
-        # A storm multiplies copies of one task id; a held claim of a dead worker must not wait long.
-        if r.max_copies_per_task > STORM_COPIES:
+        # A storm multiplies copies of one task id; a held claim of a dead worker must not wait long. (A
+        # retry keeps its task id: through an outage each copy runs once per retry, which is no storm.)
+        if r.max_copies_per_task > STORM_COPIES and not s.provider_outage:
             problems.append(f"one task id was handed out {r.max_copies_per_task} times (a storm)")
         if r.worker_kills and not r.killed_executions:
             problems.append("no whole-worker kill cut an execution short: the recovery time measured nothing")

@@ -18,7 +18,8 @@ backends take in ``idemmail_ledger_options`` (``keep_payload``, ``allow_eviction
 
 Celery's own retry attributes are honoured: a task with ``retry_backoff`` set retries its
 transient failures on Celery's curve (``retry_backoff`` doubling up to ``retry_backoff_max``,
-``retry_jitter``) instead of ``idemmail_retry_backoff``/``idemmail_retry_backoff_max``.
+``retry_jitter``) instead of ``idemmail_retry_backoff``/``idemmail_retry_backoff_max``. How long
+they are retried is a time, ``idemmail_retry_deadline_seconds``, not Celery's ``max_retries``.
 """
 
 from __future__ import annotations
@@ -253,7 +254,14 @@ SETTINGS: tuple[Setting, ...] = (
             "`retry_backoff` takes precedence)."),
     Setting("idemmail_retry_backoff_max", positive, 300.0,
             "Longest wait before retrying a transient failure, in seconds (a task's own `retry_backoff_max` "
-            "takes precedence when it sets `retry_backoff`)."),
+            "takes precedence when it sets `retry_backoff`). Past half the Redis or SQS `visibility_timeout`, "
+            "each wait is split into hops below it."),
+    Setting("idemmail_retry_deadline_seconds", positive, 6 * 3600.0,
+            "How long after an intent's first enqueue a send that certainly did not happen (a `TransientSendError`: "
+            "connection refused, a 4xx or 429 before the provider accepted anything) is still retried, whatever "
+            "the task's `max_retries`; then the intent ends `failed`, reason `retry_deadline`. Lower it for mail "
+            "that is useless late (a password reset: `@app.task(idempotency_retry_deadline_seconds=900)`).",
+            option="idempotency_retry_deadline_seconds"),
     Setting("idemmail_outage_max_retries", count, None,
             "Reschedules while the ledger (or the provider's set-up) is unavailable before the message fails; "
             "unset: until it is back.", optional=True),
@@ -372,6 +380,7 @@ class Settings:
     inflight_backoff_max: float = _D["inflight_backoff_max"]
     retry_backoff: float = _D["retry_backoff"]
     retry_backoff_max: float = _D["retry_backoff_max"]
+    retry_deadline_seconds: float = _D["retry_deadline_seconds"]
     outage_max_retries: int | None = None
     sweep_after_seconds: float = _D["sweep_after_seconds"]
     refuse_to_start: bool = _D["refuse_to_start"]

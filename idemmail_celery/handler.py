@@ -32,7 +32,9 @@ a redundant copy. Read top to bottom, :meth:`Handler.handle` is the guarantee:
    ============================  ==========================================================
 
 4. **record** what the body did: a result is ``sent``; :class:`TransientSendError`
-   releases and retries; :class:`PermanentSendError` is ``failed``; :class:`SendNeedsReview`,
+   releases and retries (for ``Policy.retry_deadline_seconds`` from the first enqueue when the
+   adapter dates the delivery, ``Delivery.retry_from``; else within ``max_retries``);
+   :class:`PermanentSendError` is ``failed``; :class:`SendNeedsReview`,
    :class:`AmbiguousSendError` and any unexpected exception mean "maybe sent": retried
    with the same key when it travels downstream, reconciled or parked as ``review``
    otherwise. A verdict the ledger cannot take right now travels with the next delivery
@@ -52,7 +54,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ._ahead import writing_ahead
-from ._common import INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff, logsafe
+from ._common import ENQUEUED_HEADER, INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff, logsafe
 from ._lease import keeper
 from .errors import (
     SEND_ERRORS,
@@ -87,6 +89,9 @@ log = logging.getLogger("idemmail_celery")
 UNDATED_AFTER_LOSS_SECONDS = 24 * 3600.0
 #: Attempts at recording ``sent`` before the verdict travels with the next delivery instead.
 COMPLETE_ATTEMPTS = 3
+#: The reason of an intent that ends ``failed`` because its retry deadline passed while every attempt
+#: failed without sending (``Delivery.retry_from``).
+RETRY_DEADLINE = "retry_deadline"
 
 
 class Outcome(str, enum.Enum):
@@ -139,6 +144,9 @@ class Step:
     #: Headers for the next delivery of this chain (RETRY and RESCHEDULE): the owner to take
     #: back, a verdict to record, the chain's budgets. The adapter drops every other chain header.
     carry: dict[str, Any] = field(default_factory=dict)
+    #: RETRY only: does it spend one of the task's ``max_retries``? False for a retry on the time budget
+    #: (``Delivery.retry_from``), which the handler checked: the task's count must not refuse it.
+    counted: bool = True
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,8 @@ class Policy:
     retry_backoff: float = 2.0
     retry_backoff_max: float = 300.0
     retry_jitter: bool = True
+    #: How long after the first enqueue (``Delivery.retry_from``) a failure that sent nothing is still retried.
+    retry_deadline_seconds: float = 6 * 3600.0
     outage_max_retries: int | None = None
     fail_open: bool = False
     #: How long a reschedule's mark is kept (``Ledger.mark_hop``): longer than a copy of the message can
@@ -172,6 +182,10 @@ class Delivery:
     #: ``retry()`` calls spent on this intent so far, and how many the task allows (None: no limit).
     retries: int = 0
     max_retries: int | None = 3
+    #: When the intent's retry deadline started (its first enqueue, or when a worker first saw it undated):
+    #: a failure that sent nothing (:class:`TransientSendError`) is retried for ``Policy.retry_deadline_seconds``
+    #: from then, whatever ``max_retries`` says, then ends ``failed`` (``retry_deadline``). None: ``max_retries``.
+    retry_from: float | None = None
     #: This chain's reschedules so far: because a claim was busy, and because something was unavailable.
     inflight: int = 0
     outage: int = 0
@@ -561,10 +575,16 @@ class Handler:
         return mark
 
     def retry_or_park(self, d: Delivery, claim: Claim, exc: Exception, reason: str, *, sent_maybe: bool) -> Step:
-        """A failed attempt: release and retry while budget and safety allow, else reconcile or park."""
+        """A failed attempt: release and retry while budget and safety allow, else reconcile or park.
+
+        A failure that sent nothing, on a dated delivery (``retry_from``), is retried until its deadline (an
+        outage of minutes costs no email); any other retry is on the task's count (``max_retries``).
+        """
         key = d.key
         retry_safe = not sent_maybe or self.effect.carries_key()
-        budget_left = d.max_retries is None or d.retries < d.max_retries
+        timed = not sent_maybe and d.retry_from is not None
+        left = (d.retry_from or 0.0) + self.policy.retry_deadline_seconds - time.time()
+        budget_left = left > 0 if timed else d.max_retries is None or d.retries < d.max_retries
         if retry_safe and budget_left:
             note = {**error_record(exc, reason, type(exc) if isinstance(exc, SendError) else SendError),
                     "maybe_sent": sent_maybe}
@@ -573,8 +593,13 @@ class Handler:
             if isinstance(exc, SendError) and exc.retry_after:
                 countdown = max(countdown, exc.retry_after)
             # If the release did not land, the retry takes its own claim back instead of waiting on it.
-            return Step(Outcome.RETRY, Action.RETRY, key, error=exc, countdown=countdown,
-                        carry={OWNER_HEADER: [claim.record.owner]})
+            carry: dict[str, Any] = {OWNER_HEADER: [claim.record.owner]}
+            if timed:
+                countdown = min(countdown, left)  # the last attempt comes at the deadline, not after it
+                if d.enqueued_at is None:  # undated (sent by name): the deadline must not move with each retry
+                    carry[ENQUEUED_HEADER] = f"{d.retry_from:.3f}"
+            return Step(Outcome.RETRY, Action.RETRY, key, error=exc, countdown=countdown, carry=carry,
+                        counted=not timed)
         if sent_maybe:
             found = self.reconciled(d, claim.record)
             if found is not None:
@@ -583,11 +608,15 @@ class Handler:
             parked = SendNeedsReview(f"outcome unknown ({reason}): {scrub(str(exc))}", reason=why, key=key)
             parked.__cause__ = exc
             return self.record_final(d, claim, State.REVIEW, error_record(exc, why, SendNeedsReview), parked)
-        failed = PermanentSendError(f"gave up after {d.retries} retries: {scrub(str(exc))}", reason="retries_exhausted",
-                                    key=key)
+        if timed:
+            why, gave_up = RETRY_DEADLINE, (f"gave up: the retry deadline (idemmail_retry_deadline_seconds, "
+                                            f"{self.policy.retry_deadline_seconds:g} s from the first enqueue) passed "
+                                            f"after {d.retries} retries")
+        else:
+            why, gave_up = "retries_exhausted", f"gave up after {d.retries} retries"
+        failed = PermanentSendError(f"{gave_up}: {scrub(str(exc))}", reason=why, key=key)
         failed.__cause__ = exc
-        return self.record_final(d, claim, State.FAILED, error_record(exc, "retries_exhausted", PermanentSendError),
-                                 failed)
+        return self.record_final(d, claim, State.FAILED, error_record(exc, why, PermanentSendError), failed)
 
     def retry_countdown(self, retries: int) -> float:
         p = self.policy

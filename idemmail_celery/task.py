@@ -181,9 +181,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         True (the default) shows the intent key instead of the arguments (addresses,
         bodies) wherever Celery shows them: task events, Flower, worker logs.
 
-    plus the per-task settings in :data:`idemmail_celery.config.SETTINGS`, and Celery's own
-    ``max_retries``, ``retry_backoff``, ``retry_backoff_max`` and ``retry_jitter`` for the
-    retries of transient failures.
+    plus the per-task settings in :data:`idemmail_celery.config.SETTINGS` (a transient failure is
+    retried until ``idempotency_retry_deadline_seconds`` after the first enqueue, not for a count of
+    ``max_retries``), and Celery's own ``retry_backoff``, ``retry_backoff_max`` and ``retry_jitter``
+    for the waits between those retries.
 
     The body reads its key as ``self.request.idempotency_key``. Callers pass an
     explicit key with ``apply_async(..., idempotency_key="order-4821:confirm")``.
@@ -206,6 +207,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     idempotency_lease_seconds: float | None = None
     idempotency_max_reclaims: int | None = None
     idempotency_inflight_max_retries: int | None = None
+    idempotency_retry_deadline_seconds: float | None = None
     idempotency_fail_open: bool | None = None
     idempotency_redact_args: bool | None = None
 
@@ -300,6 +302,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                       inflight_max_retries=s.inflight_max_retries, inflight_backoff=s.inflight_backoff,
                       inflight_backoff_max=s.inflight_backoff_max, retry_backoff=factor, retry_backoff_max=maximum,
                       retry_jitter=bool(getattr(self, "retry_jitter", True)),
+                      retry_deadline_seconds=s.retry_deadline_seconds,
                       outage_max_retries=s.outage_max_retries, fail_open=s.fail_open,
                       hop_ttl_seconds=self._hop_ttl())
 
@@ -486,11 +489,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self._carry_out(step, headers)
         request.idempotency_key = key
         request.idemmail_owner = owner = new_owner(request.id or "", ahead=handler.writes_ahead())
+        enqueued_at = _number(headers.get(ENQUEUED_HEADER))
         step = handler.handle(Delivery(
             key=key, task_name=self.name, payload=payload, attempt_id=request.id or "", **chain, older_keys=older,
-            retries=request.retries or 0, max_retries=self.max_retries,
-            enqueued_at=_number(headers.get(ENQUEUED_HEADER)), hop=str(headers.get(HOP_HEADER) or request.id or ""),
-            owner=owner,
+            retries=request.retries or 0, max_retries=self.max_retries, enqueued_at=enqueued_at,
+            retry_from=time.time() if enqueued_at is None else enqueued_at,
+            hop=str(headers.get(HOP_HEADER) or request.id or ""), owner=owner,
         ))
         return self._carry_out(step, headers)
 
@@ -585,8 +589,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return step.value
         if action is Action.DROP:
             raise Ignore()  # acknowledged, no result stored: the copy that published the next hop carries on
-        if action is Action.RETRY:
+        if action is Action.RETRY and step.counted:
             raise self.retry(exc=step.error, countdown=step.countdown, headers=_chain(headers, step.carry, keep=False))
+        if action is Action.RETRY:  # on the time budget the handler checked: Celery's max_retries must not refuse it
+            assert isinstance(step.error, Exception)
+            self._publish_again(step.countdown, _chain(headers, step.carry, keep=False), f"retry: {step.error}",
+                                step.error, retries=(self.request.retries or 0) + 1)
         if action is Action.RESCHEDULE:
             why = f"{step.outcome.value}: {step.error}" if step.error is not None else step.outcome.value
             assert isinstance(step.error, Exception)
@@ -683,11 +691,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
                             running=running)
 
     def _publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception, *,
-                       as_received: bool = False, running: Task | None = None) -> NoReturn:
+                       as_received: bool = False, running: Task | None = None,
+                       retries: int | None = None) -> NoReturn:
         """Requeue this message (or the one ``running`` runs) like ``retry()``, without spending ``max_retries``.
 
         ``reason`` is what monitors show for the retry (Flower: state RETRY, its repr as the exception).
         ``as_received``: the headers go out exactly as they came (a seal this worker cannot make or check).
+        ``retries``: the count the next delivery sees (default: this one's; a retry on the time budget adds one).
         """
         running = self if running is None else running
         request = running.request
@@ -700,7 +710,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # exactly as it came, its own seal and chain state intact, for a worker that can. Ending it
                 # here would acknowledge an intent nobody recorded.
                 headers, as_received = dict(request.headers or {}), True
-        sig = running.signature_from_request(request, countdown=countdown, retries=request.retries, headers=headers)
+        sig = running.signature_from_request(request, countdown=countdown, headers=headers,
+                                             retries=request.retries if retries is None else retries)
         if request.is_eager:  # ``Task.apply``: nothing is published (Celery would re-apply ``sig`` in-line, for ever)
             raise Rescheduled(why, exc=reason, when=countdown)
         sig.apply_async()

@@ -66,10 +66,13 @@ app.conf.update(
     idemmail_campaign_pass_seconds=os.environ.get("IDEMMAIL_TEST_CAMPAIGN_PASS") or None,
     idemmail_refuse_to_start=bool(os.environ.get("IDEMMAIL_TEST_REFUSE_TO_START")),
 )
+if os.environ.get("IDEMMAIL_TEST_RETRY_DEADLINE"):  # a short retry deadline (tests/integration/test_retry_deadline.py)
+    app.conf.update(idemmail_retry_deadline_seconds=os.environ["IDEMMAIL_TEST_RETRY_DEADLINE"])
 
 if not os.environ.get("IDEMMAIL_TEST_DEFAULT_BACKOFF"):  # short waits keep the tests short
-    app.conf.update(idemmail_inflight_backoff=0.2, idemmail_inflight_backoff_max=1.0, idemmail_retry_backoff=0.1,
-                    idemmail_retry_backoff_max=0.5)
+    app.conf.update(idemmail_inflight_backoff=0.2, idemmail_inflight_backoff_max=1.0,
+                    idemmail_retry_backoff=os.environ.get("IDEMMAIL_TEST_RETRY_BACKOFF") or 0.1,
+                    idemmail_retry_backoff_max=os.environ.get("IDEMMAIL_TEST_RETRY_BACKOFF_MAX") or 0.5)
 
 r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
 
