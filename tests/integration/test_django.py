@@ -699,3 +699,26 @@ def test_an_idempotency_key_header_is_the_intent_and_the_same_words_a_window_lat
     EmailMessage("Reminder", "Your cart waits.", None, [address], connection=connection).send()
     assert [o["status"] for o in results(new_sends(shop, before), timeout=90)] == ["sent", "sent"]
     assert [d.subject for d in delivered_to(shop, address)] == ["Shipped", "Reminder", "Reminder"]
+
+
+def test_fail_silently_makes_a_broker_that_does_not_answer_a_message_not_sent(shop: Shop) -> None:
+    import socket
+
+    from django.core.mail import send_mail
+    from kombu.exceptions import OperationalError
+
+    with socket.socket() as s:  # a port nothing listens on: the broker "down"
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app, url = shop.app, shop.app.conf.broker_url
+    app.conf.broker_url = f"redis://127.0.0.1:{port}/0"
+    app._pool, app.amqp._producer_pool = None, None  # the pools are made again from the URL on first use
+    try:
+        assert send_mail("Down", "Hello.", None, ["down@example.com"], fail_silently=True) == 0
+        with pytest.raises(OperationalError):
+            send_mail("Down", "Hello.", None, ["down@example.com"])
+    finally:
+        app.pool.force_close_all()
+        app.conf.broker_url = url
+        app._pool, app.amqp._producer_pool = None, None
+    assert send_mail("Up", "Hello.", None, ["up-again@example.com"]) == 1  # the project's broker again
