@@ -143,8 +143,10 @@ def intent_of(message: EmailMessage, window: float, now: float | None = None) ->
         "headers": headers, "attachments": [_attachment(a) for a in message.attachments],
     }
     if explicit is None:
-        fields = {k: call[k] for k in ("from_", "to", "cc", "bcc", "reply_to", "subject", "text", "html",
-                                       "attachments")}
+        fields = {k: call[k] for k in ("from_", "to", "cc", "bcc", "reply_to", "subject", "text", "html")}
+        # Each file by its own digest: JSON-encoding megabytes of base64 again would cost more than hashing them.
+        fields["attachments"] = [{**a, "content_b64": hashlib.sha256(a["content_b64"].encode()).hexdigest()}
+                                 for a in call["attachments"]]
         digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
         slot = int((time.time() if now is None else now) // window)
         explicit = f"django-email:{window:g}:{slot}:{digest}"
