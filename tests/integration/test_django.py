@@ -680,7 +680,9 @@ def test_one_backend_connection_carries_every_message_until_it_is_closed(shop: S
 
 
 def test_an_idempotency_key_header_is_the_intent_and_the_same_words_a_window_later_are_another(shop: Shop) -> None:
+    from django.conf import global_settings
     from django.core.mail import EmailMessage, get_connection
+    from django.test import override_settings
 
     from idemmail_celery.contrib.django.mail import intent_of
 
@@ -690,6 +692,9 @@ def test_an_idempotency_key_header_is_the_intent_and_the_same_words_a_window_lat
         shipped = EmailMessage("Shipped", body, None, [address], headers={"Idempotency-Key": f"ship-{address}"})
         assert shipped.send() == 1
     assert "headers" not in intent_of(shipped, 600)[0]  # the key is the library's, never a header of the mail
+    assert intent_of(shipped, 600)[0]["from_"] == "Shop <shop@example.com>"  # DEFAULT_FROM_EMAIL
+    with override_settings(DEFAULT_FROM_EMAIL=global_settings.DEFAULT_FROM_EMAIL):  # a project that never set it
+        assert "from_" not in intent_of(EmailMessage("Hi", "Hello.", None, [address]), 600)[0]  # default_from
     assert sorted(o["status"] for o in results(new_sends(shop, before), timeout=90)) == ["duplicate", "sent"]
     before = set(shop.published)
     connection = get_connection(window=2)

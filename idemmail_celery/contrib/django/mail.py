@@ -20,6 +20,7 @@ from email.mime.base import MIMEBase
 from typing import Any
 
 from celery import Task
+from django.conf import global_settings, settings
 from django.core.mail.backends.base import BaseEmailBackend
 from django.core.mail.message import EmailMessage
 from django.db import DEFAULT_DB_ALIAS, connections
@@ -138,7 +139,7 @@ def intent_of(message: EmailMessage, window: float, now: float | None = None) ->
         raise InvalidEmail(f"send_email sends attachments as multipart/mixed, not multipart/{message.mixed_subtype}",
                            field="attachments")
     call: dict[str, Any] = {
-        "from_": message.from_email, "to": list(message.to), "cc": list(message.cc), "bcc": list(message.bcc),
+        "from_": _sender(message.from_email), "to": list(message.to), "cc": list(message.cc), "bcc": list(message.bcc),
         "reply_to": list(message.reply_to), "subject": str(message.subject), "text": text, "html": html,
         "headers": headers, "attachments": [_attachment(a) for a in message.attachments],
     }
@@ -151,6 +152,13 @@ def intent_of(message: EmailMessage, window: float, now: float | None = None) ->
         slot = int((time.time() if now is None else now) // window)
         explicit = f"django-email:{window:g}:{slot}:{digest}"
     return {name: value for name, value in call.items() if value or name in ("to", "subject")}, explicit
+
+
+def _sender(address: str) -> str | None:
+    """The message's sender; None (``idemmail_default_from``) for Django's placeholder, a project's unset
+    ``DEFAULT_FROM_EMAIL`` (``webmaster@localhost``, which no provider accepts)."""
+    unset = global_settings.DEFAULT_FROM_EMAIL
+    return None if address == unset == settings.DEFAULT_FROM_EMAIL else address
 
 
 def _attachment(attachment: Any) -> dict[str, str]:
