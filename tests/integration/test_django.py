@@ -645,6 +645,7 @@ def test_a_message_django_builds_but_the_library_refuses_raises_at_send_mail(sho
     from django.test import Client
 
     from idemmail_celery import InvalidEmail
+    from idemmail_celery.errors import IdempotencyKeyError
 
     before = set(shop.published)
     with pytest.raises(InvalidEmail) as refused:
@@ -662,6 +663,9 @@ def test_a_message_django_builds_but_the_library_refuses_raises_at_send_mail(sho
     with pytest.raises(InvalidEmail) as refused:
         get_connection().send_messages(batch)  # the whole batch checked first: the fine one is not sent either
     assert refused.value.field.startswith("headers")
+    batch[1] = EmailMessage("Keyed", "Hello.", None, ["ann@example.com"], headers={"Idempotency-Key": " "})
+    with pytest.raises(IdempotencyKeyError, match="empty"):
+        get_connection().send_messages(batch)
     assert new_sends(shop, before) == []
 
 

@@ -79,8 +79,9 @@ class EmailBackend(BaseEmailBackend):
     def send_messages(self, email_messages: Sequence[EmailMessage]) -> int:
         """Send each message once per intent; the number sent (enqueued, or written to the outbox).
 
-        Raises :class:`~idemmail_celery.errors.InvalidEmail` for a message the library refuses,
-        before any message of the batch is written or published.
+        Raises :class:`~idemmail_celery.errors.InvalidEmail` for a message the library refuses
+        (:class:`~idemmail_celery.errors.IdempotencyKeyError` for an empty or overlong
+        ``Idempotency-Key``), before any message of the batch is written or published.
         """
         if not email_messages:
             return 0
@@ -89,8 +90,8 @@ class EmailBackend(BaseEmailBackend):
         # One without recipients is skipped, as Django's SMTP backend does; every other one is checked
         # before any is sent, so a refused message leaves the batch unsent, not half sent.
         calls = [intent_of(m, window) for m in email_messages if m.recipients()]
-        for call, _ in calls:
-            task.validate_call((), call)
+        for call, key in calls:
+            task.intent_headers((), call, explicit=key)  # the message and its key, as apply_async checks them
         sent = 0
         with self._lock:
             atomic = connections[self.using].in_atomic_block
