@@ -688,6 +688,7 @@ def test_an_idempotency_key_header_is_the_intent_and_the_same_words_a_window_lat
     from django.core.mail import EmailMessage, get_connection
     from django.test import override_settings
 
+    from idemmail_celery import ConfigurationError
     from idemmail_celery.contrib.django.mail import intent_of
 
     address = f"window-{uuid.uuid4().hex[:8]}@example.com"
@@ -701,6 +702,8 @@ def test_an_idempotency_key_header_is_the_intent_and_the_same_words_a_window_lat
         assert "from_" not in intent_of(EmailMessage("Hi", "Hello.", None, [address]), 600)[0]  # default_from
     assert sorted(o["status"] for o in results(new_sends(shop, before), timeout=90)) == ["duplicate", "sent"]
     before = set(shop.published)
+    with pytest.raises(ConfigurationError, match="window"):
+        get_connection(window=0)
     connection = get_connection(window=2)
     slot_ends = (time.time() // 2 + 1) * 2
     EmailMessage("Reminder", "Your cart waits.", None, [address], connection=connection).send()

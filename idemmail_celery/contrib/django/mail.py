@@ -26,7 +26,7 @@ from django.core.mail.message import EmailMessage
 from django.db import DEFAULT_DB_ALIAS, connections
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from ...errors import InvalidEmail
+from ...errors import ConfigurationError, InvalidEmail
 from ...mail import TASK_NAME
 from .conf import celery_app
 from .outbox import enqueue
@@ -51,8 +51,8 @@ class EmailBackend(BaseEmailBackend):
     def __init__(self, fail_silently: bool = False, *, using: str | None = None, window: float | None = None,
                  **kwargs: Any) -> None:
         super().__init__(fail_silently=fail_silently, **kwargs)
-        if window is not None and not (isinstance(window, (int, float)) and window > 0):
-            raise ValueError(f"window must be a positive number of seconds, not {window!r}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, (int, float)) or window <= 0):
+            raise ConfigurationError(f"window must be a positive number of seconds, not {window!r}")
         self.using = using or DEFAULT_DB_ALIAS
         self.window = window
         self._producer: Any = None
