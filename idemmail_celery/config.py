@@ -324,6 +324,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("idemmail_outbox_table", parse_str, "idemmail_outbox", "The outbox table's name."),
     Setting("idemmail_outbox_batch_size", _at_least(parse_int, 1), 100, "Rows the relay publishes per transaction."),
     Setting("idemmail_outbox_max_seconds", positive, 10.0, "How long one run of the relay task may drain."),
+    Setting("idemmail_email_window_seconds", positive, 600.0,
+            "Django's `EMAIL_BACKEND`: how long a message sent again with the same sender, recipients, subject, "
+            "bodies and attachments (and no `Idempotency-Key` header) is the same intent: one window, one email."),
 )
 
 
@@ -402,6 +405,7 @@ class Settings:
     outbox_table: str = _D["outbox_table"]
     outbox_batch_size: int = _D["outbox_batch_size"]
     outbox_max_seconds: float = _D["outbox_max_seconds"]
+    email_window_seconds: float = _D["email_window_seconds"]
 
     def __post_init__(self) -> None:
         # Built directly, not by resolve(): the same strict parsing, named by field.
