@@ -18,7 +18,6 @@ import redis
 from celery import Celery
 from celery.signals import task_postrun
 
-import idemmail_celery.redrive  # noqa: F401  (the sweep task; green pools restore the broker's unacked messages)
 from idemmail_celery import AmbiguousSendError, IdempotentTask, TransientSendError, send_campaign, send_email  # noqa: F401
 
 NS = os.environ.get("IDEMMAIL_TEST_NS", "default")
@@ -38,8 +37,8 @@ app.conf.update(
     # unacked messages within seconds instead of ~100 s (kombu 5.7 defaults).
     broker_transport_options={
         "visibility_timeout": float(os.environ.get("IDEMMAIL_TEST_VT", "3600")),
-        "unacked_restore_interval": 1,
-        "unacked_restore_throttle": 1,
+        **({} if os.environ.get("IDEMMAIL_TEST_RESTORE_DEFAULTS") else {"unacked_restore_interval": 1,
+                                                                       "unacked_restore_throttle": 1}),
         # The restore's lock is one key on the whole broker (every test's workers share it). A worker SIGKILLed
         # while it holds the lock leaves it held for unacked_mutex_expire (kombu: 300 s), and no worker of
         # any test restores anything meanwhile; a restore here takes milliseconds.
