@@ -37,8 +37,8 @@ app.conf.update(
     # unacked messages within seconds instead of ~100 s (kombu 5.7 defaults).
     broker_transport_options={
         "visibility_timeout": float(os.environ.get("IDEMMAIL_TEST_VT", "3600")),
-        **({} if os.environ.get("IDEMMAIL_TEST_RESTORE_DEFAULTS") else {"unacked_restore_interval": 1,
-                                                                       "unacked_restore_throttle": 1}),
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
         # The restore's lock is one key on the whole broker (every test's workers share it). A worker SIGKILLed
         # while it holds the lock leaves it held for unacked_mutex_expire (kombu: 300 s), and no worker of
         # any test restores anything meanwhile; a restore here takes milliseconds.
@@ -65,6 +65,12 @@ app.conf.update(
     idemmail_campaign_pass_seconds=os.environ.get("IDEMMAIL_TEST_CAMPAIGN_PASS") or None,
     idemmail_refuse_to_start=bool(os.environ.get("IDEMMAIL_TEST_REFUSE_TO_START")),
 )
+# Re-drive (tests/integration/test_redrive.py): set only when asked, the library's defaults otherwise.
+app.conf.update({name: os.environ[var] for name, var in (
+    ("idemmail_restore_unacked", "IDEMMAIL_TEST_RESTORE_UNACKED"),
+    ("idemmail_sweep_in_workers", "IDEMMAIL_TEST_SWEEP_IN_WORKERS"),
+    ("idemmail_sweep_after_seconds", "IDEMMAIL_TEST_SWEEP_AFTER"),
+) if os.environ.get(var)})
 
 if not os.environ.get("IDEMMAIL_TEST_DEFAULT_BACKOFF"):  # short waits keep the tests short
     app.conf.update(idemmail_inflight_backoff=0.2, idemmail_inflight_backoff_max=1.0, idemmail_retry_backoff=0.1,
