@@ -117,7 +117,8 @@ def test_one_worker_at_a_time_sweeps_and_each_stranded_claim_is_republished_once
                                        fingerprint=task.key_builder.fingerprint(first), owner="gone:1:dead",
                                        lease_seconds=0.1))
     began = time.monotonic()
-    workers = [start_worker("-P", "threads", "-c", "2") for _ in range(3)]
+    # One of each pool: the sweep runs in the worker's main process (a greenlet under gevent).
+    workers = [start_worker("-P", pool, "-c", "2") for pool in ("prefork", "threads", "gevent")]
     wait_for(lambda: len(sink.deliveries()) >= 5, timeout=60)
     time.sleep(4)  # more rounds, with every worker ticking
     elapsed = time.monotonic() - began
