@@ -92,7 +92,7 @@ def test_with_both_settings_off_nothing_is_re_driven_and_a_beat_entry_still_swee
     held = task.intent_key("p0@example.com", 90)
     ars = _kill_holding(own_broker_app, sink, start_worker("-P", "gevent", "-c", "5"), 1)
     second = start_worker("-P", "gevent", "-c", "5")
-    time.sleep(12)  # six visibility timeouts; a re-drive every second would have come many times
+    time.sleep(8)  # four visibility timeouts; a restore every second would have come several times
     assert sink.deliveries() == [] and _claimed(task) == [held]
     assert b"restores the Redis broker's unacked messages" not in second.log()
     assert b"sweeping" not in second.log()
