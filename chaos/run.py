@@ -20,6 +20,9 @@ redis-vt-defaults      the library's default settings, Redis ``visibility_timeou
 rabbitmq-pg-smtp       SMTP sink (no key support at all), RabbitMQ, PostgreSQL ledger
 redis-redis-gevent     workers on ``-P gevent -c 50``, SIGKILLed whole (no pool children to kill), with
                        the Redis transport's default unacked-restore settings
+redis-gevent-defaults  issue 35's outside run: ``-P gevent -c 50``, the library's defaults (nothing included, no
+                       beat entry), ``visibility_timeout`` 10 s with the transport's own restore settings, 6
+                       whole-worker kills: drained, every record final
 campaign-blips-rotate  ``send_campaign`` (each enqueued twice) to the SMTP sink; the ledger (a Redis of
                        the run's own) is stopped for 3 s three times, and once 25 % are delivered the
                        key secret is rotated worker by worker in docs/security.md's two steps
@@ -82,6 +85,12 @@ def scenarios(intents: int, copies: int, kills: int, seed: int) -> list[Scenario
         replace(base, name="redis-redis-gevent", pool="gevent", concurrency=50, whole_worker_share=1.0,
                 intents=side, kills=side_kills, enqueue_seconds=max(10.0, side * copies / 300), seed=seed + 9,
                 restore_defaults=True),
+        # Issue 35, from outside: green pools with the library's defaults (its re-drive on, nothing included) and
+        # whole-worker kills; before re-drive was on by default, this run never drained.
+        replace(base, name="redis-gevent-defaults", pool="gevent", concurrency=50, whole_worker_share=1.0,
+                intents=side, kills=6, visibility_timeout=10.0, provider_timeout=10.0, fault_rate=0.02,
+                defaults=True, restore_defaults=True, latency=0.2, enqueue_seconds=max(10.0, side * copies / 300),
+                deadline=600.0, seed=seed + 11),
         # Campaigns through ledger outages and a key-secret rotation (issue 23): no recipient twice, every
         # record final, under its old key or its new one.
         replace(base, name="campaign-blips-rotate", provider="smtp", campaigns=12, intents=side, copies=2,

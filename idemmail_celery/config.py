@@ -265,10 +265,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("idemmail_outage_max_retries", count, None,
             "Reschedules while the ledger (or the provider's set-up) is unavailable before the message fails; "
             "unset: until it is back.", optional=True),
-    Setting("idemmail_sweep_after_seconds", positive, 3600.0,
-            "How long a claim's lease must have run out, with no move since, before the sweep "
-            "(`idemmail_celery.sweep_stranded`, run from beat) republishes it from its first payload: keep it "
-            "above the broker's visibility timeout and every backoff maximum."),
+    Setting("idemmail_sweep_after_seconds", positive, None,
+            "How long a claim's lease must have run out, with no move since, before the sweep republishes it "
+            "from its first payload. Unset: twice the longest of the broker's visibility timeout (with its "
+            "restore delay), `idemmail_inflight_backoff_max` and the retry backoff maximum, 300 s at least.",
+            optional=True),
+    Setting("idemmail_sweep_in_workers", parse_bool, True,
+            "Workers sweep for stranded claims themselves, one at a time per ledger, every quarter of "
+            "`idemmail_sweep_after_seconds` (15 min at most). Off: only a beat entry runs the sweep."),
+    Setting("idemmail_restore_unacked", parse_bool, True,
+            "Workers that run no kombu event loop (`-P gevent`, `-P eventlet`) on a Redis broker hand a killed "
+            "worker's unacked messages back to the queue every `unacked_restore_interval` seconds. Off: only "
+            "workers with an event loop do."),
     Setting("idemmail_refuse_to_start", parse_bool, False,
             "Exit at worker start when a start-up check fails (a ledger that does not answer or whose driver is "
             "missing, a provider that cannot be built, no key secret). Off: each failure is one ERROR line with "
@@ -385,7 +393,9 @@ class Settings:
     retry_backoff_max: float = _D["retry_backoff_max"]
     retry_deadline_seconds: float = _D["retry_deadline_seconds"]
     outage_max_retries: int | None = None
-    sweep_after_seconds: float = _D["sweep_after_seconds"]
+    sweep_after_seconds: float | None = None
+    sweep_in_workers: bool = _D["sweep_in_workers"]
+    restore_unacked: bool = _D["restore_unacked"]
     refuse_to_start: bool = _D["refuse_to_start"]
     fail_open: bool = _D["fail_open"]
     carries_key: bool = _D["carries_key"]

@@ -18,7 +18,6 @@ import redis
 from celery import Celery
 from celery.signals import task_postrun
 
-import idemmail_celery.redrive  # noqa: F401  (the sweep task; green pools restore the broker's unacked messages)
 from idemmail_celery import AmbiguousSendError, IdempotentTask, TransientSendError, send_campaign, send_email  # noqa: F401
 
 NS = os.environ.get("IDEMMAIL_TEST_NS", "default")
@@ -68,6 +67,12 @@ app.conf.update(
 )
 if os.environ.get("IDEMMAIL_TEST_RETRY_DEADLINE"):  # a short retry deadline (tests/integration/test_retry_deadline.py)
     app.conf.update(idemmail_retry_deadline_seconds=os.environ["IDEMMAIL_TEST_RETRY_DEADLINE"])
+# Re-drive (tests/integration/test_redrive.py): set only when asked, the library's defaults otherwise.
+app.conf.update({name: os.environ[var] for name, var in (
+    ("idemmail_restore_unacked", "IDEMMAIL_TEST_RESTORE_UNACKED"),
+    ("idemmail_sweep_in_workers", "IDEMMAIL_TEST_SWEEP_IN_WORKERS"),
+    ("idemmail_sweep_after_seconds", "IDEMMAIL_TEST_SWEEP_AFTER"),
+) if os.environ.get(var)})
 
 if not os.environ.get("IDEMMAIL_TEST_DEFAULT_BACKOFF"):  # short waits keep the tests short
     app.conf.update(idemmail_inflight_backoff=0.2, idemmail_inflight_backoff_max=1.0,
