@@ -17,6 +17,7 @@ The decisions themselves (claim, replay, reclaim, record, park) live in the hand
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import logging
 import threading
@@ -29,6 +30,7 @@ from celery import Task
 from celery import _state as _celery_state
 from celery.exceptions import Ignore, Retry
 from celery.signals import before_task_publish, celeryd_after_setup, worker_init
+from celery.utils.time import maybe_make_aware
 from kombu.exceptions import KombuError
 from kombu.serialization import dumps as kombu_dumps
 from kombu.serialization import loads as kombu_loads
@@ -305,13 +307,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
 
     def intent_headers(
-        self, args: Any = None, kwargs: Any = None, *, explicit: str | None = None, tenant: str | None = None
+        self, args: Any = None, kwargs: Any = None, *, explicit: str | None = None, tenant: str | None = None,
+        due: float | None = None,
     ) -> dict[str, Any]:
         """Validate a call and derive its intent: the message headers it will travel with.
 
         What ``apply_async`` does before enqueueing, and what the transactional
-        outbox stores with a row. Raises :class:`~idemmail_celery.errors.IdemmailError`
-        subclasses (and ``TypeError`` from ``check_call``) on bad input.
+        outbox stores with a row. ``due``: when a countdown or ETA lets the message run (epoch
+        seconds); the sealed enqueue time is the later of it and now, since no copy can be claimed
+        before (the worker parks a message enqueued longer ago than the ledger's retention).
+        Raises :class:`~idemmail_celery.errors.IdemmailError` subclasses (and ``TypeError`` from
+        ``check_call``) on bad input.
         """
         payload = self.validate_call(args, kwargs)
         builder = self.key_builder
@@ -319,7 +325,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         older = builder.older_keys(payload, explicit=explicit, tenant=tenant)  # () unless rotating
         if older:
             headers[OLDER_KEYS_HEADER] = list(older)
-        headers[ENQUEUED_HEADER] = f"{time.time():.3f}"
+        headers[ENQUEUED_HEADER] = f"{max(time.time(), due or 0.0):.3f}"
         if tenant is not None:
             headers[TENANT_HEADER] = str(tenant)
         return self.sealed(headers, payload)
@@ -408,7 +414,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if explicit is not None or carried is None:
             # Chain state and older keys belong to whatever message the caller copied them from: dropped.
             headers = untrusted_removed(headers, keep=())
-            headers.update(self.intent_headers(args, kwargs, explicit=explicit, tenant=tenant))
+            headers.update(self.intent_headers(args, kwargs, explicit=explicit, tenant=tenant,
+                                               due=due_time(self.app, options.get("countdown"), options.get("eta"))))
         options["headers"] = headers
         if self.idem_settings.redact_args:  # the task option, else idemmail_redact_args, parsed strictly
             options.setdefault("argsrepr", "<redacted>")
@@ -753,6 +760,24 @@ def _count(value: Any) -> int:
         return max(int(value or 0), 0)
     except (TypeError, ValueError):
         return 0
+
+
+def due_time(app: Any, countdown: Any = None, eta: Any = None) -> float | None:
+    """When a message with Celery's ``countdown`` or ``eta`` option may run (epoch seconds); None without
+    either, or for one Celery itself would refuse. A naive ``eta`` is in the app's timezone, as the
+    worker reads it."""
+    try:
+        if countdown is not None:
+            return time.time() + float(countdown)
+        if eta is None:
+            return None
+        if isinstance(eta, str):
+            eta = datetime.datetime.fromisoformat(eta)
+        if isinstance(eta, datetime.datetime):
+            return float(maybe_make_aware(eta, app.timezone).timestamp())
+    except (TypeError, ValueError, OverflowError):
+        pass
+    return None
 
 
 def _number(value: Any) -> float | None:
