@@ -29,14 +29,14 @@ from typing import Any, NoReturn
 from celery import Task
 from celery import _state as _celery_state
 from celery.exceptions import Ignore, Retry
-from celery.signals import before_task_publish, celeryd_after_setup, worker_init
+from celery.signals import before_task_publish, celeryd_after_setup, worker_init, worker_shutdown
 from celery.utils.time import maybe_make_aware
 from kombu.exceptions import KombuError
 from kombu.serialization import dumps as kombu_dumps
 from kombu.serialization import loads as kombu_loads
 
 from . import keys as keys_mod
-from . import outcomes, redaction
+from . import outcomes, redaction, roster
 from ._common import (
     CHAIN_HEADERS,
     ENQUEUED_HEADER,
@@ -80,7 +80,7 @@ from .handler import (
 )
 from .keys import IntentKeyBuilder, KeySpec, Payload, RoundTrip, Seal, untrusted_removed
 from .ledger import Ledger, backend_for, shared
-from .ledger.base import new_owner
+from .ledger.base import default_owner, new_owner
 from .redaction import scrub
 
 log = logging.getLogger("idemmail_celery")
@@ -202,16 +202,26 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @property
     def key_builder(self) -> IntentKeyBuilder:
-        """The :class:`~idemmail_celery.keys.IntentKeyBuilder` for this task."""
-        if self._idem_builder is None:
+        """The :class:`~idemmail_celery.keys.IntentKeyBuilder` for this task.
+
+        During a key-secret rotation its first secret (the one keys and seals are made under) is the
+        newest every live worker of the ledger holds (:mod:`idemmail_celery.roster`): the builder is
+        made again when that changes. With one secret it is made once.
+        """
+        builder = self._idem_builder
+        secrets = self.idem_settings.key_secrets
+        if len(secrets) > 1:
+            secrets = roster.view(self.ledger).order(secrets)
+            if builder is not None and builder.secret != secrets:
+                builder = None
+        if builder is None:
             self._check_options()
             signature = inspect.signature(self.run)
             spec = self.idempotency_key
             if isinstance(spec, list):
                 spec = tuple(spec)
-            secrets = self.idem_settings.key_secrets
             serializer = self.serializer or self.app.conf.task_serializer or "json"
-            self._idem_builder = IntentKeyBuilder(
+            builder = self._idem_builder = IntentKeyBuilder(
                 task_name=self.name,
                 signature=signature,
                 spec=spec,
@@ -220,10 +230,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 address_fields=keys_mod.address_fields_for(signature, self.idempotency_address_fields),
                 must_match=tuple(self.idempotency_must_match or ()),
                 serializer=serializer,
-                secret=secrets or None,  # newest first: keys are made with the first, found under all
+                secret=secrets or None,  # keys are made with the first, found under all
                 round_trip=serializer_round_trip(serializer),
             )
-        return self._idem_builder
+        return builder
 
     def _check_options(self) -> None:
         global _warned_no_secret
@@ -289,8 +299,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     @property
     def handler(self) -> Handler:
         """This task's :class:`~idemmail_celery.handler.Handler` (the task lends it the side effect)."""
-        if self._idem_handler is None:
-            self._idem_handler = Handler(self.ledger, self.key_builder, self.policy, self, passthrough=(Retry,))
+        builder = self.key_builder
+        if self._idem_handler is None or self._idem_handler.builder is not builder:  # a rotation moved on
+            self._idem_handler = Handler(self.ledger, builder, self.policy, self, passthrough=(Retry,))
         return self._idem_handler
 
     # -- the caller's side --
@@ -825,6 +836,34 @@ def _check_at_start(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is not None:
         _found_at_start[id(app)] = start_up_problems(app)
+        _announcers[id(app)] = announcer(app).start()  # before the first message is taken
+
+
+_announcers: dict[int, roster.Announcer] = {}
+
+
+def announcer(app: Any) -> roster.Announcer:
+    """This worker's heartbeat into the key-secret roster of each ledger its idempotent tasks use, with the
+    ids of the secrets all of that ledger's tasks hold (:mod:`idemmail_celery.roster`)."""
+    held: dict[int, tuple[Ledger, list[str]]] = {}
+    for task in list(app.tasks.values()):
+        if not isinstance(task, IdempotentTask):
+            continue
+        try:
+            ledger, ids = task.ledger, keys_mod.secret_ids(task.idem_settings.key_secrets or None)
+        except Exception:  # settings that do not parse: reported by start_up_problems
+            continue
+        found = held.get(id(ledger))
+        held[id(ledger)] = (ledger, list(ids) if found is None else [i for i in found[1] if i in ids])
+    return roster.Announcer(default_owner(), [(ledger, ids) for ledger, ids in held.values() if ids])
+
+
+def _leave_at_shutdown(sender: Any = None, **_: Any) -> None:
+    """On ``worker_shutdown``: out of the rosters at once, rather than when the entry lapses."""
+    app = getattr(sender, "app", None)
+    found = _announcers.pop(id(app), None) if app is not None else None
+    if found is not None:
+        found.stop()
 
 
 def _report_at_start(sender: Any = None, instance: Any = None, **_: Any) -> None:
@@ -888,6 +927,7 @@ def _pending_idempotent(name: str | None) -> bool:
 # outcomes (imported above) connected its worker_init handler first: metrics are on before this opens ledgers.
 worker_init.connect(_check_at_start, weak=False)
 celeryd_after_setup.connect(_report_at_start, weak=False)
+worker_shutdown.connect(_leave_at_shutdown, weak=False)
 # Every publish path (apply_async, send_task by name, the outbox relay, canvas, retries) passes this signal. The
 # rules are in redaction, which stays Celery-free for the handler; the hook belongs to the adapter.
 before_task_publish.connect(_redact_on_publish, weak=False)
