@@ -14,8 +14,9 @@ goes on making keys under ``old`` until the last worker without ``new`` is gone,
 
 With one secret there is nothing to choose and the roster is never read. A ledger without a roster
 (:class:`NotImplementedError`: a third-party backend, a hand-managed SQL schema without migration
-003) or one that cannot be read before the first choice leaves the choice to the *oldest* secret:
-the one every process still holds.
+003) leaves the secrets in their configured order: the rotation then takes two deploys. A roster
+that cannot be read before the first choice leaves it to the *oldest* secret, the one every process
+still holds.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class RosterView:
         self._entries: list[RosterEntry] | None = None
         self._read_at: float | None = None  # monotonic; None: never read
         self._said = False
+        self.kept = True  # False: this ledger keeps no roster
 
     def entries(self) -> list[RosterEntry] | None:
         """The live entries; None when this ledger has no roster or it has never been read."""
@@ -93,7 +95,7 @@ class RosterView:
             self._entries = self.ledger.roster()
             self._said = False
         except NotImplementedError:
-            self._entries = None
+            self._entries, self.kept = None, False
         except Exception as exc:  # the ledger, its driver: the last answer stands until it answers
             if not self._said:
                 self._said = True
@@ -102,8 +104,12 @@ class RosterView:
         self._read_at = time.monotonic()
 
     def order(self, secrets: Secrets) -> Secrets:
-        """:func:`active_order` of ``secrets`` by this roster (no read at all with one secret)."""
-        return secrets if len(secrets) < 2 else active_order(secrets, self.entries())
+        """:func:`active_order` of ``secrets`` by this roster (no read at all with one secret); as configured
+        when the ledger keeps no roster."""
+        if len(secrets) < 2:
+            return secrets
+        entries = self.entries()
+        return active_order(secrets, entries) if self.kept else secrets
 
 
 _views: dict[int, RosterView] = {}
