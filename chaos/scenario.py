@@ -877,7 +877,8 @@ class Run:
         records = view.states(keys)
         r.ledger_blips, r.rotated = self.blips, self.rotated
         if self.rotated:  # an intent is one whether it went out (and was recorded) under its old or its new key
-            rotated = build_app({**self.config(), "key_secrets": json.dumps([f"{KEY_SECRET}-2", KEY_SECRET])})
+            # The new secret alone: with both, the key would follow the roster (idemmail_celery.roster).
+            rotated = build_app({**self.config(), "key_secrets": json.dumps([f"{KEY_SECRET}-2"])})
             news = [rotated.tasks[task.name].intent_key(**self.intent(i, 1)) for i in range(s.intents)]
             for old, new in zip(keys, news, strict=True):
                 delivered[old] += delivered.pop(new, 0)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from .conftest import results
 
 OLD_SECRETS, NEW_SECRETS = "test-secret", "two,test-secret"
@@ -19,12 +21,13 @@ def keys_delivered(sink: Any) -> list[str]:
     return sorted(d.split("|")[0] for d in sink.deliveries())
 
 
+@pytest.mark.parametrize("pool", [("prefork", "1"), ("gevent", "100")], ids=["prefork", "gevent"])
 def test_two_copies_on_an_old_and_an_upgraded_worker_mid_deploy_are_sent_once(
-    app_module: Any, ns: str, sink: Any, start_worker: Any
+    app_module: Any, ns: str, sink: Any, start_worker: Any, pool: tuple[str, str]
 ) -> None:
     start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_KEY_SECRETS": OLD_SECRETS})
     upgraded_queue = f"q.{ns}.upgraded"
-    start_worker("-P", "prefork", "-c", "1", "-Q", upgraded_queue, env={"IDEMMAIL_TEST_KEY_SECRETS": NEW_SECRETS})
+    start_worker("-P", pool[0], "-c", pool[1], "-Q", upgraded_queue, env={"IDEMMAIL_TEST_KEY_SECRETS": NEW_SECRETS})
     send, app = app_module.send, app_module.app
     old_key = send.intent_key("kim@example.com", 41)  # the test process is an old web process
 
