@@ -67,7 +67,7 @@ from ._common import KEY_HEADER, after_fork, backoff
 from .config import Settings
 from .errors import ConfigurationError
 from .keys import untrusted_removed
-from .task import IdempotentTask, due_time
+from .task import IdempotentTask, first_run_time
 
 log = logging.getLogger("idemmail_celery")
 
@@ -253,7 +253,7 @@ def _row(
         options["eta"] = aware_now + dt.timedelta(seconds=float(countdown))
     # Sealed now, with the row: a relay publishing it late (or again) cannot make it look newer.
     headers.update(task.intent_headers(args, kwargs, explicit=idempotency_key, tenant=idempotency_tenant,
-                                       due=due_time(task.app, eta=options.get("eta"))))
+                                       due=first_run_time(task.app, eta=options.get("eta"))))
     if isinstance(options.get("expires"), (int, float)):
         options["expires"] = aware_now + dt.timedelta(seconds=float(options["expires"]))
     return {

@@ -425,8 +425,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if explicit is not None or carried is None:
             # Chain state and older keys belong to whatever message the caller copied them from: dropped.
             headers = untrusted_removed(headers, keep=())
-            headers.update(self.intent_headers(args, kwargs, explicit=explicit, tenant=tenant,
-                                               due=due_time(self.app, options.get("countdown"), options.get("eta"))))
+            due = first_run_time(self.app, options.get("countdown"), options.get("eta"))
+            headers.update(self.intent_headers(args, kwargs, explicit=explicit, tenant=tenant, due=due))
         options["headers"] = headers
         if self.idem_settings.redact_args:  # the task option, else idemmail_redact_args, parsed strictly
             options.setdefault("argsrepr", "<redacted>")
@@ -773,7 +773,7 @@ def _count(value: Any) -> int:
         return 0
 
 
-def due_time(app: Any, countdown: Any = None, eta: Any = None) -> float | None:
+def first_run_time(app: Any, countdown: Any = None, eta: Any = None) -> float | None:
     """When a message with Celery's ``countdown`` or ``eta`` option may run (epoch seconds); None without
     either, or for one Celery itself would refuse. A naive ``eta`` is in the app's timezone, as the
     worker reads it."""
