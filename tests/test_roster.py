@@ -80,3 +80,22 @@ def test_a_worker_announces_the_secrets_all_its_tasks_hold_and_leaves_at_shutdow
     finally:
         beat.stop()
     assert [e for e in send.ledger.roster() if e.member == beat.member] == []
+
+
+def test_a_ledger_without_a_roster_keeps_the_configured_order_and_an_unreadable_one_the_oldest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from idemmail_celery.errors import LedgerUnavailableError
+
+    ledger = sender(tmp_path, [NEW, OLD]).ledger
+
+    def missing() -> list[RosterEntry]:
+        raise NotImplementedError("no roster here")
+
+    def down() -> list[RosterEntry]:
+        raise LedgerUnavailableError("down")
+
+    monkeypatch.setattr(ledger.backend, "roster", missing)
+    assert roster.RosterView(ledger).order((NEW, OLD)) == (NEW, OLD)  # rotate in two deploys there
+    monkeypatch.setattr(ledger.backend, "roster", down)
+    assert roster.RosterView(ledger).order((NEW, OLD)) == (OLD, NEW)
