@@ -73,6 +73,7 @@ class RosterView:
         self._read_at: float | None = None  # monotonic; None: never read
         self._said = False
         self.kept = True  # False: this ledger keeps no roster
+        self._memo: tuple[list[RosterEntry] | None, Secrets, bool, Secrets] | None = None
 
     def entries(self) -> list[RosterEntry] | None:
         """The live entries; None when this ledger has no roster or it has never been read."""
@@ -109,7 +110,13 @@ class RosterView:
         if len(secrets) < 2:
             return secrets
         entries = self.entries()
-        return active_order(secrets, entries) if self.kept else secrets
+        memo = self._memo  # worked out again only when the roster was read again (every few seconds)
+        if memo is not None and memo[0] is entries and memo[1] == secrets and memo[2] is self.kept:
+            return memo[3]
+        kept = self.kept
+        order = active_order(secrets, entries) if kept else secrets
+        self._memo = (entries, secrets, kept, order)
+        return order
 
 
 _views: dict[int, RosterView] = {}
