@@ -25,11 +25,13 @@ redis-gevent-defaults  issue 35's outside run: ``-P gevent -c 50``, the library'
                        whole-worker kills: drained, every record final
 campaign-blips-rotate  ``send_campaign`` (each enqueued twice) to the SMTP sink; the ledger (a Redis of
                        the run's own) is stopped for 3 s three times, and once 25 % are delivered the
-                       key secret is rotated worker by worker in docs/security.md's two steps
-                       (``[old, new]``, then ``[new, old]``), each a warm restart
+                       key secret is rotated worker by worker in two steps (``[old, new]``, then
+                       ``[new, old]``), each a warm restart
 provider-outage        the library's default settings and Redis ``visibility_timeout``; the provider is
                        stopped (connections refused) for 10 minutes once a fifth of the intents are
                        delivered: every intent delivered once after it returns, none ``failed``
+campaign-1step-1..3    the same, rotated in one step (``[old]`` -> ``[new, old]``), 8 s between two
+                       workers' restarts, three seeds
 drill-keyed            ledger-loss drill: the Redis ledger is flushed mid-run and the loss stands 10 s
                        before ``ledger ack-loss``; keyed provider
 drill-keyless          the same drill with the keyless provider
@@ -101,6 +103,11 @@ def scenarios(intents: int, copies: int, kills: int, seed: int) -> list[Scenario
         replace(base, name="provider-outage", intents=300, kills=0, fault_rate=0.0, defaults=True,
                 visibility_timeout=3600.0, provider_outage=600.0, outage_at=0.2, deadline=1800.0,
                 enqueue_seconds=10.0, seed=seed + 11),
+        # The same, the key secret rotated in one rolling deploy ([old] -> [new, old]; issue 35, item 4), three
+        # seeds: no recipient twice, because keys stay under `old` until every live worker holds `new`.
+        *(replace(base, name=f"campaign-1step-{n}", provider="smtp", campaigns=12, intents=side, copies=2,
+                  kills=side_kills, ledger_blips=3, rotate_secret_at=0.25, rotate_in_one_step=True, rotate_pause=8.0,
+                  enqueue_seconds=10.0, lease=10.0, seed=seed + 11 + n) for n in (1, 2, 3)),
         # The drills enqueue every copy before the workers start: all of them predate the loss.
         replace(base, name="drill-keyed", intents=side, kills=0, fault_rate=0.0, flush_ledger_at=0.5,
                 enqueue_seconds=2.0, seed=seed + 6),

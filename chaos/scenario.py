@@ -122,6 +122,10 @@ class Scenario:
     #: When this share of the intents is delivered, every worker is restarted with a rotated key secret
     #: (``[new, old]``).
     rotate_secret_at: float | None = None
+    #: Rotate in one rolling deploy, ``[old]`` -> ``[new, old]`` (the roster makes it safe), not in two.
+    rotate_in_one_step: bool = False
+    #: Seconds between two workers' restarts in a rotation: how long workers of both kinds run side by side.
+    rotate_pause: float = 0.0
     #: The Redis transport's own unacked-restore settings (not the quick ones the other runs use).
     restore_defaults: bool = False
     #: The provider is stopped (connections refused) for this long once ``outage_at`` of the intents are
@@ -732,9 +736,9 @@ class Run:
         self.log("provider_up", delivered=self.provider.delivered(), down_seconds=round(time.time() - down, 1))
 
     def rotate_secret(self) -> None:
-        """Once ``rotate_secret_at`` of the intents are delivered, rotate the key secret as docs/security.md
-        says, worker by worker (a rolling redeploy, warm shutdowns): first ``[old, new]`` everywhere (keys
-        still made under ``old``, records under ``new`` found), then ``[new, old]``."""
+        """Once ``rotate_secret_at`` of the intents are delivered, rotate the key secret worker by worker (a
+        rolling redeploy, warm shutdowns): first ``[old, new]`` everywhere (keys still made under ``old``,
+        records under ``new`` found), then ``[new, old]``; or ``[new, old]`` at once (``rotate_in_one_step``)."""
         s = self.s
         assert s.rotate_secret_at is not None
         while not self.stop.wait(0.1):
@@ -742,7 +746,8 @@ class Run:
                 break
         else:
             return
-        for phase, secrets in enumerate(([KEY_SECRET, f"{KEY_SECRET}-2"], [f"{KEY_SECRET}-2", KEY_SECRET]), 1):
+        steps = [[KEY_SECRET, f"{KEY_SECRET}-2"], [f"{KEY_SECRET}-2", KEY_SECRET]]
+        for phase, secrets in enumerate(steps[1:] if s.rotate_in_one_step else steps, 1):
             self.log("key_secret_rotating", phase=phase, delivered=self.provider.delivered())
             for w in self.workers:
                 with self.restart_lock:
@@ -750,6 +755,7 @@ class Run:
                     if w.alive():
                         w.stop(timeout=60.0)  # a redeploy: warm shutdown, the running pass finishes or hands on
                         w.start()
+                self.stop.wait(s.rotate_pause)
         self.rotated = True
         self.log("key_secret_rotated", secrets="[new, old]", delivered=self.provider.delivered())
 
@@ -969,7 +975,8 @@ class Run:
         records = view.states(keys)
         r.ledger_blips, r.rotated = self.blips, self.rotated
         if self.rotated:  # an intent is one whether it went out (and was recorded) under its old or its new key
-            rotated = build_app({**self.config(), "key_secrets": json.dumps([f"{KEY_SECRET}-2", KEY_SECRET])})
+            # The new secret alone: with both, the key would follow the roster (idemmail_celery.roster).
+            rotated = build_app({**self.config(), "key_secrets": json.dumps([f"{KEY_SECRET}-2"])})
             news = [rotated.tasks[task.name].intent_key(**self.intent(i, 1)) for i in range(s.intents)]
             for old, new in zip(keys, news, strict=True):
                 delivered[old] += delivered.pop(new, 0)

@@ -19,9 +19,11 @@ a redundant copy. Read top to bottom, :meth:`Handler.handle` is the guarantee:
    ============================  ==========================================================
    ``acquired``                  run the body (after an acknowledged ledger loss, a message
                                  enqueued before it is reconciled or parked unless the key
-                                 travels downstream; during a key-secret rotation, only once the
-                                 intent's other keys are read again and found empty: else the
-                                 claim is withdrawn and rescheduled, see ``cross_check``)
+                                 travels downstream; a message enqueued longer ago than the
+                                 retention is reconciled or parked; during a key-secret rotation,
+                                 only once the intent's other keys are read again and found
+                                 empty: else the claim is withdrawn and rescheduled, see
+                                 ``cross_check``)
    ``reopened``/``resumed``      run the *stored first payload* (``resumed`` with a verdict
                                  this chain could not record: record it, run nothing)
    ``done``                      replay: return the stored result, or raise the stored error
@@ -87,6 +89,12 @@ log = logging.getLogger("idemmail_celery")
 #: After an acknowledged ledger loss, a message that does not say when it was enqueued (sent by
 #: name, or by an older version) counts as possibly older than the loss for this long.
 UNDATED_AFTER_LOSS_SECONDS = 24 * 3600.0
+#: The review reason of a new claim for a message older than the ledger's retention (see
+#: :meth:`Handler.older_than_retention`).
+OLDER_THAN_RETENTION = "older_than_retention"
+#: What :meth:`Handler.older_than_retention` allows for the caller's clock being behind the store's,
+#: at most (and at most a tenth of the retention).
+RETENTION_SKEW_SECONDS = 60.0
 #: Attempts at recording ``sent`` before the verdict travels with the next delivery instead.
 COMPLETE_ATTEMPTS = 3
 #: The reason of an intent that ends ``failed`` because its retry deadline passed while every attempt
@@ -189,7 +197,9 @@ class Delivery:
     #: This chain's reschedules so far: because a claim was busy, and because something was unavailable.
     inflight: int = 0
     outage: int = 0
-    #: When the intent was first enqueued (caller's clock), for the ledger-loss rule; None: not said.
+    #: When the intent was first enqueued, or first due when later (a countdown): the sealed
+    #: ``idemmail_enqueued`` header, caller's clock. No copy of the intent can have been claimed
+    #: before it: the ledger-loss rule and the retention rule count from it. None: not said.
     enqueued_at: float | None = None
     #: The claim owners this chain may still hold its claim under, newest first (``ClaimRequest.resume_owner``:
     #: a claim whose reply was lost may or may not have landed, so the one before it is kept too), and the
@@ -511,6 +521,8 @@ class Handler:
             step = self.after_loss(d, claim)
             if step is not None:
                 return step
+        if status is ClaimStatus.ACQUIRED and self.older_than_retention(d):
+            return self.after_retention(d, claim)
         if status in (ClaimStatus.REOPENED, ClaimStatus.RESUMED):
             refused = self.check_reuse(d, record)
             if refused is not None:  # nothing ran: the first payload's own retry will
@@ -876,6 +888,35 @@ class Handler:
             return self.record_sent(d, claim, found, reconciled=True)
         return self.park_unknown(d, claim, "ledger_lost", "enqueued before an acknowledged ledger loss: it may have "
                                                           "been sent, and the record of it lost")
+
+    def older_than_retention(self, d: Delivery) -> bool:
+        """Is this message older than what the ledger can vouch for?
+
+        A record of its intent, had one been made, was made no earlier than ``d.enqueued_at`` (nothing
+        claims a message before it is enqueued, or before its countdown is due), and a final one is kept
+        for the retention after that (``claimed``, ``released`` and ``review`` ones for ever). So a new
+        claim for a message enqueued longer ago than the retention may be a copy of an intent sent and
+        expired: a message captured from the broker and published again, or one that waited out a ledger
+        outage longer than the retention. An undated message (sent by name) cannot be told: it is not.
+        """
+        if d.enqueued_at is None:
+            return False
+        retention = self.ledger.retention_seconds
+        return time.time() - d.enqueued_at > retention - min(RETENTION_SKEW_SECONDS, retention / 10)
+
+    def after_retention(self, d: Delivery, claim: Claim) -> Step:
+        """A new claim for a message older than the retention: never sent again blind. Reconciled when the
+        side effect's service can say; else parked as ``review`` (reason ``older_than_retention``), its first
+        payload kept, for a person to release or fail. A key carried downstream does not make it safe: a
+        service de-duplicates for a day or so, less than the retention."""
+        found = self.reconciled(d, claim.record)
+        if found is not None:
+            return self.record_sent(d, claim, found, reconciled=True)
+        age = time.time() - (d.enqueued_at or 0.0)
+        return self.park_unknown(d, claim, OLDER_THAN_RETENTION,
+                                 f"enqueued {age:.0f} s ago, longer than the ledger keeps records "
+                                 f"({self.ledger.retention_seconds:.0f} s): a copy of it may have been sent, "
+                                 "and its record expired")
 
     def park_unknown(self, d: Delivery, claim: Claim, reason: str, message: str, **extra: Any) -> Step:
         """Park a claim whose outcome cannot be known (``extra``: more fields for its ``error``)."""

@@ -389,6 +389,12 @@ def _secret_list(secret: Any) -> tuple[bytes | None, ...]:
     return tuple(out)
 
 
+def secret_ids(secret: Any) -> tuple[str, ...]:
+    """The public ids of the key secrets ``secret`` names (the builder's ``secret`` option), newest first:
+    what a seal names its secret by, and what a worker puts in its ledger's key-secret roster."""
+    return tuple(_secret_id(s) for s in _secret_list(secret))
+
+
 def _secret_id(secret: bytes | None) -> str:
     """A short public name of a key secret, so that a seal says which secret made it (``plain``: none).
 

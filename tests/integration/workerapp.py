@@ -54,6 +54,7 @@ app.conf.update(
     # newest first.
     idemmail_key_secret=(os.environ.get("IDEMMAIL_TEST_KEY_SECRETS") or "test-secret").split(","),
     idemmail_lease_seconds=float(os.environ.get("IDEMMAIL_TEST_LEASE", "30")),
+    idemmail_retention_seconds=float(os.environ.get("IDEMMAIL_TEST_RETENTION", str(7 * 24 * 3600))),
     # send_email (registered on this app as a shared task when idemmail_celery is imported)
     idemmail_provider_url=os.environ.get("IDEMMAIL_TEST_PROVIDER") or None,
     idemmail_provider_api_key=os.environ.get("IDEMMAIL_TEST_PROVIDER_KEY") or None,
