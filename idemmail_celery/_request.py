@@ -18,7 +18,9 @@ the pool; the worker releases the pool slot it held (``TaskRevokedError``, as fo
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import platform
 
 from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
@@ -29,9 +31,6 @@ from .handler import Outcome
 from .keys import MAX_NESTING, arguments_problem
 
 log = logging.getLogger("idemmail_celery")
-
-_BRACKETS = {bytes: (b"[", b"{"), bytearray: (b"[", b"{"), str: ("[", "{")}
-
 
 class CheckedRequest(Request):  # type: ignore[misc]
     """A request whose arguments are checked in the main process before the pool gets them."""
@@ -50,12 +49,16 @@ class CheckedRequest(Request):  # type: ignore[misc]
     def _problem(self) -> str | None:
         limit = getattr(self.task, "max_argument_size", lambda: None)()
         body = self.body
-        brackets = _BRACKETS.get(type(body)) if self.content_type == "application/json" else None
-        if brackets is not None:
-            # The arguments' JSON bounds both answers: no deeper than its brackets, no larger than its length.
-            shallow = body.count(brackets[0]) + body.count(brackets[1]) <= MAX_NESTING
-            if shallow and (limit is None or len(body) <= limit):
-                return None
+        opened: int | None = None
+        if self.content_type != "application/json":
+            pass
+        elif isinstance(body, str):
+            opened = body.count("[") + body.count("{")
+        elif isinstance(body, (bytes, bytearray)):
+            opened = body.count(b"[") + body.count(b"{")
+        # The arguments' JSON bounds both answers: no deeper than its brackets, no larger than its length.
+        if opened is not None and opened <= MAX_NESTING and (limit is None or len(body) <= limit):
+            return None
         return arguments_problem(self.args, self.kwargs, limit)
 
     def _refuse(self, problem: str) -> None:
@@ -77,3 +80,24 @@ class CheckedRequest(Request):  # type: ignore[misc]
             task_ready(self)
             self.acknowledge()
 
+
+#: glibc's own default threshold (128 KiB), above which an allocation is a mapping of its own, unmapped when freed.
+MMAP_THRESHOLD = 128 * 1024
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def fix_mmap_threshold() -> bool:
+    """Keep glibc's mmap threshold at its default in this process (and the pool children it forks afterwards).
+
+    glibc raises the threshold, up to 32 MiB, each time a block above it is freed: after one large
+    message (its body, the decoded arguments, the pickled job, the provider's request: about 10 MiB
+    each) the next ones are allocated inside the heap, and a heap gives memory back only from its top.
+    Pool children kept hundreds of MiB that way (issue 35). Setting the threshold turns the raising
+    off; every block above it goes back to the system when freed. False where the C library is not glibc.
+    """
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False

@@ -880,8 +880,16 @@ def _pending_idempotent(name: str | None) -> bool:
         return True
 
 
+def _fix_mmap_threshold(**_: Any) -> None:
+    """On ``worker_init`` (main process, before the pool forks): :func:`idemmail_celery._request.fix_mmap_threshold`."""
+    from ._request import fix_mmap_threshold
+
+    fix_mmap_threshold()
+
+
 # outcomes (imported above) connected its worker_init handler first: metrics are on before this opens ledgers.
 worker_init.connect(_check_at_start, weak=False)
+worker_init.connect(_fix_mmap_threshold, weak=False)
 celeryd_after_setup.connect(_report_at_start, weak=False)
 # Every publish path (apply_async, send_task by name, the outbox relay, canvas, retries) passes this signal. The
 # rules are in redaction, which stays Celery-free for the handler; the hook belongs to the adapter.
