@@ -64,3 +64,17 @@ def test_a_message_nested_850_deep_is_refused_before_the_pool_and_the_worker_liv
     assert b"refused before the pool" in log
     good = results([app.tasks[TASK_NAME].delay(**KIM)])[0]
     assert good["status"] == "sent" and fake.delivery_count() == 1
+
+
+def test_arguments_over_the_tasks_size_bound_are_refused_before_the_pool(
+    fake_app: Any, fake: FakeProvider, start_worker: Any
+) -> None:
+    """``send_email``'s bound: its size budget (10 MiB) and 64 KiB; over it, the worker's main process refuses the
+    message before pickling it for a child (an email that large was refused in the child before, as invalid)."""
+    worker = start_worker("-P", "prefork", "-c", "1")
+    app = fake_app.app
+    big = app.send_task(TASK_NAME, kwargs={**KIM, "text": "x" * (app.tasks[TASK_NAME].max_argument_size() + 1)})
+    out = results([big], timeout=60)[0]
+    assert isinstance(out, PermanentSendError) and out.reason == "invalid_arguments", out
+    assert "larger than" in str(out) and b"refused before the pool" in worker.log()
+    assert list(app.tasks[TASK_NAME].ledger.iter_records()) == [] and fake.delivery_count() == 0
