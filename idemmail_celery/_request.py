@@ -32,6 +32,7 @@ from .keys import MAX_NESTING, arguments_problem
 
 log = logging.getLogger("idemmail_celery")
 
+
 class CheckedRequest(Request):  # type: ignore[misc]
     """A request whose arguments are checked in the main process before the pool gets them."""
 
@@ -40,22 +41,28 @@ class CheckedRequest(Request):  # type: ignore[misc]
     def revoked(self) -> bool:
         """True for a revoked or expired task (Celery's answer), and for one refused here (see the module doc)."""
         if self._idemmail_refused is None:
-            problem = self._problem()
+            try:
+                problem = self._problem()
+            except Exception:  # a defect here must not stop the worker: the run's own checks still come
+                log.exception("idemmail: task %s[%s] could not be checked before the pool", self.name, self.id)
+                problem = None
             self._idemmail_refused = problem is not None
             if problem is not None:
                 self._refuse(problem)
         return bool(self._idemmail_refused) or bool(super().revoked())
 
     def _problem(self) -> str | None:
-        limit = getattr(self.task, "max_argument_size", lambda: None)()
+        try:
+            limit = self.task.max_argument_size()
+        except Exception:  # settings that do not parse: the run says so (setup_error) and waits; depth still counts
+            limit = None
         body = self.body
         opened: int | None = None
-        if self.content_type != "application/json":
-            pass
-        elif isinstance(body, str):
-            opened = body.count("[") + body.count("{")
-        elif isinstance(body, (bytes, bytearray)):
-            opened = body.count(b"[") + body.count(b"{")
+        if self.content_type == "application/json":
+            if isinstance(body, str):
+                opened = body.count("[") + body.count("{")
+            elif isinstance(body, (bytes, bytearray)):
+                opened = body.count(b"[") + body.count(b"{")
         # The arguments' JSON bounds both answers: no deeper than its brackets, no larger than its length.
         if opened is not None and opened <= MAX_NESTING and (limit is None or len(body) <= limit):
             return None
@@ -75,10 +82,11 @@ class CheckedRequest(Request):  # type: ignore[misc]
             task.request_stack.pop()
         try:
             task.backend.mark_as_failure(self.id, exc, request=self._context, store_result=self.store_errors)
-        finally:
             self.send_event("task-failed", exception=saferepr(exc), traceback="")
-            task_ready(self)
-            self.acknowledge()
+        except Exception:  # the message is refused all the same: it can never run
+            log.exception("idemmail: the refusal of task %s[%s] could not be stored or told", self.name, self.id)
+        task_ready(self)
+        self.acknowledge()
 
 
 #: glibc's own default threshold (128 KiB), above which an allocation is a mapping of its own, unmapped when freed.
