@@ -672,10 +672,10 @@ def _headers(value: Any) -> dict[str, str]:
         if lowered in seen:
             raise InvalidEmail(f"headers: {scrub(name)} is given twice (header names ignore case)", field="headers")
         seen.add(lowered)
-        _header_text(v, _named("headers", name), tab=True)
-        if len(v) > MAX_HEADER_VALUE_CHARS:
+        if len(v) > MAX_HEADER_VALUE_CHARS:  # before its text is scanned
             raise InvalidEmail(f"{_named('headers', name)} is over {MAX_HEADER_VALUE_CHARS} characters",
                                field=_named("headers", name))
+        _header_text(v, _named("headers", name), tab=True)
     return out
 
 
@@ -687,9 +687,9 @@ def _tags(value: Any) -> dict[str, str]:
         _header_text(name, "tags")
         if not name or ":" in name or any(c.isspace() for c in name):
             raise InvalidEmail(f"tags name {scrub(name)!r} is not valid (empty, white space or ':')", field="tags")
-        _header_text(v, _named("tags", name))
         if len(v) > MAX_TAG_CHARS:
             raise InvalidEmail(f"{_named('tags', name)} is over {MAX_TAG_CHARS} characters", field=_named("tags", name))
+        _header_text(v, _named("tags", name))
     return out
 
 
