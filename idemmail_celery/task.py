@@ -198,6 +198,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     acks_late = True
     reject_on_worker_lost = True
     throws: tuple[type, ...] = (Reported,)
+    #: Refuses, in the worker's main process, a message the pool could not take (:mod:`idemmail_celery._request`).
+    Request = "idemmail_celery._request:CheckedRequest"
 
     idempotency_key: KeySpec = None
     idempotency_tenant: str | None = None
@@ -407,9 +409,27 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if type(self).check_call is not IdempotentTask.check_call:  # the base's accepts everything
             self.check_call(tuple(args or ()), dict(kwargs or {}))
         payload = self.key_builder.payload(args, kwargs)
-        if not keys_mod.is_json_plain([payload.args, payload.kwargs]):
+        plain = keys_mod.is_json_plain([payload.args, payload.kwargs])
+        self._check_arguments(payload.args, payload.kwargs, plain)
+        if not plain:
             payload.to_json()  # the ledger stores JSON in kombu's typed form: fail now if it cannot
         return payload
+
+    def max_argument_size(self) -> int | None:
+        """The most a call's arguments may hold, as :func:`~idemmail_celery.keys.arguments_problem` counts
+        (about their length as JSON), or None for no bound (the default). Checked at ``delay()`` and
+        in the worker's main process before the pool (``send_email``: its message size budget)."""
+        return None
+
+    def _check_arguments(self, args: Any, kwargs: Any, plain: bool) -> None:
+        """Raise :class:`~idemmail_celery.errors.UnserializableArgumentsError` for arguments the worker's main
+        process would refuse before the pool: nested too deep, or over :meth:`max_argument_size`."""
+        limit = self.max_argument_size()
+        if limit is None and plain:
+            return  # JSON-plain arguments nest at most 20 levels (keys.is_json_plain)
+        problem = keys_mod.arguments_problem(args, kwargs, limit)
+        if problem is not None:
+            raise UnserializableArgumentsError(problem)
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -965,8 +985,16 @@ def _pending_idempotent(name: str | None) -> bool:
         return True
 
 
+def _fix_mmap_threshold(**_: Any) -> None:
+    """On ``worker_init`` (main process, before the pool forks): :func:`idemmail_celery._request.fix_mmap_threshold`."""
+    from ._request import fix_mmap_threshold
+
+    fix_mmap_threshold()
+
+
 # outcomes (imported above) connected its worker_init handler first: metrics are on before this opens ledgers.
 worker_init.connect(_check_at_start, weak=False)
+worker_init.connect(_fix_mmap_threshold, weak=False)
 celeryd_after_setup.connect(_report_at_start, weak=False)
 worker_shutdown.connect(_leave_at_shutdown, weak=False)
 # Every publish path (apply_async, send_task by name, the outbox relay, canvas, retries) passes this signal. The

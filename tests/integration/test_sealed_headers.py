@@ -173,8 +173,9 @@ def test_a_forged_review_verdict_skips_no_check_and_stores_nothing(
     in ``to``, a CRLF in the subject, over the size cap). Now the checks run and refuse it, storing nothing."""
     worker = start_worker("-P", "prefork", "-c", "1")
     review = {"state": "review", "error": {"type": "X", "message": "m", "reason": "r"}}
-    calls = [{**KIM, "subject": "Hi\r\nBcc: eve@example.com"}, {**KIM, "text": "x" * (11 * 1024 * 1024)},
-             {**KIM, "tags": {"t": "v" * (11 * 1024 * 1024)}}]
+    over = 10 * 1024 * 1024 + 1024  # over the size cap, under what the worker refuses before the pool (issue 35)
+    calls = [{**KIM, "subject": "Hi\r\nBcc: eve@example.com"}, {**KIM, "text": "x" * over},
+             {**KIM, "headers": {f"X-H{i}": "v" for i in range(60)}}]
     out = results([fake_app.app.send_task(TASK_NAME, kwargs=kw, headers={VERDICT_HEADER: review}) for kw in calls])
     for o in out:
         assert isinstance(o, PermanentSendError) and o.reason == "invalid_email", o
