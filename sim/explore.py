@@ -155,3 +155,29 @@ def save(cfg: Config, choices: list[int], violations: list[str], path: Path, *, 
 def load(path: Path) -> tuple[Config, list[int], dict[str, Any]]:
     data = json.loads(path.read_text())
     return Config(**data["config"]), list(data["choices"]), data
+
+
+def hunt(worlds: tuple[Config, ...], *, seconds: float, seed: int = 0,
+         exhaustive_first: int = 2000) -> tuple[Config, Run, int] | None:
+    """Look for a violation in ``worlds``: a bounded exhaustive sweep of each, then seeded random walks
+    over them in turn until ``seconds`` pass. Returns the world, the failing run and the schedules tried."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    tried = 0
+    for cfg in worlds:
+        for out in exhaustive(cfg, limit=exhaustive_first, stop_on_violation=True):
+            tried += 1
+            if out.violations:
+                return cfg, out, tried
+            if time.monotonic() > deadline:
+                return None
+    n = seed
+    while time.monotonic() < deadline:
+        for cfg in worlds:
+            out = run(cfg, walker(n))
+            tried += 1
+            if out.violations:
+                return cfg, out, tried
+        n += 1
+    return None

@@ -27,8 +27,8 @@ import idemmail_celery.bulk as bulk
 import idemmail_celery.handler as handler_mod
 import idemmail_celery.ledger.base as ledger_base
 import idemmail_celery.redrive as redrive
-from idemmail_celery._common import HOP_HEADER, KEY_HEADER, backoff
-from idemmail_celery.errors import AmbiguousSendError, PermanentSendError, TransientSendError
+from idemmail_celery._common import HOP_HEADER, KEY_HEADER, VERDICT_HEADER, backoff
+from idemmail_celery.errors import AmbiguousSendError, IdemmailError, PermanentSendError, TransientSendError
 from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Policy, Step
 from idemmail_celery.keys import IntentKeyBuilder, Payload
 from idemmail_celery.ledger import Ledger, State
@@ -121,6 +121,7 @@ class Actor:
     dead: bool = False
     held: dict[tuple[str, int], float] = field(default_factory=dict)
     phase: int = 0
+    builder: int = 0
 
 
 class SimKeeper:
@@ -235,7 +236,8 @@ def _signature(to: str, subject: str = "", text: str = "", event_id: str = "") -
 
 
 def builders() -> tuple[IntentKeyBuilder, IntentKeyBuilder, IntentKeyBuilder]:
-    """Key builders before a rotation, on its first phase (old secret first), and on its second."""
+    """Key builders before a key-secret rotation (the old secret), after its first step (the new one
+    added, the old one still first) and after its second (the new one first, the old one kept)."""
     from idemmail_celery.mail import email_intent
 
     base = IntentKeyBuilder(task_name=SEND_EMAIL, signature=inspect.signature(_signature), spec=email_intent,
@@ -269,7 +271,9 @@ class World:
         self.budget = {"faults": cfg.faults, "crashes": cfg.crashes, "stalls": cfg.stalls, "vt": cfg.vt_copies,
                        "lost": cfg.lost, "losses": cfg.losses, "operator": cfg.operator, "sweeps": cfg.sweeps,
                        "ticks": cfg.ticks, "preempt": cfg.preemptions}
-        self.rotation = 0            # 0: one secret; 1: both phases side by side; 2: all on the new one
+        # The rotation: 0, 2 and 4 are its settled steps (builders 0, 1, 2); 1 and 3 are deploys of the next
+        # step, workers of both steps side by side.
+        self.rotation = 0
         self.store_lost = False
         self.lost_messages = 0
         self.queue: list[Message] = []
@@ -288,6 +292,7 @@ class World:
         self.marked: set[int] = set()              # intents a write-ahead mark was asked for
         self.told: list[tuple[int, Step]] = []     # final answers given to callers
         self.before_loss: set[int] = set()         # intents final in a store that was then lost
+        self.touched_by_loss: set[int] = set()     # intents with a record or a send when the store was lost
         self.key_seen: dict[str, float] = {}       # the keyed provider's de-duplication window
         self.redrive_live: list[str] = []          # keys the sweep republished while their lease was live
         self.campaign_results: list[Any] = []
@@ -371,6 +376,9 @@ class World:
             if kind == "keyless":
                 about_to_send("request")
             how = self.point("provider.send", key)
+            seen = self.key_seen.get(key) if kind == "keyed" else None
+            if seen is not None and self.now - seen <= KEY_WINDOW and how in ("transient", "permanent"):
+                how = OK  # a key the provider has seen: it answers with the first response
             if how == "transient":
                 raise TransientSendError("503 unavailable", reason="unavailable")
             if how == "permanent":
@@ -389,7 +397,6 @@ class World:
         if how in ("ambiguous_sent", "reply_lost_sent"):
             raise AmbiguousSendError("the reply never came", reason="timeout")
         self.point("provider.reply", key)  # a crash here: sent, and nobody heard
-        self.known.add(intent)
         return {"message_id": f"m-{intent}-{len(self.effects.get(intent, ()))}"}
 
     # -- actors' bodies --
@@ -400,8 +407,7 @@ class World:
         h = msg.headers
         carried = h.get(KEY_HEADER) if msg.task_id.startswith("sweep") else None
         payload = Payload([], dict(msg.kwargs))
-        phase = self.phase_of(actor)
-        handler = self.handlers[phase]
+        handler = self.handlers[actor.builder]
         if carried:
             key, older = str(carried), ()
         else:
@@ -415,19 +421,27 @@ class World:
         intent = self.intent_of[msg.kwargs["to"]]
         if step.action in (Action.RETURN, Action.RAISE):
             self.told.append((intent, step))
+            if step.outcome is Outcome.SENT:
+                self.known.add(intent)
         if step.action in (Action.RETRY, Action.RESCHEDULE):
             headers = _chain(dict(h), step.carry, keep=step.action is Action.RESCHEDULE)
             headers[HOP_HEADER] = f"hop{next(self.ids)}"
             self.point("broker.publish", key)
             self.publish("send", msg.task_id, msg.kwargs, headers, countdown=step.countdown,
                          retries=msg.retries + (step.action is Action.RETRY), enqueued_at=msg.enqueued_at)
+            self.knows(headers.get(VERDICT_HEADER), intent)
         self.point("broker.ack", key)
+
+    def knows(self, verdict: Any, intent: int) -> None:
+        """A "sent" verdict left in a published message: the chain knows the intent was sent."""
+        if isinstance(verdict, dict) and verdict.get("state") == State.SENT.value:
+            self.known.add(intent)
 
     def run_campaign(self, actor: Actor) -> None:
         msg = actor.msg
         assert msg is not None
         assert _BUILDERS is not None
-        sender = Sender(self, self.handlers[self.phase_of(actor)].builder)
+        sender = Sender(self, self.handlers[actor.builder].builder)
         task = CampaignTask(msg, sender)
         try:
             result = bulk._send_campaign(task, **msg.kwargs)  # type: ignore[arg-type]
@@ -435,6 +449,9 @@ class World:
             self.point("broker.publish", CAMPAIGN_ID)
             self.publish("campaign", msg.task_id, msg.kwargs, again.headers, countdown=again.countdown,
                          retries=msg.retries + 1, enqueued_at=msg.enqueued_at)
+            verdicts = again.headers.get(VERDICT_HEADER)
+            for key, verdict in (verdicts.items() if isinstance(verdicts, dict) else ()):
+                self.knows(verdict, self.intent_of.get(key, -1))
         except Exception as exc:  # the campaign failed (past a budget): acknowledged, its result an error
             self.campaign_results.append(exc)
         else:
@@ -465,12 +482,14 @@ class World:
             return
 
     def phase_of(self, actor: Actor) -> int:
-        """The key builder an actor's worker has: before a rotation, on either of its phases, after it."""
-        if self.rotation == 0:
-            return 0
-        if self.rotation == 2:
-            return 2
-        return 1 + actor.phase
+        """The key builder (0, 1, 2) the worker an actor runs on has: during a deploy, either step's."""
+        return self.rotation // 2 + (actor.phase if self.rotation % 2 else 0)
+
+    def may_rotate(self) -> bool:
+        """The next step of a rotation is deployed once no worker of the step before the current one runs
+        (a deploy waits for its old workers' tasks: a warm shutdown)."""
+        floor = (self.rotation + 1) // 2
+        return self.rotation < 4 and all(a.builder >= floor for a in self.actors)
 
     # -- the scheduler's side --
 
@@ -510,7 +529,7 @@ class World:
             opts.append(("store_loss",))
         if self.store_lost:
             opts.append(("ack_loss",))
-        if self.cfg.rotation and self.rotation < 2:
+        if self.cfg.rotation and self.may_rotate():
             opts.append(("rotate",))
         if b["operator"] > 0 and len(self.actors) < self.cfg.workers:
             opts.append(("operator",))
@@ -523,7 +542,11 @@ class World:
     def step(self, opt: tuple[Any, ...]) -> None:
         """Carry out one option (see :meth:`options`)."""
         self.steps += 1
-        self.log.append(" ".join(str(x) for x in opt))
+        where = ""
+        if opt[0] in ("run", "crash", "stall", "vt_copy"):
+            actor = self._actor(opt[1])
+            where = f" at {actor.pending[0] if actor.pending else 'start'} ({actor.kind} {actor.msg.task_id if actor.msg else ''})"
+        self.log.append(" ".join(str(x) for x in opt) + where + f" t+{self.now - START:.0f}")
         kind, b = opt[0], self.budget
         if kind == "run":
             actor = self._actor(opt[1])
@@ -579,6 +602,7 @@ class World:
 
     def start(self, kind: str, msg: Message | None) -> None:
         actor = Actor(next(self.ids), kind, msg, phase=len(self.actors) % 2)
+        actor.builder = self.phase_of(actor)
         body = {"send": self.run_send, "campaign": self.run_campaign, "sweep": self.run_sweep,
                 "operator": self.run_operator}[kind]
         actor.glet = greenlet(lambda _how: self._body(body, actor))
@@ -590,6 +614,10 @@ class World:
             body(actor)
         except Killed:
             raise
+        except IdemmailError as exc:
+            if actor.kind in ("send", "campaign"):  # a defect: the task fails and its message is acknowledged
+                self.errors.append(f"{actor.kind} raised {type(exc).__name__}: {exc}")
+            # A sweep or an operator's command that met an outage fails; beat or the operator runs it again.
         except Exception as exc:  # a defect: the task fails and its message is acknowledged
             self.errors.append(f"{actor.kind} raised {type(exc).__name__}: {exc}")
 
@@ -631,6 +659,8 @@ class World:
 
     def lose_store(self) -> None:
         for i, keys in self.keys_of.items():
+            if self.effects.get(i) or any(self.store.get(k) is not None for k in keys):
+                self.touched_by_loss.add(i)
             if any((r := self.store.get(k)) is not None and r.state.is_final for k in keys):
                 self.before_loss.add(i)
         assert isinstance(self.store, MemLedger), "only the in-memory store is lost"
@@ -706,6 +736,8 @@ class World:
                            f"({(r.error or {}).get('reason')})")
             if state is State.SENT and not sent:
                 out.append(f"intent {i} recorded sent, never sent")
+            if i in self.touched_by_loss:  # what the lost store knew, nobody knows: parked, by design
+                continue
             if state is State.FAILED and sent:
                 out.append(f"intent {i} recorded failed, yet it was sent")
             if i in self.known and state is not State.SENT:
@@ -713,7 +745,7 @@ class World:
         for i, step in self.told:
             r = self.record_of(i)
             state = r.state if r is not None else None
-            if r is None and i in self.before_loss:
+            if i in self.touched_by_loss:
                 continue
             if step.action is Action.RETURN and state is not State.SENT:
                 out.append(f"intent {i}: a caller was told {step.outcome.value}, the record says "
