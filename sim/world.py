@@ -751,7 +751,7 @@ class World:
                 out.append(f"intent {i}: a caller was told {step.outcome.value}, the record says "
                            f"{state and state.value}")
             elif step.action is Action.RAISE and step.outcome in (Outcome.FAILED, Outcome.DUPLICATE) \
-                    and isinstance(step.error, PermanentSendError) and state is not State.FAILED:
+                    and isinstance(step.error, PermanentSendError) and state is State.SENT:
                 out.append(f"intent {i}: a caller was told failed, the record says {state and state.value}")
         out += [f"a {e}" for e in self.errors]
         if self.redrive_live:
