@@ -493,7 +493,10 @@ class Handler:
             step = self.after_crash(d, claim)
             if step is not None:
                 return step
-        if status is ClaimStatus.ACQUIRED and self.older_than_loss(d):
+        # The loss rule: a new claim, and one taken over or back with no mark (the first claim since the loss may
+        # have lost its reply, or died, before its holder applied the rule: nobody has decided yet).
+        if (status is ClaimStatus.ACQUIRED or (status in (ClaimStatus.RECLAIMED, ClaimStatus.RESUMED)
+                                               and live_mark(claim) is None)) and self.older_than_loss(d):
             step = self.after_loss(d, claim)
             if step is not None:
                 return step

@@ -293,6 +293,7 @@ class World:
         self.told: list[tuple[int, Step]] = []     # final answers given to callers
         self.before_loss: set[int] = set()         # intents final in a store that was then lost
         self.touched_by_loss: set[int] = set()     # intents with a record or a send when the store was lost
+        self.rejected: set[int] = set()            # intents the provider refused for good
         self.key_seen: dict[str, float] = {}       # the keyed provider's de-duplication window
         self.redrive_live: list[str] = []          # keys the sweep republished while their lease was live
         self.campaign_results: list[Any] = []
@@ -362,11 +363,15 @@ class World:
         """The provider: keyed (de-duplicates on the key within its window), keyless HTTP, or SMTP."""
         kind = self.cfg.provider
         intent = self.intent_of[payload.kwargs["to"]]
+        if intent in self.rejected:  # a message the provider refused for good is refused again, every time
+            self.point("provider.send", key)
+            raise PermanentSendError("550 refused again", reason="rejected")
         if kind == "smtp":
             how = self.point("provider.rcpt", key)
             if how == "before_rcpt":
                 raise TransientSendError("421 try again later", reason="smtp_busy")
             if how == "rejected":
+                self.rejected.add(intent)
                 raise PermanentSendError("550 no such user", reason="rejected")
             about_to_send("message")  # DATA accepted: the write-ahead mark, then the message
             how = self.point("provider.message", key)
@@ -382,6 +387,7 @@ class World:
             if how == "transient":
                 raise TransientSendError("503 unavailable", reason="unavailable")
             if how == "permanent":
+                self.rejected.add(intent)
                 raise PermanentSendError("422 invalid", reason="rejected")
         self.attempts[intent] = self.attempts.get(intent, 0) + 1
         if how in ("ambiguous_unsent", "reply_lost_unsent"):
@@ -542,6 +548,7 @@ class World:
     def step(self, opt: tuple[Any, ...]) -> None:
         """Carry out one option (see :meth:`options`)."""
         self.steps += 1
+        self.now += 0.001  # every step takes a little time: nothing two steps do happens at one instant
         where = ""
         if opt[0] in ("run", "crash", "stall", "vt_copy"):
             actor = self._actor(opt[1])
