@@ -359,6 +359,10 @@ class World:
     def note_mark(self, key: str) -> None:
         self.marked.add(self.intent_of.get(key, -1))
 
+    def consistent(self, intent: int, how: str) -> str:
+        """A provider that accepted a message does not refuse the same one for good later."""
+        return OK if how in ("permanent", "rejected") and self.effects.get(intent) else how
+
     def provider_send(self, payload: Payload, key: str) -> Any:
         """The provider: keyed (de-duplicates on the key within its window), keyless HTTP, or SMTP."""
         kind = self.cfg.provider
@@ -367,7 +371,7 @@ class World:
             self.point("provider.send", key)
             raise PermanentSendError("550 refused again", reason="rejected")
         if kind == "smtp":
-            how = self.point("provider.rcpt", key)
+            how = self.consistent(intent, self.point("provider.rcpt", key))
             if how == "before_rcpt":
                 raise TransientSendError("421 try again later", reason="smtp_busy")
             if how == "rejected":
@@ -380,7 +384,7 @@ class World:
         else:
             if kind == "keyless":
                 about_to_send("request")
-            how = self.point("provider.send", key)
+            how = self.consistent(intent, self.point("provider.send", key))
             seen = self.key_seen.get(key) if kind == "keyed" else None
             if seen is not None and self.now - seen <= KEY_WINDOW and how in ("transient", "permanent"):
                 how = OK  # a key the provider has seen: it answers with the first response
