@@ -94,8 +94,7 @@ SMALL = Config(provider="keyless", intents=1, copies=2, faults=2, crashes=1, sta
 DEFECTS: tuple[Defect, ...] = (
     Defect("unfenced_completion", "completion without the token fence",
            lambda: [(sim_ledger.MemLedger, "_finish", _unfenced(sim_ledger.MemLedger._finish))],
-           (Config(provider="keyless", copies=2, faults=2, crashes=0, stalls=1, ticks=3, steps=60),
-            Config(provider="smtp", copies=2, faults=3, crashes=1, stalls=1, ticks=3, steps=80))),
+           (Config(provider="smtp", copies=2, faults=1, crashes=0, stalls=1, ticks=1, preemptions=1, steps=60),)),
     Defect("chain_marks_void", "every chain mark treated as void",
            lambda: [(handler_mod, "live_mark", lambda claim: None)],
            (Config(provider="keyless", copies=1, faults=1, crashes=1, ticks=2, steps=40), SMALL)),
@@ -123,7 +122,7 @@ DEFECTS: tuple[Defect, ...] = (
     Defect("own_mark_not_void", "a chain's own mark from an attempt that sent nothing parks it (history: "
            "the rule that a chain's own mark is void)",
            lambda: [(handler_mod, "live_mark", lambda claim: ahead_mark(claim.record))],
-           (Config(provider="smtp", copies=1, faults=3, crashes=0, ticks=2, steps=60),
+           (Config(provider="smtp", copies=1, faults=2, crashes=0, ticks=1, preemptions=0, steps=40),
             Config(provider="keyless", copies=1, faults=3, crashes=0, ticks=2, steps=60))),
     Defect("verdict_dropped", "a verdict not carried through a reschedule (history: verdicts carried "
            "through reschedules)",

@@ -10,8 +10,19 @@ from typing import Any
 
 from idemmail_celery.errors import LedgerLostError, LedgerUnavailableError, RecordNotFoundError, StaleTokenError
 from idemmail_celery.ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
-from idemmail_celery.ledger.base import UNKNOWN_STAGE, ahead_error, ahead_mark, owner_writes_ahead
+from idemmail_celery.ledger.base import (
+    UNKNOWN_STAGE,
+    ahead_error,
+    ahead_mark,
+    dumps_json,
+    loads_json,
+    owner_writes_ahead,
+)
 from idemmail_celery.ledger.wrapper import LedgerWrapper
+
+
+def _stored(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    return loads_json(dumps_json(value))
 
 
 class MemLedger(Ledger):
@@ -74,6 +85,7 @@ class MemLedger(Ledger):
                 return seen.updated_at
             raise StaleTokenError(f"token {token} no longer holds {key}: it is {seen.state.value} "
                                   f"with token {seen.token}")
+        result, error = _stored(result), _stored(error)  # as a store keeps them: JSON, refused if it cannot be
         kept = None if ahead_mark(seen) is not None else seen.error
         self.records[key] = replace(
             seen, state=state, lease_expires_at=None, updated_at=now,
@@ -132,6 +144,7 @@ class MemLedger(Ledger):
         seen = self.records.get(key)
         if seen is None or seen.token != expected_token:
             return False
+        new = replace(new, result=_stored(new.result), error=_stored(new.error))
         self.records[key] = replace(new, payload=None) if new.state is State.SENT and not self.keep_payload else new
         return True
 
@@ -140,7 +153,7 @@ class MemLedger(Ledger):
         seen = self.records.get(key)
         if seen is None or seen.token != expected_token:
             return False
-        self.records[key] = replace(seen, payload=None, result=result, error=error)
+        self.records[key] = replace(seen, payload=None, result=_stored(result), error=_stored(error))
         return True
 
     def purge_expired(self, now: float | None = None) -> int:

@@ -122,6 +122,7 @@ class Actor:
     held: dict[tuple[str, int], float] = field(default_factory=dict)
     phase: int = 0
     builder: int = 0
+    marked: set[int] = field(default_factory=set)  # intents it wrote a write-ahead mark for
 
 
 class SimKeeper:
@@ -289,7 +290,7 @@ class World:
         self.effects: dict[int, list[float]] = {}  # messages the provider accepted, per intent
         self.attempts: dict[int, int] = {}         # provider calls begun, per intent
         self.known: set[int] = set()               # intents whose send a holder saw succeed
-        self.marked: set[int] = set()              # intents a write-ahead mark was asked for
+        self.orphaned: set[int] = set()            # ...by a holder that then crashed or paused
         self.told: list[tuple[int, Step]] = []     # final answers given to callers
         self.before_loss: set[int] = set()         # intents final in a store that was then lost
         self.touched_by_loss: set[int] = set()     # intents with a record or a send when the store was lost
@@ -357,7 +358,13 @@ class World:
         return self.point(f"ledger.{op}", key)
 
     def note_mark(self, key: str) -> None:
-        self.marked.add(self.intent_of.get(key, -1))
+        intent = self.intent_of.get(key, -1)
+        if self.current is not None:
+            self.current.marked.add(intent)
+
+    def orphan(self, actor: Actor) -> None:
+        """``actor`` crashed or paused: a mark it wrote may now be all anyone knows of its send."""
+        self.orphaned |= actor.marked
 
     def consistent(self, intent: int, how: str) -> str:
         """A provider that accepted a message does not refuse the same one for good later."""
@@ -514,8 +521,8 @@ class World:
             if n == 0 or not current_goes_on or b["preempt"] > 0:
                 opts.append(("run", a.id, OK))
         due = [m for m in self.queue if m.eta <= self.now]
-        if len(self.actors) < self.cfg.workers and (not current_goes_on or b["preempt"] > 0):
-            opts += [("deliver", m.id) for m in due[:2]]
+        if due and len(self.actors) < self.cfg.workers and (not current_goes_on or b["preempt"] > 0):
+            opts.append(("deliver", due[0].id))  # one queue, handed out in order
         for a in runnable[:1] if current_goes_on and b["preempt"] <= 0 else runnable:
             op = a.pending[0] if a.pending else ""
             if b["faults"] > 0:
@@ -545,9 +552,22 @@ class World:
             opts.append(("operator",))
         if b["sweeps"] > 0 and len(self.actors) < self.cfg.workers:
             opts.append(("sweep",))
-        if b["ticks"] > 0 and (self.actors or self.queue):
+        if b["ticks"] > 0 and (self.actors or self.queue) and self.time_matters():
             opts.append(("tick",))
         return opts
+
+    def time_matters(self) -> bool:
+        """May the clock take a step now, and can it change anything? Only while every actor that is not
+        paused waits in a renewed section (a slow provider: its lease is kept), and only when some claim has
+        nobody renewing it (a paused, crashed or uninformed holder) or a campaign pass may run out of time."""
+        live = [a for a in self.actors if not a.stalled]
+        if any(not a.held for a in live):
+            return False  # an actor between two steps takes no time
+        if len(live) < len(self.actors) or any(a.kind == "campaign" for a in self.actors):
+            return True
+        renewed = {k for a in live for k in a.held}
+        return any(r.state is State.CLAIMED and (r.key, r.token) not in renewed and r.key in self.intent_of
+                   for r in self.store.iter_records(State.CLAIMED))
 
     def step(self, opt: tuple[Any, ...]) -> None:
         """Carry out one option (see :meth:`options`)."""
@@ -579,6 +599,7 @@ class World:
         elif kind == "stall":
             b["stalls"] -= 1
             self._actor(opt[1]).stalled = True
+            self.orphan(self._actor(opt[1]))
         elif kind == "vt_copy":
             b["vt"] -= 1
             msg = self._actor(opt[1]).msg
@@ -642,6 +663,7 @@ class World:
             self.actors.remove(actor)
 
     def kill(self, actor: Actor) -> None:
+        self.orphan(actor)
         actor.dead = True
         self.current = actor
         try:
@@ -741,8 +763,12 @@ class World:
                 continue
             if not state or not state.is_final:
                 out.append(f"intent {i} ended {state and state.value} with nobody coming back")
-            lost = (r.error or {}).get("reason") == "ledger_lost" and self.store.recovered_at is not None
-            if state is State.REVIEW and not self.attempts.get(i) and i not in self.marked and not lost:
+            reason = (r.error or {}).get("reason")
+            lost = reason == "ledger_lost" and self.store.recovered_at is not None
+            poison = reason == "reclaim_limit" and self.budget["crashes"] < self.cfg.crashes
+            # May have been sent: the provider was called, or a holder that had marked died or paused.
+            if state is State.REVIEW and not self.attempts.get(i) and i not in self.orphaned and not lost \
+                    and not poison:
                 out.append(f"intent {i} parked for review though no send could have happened "
                            f"({(r.error or {}).get('reason')})")
             if state is State.SENT and not sent:
