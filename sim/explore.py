@@ -50,7 +50,7 @@ class Run:
 
 def run(cfg: Config, choose: Chooser, *, keep: bool = False) -> Run:
     """Run one schedule of ``cfg``'s world (inside :func:`simulating`), then drain it and check it."""
-    world = World(cfg)
+    world = World(cfg, keep_log=keep)
     world.main = getcurrent()
     _current[0] = world
     choices: list[int] = []

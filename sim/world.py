@@ -247,12 +247,22 @@ def builders() -> tuple[IntentKeyBuilder, IntentKeyBuilder, IntentKeyBuilder]:
 
 
 _BUILDERS: tuple[IntentKeyBuilder, IntentKeyBuilder, IntentKeyBuilder] | None = None
+_KEYS: dict[tuple[int, str], tuple[str, tuple[str, ...]]] = {}
+
+
+def _keys(index: int, builder: IntentKeyBuilder, payload: Payload) -> tuple[str, tuple[str, ...]]:
+    """The key and older keys a builder derives for a payload (the same every schedule: worked out once)."""
+    name = (index, payload.to_json())
+    found = _KEYS.get(name)
+    if found is None:
+        found = _KEYS[name] = (builder.derive(payload), tuple(builder.older_keys(payload)))
+    return found
 
 
 class World:
     """Everything one schedule runs against; see the module docstring."""
 
-    def __init__(self, cfg: Config, *, sqlite_url: str | None = None) -> None:
+    def __init__(self, cfg: Config, *, sqlite_url: str | None = None, keep_log: bool = False) -> None:
         global _BUILDERS
         if _BUILDERS is None:
             _BUILDERS = builders()
@@ -300,6 +310,7 @@ class World:
         self.campaign_results: list[Any] = []
         self.errors: list[str] = []
         self.steps = 0
+        self.keep_log = keep_log
         self.log: list[str] = []
         self._setup()
 
@@ -428,7 +439,7 @@ class World:
         if carried:
             key, older = str(carried), ()
         else:
-            key, older = handler.builder.derive(payload), handler.builder.older_keys(payload)
+            key, older = _keys(actor.builder, handler.builder, payload)
         chain = _chain_fields(h)
         owner = new_owner(msg.task_id, ahead=handler.writes_ahead())
         d = Delivery(key=key, task_name=SEND_EMAIL, payload=payload, attempt_id=msg.task_id, **chain,
@@ -573,11 +584,13 @@ class World:
         """Carry out one option (see :meth:`options`)."""
         self.steps += 1
         self.now += 0.001  # every step takes a little time: nothing two steps do happens at one instant
-        where = ""
-        if opt[0] in ("run", "crash", "stall", "vt_copy"):
-            actor = self._actor(opt[1])
-            where = f" at {actor.pending[0] if actor.pending else 'start'} ({actor.kind} {actor.msg.task_id if actor.msg else ''})"
-        self.log.append(" ".join(str(x) for x in opt) + where + f" t+{self.now - START:.0f}")
+        if self.keep_log:
+            where = ""
+            if opt[0] in ("run", "crash", "stall", "vt_copy"):
+                actor = self._actor(opt[1])
+                task = actor.msg.task_id if actor.msg else ""
+                where = f" at {actor.pending[0] if actor.pending else 'start'} ({actor.kind} {task})"
+            self.log.append(" ".join(str(x) for x in opt) + where + f" t+{self.now - START:.0f}")
         kind, b = opt[0], self.budget
         if kind == "run":
             actor = self._actor(opt[1])

@@ -18,12 +18,12 @@ EXHAUSTIVE: tuple[Config, ...] = tuple(
 #: Explored by random walks: 5 copies, 10 faults, a 20-recipient campaign, a rotation, losses of
 #: messages and of the store, pauses, visibility-timeout copies, sweeps and operators.
 RANDOM: tuple[Config, ...] = (
-    Config(provider="keyed", intents=2, copies=5, faults=10, crashes=3, stalls=2, vt_copies=2, lost=1, ticks=4,
-           sweeps=1, preemptions=6, steps=150),
-    Config(provider="keyless", intents=2, copies=5, faults=10, crashes=3, stalls=2, vt_copies=2, lost=1, ticks=4,
-           sweeps=1, operator=1, preemptions=6, steps=150),
-    Config(provider="smtp", intents=2, copies=5, faults=10, crashes=3, stalls=2, vt_copies=2, lost=1, ticks=4,
-           sweeps=1, operator=1, preemptions=6, steps=150),
+    Config(provider="keyed", intents=1, copies=5, faults=10, crashes=3, stalls=2, vt_copies=2, lost=1, ticks=4,
+           sweeps=1, preemptions=6, steps=100),
+    Config(provider="keyless", intents=1, copies=5, faults=10, crashes=3, stalls=2, vt_copies=2, lost=1, ticks=4,
+           sweeps=1, operator=1, preemptions=6, steps=100),
+    Config(provider="smtp", intents=1, copies=5, faults=10, crashes=3, stalls=2, vt_copies=2, lost=1, ticks=4,
+           sweeps=1, operator=1, preemptions=6, steps=100),
     Config(provider="keyless", intents=2, copies=3, faults=6, crashes=2, stalls=1, rotation=True, ticks=3,
            preemptions=6, steps=150),
     Config(provider="keyless", intents=1, copies=3, campaign=20, campaign_copies=2, batch=5, overlap=True,
