@@ -100,7 +100,7 @@ def exhaustive(cfg: Config, *, limit: int | None = None, stop_on_violation: bool
             p -= 1
         if p < 0:
             return
-        prefix = out.choices[:p] + [out.choices[p] + 1]
+        prefix = [*out.choices[:p], out.choices[p] + 1]
 
 
 def walker(seed: int, fault_rate: float = 0.25) -> Chooser:
@@ -132,7 +132,7 @@ def shrink(cfg: Config, choices: list[int], *, budget: int = 400) -> list[int]:
         for p in range(len(best) - 1, -1, -1):
             if p >= len(best):
                 continue
-            for candidate in (best[:p] + best[p + 1:], best[:p] + [0] + best[p + 1:]):
+            for candidate in (best[:p] + best[p + 1:], [*best[:p], 0, *best[p + 1:]]):
                 if candidate == best or tries >= budget:
                     continue
                 tries += 1

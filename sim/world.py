@@ -32,7 +32,7 @@ from idemmail_celery.errors import AmbiguousSendError, IdemmailError, PermanentS
 from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Policy, Step
 from idemmail_celery.keys import IntentKeyBuilder, Payload
 from idemmail_celery.ledger import Ledger, State
-from idemmail_celery.ledger.base import new_owner
+from idemmail_celery.ledger.base import ahead_mark, new_owner
 from idemmail_celery.mail import TASK_NAME as SEND_EMAIL
 from idemmail_celery.providers.base import about_to_send
 from idemmail_celery.task import _chain, _chain_fields
@@ -123,6 +123,7 @@ class Actor:
     phase: int = 0
     builder: int = 0
     marked: set[int] = field(default_factory=set)  # intents it wrote a write-ahead mark for
+    claimed: set[str] = field(default_factory=set)  # keys it asked to claim
 
 
 class SimKeeper:
@@ -366,6 +367,8 @@ class World:
         return how
 
     def _ledger_point(self, op: str, key: str) -> str:
+        if op in ("claim", "claim_many") and self.current is not None:
+            self.current.claimed.update(key.split(","))
         return self.point(f"ledger.{op}", key)
 
     def note_mark(self, key: str) -> None:
@@ -374,8 +377,13 @@ class World:
             self.current.marked.add(intent)
 
     def orphan(self, actor: Actor) -> None:
-        """``actor`` crashed or paused: a mark it wrote may now be all anyone knows of its send."""
+        """``actor`` crashed or paused: a mark it wrote, or one on a claim it held (an earlier holder's, which
+        it had judged void), may now be all anyone knows of a send."""
         self.orphaned |= actor.marked
+        for key in actor.claimed:
+            record = self.store.get(key)
+            if record is not None and ahead_mark(record) is not None:
+                self.orphaned.add(self.intent_of.get(key, -1))
 
     def consistent(self, intent: int, how: str) -> str:
         """A provider that accepted a message does not refuse the same one for good later."""

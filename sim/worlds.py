@@ -4,15 +4,23 @@ from __future__ import annotations
 
 from .world import Config
 
-#: Explored exhaustively (every schedule within the bounds): 1 intent, 2 copies, up to 2 faults,
-#: a crash at any step, each provider; and 2 copies across a rotation.
-EXHAUSTIVE: tuple[Config, ...] = tuple(
-    Config(provider=p, intents=1, copies=2, faults=f, crashes=c, ticks=1, preemptions=1, steps=40)
-    for p in ("keyed", "keyless", "smtp") for f, c in ((2, 0), (1, 1), (0, 2))
-) + (
-    Config(provider="keyless", intents=1, copies=2, faults=0, crashes=1, rotation=True, ticks=0, preemptions=2,
+PROVIDERS = ("keyed", "keyless", "smtp")
+
+#: Explored exhaustively (every schedule within the bounds), for each provider: two copies with one
+#: fault (a ledger call failing before or after its write, or the provider's), two copies with a
+#: crash at any point, one copy with two faults and a crash, two copies with a pause; then two
+#: copies racing across a key-secret rotation, and a two-recipient campaign with a fault or a crash.
+EXHAUSTIVE: tuple[Config, ...] = (
+    *(Config(provider=p, copies=2, faults=1, crashes=0, ticks=1, preemptions=1, steps=40) for p in PROVIDERS),
+    *(Config(provider=p, copies=2, faults=0, crashes=1, ticks=1, preemptions=1, steps=40) for p in PROVIDERS),
+    *(Config(provider=p, copies=1, faults=2, crashes=1, ticks=1, preemptions=0, steps=40) for p in PROVIDERS),
+    *(Config(provider=p, copies=2, faults=0, crashes=0, stalls=1, ticks=1, preemptions=1, steps=40)
+      for p in PROVIDERS),
+    Config(provider="keyless", copies=2, faults=0, crashes=0, rotation=True, ticks=0, preemptions=2, steps=40),
+    Config(provider="keyless", intents=0, campaign=2, batch=2, faults=1, crashes=0, ticks=1, preemptions=0,
            steps=40),
-    Config(provider="keyless", intents=1, copies=1, faults=3, crashes=0, ticks=1, preemptions=0, steps=40),
+    Config(provider="keyless", intents=0, campaign=2, batch=1, faults=0, crashes=1, ticks=1, preemptions=0,
+           steps=40),
 )
 
 #: Explored by random walks: 5 copies, 10 faults, a 20-recipient campaign, a rotation, losses of

@@ -309,6 +309,31 @@ def test_a_message_older_than_a_ledger_loss_meets_the_loss_rule_when_the_first_c
     assert record is not None and record.state is State.REVIEW and record.error["reason"] == "ledger_lost"
 
 
+def test_a_chain_takes_back_its_older_owners_expired_claim_and_does_not_park_it(ledger: Ledger) -> None:
+    """Found by the simulator (sim/traces/older_owner_claim_expired_parked.json): a delivery marked,
+    sent nothing (a transient error) and could not release; its retry met the ledger down at the claim,
+    so the next delivery carried two owners. By then the first owner's lease had run out: the ledger
+    reclaimed it rather than resuming it (it resumes the newest owner only), and the chain's own mark,
+    void on a resumed claim, parked the intent for review although nothing had been sent."""
+    refusing = Refusing(ledger)
+    handler, box = build(refusing, Mailbox(ahead=True), lease_seconds=0.2)
+    box.fail_with = TransientSendError("connect refused", reason="connect")
+    refusing.down.add("released")
+    d = delivery("h-own")
+    first = handler.handle(d)
+    assert first.action is Action.RETRY and ahead_mark(ledger.get("h-own")) is not None  # type: ignore[arg-type]
+    box.fail_with = None
+    refusing.down = {"claim"}
+    time.sleep(0.35)  # the first owner's lease runs out
+    second = handler.handle(next_of(d, first))
+    assert second.action is Action.RESCHEDULE and len(second.carry[OWNER_HEADER]) == 2
+    refusing.down.clear()
+    third = handler.handle(next_of(d, second))
+    assert third.outcome is Outcome.SENT and box.sent == [("h-own", "first")]
+    record = ledger.get("h-own")
+    assert record is not None and record.state is State.SENT
+
+
 def test_a_release_that_failed_is_taken_back_by_the_retry(ledger: Ledger) -> None:
     refusing = Refusing(ledger)
     handler, box = build(refusing)
