@@ -13,7 +13,7 @@ from typing import Any
 import idemmail_celery.bulk as bulk
 import idemmail_celery.handler as handler_mod
 import idemmail_celery.redrive as redrive
-from idemmail_celery._common import OWNER_HEADER
+from idemmail_celery._common import OWNER_HEADER, VERDICT_HEADER
 from idemmail_celery.errors import LedgerError
 from idemmail_celery.handler import Action, Handler, Outcome, Step
 from idemmail_celery.ledger import State
@@ -75,7 +75,7 @@ def _verdict_dropped_on_reschedule(original: Callable[..., Step]) -> Callable[..
         step = original(self, d, claim, value, reconciled=reconciled)
         if step.action is Action.RESCHEDULE:  # the verdict left behind: the lease decides instead
             return Step(step.outcome, step.action, step.key, error=step.error, countdown=step.countdown,
-                        carry={k: v for k, v in step.carry.items() if k != handler_mod.VERDICT_HEADER})
+                        carry={k: v for k, v in step.carry.items() if k != VERDICT_HEADER})
         return step
     return record_sent
 

@@ -31,7 +31,7 @@ from idemmail_celery._common import HOP_HEADER, KEY_HEADER, VERDICT_HEADER, back
 from idemmail_celery.errors import AmbiguousSendError, IdemmailError, PermanentSendError, TransientSendError
 from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Policy, Step
 from idemmail_celery.keys import IntentKeyBuilder, Payload
-from idemmail_celery.ledger import Ledger, State
+from idemmail_celery.ledger import Ledger, Record, State
 from idemmail_celery.ledger.base import ahead_mark, new_owner
 from idemmail_celery.mail import TASK_NAME as SEND_EMAIL
 from idemmail_celery.providers.base import about_to_send
@@ -323,6 +323,7 @@ class World:
         n_campaign = cfg.campaign
         for i in range(n_single + n_campaign):
             self.addresses.append(f"r{i}@example.com")
+        assert _BUILDERS is not None
         for i, to in enumerate(self.addresses):
             self.intent_of[to] = i
             payload = self.payload(to)
@@ -444,8 +445,9 @@ class World:
         carried = h.get(KEY_HEADER) if msg.task_id.startswith("sweep") else None
         payload = Payload([], dict(msg.kwargs))
         handler = self.handlers[actor.builder]
+        older: tuple[str, ...] = ()
         if carried:
-            key, older = str(carried), ()
+            key = str(carried)
         else:
             key, older = _keys(actor.builder, handler.builder, payload)
         chain = _chain_fields(h)
@@ -480,7 +482,7 @@ class World:
         sender = Sender(self, self.handlers[actor.builder].builder)
         task = CampaignTask(msg, sender)
         try:
-            result = bulk._send_campaign(task, **msg.kwargs)  # type: ignore[arg-type]
+            result = bulk._send_campaign(task, **msg.kwargs)
         except PassAgain as again:
             self.point("broker.publish", CAMPAIGN_ID)
             self.publish("campaign", msg.task_id, msg.kwargs, again.headers, countdown=again.countdown,
@@ -623,9 +625,9 @@ class World:
             self.orphan(self._actor(opt[1]))
         elif kind == "vt_copy":
             b["vt"] -= 1
-            msg = self._actor(opt[1]).msg
-            assert msg is not None
-            self.queue.append(replace(msg, id=next(self.ids), eta=self.now))
+            running = self._actor(opt[1]).msg
+            assert running is not None
+            self.queue.append(replace(running, id=next(self.ids), eta=self.now))
         elif kind == "lose":
             b["lost"] -= 1
             self.lost_messages += 1
@@ -763,10 +765,11 @@ class World:
         return [r.key for r in self.store.iter_records()
                 if r.state in (State.CLAIMED, State.RELEASED) and r.key in self.intent_of]
 
-    def record_of(self, intent: int) -> Any:
+    def record_of(self, intent: int) -> Record | None:
+        """The intent's record under any of its keys (a final one first)."""
         found = [r for k in sorted(self.keys_of[intent]) if (r := self.store.get(k)) is not None]
         final = [r for r in found if r.state.is_final]
-        return (final or found or [None])[0]
+        return (final or found)[0] if found else None
 
     def violations(self) -> list[str]:
         """Every invariant broken at this quiescent state (empty: none)."""
