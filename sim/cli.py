@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,7 @@ def measured(label: str) -> Iterator[Any]:
     import coverage
 
     cov = coverage.Coverage(data_file=target, data_suffix=f"{label}.{os.getpid()}", branch=True,
-                            include=[f"*/{p}" for p in COVERED])
+                            include=[f"*/{p}" for p in COVERED], concurrency=["greenlet"])
     cov.start()
     try:
         yield cov
@@ -211,12 +211,25 @@ def explore(budget: float | None, randoms: int, processes: int) -> int:
     return 0 if total.violations == 0 and caught == len(DEFECTS) else 1
 
 
+def coverage_report(data_file: str) -> None:
+    """Combine the processes' branch coverage of handler.py and bulk.py and print it, missed lines too."""
+    import coverage
+
+    cov = coverage.Coverage(data_file=data_file, branch=True, include=[f"*/{p}" for p in COVERED])
+    cov.combine()
+    cov.save()
+    print("sim: branch coverage of the code the schedules ran (coverage.py):")
+    cov.report(show_missing=True, skip_empty=True)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=float, default=None, help="about this many seconds in all")
     parser.add_argument("--random", type=int, default=100_000, help="random schedules (default 100,000)")
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--coverage", action="store_true",
+                        help="measure the branches of handler.py and bulk.py the schedules reach (slower)")
     sub = parser.add_subparsers(dest="command")
     rep = sub.add_parser("replay", help="replay a saved trace and print its steps")
     rep.add_argument("trace", type=Path)
@@ -233,8 +246,15 @@ def main(argv: list[str]) -> int:
             print(f"{n:4d} {line}")
         print("violations:", out.violations or "none")
         return 1 if out.violations else 0
-    with nullcontext():
+    if not args.coverage:
         return explore(args.budget, args.random, max(1, args.processes))
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["SIM_COVERAGE"] = str(Path(tmp) / ".coverage")
+        status = explore(args.budget, args.random, max(1, args.processes))
+        coverage_report(os.environ.pop("SIM_COVERAGE"))
+    return status
 
 
 if __name__ == "__main__":  # pragma: no cover

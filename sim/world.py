@@ -89,6 +89,8 @@ class Config:
     lost: int = 0               #: queued messages the broker loses (the sweep re-drives them)
     losses: int = 0             #: whole-store losses
     rotation: bool = False
+    rotation_from: int = 0      #: the rotation's step at the start (3: its second step being deployed)
+    only: tuple[str, ...] = ()  #: the fault kinds offered (empty: all)
     operator: int = 0           #: operator actions (truthful resolve of a review, forget)
     sweeps: int = 0             #: sweeps during the schedule (the drain sweeps when a message was lost)
     ticks: int = 2              #: clock steps (past a lease) during the schedule
@@ -285,7 +287,7 @@ class World:
                        "ticks": cfg.ticks, "preempt": cfg.preemptions}
         # The rotation: 0, 2 and 4 are its settled steps (builders 0, 1, 2); 1 and 3 are deploys of the next
         # step, workers of both steps side by side.
-        self.rotation = 0
+        self.rotation = cfg.rotation_from
         self.store_lost = False
         self.lost_messages = 0
         self.queue: list[Message] = []
@@ -547,13 +549,15 @@ class World:
         for a in runnable[:1] if current_goes_on and b["preempt"] <= 0 else runnable:
             op = a.pending[0] if a.pending else ""
             if b["faults"] > 0:
+                kinds: tuple[str, ...] = ()
                 if op.startswith("ledger."):
-                    opts += [("run", a.id, f) for f in LEDGER_FAULTS]
+                    kinds = LEDGER_FAULTS
                 elif op in ("provider.send", "provider.rcpt"):
-                    opts += [("run", a.id, f) for f in PROVIDER_FAULTS[self.cfg.provider]
-                             if self.cfg.provider != "smtp" or f in ("before_rcpt", "rejected")]
+                    kinds = tuple(f for f in PROVIDER_FAULTS[self.cfg.provider]
+                                  if self.cfg.provider != "smtp" or f in ("before_rcpt", "rejected"))
                 elif op == "provider.message":
-                    opts += [("run", a.id, f) for f in PROVIDER_FAULTS["smtp"][1:4]]
+                    kinds = PROVIDER_FAULTS["smtp"][1:4]
+                opts += [("run", a.id, f) for f in kinds if not self.cfg.only or f in self.cfg.only]
             if a.kind in ("send", "campaign"):
                 if b["crashes"] > 0:
                     opts.append(("crash", a.id))

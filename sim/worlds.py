@@ -9,7 +9,8 @@ PROVIDERS = ("keyed", "keyless", "smtp")
 #: Explored exhaustively (every schedule within the bounds), for each provider: two copies with one
 #: fault (a ledger call failing before or after its write, or the provider's), two copies with a
 #: crash at any point, one copy with two faults and a crash, two copies with a pause; then two
-#: copies racing across a key-secret rotation, and a two-recipient campaign with a fault or a crash.
+#: copies racing across a key-secret rotation (through all its steps; and during its second step's
+#: deploy with a fault), and a two-recipient campaign with a fault or a crash.
 EXHAUSTIVE: tuple[Config, ...] = (
     *(Config(provider=p, copies=2, faults=1, crashes=0, ticks=1, preemptions=1, steps=40) for p in PROVIDERS),
     *(Config(provider=p, copies=2, faults=0, crashes=1, ticks=1, preemptions=1, steps=40) for p in PROVIDERS),
@@ -17,6 +18,8 @@ EXHAUSTIVE: tuple[Config, ...] = (
     *(Config(provider=p, copies=2, faults=0, crashes=0, stalls=1, ticks=1, preemptions=1, steps=40)
       for p in PROVIDERS),
     Config(provider="keyless", copies=2, faults=0, crashes=0, rotation=True, ticks=0, preemptions=2, steps=40),
+    Config(provider="keyless", copies=2, faults=1, crashes=0, rotation=True, rotation_from=3, ticks=1, preemptions=1,
+           steps=40),
     Config(provider="keyless", intents=0, campaign=2, batch=2, faults=1, crashes=0, ticks=1, preemptions=0,
            steps=40),
     Config(provider="keyless", intents=0, campaign=2, batch=1, faults=0, crashes=1, ticks=1, preemptions=0,
