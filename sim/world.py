@@ -304,6 +304,7 @@ class World:
         self.attempts: dict[int, int] = {}         # provider calls begun, per intent
         self.known: set[int] = set()               # intents whose send a holder saw succeed
         self.orphaned: set[int] = set()            # ...by a holder that then crashed or paused
+        self.left_marked: dict[int, set[str]] = {}  # intent -> chains (task ids) that left a marked claim
         self.told: list[tuple[int, Step]] = []     # final answers given to callers
         self.before_loss: set[int] = set()         # intents final in a store that was then lost
         self.touched_by_loss: set[int] = set()     # intents with a record or a send when the store was lost
@@ -378,6 +379,15 @@ class World:
         intent = self.intent_of.get(key, -1)
         if self.current is not None:
             self.current.marked.add(intent)
+
+    def left_behind(self, actor: Actor) -> None:
+        """``actor`` ended, and may leave a marked claim behind (a release that failed): a delivery of another
+        chain that finds it once the lease runs out cannot tell it from a holder that died mid-send."""
+        task = actor.msg.task_id if actor.msg else actor.kind
+        for key in actor.claimed:
+            record = self.store.get(key)
+            if record is not None and ahead_mark(record) is not None:
+                self.left_marked.setdefault(self.intent_of.get(key, -1), set()).add(task)
 
     def orphan(self, actor: Actor) -> None:
         """``actor`` crashed or paused: a mark it wrote, or one on a claim it held (an earlier holder's, which
@@ -688,6 +698,7 @@ class World:
             self.current = None
         if actor.glet.dead:
             self.actors.remove(actor)
+            self.left_behind(actor)
 
     def kill(self, actor: Actor) -> None:
         self.orphan(actor)
@@ -795,8 +806,10 @@ class World:
             lost = reason == "ledger_lost" and self.store.recovered_at is not None
             poison = reason == "reclaim_limit" and self.budget["crashes"] < self.cfg.crashes
             # May have been sent: the provider was called, or a holder that had marked died or paused.
+            # ...or another chain than the one that parked it left a marked claim behind.
+            strange = any(f":{task}:" not in r.owner for task in self.left_marked.get(i, ()))
             if state is State.REVIEW and not self.attempts.get(i) and i not in self.orphaned and not lost \
-                    and not poison:
+                    and not poison and not strange:
                 out.append(f"intent {i} parked for review though no send could have happened "
                            f"({(r.error or {}).get('reason')})")
             if state is State.SENT and not sent:
