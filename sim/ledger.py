@@ -208,6 +208,8 @@ class FaultLedger(LedgerWrapper):
 
     def _finish(self, key: str, token: int, state: State, *, result: dict[str, Any] | None = None,
                 error: dict[str, Any] | None = None) -> float | None:
+        if state is State.REVIEW:
+            self._world.parking(key)
         out: float | None = self._call(state.value, key, lambda: self.inner._finish(
             key, token, state, result=result, error=error))
         return out
@@ -216,7 +218,7 @@ class FaultLedger(LedgerWrapper):
         return bool(self._call("withdraw", key, lambda: self.inner.withdraw(key, token)))
 
     def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
-        self._world.note_mark(key)
+        self._world.note_mark(key, token)
         return bool(self._call("write_ahead", key, lambda: self.inner.write_ahead(key, token, lease_seconds, stage)))
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:

@@ -27,9 +27,9 @@ import idemmail_celery.bulk as bulk
 import idemmail_celery.handler as handler_mod
 import idemmail_celery.ledger.base as ledger_base
 import idemmail_celery.redrive as redrive
-from idemmail_celery._common import HOP_HEADER, KEY_HEADER, VERDICT_HEADER, backoff
+from idemmail_celery._common import HOP_HEADER, KEY_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff
 from idemmail_celery.errors import AmbiguousSendError, IdemmailError, PermanentSendError, TransientSendError
-from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Policy, Step
+from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Policy, Step, owned_by, owners_of
 from idemmail_celery.keys import IntentKeyBuilder, Payload
 from idemmail_celery.ledger import Ledger, Record, State
 from idemmail_celery.ledger.base import ahead_mark, new_owner
@@ -92,6 +92,7 @@ class Config:
     rotation_from: int = 0      #: the rotation's step at the start (3: its second step being deployed)
     only: tuple[str, ...] = ()  #: the fault kinds offered (empty: all)
     operator: int = 0           #: operator actions (truthful resolve of a review, forget)
+    forget_live: bool = False   #: may the operator forget a claim still held (an open defect: see docs)
     sweeps: int = 0             #: sweeps during the schedule (the drain sweeps when a message was lost)
     ticks: int = 2              #: clock steps (past a lease) during the schedule
     preemptions: int = 2        #: switches away from a running actor that could have gone on
@@ -304,7 +305,9 @@ class World:
         self.attempts: dict[int, int] = {}         # provider calls begun, per intent
         self.known: set[int] = set()               # intents whose send a holder saw succeed
         self.orphaned: set[int] = set()            # ...by a holder that then crashed or paused
-        self.left_marked: dict[int, set[str]] = {}  # intent -> chains (task ids) that left a marked claim
+        self.left_owners: set[str] = set()         # owners that left a marked claim behind
+        self.mark_owner: dict[tuple[str, Any], str] = {}  # (key, token) -> the owner that wrote the mark
+        self.unknowable: set[int] = set()          # intents parked over such a mark by a delivery without it
         self.told: list[tuple[int, Step]] = []     # final answers given to callers
         self.before_loss: set[int] = set()         # intents final in a store that was then lost
         self.touched_by_loss: set[int] = set()     # intents with a record or a send when the store was lost
@@ -375,19 +378,34 @@ class World:
             self.current.claimed.update(key.split(","))
         return self.point(f"ledger.{op}", key)
 
-    def note_mark(self, key: str) -> None:
+    def note_mark(self, key: str, token: int) -> None:
+        record = self.store.get(key)
+        if record is not None:
+            self.mark_owner[(key, token)] = record.owner
         intent = self.intent_of.get(key, -1)
         if self.current is not None:
             self.current.marked.add(intent)
 
     def left_behind(self, actor: Actor) -> None:
-        """``actor`` ended, and may leave a marked claim behind (a release that failed): a delivery of another
-        chain that finds it once the lease runs out cannot tell it from a holder that died mid-send."""
-        task = actor.msg.task_id if actor.msg else actor.kind
+        """``actor`` ended, and may leave a marked claim behind (a release that failed): a delivery that did not
+        carry its owner and finds it once the lease runs out cannot tell it from a holder that died mid-send."""
         for key in actor.claimed:
             record = self.store.get(key)
             if record is not None and ahead_mark(record) is not None:
-                self.left_marked.setdefault(self.intent_of.get(key, -1), set()).add(task)
+                self.left_owners.add(record.owner)
+
+    def parking(self, key: str) -> None:
+        """A delivery parks ``key``: a mark on it from a holder that left it behind, whose owner this delivery
+        did not carry, is a possible send as far as it can know."""
+        record = self.store.get(key)
+        mark = ahead_mark(record) if record is not None else None
+        actor = self.current
+        if mark is None or actor is None or actor.msg is None:
+            return
+        writer = self.mark_owner.get((key, mark.get("token")))
+        carried = owners_of(actor.msg.headers.get(OWNER_HEADER))
+        if writer in self.left_owners and not owned_by(writer, carried):
+            self.unknowable.add(self.intent_of.get(key, -1))
 
     def orphan(self, actor: Actor) -> None:
         """``actor`` crashed or paused: a mark it wrote, or one on a claim it held (an earlier holder's, which
@@ -528,8 +546,9 @@ class World:
                 self.ledger.resolve(record.key, State.FAILED, note="not sent: the provider has no trace")
             return
         for record in list(self.ledger.iter_records()):
-            self.ledger.forget(record.key)
-            return
+            if record.state.is_final or self.cfg.forget_live:
+                self.ledger.forget(record.key)
+                return
 
     def phase_of(self, actor: Actor) -> int:
         """The key builder (0, 1, 2) the worker an actor runs on has: during a deploy, either step's."""
@@ -806,10 +825,9 @@ class World:
             lost = reason == "ledger_lost" and self.store.recovered_at is not None
             poison = reason == "reclaim_limit" and self.budget["crashes"] < self.cfg.crashes
             # May have been sent: the provider was called, or a holder that had marked died or paused.
-            # ...or another chain than the one that parked it left a marked claim behind.
-            strange = any(f":{task}:" not in r.owner for task in self.left_marked.get(i, ()))
+            # ...or the parker met a mark a holder left behind, without carrying that holder's owner.
             if state is State.REVIEW and not self.attempts.get(i) and i not in self.orphaned and not lost \
-                    and not poison and not strange:
+                    and not poison and i not in self.unknowable:
                 out.append(f"intent {i} parked for review though no send could have happened "
                            f"({(r.error or {}).get('reason')})")
             if state is State.SENT and not sent:
