@@ -68,7 +68,7 @@ def test_each_saved_trace_replays_without_a_violation(trace: Path) -> None:
                    "sends again. Fix in the backends' _erase (compare the error too), then move the trace up.")
 @pytest.mark.parametrize("trace", OPEN, ids=lambda p: p.stem)
 def test_each_open_defect_trace_replays_without_a_violation(trace: Path) -> None:
-    cfg, choices, data = load(trace)
+    cfg, choices, _ = load(trace)
     with simulating():
         out = replay(cfg, choices)
     assert out.violations == [], f"{trace.name}: {out.violations}"
