@@ -416,6 +416,11 @@ class World:
             if record is not None and ahead_mark(record) is not None:
                 self.orphaned.add(self.intent_of.get(key, -1))
 
+    def refused_before(self, intent: int) -> None:
+        """A message the provider refused for good is refused again, every time."""
+        if intent in self.rejected:
+            raise PermanentSendError("550 refused again", reason="rejected")
+
     def consistent(self, intent: int, how: str) -> str:
         """A provider that accepted a message does not refuse the same one for good later."""
         return OK if how in ("permanent", "rejected") and self.effects.get(intent) else how
@@ -424,11 +429,9 @@ class World:
         """The provider: keyed (de-duplicates on the key within its window), keyless HTTP, or SMTP."""
         kind = self.cfg.provider
         intent = self.intent_of[payload.kwargs["to"]]
-        if intent in self.rejected:  # a message the provider refused for good is refused again, every time
-            self.point("provider.send", key)
-            raise PermanentSendError("550 refused again", reason="rejected")
         if kind == "smtp":
             how = self.consistent(intent, self.point("provider.rcpt", key))
+            self.refused_before(intent)
             if how == "before_rcpt":
                 raise TransientSendError("421 try again later", reason="smtp_busy")
             if how == "rejected":
@@ -442,6 +445,7 @@ class World:
             if kind == "keyless":
                 about_to_send("request")
             how = self.consistent(intent, self.point("provider.send", key))
+            self.refused_before(intent)
             seen = self.key_seen.get(key) if kind == "keyed" else None
             if seen is not None and self.now - seen <= KEY_WINDOW and how in ("transient", "permanent"):
                 how = OK  # a key the provider has seen: it answers with the first response
@@ -537,8 +541,10 @@ class World:
         self.publish("send", f"sweep{next(self.ids)}", kwargs, headers)
 
     def run_operator(self, actor: Actor) -> None:
-        """A careful operator: a parked intent resolved as the provider's own log says, or forgotten."""
-        for record in list(self.ledger.iter_records(State.REVIEW)):
+        """A careful operator: a parked intent resolved as the provider's own log says once nothing else runs
+        (a paused holder may still send), or a record forgotten."""
+        settled = len(self.actors) == 1
+        for record in list(self.ledger.iter_records(State.REVIEW)) if settled else ():
             intent = self.intent_of.get(record.key, -1)
             if self.effects.get(intent):
                 self.ledger.resolve(record.key, State.SENT, result={"message_id": "found-by-operator"})

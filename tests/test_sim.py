@@ -63,9 +63,8 @@ def test_each_saved_trace_replays_without_a_violation(trace: Path) -> None:
     assert out.violations == [], f"{trace.name} ({data['violations']}) breaks again"
 
 
-@pytest.mark.xfail(strict=True, reason="open: Ledger.forget's read-then-erase, fenced by the token alone, wipes a "
-                   "write-ahead mark written in between (the mark does not move the token): the next claimer "
-                   "sends again. Fix in the backends' _erase (compare the error too), then move the trace up.")
+@pytest.mark.xfail(strict=True, reason="open defects the simulator found (sim/traces/open/README.md): once one is "
+                   "fixed its trace passes; move it up to sim/traces/")
 @pytest.mark.parametrize("trace", OPEN, ids=lambda p: p.stem)
 def test_each_open_defect_trace_replays_without_a_violation(trace: Path) -> None:
     cfg, choices, _ = load(trace)
