@@ -7,7 +7,8 @@ shrunk, printed with its steps and saved under ``sim/traces/found/`` (move it to
 it as a regression test). The last line is ``sim: <S> schedules, <V> violations, planted defects caught
 <c>/<n>``; the exit status is 1 unless there were no violations and every defect was caught.
 
-``--budget SECONDS`` scales everything down to about that long (``make check`` runs 30 s).
+``--budget SECONDS`` scales everything down to about that long (``make check`` runs 30 s); ``--coverage``
+reruns it under coverage.py and prints the branches of handler.py and bulk.py the schedules reached.
 ``python -m sim replay TRACE [--shrink]`` prints a saved schedule step by step.
 """
 
@@ -18,11 +19,8 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .defects import DEFECTS, planted
 from .explore import exhaustive, hunt, load, replay, run, save, shrink, simulating, walker
@@ -51,25 +49,6 @@ class Tally:
         self.found = [*(self.found or []), *(other.found or [])]
 
 
-@contextmanager
-def measured(label: str) -> Iterator[Any]:
-    """Branch coverage of handler.py and bulk.py for the block, when ``SIM_COVERAGE`` names a data file."""
-    target = os.environ.get("SIM_COVERAGE")
-    if not target:
-        yield None
-        return
-    import coverage
-
-    cov = coverage.Coverage(data_file=target, data_suffix=f"{label}.{os.getpid()}", branch=True,
-                            include=[f"*/{p}" for p in COVERED], concurrency=["greenlet"])
-    cov.start()
-    try:
-        yield cov
-    finally:
-        cov.stop()
-        cov.save()
-
-
 def _report(cfg: Config, choices: list[int], violations: list[str], name: str, seed: int | None) -> str:
     small = shrink(cfg, choices)
     out = replay(cfg, small, keep=True)
@@ -86,7 +65,7 @@ def _exhaustive_job(args: tuple[int, Config, float]) -> Tally:
     index, cfg, seconds = args
     tally = Tally(found=[])
     started = time.monotonic()
-    with simulating(), measured(f"x{index}"):
+    with simulating():
         for out in exhaustive(cfg):
             tally.schedules += 1
             if out.violations:
@@ -104,10 +83,10 @@ def _exhaustive_job(args: tuple[int, Config, float]) -> Tally:
 
 
 def _random_job(args: tuple[int, int, int, list[Config], float]) -> Tally:
-    worker, first, count, worlds, seconds = args
+    _worker, first, count, worlds, seconds = args
     tally = Tally(found=[])
     started = time.monotonic()
-    with simulating(), measured(f"r{worker}"):
+    with simulating():
         for seed in range(first, first + count):
             cfg = worlds[seed % len(worlds)]
             out = run(cfg, walker(seed))
@@ -211,15 +190,22 @@ def explore(budget: float | None, randoms: int, processes: int) -> int:
     return 0 if total.violations == 0 and caught == len(DEFECTS) else 1
 
 
-def coverage_report(data_file: str) -> None:
-    """Combine the processes' branch coverage of handler.py and bulk.py and print it, missed lines too."""
-    import coverage
+def measure(argv: list[str]) -> int:
+    """Run ``python -m sim ARGV`` under coverage.py (branches; the pool's processes too) and print the
+    coverage of handler.py and bulk.py, missed lines and branches included."""
+    import subprocess
+    import tempfile
 
-    cov = coverage.Coverage(data_file=data_file, branch=True, include=[f"*/{p}" for p in COVERED])
-    cov.combine()
-    cov.save()
-    print("sim: branch coverage of the code the schedules ran (coverage.py):")
-    cov.report(show_missing=True, skip_empty=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "COVERAGE_FILE": str(Path(tmp) / ".coverage")}
+        include = ",".join(f"*/{p}" for p in COVERED)
+        status = subprocess.run([sys.executable, "-m", "coverage", "run", "--branch", "--parallel-mode",
+                                 "--concurrency=greenlet,multiprocessing", f"--include={include}", "-m", "sim",
+                                 *argv], env=env, check=False).returncode
+        subprocess.run([sys.executable, "-m", "coverage", "combine", "-q"], env=env, check=True)
+        print("sim: branch coverage of the code the schedules ran (coverage.py):", flush=True)
+        subprocess.run([sys.executable, "-m", "coverage", "report", "-m"], env=env, check=True)
+    return status
 
 
 def main(argv: list[str]) -> int:
@@ -246,16 +232,9 @@ def main(argv: list[str]) -> int:
             print(f"{n:4d} {line}")
         print("violations:", out.violations or "none")
         return 1 if out.violations else 0
-    if not args.coverage:
-        return explore(args.budget, args.random, max(1, args.processes))
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["SIM_COVERAGE"] = str(Path(tmp) / ".coverage")
-        status = explore(args.budget, args.random, max(1, args.processes))
-        coverage_report(os.environ.pop("SIM_COVERAGE"))
-    return status
-
+    if args.coverage:
+        return measure([a for a in argv if a != "--coverage"])
+    return explore(args.budget, args.random, max(1, args.processes))
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main(sys.argv[1:]))
