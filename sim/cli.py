@@ -197,14 +197,16 @@ def measure(argv: list[str]) -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
+        rc = Path(tmp) / "coveragerc"
+        rc.write_text("[run]\nbranch = True\nparallel = True\nconcurrency = greenlet, multiprocessing\n"
+                      f"include = {', '.join(f'*/{p}' for p in COVERED)}\n")
         env = {**os.environ, "COVERAGE_FILE": str(Path(tmp) / ".coverage")}
-        include = ",".join(f"*/{p}" for p in COVERED)
-        status = subprocess.run([sys.executable, "-m", "coverage", "run", "--branch", "--parallel-mode",
-                                 "--concurrency=greenlet,multiprocessing", f"--include={include}", "-m", "sim",
-                                 *argv], env=env, check=False).returncode
-        subprocess.run([sys.executable, "-m", "coverage", "combine", "-q"], env=env, check=True)
+        coverage = [sys.executable, "-m", "coverage"]
+        status = subprocess.run([*coverage, "run", f"--rcfile={rc}", "-m", "sim", *argv], env=env,
+                                check=False).returncode
+        subprocess.run([*coverage, "combine", "-q", f"--rcfile={rc}"], env=env, check=True)
         print("sim: branch coverage of the code the schedules ran (coverage.py):", flush=True)
-        subprocess.run([sys.executable, "-m", "coverage", "report", "-m"], env=env, check=True)
+        subprocess.run([*coverage, "report", "-m", f"--rcfile={rc}"], env=env, check=True)
     return status
 
 
