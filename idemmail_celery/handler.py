@@ -350,10 +350,15 @@ class Handler:
 
     def take_back(self, d: Delivery, claim: Claim, owner: str) -> Claim:
         """A claim found busy under an older owner of this chain (an earlier claim of it landed, a later
-        one did not) is taken back as that owner: never left to wait out its lease as someone else's.
+        one did not) is taken back as that owner: never left to wait out its lease as someone else's; one
+        the store reclaimed from such an owner is this chain's own too (``resumed``).
 
         Raises :class:`LedgerUnavailableError` like :meth:`Ledger.claim`.
         """
+        if claim.status is ClaimStatus.RECLAIMED and owned_by(claim.previous_owner or "", d.resume_owners):
+            # An older owner's claim whose lease ran out: the store took it over rather than resume it (it
+            # resumes the newest owner only), but it was this chain's, whose delivery ended with a step.
+            return replace(claim, status=ClaimStatus.RESUMED)
         holder = claim.record.owner
         if claim.status is not ClaimStatus.BUSY or not owned_by(holder, d.resume_owners[1:]):
             return claim
@@ -517,7 +522,10 @@ class Handler:
             step = self.after_crash(d, claim)
             if step is not None:
                 return step
-        if status is ClaimStatus.ACQUIRED and self.older_than_loss(d):
+        # The loss rule: a new claim, and one taken over or back with no mark (the first claim since the loss may
+        # have lost its reply, or died, before its holder applied the rule: nobody has decided yet).
+        if (status is ClaimStatus.ACQUIRED or (status in (ClaimStatus.RECLAIMED, ClaimStatus.RESUMED)
+                                               and live_mark(claim) is None)) and self.older_than_loss(d):
             step = self.after_loss(d, claim)
             if step is not None:
                 return step

@@ -333,6 +333,57 @@ def test_a_claim_whose_reply_was_lost_is_taken_back_by_the_next_delivery(ledger:
     assert done.outcome is Outcome.SENT and box.sent == [("h11", "first")]  # not "in flight", not review
 
 
+@pytest.mark.parametrize("taken", ["reclaimed", "resumed"])
+def test_a_message_older_than_a_ledger_loss_meets_the_loss_rule_when_the_first_claim_since_never_decided(
+    ledger: Ledger, taken: str
+) -> None:
+    """Found by the simulator (sim/traces/loss_rule_skipped_after_a_lost_claim_reply.json): after an
+    acknowledged loss, the first claim of an intent sent before it lost its reply, so its holder never
+    applied the loss rule; the copy that took the claim over (or the chain that took it back) sent the
+    intent again, because the rule looked at ``acquired`` claims only."""
+    refusing = Refusing(ledger)
+    handler, box = build(refusing, Mailbox(ahead=True), lease_seconds=0.2)
+    ledger.recovered_at = time.time()
+    d = delivery("h-loss", enqueued_at=ledger.recovered_at - 60)  # enqueued before the loss
+    refusing.down.add("claim_lost_reply")
+    step = handler.handle(d)
+    assert (step.outcome, step.action) == (Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE)
+    refusing.down.clear()
+    if taken == "reclaimed":  # another copy of the message, after the claim's lease ran out
+        time.sleep(0.35)
+        again = handler.handle(delivery("h-loss", enqueued_at=d.enqueued_at))
+    else:
+        again = handler.handle(next_of(d, step, enqueued_at=d.enqueued_at))
+    assert again.outcome is Outcome.REVIEW and box.sent == []
+    record = ledger.get("h-loss")
+    assert record is not None and record.state is State.REVIEW and record.error["reason"] == "ledger_lost"
+
+
+def test_a_chain_takes_back_its_older_owners_expired_claim_and_does_not_park_it(ledger: Ledger) -> None:
+    """Found by the simulator (sim/traces/older_owner_claim_expired_parked.json): a delivery marked,
+    sent nothing (a transient error) and could not release; its retry met the ledger down at the claim,
+    so the next delivery carried two owners. By then the first owner's lease had run out: the ledger
+    reclaimed it rather than resuming it (it resumes the newest owner only), and the chain's own mark,
+    void on a resumed claim, parked the intent for review although nothing had been sent."""
+    refusing = Refusing(ledger)
+    handler, box = build(refusing, Mailbox(ahead=True), lease_seconds=0.2)
+    box.fail_with = TransientSendError("connect refused", reason="connect")
+    refusing.down.add("released")
+    d = delivery("h-own")
+    first = handler.handle(d)
+    assert first.action is Action.RETRY and ahead_mark(ledger.get("h-own")) is not None  # type: ignore[arg-type]
+    box.fail_with = None
+    refusing.down = {"claim"}
+    time.sleep(0.35)  # the first owner's lease runs out
+    second = handler.handle(next_of(d, first))
+    assert second.action is Action.RESCHEDULE and len(second.carry[OWNER_HEADER]) == 2
+    refusing.down.clear()
+    third = handler.handle(next_of(d, second))
+    assert third.outcome is Outcome.SENT and box.sent == [("h-own", "first")]
+    record = ledger.get("h-own")
+    assert record is not None and record.state is State.SENT
+
+
 def test_a_release_that_failed_is_taken_back_by_the_retry(ledger: Ledger) -> None:
     refusing = Refusing(ledger)
     handler, box = build(refusing)

@@ -536,6 +536,22 @@ def test_forget_on_a_live_claim_keeps_the_claim_working(ledger: Ledger) -> None:
     assert record is not None and record.state is State.SENT and record.result == {"message_id": "m-fg3"}
 
 
+def test_forget_keeps_a_dead_holders_write_ahead_mark(ledger: Ledger) -> None:
+    """Found by the simulator (sim/traces/forget_erases_write_ahead_mark.json): a data-subject request
+    for a claim whose holder marked, sent and died erased the mark with the free text, so the next
+    claimer took it for a claim that never ran and sent the intent again."""
+    c = ledger.claim(req("fg4", lease_seconds=0.2, owner=new_owner("t", ahead=True)))
+    assert ledger.write_ahead("fg4", c.token, 0.2, "message") is True
+    assert ledger.forget("fg4") is True
+    forgot = ledger.get("fg4")
+    assert forgot is not None and forgot.payload is None
+    time.sleep(0.35)
+    taken = ledger.claim(req("fg4", owner=new_owner("u", ahead=True)))
+    assert taken.status is ClaimStatus.RECLAIMED
+    mark = ahead_mark(taken.record)
+    assert mark is not None and mark["ahead"] == "message" and mark["token"] == c.token
+
+
 class DefaultWriteAhead(LedgerWrapper):
     """A backend that leaves ``write_ahead`` to the base class (read, then replace under the token)."""
 

@@ -232,8 +232,9 @@ def dumps_json(value: dict[str, Any] | None) -> str | None:
     return None if value is None else canonical_json(value)
 
 
-#: What :meth:`Ledger.forget` keeps of an error: machine-readable words and times, never free text.
-FORGET_KEEPS_ERROR = ("type", "reason", "cause", "at", "maybe_sent")
+#: What :meth:`Ledger.forget` keeps of an error: machine-readable words and times, never free text. A
+#: write-ahead mark's stage and token too: without them a dead holder's claim reads as one that never ran.
+FORGET_KEEPS_ERROR = ("type", "reason", "cause", "at", "maybe_sent", AHEAD_FIELD, "token")
 #: ... and of a resolution (who decided, when): its note is free text.
 FORGET_KEEPS_RESOLUTION = ("from", "to", "at", "by")
 
