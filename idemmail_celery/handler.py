@@ -273,7 +273,12 @@ def live_mark(claim: Claim) -> dict[str, Any] | None:
     verdict had it sent, or might have ("sent", "review"). It carried none: it sent nothing (a
     transient error, a mark whose reply was lost) and only its release failed."""
     mark = ahead_mark(claim.record)
-    if mark is not None and claim.status is ClaimStatus.RESUMED and mark.get("token") == claim.token - 1:
+    if mark is None or claim.status is not ClaimStatus.RESUMED:
+        return mark
+    # The one before, or any earlier one while no holder was ever reclaimed: a claim that only ever
+    # passed between this chain's own deliveries (each ended with a step, several of whose replies
+    # may have been lost) was never held by a delivery that died after its mark.
+    if mark.get("token") == claim.token - 1 or claim.record.reclaims == 0:
         return None
     return mark
 

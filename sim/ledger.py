@@ -12,8 +12,10 @@ from idemmail_celery.errors import LedgerLostError, LedgerUnavailableError, Reco
 from idemmail_celery.ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
 from idemmail_celery.ledger.base import (
     UNKNOWN_STAGE,
+    RosterEntry,
     ahead_error,
     ahead_mark,
+    check_roster_entry,
     dumps_json,
     loads_json,
     owner_writes_ahead,
@@ -36,6 +38,18 @@ class MemLedger(Ledger):
         self.now = clock
         self.records: dict[str, Record] = {}
         self.hops: dict[str, float] = {}
+        self.members: dict[str, RosterEntry] = {}
+
+    def announce(self, member: str, secret_ids: Sequence[str], ttl_seconds: float) -> None:
+        check_roster_entry(member, secret_ids)
+        if ttl_seconds <= 0:
+            self.members.pop(member, None)
+        else:
+            self.members[member] = RosterEntry(member, tuple(secret_ids), self.now() + ttl_seconds)
+
+    def roster(self) -> list[RosterEntry]:
+        now = self.now()
+        return [e for e in self.members.values() if e.expires_at > now]
 
     def claim(self, request: ClaimRequest) -> Claim:
         now = self.now()
