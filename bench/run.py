@@ -7,10 +7,11 @@
     python -m bench.run --repeat 1 --tasks 300 --micro-ops 300 --once-keys 200 --io-sends 300 \
         --io-latencies 0.05 --capacity-ops 1000 --bulk-recipients 3000 --no-write   # all, quickly
 
-Four parts, chosen with ``--parts`` (default all), each writing its own section of
-``docs/benchmarks.md``: ``noop`` (below), and ``io``, ``capacity`` and ``bulk`` (see
+Parts, chosen with ``--parts`` (default all), each writing its own section of
+``docs/benchmarks.md``: ``noop`` (below), ``io``, ``capacity`` and ``bulk`` (see
 :mod:`bench.scale`: I/O-bound sends in threads and gevent pools, the ledger's claims per second,
-a 100,000-recipient campaign with a worker killed).
+a 100,000-recipient campaign with a worker killed), ``memory`` (:mod:`bench.memory`) and ``rss``
+(:mod:`bench.worker_rss`: a worker's memory after 1,000 of the largest messages ``send_email`` accepts).
 
 The ``noop`` part: in one run and one process tree, for each repetition, pool (``-P prefork -c 2``
 and ``-P solo``) and variant (in a shuffled order), with the same no-op task body:
@@ -64,7 +65,7 @@ from typing import Any
 
 import redis
 
-from bench import memory, scale
+from bench import memory, scale, worker_rss
 from bench.cleanup import delete_matching, dropped, run_sql
 from chaos.procs import WorkerProcess, install_signal_handlers, reap_all, wait_until
 from chaos.report import write_section
@@ -591,7 +592,7 @@ running again.
 """
 
 
-PARTS = ("noop", "io", "capacity", "bulk", "memory")
+PARTS = ("noop", "io", "capacity", "bulk", "memory", "rss")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -601,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="which parts to run: noop (the no-op drains, micro-benchmarks and the sent-three-times "
                         "experiment), io (I/O-bound sends, threads and gevent), capacity (ledger claims+completions "
                         "per second), bulk (one large campaign with a worker killed), memory (Redis bytes per sent "
-                        "record); each writes its own section")
+                        "record), rss (a worker's memory after the largest legal messages); each writes its own "
+                        "section")
     p.add_argument("--tasks", "-N", type=int, default=2000, help="noop: tasks per variant, pool and repetition")
     p.add_argument("--repeat", "-r", type=int, default=3, help="repetitions (medians are reported); not bulk")
     p.add_argument("--threads", type=int, default=8, help="noop: threads in the many-threads micro-benchmark")
@@ -625,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bulk-visibility-timeout", type=float, default=60.0,
                    help="bulk: the Redis transport's visibility_timeout (when a killed worker's message comes back)")
     p.add_argument("--memory-records", type=int, default=100_000, help="memory: records in the Redis measured")
+    p.add_argument("--rss-messages", type=int, default=1000, help="rss: messages of the largest legal kind sent")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a drain may take (a campaign: 10x)")
     p.add_argument("--redis", default="private",
                    help="'private' (redis-servers of the bench's own: exact command counts) or a redis:// URL")
@@ -658,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.redis == "private" and shutil.which("redis-server"):
             servers.append(PrivateRedis(Path(tempfile.mkdtemp(prefix="bench-redis-"))))
             REDIS_URL = servers[0].url
-            if set(parts) & {"io", "capacity", "bulk"}:  # the ledger alone on a server: its CPU and commands
+            if set(parts) & {"io", "capacity", "bulk", "rss"}:  # the ledger alone on a server: its CPU and commands
                 servers.append(PrivateRedis(Path(tempfile.mkdtemp(prefix="bench-ledger-redis-"))))
             ledger_redis = servers[-1].url
         elif args.redis != "private":
@@ -683,7 +686,7 @@ def _run(args: argparse.Namespace, parts: list[str], variants: list[str], pools:
     try:
         if "noop" in parts:
             printed.append(_noop(h, args, variants, pools, rng, facts, command))
-        if set(parts) & {"io", "bulk"}:
+        if set(parts) & {"io", "bulk", "rss"}:
             # In this process, a thread per connection; max_records: the counters stay exact, the records do not.
             # socketserver's listen backlog of 5 resets connections when a gevent pool of 200 opens
             # a hundred at once (httpx's pool); a real provider's is far larger.
@@ -702,6 +705,10 @@ def _run(args: argparse.Namespace, parts: list[str], variants: list[str], pools:
         if "memory" in parts:
             text = memory.section(args.memory_records, short, command)
             _write(args, "bench-memory", text)
+            printed.append(text)
+        if "rss" in parts and provider is not None:
+            text = worker_rss.section(worker_rss.measure(h, provider, ledger_redis, args.rss_messages), command, short)
+            _write(args, "bench-rss", text)
             printed.append(text)
     except KeyboardInterrupt:
         print("interrupted: workers reaped", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 ::
 
-    python -m chaos.run                       # every scenario (about 15 min here)
+    python -m chaos.run                       # every scenario (about 30 min here; provider-outage 15 of them)
     python -m chaos.run --intents 300 --kills 6 --only redis-redis-http
     python -m chaos.run --list
 
@@ -20,10 +20,18 @@ redis-vt-defaults      the library's default settings, Redis ``visibility_timeou
 rabbitmq-pg-smtp       SMTP sink (no key support at all), RabbitMQ, PostgreSQL ledger
 redis-redis-gevent     workers on ``-P gevent -c 50``, SIGKILLed whole (no pool children to kill), with
                        the Redis transport's default unacked-restore settings
+redis-gevent-defaults  issue 35's outside run: ``-P gevent -c 50``, the library's defaults (nothing included, no
+                       beat entry), ``visibility_timeout`` 10 s with the transport's own restore settings, 6
+                       whole-worker kills: drained, every record final
 campaign-blips-rotate  ``send_campaign`` (each enqueued twice) to the SMTP sink; the ledger (a Redis of
                        the run's own) is stopped for 3 s three times, and once 25 % are delivered the
-                       key secret is rotated worker by worker in docs/security.md's two steps
-                       (``[old, new]``, then ``[new, old]``), each a warm restart
+                       key secret is rotated worker by worker in two steps (``[old, new]``, then
+                       ``[new, old]``), each a warm restart
+provider-outage        the library's default settings and Redis ``visibility_timeout``; the provider is
+                       stopped (connections refused) for 10 minutes once a fifth of the intents are
+                       delivered: every intent delivered once after it returns, none ``failed``
+campaign-1step-1..3    the same, rotated in one step (``[old]`` -> ``[new, old]``), 8 s between two
+                       workers' restarts, three seeds
 drill-keyed            ledger-loss drill: the Redis ledger is flushed mid-run and the loss stands 10 s
                        before ``ledger ack-loss``; keyed provider
 drill-keyless          the same drill with the keyless provider
@@ -79,11 +87,27 @@ def scenarios(intents: int, copies: int, kills: int, seed: int) -> list[Scenario
         replace(base, name="redis-redis-gevent", pool="gevent", concurrency=50, whole_worker_share=1.0,
                 intents=side, kills=side_kills, enqueue_seconds=max(10.0, side * copies / 300), seed=seed + 9,
                 restore_defaults=True),
+        # Issue 35, from outside: green pools with the library's defaults (its re-drive on, nothing included) and
+        # whole-worker kills; before re-drive was on by default, this run never drained.
+        replace(base, name="redis-gevent-defaults", pool="gevent", concurrency=50, whole_worker_share=1.0,
+                intents=side, kills=6, visibility_timeout=10.0, provider_timeout=10.0, fault_rate=0.02,
+                defaults=True, restore_defaults=True, latency=0.2, enqueue_seconds=max(10.0, side * copies / 300),
+                deadline=600.0, seed=seed + 11),
         # Campaigns through ledger outages and a key-secret rotation (issue 23): no recipient twice, every
         # record final, under its old key or its new one.
         replace(base, name="campaign-blips-rotate", provider="smtp", campaigns=12, intents=side, copies=2,
                 kills=side_kills, ledger_blips=3, rotate_secret_at=0.25, enqueue_seconds=10.0, lease=10.0,
                 seed=seed + 10),
+        # A provider outage of 10 minutes (issue 35 item 8): a send refused at connect is retried until the
+        # retry deadline (hours), not Celery's max_retries, so it costs no email. 300 intents, no kills, no faults.
+        replace(base, name="provider-outage", intents=300, kills=0, fault_rate=0.0, defaults=True,
+                visibility_timeout=3600.0, provider_outage=600.0, outage_at=0.2, deadline=1800.0,
+                enqueue_seconds=10.0, seed=seed + 11),
+        # The same, the key secret rotated in one rolling deploy ([old] -> [new, old]; issue 35, item 4), three
+        # seeds: no recipient twice, because keys stay under `old` until every live worker holds `new`.
+        *(replace(base, name=f"campaign-1step-{n}", provider="smtp", campaigns=12, intents=side, copies=2,
+                  kills=side_kills, ledger_blips=3, rotate_secret_at=0.25, rotate_in_one_step=True, rotate_pause=8.0,
+                  enqueue_seconds=10.0, lease=10.0, seed=seed + 11 + n) for n in (1, 2, 3)),
         # The drills enqueue every copy before the workers start: all of them predate the loss.
         replace(base, name="drill-keyed", intents=side, kills=0, fault_rate=0.0, flush_ledger_at=0.5,
                 enqueue_seconds=2.0, seed=seed + 6),
@@ -151,6 +175,10 @@ def notes(results: list[Result]) -> str:
                        f"{spread(r.kill_to_settled)}; most copies of one task id handed out: "
                        f"{r.max_copies_per_task} (reschedules included), most running at once: "
                        f"{r.max_concurrent_copies}")
+        if s.provider_outage and r.outage_seconds:
+            out.append(f"- {s.name}: the provider was down {r.outage_seconds:.0f} s (stopped at "
+                       f"{r.delivered_at_outage} intents delivered); the last intent was delivered "
+                       f"{r.recovery_seconds:.0f} s after it came back (retry backoff up to 300 s)")
         if r.problems:
             out.append(f"- {s.name}: {'; '.join(r.problems)} (log: {r.log_dir}/events.jsonl)")
         out.append(f"- {s.name}: faults {r.faults_by_kind}, provider-suppressed copies {r.suppressed}, requests "

@@ -76,6 +76,10 @@ AMBIGUOUS_FAULTS = ("drop_after_accept", "500_after_accept", "slow")
 #: Requests answered from the key's memory per ambiguous fault on that key at most (measured: about 1.0;
 #: a slow fault can add a 409 for the request still in flight before the replay).
 DEDUPED_PER_FAULT = 3
+#: With the transport's own restore settings (``restore_defaults``), a killed worker's messages come back up to
+#: one restore interval after the visibility timeout (kombu's ``unacked_restore_interval``, 10 s: the period of a
+#: green pool's restore timer), not within the second the quick settings take.
+RESTORE_INTERVAL_SECONDS = 10.0
 
 
 @dataclass
@@ -118,8 +122,16 @@ class Scenario:
     #: When this share of the intents is delivered, every worker is restarted with a rotated key secret
     #: (``[new, old]``).
     rotate_secret_at: float | None = None
+    #: Rotate in one rolling deploy, ``[old]`` -> ``[new, old]`` (the roster makes it safe), not in two.
+    rotate_in_one_step: bool = False
+    #: Seconds between two workers' restarts in a rotation: how long workers of both kinds run side by side.
+    rotate_pause: float = 0.0
     #: The Redis transport's own unacked-restore settings (not the quick ones the other runs use).
     restore_defaults: bool = False
+    #: The provider is stopped (connections refused) for this long once ``outage_at`` of the intents are
+    #: delivered, then started again on the same port.
+    provider_outage: float = 0.0
+    outage_at: float = 0.2
 
     @property
     def keyed(self) -> bool:
@@ -185,6 +197,9 @@ class Result:
     rotated: bool = False
     split_records: int = 0  # intents recorded under both their old and their new key (a rotation gone wrong)
     drained: bool = True
+    outage_seconds: float = 0.0  # how long the provider was down (0: no outage in this run)
+    delivered_at_outage: int = 0  # intents delivered when it went down
+    recovery_seconds: float = 0.0  # from its return to the last intent's first delivery
     ok: bool = False
     problems: list[str] = field(default_factory=list)
 
@@ -550,6 +565,8 @@ class Run:
         self.restart_lock = threading.Lock()
         self.blips = 0
         self.rotated = False
+        self.outage: tuple[float, float] | None = None  # (down, back), epoch seconds
+        self.delivered_at_outage = 0
 
     # -- set-up --
 
@@ -700,10 +717,28 @@ class Run:
             server.start()
             self.log("ledger_up", blip=self.blips)
 
+    def stop_provider(self) -> None:
+        """Once ``outage_at`` of the intents are delivered, stop the provider for ``provider_outage`` seconds
+        (every send is refused at connect: nothing was sent), then start it again on the same port."""
+        s = self.s
+        while not self.stop.wait(0.05):
+            if self.provider.delivered() >= s.intents * s.outage_at:
+                break
+        else:
+            return
+        self.provider.stop()
+        down = time.time()
+        self.delivered_at_outage = self.provider.delivered()
+        self.log("provider_down", delivered=self.delivered_at_outage, seconds=s.provider_outage)
+        self.stop.wait(s.provider_outage)
+        self.provider.start()
+        self.outage = (down, time.time())
+        self.log("provider_up", delivered=self.provider.delivered(), down_seconds=round(time.time() - down, 1))
+
     def rotate_secret(self) -> None:
-        """Once ``rotate_secret_at`` of the intents are delivered, rotate the key secret as docs/security.md
-        says, worker by worker (a rolling redeploy, warm shutdowns): first ``[old, new]`` everywhere (keys
-        still made under ``old``, records under ``new`` found), then ``[new, old]``."""
+        """Once ``rotate_secret_at`` of the intents are delivered, rotate the key secret worker by worker (a
+        rolling redeploy, warm shutdowns): first ``[old, new]`` everywhere (keys still made under ``old``,
+        records under ``new`` found), then ``[new, old]``; or ``[new, old]`` at once (``rotate_in_one_step``)."""
         s = self.s
         assert s.rotate_secret_at is not None
         while not self.stop.wait(0.1):
@@ -711,7 +746,8 @@ class Run:
                 break
         else:
             return
-        for phase, secrets in enumerate(([KEY_SECRET, f"{KEY_SECRET}-2"], [f"{KEY_SECRET}-2", KEY_SECRET]), 1):
+        steps = [[KEY_SECRET, f"{KEY_SECRET}-2"], [f"{KEY_SECRET}-2", KEY_SECRET]]
+        for phase, secrets in enumerate(steps[1:] if s.rotate_in_one_step else steps, 1):
             self.log("key_secret_rotating", phase=phase, delivered=self.provider.delivered())
             for w in self.workers:
                 with self.restart_lock:
@@ -719,6 +755,7 @@ class Run:
                     if w.alive():
                         w.stop(timeout=60.0)  # a redeploy: warm shutdown, the running pass finishes or hands on
                         w.start()
+                self.stop.wait(s.rotate_pause)
         self.rotated = True
         self.log("key_secret_rotated", secrets="[new, old]", delivered=self.provider.delivered())
 
@@ -799,6 +836,8 @@ class Run:
                 targets.append(("blips", self._planned(self.blip_ledger)))
             if s.rotate_secret_at is not None:
                 targets.append(("rotation", self._planned(self.rotate_secret)))
+            if s.provider_outage:
+                targets.append(("outage", self.stop_provider))
             for name, fn in targets:
                 th = threading.Thread(target=self._guard(fn, name), name=f"chaos-{name}", daemon=True)
                 th.start()
@@ -936,7 +975,8 @@ class Run:
         records = view.states(keys)
         r.ledger_blips, r.rotated = self.blips, self.rotated
         if self.rotated:  # an intent is one whether it went out (and was recorded) under its old or its new key
-            rotated = build_app({**self.config(), "key_secrets": json.dumps([f"{KEY_SECRET}-2", KEY_SECRET])})
+            # The new secret alone: with both, the key would follow the roster (idemmail_celery.roster).
+            rotated = build_app({**self.config(), "key_secrets": json.dumps([f"{KEY_SECRET}-2"])})
             news = [rotated.tasks[task.name].intent_key(**self.intent(i, 1)) for i in range(s.intents)]
             for old, new in zip(keys, news, strict=True):
                 delivered[old] += delivered.pop(new, 0)
@@ -989,6 +1029,11 @@ class Run:
         r.delivered_at_flush = len(self.flushed_keys)
         r.acknowledged = self.ack_time is not None
         r.deduped, r.deduped_unexplained, r.ambiguous_faults = self.provider.deduped(self.flush_time)
+        if s.provider_outage and self.outage is not None:
+            down, back = self.outage
+            r.outage_seconds, r.delivered_at_outage = round(back - down, 1), self.delivered_at_outage
+            firsts = self.provider.first_delivery_times()
+            r.recovery_seconds = round(max((firsts.get(k, back) for k in keys), default=back) - back, 1)
         r.problems = list(self.errors) + verdict(r)
         r.ok = not r.problems
         self.log("verdict", ok=r.ok, problems=r.problems, deliveries=r.deliveries, duplicates=r.duplicates,
@@ -1030,13 +1075,21 @@ def verdict(r: Result) -> list[str]:
     problems += _hidden_copies(r)
     if r.unknown_deliveries:
         problems.append(f"{r.unknown_deliveries} deliveries under keys no intent has")
+    if s.provider_outage:
+        # Refused at connect, nothing was sent: every intent is retried until the provider is back, none fails.
+        if not r.outage_seconds:
+            problems.append("the provider was never stopped")
+        if r.states.get(State.FAILED.value):
+            problems.append(f"{r.states[State.FAILED.value]} intents failed during a provider outage")
     if s.defaults:
-        # A storm multiplies copies of one task id; a held claim of a dead worker must not wait long.
-        if r.max_copies_per_task > STORM_COPIES:
+        # A storm multiplies copies of one task id; a held claim of a dead worker must not wait long. (A
+        # retry keeps its task id: through an outage each copy runs once per retry, which is no storm.)
+        if r.max_copies_per_task > STORM_COPIES and not s.provider_outage:
             problems.append(f"one task id was handed out {r.max_copies_per_task} times (a storm)")
         if r.worker_kills and not r.killed_executions:
             problems.append("no whole-worker kill cut an execution short: the recovery time measured nothing")
-        if r.kill_to_settled and r.kill_to_settled[-1] > RECOVERY_SECONDS:
+        recovery = RECOVERY_SECONDS + (RESTORE_INTERVAL_SECONDS if s.restore_defaults else 0.0)
+        if r.kill_to_settled and r.kill_to_settled[-1] > recovery:
             problems.append(f"an intent cut short by a kill was settled {r.kill_to_settled[-1]:.0f} s later")
     open_ = sum(n for st, n in r.states.items() if st not in FINAL and st != "none")
     if open_:

@@ -24,7 +24,6 @@ import redis
 from celery import Celery
 from celery.signals import task_postrun, task_prerun
 
-import idemmail_celery.redrive  # noqa: F401  (green pools restore the broker's unacked messages on a timer)
 from idemmail_celery.bulk import CAMPAIGN_TASK, send_campaign  # noqa: F401  (the campaign scenario)
 from idemmail_celery.mail import TASK_NAME, SendEmailTask, register
 

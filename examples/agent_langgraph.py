@@ -42,7 +42,7 @@ from idemmail_celery.tools import email_tool, idempotent_tool
 celery = celery_from_env("agent_langgraph", idemmail_default_from="Support <support@example.com>")
 
 
-@idempotent_tool(celery, key="call_id", timeout=1.0, name="agent_langgraph.add_note")
+@idempotent_tool(celery, key="call_id", timeout=1.0, name="add_note")
 def add_note(deal_id: str, text: str) -> dict[str, Any]:
     """Add a note to a CRM deal."""
     return crm_note(deal_id, text)

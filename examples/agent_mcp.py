@@ -1,7 +1,7 @@
 """An agent loop calling the email tool over MCP: its call times out, it calls again, the customer gets one email.
 
 The app's tools are served by ``celery -A examples.agent_mcp idemmail mcp`` (stdio; the
-``[mcp]`` extra): ``send_email`` (``email_tool``), ``add_note`` (an ``idempotent_tool`` keyed
+``[mcp]`` extra): ``send_email`` (``email_tool``), ``crm.add_note`` (an ``idempotent_tool`` keyed
 on the tool-call id) and the read-only ``intent_state``. The "agent" is a scripted loop with
 no model, on the official SDK's client: it lists the tools, then asks for one email. The
 email API (a :class:`~idemmail_celery.testing.FakeProvider` that de-duplicates nothing) holds
@@ -41,7 +41,7 @@ from idemmail_celery.tools import idempotent_tool
 celery = celery_from_env("agent_mcp", idemmail_default_from="Support <support@example.com>")
 
 
-@idempotent_tool(celery, key="call_id", name="agent_mcp.add_note")
+@idempotent_tool(celery, key="call_id", name="crm.add_note")
 def add_note(deal_id: str, text: str) -> dict[str, Any]:
     """Add a note to a CRM deal."""
     return crm_note(deal_id, text)
@@ -70,8 +70,8 @@ async def agent(server: StdioServerParameters) -> list[dict[str, Any]]:
         print(f"intent_state: {state['state']}")
         seen.append({"tool": "intent_state", **state})
         for attempt in (1, 2):  # the same tool call (one id) sent twice: the loop lost the first answer
-            note = await client.call_tool("add_note", {"deal_id": "D-7", "text": "Customer told: fixed."},
-                                          meta={CALL_ID_META: "toolu_01"})
+            note = await client.call_tool("crm.add_note", {"deal_id": "D-7", "text": "Customer told: fixed."},
+                                              meta={CALL_ID_META: "toolu_01"})
             print(f"add_note try {attempt}: {note.structured_content['status']}")
             seen.append({"tool": "add_note", **note.structured_content})
     return seen

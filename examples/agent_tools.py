@@ -48,7 +48,7 @@ from idemmail_celery.tools import IdempotentTool, email_tool, idempotent_tool
 celery = celery_from_env("agent_tools", idemmail_default_from="Support <support@example.com>")
 
 
-@idempotent_tool(celery, key="call_id", bind=True, name="agent.update_deal")
+@idempotent_tool(celery, key="call_id", bind=True, name="update_deal")
 def update_deal(self: Any, deal_id: str, stage: str) -> dict[str, Any]:
     """Move a CRM deal to another pipeline stage."""
     reply = httpx.post(f"{os.environ['CRM_URL']}/deals/{deal_id}", json={"stage": stage}, timeout=30,
@@ -57,7 +57,7 @@ def update_deal(self: Any, deal_id: str, stage: str) -> dict[str, Any]:
     return dict(reply.json())
 
 
-@idempotent_tool(celery, key=("channel", "incident_id"), name="agent.post_status")
+@idempotent_tool(celery, key=("channel", "incident_id"), name="post_status")
 def post_status(channel: str, incident_id: str, text: str) -> dict[str, Any]:
     """Post a status update about an incident to a Slack channel."""
     reply = httpx.post(f"{os.environ['SLACK_URL']}/chat.postMessage", timeout=30,
@@ -129,9 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                "IDEMMAIL_PROVIDER_URL": provider.url, "IDEMMAIL_PROVIDER_API_KEY": DEFAULT_API_KEY,
                "IDEMMAIL_INFLIGHT_BACKOFF": "0.2", "IDEMMAIL_INFLIGHT_BACKOFF_MAX": "1"}
         configure_from_env(celery, env)
-        tools = {"update_deal": update_deal, "post_status": post_status,
-                 "send_email": email_tool(celery).bind(to=customer, event_id=f"ticket-{ticket}-resolved",
-                                                       template="ticket_reply")}
+        reply = email_tool(celery).bind(to=customer, event_id=f"ticket-{ticket}-resolved", template="ticket_reply")
+        tools = {tool.name: tool for tool in (update_deal, post_status, reply)}
         print("tools shown to the model:", json.dumps([t.spec()["name"] for t in tools.values()]))
         log = Path(tempfile.mkdtemp(prefix="agent-tools-")) / "worker.log"
         with celery_worker("examples.agent_tools:celery", env, log=log, args=("-P", "prefork", "-c", "2")):

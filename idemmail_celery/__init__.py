@@ -16,13 +16,17 @@ errors a caller catches. Everything else is importable from its own module
 ``send_email`` and ``send_campaign`` are Celery shared tasks: they register themselves on
 every app when first imported from here (``from idemmail_celery import send_email`` in the
 module that defines your app), and not before: importing anything else, the errors
-included, registers nothing.
+included, registers nothing. A worker whose app has an idempotent task re-drives what its
+broker forgot (:mod:`idemmail_celery.redrive`) unless told not to.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+# The worker's re-drive (a green pool's unacked messages, the stranded-claim sweep): on by default, so its
+# worker signals are connected with the package, and act only in workers whose app has an idempotent task.
+from . import redrive as _redrive  # noqa: F401
 from .errors import (
     AmbiguousSendError,
     ConfigurationError,

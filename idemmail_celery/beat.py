@@ -52,6 +52,7 @@ from ._common import KEY_HEADER, SLOT_HEADER, logsafe
 from .errors import IdemmailError, InvalidEmail
 from .keys import untrusted_removed
 from .redaction import scrub
+from .task import first_run_time
 
 log = logging.getLogger("idemmail_celery")
 
@@ -332,7 +333,8 @@ def send_digest(
         }
         try:
             # Derived once here and sent as the header, so apply_async does not derive it again.
-            headers = task.intent_headers((), kwargs)
+            due = first_run_time(task.app, (options or {}).get("countdown"), (options or {}).get("eta"))
+            headers = task.intent_headers((), kwargs, due=due)
         except InvalidEmail as exc:
             # InvalidEmail never quotes the address; scrubbed all the same, as every text that reaches a log.
             reason = scrub(str(exc), (str(recipient), *str(recipient).rpartition("@")[::2]))

@@ -72,10 +72,11 @@ from .errors import (
     RecordNotFoundError,
     UnsafeLedgerError,
 )
-from .keys import Payload
+from .keys import Payload, secret_ids
 from .ledger import DetectsLoss, Ledger, Record, State, from_url, passive_options
 from .ledger.sealed import is_sealed
 from .redaction import scrub
+from .roster import active_order
 from .task import VISIBILITY_SHARE, IdempotentTask
 
 EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_ILLEGAL, EXIT_UNREACHABLE, EXIT_LOST = 0, 1, 2, 3, 4, 5
@@ -439,6 +440,42 @@ def stats(obj: _Ctx, as_json: bool) -> None:
             click.echo(_epoch_line(status))
     if status is not None and status["state"] == "lost":
         sys.exit(EXIT_LOST)
+
+
+@ledger.command("secrets")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object: the live workers, and the secret keys are made under.")
+@click.pass_obj
+def key_secrets(obj: _Ctx, as_json: bool) -> None:
+    """The key-secret roster: each live worker and the ids of the key secrets it holds, and (with -A)
+    the secret this app's processes make keys under now (the newest every live worker holds)."""
+    try:
+        entries = sorted(obj.ledger.roster(), key=lambda e: e.member)
+    except NotImplementedError as exc:
+        _fail(EXIT_ILLEGAL, f"{exc}: a key-secret rotation takes two deploys here")
+        return
+    except (LedgerUnavailableError, ConfigurationError) as exc:
+        _fail(EXIT_UNREACHABLE, str(exc))
+        return
+    mine: tuple[str, ...] = ()
+    if obj.app is not None:
+        try:
+            configured = Settings.resolve(obj.app.conf, None).key_secrets
+        except ConfigurationError as exc:
+            raise click.UsageError(str(exc)) from exc
+        mine = secret_ids(active_order(configured, entries) if configured else None)
+    now = time.time()
+    if as_json:
+        click.echo(json.dumps({"workers": [{"member": e.member, "secret_ids": list(e.secret_ids),
+                                            "expires_in": round(e.expires_at - now, 1)} for e in entries],
+                               "keys_made_under": mine[0] if mine else None}, sort_keys=True))
+        return
+    for e in entries:
+        click.echo(f"{e.member:<40}  {','.join(e.secret_ids):<40}  lapses in {e.expires_at - now:.0f} s")
+    if not entries:
+        click.echo("no live worker has announced itself")
+    if mine:
+        click.echo(f"this app's processes make keys under {mine[0]} (its secrets: {', '.join(mine)})")
 
 
 def _markers(led: Ledger) -> DetectsLoss | None:

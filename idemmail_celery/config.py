@@ -18,7 +18,8 @@ backends take in ``idemmail_ledger_options`` (``keep_payload``, ``allow_eviction
 
 Celery's own retry attributes are honoured: a task with ``retry_backoff`` set retries its
 transient failures on Celery's curve (``retry_backoff`` doubling up to ``retry_backoff_max``,
-``retry_jitter``) instead of ``idemmail_retry_backoff``/``idemmail_retry_backoff_max``.
+``retry_jitter``) instead of ``idemmail_retry_backoff``/``idemmail_retry_backoff_max``. How long
+they are retried is a time, ``idemmail_retry_deadline_seconds``, not Celery's ``max_retries``.
 """
 
 from __future__ import annotations
@@ -253,14 +254,29 @@ SETTINGS: tuple[Setting, ...] = (
             "`retry_backoff` takes precedence)."),
     Setting("idemmail_retry_backoff_max", positive, 300.0,
             "Longest wait before retrying a transient failure, in seconds (a task's own `retry_backoff_max` "
-            "takes precedence when it sets `retry_backoff`)."),
+            "takes precedence when it sets `retry_backoff`). Past half the Redis or SQS `visibility_timeout`, "
+            "each wait is split into hops below it."),
+    Setting("idemmail_retry_deadline_seconds", positive, 6 * 3600.0,
+            "How long after an intent's first enqueue a send that certainly did not happen (a `TransientSendError`: "
+            "connection refused, a 4xx or 429 before the provider accepted anything) is still retried, whatever "
+            "the task's `max_retries`; then the intent ends `failed`, reason `retry_deadline`. Lower it for mail "
+            "that is useless late (a password reset: `@app.task(idempotency_retry_deadline_seconds=900)`).",
+            option="idempotency_retry_deadline_seconds"),
     Setting("idemmail_outage_max_retries", count, None,
             "Reschedules while the ledger (or the provider's set-up) is unavailable before the message fails; "
             "unset: until it is back.", optional=True),
-    Setting("idemmail_sweep_after_seconds", positive, 3600.0,
-            "How long a claim's lease must have run out, with no move since, before the sweep "
-            "(`idemmail_celery.sweep_stranded`, run from beat) republishes it from its first payload: keep it "
-            "above the broker's visibility timeout and every backoff maximum."),
+    Setting("idemmail_sweep_after_seconds", positive, None,
+            "How long a claim's lease must have run out, with no move since, before the sweep republishes it "
+            "from its first payload. Unset: twice the longest of the broker's visibility timeout (with its "
+            "restore delay), `idemmail_inflight_backoff_max` and the retry backoff maximum, 300 s at least.",
+            optional=True),
+    Setting("idemmail_sweep_in_workers", parse_bool, True,
+            "Workers sweep for stranded claims themselves, one at a time per ledger, every quarter of "
+            "`idemmail_sweep_after_seconds` (15 min at most). Off: only a beat entry runs the sweep."),
+    Setting("idemmail_restore_unacked", parse_bool, True,
+            "Workers that run no kombu event loop (`-P gevent`, `-P eventlet`) on a Redis broker hand a killed "
+            "worker's unacked messages back to the queue every `unacked_restore_interval` seconds. Off: only "
+            "workers with an event loop do."),
     Setting("idemmail_refuse_to_start", parse_bool, False,
             "Exit at worker start when a start-up check fails (a ledger that does not answer or whose driver is "
             "missing, a provider that cannot be built, no key secret). Off: each failure is one ERROR line with "
@@ -316,6 +332,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("idemmail_outbox_table", parse_str, "idemmail_outbox", "The outbox table's name."),
     Setting("idemmail_outbox_batch_size", _at_least(parse_int, 1), 100, "Rows the relay publishes per transaction."),
     Setting("idemmail_outbox_max_seconds", positive, 10.0, "How long one run of the relay task may drain."),
+    Setting("idemmail_email_window_seconds", positive, 600.0,
+            "Django's `EMAIL_BACKEND`: how long a message sent again with the same sender, recipients, subject, "
+            "bodies and attachments (and no `Idempotency-Key` header) is the same intent: one window, one email."),
 )
 
 
@@ -372,8 +391,11 @@ class Settings:
     inflight_backoff_max: float = _D["inflight_backoff_max"]
     retry_backoff: float = _D["retry_backoff"]
     retry_backoff_max: float = _D["retry_backoff_max"]
+    retry_deadline_seconds: float = _D["retry_deadline_seconds"]
     outage_max_retries: int | None = None
-    sweep_after_seconds: float = _D["sweep_after_seconds"]
+    sweep_after_seconds: float | None = None
+    sweep_in_workers: bool = _D["sweep_in_workers"]
+    restore_unacked: bool = _D["restore_unacked"]
     refuse_to_start: bool = _D["refuse_to_start"]
     fail_open: bool = _D["fail_open"]
     carries_key: bool = _D["carries_key"]
@@ -393,6 +415,7 @@ class Settings:
     outbox_table: str = _D["outbox_table"]
     outbox_batch_size: int = _D["outbox_batch_size"]
     outbox_max_seconds: float = _D["outbox_max_seconds"]
+    email_window_seconds: float = _D["email_window_seconds"]
 
     def __post_init__(self) -> None:
         # Built directly, not by resolve(): the same strict parsing, named by field.

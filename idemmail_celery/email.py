@@ -40,8 +40,13 @@ naming the field (``.field``) and the problem, never quoting an address:
   ``allow_mixed_scripts`` (``idemmail_allow_mixed_script_domains``). Latin with Han and kana, with
   Han and Bopomofo, or with Han and Hangul (how Japanese, Chinese and Korean names are written) is
   not mixing.
-* **Attachments:** at most :data:`MAX_ATTACHMENTS`; a file type, never a composite one
-  (``multipart/*``, ``message/*``: the stdlib would send them base64-encoded without a boundary).
+* **Attachments:** at most :data:`MAX_ATTACHMENTS`, each named in at most :data:`MAX_FILENAME_CHARS`
+  characters; a file type, never a composite one (``multipart/*``, ``message/*``: the stdlib would
+  send them base64-encoded without a boundary).
+* **Headers and tags:** at most :data:`MAX_HEADERS` ``headers=``, each value at most
+  :data:`MAX_HEADER_VALUE_CHARS` characters; at most :data:`MAX_TAGS` tags, names and values at most
+  :data:`MAX_TAG_CHARS` each. Counts are checked before anything is looked at, so an oversized
+  mapping costs nothing.
 * **Bodies:** no NUL, no lone surrogate; at least one of text and html.
 * **Size:** the whole message at most ``max_bytes``, counting every byte that is stored or
   sent (:meth:`EmailMessage.size`): addresses, subject, bodies, header and tag names and values,
@@ -79,8 +84,21 @@ from .redaction import scrub
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
 #: Recipients (to, cc and bcc together) one message may have: Resend, Postmark and SES take 50.
 DEFAULT_MAX_RECIPIENTS = 50
-#: Attachments one message may have (building the MIME message costs about half a millisecond each).
-MAX_ATTACHMENTS = 1000
+#: Attachments one message may have. No provider publishes a count; building each MIME part costs
+#: about half a millisecond, and a transactional message carries a few.
+MAX_ATTACHMENTS = 100
+#: Characters in an attachment's file name: what most file systems take (255).
+MAX_FILENAME_CHARS = 255
+#: Custom headers (``headers=``) one message may have. Providers publish no count; a message needs a few
+#: (``List-Unsubscribe``, an ``X-Entity-Ref-ID``), and every one is written into each copy sent.
+MAX_HEADERS = 50
+#: Characters in a ``headers=`` value: SES's limit (its API's ``MessageHeader``), which a folded header fits.
+MAX_HEADER_VALUE_CHARS = 870
+#: Tags one message may have: Resend takes 75, and the providers without an idempotency key carry one of
+#: the library's own beside them (:mod:`idemmail_celery.providers.postmark`).
+MAX_TAGS = 50
+#: Characters in a tag's name and in its value: the limit of Resend and SES.
+MAX_TAG_CHARS = 256
 #: What each attachment adds to the message besides its name, type and content: its MIME part's
 #: boundary line and headers (about 190 bytes for an empty file), counted by :meth:`EmailMessage.size`.
 PART_OVERHEAD = 256
@@ -235,6 +253,9 @@ class EmailMessage:
             _header_text(a.filename, "attachments.filename")
             if not a.filename.strip():
                 raise InvalidEmail("an attachment has no file name", field="attachments.filename")
+            if len(a.filename) > MAX_FILENAME_CHARS:
+                raise InvalidEmail(f"an attachment's file name is over {MAX_FILENAME_CHARS} characters",
+                                   field="attachments.filename")
             if not _MIME_TYPE.fullmatch(_header_text(a.content_type, "attachments.content_type")):
                 raise InvalidEmail("an attachment's content_type is not type/subtype", field="attachments.content_type")
             if a.content_type.lower().startswith(("multipart/", "message/")):
@@ -653,7 +674,7 @@ def _formatted(items: list[str], where: str, mixed_scripts: bool) -> tuple[str, 
 
 
 def _headers(value: Any) -> dict[str, str]:
-    out = _mapping(value, "headers")
+    out = _mapping(value, "headers", MAX_HEADERS)
     seen: set[str] = set()
     for name, v in out.items():
         if not _FIELD_NAME.fullmatch(name):
@@ -667,16 +688,23 @@ def _headers(value: Any) -> dict[str, str]:
         if lowered in seen:
             raise InvalidEmail(f"headers: {scrub(name)} is given twice (header names ignore case)", field="headers")
         seen.add(lowered)
+        if len(v) > MAX_HEADER_VALUE_CHARS:  # before its text is scanned
+            raise InvalidEmail(f"{_named('headers', name)} is over {MAX_HEADER_VALUE_CHARS} characters",
+                               field=_named("headers", name))
         _header_text(v, _named("headers", name), tab=True)
     return out
 
 
 def _tags(value: Any) -> dict[str, str]:
-    out = _mapping(value, "tags")
+    out = _mapping(value, "tags", MAX_TAGS)
     for name, v in out.items():
+        if len(name) > MAX_TAG_CHARS:  # before its text is looked at: the error quotes no part of it
+            raise InvalidEmail(f"a tags name is over {MAX_TAG_CHARS} characters", field="tags")
         _header_text(name, "tags")
         if not name or ":" in name or any(c.isspace() for c in name):
             raise InvalidEmail(f"tags name {scrub(name)!r} is not valid (empty, white space or ':')", field="tags")
+        if len(v) > MAX_TAG_CHARS:
+            raise InvalidEmail(f"{_named('tags', name)} is over {MAX_TAG_CHARS} characters", field=_named("tags", name))
         _header_text(v, _named("tags", name))
     return out
 
@@ -687,11 +715,14 @@ def _named(where: str, name: str) -> str:
     return f"{where}[{scrub(name)}]"
 
 
-def _mapping(value: Any, where: str) -> dict[str, str]:
+def _mapping(value: Any, where: str, limit: int) -> dict[str, str]:
+    """``value`` as a dict of strings, at most ``limit`` of them (counted before any is looked at)."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
         raise InvalidEmail(f"{where} must be a mapping", field=where)
+    if len(value) > limit:
+        raise InvalidEmail(f"more than {limit} {where}", field=where)
     for name, v in value.items():
         if not isinstance(name, str):
             raise InvalidEmail(f"{where} names must be strings, not {type(name).__name__}", field=where)

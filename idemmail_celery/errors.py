@@ -165,10 +165,11 @@ class PermanentSendError(SendError):
 class TransientSendError(SendError):
     """The side effect failed and it is known that nothing left the process.
 
-    The claim is released and the task retried with backoff, within the task's
-    ``max_retries``; when they run out the intent is parked as ``failed`` with
-    reason ``retries_exhausted`` and its stored payload, ready to re-enqueue.
-    ``retry_after`` (seconds), when the provider said so, is the least wait.
+    The claim is released and the task retried with backoff until its retry deadline
+    (``idemmail_retry_deadline_seconds`` after the first enqueue, whatever ``max_retries``
+    says); then the intent is parked as ``failed`` with reason ``retry_deadline`` and its
+    stored payload, ready to re-enqueue. ``retry_after`` (seconds), when the provider said
+    so, is the least wait.
     """
 
 

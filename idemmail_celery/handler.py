@@ -19,9 +19,11 @@ a redundant copy. Read top to bottom, :meth:`Handler.handle` is the guarantee:
    ============================  ==========================================================
    ``acquired``                  run the body (after an acknowledged ledger loss, a message
                                  enqueued before it is reconciled or parked unless the key
-                                 travels downstream; during a key-secret rotation, only once the
-                                 intent's other keys are read again and found empty: else the
-                                 claim is withdrawn and rescheduled, see ``cross_check``)
+                                 travels downstream; a message enqueued longer ago than the
+                                 retention is reconciled or parked; during a key-secret rotation,
+                                 only once the intent's other keys are read again and found
+                                 empty: else the claim is withdrawn and rescheduled, see
+                                 ``cross_check``)
    ``reopened``/``resumed``      run the *stored first payload* (``resumed`` with a verdict
                                  this chain could not record: record it, run nothing)
    ``done``                      replay: return the stored result, or raise the stored error
@@ -32,7 +34,9 @@ a redundant copy. Read top to bottom, :meth:`Handler.handle` is the guarantee:
    ============================  ==========================================================
 
 4. **record** what the body did: a result is ``sent``; :class:`TransientSendError`
-   releases and retries; :class:`PermanentSendError` is ``failed``; :class:`SendNeedsReview`,
+   releases and retries (for ``Policy.retry_deadline_seconds`` from the first enqueue when the
+   adapter dates the delivery, ``Delivery.retry_from``; else within ``max_retries``);
+   :class:`PermanentSendError` is ``failed``; :class:`SendNeedsReview`,
    :class:`AmbiguousSendError` and any unexpected exception mean "maybe sent": retried
    with the same key when it travels downstream, reconciled or parked as ``review``
    otherwise. A verdict the ledger cannot take right now travels with the next delivery
@@ -52,7 +56,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ._ahead import writing_ahead
-from ._common import INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff, logsafe
+from ._common import ENQUEUED_HEADER, INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff, logsafe
 from ._lease import keeper
 from .errors import (
     SEND_ERRORS,
@@ -85,8 +89,17 @@ log = logging.getLogger("idemmail_celery")
 #: After an acknowledged ledger loss, a message that does not say when it was enqueued (sent by
 #: name, or by an older version) counts as possibly older than the loss for this long.
 UNDATED_AFTER_LOSS_SECONDS = 24 * 3600.0
+#: The review reason of a new claim for a message older than the ledger's retention (see
+#: :meth:`Handler.older_than_retention`).
+OLDER_THAN_RETENTION = "older_than_retention"
+#: What :meth:`Handler.older_than_retention` allows for the caller's clock being behind the store's,
+#: at most (and at most a tenth of the retention).
+RETENTION_SKEW_SECONDS = 60.0
 #: Attempts at recording ``sent`` before the verdict travels with the next delivery instead.
 COMPLETE_ATTEMPTS = 3
+#: The reason of an intent that ends ``failed`` because its retry deadline passed while every attempt
+#: failed without sending (``Delivery.retry_from``).
+RETRY_DEADLINE = "retry_deadline"
 
 
 class Outcome(str, enum.Enum):
@@ -139,6 +152,9 @@ class Step:
     #: Headers for the next delivery of this chain (RETRY and RESCHEDULE): the owner to take
     #: back, a verdict to record, the chain's budgets. The adapter drops every other chain header.
     carry: dict[str, Any] = field(default_factory=dict)
+    #: RETRY only: does it spend one of the task's ``max_retries``? False for a retry on the time budget
+    #: (``Delivery.retry_from``), which the handler checked: the task's count must not refuse it.
+    counted: bool = True
 
 
 @dataclass(frozen=True)
@@ -153,6 +169,8 @@ class Policy:
     retry_backoff: float = 2.0
     retry_backoff_max: float = 300.0
     retry_jitter: bool = True
+    #: How long after the first enqueue (``Delivery.retry_from``) a failure that sent nothing is still retried.
+    retry_deadline_seconds: float = 6 * 3600.0
     outage_max_retries: int | None = None
     fail_open: bool = False
     #: How long a reschedule's mark is kept (``Ledger.mark_hop``): longer than a copy of the message can
@@ -172,10 +190,16 @@ class Delivery:
     #: ``retry()`` calls spent on this intent so far, and how many the task allows (None: no limit).
     retries: int = 0
     max_retries: int | None = 3
+    #: When the intent's retry deadline started (its first enqueue, or when a worker first saw it undated):
+    #: a failure that sent nothing (:class:`TransientSendError`) is retried for ``Policy.retry_deadline_seconds``
+    #: from then, whatever ``max_retries`` says, then ends ``failed`` (``retry_deadline``). None: ``max_retries``.
+    retry_from: float | None = None
     #: This chain's reschedules so far: because a claim was busy, and because something was unavailable.
     inflight: int = 0
     outage: int = 0
-    #: When the intent was first enqueued (caller's clock), for the ledger-loss rule; None: not said.
+    #: When the intent was first enqueued, or first due when later (a countdown): the sealed
+    #: ``idemmail_enqueued`` header, caller's clock. No copy of the intent can have been claimed
+    #: before it: the ledger-loss rule and the retention rule count from it. None: not said.
     enqueued_at: float | None = None
     #: The claim owners this chain may still hold its claim under, newest first (``ClaimRequest.resume_owner``:
     #: a claim whose reply was lost may or may not have landed, so the one before it is kept too), and the
@@ -497,6 +521,8 @@ class Handler:
             step = self.after_loss(d, claim)
             if step is not None:
                 return step
+        if status is ClaimStatus.ACQUIRED and self.older_than_retention(d):
+            return self.after_retention(d, claim)
         if status in (ClaimStatus.REOPENED, ClaimStatus.RESUMED):
             refused = self.check_reuse(d, record)
             if refused is not None:  # nothing ran: the first payload's own retry will
@@ -561,10 +587,16 @@ class Handler:
         return mark
 
     def retry_or_park(self, d: Delivery, claim: Claim, exc: Exception, reason: str, *, sent_maybe: bool) -> Step:
-        """A failed attempt: release and retry while budget and safety allow, else reconcile or park."""
+        """A failed attempt: release and retry while budget and safety allow, else reconcile or park.
+
+        A failure that sent nothing, on a dated delivery (``retry_from``), is retried until its deadline (an
+        outage of minutes costs no email); any other retry is on the task's count (``max_retries``).
+        """
         key = d.key
         retry_safe = not sent_maybe or self.effect.carries_key()
-        budget_left = d.max_retries is None or d.retries < d.max_retries
+        timed = not sent_maybe and d.retry_from is not None
+        left = (d.retry_from or 0.0) + self.policy.retry_deadline_seconds - time.time()
+        budget_left = left > 0 if timed else d.max_retries is None or d.retries < d.max_retries
         if retry_safe and budget_left:
             note = {**error_record(exc, reason, type(exc) if isinstance(exc, SendError) else SendError),
                     "maybe_sent": sent_maybe}
@@ -573,8 +605,13 @@ class Handler:
             if isinstance(exc, SendError) and exc.retry_after:
                 countdown = max(countdown, exc.retry_after)
             # If the release did not land, the retry takes its own claim back instead of waiting on it.
-            return Step(Outcome.RETRY, Action.RETRY, key, error=exc, countdown=countdown,
-                        carry={OWNER_HEADER: [claim.record.owner]})
+            carry: dict[str, Any] = {OWNER_HEADER: [claim.record.owner]}
+            if timed:
+                countdown = min(countdown, left)  # the last attempt comes at the deadline, not after it
+                if d.enqueued_at is None:  # undated (sent by name): the deadline must not move with each retry
+                    carry[ENQUEUED_HEADER] = f"{d.retry_from:.3f}"
+            return Step(Outcome.RETRY, Action.RETRY, key, error=exc, countdown=countdown, carry=carry,
+                        counted=not timed)
         if sent_maybe:
             found = self.reconciled(d, claim.record)
             if found is not None:
@@ -583,11 +620,15 @@ class Handler:
             parked = SendNeedsReview(f"outcome unknown ({reason}): {scrub(str(exc))}", reason=why, key=key)
             parked.__cause__ = exc
             return self.record_final(d, claim, State.REVIEW, error_record(exc, why, SendNeedsReview), parked)
-        failed = PermanentSendError(f"gave up after {d.retries} retries: {scrub(str(exc))}", reason="retries_exhausted",
-                                    key=key)
+        if timed:
+            why, gave_up = RETRY_DEADLINE, (f"gave up: the retry deadline (idemmail_retry_deadline_seconds, "
+                                            f"{self.policy.retry_deadline_seconds:g} s from the first enqueue) passed "
+                                            f"after {d.retries} retries")
+        else:
+            why, gave_up = "retries_exhausted", f"gave up after {d.retries} retries"
+        failed = PermanentSendError(f"{gave_up}: {scrub(str(exc))}", reason=why, key=key)
         failed.__cause__ = exc
-        return self.record_final(d, claim, State.FAILED, error_record(exc, "retries_exhausted", PermanentSendError),
-                                 failed)
+        return self.record_final(d, claim, State.FAILED, error_record(exc, why, PermanentSendError), failed)
 
     def retry_countdown(self, retries: int) -> float:
         p = self.policy
@@ -847,6 +888,35 @@ class Handler:
             return self.record_sent(d, claim, found, reconciled=True)
         return self.park_unknown(d, claim, "ledger_lost", "enqueued before an acknowledged ledger loss: it may have "
                                                           "been sent, and the record of it lost")
+
+    def older_than_retention(self, d: Delivery) -> bool:
+        """Is this message older than what the ledger can vouch for?
+
+        A record of its intent, had one been made, was made no earlier than ``d.enqueued_at`` (nothing
+        claims a message before it is enqueued, or before its countdown is due), and a final one is kept
+        for the retention after that (``claimed``, ``released`` and ``review`` ones for ever). So a new
+        claim for a message enqueued longer ago than the retention may be a copy of an intent sent and
+        expired: a message captured from the broker and published again, or one that waited out a ledger
+        outage longer than the retention. An undated message (sent by name) cannot be told: it is not.
+        """
+        if d.enqueued_at is None:
+            return False
+        retention = self.ledger.retention_seconds
+        return time.time() - d.enqueued_at > retention - min(RETENTION_SKEW_SECONDS, retention / 10)
+
+    def after_retention(self, d: Delivery, claim: Claim) -> Step:
+        """A new claim for a message older than the retention: never sent again blind. Reconciled when the
+        side effect's service can say; else parked as ``review`` (reason ``older_than_retention``), its first
+        payload kept, for a person to release or fail. A key carried downstream does not make it safe: a
+        service de-duplicates for a day or so, less than the retention."""
+        found = self.reconciled(d, claim.record)
+        if found is not None:
+            return self.record_sent(d, claim, found, reconciled=True)
+        age = time.time() - (d.enqueued_at or 0.0)
+        return self.park_unknown(d, claim, OLDER_THAN_RETENTION,
+                                 f"enqueued {age:.0f} s ago, longer than the ledger keeps records "
+                                 f"({self.ledger.retention_seconds:.0f} s): a copy of it may have been sent, "
+                                 "and its record expired")
 
     def park_unknown(self, d: Delivery, claim: Claim, reason: str, message: str, **extra: Any) -> Step:
         """Park a claim whose outcome cannot be known (``extra``: more fields for its ``error``)."""

@@ -229,8 +229,8 @@ def _integral(value: Any, depth: int) -> Any:
         return int(value) if value.is_integer() else value
     if kind is not dict and kind is not list and kind is not tuple:
         return value  # str, int, bool, None; datetimes, decimals, UUIDs...: _json_default writes them
-    if depth > 100:
-        raise ValueError("nested more than 100 levels deep")
+    if depth > MAX_NESTING:
+        raise ValueError(f"nested more than {MAX_NESTING} levels deep")
     if kind is dict:
         changed: Any = None
         for k, v in value.items():
@@ -255,6 +255,48 @@ def _integral(value: Any, depth: int) -> Any:
 
 
 _SCALARS = frozenset({str, int, bool, type(None)})
+
+#: How deeply a task's arguments may nest, an argument that is a list or mapping being the first level
+#: (the key's canonical form refuses the same). Deeper input overflows the stack of whatever walks it
+#: recursively: pickle (a prefork worker's main process pickles each job), JSON, this module.
+MAX_NESTING = 100
+
+
+def arguments_problem(args: Any, kwargs: Any, max_size: int | None = None) -> str | None:
+    """Why a call's arguments (as the worker decodes them) may not be run, or None if they may.
+
+    They may nest at most :data:`MAX_NESTING` levels. With ``max_size``, their size is at most that:
+    each string or bytes value and each mapping key counts its length, and every other value
+    (numbers, None, each list or mapping) counts 1, so the size is never more than the length of
+    the arguments' JSON. Iterative: it walks input of any depth, and stops at the first problem.
+    No value is quoted in the answer.
+    """
+    items = list(args) if isinstance(args, (list, tuple)) else [args]
+    size = 0
+    if isinstance(kwargs, Mapping):
+        size += sum(len(k) if isinstance(k, str) else 1 for k in kwargs)
+        items.extend(kwargs.values())
+    else:
+        items.append(kwargs)
+    stack: list[tuple[Any, int]] = [(v, 1) for v in items]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, (str, bytes, bytearray)):
+            size += len(value)
+        elif isinstance(value, (list, tuple, Mapping)):
+            if level > MAX_NESTING:
+                return f"task arguments nested more than {MAX_NESTING} levels deep"
+            size += 1
+            if isinstance(value, Mapping):
+                size += sum(len(k) if isinstance(k, str) else 1 for k in value)
+                stack.extend((v, level + 1) for v in value.values())
+            else:
+                stack.extend((v, level + 1) for v in value)
+        else:
+            size += 1
+        if max_size is not None and size > max_size:
+            return f"task arguments are larger than {max_size} (characters and values)"
+    return None
 
 
 #: Characters that never appear in a bare ``local@domain`` address: with none of them, no parsing is needed.
@@ -387,6 +429,12 @@ def _secret_list(secret: Any) -> tuple[bytes | None, ...]:
         if v not in out:
             out.append(v)
     return tuple(out)
+
+
+def secret_ids(secret: Any) -> tuple[str, ...]:
+    """The public ids of the key secrets ``secret`` names (the builder's ``secret`` option), newest first:
+    what a seal names its secret by, and what a worker puts in its ledger's key-secret roster."""
+    return tuple(_secret_id(s) for s in _secret_list(secret))
 
 
 def _secret_id(secret: bytes | None) -> str:

@@ -157,6 +157,10 @@ def _template(value: Any) -> str | None:
 _MESSAGE_FIELDS = ("from_", "to", "subject", "text", "html", "cc", "bcc", "reply_to", "headers", "tags", "attachments")
 #: The arguments stored with the message that are not part of it (they count towards its size budget).
 _STORED_BESIDE = ("event_id", "template", "tenant")
+#: What a call's arguments may hold beyond the message's size budget (argument names, the keys of each
+#: attachment's mapping, one per value, addresses longer as given than as stored: punycode, white
+#: space): 64 KiB covers the most every bound allows, about 45 KB.
+ARGUMENT_SLACK = 64 * 1024
 
 
 class SendEmailTask(IdempotentTask):
@@ -197,6 +201,11 @@ class SendEmailTask(IdempotentTask):
         if not request.called_directly:  # a run's request, gone with the run (never the client's default)
             request.idemmail_message = (fields, settings, message)
         return message
+
+    def max_argument_size(self) -> int:
+        """The message size budget (``idemmail_max_message_bytes``) and :data:`ARGUMENT_SLACK`: a call
+        :meth:`message_from` accepts always fits (see :meth:`IdempotentTask.max_argument_size`)."""
+        return int(self.idem_settings.max_message_bytes) + ARGUMENT_SLACK
 
     def check_call(self, args: Any, kwargs: dict[str, Any]) -> None:
         """The message must be valid and a provider configured before anything is accepted."""

@@ -24,6 +24,7 @@ metric                                          type       labels
 ==============================================  =========  ==========================================
 ``idemmail_outcomes_total``                     counter    ``task``, ``outcome`` (see ``outcomes``)
 ``idemmail_unrecorded_total``                   counter    ``task``, ``outcome``, ``reason``
+``idemmail_failed_total``                       counter    ``task``, ``reason`` (``retry_deadline``, ...)
 ``idemmail_inflight_collisions_total``          counter    ``task``
 ``idemmail_reclaims_total``                     counter    ``task``
 ``idemmail_ledger_operation_seconds``           histogram  ``op``, ``backend``
@@ -80,6 +81,9 @@ class Metrics:
             "Outcomes the ledger does not hold: sent after the lease was lost (maybe twice) or while the "
             "ledger was down, fail_open runs, failed/review verdicts it refused",
             ["task", "outcome", "reason"], registry=registry)
+        self.failed_runs = Counter("idemmail_failed_total", "Runs that ended failed, by reason (retry_deadline: "
+                                   "the provider refused every attempt until the intent's retry deadline)",
+                                   ["task", "reason"], registry=registry)
         self.reclaims = Counter("idemmail_reclaims_total", "Claims taken over after their holder's lease expired",
                                 ["task"], registry=registry)
         self.ledger_seconds = Histogram("idemmail_ledger_operation_seconds", "Ledger operation latency",
@@ -105,6 +109,13 @@ class Metrics:
         """Count an outcome the ledger does not hold (``recorded=false`` in the report)."""
         try:
             self.unrecorded_runs.labels(task, status, reason).inc()
+        except Exception as exc:
+            broken(exc)
+
+    def failed(self, task: str, reason: str) -> None:
+        """Count an outcome ``failed`` by its reason word."""
+        try:
+            self.failed_runs.labels(task, reason).inc()
         except Exception as exc:
             broken(exc)
 

@@ -67,7 +67,7 @@ from ._common import KEY_HEADER, after_fork, backoff, logsafe
 from .config import Settings
 from .errors import ConfigurationError
 from .keys import untrusted_removed
-from .task import IdempotentTask
+from .task import IdempotentTask, first_run_time
 
 log = logging.getLogger("idemmail_celery")
 
@@ -243,7 +243,6 @@ def _row(
     # the seal of the row's key, and the relay's apply_async would hash that key again: the intent under a key
     # other than the one returned here. Dropped, as apply_async drops them.
     headers: dict[str, Any] = untrusted_removed(options.pop("headers", None) or {}, keep=())
-    headers.update(task.intent_headers(args, kwargs, explicit=idempotency_key, tenant=idempotency_tenant))
     now = _utcnow()
     # Relative times become absolute now: a row relayed late (or twice) still means what the caller meant.
     aware_now = dt.datetime.now(dt.timezone.utc)
@@ -252,6 +251,9 @@ def _row(
         if options.get("eta") is not None:
             raise TypeError("pass countdown or eta, not both")
         options["eta"] = aware_now + dt.timedelta(seconds=float(countdown))
+    # Sealed now, with the row: a relay publishing it late (or again) cannot make it look newer.
+    headers.update(task.intent_headers(args, kwargs, explicit=idempotency_key, tenant=idempotency_tenant,
+                                       due=first_run_time(task.app, eta=options.get("eta"))))
     if isinstance(options.get("expires"), (int, float)):
         options["expires"] = aware_now + dt.timedelta(seconds=float(options["expires"]))
     return {

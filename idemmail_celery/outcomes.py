@@ -10,7 +10,8 @@ Each report is
   already shows (the task's result is the outcome); INFO otherwise (a campaign's
   recipients, a reconciled send, a replayed failure, a retry, ...), WARNING for
   ``review``, ``failed``, ``in_flight_gave_up``, ``key_reuse``, ``fail_open``,
-  ``setup_error`` and any ``recorded=false``, ERROR for ``ledger_unavailable_gave_up`` and a ``sent``
+  ``setup_error`` and any ``recorded=false``, ERROR for ``ledger_unavailable_gave_up``, a ``failed``
+  whose retry deadline passed (``retry_deadline``: the provider refused it for hours) and a ``sent``
   the ledger did not record;
 * a ``task-idemmail`` Celery event, when the worker sends task events (``-E`` or
   ``worker_send_task_events``), only for outcomes whose task ends in FAILURE or
@@ -20,8 +21,8 @@ Each report is
   process sends them;
 * a count in :mod:`idemmail_celery.metrics`, when metrics are on: one per run in
   ``idemmail_outcomes_total`` (a reclaim is a step, counted in
-  ``idemmail_reclaims_total`` only), and ``idemmail_unrecorded_total`` for
-  ``recorded=false``.
+  ``idemmail_reclaims_total`` only), ``idemmail_unrecorded_total`` for
+  ``recorded=false``, and ``idemmail_failed_total`` for ``failed``, by reason.
 
 Reports carry the intent key (a keyed hash), the task name and id, the status,
 the provider's message id, a reason word and attempt counts: never an
@@ -41,7 +42,7 @@ from celery.signals import worker_init
 from . import metrics
 from ._common import after_fork, logsafe, quoted
 from .config import Settings
-from .handler import Outcome
+from .handler import RETRY_DEADLINE, Outcome
 from .ledger import passive_options, shared
 
 log = logging.getLogger("idemmail_celery.outcome")
@@ -88,7 +89,7 @@ def report(task: Any, status: Outcome | str, key: str, *, message_id: Any = None
         reason = clean_reason(reason)
     unrecorded = extra.get("recorded") is False
     try:
-        level = _level(status, unrecorded, routine=event and reason is None and (
+        level = _level(status, unrecorded, reason, routine=event and reason is None and (
             (status is Outcome.SENT and not unrecorded)
             or (status is Outcome.DUPLICATE and extra.get("recorded") == "sent")))
         if log.isEnabledFor(level):
@@ -99,6 +100,8 @@ def report(task: Any, status: Outcome | str, key: str, *, message_id: Any = None
                 active.reclaimed(name)
             else:
                 active.outcome(name, status.value)
+                if status is Outcome.FAILED:
+                    active.failed(name, reason or "other")
                 if unrecorded:
                     active.unrecorded(name, status.value, reason or "other")
         replayed_failure = status is Outcome.DUPLICATE and extra.get("recorded") in ("failed", "review")
@@ -122,11 +125,12 @@ def clean_reason(reason: Any) -> str:
     return text if _REASON.fullmatch(text) else "other"
 
 
-def _level(status: Outcome, unrecorded: bool, *, routine: bool) -> int:
+def _level(status: Outcome, unrecorded: bool, reason: str | None, *, routine: bool) -> int:
     if routine:
         return logging.DEBUG  # Celery's "succeeded" line shows this outcome: the task's result is it
-    if status in _ERROR or (unrecorded and status is Outcome.SENT):
-        return logging.ERROR  # dropped, or sent and the ledger does not know it (maybe twice)
+    if status in _ERROR or (unrecorded and status is Outcome.SENT) or (
+            status is Outcome.FAILED and reason == RETRY_DEADLINE):
+        return logging.ERROR  # dropped, undeliverable for hours, or sent and the ledger does not know it (maybe twice)
     if status in _WARN or unrecorded:
         return logging.WARNING
     return logging.INFO

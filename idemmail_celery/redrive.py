@@ -5,34 +5,42 @@ out again (RabbitMQ at once, the Redis transport after its visibility timeout) a
 delivery takes the claim over. Two things break that promise:
 
 * a broker that lost the message (a Redis broker restarted without persistence, a queue purged,
-  a message stuck in the Redis transport's ``unacked`` set while only green-pool workers run:
-  celery/celery#4968, #4976), or the chain's only copy acknowledged by a defect. The ledger still
-  has the claim and its first payload. :func:`sweep_stranded` republishes each claim whose lease
-  ran out more than ``idemmail_sweep_after_seconds`` ago with no sign of life since (no renewal,
-  no move), from its stored first payload and under its own key. The republished message meets
-  the claim as any late copy would: it takes it over (sent again with the key where the provider
-  de-duplicates on it; reconciled, or parked for review, where it does not), or finds it settled.
-  Run it from beat (:data:`SWEEP_TASK`); one sweeper at a time per ledger, by a lease in the ledger.
-* a worker whose pool does not run kombu's event loop (``-P gevent``, ``eventlet``, ``threads``) on
-  a Redis broker never runs the transport's ``restore_visible``: messages of a killed worker stay
-  unacked until a prefork or solo worker starts. :func:`restore_unacked_on_a_timer` runs it from
-  a daemon thread (a greenlet under gevent) in such workers, every ``unacked_restore_interval``.
+  a message stuck in the Redis transport's ``unacked`` set), or the chain's only copy acknowledged
+  by a defect. The ledger still has the claim and its first payload. :func:`sweep_stranded`
+  republishes each claim whose lease ran out more than the sweep's age ago with no sign of life
+  since (no renewal, no move), from its stored first payload and under its own key. The
+  republished message meets the claim as any late copy would: it takes it over (sent again with
+  the key where the provider de-duplicates on it; reconciled, or parked for review, where it does
+  not), or finds it settled. A claim whose lease is live is never touched.
+* a worker that runs no kombu event loop (``-P gevent``, ``-P eventlet``) on a Redis broker never
+  runs the transport's ``restore_visible`` (celery/celery#4968, #4976): messages of a killed
+  worker stay unacked while only such workers run. :func:`restore_unacked_on_a_timer` runs it
+  from a daemon thread (a greenlet under gevent), every ``unacked_restore_interval``.
 
-Import this module in the worker (``include=["idemmail_celery.redrive"]``) to register both.
+Both run by default in every worker whose app has an idempotent task: the package connects the
+worker signals below when it is imported, so there is nothing to include and no beat entry to
+add. In the worker, the sweep runs on a timer, one worker at a time per ledger: each round is
+taken by one worker through a mark in the ledger (``Ledger.mark_hop``, live for the round's
+period), and the sweep itself holds a lease in the ledger (a claim under :data:`LOCK_KEY`,
+withdrawn when it ends), so two sweeps never overlap and twenty workers make one sweep per
+period. ``idemmail_sweep_in_workers`` and ``idemmail_restore_unacked`` turn each off; a beat entry
+for :data:`SWEEP_TASK` (registered in such workers) still runs the same sweep.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import threading
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
-from celery import Task, current_app, shared_task
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_init, worker_ready, worker_shutdown
 
-from ._common import logsafe
+from ._common import logsafe, transport_visibility_timeout
 from .config import Settings
 from .errors import IdemmailError, LedgerError
 from .keys import Payload
@@ -48,20 +56,38 @@ SWEEP_TASK = "idemmail_celery.sweep_stranded"
 LOCK_KEY = hashlib.sha256(b"idemmail_celery:sweep-lock").hexdigest()
 #: Most claims one sweep republishes (the rest wait for the next sweep).
 SWEEP_LIMIT = 1000
+#: The sweep's lease: renewed every third of it while a sweep runs, so a sweeper killed mid-sweep
+#: holds the ledger's sweeps up for no longer than this.
+LOCK_LEASE_SECONDS = 60.0
+#: The least age a derived ``idemmail_sweep_after_seconds`` takes: a claim is re-driven only when
+#: nothing else will, so a few minutes' wait costs nothing, and a short broker timeout cannot make
+#: the sweep race the broker's own redelivery.
+MIN_SWEEP_AFTER = 300.0
+#: The longest period between two sweeps of one ledger by the workers.
+MAX_SWEEP_EVERY = 900.0
+
+_REDIS_SCHEMES = ("redis", "rediss", "sentinel")
+#: kombu's Redis transport defaults: seconds between restores, and how many calls make one scan.
+_KOMBU_RESTORE_INTERVAL, _KOMBU_RESTORE_THROTTLE = 10.0, 10.0
 
 
-def sweep_stranded(app: Any, *, after_seconds: float, now: float | None = None,
-                   limit: int = SWEEP_LIMIT) -> list[str]:
-    """Republish every stranded claim of ``app``'s idempotent tasks; returns their keys.
+@dataclass
+class _Swept:
+    """One ledger and the idempotent tasks that claim in it, with its sweep's age and period."""
 
-    A claim is stranded when its lease ran out, and it was last moved, more than ``after_seconds``
-    ago: longer than any reschedule of a live chain waits (keep it above the broker's visibility
-    timeout, ``idemmail_inflight_backoff_max`` and ``idemmail_retry_backoff_max``). A claim with no
-    stored payload (erased, or sealed with keys this process lacks) is logged and left. Each claim is
-    republished at most once per ``after_seconds`` (``Ledger.mark_hop``), whoever sweeps.
-    """
-    now = time.time() if now is None else now
-    ledgers: dict[int, tuple[Ledger, dict[str, IdempotentTask]]] = {}
+    ledger: Ledger
+    tasks: dict[str, IdempotentTask] = field(default_factory=dict)
+    after: float = MIN_SWEEP_AFTER
+
+    @property
+    def every(self) -> float:
+        """How often the workers sweep this ledger: a quarter of its age, between 1 s and 15 min."""
+        return min(max(self.after / 4, 1.0), MAX_SWEEP_EVERY)
+
+
+def _by_ledger(app: Any) -> list[_Swept]:
+    """``app``'s idempotent tasks by ledger, each ledger with its age (:func:`stranded_after`)."""
+    groups: dict[int, _Swept] = {}
     for task in list(app.tasks.values()):
         if isinstance(task, IdempotentTask):
             try:
@@ -70,29 +96,87 @@ def sweep_stranded(app: Any, *, after_seconds: float, now: float | None = None,
                 log.warning("idemmail: the sweep skips %s, whose ledger cannot be opened (%s)", logsafe(task.name),
                             type(exc).__name__)
                 continue
-            ledgers.setdefault(id(ledger), (ledger, {}))[1][task.name] = task
-    republished: list[str] = []
-    for ledger, tasks in ledgers.values():
+            groups.setdefault(id(ledger), _Swept(ledger)).tasks[task.name] = task
+    for group in groups.values():
+        group.after = stranded_after(app, group.tasks.values())
+    return list(groups.values())
+
+
+def _redis_broker(app: Any) -> bool:
+    return str(app.conf.broker_url or "").split("://", 1)[0].split("+", 1)[0].lower() in _REDIS_SCHEMES
+
+
+def _transport_option(app: Any, name: str, default: float) -> float:
+    options = app.conf.broker_transport_options or {}
+    return float(options.get(name) or default)
+
+
+def stranded_after(app: Any, tasks: Iterable[IdempotentTask]) -> float:
+    """How long a claim of ``tasks`` must have been quiet past its lease before the sweep re-drives it:
+    ``idemmail_sweep_after_seconds`` when set, else twice the longest a live chain can leave its claim
+    alone (the broker's visibility timeout with the Redis transport's restore delay, and the tasks'
+    longest backoffs), :data:`MIN_SWEEP_AFTER` at least."""
+    settings = Settings.resolve(app.conf)
+    if settings.sweep_after_seconds is not None:
+        return settings.sweep_after_seconds
+    longest = transport_visibility_timeout(app) or 0.0
+    if longest and _redis_broker(app):  # restored only on the transport's next scan after it
+        longest += (_transport_option(app, "unacked_restore_interval", _KOMBU_RESTORE_INTERVAL)
+                    * _transport_option(app, "unacked_restore_throttle", _KOMBU_RESTORE_THROTTLE))
+    for task in tasks:
         try:
-            republished += _sweep_ledger(ledger, tasks, after_seconds, now, limit - len(republished))
-        except LedgerError as exc:  # one ledger down (a task of another service, say) stops no other's sweep
-            log.warning("idemmail: the sweep skips a ledger that does not answer (%s: %s); it is looked at again "
-                        "next time", type(exc).__name__, logsafe(exc))
+            policy = task.policy
+        except IdemmailError:  # its settings do not parse: its start-up check says so
+            continue
+        longest = max(longest, policy.inflight_backoff_max, policy.retry_backoff_max)
+    return max(MIN_SWEEP_AFTER, 2 * longest)
+
+
+def sweep_stranded(app: Any, *, after_seconds: float | None = None, now: float | None = None,
+                   limit: int = SWEEP_LIMIT) -> list[str]:
+    """Republish every stranded claim of ``app``'s idempotent tasks; returns their keys.
+
+    A claim is stranded when its lease ran out, and it was last moved, more than ``after_seconds``
+    ago (None: each ledger's :func:`stranded_after`): longer than any reschedule of a live chain
+    waits. A claim with no stored payload (erased, or sealed with keys this process lacks) is logged
+    and left. Each claim is republished at most once per ``after_seconds`` (``Ledger.mark_hop``),
+    whoever sweeps; a ledger another sweeper holds is left to it.
+    """
+    now = time.time() if now is None else now
+    republished: list[str] = []
+    for group in _by_ledger(app):
+        after = group.after if after_seconds is None else after_seconds
+        republished += _sweep_guarded(group, after, now, limit - len(republished))
     return republished
+
+
+def _sweep_guarded(group: _Swept, after: float, now: float, limit: int) -> list[str]:
+    """:func:`_sweep_ledger`, a ledger that does not answer logged and skipped."""
+    try:
+        return _sweep_ledger(group.ledger, group.tasks, after, now, limit)
+    except LedgerError as exc:  # one ledger down (a task of another service, say) stops no other's sweep
+        log.warning("idemmail: the sweep skips a ledger that does not answer (%s: %s); it is looked at again "
+                    "next time", type(exc).__name__, logsafe(exc))
+        return []
 
 
 def _sweep_ledger(ledger: Ledger, tasks: dict[str, IdempotentTask], after_seconds: float, now: float,
                   limit: int) -> list[str]:
-    """:func:`sweep_stranded` on one ledger, under its sweep lock (none if another sweeper holds it)."""
+    """:func:`sweep_stranded` on one ledger, under its sweep lease (none if another sweeper holds it)."""
     republished: list[str] = []
     lock = ledger.claim(ClaimRequest(key=LOCK_KEY, task_name=SWEEP_TASK, payload=Payload([], {}).to_json(),
-                                     fingerprint="", owner=new_owner("sweep"), lease_seconds=300.0))
+                                     fingerprint="", owner=new_owner("sweep"), lease_seconds=LOCK_LEASE_SECONDS))
     if not lock.status.holds:
         return republished  # another sweeper has this ledger
+    renewed = time.monotonic()
     try:
         for record in ledger.iter_records(State.CLAIMED):
             if len(republished) >= limit:
                 break
+            if time.monotonic() - renewed > LOCK_LEASE_SECONDS / 3:
+                if not ledger.renew(LOCK_KEY, lock.token, LOCK_LEASE_SECONDS):
+                    break  # taken over (this sweep stalled past its lease): the new holder goes on
+                renewed = time.monotonic()
             task = tasks.get(record.task_name)
             quiet = now - max(record.lease_expires_at or 0.0, record.updated_at)
             if task is None or record.key == LOCK_KEY or quiet < after_seconds:
@@ -109,76 +193,125 @@ def _sweep_ledger(ledger: Ledger, tasks: dict[str, IdempotentTask], after_second
                         logsafe(record.key), logsafe(record.task_name), quiet)
             republished.append(record.key)
     finally:
-        ledger.release(LOCK_KEY, lock.token)
+        _unlock(ledger, lock.token)
     return republished
 
 
-def _sweep() -> int:
-    """Beat runs this (say every five minutes): :func:`sweep_stranded` with ``idemmail_sweep_after_seconds``."""
-    app = current_app._get_current_object()
-    settings = Settings.resolve(app.conf)
-    return len(sweep_stranded(app, after_seconds=settings.sweep_after_seconds))
+def _unlock(ledger: Ledger, token: int) -> None:
+    """End the sweep's lease leaving no record behind (operators and ``ledger stats`` count records);
+    a backend that cannot withdraw releases it instead."""
+    try:
+        ledger.withdraw(LOCK_KEY, token)  # False: taken over meanwhile, and the new holder ends it
+    except NotImplementedError:
+        ledger.release(LOCK_KEY, token)
 
 
-sweep_stranded_task: Task = shared_task(name=SWEEP_TASK, ignore_result=True)(_sweep)
+def _sweep(self: Any) -> int:
+    """What a beat entry for :data:`SWEEP_TASK` runs: :func:`sweep_stranded` over this app's ledgers."""
+    return len(sweep_stranded(self.app))
 
 
-# -- the Redis transport's restore, for pools without kombu's event loop --
+# -- what runs in the worker, on timers --
 
-#: The pools (by module: ``celery.concurrency.<name>``) that do not run kombu's event loop.
-GREEN_POOLS = ("gevent", "eventlet", "thread")
-_restorers: list[threading.Event] = []
+def _repeat(name: str, wait: Callable[[], float], tick: Callable[[], None],
+            done: Callable[[], None] = lambda: None) -> threading.Event:
+    """Run ``tick`` every ``wait()`` seconds in a daemon thread (a greenlet under gevent), then ``done``;
+    set the returned event to stop."""
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            while not stop.wait(wait()):
+                tick()
+        finally:
+            done()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return stop
 
 
 def restore_unacked_on_a_timer(app: Any, interval: float) -> threading.Event:
     """Run the Redis transport's ``restore_visible`` every ``interval`` seconds on a connection of its own
     (kombu's own mutex keeps it to one worker at a time); set the returned event to stop."""
-    stop = threading.Event()
+    conn = [app.connection_for_read()]
 
-    def run() -> None:
-        conn = app.connection_for_read()
+    def tick() -> None:
         try:
-            while not stop.wait(interval):
-                try:
-                    conn.ensure_connection(max_retries=1)
-                    options = app.conf.broker_transport_options or {}
-                    qos = conn.default_channel.qos
-                    qos.restore_visible(num=int(options.get("unacked_restore_limit", 10) or 10), interval=1)
-                except Exception as exc:  # the broker is away: the next tick tries again
-                    log.warning("idemmail: restoring unacked messages failed (%s); retrying in %.0f s",
-                                type(exc).__name__, interval)
-                    conn.release()
-                    conn = app.connection_for_read()
-        finally:
-            conn.release()
+            conn[0].ensure_connection(max_retries=1)
+            limit = int(_transport_option(app, "unacked_restore_limit", 10))
+            conn[0].default_channel.qos.restore_visible(num=limit, interval=1)
+        except Exception as exc:  # the broker is away: the next tick tries again
+            log.warning("idemmail: restoring unacked messages failed (%s); retrying in %.0f s",
+                        type(exc).__name__, interval)
+            conn[0].release()
+            conn[0] = app.connection_for_read()
 
-    threading.Thread(target=run, name="idemmail-restore-unacked", daemon=True).start()
-    return stop
+    return _repeat("idemmail-restore-unacked", lambda: interval, tick, lambda: conn[0].release())
 
 
-def _pool_name(worker: Any) -> str:
-    pool = getattr(worker, "pool", None) or getattr(getattr(worker, "controller", None), "pool", None)
-    return type(pool).__module__.rsplit(".", 1)[-1] if pool is not None else ""
+def _sweep_on_a_timer(groups: list[_Swept]) -> threading.Event:
+    """Sweep each of ``groups``' ledgers about once per its period, whichever worker takes the round
+    (:func:`_sweep_round`); set the returned event to stop."""
+    shortest = min(group.every for group in groups)
+    # Each worker waits half to all of the period: twenty workers started together do not all ask at once.
+    return _repeat("idemmail-sweep-stranded", lambda: shortest * random.uniform(0.5, 1.0),
+                   lambda: _sweep_round(groups))
+
+
+def _sweep_round(groups: list[_Swept]) -> None:
+    """One tick of a worker's sweep timer: each ledger whose round this worker takes is swept."""
+    for group in groups:
+        try:
+            if group.ledger.mark_hop(LOCK_KEY, "round", group.every) is False:
+                continue  # another worker took this round
+        except LedgerError:
+            continue  # down: looked at again next tick
+        swept = _sweep_guarded(group, group.after, time.time(), SWEEP_LIMIT)
+        log.info("idemmail: this worker swept a ledger for stranded claims: %d republished", len(swept))
+
+
+_timers: list[threading.Event] = []
+
+
+def _idempotent(app: Any) -> bool:
+    return any(isinstance(task, IdempotentTask) for task in list(app.tasks.values()))
+
+
+def _on_init(sender: Any = None, **_: Any) -> None:
+    """``worker_init``: a worker of an app with idempotent tasks can run :data:`SWEEP_TASK` (a beat entry)."""
+    app = getattr(sender, "app", None)
+    if app is not None and SWEEP_TASK not in app.tasks and _idempotent(app):
+        app.task(name=SWEEP_TASK, bind=True, ignore_result=True, shared=False)(_sweep)
 
 
 def _on_ready(sender: Any = None, **_: Any) -> None:
+    """``worker_ready`` (the consumer, in the worker's main process): start what the settings leave on."""
     app = getattr(sender, "app", None)
-    if app is None:
+    if app is None or not _idempotent(app):
         return
-    scheme = str(app.conf.broker_url or "").split("://", 1)[0].split("+", 1)[0].lower()
-    if scheme not in ("redis", "rediss", "sentinel") or _pool_name(sender) not in GREEN_POOLS:
+    try:
+        settings = Settings.resolve(app.conf)
+    except IdemmailError:  # the start-up check says what is wrong
         return
-    options = app.conf.broker_transport_options or {}
-    interval = float(options.get("unacked_restore_interval") or 10)
-    _restorers.append(restore_unacked_on_a_timer(app, interval))
-    log.info("idemmail: this %s worker restores the Redis broker's unacked messages every %.0f s",
-             _pool_name(sender), interval)
+    # kombu restores from its event loop (the consumer's hub); a worker without one never does.
+    if settings.restore_unacked and _redis_broker(app) and getattr(sender, "hub", None) is None:
+        interval = _transport_option(app, "unacked_restore_interval", _KOMBU_RESTORE_INTERVAL)
+        _timers.append(restore_unacked_on_a_timer(app, interval))
+        log.info("idemmail: this worker runs no event loop: it restores the Redis broker's unacked messages "
+                 "every %.0f s", interval)
+    if settings.sweep_in_workers:
+        groups = _by_ledger(app)
+        if groups:
+            _timers.append(_sweep_on_a_timer(groups))
+            log.info("idemmail: this worker takes its turn sweeping for claims stranded over %.0f s",
+                     min(group.after for group in groups))
 
 
 def _on_shutdown(**_: Any) -> None:
-    while _restorers:
-        _restorers.pop().set()
+    while _timers:
+        _timers.pop().set()
 
 
+worker_init.connect(_on_init, weak=False)
 worker_ready.connect(_on_ready, weak=False)
 worker_shutdown.connect(_on_shutdown, weak=False)

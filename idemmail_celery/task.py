@@ -17,6 +17,7 @@ The decisions themselves (claim, replay, reclaim, record, park) live in the hand
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import logging
 import threading
@@ -29,13 +30,14 @@ from typing import Any, NoReturn
 from celery import Task
 from celery import _state as _celery_state
 from celery.exceptions import Ignore, Retry
-from celery.signals import before_task_publish, celeryd_after_setup, worker_init
+from celery.signals import before_task_publish, celeryd_after_setup, worker_init, worker_shutdown
+from celery.utils.time import maybe_make_aware
 from kombu.exceptions import KombuError
 from kombu.serialization import dumps as kombu_dumps
 from kombu.serialization import loads as kombu_loads
 
 from . import keys as keys_mod
-from . import outcomes, redaction
+from . import outcomes, redaction, roster
 from ._common import (
     CHAIN_HEADERS,
     ENQUEUED_HEADER,
@@ -80,7 +82,7 @@ from .handler import (
 )
 from .keys import IntentKeyBuilder, KeySpec, Payload, RoundTrip, Seal, untrusted_removed
 from .ledger import Ledger, backend_for, shared
-from .ledger.base import new_owner
+from .ledger.base import default_owner, new_owner
 from .redaction import scrub
 
 log = logging.getLogger("idemmail_celery")
@@ -181,9 +183,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         True (the default) shows the intent key instead of the arguments (addresses,
         bodies) wherever Celery shows them: task events, Flower, worker logs.
 
-    plus the per-task settings in :data:`idemmail_celery.config.SETTINGS`, and Celery's own
-    ``max_retries``, ``retry_backoff``, ``retry_backoff_max`` and ``retry_jitter`` for the
-    retries of transient failures.
+    plus the per-task settings in :data:`idemmail_celery.config.SETTINGS` (a transient failure is
+    retried until ``idempotency_retry_deadline_seconds`` after the first enqueue, not for a count of
+    ``max_retries``), and Celery's own ``retry_backoff``, ``retry_backoff_max`` and ``retry_jitter``
+    for the waits between those retries.
 
     The body reads its key as ``self.request.idempotency_key``. Callers pass an
     explicit key with ``apply_async(..., idempotency_key="order-4821:confirm")``.
@@ -195,6 +198,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     acks_late = True
     reject_on_worker_lost = True
     throws: tuple[type, ...] = (Reported,)
+    #: Refuses, in the worker's main process, a message the pool could not take (:mod:`idemmail_celery._request`).
+    Request = "idemmail_celery._request:CheckedRequest"
 
     idempotency_key: KeySpec = None
     idempotency_tenant: str | None = None
@@ -206,6 +211,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     idempotency_lease_seconds: float | None = None
     idempotency_max_reclaims: int | None = None
     idempotency_inflight_max_retries: int | None = None
+    idempotency_retry_deadline_seconds: float | None = None
     idempotency_fail_open: bool | None = None
     idempotency_redact_args: bool | None = None
 
@@ -225,16 +231,26 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @property
     def key_builder(self) -> IntentKeyBuilder:
-        """The :class:`~idemmail_celery.keys.IntentKeyBuilder` for this task."""
-        if self._idem_builder is None:
+        """The :class:`~idemmail_celery.keys.IntentKeyBuilder` for this task.
+
+        During a key-secret rotation its first secret (the one keys and seals are made under) is the
+        newest every live worker of the ledger holds (:mod:`idemmail_celery.roster`): the builder is
+        made again when that changes. With one secret it is made once.
+        """
+        builder = self._idem_builder
+        secrets = self.idem_settings.key_secrets
+        if len(secrets) > 1:
+            secrets = roster.view(self.ledger).order(secrets)
+            if builder is not None and builder.secret != secrets:
+                builder = None
+        if builder is None:
             self._check_options()
             signature = inspect.signature(self.run)
             spec = self.idempotency_key
             if isinstance(spec, list):
                 spec = tuple(spec)
-            secrets = self.idem_settings.key_secrets
             serializer = self.serializer or self.app.conf.task_serializer or "json"
-            self._idem_builder = IntentKeyBuilder(
+            builder = self._idem_builder = IntentKeyBuilder(
                 task_name=self.name,
                 signature=signature,
                 spec=spec,
@@ -243,10 +259,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 address_fields=keys_mod.address_fields_for(signature, self.idempotency_address_fields),
                 must_match=tuple(self.idempotency_must_match or ()),
                 serializer=serializer,
-                secret=secrets or None,  # newest first: keys are made with the first, found under all
+                secret=secrets or None,  # keys are made with the first, found under all
                 round_trip=serializer_round_trip(serializer),
             )
-        return self._idem_builder
+        return builder
 
     def _check_options(self) -> None:
         global _warned_no_secret
@@ -300,6 +316,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                       inflight_max_retries=s.inflight_max_retries, inflight_backoff=s.inflight_backoff,
                       inflight_backoff_max=s.inflight_backoff_max, retry_backoff=factor, retry_backoff_max=maximum,
                       retry_jitter=bool(getattr(self, "retry_jitter", True)),
+                      retry_deadline_seconds=s.retry_deadline_seconds,
                       outage_max_retries=s.outage_max_retries, fail_open=s.fail_open,
                       hop_ttl_seconds=self._hop_ttl())
 
@@ -312,8 +329,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     @property
     def handler(self) -> Handler:
         """This task's :class:`~idemmail_celery.handler.Handler` (the task lends it the side effect)."""
-        if self._idem_handler is None:
-            self._idem_handler = Handler(self.ledger, self.key_builder, self.policy, self, passthrough=(Retry,))
+        builder = self.key_builder
+        if self._idem_handler is None or self._idem_handler.builder is not builder:  # a rotation moved on
+            self._idem_handler = Handler(self.ledger, builder, self.policy, self, passthrough=(Retry,))
         return self._idem_handler
 
     # -- the caller's side --
@@ -330,13 +348,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
 
     def intent_headers(
-        self, args: Any = None, kwargs: Any = None, *, explicit: str | None = None, tenant: str | None = None
+        self, args: Any = None, kwargs: Any = None, *, explicit: str | None = None, tenant: str | None = None,
+        due: float | None = None,
     ) -> dict[str, Any]:
         """Validate a call and derive its intent: the message headers it will travel with.
 
         What ``apply_async`` does before enqueueing, and what the transactional
-        outbox stores with a row. Raises :class:`~idemmail_celery.errors.IdemmailError`
-        subclasses (and ``TypeError`` from ``check_call``) on bad input.
+        outbox stores with a row. ``due``: when a countdown or ETA lets the message run (epoch
+        seconds); the sealed enqueue time is the later of it and now, since no copy can be claimed
+        before (the worker parks a message enqueued longer ago than the ledger's retention).
+        Raises :class:`~idemmail_celery.errors.IdemmailError` subclasses (and ``TypeError`` from
+        ``check_call``) on bad input.
         """
         payload = self.validate_call(args, kwargs)
         builder = self.key_builder
@@ -344,7 +366,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         older = builder.older_keys(payload, explicit=explicit, tenant=tenant)  # () unless rotating
         if older:
             headers[OLDER_KEYS_HEADER] = list(older)
-        headers[ENQUEUED_HEADER] = f"{time.time():.3f}"
+        headers[ENQUEUED_HEADER] = f"{max(time.time(), due or 0.0):.3f}"
         if tenant is not None:
             headers[TENANT_HEADER] = str(tenant)
         return self.sealed(headers, payload)
@@ -387,9 +409,27 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if type(self).check_call is not IdempotentTask.check_call:  # the base's accepts everything
             self.check_call(tuple(args or ()), dict(kwargs or {}))
         payload = self.key_builder.payload(args, kwargs)
-        if not keys_mod.is_json_plain([payload.args, payload.kwargs]):
+        plain = keys_mod.is_json_plain([payload.args, payload.kwargs])
+        self._check_arguments(payload.args, payload.kwargs, plain)
+        if not plain:
             payload.to_json()  # the ledger stores JSON in kombu's typed form: fail now if it cannot
         return payload
+
+    def max_argument_size(self) -> int | None:
+        """The most a call's arguments may hold, as :func:`~idemmail_celery.keys.arguments_problem` counts
+        (about their length as JSON), or None for no bound (the default). Checked at ``delay()`` and
+        in the worker's main process before the pool (``send_email``: its message size budget)."""
+        return None
+
+    def _check_arguments(self, args: Any, kwargs: Any, plain: bool) -> None:
+        """Raise :class:`~idemmail_celery.errors.UnserializableArgumentsError` for arguments the worker's main
+        process would refuse before the pool: nested too deep, or over :meth:`max_argument_size`."""
+        limit = self.max_argument_size()
+        if limit is None and plain:
+            return  # JSON-plain arguments nest at most 20 levels (keys.is_json_plain)
+        problem = keys_mod.arguments_problem(args, kwargs, limit)
+        if problem is not None:
+            raise UnserializableArgumentsError(problem)
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -436,7 +476,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if explicit is not None or carried is None:
             # Chain state and older keys belong to whatever message the caller copied them from: dropped.
             headers = untrusted_removed(headers, keep=())
-            headers.update(self.intent_headers(args, kwargs, explicit=explicit, tenant=tenant))
+            due = first_run_time(self.app, options.get("countdown"), options.get("eta"))
+            headers.update(self.intent_headers(args, kwargs, explicit=explicit, tenant=tenant, due=due))
         options["headers"] = headers
         if self.idem_settings.redact_args:  # the task option, else idemmail_redact_args, parsed strictly
             options.setdefault("argsrepr", "<redacted>")
@@ -486,11 +527,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self._carry_out(step, headers)
         request.idempotency_key = key
         request.idemmail_owner = owner = new_owner(request.id or "", ahead=handler.writes_ahead())
+        enqueued_at = _number(headers.get(ENQUEUED_HEADER))
         step = handler.handle(Delivery(
             key=key, task_name=self.name, payload=payload, attempt_id=request.id or "", **chain, older_keys=older,
-            retries=request.retries or 0, max_retries=self.max_retries,
-            enqueued_at=_number(headers.get(ENQUEUED_HEADER)), hop=str(headers.get(HOP_HEADER) or request.id or ""),
-            owner=owner,
+            retries=request.retries or 0, max_retries=self.max_retries, enqueued_at=enqueued_at,
+            retry_from=time.time() if enqueued_at is None else enqueued_at,
+            hop=str(headers.get(HOP_HEADER) or request.id or ""), owner=owner,
         ))
         return self._carry_out(step, headers)
 
@@ -585,8 +627,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return step.value
         if action is Action.DROP:
             raise Ignore()  # acknowledged, no result stored: the copy that published the next hop carries on
-        if action is Action.RETRY:
+        if action is Action.RETRY and step.counted:
             raise self.retry(exc=step.error, countdown=step.countdown, headers=_chain(headers, step.carry, keep=False))
+        if action is Action.RETRY:  # on the time budget the handler checked: Celery's max_retries must not refuse it
+            assert isinstance(step.error, Exception)
+            self._publish_again(step.countdown, _chain(headers, step.carry, keep=False), f"retry: {step.error}",
+                                step.error, retries=(self.request.retries or 0) + 1)
         if action is Action.RESCHEDULE:
             why = f"{step.outcome.value}: {step.error}" if step.error is not None else step.outcome.value
             assert isinstance(step.error, Exception)
@@ -683,11 +729,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
                             running=running)
 
     def _publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception, *,
-                       as_received: bool = False, running: Task | None = None) -> NoReturn:
+                       as_received: bool = False, running: Task | None = None,
+                       retries: int | None = None) -> NoReturn:
         """Requeue this message (or the one ``running`` runs) like ``retry()``, without spending ``max_retries``.
 
         ``reason`` is what monitors show for the retry (Flower: state RETRY, its repr as the exception).
         ``as_received``: the headers go out exactly as they came (a seal this worker cannot make or check).
+        ``retries``: the count the next delivery sees (default: this one's; a retry on the time budget adds one).
         """
         running = self if running is None else running
         request = running.request
@@ -700,7 +748,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # exactly as it came, its own seal and chain state intact, for a worker that can. Ending it
                 # here would acknowledge an intent nobody recorded.
                 headers, as_received = dict(request.headers or {}), True
-        sig = running.signature_from_request(request, countdown=countdown, retries=request.retries, headers=headers)
+        sig = running.signature_from_request(request, countdown=countdown, headers=headers,
+                                             retries=request.retries if retries is None else retries)
         if request.is_eager:  # ``Task.apply``: nothing is published (Celery would re-apply ``sig`` in-line, for ever)
             raise Rescheduled(why, exc=reason, when=countdown)
         sig.apply_async()
@@ -785,6 +834,24 @@ def _count(value: Any) -> int:
         return 0
 
 
+def first_run_time(app: Any, countdown: Any = None, eta: Any = None) -> float | None:
+    """When a message with Celery's ``countdown`` or ``eta`` option may run (epoch seconds); None without
+    either, or for one Celery itself would refuse. A naive ``eta`` is in the app's timezone, as the
+    worker reads it."""
+    try:
+        if countdown is not None:
+            return time.time() + float(countdown)
+        if eta is None:
+            return None
+        if isinstance(eta, str):
+            eta = datetime.datetime.fromisoformat(eta)
+        if isinstance(eta, datetime.datetime):
+            return float(maybe_make_aware(eta, app.timezone).timestamp())
+    except (TypeError, ValueError, OverflowError):
+        pass
+    return None
+
+
 def _number(value: Any) -> float | None:
     try:
         return None if value is None else float(value)
@@ -830,6 +897,34 @@ def _check_at_start(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is not None:
         _found_at_start[id(app)] = start_up_problems(app)
+        _announcers[id(app)] = announcer(app).start()  # before the first message is taken
+
+
+_announcers: dict[int, roster.Announcer] = {}
+
+
+def announcer(app: Any) -> roster.Announcer:
+    """This worker's heartbeat into the key-secret roster of each ledger its idempotent tasks use, with the
+    ids of the secrets all of that ledger's tasks hold (:mod:`idemmail_celery.roster`)."""
+    held: dict[int, tuple[Ledger, list[str]]] = {}
+    for task in list(app.tasks.values()):
+        if not isinstance(task, IdempotentTask):
+            continue
+        try:
+            ledger, ids = task.ledger, keys_mod.secret_ids(task.idem_settings.key_secrets or None)
+        except Exception:  # settings that do not parse: reported by start_up_problems
+            continue
+        found = held.get(id(ledger))
+        held[id(ledger)] = (ledger, list(ids) if found is None else [i for i in found[1] if i in ids])
+    return roster.Announcer(default_owner(), [(ledger, ids) for ledger, ids in held.values() if ids])
+
+
+def _leave_at_shutdown(sender: Any = None, **_: Any) -> None:
+    """On ``worker_shutdown``: out of the rosters at once, rather than when the entry lapses."""
+    app = getattr(sender, "app", None)
+    found = _announcers.pop(id(app), None) if app is not None else None
+    if found is not None:
+        found.stop()
 
 
 def _report_at_start(sender: Any = None, instance: Any = None, **_: Any) -> None:
@@ -890,9 +985,18 @@ def _pending_idempotent(name: str | None) -> bool:
         return True
 
 
+def _fix_mmap_threshold(**_: Any) -> None:
+    """On ``worker_init`` (main process, before the pool forks): :func:`idemmail_celery._request.fix_mmap_threshold`."""
+    from ._request import fix_mmap_threshold
+
+    fix_mmap_threshold()
+
+
 # outcomes (imported above) connected its worker_init handler first: metrics are on before this opens ledgers.
 worker_init.connect(_check_at_start, weak=False)
+worker_init.connect(_fix_mmap_threshold, weak=False)
 celeryd_after_setup.connect(_report_at_start, weak=False)
+worker_shutdown.connect(_leave_at_shutdown, weak=False)
 # Every publish path (apply_async, send_task by name, the outbox relay, canvas, retries) passes this signal. The
 # rules are in redaction, which stays Celery-free for the handler; the hook belongs to the adapter.
 before_task_publish.connect(_redact_on_publish, weak=False)

@@ -59,6 +59,7 @@ import dataclasses
 import datetime as dt
 import functools
 import inspect
+import re
 import threading
 import types
 import typing
@@ -74,14 +75,21 @@ from ._common import KEY_HEADER
 from .errors import ConfigurationError, IdemmailError, IdempotencyKeyReuseError, PermanentSendError, SendNeedsReview
 from .handler import Outcome
 from .ledger import Ledger, State, from_url, passive_options
-from .mail import TASK_NAME
+from .mail import TASK_NAME, _send_email
 from .task import IdempotentTask
 
-__all__ = ["IdempotentTool", "IntentStateTool", "KeySource", "ToolArgumentError", "app_tools", "email_tool",
-           "idempotent_tool", "parameters_of"]
+__all__ = ["ERROR_STATUSES", "IdempotentTool", "IntentStateTool", "KeySource", "ToolArgumentError", "app_tools",
+           "email_tool", "idempotent_tool", "parameters_of"]
 
 #: Where a tool call's intent key comes from: the tool-call id, declared argument names, or all arguments.
 KeySource = Literal["call_id"] | Sequence[str] | None
+
+#: The outcomes an adapter reports as errors (MCP's ``isError``, a LangChain ``ToolMessage`` with
+#: ``status="error"``): the call did not do what was asked, and the model should read why.
+ERROR_STATUSES = frozenset({Outcome.INVALID.value, Outcome.FAILED.value, Outcome.ERROR.value})
+
+#: What a tool may be named: MCP's rule (letters, digits, ``_``, ``-`` and ``.``; 1 to 128 of them).
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
 _JSON_TYPES: Mapping[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
                                   list: "array", tuple: "array", dict: "object"}
@@ -137,6 +145,11 @@ class IdempotentTool:
     key: KeySource = "call_id"
     timeout: float = 10.0
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: The JSON Schema of what the side effect returns (an outcome's ``result``); ``{}``: any JSON.
+    returns: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
 
     def bind(self, **fixed: Any) -> IdempotentTool:
         """A copy whose ``fixed`` arguments are set by the application (an ``event_id``, a tenant)."""
@@ -152,6 +165,20 @@ class IdempotentTool:
         schema["required"] = [k for k in schema.get("required", []) if k not in self.fixed]
         schema["additionalProperties"] = False  # enforced: see _checked
         return {"name": self.name, "description": self.description, "input_schema": schema}
+
+    def output_schema(self) -> dict[str, Any]:
+        """The JSON Schema of what a call returns (the outcome dict), its ``result`` typed by :attr:`returns`.
+
+        MCP lists it as the tool's ``outputSchema``. ``result`` may also be null: an outcome
+        without one, or a result the ledger could not store.
+        """
+        return {"type": "object", "properties": {
+            "status": {"type": "string", "enum": [outcome.value for outcome in Outcome]},
+            "key": {"type": ["string", "null"], "description": "the intent key (null when refused before one)"},
+            "result": _nullable(self.returns),
+            "message_id": {"description": "the side effect's id for it, if its result names one"},
+            "error": _ERROR_SCHEMA,
+        }, "required": ["status"]}
 
     def key_for(self, arguments: Mapping[str, Any], *, call_id: str | None = None) -> str:
         """The intent key a call would get (to look it up in the ledger); validates like :meth:`submit`."""
@@ -215,6 +242,25 @@ class IdempotentTool:
         return dict(value)
 
 
+_ERROR_SCHEMA: Mapping[str, Any] = {"type": "object", "properties": {"type": {"type": "string"},
+                                                                    "message": {"type": "string"}}}
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise ConfigurationError(f"a tool's name is 1 to 128 letters, digits, '_', '-' or '.', not {name!r}")
+
+
+def _nullable(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """``schema`` or null (``{}`` already allows anything)."""
+    kind = schema.get("type")
+    if not schema or kind == "null":
+        return dict(schema)
+    if isinstance(kind, str) and len(schema) == 1:
+        return {"type": [kind, "null"]}
+    return {"anyOf": [dict(schema), {"type": "null"}]}
+
+
 def _error(exc: object) -> dict[str, Any]:
     out: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
     for attr in ("field", "reason"):
@@ -230,6 +276,15 @@ def _json_type(hint: Any) -> dict[str, Any]:
         hint = args[0]
     kind = _JSON_TYPES.get(typing.get_origin(hint) or hint)
     return {"type": kind} if kind else {}
+
+
+def _returns_of(func: Callable[..., Any]) -> dict[str, Any]:
+    """A JSON Schema for what ``func`` returns, from its return type hint (``{}``: any JSON)."""
+    try:
+        hint = typing.get_type_hints(func).get("return")
+    except (NameError, TypeError):
+        return {}
+    return {"type": "null"} if hint is type(None) else _json_type(hint)
 
 
 def parameters_of(func: Callable[..., Any], *, bound: bool = False) -> dict[str, Any]:
@@ -254,7 +309,7 @@ def idempotent_tool(
     app: Celery,
     *,
     key: KeySource = "call_id",
-    tool_name: str | None = None,
+    name: str | None = None,
     description: str | None = None,
     parameters: Mapping[str, Any] | None = None,
     timeout: float = 10.0,
@@ -262,57 +317,75 @@ def idempotent_tool(
 ) -> Callable[[Callable[..., Any]], IdempotentTool]:
     """Decorator: register ``func`` as an :class:`IdempotentTask` on ``app`` and return it as a tool.
 
-    ``key`` is where the intent comes from (see the module docstring); ``tool_name`` is
-    the tool's name for the model (default the function's), ``description`` defaults to
-    its docstring's first paragraph, ``parameters`` (a JSON Schema) to one built from its
-    type hints. ``task_options`` go to ``app.task``: ``name=`` (give one when the module
-    may also run as ``__main__``), ``queue=``, ``bind=True`` to receive the task and read
-    ``self.request.idempotency_key``, the ``idempotency_*`` options.
+    ``key`` is where the intent comes from (see the module docstring). ``name`` is the
+    tool's name, the one the model is shown and the adapters list and call it by, and the
+    Celery task's name (give one when the module may also run as ``__main__``); without it
+    the tool is named after the function and the task as Celery names it. A name holds
+    1 to 128 letters, digits, ``_``, ``-`` or ``.``, and one name is one tool on an app: a
+    second function declared under it raises :class:`~idemmail_celery.errors.ConfigurationError`.
+    ``description`` defaults to the docstring's first paragraph, ``parameters`` (a JSON
+    Schema) to one built from the type hints, the schema of ``result`` to the return type.
+    ``task_options`` go to ``app.task``: ``queue=``, ``bind=True`` to receive the task and
+    read ``self.request.idempotency_key``, the ``idempotency_*`` options. The task is ``app``'s
+    alone (``shared=False``): a tool is not added to other apps of the process.
     """
     if isinstance(key, str) and key != "call_id":
         raise ConfigurationError(f"key must be 'call_id', a sequence of argument names or None, not {key!r}")
+    if name is not None:
+        _check_name(name)
 
     def wrap(func: Callable[..., Any]) -> IdempotentTool:
+        tool_name = name or func.__name__
+        _check_name(tool_name)
         fields = None if key is None or key == "call_id" else tuple(key)
         schema = parameters or parameters_of(func, bound=bool(task_options.get("bind")))
-        options = dict(task_options)
+        options: dict[str, Any] = {"shared": False, **task_options}
+        if name is not None:
+            options["name"] = name
         if key == "call_id":
             # A call id is the client's number, not the call: one that comes back with other arguments
             # (two sessions both numbering from call_1) is refused as a key reuse, never answered
             # with the first call's outcome as if it were this one's.
             options.setdefault("idempotency_must_match", tuple(schema.get("properties") or ()))
-        task = app.task(base=IdempotentTask, idempotency_key=fields, **options)(func)
-        doc = inspect.getdoc(func) or ""
-        tool = IdempotentTool(
-            task=task, name=tool_name or func.__name__, description=description or doc.split("\n\n")[0],
-            parameters=schema, key=key, timeout=timeout,
-        )
         with _registry_lock:
-            _registered.setdefault(app, {})[tool.name] = tool
+            made = _registered.setdefault(app, {})
+            if tool_name in made and made[tool_name][0] is not func:
+                # Celery would keep the first function under the task's name: the tool would run it.
+                raise ConfigurationError(f"a tool named {tool_name!r} is already declared on this app "
+                                         f"({made[tool_name][0].__qualname__}): give this one another name=")
+            task = app.task(base=IdempotentTask, idempotency_key=fields, **options)(func)
+            doc = inspect.getdoc(func) or ""
+            tool = IdempotentTool(
+                task=task, name=tool_name, description=description or doc.split("\n\n")[0],
+                parameters=schema, key=key, timeout=timeout, returns=_returns_of(func),
+            )
+            made[tool_name] = (func, tool)
         return tool
 
     return wrap
 
 
-#: The tools ``idempotent_tool`` made on each app, by name (weak: an app let go takes its tools along).
-_registered: weakref.WeakKeyDictionary[Celery, dict[str, IdempotentTool]] = weakref.WeakKeyDictionary()
+#: The tools ``idempotent_tool`` made on each app, by name, with the function each runs (weak: an app
+#: let go takes its tools along).
+_registered: weakref.WeakKeyDictionary[Celery, dict[str, tuple[Callable[..., Any], IdempotentTool]]] = (
+    weakref.WeakKeyDictionary())
 _registry_lock = threading.Lock()
 
 
 def app_tools(app: Celery) -> list[IdempotentTool]:
     """What an adapter serves by default: ``email_tool(app)``, then every :func:`idempotent_tool` made
-    on ``app`` (a later one with a name taken replaces the earlier), in the order they were made.
+    on ``app``, in the order they were made.
 
     The email tool comes unbound: without an ``event_id`` the whole message is its intent (a
     retried call is one email, a reworded one another). To serve bound tools, hand an adapter
     your own list.
     """
     with _registry_lock:
-        made = list(_registered.get(app, {}).values())
+        made = [tool for _, tool in _registered.get(app, {}).values()]
     email = email_tool(app)
     if any(tool.name == email.name for tool in made):
         raise ConfigurationError(f"an idempotent_tool is named {email.name!r}, as the email tool is: rename it "
-                                 "(tool_name=), or serve a list of your own")
+                                 "(name=), or serve a list of your own")
     return [email, *made]
 
 
@@ -328,6 +401,7 @@ def email_tool(app: Celery, *, name: str = "send_email", description: str | None
     """
     return IdempotentTool(
         task=app.tasks[TASK_NAME], name=name, parameters=_EMAIL_PARAMETERS, key=None, timeout=timeout,
+        returns=_returns_of(_send_email),
         description=description or ("Send one email. Asking again for the same email and recipients does "
                                     "not send it twice: the first request's text is the one that ships."),
     )
@@ -357,12 +431,27 @@ class IntentStateTool:
     description: str = ("Look up where an earlier tool call stands, by the key its outcome gave: claimed "
                         "(still running), sent, failed, review, or unknown. Changes nothing.")
 
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+
     def spec(self) -> dict[str, Any]:
         """The tool as a model is shown it (see :meth:`IdempotentTool.spec`)."""
         return {"name": self.name, "description": self.description,
                 "input_schema": {"type": "object",
                                  "properties": {"key": {"type": "string", "description": "the outcome's key"}},
                                  "required": ["key"], "additionalProperties": False}}
+
+    def output_schema(self) -> dict[str, Any]:
+        """The JSON Schema of what a call returns (see :meth:`IdempotentTool.output_schema`)."""
+        return {"type": "object", "properties": {
+            "key": {"type": ["string", "null"]},
+            "state": {"type": "string", "enum": [*(state.value for state in State), "unknown"]},
+            "status": {"type": "string", "enum": [Outcome.INVALID.value, Outcome.ERROR.value]},
+            "attempts": {"type": "integer"},
+            "updated_at": {"type": ["string", "null"]},
+            "sent_at": {"type": ["string", "null"]},
+            "error": _ERROR_SCHEMA,
+        }, "required": ["key"]}
 
     @functools.cached_property
     def _ledgers(self) -> list[Ledger]:

@@ -16,6 +16,7 @@ from celery import Celery, current_app
 from click.testing import CliRunner
 
 from idemmail_celery import ConfigurationError
+from idemmail_celery._version import __version__
 from idemmail_celery.cli import standalone
 from idemmail_celery.tools import IdempotentTool, IntentStateTool, app_tools, email_tool, idempotent_tool
 
@@ -37,11 +38,11 @@ def run(main: Callable[[], Awaitable[T]]) -> T:
 
 
 def deal_tools(app: Celery) -> tuple[IdempotentTool, IdempotentTool]:
-    @idempotent_tool(app, key="call_id", name=unique("deal"))
+    @idempotent_tool(app, key="call_id")
     def update_deal(deal_id: str, stage: str) -> None: ...
 
-    @idempotent_tool(app, key=("channel", "incident_id"), name=unique("post"))
-    def post_status(channel: str, incident_id: str, text: str) -> None: ...
+    @idempotent_tool(app, key=("channel", "incident_id"), name="ops.post_status")
+    def post_status(channel: str, incident_id: str, text: str) -> dict[str, Any]: ...
 
     return update_deal, post_status
 
@@ -56,15 +57,20 @@ def test_mcp_lists_every_tool_of_the_app_with_its_spec_schema_and_a_read_only_st
         app: Celery, mode: str) -> None:
     deal_tools(app)
     served = app_tools(app)
-    assert [t.name for t in served] == ["send_email", "update_deal", "post_status"]
+    assert [t.name for t in served] == ["send_email", "update_deal", "ops.post_status"]
 
     async def main() -> Any:
         async with mcp.Client(contrib_mcp.server(app), mode=mode) as client:
-            return (await client.list_tools()).tools
+            return (await client.list_tools()).tools, client.server_info
 
-    listed = run(main)
+    listed, info = run(main)
+    assert (info.name, info.version) == ("idemmail", __version__)
     specs = [t.spec() for t in served] + [IntentStateTool(served).spec()]
     assert [{"name": t.name, "description": t.description, "input_schema": t.input_schema} for t in listed] == specs
+    result = {t.name: t.output_schema["properties"]["result"] for t in listed[:3]}
+    assert result == {"send_email": {"type": ["object", "null"]}, "update_deal": {"type": "null"},
+                      "ops.post_status": {"type": ["object", "null"]}}
+    assert listed[3].output_schema == IntentStateTool(served).output_schema()
     assert "bcc" not in listed[0].input_schema["properties"] and listed[0].input_schema["additionalProperties"] is False
     assert [(t.annotations.read_only_hint, t.annotations.idempotent_hint) for t in listed] == [
         (False, True), (False, True), (False, True), (True, None)]
@@ -99,7 +105,7 @@ def test_the_clients_tool_call_id_is_the_intent_of_a_call_id_tool_only(app: Cele
         async with mcp.Client(contrib_mcp.server(app, [update_deal, post_status]), mode=mode) as client:
             meta = {contrib_mcp.CALL_ID_META: "toolu_01"}
             return [(await client.call_tool(name, args, meta=meta)).structured_content
-                    for name, args in (("update_deal", deal), ("post_status", post))] + [
+                    for name, args in (("update_deal", deal), ("ops.post_status", post))] + [
                 (await client.call_tool("update_deal", deal)).structured_content]
 
     by_call_id, by_fields, by_arguments = run(main)
@@ -107,6 +113,25 @@ def test_the_clients_tool_call_id_is_the_intent_of_a_call_id_tool_only(app: Cele
     assert by_call_id["key"] == update_deal.key_for(deal, call_id="toolu_01") != update_deal.key_for(deal)
     assert by_fields["key"] == post_status.key_for(post)  # key=("channel", "incident_id"): the id does not count
     assert by_arguments["key"] == update_deal.key_for(deal)  # no id sent: the arguments are the intent
+
+
+def test_a_tool_is_listed_and_called_under_the_name_it_was_declared_with(app: Celery) -> None:
+    @idempotent_tool(app, key="call_id", name="crm.add_note", timeout=0.05)  # no worker: pending, with its key
+    def add_note(deal_id: str, text: str) -> dict[str, Any]: ...
+
+    note = {"deal_id": "D-7", "text": "Customer told: fixed."}
+
+    async def main() -> tuple[list[str], Any]:
+        async with mcp.Client(contrib_mcp.server(app, [add_note])) as client:
+            names = [t.name for t in (await client.list_tools()).tools]
+            return names, await client.call_tool("crm.add_note", note, meta={contrib_mcp.CALL_ID_META: "toolu_01"})
+
+    names, called = run(main)
+    assert names == ["crm.add_note", "intent_state"] and add_note.task.name == "crm.add_note"
+    assert not called.is_error and called.structured_content["status"] == "pending"
+    assert called.structured_content["key"] == add_note.key_for(note, call_id="toolu_01")
+    langchain_tool = contrib_langchain.as_langchain_tool(add_note)
+    assert langchain_tool.name == "crm.add_note"
 
 
 def test_the_state_tool_says_unknown_for_a_key_no_ledger_holds_and_error_when_it_cannot_tell(
@@ -174,9 +199,12 @@ def test_langgraph_toolnode_passes_the_tool_call_id_as_the_intent(app: Celery) -
     deal = {"deal_id": "D-7", "stage": "won"}
     call = messages.AIMessage("", tool_calls=[{"name": "update_deal", "args": deal, "id": "call_7"}])
     answer = graph.compile().invoke({"messages": [call]})["messages"][-1]
-    assert answer.tool_call_id == "call_7"
+    assert (answer.tool_call_id, answer.status) == ("call_7", "success")
     outcome = json.loads(answer.content)
     assert outcome["status"] == "pending" and outcome["key"] == update_deal.key_for(deal, call_id="call_7")
+    call = messages.AIMessage("", tool_calls=[{"name": "update_deal", "args": {**deal, "owner": "bob"}, "id": "c9"}])
+    refused = graph.compile().invoke({"messages": [call]})["messages"][-1]
+    assert refused.status == "error" and json.loads(refused.content)["status"] == "invalid"  # as MCP's isError
 
     async def main() -> Any:  # the async path (ToolNode awaits the tool; it waits in an executor thread)
         call = messages.AIMessage("", tool_calls=[{"name": "update_deal", "args": deal, "id": "call_8"}])

@@ -611,3 +611,15 @@ def test_the_ledger_url_is_read_through_the_settings_table(tmp_path: Path) -> No
     none = CliRunner().invoke(idemmail, ["ledger", "list"], obj=_Obj())
     assert none.exit_code == 2 and "no ledger" in none.output
     led.close()
+
+
+def test_ledger_secrets_shows_the_roster_of_live_workers(cli_ledger: Ledger) -> None:
+    assert "no live worker" in run(cli_ledger, "ledger", "secrets").output
+    cli_ledger.announce("worker-a:11", ["0123456789ab"], 30.0)
+    cli_ledger.announce("worker-b:22", ["ba9876543210", "0123456789ab"], 30.0)
+    out = run(cli_ledger, "ledger", "secrets")
+    assert out.exit_code == 0, out.output
+    assert re.search(r"worker-a:11\s+0123456789ab\s+lapses in (29|30) s", out.output), out.output
+    shown = json.loads(run(cli_ledger, "ledger", "secrets", "--json").output)
+    assert [(w["member"], w["secret_ids"]) for w in shown["workers"]] == [
+        ("worker-a:11", ["0123456789ab"]), ("worker-b:22", ["ba9876543210", "0123456789ab"])]

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from idemmail_celery._common import INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER
+from idemmail_celery._common import ENQUEUED_HEADER, INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER
 from idemmail_celery.errors import (
     AmbiguousSendError,
     ConfigurationError,
@@ -162,6 +162,56 @@ def test_transient_failures_past_the_budget_end_failed(ledger: Ledger) -> None:
     assert isinstance(step.error, PermanentSendError) and step.error.reason == "retries_exhausted"
     record = ledger.get("h3")
     assert record is not None and record.state is State.FAILED
+
+
+def test_transient_failures_retry_until_the_deadline_whatever_max_retries(ledger: Ledger) -> None:
+    handler, box = build(ledger, retry_deadline_seconds=3600.0, retry_backoff=2.0, retry_backoff_max=300.0)
+    box.fail_with = TransientSendError("connection refused", reason="connect")
+    step = handler.handle(delivery("h3d", retries=12, max_retries=3, retry_from=time.time() - 60))
+    assert (step.outcome, step.action, step.counted) == (Outcome.RETRY, Action.RETRY, False)
+    assert 150.0 <= step.countdown <= 300.0  # the backoff's cap, not Celery's count, paces it
+    record = ledger.get("h3d")
+    assert record is not None and record.state is State.RELEASED
+
+
+def test_the_last_retry_comes_at_the_deadline_and_then_the_intent_fails_naming_it(ledger: Ledger) -> None:
+    handler, box = build(ledger, retry_deadline_seconds=100.0, retry_backoff=60.0, retry_backoff_max=300.0)
+    box.fail_with = TransientSendError("connection refused", reason="connect")
+    began = time.time() - 98.0
+    step = handler.handle(delivery("h3e", retries=5, retry_from=began))
+    assert step.action is Action.RETRY and 0.0 < step.countdown <= 2.0
+    step = handler.handle(delivery("h3e", retries=6, retry_from=began - 5.0,
+                                   resume_owners=owners_of(step.carry[OWNER_HEADER])))
+    assert (step.outcome, step.action) == (Outcome.FAILED, Action.RAISE)
+    assert isinstance(step.error, PermanentSendError) and step.error.reason == "retry_deadline"
+    assert "retry deadline" in str(step.error) and "connection refused" in str(step.error)
+    record = ledger.get("h3e")
+    assert record is not None and record.state is State.FAILED and record.error["reason"] == "retry_deadline"
+    assert box.sent == [] and (Outcome.FAILED, {"reason": "retry_deadline"}) in box.reports
+
+
+def test_an_undated_delivery_carries_when_its_deadline_began(ledger: Ledger) -> None:
+    handler, box = build(ledger)
+    box.fail_with = TransientSendError("connection refused", reason="connect")
+    began = time.time() - 5.0
+    undated = handler.handle(delivery("h3f", retry_from=began))
+    assert undated.carry[ENQUEUED_HEADER] == f"{began:.3f}"  # its next delivery is dated: the deadline stays put
+    dated = handler.handle(delivery("h3g", retry_from=began, enqueued_at=began))
+    assert ENQUEUED_HEADER not in dated.carry
+
+
+def test_a_send_that_may_have_happened_is_never_retried_on_the_deadline(ledger: Ledger) -> None:
+    handler, box = build(ledger)
+    box.fail_with = AmbiguousSendError("read timeout", reason="timeout")
+    step = handler.handle(delivery("h3h", retry_from=time.time()))
+    assert step.outcome is Outcome.REVIEW and ledger.get("h3h").state is State.REVIEW  # type: ignore[union-attr]
+    keyed, keyed_box = build(ledger, Mailbox(carries_key=True))
+    keyed_box.fail_with = AmbiguousSendError("read timeout", reason="timeout")
+    again = keyed.handle(delivery("h3i", retry_from=time.time()))
+    assert (again.action, again.counted) == (Action.RETRY, True)  # with the key downstream: on the count, as before
+    spent = keyed.handle(delivery("h3i", retries=3, max_retries=3, retry_from=time.time(),
+                                  resume_owners=owners_of(again.carry[OWNER_HEADER])))
+    assert spent.outcome is Outcome.REVIEW and isinstance(spent.error, SendNeedsReview)
 
 
 def test_permanent_failure_is_recorded_and_replayed(ledger: Ledger) -> None:

@@ -1,4 +1,5 @@
-"""Bounded, clean input: one size budget over every byte stored or sent, RFC 5322 line limits,
+"""Bounded, clean input: one size budget over every byte stored or sent, bounds on headers, tags and
+attachments in line with what providers accept, RFC 5322 line limits,
 no invisible or direction-changing characters, IDNA domains without mixed-script look-alikes,
 RFC 5321 local parts, no composite MIME attachments.
 
@@ -10,25 +11,33 @@ A real app on a SQLite ledger and the file provider (one ``.eml`` per delivered 
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery
 
+from idemmail_celery import IdempotentTask
 from idemmail_celery.email import (
     MAX_ATTACHMENTS,
     MAX_DISPLAY_NAME_OCTETS,
+    MAX_FILENAME_CHARS,
+    MAX_HEADER_VALUE_CHARS,
+    MAX_HEADERS,
     MAX_SUBJECT_OCTETS,
+    MAX_TAG_CHARS,
+    MAX_TAGS,
     PART_OVERHEAD,
     EmailMessage,
 )
-from idemmail_celery.errors import InvalidEmail, PermanentSendError
-from idemmail_celery.mail import register
+from idemmail_celery.errors import InvalidEmail, PermanentSendError, UnserializableArgumentsError
+from idemmail_celery.keys import MAX_NESTING, arguments_problem
+from idemmail_celery.mail import ARGUMENT_SLACK, register
 
 from .conftest import unique
 
-LIMIT = 64 * 1024
+LIMIT = 16 * 1024
 
 
 @pytest.fixture
@@ -67,16 +76,27 @@ def attachment(name: str = "a.txt", content: bytes = b"", content_type: str = "t
 
 # -- one budget over every byte --
 
+def largest_tags() -> dict[str, str]:
+    return {f"{i:03d}".ljust(MAX_TAG_CHARS, "t"): "v" * MAX_TAG_CHARS for i in range(MAX_TAGS)}
+
+
+def largest_headers() -> dict[str, str]:
+    return {f"X-{i:03d}".ljust(76, "h"): "v" * MAX_HEADER_VALUE_CHARS for i in range(MAX_HEADERS)}
+
+
+def longest_names() -> list[dict[str, str]]:
+    return [attachment(name=f"{i:03d}".ljust(MAX_FILENAME_CHARS, "n")) for i in range(MAX_ATTACHMENTS)]
+
+
 @pytest.mark.parametrize("kw", [
-    {"tags": {"t": "v" * LIMIT}},
-    {"tags": {"t" * LIMIT: "v"}},
-    {"attachments": [attachment(name="n" * LIMIT)]},
+    {"tags": largest_tags()},
+    {"attachments": longest_names()},
     {"attachments": [attachment() for _ in range(LIMIT // PART_OVERHEAD + 1)]},
-    {"headers": {"X-Long": "v" * LIMIT}},
+    {"headers": largest_headers()},
     {"event_id": "e" * LIMIT},
     {"template": "t" * LIMIT},
     {"tenant": "t" * LIMIT},
-], ids=["tag-value", "tag-name", "attachment-name", "attachment-count", "header", "event_id", "template", "tenant"])
+], ids=["tags", "attachment-names", "attachment-count", "headers", "event_id", "template", "tenant"])
 def test_every_byte_stored_or_sent_counts_towards_the_size_budget(app: Celery, tmp_path: Path,
                                                                   kw: dict[str, Any]) -> None:
     refused_everywhere(app, tmp_path, base(**kw), "size")
@@ -87,7 +107,7 @@ def test_the_budget_counts_base64_and_a_parts_overhead_and_a_message_under_it_is
     message = EmailMessage.build(sender="s@example.com", to="ann@example.com", subject="x", text="y",
                                  tags={"k": "v"}, attachments=[attachment(name="ab", content=b"1234")])
     assert message.size() == len("s@example.comxyann@example.comkvabtext/plain") + 8 + PART_OVERHEAD
-    app.tasks["idemmail_celery.send_email"].apply(kwargs=base(tags={"t": "v" * 1000}))
+    app.tasks["idemmail_celery.send_email"].apply(kwargs=base(tags={"t": "v" * MAX_TAG_CHARS}))
     assert len(delivered(tmp_path)) == 1
 
 
@@ -97,6 +117,48 @@ def test_attachments_beyond_the_count_limit_are_refused_before_any_is_parsed() -
         EmailMessage.build(sender="s@example.com", to="ann@example.com", subject="x", text="y", attachments=endless,
                            max_bytes=10**9)
     assert info.value.field == "attachments"
+
+
+# -- bounds on what a message may hold, beyond its size (issue 35) --
+
+OVER_A_BOUND = {
+    "headers": ({"headers": {f"X-{i}": "v" for i in range(MAX_HEADERS + 1)}}, "headers"),
+    "header-value": ({"headers": {"X-Long": "v" * (MAX_HEADER_VALUE_CHARS + 1)}}, "headers[X-Long]"),
+    "tags": ({"tags": {f"t{i}": "v" for i in range(MAX_TAGS + 1)}}, "tags"),
+    "tag-name": ({"tags": {"t" * (MAX_TAG_CHARS + 1): "v"}}, "tags"),
+    "tag-value": ({"tags": {"t": "v" * (MAX_TAG_CHARS + 1)}}, "tags[t]"),
+    "attachments": ({"attachments": [attachment(f"{i}.txt") for i in range(MAX_ATTACHMENTS + 1)]}, "attachments"),
+    "attachment-name": ({"attachments": [attachment(name="n" * (MAX_FILENAME_CHARS + 1))]}, "attachments.filename"),
+}
+
+
+@pytest.mark.parametrize("case", OVER_A_BOUND.values(), ids=OVER_A_BOUND.keys())
+def test_a_message_over_a_bound_is_refused_at_delay_and_by_the_worker(
+        app: Celery, tmp_path: Path, case: tuple[dict[str, Any], str]) -> None:
+    kw, field = case
+    refused_everywhere(app, tmp_path, base(**kw), field)
+
+
+def test_a_message_at_every_bound_is_valid() -> None:
+    message = EmailMessage.build(
+        sender="s@example.com", to=[f"r{i}@example.com" for i in range(50)], subject="x", text="y",
+        headers=largest_headers(), tags=largest_tags(), attachments=longest_names())
+    assert (len(message.headers), len(message.tags), len(message.attachments)) == (MAX_HEADERS, MAX_TAGS,
+                                                                                   MAX_ATTACHMENTS)
+
+
+def test_an_oversized_mapping_is_refused_before_any_entry_is_looked_at() -> None:
+    class Counted(dict[str, str]):
+        looked = 0
+
+        def items(self) -> Any:
+            Counted.looked += 1
+            return super().items()
+
+    with pytest.raises(InvalidEmail) as info:
+        EmailMessage.build(sender="s@example.com", to="ann@example.com", subject="x", text="y",
+                           tags=Counted({f"t{i}": "v" for i in range(100_000)}))
+    assert info.value.field == "tags" and Counted.looked == 0
 
 
 # -- RFC 5322 line limits, RFC 5321 local parts --
@@ -213,3 +275,44 @@ def test_a_refusal_naming_a_tag_or_header_shaped_like_an_address_does_not_quote_
     with pytest.raises(InvalidEmail) as info:
         EmailMessage.build(sender="s@example.com", to="bob@example.com", subject="x", text="y", **kw)
     assert "ann.private" not in repr(info.value.args) and "ann.private" not in info.value.field
+
+
+# -- task arguments: how deep and how big, the same rule at delay() and before the pool (issue 35) --
+
+def nested(levels: int) -> Any:
+    value: Any = "x"
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def test_arguments_nested_past_the_limit_are_refused_at_delay_as_the_worker_refuses_them(app: Celery) -> None:
+    @app.task(base=IdempotentTask, name=unique("deep"))
+    def remember(note: Any) -> None:
+        pass
+
+    remember.delay(nested(MAX_NESTING))
+    assert arguments_problem([nested(MAX_NESTING)], {}) is None
+    for call in ((nested(MAX_NESTING + 1),), (nested(850),)):
+        with pytest.raises(UnserializableArgumentsError, match="nested more than 100 levels"):
+            remember.delay(*call)
+        assert arguments_problem(list(call), {}) == "task arguments nested more than 100 levels deep"
+    assert arguments_problem([], {"note": {"a": nested(MAX_NESTING)}}) is not None  # a mapping is a level too
+
+
+@pytest.mark.parametrize("value", [
+    {"to": ["ann@example.com"] * 3, "tags": {"t": "v"}, "n": [1, 2.5, None, True]},
+    {"k": "\u00e9\U0001f600" * 10, "b": [[[]], {}], "e": ""},
+])
+def test_the_size_of_arguments_is_never_more_than_their_json(value: dict[str, Any]) -> None:
+    size = len(json.dumps([[], value]))
+    assert arguments_problem([], value, size) is None
+    assert arguments_problem([], value, 1) == "task arguments are larger than 1 (characters and values)"
+
+
+def test_send_email_arguments_over_the_budget_are_refused_at_delay_however_they_are_spelled(app: Celery) -> None:
+    # An address padded with white space is one address once parsed, and the message is small; the arguments
+    # are not, and a worker refuses them before its pool: so does delay().
+    padded = " " * (LIMIT + ARGUMENT_SLACK) + "ann@example.com"
+    with pytest.raises(UnserializableArgumentsError, match="larger than"):
+        app.tasks["idemmail_celery.send_email"].delay(**base(to=padded))

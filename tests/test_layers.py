@@ -21,9 +21,9 @@ LAYERS: dict[str, int] = {
     # 2: stores and providers, one module each behind one base class
     "ledger": 2, "providers": 2,
     # 3: the state machine and what it needs while a side effect runs
-    "_lease": 3, "handler": 3,
+    "_lease": 3, "handler": 3, "roster": 3,
     # 4: the Celery adapter and its reports
-    "outcomes": 4, "task": 4,
+    "outcomes": 4, "task": 4, "_request": 4,
     # 5: what is built on the adapter
     "mail": 5, "bulk": 6, "tools": 6, "outbox": 5, "beat": 5, "webhooks": 5, "cli": 6, "testing": 5,
     "redrive": 5,

@@ -637,3 +637,24 @@ def test_only_a_held_claim_can_be_withdrawn(ledger: Ledger, state: State) -> Non
 def test_a_task_id_cannot_spell_the_write_ahead_promise() -> None:
     assert not owner_writes_ahead(new_owner("x:ahead:y"))  # a caller's task id: no promise made
     assert owner_writes_ahead(new_owner("x:ahead:y", ahead=True))
+
+
+def test_the_key_secret_roster_lists_live_workers_until_they_lapse_or_leave(ledger: Ledger) -> None:
+    """The roster a one-step key-secret rotation decides by (issue 35, item 4)."""
+    assert ledger.roster() == []
+    ledger.announce("web-1:10", ["aaaaaaaaaaaa"], 30.0)
+    ledger.announce("web-2:20", ["bbbbbbbbbbbb", "aaaaaaaaaaaa"], 0.4)
+    ledger.announce("web-1:10", ["bbbbbbbbbbbb", "aaaaaaaaaaaa"], 30.0)  # announced again: replaced
+    now = time.time()
+    entries = {e.member: e for e in ledger.roster()}
+    assert {m: e.secret_ids for m, e in entries.items()} == {
+        "web-1:10": ("bbbbbbbbbbbb", "aaaaaaaaaaaa"), "web-2:20": ("bbbbbbbbbbbb", "aaaaaaaaaaaa")}
+    assert now + 25 < entries["web-1:10"].expires_at < now + 35
+    time.sleep(0.6)  # web-2 stopped announcing: it lapses
+    assert [e.member for e in ledger.roster()] == ["web-1:10"]
+    ledger.announce("web-1:10", ["bbbbbbbbbbbb"], 0)  # a warm shutdown leaves
+    assert ledger.roster() == []
+    with pytest.raises(ValueError):
+        ledger.announce("web-3:30", [], 30.0)
+    with pytest.raises(ValueError):
+        ledger.announce("", ["aaaaaaaaaaaa"], 30.0)

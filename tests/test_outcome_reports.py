@@ -236,3 +236,19 @@ def test_routine_successes_log_at_debug_and_everything_else_above_it(caplog: pyt
     records = [r for r in caplog.records if r.name == "idemmail_celery.outcome"]
     assert [r.idemmail["recorded"] for r in records[-2:]] == [False, False]  # type: ignore[attr-defined]
     assert lines(caplog)[-1][1].endswith("reason=invalid_email recorded=false")
+
+
+def test_a_passed_retry_deadline_logs_at_error_and_every_failure_counts_by_reason(
+        registry: CollectorRegistry, caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
+
+    from idemmail_celery import outcomes
+
+    caplog.set_level(logging.INFO, logger="idemmail_celery.outcome")
+    task = SimpleNamespace(name="t", request=SimpleNamespace(id="id-1", retries=41, hostname=None))
+    outcomes.report(task, "failed", "k", reason="retry_deadline")  # the provider refused it for hours
+    outcomes.report(task, "failed", "k", reason="rejected")
+    assert [level for level, _ in lines(caplog)] == ["ERROR", "WARNING"]
+    failed = {r: registry.get_sample_value("idemmail_failed_total", {"task": "t", "reason": r})
+              for r in ("retry_deadline", "rejected")}
+    assert failed == {"retry_deadline": 1.0, "rejected": 1.0}

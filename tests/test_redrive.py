@@ -7,6 +7,7 @@ import json
 import time
 from typing import Any
 
+import pytest
 import redis
 from celery import Celery
 
@@ -14,7 +15,7 @@ from idemmail_celery import IdempotentTask
 from idemmail_celery._common import KEY_HEADER
 from idemmail_celery.keys import Payload
 from idemmail_celery.ledger import ClaimRequest
-from idemmail_celery.redrive import LOCK_KEY, SWEEP_TASK, sweep_stranded
+from idemmail_celery.redrive import LOCK_KEY, MIN_SWEEP_AFTER, SWEEP_TASK, stranded_after, sweep_stranded
 
 from .conftest import REDIS_URL
 
@@ -44,6 +45,7 @@ def test_one_sweeper_at_a_time_republishes_a_stranded_claim_once_under_its_own_k
     assert sweep_stranded(app, after_seconds=60, now=later) == []  # another sweeper has this ledger
     ledger.release(LOCK_KEY, other.token)
     assert sweep_stranded(app, after_seconds=60, now=later) == [key]
+    assert ledger.get(LOCK_KEY) is None  # the sweep's lease is withdrawn: no record for operators to count
     assert sweep_stranded(app, after_seconds=60, now=later) == []  # not twice in one period
     r = redis.Redis.from_url(REDIS_URL)
     try:
@@ -53,3 +55,28 @@ def test_one_sweeper_at_a_time_republishes_a_stranded_claim_once_under_its_own_k
     assert len(queued) == 1 and queued[0]["headers"][KEY_HEADER] == key  # claimed under its own key, as it is
     body = json.loads(base64.b64decode(queued[0]["body"]))  # kombu's Redis transport: base64 bodies
     assert body[0] == ["ann@example.com"]  # from the stored first payload
+
+
+@pytest.mark.parametrize(("broker", "options", "conf", "task_options", "expected"), [
+    # Redis, a 10 s visibility timeout, kombu's restore delay (10 x 10 s): the retry backoff maximum (300 s) leads.
+    ("redis://h/0", {"visibility_timeout": 10}, {}, {}, 600.0),
+    ("redis://h/0", {}, {}, {}, 2 * (3600 + 100)),  # the transport's default hour, then its restore delay
+    ("redis://h/0", {"visibility_timeout": 600, "unacked_restore_interval": 1, "unacked_restore_throttle": 1},
+     {}, {}, 2 * 601),
+    ("amqp://h//", {}, {}, {}, 600.0),  # no visibility timeout: the backoffs
+    ("amqp://h//", {}, {}, {"retry_backoff": True, "retry_backoff_max": 900}, 1800.0),  # Celery's own maximum
+    ("amqp://h//", {}, {"idemmail_retry_backoff_max": 5, "idemmail_inflight_backoff_max": 5}, {}, MIN_SWEEP_AFTER),
+    ("redis://h/0", {"visibility_timeout": 10}, {"idemmail_sweep_after_seconds": 42}, {}, 42.0),  # as set
+])
+def test_a_claim_is_stranded_after_twice_the_longest_a_live_chain_leaves_it_alone(
+    tmp_path: Any, broker: str, options: dict[str, Any], conf: dict[str, Any], task_options: dict[str, Any],
+    expected: float
+) -> None:
+    app = Celery("stranded", broker=broker, set_as_current=False)
+    app.conf.update(broker_transport_options=options, idemmail_ledger_url=f"sqlite:///{tmp_path / 'l.sqlite3'}",
+                    **conf)
+
+    @app.task(base=IdempotentTask, shared=False, **task_options)
+    def notify(to: str) -> None: ...
+
+    assert stranded_after(app, [notify]) == expected

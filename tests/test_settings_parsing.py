@@ -82,6 +82,26 @@ def test_task_options_are_parsed_and_named_too() -> None:
     assert (s.fail_open, s.carries_key, s.redact_args, s.lease_seconds) == (False, True, False, 60.0)
 
 
+def test_a_tasks_retry_deadline_overrides_the_apps_and_reaches_its_policy() -> None:
+    from celery import Celery
+
+    from idemmail_celery import IdempotentTask
+
+    app = Celery("deadline", set_as_current=False)
+    app.conf.update(idemmail_retry_deadline_seconds="7200", idemmail_ledger_url="sqlite:///:memory:")
+
+    @app.task(base=IdempotentTask, idempotency_retry_deadline_seconds="900")
+    def reset(to: str) -> None: ...
+
+    @app.task(base=IdempotentTask)
+    def receipt(to: str) -> None: ...
+
+    assert reset.policy.retry_deadline_seconds == 900.0 and receipt.policy.retry_deadline_seconds == 7200.0
+    assert Settings.resolve({}, None).retry_deadline_seconds == 6 * 3600.0
+    with pytest.raises(ConfigurationError, match="idemmail_retry_deadline_seconds must be > 0"):
+        Settings.resolve({"idemmail_retry_deadline_seconds": "0"}, None)
+
+
 def test_settings_built_directly_are_parsed_by_field_name() -> None:
     assert Settings(fail_open="off", lease_seconds="30").fail_open is False  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="keep_payload"):

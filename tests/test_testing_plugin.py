@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import require_module
+
 pytestmark = pytest.mark.worker  # runs a script or worker process of its own
 
 
@@ -21,8 +23,9 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "testing.md"
 
 
 def files_in_docs() -> dict[str, str]:
-    """The page's Python blocks that start with a ``# <file name>`` line, by file name."""
-    blocks = re.findall(r"^```python\n# (\S+\.py)\n(.*?)^```", DOCS.read_text(), re.MULTILINE | re.DOTALL)
+    """The page's code blocks that start with a ``# <file name>`` line, by file name."""
+    blocks = re.findall(r"^```(?:python|ini)\n# (\S+\.(?:py|ini))\n(.*?)^```", DOCS.read_text(),
+                        re.MULTILINE | re.DOTALL)
     return dict(blocks)
 
 
@@ -37,14 +40,15 @@ def run_pytest_in_each(*wheres: Path) -> list[subprocess.CompletedProcess[str]]:
         return list(pool.map(run_pytest, wheres))
 
 
-def test_the_documented_example_passes_with_celerys_embedded_worker(tmp_path: Path) -> None:
+def test_the_documented_example_passes_with_celerys_embedded_worker_beside_pytest_celery(tmp_path: Path) -> None:
+    require_module("pytest_celery")  # the test extra installs it: its plugin loads in every run that allows it
     files = files_in_docs()
-    assert set(files) == {"conftest.py", "test_receipts.py"}
+    assert set(files) == {"pytest.ini", "conftest.py", "test_receipts.py"}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     done = run_pytest(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "1 passed" in done.stdout
+    assert re.search(r"^1 passed in ", done.stdout, re.MULTILINE), done.stdout  # and no ", 1 warning"
 
 
 def test_fixtures_load_from_the_entry_point_and_an_old_conftest_adds_no_second_copy(tmp_path: Path) -> None:

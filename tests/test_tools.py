@@ -6,11 +6,13 @@ tests/integration/test_examples_agent.py.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import Celery
+from celery.exceptions import DuplicateTaskNameWarning
 from celery.signals import before_task_publish
 
 from idemmail_celery import ConfigurationError
@@ -41,7 +43,7 @@ def published() -> Iterator[list[str]]:
 
 
 def test_spec_shows_the_model_a_schema_from_type_hints_without_bound_fields(app: Celery) -> None:
-    @idempotent_tool(app, key=("channel", "incident_id"), name=unique("post"))
+    @idempotent_tool(app, key=("channel", "incident_id"))
     def post_status(channel: str, incident_id: str, text: str, urgent: bool = False, tags: list[str] | None = None
                     ) -> dict[str, Any]:
         """Post a status update.
@@ -73,10 +75,10 @@ def test_bound_method_schema_skips_self() -> None:
 
 
 def test_call_id_key_follows_the_call_id_and_declared_fields_ignore_free_text(app: Celery) -> None:
-    @idempotent_tool(app, key="call_id", name=unique("deal"))
+    @idempotent_tool(app, key="call_id")
     def update_deal(deal_id: str, stage: str) -> None: ...
 
-    @idempotent_tool(app, key=("channel", "incident_id"), name=unique("post"))
+    @idempotent_tool(app, key=("channel", "incident_id"))
     def post_status(channel: str, incident_id: str, text: str) -> None: ...
 
     args = {"deal_id": "D-7", "stage": "won"}
@@ -100,7 +102,7 @@ def test_email_tool_key_is_the_bound_event_not_the_text(app: Celery) -> None:
 
 
 def test_refused_calls_are_reported_to_the_agent_and_nothing_is_enqueued(app: Celery, published: list[str]) -> None:
-    @idempotent_tool(app, name=unique("deal"))
+    @idempotent_tool(app)
     def update_deal(deal_id: str, stage: str) -> None: ...
 
     bad_email = email_tool(app).bind(event_id="e1")({"to": "ann@@example.com", "subject": "Hi", "text": "x"},
@@ -161,7 +163,7 @@ def test_a_tool_without_a_result_backend_or_with_a_bad_key_is_a_configuration_er
     app = Celery(unique("nobackend"), broker="memory://")
     app.conf.idemmail_key_secret = "test-secret"
 
-    @idempotent_tool(app, name=unique("deal"))
+    @idempotent_tool(app)
     def update_deal(deal_id: str) -> None: ...
 
     with pytest.raises(ConfigurationError, match="result backend"):
@@ -173,24 +175,62 @@ def test_a_tool_without_a_result_backend_or_with_a_bad_key_is_a_configuration_er
 def test_app_tools_are_the_email_tool_and_every_tool_made_on_the_app_in_order(app: Celery) -> None:
     other = Celery(unique("other"), broker="memory://", backend="cache+memory://")
 
-    @idempotent_tool(app, name=unique("deal"))
+    @idempotent_tool(app)
     def update_deal(deal_id: str) -> None: ...
 
-    @idempotent_tool(other, name=unique("elsewhere"))
+    @idempotent_tool(other)
     def elsewhere(deal_id: str) -> None: ...
 
-    @idempotent_tool(app, name=unique("post"))
+    @idempotent_tool(app, name="ops.post_status")
     def post_status(text: str) -> None: ...
 
-    @idempotent_tool(app, name=unique("deal2"), tool_name="update_deal")  # the same tool name: replaces the first
-    def update_deal_again(deal_id: str, stage: str) -> None: ...
-
     served = app_tools(app)
-    assert [t.name for t in served] == ["send_email", "update_deal", "post_status"]
-    assert served[0].spec() == email_tool(app).spec() and served[1] is update_deal_again
+    assert [t.name for t in served] == ["send_email", "update_deal", "ops.post_status"]
+    assert served[0].spec() == email_tool(app).spec() and served[1] is update_deal
 
-    @idempotent_tool(app, name=unique("mail"), tool_name="send_email")
+    @idempotent_tool(app, name="send_email")
     def send_email(to: str) -> None: ...
 
     with pytest.raises(ConfigurationError, match="send_email"):
         app_tools(app)
+
+
+def test_a_second_function_under_a_tool_name_taken_on_the_app_is_refused(app: Celery) -> None:
+    @idempotent_tool(app, name="crm.add_note")
+    def add_note(deal_id: str) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="already declared"):  # Celery would keep running the first
+        @idempotent_tool(app, name="crm.add_note")
+        def add_note_again(deal_id: str, text: str) -> None: ...
+
+    @idempotent_tool(app)
+    def update(deal_id: str) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="already declared"):  # named after the function, as the first
+        @idempotent_tool(app)
+        def update(deal_id: str, text: str) -> None: ...
+
+    for bad in ("crm add note", "", "x" * 129, "notiz_über"):
+        with pytest.raises(ConfigurationError, match="128 letters"):
+            idempotent_tool(app, name=bad)
+
+
+def test_a_tool_is_its_apps_alone_so_an_app_made_later_gets_no_second_callable_under_its_name() -> None:
+    # Celery's app.task is shared by default: each app finalized later gets the function too, and a module
+    # imported again (as the worker tests' fixtures do) brought a second function under the same name.
+    def declare() -> Celery:
+        app = Celery(unique("owner"), broker="memory://", backend="cache+memory://")
+
+        @idempotent_tool(app, name="crm.add_note")
+        def add_note(deal_id: str) -> None: ...
+
+        app.finalize()
+        return app
+
+    first, again = declare(), declare()
+    assert "crm.add_note" in first.tasks and "crm.add_note" in again.tasks
+    later = Celery(unique("later"), broker="memory://")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DuplicateTaskNameWarning)
+        later.finalize()
+    assert "crm.add_note" not in later.tasks

@@ -52,6 +52,10 @@ USE_TZ = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 STATIC_URL = "static/"
 
+# Django's email (send_mail, EmailMessage.send(), PasswordResetView) through send_email, once per intent.
+EMAIL_BACKEND = "idemmail_celery.contrib.django.EmailBackend"
+DEFAULT_FROM_EMAIL = "Shop <shop@example.com>"
+
 # Celery, read by app.config_from_object("django.conf:settings", namespace="CELERY").
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
 CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", CELERY_BROKER_URL)

@@ -1,4 +1,6 @@
 # examples/django_shop/views.py
+from django.contrib.auth.models import User
+from django.core.mail import send_mail
 from django.db import transaction
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -11,6 +13,10 @@ from .models import Order
 
 
 class OutOfStock(Exception):
+    pass
+
+
+class TermsDeclined(Exception):
     pass
 
 
@@ -32,3 +38,24 @@ def create_order(request: HttpRequest) -> JsonResponse:
     except OutOfStock:
         return JsonResponse({"error": "out of stock"}, status=409)
     return JsonResponse({"order_id": order.pk}, status=201)
+
+
+@csrf_exempt
+@require_POST
+def sign_up(request: HttpRequest) -> JsonResponse:
+    """An account and its welcome email, through Django's send_mail (EMAIL_BACKEND) in the same transaction.
+
+    Posted twice, the form finds the account and sends the same email: one intent, one email.
+    """
+    address = request.POST["email"]
+    try:
+        with transaction.atomic():
+            user, _ = User.objects.get_or_create(username=address, defaults={"email": address})
+            send_mail("Welcome to the shop", f"Your account is {user.username}.", None, [user.email])
+            if request.POST.get("decline_terms"):
+                raise TermsDeclined  # the account and its email roll back together
+    except InvalidEmail as exc:  # raised by send_mail, before anything is written
+        return JsonResponse({"error": "InvalidEmail", "field": exc.field}, status=400)
+    except TermsDeclined:
+        return JsonResponse({"error": "terms declined"}, status=409)
+    return JsonResponse({"user_id": user.pk}, status=201)

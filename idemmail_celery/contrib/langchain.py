@@ -11,8 +11,9 @@
     model = model.bind_tools(tools)              # the model sees each spec()'s schema
 
 A tool returns the outcome dict of :mod:`~idemmail_celery.tools` (``tool.invoke(args)``); given a
-whole tool call (what ``ToolNode`` passes), LangChain wraps it in a ``ToolMessage`` whose content
-is that dict as JSON. Its ``args_schema`` is the JSON Schema ``spec()`` gives, so the model is
+whole tool call (what ``ToolNode`` passes), it answers a ``ToolMessage`` whose content is that dict
+as JSON, with ``status="error"`` for the outcomes in :data:`~idemmail_celery.tools.ERROR_STATUSES`
+(as MCP's ``isError``). Its ``args_schema`` is the JSON Schema ``spec()`` gives, so the model is
 shown exactly the arguments the tool accepts; anything else it sends comes back ``invalid``,
 with nothing enqueued. For a tool made with ``key="call_id"``, the tool call's ``id`` (the
 model's) is the intent: ``ToolNode`` re-running the same call is one side effect. Called with
@@ -22,11 +23,13 @@ bare arguments, there is no call id, and the arguments are the intent.
 from __future__ import annotations
 
 import contextvars
+import json
 from typing import Any
 
+from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool
 
-from ..tools import IdempotentTool, IntentStateTool
+from ..tools import ERROR_STATUSES, IdempotentTool, IntentStateTool
 
 __all__ = ["IdempotentLangChainTool", "as_langchain_tool"]
 
@@ -55,9 +58,15 @@ class IdempotentLangChainTool(BaseTool):
 
     # Only **arguments: a `run_manager` or config parameter here would let LangChain swallow a model's
     # argument of that name instead of the tool refusing it.
-    def _run(self, **arguments: Any) -> dict[str, Any]:
+    def _run(self, **arguments: Any) -> dict[str, Any] | ToolMessage:
         # The async path runs this in an executor thread (LangChain's default _arun): the wait blocks only it.
-        return self.tool(arguments, call_id=_call_id.get())
+        call_id = _call_id.get()
+        outcome = self.tool(arguments, call_id=call_id)
+        if call_id is None:
+            return outcome
+        # LangChain marks a ToolMessage an error only for an exception; an outcome is no exception.
+        return ToolMessage(json.dumps(outcome, default=str), tool_call_id=call_id, name=self.name,
+                           status="error" if outcome.get("status") in ERROR_STATUSES else "success")
 
 
 def as_langchain_tool(tool: IdempotentTool | IntentStateTool) -> IdempotentLangChainTool:

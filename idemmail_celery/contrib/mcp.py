@@ -10,11 +10,12 @@ streamable HTTP on loopback for one that connects to it)::
 or from Python: ``run_stdio(server(app))``, ``run_http(server(app), port=8000)``.
 
 It serves :func:`~idemmail_celery.tools.app_tools` (``email_tool`` and every
-``idempotent_tool`` made on the app) or the list given, each listed with the schema its
-``spec()`` gives (bound arguments never shown), plus ``intent_state``
-(:class:`~idemmail_celery.tools.IntentStateTool`, read only). A call's result is the tool's
-outcome dict, as ``structuredContent`` and as JSON text; ``isError`` is set for ``invalid``,
-``failed`` and ``error``. Each call waits in a thread of anyio's pool (40 at once by default;
+``idempotent_tool`` made on the app) or the list given, each under its own name with the
+schema its ``spec()`` gives (bound arguments never shown) and its ``output_schema()``, plus
+``intent_state`` (:class:`~idemmail_celery.tools.IntentStateTool`, read only); the server
+reports the package's version. A call's result is the tool's outcome dict, as
+``structuredContent`` and as JSON text; ``isError`` is set for the outcomes in
+:data:`~idemmail_celery.tools.ERROR_STATUSES`. Each call waits in a thread of anyio's pool (40 at once by default;
 more calls queue) for its outcome, or for the tool's ``timeout`` and then answers ``pending``.
 
 **Call ids.** For a tool made with ``key="call_id"``, the intent is the client's tool-call
@@ -42,18 +43,15 @@ from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 from mcp_types.jsonrpc import INVALID_PARAMS
 
+from .._version import __version__
 from ..errors import ConfigurationError
-from ..handler import Outcome
-from ..tools import IdempotentTool, IntentStateTool, app_tools
+from ..tools import ERROR_STATUSES, IdempotentTool, IntentStateTool, app_tools
 
 __all__ = ["CALL_ID_META", "run_http", "run_stdio", "server"]
 
 #: The ``_meta`` key of a ``tools/call`` request that carries the client's tool-call id (the id the
 #: model gave the call): the intent of a ``key="call_id"`` tool.
 CALL_ID_META = "idemmail/call_id"
-
-#: Outcomes the client is told are errors (``isError``): the model should read and correct them.
-_ERRORS = frozenset({Outcome.INVALID.value, Outcome.FAILED.value, Outcome.ERROR.value})
 
 #: The hosts ``run_http`` listens on.
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -91,9 +89,10 @@ def server(app: Celery, tools: Sequence[IdempotentTool] | None = None, *, name: 
         text = json.dumps(outcome, default=str)
         return types.CallToolResult(content=[types.TextContent(type="text", text=text)],
                                     structured_content=json.loads(text),
-                                    is_error=outcome.get("status") in _ERRORS)
+                                    is_error=outcome.get("status") in ERROR_STATUSES)
 
-    return Server(name, description="Tools whose side effects happen once per intent, however often called.",
+    return Server(name, version=__version__,
+                  description="Tools whose side effects happen once per intent, however often called.",
                   on_list_tools=list_tools, on_call_tool=call_tool)
 
 
@@ -102,7 +101,7 @@ def _listed(tool: IdempotentTool | IntentStateTool) -> types.Tool:
     hints = (types.ToolAnnotations(read_only_hint=True) if isinstance(tool, IntentStateTool)
              else types.ToolAnnotations(read_only_hint=False, idempotent_hint=True))
     return types.Tool(name=spec["name"], description=spec["description"], input_schema=spec["input_schema"],
-                      annotations=hints)
+                      output_schema=tool.output_schema(), annotations=hints)
 
 
 def run_stdio(mcp_server: Server[Any]) -> None:

@@ -266,6 +266,35 @@ def loads_json(text: str | bytes | None) -> dict[str, Any] | None:
     return out if isinstance(out, dict) else {"value": out}
 
 
+@dataclass(frozen=True)
+class RosterEntry:
+    """One live worker in a ledger's key-secret roster (:meth:`Ledger.announce`)."""
+
+    #: Who: ``host:pid`` of the worker's main process.
+    member: str
+    #: The ids of the key secrets it holds (:func:`idemmail_celery.keys.secret_id`), newest first.
+    secret_ids: tuple[str, ...]
+    #: When the entry lapses unless announced again (epoch seconds, the store's clock where it has one).
+    expires_at: float
+
+
+#: The longest member name and secret-id list a roster entry holds (both are short: ``host:pid``, and
+#: 12 hex digits per secret, at most a few secrets).
+MAX_MEMBER_LENGTH = 255
+MAX_SECRET_IDS_LENGTH = 255
+
+
+def check_roster_entry(member: str, secret_ids: Sequence[str]) -> str:
+    """The secret ids of a roster entry as stored (comma-separated); ``ValueError`` for what no store holds."""
+    text = ",".join(secret_ids)
+    if not member or len(member) > MAX_MEMBER_LENGTH or "|" in member:
+        raise ValueError(f"a roster member is 1 to {MAX_MEMBER_LENGTH} characters without '|'")
+    if not secret_ids or len(text) > MAX_SECRET_IDS_LENGTH or any(not i or "," in i for i in secret_ids):
+        raise ValueError("a roster entry names 1 or more secret ids, without ',', in at most "
+                         f"{MAX_SECRET_IDS_LENGTH} characters")
+    return text
+
+
 @runtime_checkable
 class DetectsLoss(Protocol):
     """A ledger that can tell when its store lost records (the Redis ledger's epoch markers).
@@ -399,6 +428,26 @@ class Ledger(ABC):
         copies from multiplying). One round trip; called only when a claim is busy.
         """
         return None
+
+    # -- the key-secret roster: which secrets the live workers hold --
+
+    def announce(self, member: str, secret_ids: Sequence[str], ttl_seconds: float) -> None:
+        """Put ``member`` (a live worker, ``host:pid``) in the roster of this ledger's workers, holding the
+        key secrets ``secret_ids``, for ``ttl_seconds`` unless announced again (a heartbeat); 0 or less
+        takes it out (a warm shutdown). Replaces the member's earlier entry. One round trip.
+
+        A process configured with several key secrets makes keys and seals under the newest one that
+        every live worker of the ledger holds (:mod:`idemmail_celery.roster`): that is what makes a
+        key-secret rotation safe in one rolling deploy. ``ValueError`` for a member or ids no store holds
+        (:func:`check_roster_entry`). This default raises :class:`NotImplementedError`: without a roster,
+        processes make keys under their first secret, and a rotation takes two deploys.
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps no key-secret roster")
+
+    def roster(self) -> list[RosterEntry]:
+        """The live entries of the roster (:meth:`announce`), in no particular order; lapsed ones are left out
+        (and may be deleted). :class:`NotImplementedError` by default, like :meth:`announce`."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no key-secret roster")
 
     # -- reads and operator actions --
 

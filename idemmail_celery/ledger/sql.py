@@ -54,16 +54,20 @@ from ..errors import (
 from .base import (
     AHEAD_JSON_PREFIX,
     DEFAULT_RETENTION_SECONDS,
+    MAX_MEMBER_LENGTH,
+    MAX_SECRET_IDS_LENGTH,
     UNKNOWN_STAGE,
     Claim,
     ClaimRequest,
     ClaimStatus,
     Ledger,
     Record,
+    RosterEntry,
     State,
     _check_unique,
     ahead_error,
     ahead_mark,
+    check_roster_entry,
     dumps_json,
     loads_json,
     owner_writes_ahead,
@@ -121,10 +125,24 @@ def hops_table(ledger_name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = 
     )
 
 
+def roster_table(ledger_name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -> sa.Table:
+    """The key-secret roster kept by :meth:`SQLLedger.announce`: ``<ledger_name>_roster``, one row per
+    live worker (its ``host:pid``, the ids of the key secrets it holds, when the row lapses)."""
+    name = f"{ledger_name}_roster"
+    return sa.Table(
+        name,
+        metadata if metadata is not None else sa.MetaData(),
+        sa.Column("member", sa.String(MAX_MEMBER_LENGTH), primary_key=True),
+        sa.Column("secret_ids", sa.String(MAX_SECRET_IDS_LENGTH), nullable=False),
+        sa.Column("expires_at", sa.Double, nullable=False),
+    )
+
+
 #: The schema, one step per migration file: ``migrations/00<step>_<name>.<dialect>.sql``.
 MIGRATIONS: tuple[tuple[str, str, Any], ...] = (
     ("create_ledger", "ledger table", ledger_table),
     ("create_hops", "reschedule marks table (step 2)", hops_table),
+    ("create_roster", "key-secret roster table (step 3)", roster_table),
 )
 
 
@@ -132,8 +150,9 @@ def schema_sql(dialect: str, table: str = DEFAULT_TABLE, step: int = 1) -> str:
     """The ``CREATE TABLE``/``CREATE INDEX`` script of migration ``step`` for ``dialect``.
 
     ``dialect`` is postgresql, mysql or sqlite. Step 1 creates the ledger table, step 2
-    its reschedule marks (``<table>_hops``, used by :meth:`SQLLedger.mark_hop`); a ledger
-    created by version 0.x with step 1 only needs step 2 applied. ``migrations/`` holds
+    its reschedule marks (``<table>_hops``, used by :meth:`SQLLedger.mark_hop`), step 3 its
+    key-secret roster (``<table>_roster``, :meth:`SQLLedger.announce`); a ledger created by an
+    earlier version needs only the steps after those it has. ``migrations/`` holds
     the output for the default table name; a test keeps the two in step.
     """
     from sqlalchemy.schema import CreateIndex, CreateTable
@@ -222,7 +241,9 @@ class SQLLedger(Ledger):
             raise ConfigurationError(f"unsupported SQL dialect for the ledger: {self.dialect!r}")
         self.table = ledger_table(table)
         self.hops = hops_table(table, self.table.metadata)
+        self.roster_table = roster_table(table, self.table.metadata)
         self._hops_ready = True  # False: created by hand without migration 002 (see _ensure_tables)
+        self._roster_ready = True  # False: created by hand without migration 003
         self._columns = tuple(c.name for c in self.table.c)
         self._create_table = create_table
         self._ready = False
@@ -290,7 +311,7 @@ class SQLLedger(Ledger):
         with self._lock:
             if self._ready:
                 return
-            for table in (self.table, self.hops):
+            for table in (self.table, self.hops, self.roster_table):
                 if self._create_table:
                     try:
                         table.create(conn, checkfirst=True)
@@ -304,6 +325,10 @@ class SQLLedger(Ledger):
                     log.warning("idemmail: SQL ledger table %s is missing (apply migration %s): "
                                 "reschedule marks are off", table.name, migration_file(self.dialect, 2))
                     self._hops_ready = False
+                elif table is self.roster_table and not sa.inspect(conn).has_table(table.name):
+                    log.warning("idemmail: SQL ledger table %s is missing (apply migration %s): a key-secret "
+                                "rotation takes two deploys", table.name, migration_file(self.dialect, 3))
+                    self._roster_ready = False
             self._ready = True
 
     def _run(self, fn: Any) -> Any:
@@ -751,6 +776,52 @@ class SQLLedger(Ledger):
         marked: bool | None = self._run(do)
         return marked
 
+    def announce(self, member: str, secret_ids: Sequence[str], ttl_seconds: float) -> None:
+        """One upsert (or a delete for ``ttl_seconds <= 0``) of the member's row, on this process's clock:
+        keep the hosts' clocks in step (NTP) well within the announcements' life."""
+        ids = check_roster_entry(member, secret_ids)
+        r = self.roster_table
+
+        self._need_roster()
+
+        def do(conn: Connection) -> None:
+            if ttl_seconds <= 0:
+                conn.execute(sa.delete(r).where(r.c.member == member))
+                return
+            row = {"member": member, "secret_ids": ids, "expires_at": time.time() + ttl_seconds}
+            if self.dialect in ("postgresql", "sqlite"):
+                ins = (postgresql.insert(r) if self.dialect == "postgresql" else sqlite.insert(r)).values(row)
+                stmt: Any = ins.on_conflict_do_update(index_elements=["member"], set_={
+                    "secret_ids": ins.excluded.secret_ids, "expires_at": ins.excluded.expires_at})
+            else:
+                my_ins = mysql.insert(r).values(row)
+                stmt = my_ins.on_duplicate_key_update(secret_ids=my_ins.inserted.secret_ids,
+                                                      expires_at=my_ins.inserted.expires_at)
+            conn.execute(stmt)
+
+        self._run(do)
+
+    def roster(self) -> list[RosterEntry]:
+        r = self.roster_table
+
+        self._need_roster()
+
+        def do(conn: Connection) -> list[RosterEntry]:
+            now = time.time()
+            conn.execute(sa.delete(r).where(r.c.expires_at <= now))
+            rows = conn.execute(sa.select(r.c.member, r.c.secret_ids, r.c.expires_at)).all()
+            return [RosterEntry(m, tuple(str(ids).split(",")), float(exp)) for m, ids, exp in rows if exp > now]
+
+        entries: list[RosterEntry] = self._run(do)
+        return entries
+
+    def _need_roster(self) -> None:
+        if not self._ready:
+            self.ping()  # looks at the schema: is the roster table there?
+        if not self._roster_ready:
+            raise NotImplementedError(f"{self.roster_table.name} is missing: apply migration "
+                                      f"{migration_file(self.dialect, 3)}")
+
     def purge_expired(self, now: float | None = None) -> int:
         """Delete ``sent``/``failed`` records past retention (and expired reschedule marks).
 
@@ -796,6 +867,7 @@ class SQLLedger(Ledger):
         """Drop the ledger table and its marks table (tests and teardown)."""
 
         def do(conn: Connection) -> None:
+            self.roster_table.drop(conn, checkfirst=True)
             self.hops.drop(conn, checkfirst=True)
             self.table.drop(conn, checkfirst=True)
 

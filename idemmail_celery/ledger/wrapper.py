@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .base import Claim, ClaimRequest, Ledger, Record, State
+from .base import Claim, ClaimRequest, Ledger, Record, RosterEntry, State
 
 
 class LedgerWrapper(Ledger):
@@ -61,6 +61,12 @@ class LedgerWrapper(Ledger):
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
         return self.inner.mark_hop(key, hop, ttl_seconds)
+
+    def announce(self, member: str, secret_ids: Sequence[str], ttl_seconds: float) -> None:
+        self.inner.announce(member, secret_ids, ttl_seconds)
+
+    def roster(self) -> list[RosterEntry]:
+        return self.inner.roster()
 
     def get(self, key: str) -> Record | None:
         return self.inner.get(key)

@@ -119,7 +119,9 @@ class SMTPSink:
     """An SMTP server on 127.0.0.1 and a free port, recording what it receives.
 
     Use as a context manager, or call :meth:`start` and :meth:`stop`. Thread-safe:
-    the server runs in its own thread and event loop.
+    the server runs in its own thread and event loop. ``port`` 0 picks a free one, kept
+    across :meth:`stop`/:meth:`start`, so :attr:`url` stays valid while it is stopped (a
+    server that refuses connections for a while, then comes back).
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class SMTPSink:
         ssl_context: ssl.SSLContext | None = None,
         implicit_tls: bool = False,
         slow_seconds: float = 1.0,
+        port: int = 0,
     ) -> None:
         if implicit_tls and ssl_context is None:
             raise ValueError("implicit_tls needs an ssl_context")
@@ -143,12 +146,12 @@ class SMTPSink:
         self._faults: list[list[Any]] = []  # [kind, remaining], in queue order
         self._applied: list[AppliedFault] = []
         self._controller: _Controller | None = None
-        self._port: int | None = None
+        self._port: int | None = port or None
 
     # -- lifecycle --
 
     def start(self) -> SMTPSink:
-        """Start listening; returns self. The port is chosen by the OS."""
+        """Start listening; returns self. The port is chosen by the OS the first time."""
         if self._controller is not None:
             raise RuntimeError("SMTPSink already started")
         smtp_kwargs: dict[str, Any] = {"server_hostname": "sink.test", "ident": "idemmail SMTPSink"}
@@ -157,7 +160,7 @@ class SMTPSink:
         if self._ssl_context is not None and not self.implicit_tls:
             smtp_kwargs["tls_context"] = self._ssl_context
         controller = _Controller(
-            _Handler(self), hostname=self.host, port=0,
+            _Handler(self), hostname=self.host, port=self._port or 0,
             ssl_context=self._ssl_context if self.implicit_tls else None, **smtp_kwargs,
         )
         controller.start()

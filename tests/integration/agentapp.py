@@ -25,7 +25,7 @@ app.conf.update(task_default_queue=f"q.{NS}", idemmail_ledger_url=REDIS_URL,
                 idemmail_inflight_backoff=0.2, idemmail_inflight_backoff_max=1.0)
 
 
-@idempotent_tool(app, key="call_id", name="agentapp.add_note")
+@idempotent_tool(app, key="call_id", name="crm.add_note")
 def add_note(deal_id: str, text: str) -> dict[str, Any]:
     """Add a note to a CRM deal."""
     notes = redis.Redis.from_url(REDIS_URL).rpush(f"sink.{NS}.notes", f"{deal_id}: {text}")

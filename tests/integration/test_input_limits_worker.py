@@ -13,7 +13,14 @@ import base64
 from typing import Any
 
 from idemmail_celery import PermanentSendError
-from idemmail_celery.email import MAX_ATTACHMENTS
+from idemmail_celery.email import (
+    MAX_ATTACHMENTS,
+    MAX_FILENAME_CHARS,
+    MAX_HEADER_VALUE_CHARS,
+    MAX_HEADERS,
+    MAX_TAG_CHARS,
+    MAX_TAGS,
+)
 from idemmail_celery.mail import TASK_NAME
 from idemmail_celery.testing.fake_provider import FakeProvider
 
@@ -36,6 +43,14 @@ BAD_CALLS = {
     "subject over one line": {**KIM, "subject": "s" * 990},
     "composite MIME attachment": {**KIM, "attachments": [_attachment("m.eml", "message/rfc822")]},
     "too many attachments": {**KIM, "attachments": [_attachment(f"{i}.txt") for i in range(MAX_ATTACHMENTS + 1)]},
+    # The bounds of issue 35: each was queued, stored and sent before.
+    "attachment name too long": {**KIM, "attachments": [_attachment("n" * (MAX_FILENAME_CHARS + 1))]},
+    "too many headers": {**KIM, "headers": {f"X-{i}": "v" for i in range(MAX_HEADERS + 1)}},
+    "header value too long": {**KIM, "headers": {"X-Long": "v" * (MAX_HEADER_VALUE_CHARS + 1)}},
+    "too many tags": {**KIM, "tags": {f"t{i}": "v" for i in range(MAX_TAGS + 1)}},
+    "tag name too long": {**KIM, "tags": {"t" * (MAX_TAG_CHARS + 1): "v"}},
+    "tag value too long": {**KIM, "tags": {"t": "v" * (MAX_TAG_CHARS + 1)}},
+    "100,000 tags": {**KIM, "tags": {f"t{i}": "v" for i in range(100_000)}},
 }
 
 

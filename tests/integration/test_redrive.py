@@ -9,7 +9,8 @@ import pytest
 
 from idemmail_celery.keys import Payload
 from idemmail_celery.ledger import ClaimRequest, State
-from idemmail_celery.redrive import sweep_stranded
+from idemmail_celery.redrive import LOCK_KEY, SWEEP_TASK, sweep_stranded
+from idemmail_celery.testing.redis_server import RedisServer
 
 from ..conftest import wait_for
 from .conftest import Sink, results
@@ -40,24 +41,93 @@ def test_a_claim_no_message_will_come_back_for_is_republished_and_settled_once(
     assert held is not None and held.state is State.CLAIMED
 
 
-# Alone, after the rest: kombu's restore takes one mutex per Redis database, and other tests kill workers
-# there (one killed mid-restore holds it for up to unacked_mutex_expire); and it keeps pace with seconds.
-@pytest.mark.serial
-def test_a_gevent_worker_gets_back_a_killed_workers_unacked_message_on_a_redis_broker(
+@pytest.fixture
+def own_broker_app(ledger_redis: RedisServer, worker_env: dict[str, str], request: pytest.FixtureRequest) -> Any:
+    """``app_module`` and its workers on a Redis broker of this test's own: kombu restores every queue's
+    unacked messages of a Redis database, so on the shared one other tests' workers would hand this
+    test's messages back (or hold the restore's lock) whatever these workers do."""
+    worker_env.update(IDEMMAIL_TEST_BROKER=f"redis://127.0.0.1:{ledger_redis.port}/0")
+    return request.getfixturevalue("app_module")
+
+
+def _claimed(task: Any) -> list[str]:
+    """The keys of ``task``'s ledger still ``claimed`` (a sweep's own lease aside)."""
+    return [r.key for r in task.ledger.iter_records(State.CLAIMED) if r.key != LOCK_KEY]
+
+
+def _kill_holding(app_module: Any, sink: Sink, worker: Any, n: int) -> list[Any]:
+    """Enqueue ``n`` keyed sends, wait until ``worker`` runs them all (received, claimed, unacked), SIGKILL it."""
+    sink.control("hold", "60")
+    ars = [app_module.send_keyed.delay(f"p{i}@example.com", 90 + i) for i in range(n)]
+    wait_for(lambda: len(sink.pids()) >= n, timeout=60)
+    worker.kill()
+    sink.r.delete(sink.k("ctl.hold"))
+    return ars
+
+
+@pytest.mark.parametrize("pool", ["gevent", "threads"])
+def test_a_fresh_worker_of_the_defaults_drains_what_a_killed_worker_held(
+    own_broker_app: Any, sink: Sink, start_worker: Any, worker_env: dict[str, str], pool: str
+) -> None:
+    # The library's defaults: no module to include, no beat entry. Before: a gevent worker never ran the
+    # transport's restore (celery/celery#4968), and the killed worker's messages stayed unacked for good.
+    worker_env.update(IDEMMAIL_TEST_VT="3", IDEMMAIL_TEST_LEASE="3")
+    ars = _kill_holding(own_broker_app, sink, start_worker("-P", pool, "-c", "5"), 5)
+    second = start_worker("-P", pool, "-c", "5")
+    assert [r["status"] for r in results(ars, timeout=90)] == ["sent"] * 5
+    keys = [own_broker_app.send_keyed.intent_key(f"p{i}@example.com", 90 + i) for i in range(5)]
+    assert sorted(sink.attempts()) == sorted(keys)  # each intent sent once
+    assert len(sink.deliveries()) == 5
+    assert _claimed(own_broker_app.send_keyed) == []
+    if pool == "gevent":  # threads run kombu's event loop, which restores by itself
+        assert b"restores the Redis broker's unacked messages" in second.log()
+
+
+def test_with_both_settings_off_nothing_is_re_driven_and_a_beat_entry_still_sweeps(
+    own_broker_app: Any, sink: Sink, start_worker: Any, worker_env: dict[str, str]
+) -> None:
+    worker_env.update(IDEMMAIL_TEST_VT="2", IDEMMAIL_TEST_LEASE="2", IDEMMAIL_TEST_SWEEP_AFTER="1",
+                      IDEMMAIL_TEST_RESTORE_UNACKED="false", IDEMMAIL_TEST_SWEEP_IN_WORKERS="false")
+    task = own_broker_app.send_keyed
+    held = task.intent_key("p0@example.com", 90)
+    ars = _kill_holding(own_broker_app, sink, start_worker("-P", "gevent", "-c", "5"), 1)
+    second = start_worker("-P", "gevent", "-c", "5")
+    time.sleep(8)  # four visibility timeouts; a restore every second would have come several times
+    assert sink.deliveries() == [] and _claimed(task) == [held]
+    assert b"restores the Redis broker's unacked messages" not in second.log()
+    assert b"sweeping" not in second.log()
+    # What a beat entry sends: the sweep runs on a worker with nothing included, and re-drives the claim
+    # (a message of its own: the killed worker's copy, and its result, stay in the broker's unacked set).
+    own_broker_app.app.send_task(SWEEP_TASK)
+    wait_for(lambda: (r := task.ledger.get(held)) is not None and r.state is State.SENT, timeout=60)
+    assert len(sink.deliveries()) == 1 and _claimed(task) == [] and ars[0].state == "PENDING"
+
+
+def test_one_worker_at_a_time_sweeps_and_each_stranded_claim_is_republished_once(
     app_module: Any, sink: Sink, start_worker: Any, worker_env: dict[str, str]
 ) -> None:
-    # celery/celery#4968, #4976: kombu's restore of unacked messages runs from the event loop, which green
-    # pools do not use. Before: the message stayed in the broker's unacked set while gevent workers ran.
-    worker_env.update(IDEMMAIL_TEST_VT="3", IDEMMAIL_TEST_LEASE="3")
-    first = start_worker("-P", "gevent", "-c", "5")
-    sink.control("hold_until_released", "1")
-    ar = app_module.send_keyed.delay("cy@example.com", 83)
-    wait_for(lambda: sink.r.llen(sink.k("holding")) >= 1, timeout=60)  # received, running, unacked
-    first.kill()
-    second = start_worker("-P", "gevent", "-c", "5")
-    assert results([ar], timeout=120)[0]["status"] == "sent"
-    assert len(sink.deliveries()) == 1
-    assert b"restores the Redis broker's unacked messages" in second.log()
+    # Claims whose messages the broker lost: only the ledger knows of them.
+    worker_env.update(IDEMMAIL_TEST_SWEEP_AFTER="2")  # a sweep about every second
+    task = app_module.send_keyed
+    keys = []
+    for i in range(5):
+        first = Payload([f"s{i}@example.com", 70 + i], {})
+        keys.append(task.intent_key(*first.args))
+        task.ledger.claim(ClaimRequest(key=keys[-1], task_name=task.name, payload=first.to_json(),
+                                       fingerprint=task.key_builder.fingerprint(first), owner="gone:1:dead",
+                                       lease_seconds=0.1))
+    began = time.monotonic()
+    # One of each pool: the sweep runs in the worker's main process (a greenlet under gevent).
+    workers = [start_worker("-P", pool, "-c", "2") for pool in ("prefork", "threads", "gevent")]
+    wait_for(lambda: len(sink.deliveries()) >= 5, timeout=60)
+    time.sleep(4)  # more rounds, with every worker ticking
+    elapsed = time.monotonic() - began
+    assert sorted(sink.attempts()) == sorted(keys)  # each sent once
+    assert _claimed(task) == []
+    wait_for(lambda: task.ledger.get(LOCK_KEY) is None, timeout=10)  # between sweeps, their lease leaves nothing
+    sweeps = sum(w.log().count(b"swept a ledger for stranded claims") for w in workers)
+    # One round a second for the three of them; each worker alone ticks every 0.5 to 1 s.
+    assert 1 <= sweeps <= elapsed + 1, (sweeps, elapsed)
 
 
 # Alone, after the rest: kombu's restore takes one mutex per Redis database, and other tests kill workers

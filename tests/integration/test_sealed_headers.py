@@ -23,6 +23,7 @@ from idemmail_celery._common import (
     VERDICT_HEADER,
 )
 from idemmail_celery.bulk import CAMPAIGN_TASK
+from idemmail_celery.keys import secret_ids
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State
 from idemmail_celery.mail import TASK_NAME
 from idemmail_celery.testing.fake_provider import FakeProvider
@@ -107,26 +108,32 @@ def test_forged_older_keys_move_nothing_onto_another_intents_record(
     assert keys_delivered(sink) == sorted([other, out["key"]])
 
 
-def test_rotation_with_web_processes_first_waits_for_a_worker_with_the_new_secret(
+def test_rotation_with_web_processes_first_sends_once_under_the_secret_the_workers_hold(
     app_module: Any, sink: Any, start_worker: Any
 ) -> None:
-    """Web processes on ["two", "test-secret"], workers still on "test-secret": the old worker cannot check
-    the new secret's seal. It used to take the key for a caller's own and hash it (two keys for one intent:
-    sent twice); now it republishes the message as it came, and the upgraded worker sends it once."""
+    """Web processes on ["two", "test-secret"], a worker still on "test-secret". The web process used to seal
+    under "two", which the old worker cannot check (it republished the message until an upgraded worker
+    came). Now the web process reads the roster: a live worker lacks "two", so it makes keys and seals under
+    "test-secret", and the old worker sends at once; once only upgraded workers are left, "two" is used,
+    and a copy made then finds the intent under its older key."""
     old = start_worker("-P", "prefork", "-c", "1")
     send = app_module.send
+    before = send.intent_key(*VICTIM)
     send.app.conf.idemmail_key_secret = ["two", "test-secret"]
     send._idem_settings = send._idem_builder = send._idem_handler = None  # the caller is upgraded
-    key = send.intent_key(*VICTIM)
-    first, second = send.delay(*VICTIM), send.delay(*VICTIM)
-    wait_for(lambda: old.log().count(b"does not have") >= 2, timeout=60)
-    assert sink.deliveries() == []
+    out = results([send.delay(*VICTIM), send.delay(*VICTIM)], timeout=120)
+    assert sorted(o["status"] for o in out) == ["duplicate", "sent"] and {o["key"] for o in out} == {before}
+    assert b"does not have" not in old.log()
     start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_KEY_SECRETS": "two,test-secret"})
-    old.stop()  # the rolling deploy reaches the workers (what the old one held goes back to the queue)
-    out = results([first, second], timeout=120)
-    assert sorted(o["status"] for o in out) == ["duplicate", "sent"] and {o["key"] for o in out} == {key}
-    assert keys_delivered(sink) == [key]
-    record = send.ledger.get(key)
+    old.stop()  # the rolling deploy ends: every live worker holds "two"
+    wait_for(lambda: send.key_builder.seal({}, send.key_builder.payload((), {})).startswith(
+        secret_ids(b"two")[0]), timeout=60)
+    later = send.intent_headers(VICTIM)
+    assert later["idempotency_key"] != before and later[OLDER_KEYS_HEADER] == [before]
+    again = results([send.apply_async(VICTIM, headers=later)], timeout=120)[0]
+    assert again["status"] == "duplicate" and again["key"] == before
+    assert keys_delivered(sink) == [before]
+    record = send.ledger.get(before)
     assert record is not None and record.state is State.SENT
 
 
@@ -166,8 +173,9 @@ def test_a_forged_review_verdict_skips_no_check_and_stores_nothing(
     in ``to``, a CRLF in the subject, over the size cap). Now the checks run and refuse it, storing nothing."""
     worker = start_worker("-P", "prefork", "-c", "1")
     review = {"state": "review", "error": {"type": "X", "message": "m", "reason": "r"}}
-    calls = [{**KIM, "subject": "Hi\r\nBcc: eve@example.com"}, {**KIM, "text": "x" * (11 * 1024 * 1024)},
-             {**KIM, "tags": {"t": "v" * (11 * 1024 * 1024)}}]
+    over = 10 * 1024 * 1024 + 1024  # over the size cap, under what the worker refuses before the pool (issue 35)
+    calls = [{**KIM, "subject": "Hi\r\nBcc: eve@example.com"}, {**KIM, "text": "x" * over},
+             {**KIM, "headers": {f"X-H{i}": "v" for i in range(60)}}]
     out = results([fake_app.app.send_task(TASK_NAME, kwargs=kw, headers={VERDICT_HEADER: review}) for kw in calls])
     for o in out:
         assert isinstance(o, PermanentSendError) and o.reason == "invalid_email", o

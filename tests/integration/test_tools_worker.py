@@ -4,6 +4,8 @@ call and every repeat get the same ``failed`` or ``review`` outcome, and the bod
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +43,14 @@ def test_failed_and_ambiguous_tool_calls_are_replayed_to_the_agent_not_rerun(too
     unsure = [tools.unsure({"to": "ann@example.com"}, call_id="call_2", timeout=20) for _ in range(2)]
     assert [o["status"] for o in unsure] == ["review", "review"]
     assert {o["error"]["type"] for o in unsure} == {"SendNeedsReview"}
+    if importlib.util.find_spec("langchain_core"):  # the [langchain] extra: a failed call is an error message
+        from idemmail_celery.contrib.langchain import as_langchain_tool
+
+        call = {"type": "tool_call", "name": tools.bounce.name, "args": {"to": "ann@example.com"}, "id": "call_1"}
+        message = as_langchain_tool(tools.bounce).invoke(call)
+        assert (message.status, json.loads(message.content)["status"]) == ("error", "failed")
+        call = {**call, "name": tools.unsure.name, "id": "call_2"}  # review: not an error, a person decides
+        assert as_langchain_tool(tools.unsure).invoke(call).status == "success"
 
     ledger = from_url(REDIS_URL, prefix=f"led.{ns}")
     states = {ledger.get(o["key"]).state for o in (bounced[0], unsure[0])}  # type: ignore[union-attr]

@@ -18,7 +18,6 @@ import redis
 from celery import Celery
 from celery.signals import task_postrun
 
-import idemmail_celery.redrive  # noqa: F401  (the sweep task; green pools restore the broker's unacked messages)
 from idemmail_celery import AmbiguousSendError, IdempotentTask, TransientSendError, send_campaign, send_email  # noqa: F401
 
 NS = os.environ.get("IDEMMAIL_TEST_NS", "default")
@@ -55,6 +54,7 @@ app.conf.update(
     # newest first.
     idemmail_key_secret=(os.environ.get("IDEMMAIL_TEST_KEY_SECRETS") or "test-secret").split(","),
     idemmail_lease_seconds=float(os.environ.get("IDEMMAIL_TEST_LEASE", "30")),
+    idemmail_retention_seconds=float(os.environ.get("IDEMMAIL_TEST_RETENTION", str(7 * 24 * 3600))),
     # send_email (registered on this app as a shared task when idemmail_celery is imported)
     idemmail_provider_url=os.environ.get("IDEMMAIL_TEST_PROVIDER") or None,
     idemmail_provider_api_key=os.environ.get("IDEMMAIL_TEST_PROVIDER_KEY") or None,
@@ -66,10 +66,19 @@ app.conf.update(
     idemmail_campaign_pass_seconds=os.environ.get("IDEMMAIL_TEST_CAMPAIGN_PASS") or None,
     idemmail_refuse_to_start=bool(os.environ.get("IDEMMAIL_TEST_REFUSE_TO_START")),
 )
+if os.environ.get("IDEMMAIL_TEST_RETRY_DEADLINE"):  # a short retry deadline (tests/integration/test_retry_deadline.py)
+    app.conf.update(idemmail_retry_deadline_seconds=os.environ["IDEMMAIL_TEST_RETRY_DEADLINE"])
+# Re-drive (tests/integration/test_redrive.py): set only when asked, the library's defaults otherwise.
+app.conf.update({name: os.environ[var] for name, var in (
+    ("idemmail_restore_unacked", "IDEMMAIL_TEST_RESTORE_UNACKED"),
+    ("idemmail_sweep_in_workers", "IDEMMAIL_TEST_SWEEP_IN_WORKERS"),
+    ("idemmail_sweep_after_seconds", "IDEMMAIL_TEST_SWEEP_AFTER"),
+) if os.environ.get(var)})
 
 if not os.environ.get("IDEMMAIL_TEST_DEFAULT_BACKOFF"):  # short waits keep the tests short
-    app.conf.update(idemmail_inflight_backoff=0.2, idemmail_inflight_backoff_max=1.0, idemmail_retry_backoff=0.1,
-                    idemmail_retry_backoff_max=0.5)
+    app.conf.update(idemmail_inflight_backoff=0.2, idemmail_inflight_backoff_max=1.0,
+                    idemmail_retry_backoff=os.environ.get("IDEMMAIL_TEST_RETRY_BACKOFF") or 0.1,
+                    idemmail_retry_backoff_max=os.environ.get("IDEMMAIL_TEST_RETRY_BACKOFF_MAX") or 0.5)
 
 r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
 

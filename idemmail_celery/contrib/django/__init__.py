@@ -11,7 +11,20 @@ What it gives a Django project (app label ``idemmail``):
 * **the outbox** as a model with migrations (:class:`.models.OutboxRow`, the table the relay drains)
   and :func:`.outbox.enqueue_email`, which writes through Django's connection in the caller's
   ``transaction.atomic()``;
-* **the review queue** in the Django admin, for every ledger backend (:mod:`.admin`).
+* **the review queue** in the Django admin, for every ledger backend (:mod:`.admin`);
+* **Django's email** through ``send_email``: ``EMAIL_BACKEND = "idemmail_celery.contrib.django.EmailBackend"``
+  (:mod:`.mail`).
 
 Django itself is imported only inside this package: the core never imports it.
 """
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: the package itself loads before Django's app registry is ready.
+    if name == "EmailBackend":
+        from .mail import EmailBackend
+
+        return EmailBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -256,6 +256,7 @@ class Names:
         <prefix>:{<bb>}:i:<state>        the bucket's index of claimed, released, failed or review records
         <prefix>:{<bb>}:c:sent           the bucket's count of sent records, by expiry (a hash)
         <prefix>:{<bb>}:h:<digest>       a reschedule's mark
+        <prefix>:{00}:roster             the live workers' key-secret ids (a hash; bucket 0 only)
         <prefix>:{<bb>}:epoch4           the bucket's epoch marker (a hash)
         <prefix>:{<bb>}:epoch            layouts 1-3's marker (flagged lost on a layout 4 store)
         <prefix>:{<bb>}:s:<granule>      layout 3's sent archives (moved onto the shelves by the migration)
@@ -338,3 +339,7 @@ class Names:
 
     def hop(self, key: str, digest: str) -> str:
         return f"{self.stems[self.bucket(key)]}h:{digest}"
+
+    def roster(self) -> str:
+        """The key-secret roster (a hash of worker -> expiry and secret ids), in bucket 0's slot."""
+        return f"{self.stems[0]}roster"

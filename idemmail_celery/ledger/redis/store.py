@@ -46,9 +46,11 @@ from ..base import (
     ClaimStatus,
     Ledger,
     Record,
+    RosterEntry,
     State,
     _check_unique,
     ahead_error,
+    check_roster_entry,
     default_owner,
     dumps_json,
     loads_json,
@@ -292,6 +294,7 @@ class RedisLedger(Ledger):
         self._flag = self.client.register_script(_lua("flag"))
         self._mark = self.client.register_script(_lua("mark"))
         self._hop = self.client.register_script(_lua("hop"))
+        self._roster = self.client.register_script(_lua("roster"))
         self._migrate = self.client.register_script(_lua("migrate"))
         self._restock = self.client.register_script(_lua("restock"))
         self._fence = self.client.register_script(_lua("fence"))
@@ -1243,6 +1246,17 @@ class RedisLedger(Ledger):
         mark = self.names.hop(key, digest)
         nonce = secrets.token_hex(8)
         return bool(self._call(self._hop, keys=[mark], args=[nonce, max(1, int(ttl_seconds * 1000))]))
+
+    def announce(self, member: str, secret_ids: Sequence[str], ttl_seconds: float) -> None:
+        """One script on the roster hash (bucket 0's slot): the entry's expiry on the server's clock, so
+        hosts whose clocks disagree still agree on who is live."""
+        ids = check_roster_entry(member, secret_ids)
+        self._call(self._roster, keys=[self.names.roster()], args=[member, ids, int(ttl_seconds * 1000)])
+
+    def roster(self) -> list[RosterEntry]:
+        out = self._call(self._roster, keys=[self.names.roster()], args=["", "", 0])
+        return [RosterEntry(str(out[i]), tuple(str(out[i + 2]).split(",")), int(out[i + 1]) / 1000)
+                for i in range(0, len(out), 3)]
 
     def purge_expired(self, now: float | None = None) -> int:
         """Expired ``failed`` records' index entries, the sent counters' spent granules, and the shelves'

@@ -1,0 +1,111 @@
+"""The worker's request for idempotent tasks: a message that may not run is refused before the pool.
+
+Celery builds one :class:`celery.worker.request.Request` per message in the worker's main process
+(``Task.Request`` names the class) and decodes the body there; ``execute_using_pool`` then hands
+the job to the pool. A prefork pool pickles it first, in the main process, before any task code
+runs: arguments nested some hundreds of levels deep (about 1 KB of JSON) overflow the pickler's
+stack there, and Celery takes that for an unrecoverable error and stops the worker, leaving the
+message for the next one. :class:`CheckedRequest` looks at the decoded arguments before that
+(:func:`~idemmail_celery.keys.arguments_problem`: the depth ``delay()`` accepts and the task's own
+:meth:`~idemmail_celery.IdempotentTask.max_argument_size`) and ends a message that fails as
+``FAILURE`` with :class:`~idemmail_celery.errors.PermanentSendError` (reason ``invalid_arguments``):
+acknowledged, nothing claimed in the ledger, nothing run. The same on every pool.
+
+The check hooks :meth:`CheckedRequest.revoked`: every ``execute_using_pool`` asks it first (the one
+Celery generates per task for its strategy too), and a request it answers True for never reaches
+the pool; the worker releases the pool slot it held (``TaskRevokedError``, as for a revoked task).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+
+from celery.utils.saferepr import saferepr
+from celery.worker.request import Request
+from celery.worker.state import task_ready
+
+from .errors import PermanentSendError
+from .handler import Outcome
+from .keys import MAX_NESTING, arguments_problem
+
+log = logging.getLogger("idemmail_celery")
+
+
+class CheckedRequest(Request):  # type: ignore[misc]
+    """A request whose arguments are checked in the main process before the pool gets them."""
+
+    _idemmail_refused: bool | None = None  # None until checked
+
+    def revoked(self) -> bool:
+        """True for a revoked or expired task (Celery's answer), and for one refused here (see the module doc)."""
+        if self._idemmail_refused is None:
+            try:
+                problem = self._problem()
+            except Exception:  # a defect here must not stop the worker: the run's own checks still come
+                log.exception("idemmail: task %s[%s] could not be checked before the pool", self.name, self.id)
+                problem = None
+            self._idemmail_refused = problem is not None
+            if problem is not None:
+                self._refuse(problem)
+        return bool(self._idemmail_refused) or bool(super().revoked())
+
+    def _problem(self) -> str | None:
+        try:
+            limit = self.task.max_argument_size()
+        except Exception:  # settings that do not parse: the run says so (setup_error) and waits; depth still counts
+            limit = None
+        body = self.body
+        opened: int | None = None
+        if self.content_type == "application/json":
+            if isinstance(body, str):
+                opened = body.count("[") + body.count("{")
+            elif isinstance(body, (bytes, bytearray)):
+                opened = body.count(b"[") + body.count(b"{")
+        # The arguments' JSON bounds both answers: no deeper than its brackets, no larger than its length.
+        if opened is not None and opened <= MAX_NESTING and (limit is None or len(body) <= limit):
+            return None
+        return arguments_problem(self.args, self.kwargs, limit)
+
+    def _refuse(self, problem: str) -> None:
+        """End the message as the worker ends any invalid call: FAILURE stored, ``task-failed`` sent, acknowledged."""
+        task = self.task
+        exc = PermanentSendError(problem, reason="invalid_arguments")
+        log.warning("idemmail: task %s[%s] refused before the pool: %s", self.name, self.id, problem)
+        task.request_stack.push(self._context)  # what reports read as the task's request
+        try:
+            report = getattr(task, "report", None)
+            if report is not None:
+                report(Outcome.FAILED, "", reason="invalid_arguments", recorded="false")
+        finally:
+            task.request_stack.pop()
+        try:
+            task.backend.mark_as_failure(self.id, exc, request=self._context, store_result=self.store_errors)
+            self.send_event("task-failed", exception=saferepr(exc), traceback="")
+        except Exception:  # the message is refused all the same: it can never run
+            log.exception("idemmail: the refusal of task %s[%s] could not be stored or told", self.name, self.id)
+        task_ready(self)
+        self.acknowledge()
+
+
+#: glibc's own default threshold (128 KiB), above which an allocation is a mapping of its own, unmapped when freed.
+MMAP_THRESHOLD = 128 * 1024
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def fix_mmap_threshold() -> bool:
+    """Keep glibc's mmap threshold at its default in this process (and the pool children it forks afterwards).
+
+    glibc raises the threshold, up to 32 MiB, each time a block above it is freed: after one large
+    message (its body, the decoded arguments, the pickled job, the provider's request: about 10 MiB
+    each) the next ones are allocated inside the heap, and a heap gives memory back only from its top.
+    Pool children kept hundreds of MiB that way (issue 35). Setting the threshold turns the raising
+    off; every block above it goes back to the system when freed. False where the C library is not glibc.
+    """
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False

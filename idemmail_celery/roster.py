@@ -1,0 +1,182 @@
+"""Key-secret rotation in one deploy: the roster of the secrets each live worker holds.
+
+A worker that only holds the old key secret cannot find a record made under a new one, nor check
+a seal made with it: while it runs, nobody may make keys under the new secret. Every worker
+therefore puts the ids of the secrets it holds (:func:`~idemmail_celery.keys.secret_ids`) into its
+ledger's roster (:meth:`Ledger.announce`) when it starts, again every :data:`ANNOUNCE_SECONDS`
+(a heartbeat; the entry lapses :data:`ENTRY_SECONDS` after the last one, so a killed worker drops
+out by itself), and takes it out at a warm shutdown. A process configured with several secrets,
+a worker or a web process that only enqueues, makes keys and seals under the newest secret every
+live worker holds (:func:`active_order`), reading the roster at most every :data:`REFRESH_SECONDS`
+(:class:`RosterView`), never once per call. So ``[old]`` -> ``[new, old]`` in one rolling deploy
+goes on making keys under ``old`` until the last worker without ``new`` is gone, then moves to
+``new``: the two steps of a manual rotation, taken by the processes themselves.
+
+With one secret there is nothing to choose and the roster is never read. A ledger without a roster
+(:class:`NotImplementedError`: a third-party backend, a hand-managed SQL schema without migration
+003) leaves the secrets in their configured order: the rotation then takes two deploys. A roster
+that cannot be read before the first choice leaves it to the *oldest* secret, the one every process
+still holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from ._common import after_fork
+from .errors import LedgerError, UnsafeLedgerError
+from .keys import secret_ids
+from .ledger import Ledger
+from .ledger.base import RosterEntry
+
+log = logging.getLogger("idemmail_celery")
+
+#: How often a process reads the roster again (the cost: one read per ledger and process in this time).
+REFRESH_SECONDS = 5.0
+#: How often a worker announces itself; its entry lapses this long after the last announcement.
+ANNOUNCE_SECONDS = 5.0
+ENTRY_SECONDS = 45.0
+
+Secrets = tuple[bytes | None, ...]
+
+
+def active_order(secrets: Secrets, entries: Sequence[RosterEntry] | None) -> Secrets:
+    """``secrets`` (newest first) with the one to make keys and seals under first: the newest one that
+    every live worker in ``entries`` holds; the others follow in their order (found under, checked).
+
+    No roster (``entries`` None): the oldest, which every process still holds. An empty roster (no live
+    worker): the newest. None held by all (workers with disjoint secrets, a misconfiguration): the oldest.
+    """
+    if len(secrets) < 2:
+        return secrets
+    held = [set(e.secret_ids) for e in entries] if entries is not None else None
+    chosen = len(secrets) - 1
+    if held is not None:
+        for n, sid in enumerate(secret_ids(secrets)):
+            if all(sid in h for h in held):
+                chosen = n
+                break
+    return (secrets[chosen], *secrets[:chosen], *secrets[chosen + 1:])
+
+
+class RosterView:
+    """One ledger's roster as this process last read it, read again once :data:`REFRESH_SECONDS` have
+    passed (by one thread; the others use what was read before). Thread-safe; forgotten after a fork."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self._lock = threading.Lock()
+        self._entries: list[RosterEntry] | None = None
+        self._read_at: float | None = None  # monotonic; None: never read
+        self._said = False
+        self.kept = True  # False: this ledger keeps no roster
+        self._memo: tuple[list[RosterEntry] | None, Secrets, bool, Secrets] | None = None
+
+    def entries(self) -> list[RosterEntry] | None:
+        """The live entries; None when this ledger has no roster or it has never been read."""
+        read_at = self._read_at
+        if read_at is not None and time.monotonic() - read_at < REFRESH_SECONDS:
+            return self._entries
+        # The first read is waited for (a choice made without it would be the oldest secret's); later ones
+        # are made by one thread while the others go on with the last answer.
+        if not self._lock.acquire(blocking=read_at is None):
+            return self._entries
+        try:
+            if self._read_at is None or time.monotonic() - self._read_at >= REFRESH_SECONDS:
+                self._refresh()
+            return self._entries
+        finally:
+            self._lock.release()
+
+    def _refresh(self) -> None:
+        try:
+            self._entries = self.ledger.roster()
+            self._said = False
+        except NotImplementedError:
+            self._entries, self.kept = None, False
+        except Exception as exc:  # the ledger, its driver: the last answer stands until it answers
+            if not self._said:
+                self._said = True
+                log.warning("idemmail: the key-secret roster could not be read (%s); keys are made as "
+                            "last decided", type(exc).__name__)
+        self._read_at = time.monotonic()
+
+    def order(self, secrets: Secrets) -> Secrets:
+        """:func:`active_order` of ``secrets`` by this roster (no read at all with one secret); as configured
+        when the ledger keeps no roster."""
+        if len(secrets) < 2:
+            return secrets
+        entries = self.entries()
+        memo = self._memo  # worked out again only when the roster was read again (every few seconds)
+        if memo is not None and memo[0] is entries and memo[1] == secrets and memo[2] is self.kept:
+            return memo[3]
+        kept = self.kept
+        order = active_order(secrets, entries) if kept else secrets
+        self._memo = (entries, secrets, kept, order)
+        return order
+
+
+_views: dict[int, RosterView] = {}
+_views_lock = threading.Lock()
+
+
+def view(ledger: Ledger) -> RosterView:
+    """The process's :class:`RosterView` of ``ledger``."""
+    found = _views.get(id(ledger))
+    if found is None or found.ledger is not ledger:
+        with _views_lock:
+            found = _views.get(id(ledger))
+            if found is None or found.ledger is not ledger:
+                found = _views[id(ledger)] = RosterView(ledger)
+    return found
+
+
+@after_fork
+def _forget_views() -> None:
+    global _views_lock
+    _views_lock = threading.Lock()
+    _views.clear()  # a pool child reads for itself (the parent's lock may have been held at the fork)
+
+
+class Announcer:
+    """A worker's heartbeat into its ledgers' rosters: a daemon thread announcing ``member`` with the
+    secret ids each ledger's tasks hold, every :data:`ANNOUNCE_SECONDS`; :meth:`stop` takes it out."""
+
+    def __init__(self, member: str, ledgers: Sequence[tuple[Ledger, Sequence[str]]]) -> None:
+        self.member, self.ledgers = member, list(ledgers)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def announce(self) -> None:
+        """Announce once, now, in every ledger (a ledger that cannot be reached is tried at the next beat)."""
+        for ledger, ids in self.ledgers:
+            try:
+                ledger.announce(self.member, ids, ENTRY_SECONDS)
+            except NotImplementedError:
+                continue
+            except (LedgerError, UnsafeLedgerError) as exc:
+                log.warning("idemmail: could not announce this worker's key secrets (%s)", type(exc).__name__)
+
+    def start(self) -> Announcer:
+        """Announce now (before the worker takes its first message), then every :data:`ANNOUNCE_SECONDS`."""
+        self.announce()
+        self._thread = threading.Thread(target=self._beat, name="idemmail-roster", daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(ANNOUNCE_SECONDS):
+            self.announce()
+
+    def stop(self) -> None:
+        """Stop the heartbeat and leave every roster (a warm shutdown: the others need not wait for the entry
+        to lapse)."""
+        self._stop.set()
+        for ledger, ids in self.ledgers:
+            try:
+                ledger.announce(self.member, ids, 0)
+            except (NotImplementedError, LedgerError, UnsafeLedgerError):
+                continue

@@ -1,0 +1,101 @@
+"""One-step key-secret rotation (issue 35, item 4): keys and seals follow the roster of live workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from idemmail_celery import IdempotentTask, roster
+from idemmail_celery._common import KEY_HEADER, KEY_MARK_HEADER, OLDER_KEYS_HEADER
+from idemmail_celery.keys import secret_ids
+from idemmail_celery.ledger.base import RosterEntry
+
+from .conftest import unique
+
+OLD, NEW = b"old-secret", b"new-secret"
+OLD_ID, NEW_ID = secret_ids([OLD, NEW])
+
+
+def entry(*ids: str) -> RosterEntry:
+    return RosterEntry(unique("w"), ids, 0.0)
+
+
+def test_the_newest_secret_every_live_worker_holds_comes_first() -> None:
+    both = (NEW, OLD)
+    assert roster.active_order(both, [entry(OLD_ID), entry(NEW_ID, OLD_ID)]) == (OLD, NEW)  # one still on [old]
+    assert roster.active_order(both, [entry(NEW_ID, OLD_ID), entry(NEW_ID, OLD_ID)]) == (NEW, OLD)
+    assert roster.active_order(both, []) == (NEW, OLD)  # no live worker: nobody to wait for
+    assert roster.active_order(both, None) == (OLD, NEW)  # no roster: the oldest, which everyone holds
+    assert roster.active_order((NEW, OLD, None), [entry(OLD_ID, "plain"), entry(NEW_ID, OLD_ID)]) == (OLD, NEW, None)
+    assert roster.active_order((NEW,), None) == (NEW,)
+
+
+def sender(tmp_path: Path, secrets: list[bytes], name: str = "tests.roster.send") -> Any:
+    app = Celery(unique("roster"), set_as_current=False)
+    app.conf.update(idemmail_ledger_url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}", idemmail_key_secret=secrets)
+
+    @app.task(base=IdempotentTask, name=name, shared=False, idempotency_key=("to",))
+    def send(to: str) -> dict[str, Any]:
+        return {"message_id": "m"}
+
+    return send
+
+
+def test_a_caller_on_new_old_makes_keys_under_old_while_a_worker_without_new_is_live(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old_only, upgraded = sender(tmp_path, [OLD]), sender(tmp_path, [NEW, OLD])
+    ledger = upgraded.ledger
+    reads: list[int] = []
+    real_roster = ledger.backend.roster
+    monkeypatch.setattr(ledger.backend, "roster", lambda: reads.append(1) or real_roster())
+    ledger.announce("old-worker:1", [OLD_ID], 30.0)
+    ledger.announce("new-worker:2", [NEW_ID, OLD_ID], 30.0)
+    under_old = old_only.key_builder.derive(old_only.key_builder.payload(("ann@example.com",), {}))
+    for _ in range(50):
+        headers = upgraded.intent_headers(("ann@example.com",), {})
+    assert headers[KEY_HEADER] == under_old  # the key the [old] worker finds
+    assert headers[KEY_MARK_HEADER].startswith(f"{OLD_ID}:")  # a seal the [old] worker can check
+    assert len(headers[OLDER_KEYS_HEADER]) == 1 and headers[OLDER_KEYS_HEADER][0] != under_old
+    assert len(reads) == 1  # the roster is read once, not per enqueue
+
+    ledger.announce("old-worker:1", [OLD_ID], 0)  # the last worker without `new` is gone
+    monkeypatch.setattr(roster, "REFRESH_SECONDS", 0.0)
+    headers = upgraded.intent_headers(("ann@example.com",), {})
+    assert headers[KEY_HEADER] != under_old and headers[OLDER_KEYS_HEADER] == [under_old]
+    assert headers[KEY_MARK_HEADER].startswith(f"{NEW_ID}:")
+
+
+def test_a_worker_announces_the_secrets_all_its_tasks_hold_and_leaves_at_shutdown(tmp_path: Path) -> None:
+    from idemmail_celery.task import announcer
+
+    send = sender(tmp_path, [NEW, OLD])
+    beat = announcer(send.app).start()
+    try:
+        [mine] = [e for e in send.ledger.roster() if e.member == beat.member]
+        assert mine.secret_ids == (NEW_ID, OLD_ID)
+    finally:
+        beat.stop()
+    assert [e for e in send.ledger.roster() if e.member == beat.member] == []
+
+
+def test_a_ledger_without_a_roster_keeps_the_configured_order_and_an_unreadable_one_the_oldest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from idemmail_celery.errors import LedgerUnavailableError
+
+    ledger = sender(tmp_path, [NEW, OLD]).ledger
+
+    def missing() -> list[RosterEntry]:
+        raise NotImplementedError("no roster here")
+
+    def down() -> list[RosterEntry]:
+        raise LedgerUnavailableError("down")
+
+    monkeypatch.setattr(ledger.backend, "roster", missing)
+    assert roster.RosterView(ledger).order((NEW, OLD)) == (NEW, OLD)  # rotate in two deploys there
+    monkeypatch.setattr(ledger.backend, "roster", down)
+    assert roster.RosterView(ledger).order((NEW, OLD)) == (OLD, NEW)
