@@ -331,8 +331,9 @@ class EmailMessage:
         The stdlib parses every header value it is given, addresses too (it formats each
         ``Address`` and reads the text back), and decodes any RFC 2047 encoded word it finds:
         :meth:`build` refuses them for that reason. As a last line, a header that would fold
-        into a line of its own (not a continuation) raises :class:`InvalidEmail` here, so a
-        message made without :meth:`build` cannot add a header line either.
+        into a line of its own (not a continuation), or whose folded text decodes to a line
+        break when read back, raises :class:`InvalidEmail` here, on every Python, so a message
+        made without :meth:`build` cannot add a header line either.
         """
         msg = MIMEMessage(policy=email.policy.SMTP)
         msg["From"] = _mime_address(self.sender)
@@ -377,20 +378,35 @@ _FIELD_OF_HEADER = {"from": "from", "to": "to", "cc": "cc", "reply-to": "reply_t
 
 
 def _refuse_injected_lines(msg: MIMEMessage) -> None:
-    # Belt and braces behind build()'s checks: fold each header as the generator will and look for
-    # a line that is not a continuation. The stdlib decodes encoded words while it folds, and writes
-    # a CR LF it decoded as a raw line break (CVE-2024-6923), so only the folded text tells.
+    # Belt and braces behind build()'s checks: fold each header as the generator will, look for a
+    # line that is not a continuation, and read the folded text back as a mail program would. The
+    # stdlib decodes encoded words while it folds: before the CVE-2024-6923 fix it writes a CR LF it
+    # decoded as a raw line break, since the fix (3.13) it encodes it again, for the reader to decode;
+    # and a decoded word holding non-ASCII is encoded again on every version. Each check alone misses one.
     policy = msg.policy
     for part in msg.walk():
         for name, value in part.items():
-            lines = policy.fold(name, value).split(policy.linesep)
+            folded = policy.fold(name, value)
+            lines = folded.split(policy.linesep)
             if lines[-1] == "":
                 lines.pop()
             if any("\r" in line or "\n" in line for line in lines) or any(
-                    line[:1] not in (" ", "\t") for line in lines[1:]):
+                    line[:1] not in (" ", "\t") for line in lines[1:]) or _reads_back_a_line_break(policy, folded):
                 where = _FIELD_OF_HEADER.get(name.lower(), _named("headers", name))
-                raise InvalidEmail(f"{where} would write a header line of its own (header injection through an "
-                                   "RFC 2047 encoded word)", field=where)
+                raise InvalidEmail(f"{where} would write a header line of its own, or a line break a reader decodes "
+                                   "(header injection through an RFC 2047 encoded word)", field=where)
+
+
+def _reads_back_a_line_break(policy: email.policy.Policy, folded: str) -> bool:
+    # A reader decodes nothing but RFC 2047 encoded words and RFC 2231 parameters (name*=utf-8''%0D%0A):
+    # without them, nothing to parse (which costs about a millisecond a message).
+    if "=?" not in folded and "*=" not in folded:
+        return False
+    try:  # the stdlib's own parser, as it reads a received message's header
+        value = str(policy.header_fetch_parse(*policy.header_source_parse([folded])))
+    except ValueError:  # an address part that decodes to CR or LF: the stdlib refuses to make the Address
+        return True
+    return "\r" in value or "\n" in value
 
 
 def _drop_inner_mime_version(part: MIMEPart) -> None:

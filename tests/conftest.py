@@ -11,12 +11,13 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 import redis
@@ -30,6 +31,17 @@ MARIADB_URL = os.environ.get("IDEMMAIL_TEST_MARIADB", "mysql+pymysql://root@127.
 RABBITMQ_URL = os.environ.get("IDEMMAIL_TEST_RABBITMQ", "amqp://guest:guest@127.0.0.1:5672//")
 
 RUN_ID = uuid.uuid4().hex[:8]
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, a package before 3.11 (pytest and mypy need it there too)
+    import tomli as tomllib
+
+
+def pyproject() -> dict[str, Any]:
+    """pyproject.toml, parsed."""
+    return tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+
 
 # The fixtures the package ships for users' own tests (fake_provider), used here too.
 pytest_plugins = ["idemmail_celery.testing.fixtures"]

@@ -25,12 +25,13 @@ from urllib.parse import urlsplit
 
 import click
 import pytest
-import tomllib
 import yaml
 from celery import Celery, current_app
 from celery.app.utils import find_app
 from flask import Flask
 from kombu.utils.imports import symbol_by_name
+
+from .conftest import pyproject
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
@@ -99,7 +100,7 @@ def test_services_are_images_or_built_from_files_that_exist() -> None:
             assert (ROOT / path).exists(), path
     extras = re.search(r'-e "\.\[([a-z,]+)\]"', dockerfile)
     assert extras, dockerfile
-    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    declared = pyproject()["project"]["optional-dependencies"]
     assert set(extras.group(1).split(",")) <= set(declared)
     pinned = {line.split("==")[0].lower() for line in (ROOT / "constraints.txt").read_text().splitlines()}
     for extra_package in re.search(r'\]" (.+)$', dockerfile, re.MULTILINE).group(1).split():  # type: ignore[union-attr]

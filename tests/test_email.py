@@ -313,6 +313,9 @@ def test_bodies_refuse_what_no_email_can_carry() -> None:
 
 # CR LF, then "Reply-To: evil@attacker.example", as a q-encoded word (CVE-2024-6923 on an unpatched Python).
 INJECTION = "=?utf-8?q?x=0D=0AReply-To=3A_evil=40attacker.example?="
+# The same with a non-ASCII letter before the CR LF: the stdlib writes that decoded word encoded again, on every
+# Python, so no raw line break reaches the bytes; a reader decodes the line break (CVE-2024-6923 patched or not).
+REENCODED = "=?utf-8?q?=C3=BC=0D=0AReply-To=3A_evil=40attacker.example?="
 # The same through two addresses of one list: the first opens the encoded word, the second closes it.
 OPENER = "=?utf-8?b?" + base64.b64encode(b"\r\nBcc: eve@evil.example").decode() + " <ann@example.com>"
 CLOSER = "x?= <bob@example.com>"
@@ -332,6 +335,11 @@ ENCODED_WORDS: list[tuple[dict[str, Any], str]] = [
     ({"headers": {"X-Campaign": INJECTION}}, "headers[X-Campaign]"),
     ({"tags": {"k": INJECTION}}, "tags[k]"),
     ({"attachments": [Attachment(f"{INJECTION}.pdf", b"%PDF")]}, "attachments.filename"),
+    ({"subject": f"Your order {REENCODED} has shipped"}, "subject"),
+    ({"to": f"{REENCODED} <ann@example.com>"}, "to"),
+    ({"reply_to": f'"{REENCODED}" <help@example.com>'}, "reply_to"),
+    ({"headers": {"X-Campaign": REENCODED}}, "headers[X-Campaign]"),
+    ({"attachments": [Attachment(f"{REENCODED}.pdf", b"%PDF")]}, "attachments.filename"),
 ]
 
 
