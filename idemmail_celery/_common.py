@@ -28,6 +28,10 @@ OLDER_KEYS_HEADER = "idemmail_older_keys"
 TENANT_HEADER = "idempotency_tenant"
 #: When the intent was first enqueued (caller's clock, epoch seconds).
 ENQUEUED_HEADER = "idemmail_enqueued"
+#: When a countdown or ETA first lets the message run (epoch seconds), set only when later than its enqueue:
+#: the retention rule and the retry deadline count from it; the ledger-loss rule counts from the enqueue, since
+#: another copy of the same intent, enqueued with it and due at once, may have been sent before a loss.
+DUE_HEADER = "idemmail_due"
 #: How many times this chain was rescheduled because another holder's claim was live.
 INFLIGHT_HEADER = "idemmail_inflight"
 #: How many times this chain was rescheduled because the ledger (or the provider's set-up) was unavailable.
@@ -57,8 +61,8 @@ KEY_TAG = "idemmail_key"
 #: Headers the worker acts on: only a valid seal (``IntentKeyBuilder.seal``, in :data:`KEY_MARK_HEADER`) makes
 #: them count; without one they are ignored (the key is then a caller's own, hashed). The tenant is not among
 #: them: it only namespaces a key the worker hashes or derives itself.
-SEALED_HEADERS = (KEY_HEADER, OLDER_KEYS_HEADER, ENQUEUED_HEADER, INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER,
-                  VERDICT_HEADER, HOP_HEADER, CAMPAIGN_HEADER, NOT_BEFORE_HEADER)
+SEALED_HEADERS = (KEY_HEADER, OLDER_KEYS_HEADER, ENQUEUED_HEADER, DUE_HEADER, INFLIGHT_HEADER, OUTAGE_HEADER,
+                  OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, CAMPAIGN_HEADER, NOT_BEFORE_HEADER)
 #: When a message sealed under a key secret its worker lacks first waited (epoch seconds). Not sealed: it
 #: only decides how loudly the wait is logged (a forged one makes a publisher's own message louder).
 SECRET_WAIT_HEADER = "idemmail_secret_wait"

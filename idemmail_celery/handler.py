@@ -197,10 +197,13 @@ class Delivery:
     #: This chain's reschedules so far: because a claim was busy, and because something was unavailable.
     inflight: int = 0
     outage: int = 0
-    #: When the intent was first enqueued, or first due when later (a countdown): the sealed
-    #: ``idemmail_enqueued`` header, caller's clock. No copy of the intent can have been claimed
-    #: before it: the ledger-loss rule and the retention rule count from it. None: not said.
+    #: When the message was enqueued: the sealed ``idemmail_enqueued`` header, caller's clock. The
+    #: ledger-loss rule counts from it (a copy enqueued with it may have been sent before a loss).
+    #: None: not said.
     enqueued_at: float | None = None
+    #: When its countdown or ETA first let it run, if later (sealed ``idemmail_due``): this message
+    #: cannot have been claimed before it, so the retention rule counts from it.
+    due_at: float | None = None
     #: The claim owners this chain may still hold its claim under, newest first (``ClaimRequest.resume_owner``:
     #: a claim whose reply was lost may or may not have landed, so the one before it is kept too), and the
     #: verdict it could not record (``{"state": "sent", "result": ...}`` or ``{"state": "failed"|"review", ...}``).
@@ -905,8 +908,9 @@ class Handler:
     def older_than_retention(self, d: Delivery) -> bool:
         """Is this message older than what the ledger can vouch for?
 
-        A record of its intent, had one been made, was made no earlier than ``d.enqueued_at`` (nothing
-        claims a message before it is enqueued, or before its countdown is due), and a final one is kept
+        A record of its intent made by this message was made no earlier than ``d.enqueued_at`` or
+        ``d.due_at``, the later (nothing claims a message before it is enqueued, or before its
+        countdown is due), and a final one is kept
         for the retention after that (``claimed``, ``released`` and ``review`` ones for ever). So a new
         claim for a message enqueued longer ago than the retention may be a copy of an intent sent and
         expired: a message captured from the broker and published again, or one that waited out a ledger
@@ -915,7 +919,8 @@ class Handler:
         if d.enqueued_at is None:
             return False
         retention = self.ledger.retention_seconds
-        return time.time() - d.enqueued_at > retention - min(RETENTION_SKEW_SECONDS, retention / 10)
+        age = time.time() - max(d.enqueued_at, d.due_at or 0.0)
+        return age > retention - min(RETENTION_SKEW_SECONDS, retention / 10)
 
     def after_retention(self, d: Delivery, claim: Claim) -> Step:
         """A new claim for a message older than the retention: never sent again blind. Reconciled when the
@@ -925,7 +930,7 @@ class Handler:
         found = self.reconciled(d, claim.record)
         if found is not None:
             return self.record_sent(d, claim, found, reconciled=True)
-        age = time.time() - (d.enqueued_at or 0.0)
+        age = time.time() - max(d.enqueued_at or 0.0, d.due_at or 0.0)
         return self.park_unknown(d, claim, OLDER_THAN_RETENTION,
                                  f"enqueued {age:.0f} s ago, longer than the ledger keeps records "
                                  f"({self.ledger.retention_seconds:.0f} s): a copy of it may have been sent, "

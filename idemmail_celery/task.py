@@ -40,6 +40,7 @@ from . import keys as keys_mod
 from . import outcomes, redaction, roster
 from ._common import (
     CHAIN_HEADERS,
+    DUE_HEADER,
     ENQUEUED_HEADER,
     HOP_HEADER,
     INFLIGHT_HEADER,
@@ -355,8 +356,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         What ``apply_async`` does before enqueueing, and what the transactional
         outbox stores with a row. ``due``: when a countdown or ETA lets the message run (epoch
-        seconds); the sealed enqueue time is the later of it and now, since no copy can be claimed
-        before (the worker parks a message enqueued longer ago than the ledger's retention).
+        seconds); sealed beside the enqueue time when later, since this message cannot be claimed
+        before it (the worker parks a message due longer ago than the ledger's retention).
         Raises :class:`~idemmail_celery.errors.IdemmailError` subclasses (and ``TypeError`` from
         ``check_call``) on bad input.
         """
@@ -366,7 +367,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         older = builder.older_keys(payload, explicit=explicit, tenant=tenant)  # () unless rotating
         if older:
             headers[OLDER_KEYS_HEADER] = list(older)
-        headers[ENQUEUED_HEADER] = f"{max(time.time(), due or 0.0):.3f}"
+        now = time.time()
+        headers[ENQUEUED_HEADER] = f"{now:.3f}"
+        if due is not None and due > now:
+            headers[DUE_HEADER] = f"{due:.3f}"
         if tenant is not None:
             headers[TENANT_HEADER] = str(tenant)
         return self.sealed(headers, payload)
@@ -527,11 +531,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self._carry_out(step, headers)
         request.idempotency_key = key
         request.idemmail_owner = owner = new_owner(request.id or "", ahead=handler.writes_ahead())
-        enqueued_at = _number(headers.get(ENQUEUED_HEADER))
+        enqueued_at, due_at = _number(headers.get(ENQUEUED_HEADER)), _number(headers.get(DUE_HEADER))
+        dated = max(enqueued_at, due_at or 0.0) if enqueued_at is not None else None
         step = handler.handle(Delivery(
             key=key, task_name=self.name, payload=payload, attempt_id=request.id or "", **chain, older_keys=older,
             retries=request.retries or 0, max_retries=self.max_retries, enqueued_at=enqueued_at,
-            retry_from=time.time() if enqueued_at is None else enqueued_at,
+            due_at=due_at, retry_from=time.time() if dated is None else dated,
             hop=str(headers.get(HOP_HEADER) or request.id or ""), owner=owner,
         ))
         return self._carry_out(step, headers)

@@ -978,3 +978,19 @@ def test_a_claim_taken_over_by_the_chain_and_resumed_without_a_mark_is_sent(ledg
     assert done.outcome is Outcome.SENT and box.sent == [("wa-h7", "first")]
     record = ledger.get("wa-h7")
     assert record is not None and record.state is State.SENT and record.reclaims == 1
+
+
+def test_the_retention_rule_counts_from_the_due_time_and_the_loss_rule_from_the_enqueue(ledger: Ledger) -> None:
+    """A message enqueued long ago with a countdown that fell due just now is not older than the retention
+    (it cannot have been claimed before it was due); but enqueued before an acknowledged loss, it meets the
+    loss rule whenever it falls due (another copy of its intent may have been sent before the loss)."""
+    handler, box = build(ledger)
+    now = time.time()
+    long_ago = now - ledger.retention_seconds - 3600
+    fresh = handler.handle(delivery("h-due", enqueued_at=long_ago, due_at=now - 1))
+    assert fresh.outcome is Outcome.SENT and len(box.sent) == 1
+    ledger.recovered_at = now - 60
+    lost = handler.handle(delivery("h-due-lost", enqueued_at=now - 120, due_at=now - 1))
+    assert lost.outcome is Outcome.REVIEW and len(box.sent) == 1
+    record = ledger.get("h-due-lost")
+    assert record is not None and record.error is not None and record.error["reason"] == "ledger_lost"

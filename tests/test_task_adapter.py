@@ -15,6 +15,7 @@ from celery.exceptions import Retry
 
 from idemmail_celery import IdempotentTask
 from idemmail_celery._common import (
+    DUE_HEADER,
     ENQUEUED_HEADER,
     HOP_HEADER,
     INFLIGHT_HEADER,
@@ -263,3 +264,23 @@ def test_a_plain_task_that_names_its_point_of_no_return_is_marked_resent_or_park
     assert type(parked).__name__ == "SendNeedsReview" and [r[0] for r in ran] == [1, 2]  # never run again
     assert record is not None and record.state is State.REVIEW and record.error is not None
     assert record.error["reason"] == "lease_expired" and record.error.get("stage") == "charge"
+
+
+def test_a_countdown_is_sealed_beside_the_enqueue_time_not_in_its_place(tmp_path: Path) -> None:
+    """The ledger-loss rule counts from the enqueue: a copy of the same intent enqueued with this one and due
+    at once may have been sent before a loss, so a countdown must not make the message look enqueued after
+    it (the enqueue time once became the due time, and such a copy was sent again). The retention rule counts
+    from the due time, sealed beside it."""
+    app = make_app("redis://127.0.0.1:6379/0")
+    app.conf.idemmail_ledger_url = f"sqlite:///{tmp_path / 'l.sqlite3'}"
+
+    @app.task(base=IdempotentTask, name=unique("adapter.later"), shared=False)
+    def later(to: str) -> None: ...
+
+    before = time.time()
+    due = before + 3600
+    headers = later.intent_headers(("ann@example.com",), {}, due=due)
+    assert before - 0.001 <= float(headers[ENQUEUED_HEADER]) <= time.time() + 0.001  # sealed to the millisecond
+    assert headers[DUE_HEADER] == f"{due:.3f}"
+    assert DUE_HEADER not in later.intent_headers(("ann@example.com",), {}, due=before - 1)  # already due
+    assert later.sealed(headers, Payload(["ann@example.com"], {}))[KEY_MARK_HEADER]  # sealed with the rest
