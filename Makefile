@@ -67,7 +67,7 @@ clean:
 sim: install
 	$(BIN)/python -m sim $(SIM_ARGS)
 
-## The long fault-injection suite (about 10 min here): SIGKILLs, provider faults, Redis and RabbitMQ,
+## The long fault-injection suite (about 35 min here): SIGKILLs, provider faults, Redis and RabbitMQ,
 ## Redis and PostgreSQL ledgers, the ledger-loss drill; prints the table. CHAOS_ARGS="--intents 2000 --no-write" for a look.
 chaos: install
 	$(BIN)/python -m chaos.run $(CHAOS_ARGS)

@@ -123,7 +123,9 @@ def test_verdict_fails_a_run_whose_planned_disturbances_did_not_happen() -> None
     cases: dict[str, dict[str, Any]] = {
         "0 of the 6 planned kills happened": {"child_kills": 0},
         "5 of the 6 planned kills happened": {"child_kills": 3, "worker_kills": 2},
-        "planned faults never applied: slow": {"faults_by_kind": {k: 1 for k in HTTP_FAULTS if k != "slow"}},
+        "planned faults never applied: slow": {"faults": 45,
+                                                "faults_by_kind": {k: 15 for k in HTTP_FAULTS if k != "slow"}},
+        "planned faults never applied: none at all": {"faults": 0, "faults_by_kind": {}},
         "1 of the 3 planned ledger outages happened": {"ledger_blips": 1},
         "the key secret was never rotated": {"rotated": False},
     }
