@@ -20,7 +20,7 @@ from idemmail_celery.ledger import State
 from idemmail_celery.ledger.base import ahead_mark
 
 from . import ledger as sim_ledger
-from .world import Config
+from .world import Config, patched
 
 Patch = tuple[Any, str, Any]
 
@@ -138,12 +138,5 @@ DEFECTS: tuple[Defect, ...] = (
 @contextmanager
 def planted(defect: Defect) -> Iterator[None]:
     """The library with ``defect`` in it, for the ``with`` block."""
-    patches = defect.patches()
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
-    for obj, name, value in patches:
-        setattr(obj, name, value)
-    try:
+    with patched(defect.patches()):
         yield
-    finally:
-        for obj, name, value in saved:
-            setattr(obj, name, value)

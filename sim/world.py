@@ -905,6 +905,13 @@ def installed(world_clock: Callable[[], World | None]) -> Iterator[None]:
         (bulk, "keeper", Keeper()), (handler_mod, "backoff", steady), (bulk, "backoff", steady),
         (bulk, "outcomes", Silent), (bulk, "transport_visibility_timeout", lambda app: VISIBILITY),
     ]
+    with patched(patches):
+        yield
+
+
+@contextmanager
+def patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Each ``(obj, name, value)`` set for the ``with`` block, and put back after it."""
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, value in patches:
         setattr(obj, name, value)
