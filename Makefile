@@ -26,13 +26,13 @@ TEST_WORKERS ?= 4
 ## The inner loop: lint, types and every test that needs no process of its own (no `worker` mark; see
 ## docs/development.md), against the real services on loopback.
 check: install lint typecheck
-	$(BIN)/python -m pytest -q -m "not worker" -n $(TEST_WORKERS) --dist load
+	$(BIN)/python -m pytest -q -m "not worker" -n $(TEST_WORKERS) --dist worksteal
 	$(BIN)/python -m sim --budget 30
 
 ## Lint, types and the whole suite against the real services on loopback, worker tests included; the
 ## few tests marked `serial` (they keep pace with a deadline of seconds) run alone, after the rest.
 test: install lint typecheck
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m "not serial"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
 
 lint: install
