@@ -392,15 +392,23 @@ def enqueue_sql(
     """
     row = _row(task, args, kwargs, idempotency_key, idempotency_tenant, options)
     d = _dialect(vendor, paramstyle="format")
-    # A lightweight table without the id column: no RETURNING id that the caller's cursor would not read.
-    t = sa.table(table, *(sa.column(name) for name in row))
+    # A lightweight table without the id column: no RETURNING id that the caller's cursor would not read;
+    # its columns typed as the outbox's, so each value goes through the dialect's own bind processing
+    # (SQLite's timestamps as SQLAlchemy writes them, not through sqlite3's adapter, deprecated in 3.12).
+    typed = outbox_table().c
+    t = sa.table(table, *(sa.column(name, typed[name].type) for name in row))
     compiled = _insert(d.name, t, row).compile(dialect=d)
     names = compiled.positiontup or []
-    params = tuple(compiled.params[name] for name in names)
+    params = tuple(_bound(compiled.binds[name].type, d, compiled.params[name]) for name in names)
     return OutboxSQL(str(compiled), params, str(row["intent_key"]))
 
 
 # -- the relay --
+
+
+def _bound(type_: sa.types.TypeEngine[Any], dialect: sa.Dialect, value: Any) -> Any:
+    process = type_.dialect_impl(dialect).bind_processor(dialect)
+    return process(value) if process is not None and value is not None else value
 
 
 def _claim_sql(conn: Connection, t: sa.Table, batch_size: int, now: dt.datetime) -> Any:
