@@ -49,7 +49,7 @@ from celery.beat import PersistentScheduler
 from celery.schedules import schedstate, schedule
 
 from ._common import KEY_HEADER, SLOT_HEADER, logsafe
-from .errors import IdemmailError, InvalidEmail
+from .errors import InvalidEmail, SlotMissingError
 from .keys import untrusted_removed
 from .redaction import scrub
 from .task import first_run_time
@@ -79,14 +79,6 @@ PERIODS: Mapping[str, str] = {
     "week": "%G-W%V",  # ISO week: "2026-W47" (ISO year, so Dec 29 may be in week 1 of the next year)
     "month": "%Y-%m",
 }
-
-
-class SlotMissingError(IdemmailError, ValueError):
-    """The task knows no slot: it was not sent by a slot-aware beat and no ``slot=`` was given.
-
-    Pass the slot explicitly (``task.delay(slot="2026-11-21")``) when running it by hand,
-    or run beat with :class:`SlotScheduler` (or a scheduler with :class:`SlotMixin`).
-    """
 
 
 # -- the schedule --

@@ -1,8 +1,35 @@
-"""The exception tree of idemmail-celery.
+"""The exception tree of idemmail-celery: every exception the library raises, in this one module.
 
-Every error the library raises derives from :class:`IdemmailError`, so a caller
-can catch at the level it cares about. Names say what happened; docstrings say
-what the caller should do about it.
+Every error derives from :class:`IdemmailError`, so a caller can catch at the level it cares about.
+Names say what happened; docstrings say what the caller should do about it. The modules that raise
+an error also export it under their own name (``idemmail_celery.webhooks.WebhookSignatureError`` is
+this module's class)::
+
+    IdemmailError
+        ConfigurationError
+            UnknownLedgerSchemeError
+            UnsafeLedgerError
+        IdempotencyKeyError
+            UnserializableArgumentsError
+        InvalidEmail (also ValueError)
+        ToolArgumentError (also TypeError)
+        SlotMissingError (also ValueError)
+        IdempotencyKeyReuseError
+        LedgerError
+            LedgerUnavailableError
+                LedgerLostError
+            StaleTokenError
+            RecordNotFoundError (also KeyError)
+            IllegalTransitionError
+            PayloadKeyError
+        WebhookSignatureError
+        WebhookPayloadError (also ValueError)
+        SendError
+            PermanentSendError
+            TransientSendError
+            AmbiguousSendError
+            SendNeedsReview
+        IdempotencyInFlightError
 """
 
 from __future__ import annotations
@@ -55,6 +82,28 @@ class InvalidEmail(IdemmailError, ValueError):
 
 class UnserializableArgumentsError(IdempotencyKeyError):
     """The task arguments do not survive the task serializer's round trip."""
+
+
+class ToolArgumentError(IdemmailError, TypeError):
+    """A tool call's arguments do not fit the tool's schema (an unknown or bound name, a missing one).
+
+    Raised before anything is enqueued; ``field`` names the culprit. The agent sees ``invalid``.
+    """
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message, field)
+        self.field = field
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class SlotMissingError(IdemmailError, ValueError):
+    """The task knows no slot: it was not sent by a slot-aware beat and no ``slot=`` was given.
+
+    Pass the slot explicitly (``task.delay(slot="2026-11-21")``) when running it by hand,
+    or run beat with :class:`SlotScheduler` (or a scheduler with :class:`SlotMixin`).
+    """
 
 
 class IdempotencyKeyReuseError(IdemmailError):
@@ -122,6 +171,20 @@ class PayloadKeyError(LedgerError):
     that finds such a record parks it as ``review`` (reason ``payload_key_unknown``).
     Put the old key back, after the current one, then resolve the record.
     """
+
+
+# -- webhooks: raised to the web framework, which answers the provider --
+
+
+class WebhookSignatureError(IdemmailError):
+    """The webhook request is not authenticated (no credentials, wrong ones, a stale timestamp).
+
+    Nothing was read from it and the ledger is unchanged. Answer 401.
+    """
+
+
+class WebhookPayloadError(IdemmailError, ValueError):
+    """The webhook body is not what the provider sends (not JSON, too deep, wrong shape). Answer 400."""
 
 
 # -- outcomes of a send, raised by task bodies and replayed to duplicates --

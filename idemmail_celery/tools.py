@@ -72,7 +72,14 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from ._common import KEY_HEADER
-from .errors import ConfigurationError, IdemmailError, IdempotencyKeyReuseError, PermanentSendError, SendNeedsReview
+from .errors import (
+    ConfigurationError,
+    IdemmailError,
+    IdempotencyKeyReuseError,
+    PermanentSendError,
+    SendNeedsReview,
+    ToolArgumentError,
+)
 from .handler import Outcome
 from .ledger import Ledger, State, from_url, passive_options
 from .mail import TASK_NAME, _send_email
@@ -111,20 +118,6 @@ _EMAIL_PARAMETERS: dict[str, Any] = {
     "required": ["to", "subject"],
     "additionalProperties": False,
 }
-
-
-class ToolArgumentError(IdemmailError, TypeError):
-    """A tool call's arguments do not fit the tool's schema (an unknown or bound name, a missing one).
-
-    Raised before anything is enqueued; ``field`` names the culprit. The agent sees ``invalid``.
-    """
-
-    def __init__(self, message: str, field: str = "") -> None:
-        super().__init__(message, field)
-        self.field = field
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 @dataclasses.dataclass(frozen=True)

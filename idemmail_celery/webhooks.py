@@ -81,7 +81,13 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ._common import KEY_TAG, logsafe
-from .errors import ConfigurationError, IdemmailError, LedgerError, RecordNotFoundError
+from .errors import (
+    ConfigurationError,
+    LedgerError,
+    RecordNotFoundError,
+    WebhookPayloadError,
+    WebhookSignatureError,
+)
 from .ledger.base import Ledger, Record
 
 if TYPE_CHECKING:
@@ -120,17 +126,6 @@ _SNS_HOST = re.compile(r"sns\.([a-z0-9-]{1,32})\.amazonaws\.com")
 _TOPIC_ARN = re.compile(r"arn:aws:sns:([a-z0-9-]{1,32}):[0-9]{12}:[A-Za-z0-9_.-]{1,256}")
 _MAX_MESSAGE_ID = 998
 _MAX_CERTIFICATE = 64 * 1024
-
-
-class WebhookSignatureError(IdemmailError):
-    """The webhook request is not authenticated (no credentials, wrong ones, a stale timestamp).
-
-    Nothing was read from it and the ledger is unchanged. Answer 401.
-    """
-
-
-class WebhookPayloadError(IdemmailError, ValueError):
-    """The webhook body is not what the provider sends (not JSON, too deep, wrong shape). Answer 400."""
 
 
 @dataclass(frozen=True)
