@@ -3,6 +3,8 @@ import os
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+import django
+
 BASE_DIR = Path(__file__).resolve().parent
 
 
@@ -52,8 +54,12 @@ USE_TZ = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 STATIC_URL = "static/"
 
-# Django's email (send_mail, EmailMessage.send(), PasswordResetView) through send_email, once per intent.
-EMAIL_BACKEND = "idemmail_celery.contrib.django.EmailBackend"
+# Django's email (send_mail, EmailMessage.send(), PasswordResetView) through send_email, once per intent:
+# MAILERS from Django 6.1 on (which deprecates EMAIL_BACKEND), EMAIL_BACKEND before it.
+if django.VERSION >= (6, 1):
+    MAILERS = {"default": {"BACKEND": "idemmail_celery.contrib.django.EmailBackend"}}
+else:
+    EMAIL_BACKEND = "idemmail_celery.contrib.django.EmailBackend"
 DEFAULT_FROM_EMAIL = "Shop <shop@example.com>"
 
 # Celery, read by app.config_from_object("django.conf:settings", namespace="CELERY").

@@ -801,3 +801,29 @@ def test_fail_silently_makes_a_broker_that_does_not_answer_a_message_not_sent(sh
         app.conf.broker_url = url
         app._pool, app.amqp._producer_pool = None, None
     assert send_mail("Up", "Hello.", None, ["up-again@example.com"]) == 1  # the project's broker again
+
+
+def test_the_backend_draws_no_deprecation_warning_from_the_running_django(shop: Shop) -> None:
+    """Django 6.1 names backends in MAILERS and deprecates a backend that passes ``fail_silently`` up:
+    the project's own settings (MAILERS there, EMAIL_BACKEND before 6.1) and every way of sending warn
+    of nothing about this backend."""
+    import warnings
+
+    import django
+    from django.conf import settings
+    from django.core.mail import EmailMessage, get_connection, send_mail
+
+    from idemmail_celery.contrib.django import EmailBackend
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert send_mail("Quiet", "Hello.", None, ["quiet@example.com"], fail_silently=True) == 1
+        connection = get_connection()
+        assert isinstance(connection, EmailBackend)
+        with connection:
+            assert EmailMessage("Quiet too", "Hello.", to=["quiet@example.com"], connection=connection).send() == 1
+    ours = [str(w.message) for w in caught if "idemmail" in str(w.message) or "idemmail" in w.filename
+            or "EMAIL_BACKEND" in str(w.message)]
+    assert ours == []
+    if django.VERSION >= (6, 1):
+        assert settings.MAILERS["default"]["BACKEND"] == "idemmail_celery.contrib.django.EmailBackend"

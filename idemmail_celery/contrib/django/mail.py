@@ -43,14 +43,17 @@ _SEND_ERRORS = (OSError, KombuOperationalError)
 class EmailBackend(BaseEmailBackend):
     """Django's email backend over ``send_email`` on the project's Celery app (see the module docstring).
 
-    Options (``get_connection(path, **options)``): ``fail_silently``; ``using``, the database
-    whose open transaction an email joins; ``window``, seconds, for
-    ``idemmail_email_window_seconds``.
+    Options (a mailer's ``OPTIONS`` in ``MAILERS``, or ``get_connection(path, **options)``):
+    ``fail_silently``; ``using``, the database whose open transaction an email joins; ``window``,
+    seconds, for ``idemmail_email_window_seconds``.
     """
 
     def __init__(self, fail_silently: bool = False, *, using: str | None = None, window: float | None = None,
                  **kwargs: Any) -> None:
-        super().__init__(fail_silently=fail_silently, **kwargs)
+        # ``fail_silently`` is this backend's own attribute: Django 6.1's base class deprecates taking it
+        # (and reads it from a subclass's attribute); ``alias`` (a MAILERS entry's name) goes up as given.
+        super().__init__(**kwargs)
+        self.fail_silently = fail_silently
         if window is not None and (isinstance(window, bool) or not isinstance(window, (int, float)) or window <= 0):
             raise ConfigurationError(f"window must be a positive number of seconds, not {window!r}")
         self.using = using or DEFAULT_DB_ALIAS
@@ -136,8 +139,10 @@ def intent_of(message: EmailMessage, window: float, now: float | None = None) ->
         else:
             raise InvalidEmail(f"send_email carries a text body and one HTML alternative, not a {mimetype} "
                                "alternative", field="alternatives")
-    if message.mixed_subtype != "mixed":
-        raise InvalidEmail(f"send_email sends attachments as multipart/mixed, not multipart/{message.mixed_subtype}",
+    # Django before 6.0 lets a subclass set ``mixed_subtype``; 6.0 removed it (and refuses a message that sets it).
+    mixed = getattr(message, "mixed_subtype", "mixed")
+    if mixed != "mixed":
+        raise InvalidEmail(f"send_email sends attachments as multipart/mixed, not multipart/{mixed}",
                            field="attachments")
     call: dict[str, Any] = {
         "from_": _sender(message.from_email), "to": list(message.to), "cc": list(message.cc), "bcc": list(message.bcc),
