@@ -257,7 +257,8 @@ SETTINGS: tuple[Setting, ...] = (
             "takes precedence when it sets `retry_backoff`). Past half the Redis or SQS `visibility_timeout`, "
             "each wait is split into hops below it."),
     Setting("idemmail_retry_deadline_seconds", positive, 6 * 3600.0,
-            "How long after an intent's first enqueue a send that certainly did not happen (a `TransientSendError`: "
+            "How long after an intent's first enqueue (a countdown's due time; an outbox row's publish by the relay) "
+            "a send that certainly did not happen (a `TransientSendError`: "
             "connection refused, a 4xx or 429 before the provider accepted anything) is still retried, whatever "
             "the task's `max_retries`; then the intent ends `failed`, reason `retry_deadline`. Lower it for mail "
             "that is useless late (a password reset: `@app.task(idempotency_retry_deadline_seconds=900)`).",

@@ -51,6 +51,7 @@ from ._common import (
     OLDER_KEYS_HEADER,
     OUTAGE_HEADER,
     OWNER_HEADER,
+    RELAYED_HEADER,
     SEALED_HEADERS,
     SECRET_WAIT_ERROR_SECONDS,
     SECRET_WAIT_HEADER,
@@ -532,7 +533,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         request.idempotency_key = key
         request.idemmail_owner = owner = new_owner(request.id or "", ahead=handler.writes_ahead())
         enqueued_at, due_at = _number(headers.get(ENQUEUED_HEADER)), _number(headers.get(DUE_HEADER))
-        dated = max(enqueued_at, due_at or 0.0) if enqueued_at is not None else None
+        # The retry deadline counts from the latest of the enqueue, the due time and an outbox relay's publish.
+        relayed_at = _number(headers.get(RELAYED_HEADER))
+        dated = max(enqueued_at, due_at or 0.0, relayed_at or 0.0) if enqueued_at is not None else None
         step = handler.handle(Delivery(
             key=key, task_name=self.name, payload=payload, attempt_id=request.id or "", **chain, older_keys=older,
             retries=request.retries or 0, max_retries=self.max_retries, enqueued_at=enqueued_at,
