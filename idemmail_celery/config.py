@@ -308,7 +308,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("idemmail_max_message_bytes", positive, 10 * 1024 * 1024,
             "Largest message `send_email` accepts, refused at `delay()` and again at the worker: every byte it "
             "stores or sends counts (addresses, subject, bodies, headers, tags, attachments with their names and "
-            "a MIME part's overhead each, `event_id`, `template`, `tenant`)."),
+            "a MIME part's overhead each, `event_id`, `template`, `tenant`). Lowered, it holds new calls and "
+            "messages sent by name: one `delay()` accepted (sealed) under a higher value is still sent."),
     Setting("idemmail_allow_mixed_script_domains", parse_bool, False,
             "Accept address domains whose labels mix scripts (Latin with Cyrillic: `ex\\u0430mple.com`, a "
             "look-alike of `example.com`); off, they are refused at `delay()`."),

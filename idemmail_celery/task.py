@@ -246,25 +246,38 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if builder is not None and builder.secret != secrets:
                 builder = None
         if builder is None:
-            self._check_options()
-            signature = inspect.signature(self.run)
-            spec = self.idempotency_key
-            if isinstance(spec, list):
-                spec = tuple(spec)
-            serializer = self.serializer or self.app.conf.task_serializer or "json"
-            builder = self._idem_builder = IntentKeyBuilder(
-                task_name=self.name,
-                signature=signature,
-                spec=spec,
-                tenant_field=self.idempotency_tenant,
-                version=self.idempotency_version,
-                address_fields=keys_mod.address_fields_for(signature, self.idempotency_address_fields),
-                must_match=tuple(self.idempotency_must_match or ()),
-                serializer=serializer,
-                secret=secrets or None,  # keys are made with the first, found under all
-                round_trip=serializer_round_trip(serializer),
-            )
+            builder = self._idem_builder = self._new_builder(secrets)
         return builder
+
+    @property
+    def seal_checker(self) -> IntentKeyBuilder:
+        """A builder that checks seals (:meth:`~idemmail_celery.keys.IntentKeyBuilder.check_seal`) as
+        :attr:`key_builder` does, under every configured secret, without reading the roster: what the worker's
+        main process uses, which must never wait on the ledger. Not for making keys or seals."""
+        builder = self._idem_builder
+        if builder is None:
+            builder = self._idem_builder = self._new_builder(self.idem_settings.key_secrets)
+        return builder
+
+    def _new_builder(self, secrets: Sequence[bytes | None]) -> IntentKeyBuilder:
+        self._check_options()
+        signature = inspect.signature(self.run)
+        spec = self.idempotency_key
+        if isinstance(spec, list):
+            spec = tuple(spec)
+        serializer = self.serializer or self.app.conf.task_serializer or "json"
+        return IntentKeyBuilder(
+            task_name=self.name,
+            signature=signature,
+            spec=spec,
+            tenant_field=self.idempotency_tenant,
+            version=self.idempotency_version,
+            address_fields=keys_mod.address_fields_for(signature, self.idempotency_address_fields),
+            must_match=tuple(self.idempotency_must_match or ()),
+            serializer=serializer,
+            secret=tuple(secrets) or None,  # keys are made with the first, found under all
+            round_trip=serializer_round_trip(serializer),
+        )
 
     def _check_options(self) -> None:
         global _warned_no_secret
@@ -425,6 +438,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         (about their length as JSON), or None for no bound (the default). Checked at ``delay()`` and
         in the worker's main process before the pool (``send_email``: its message size budget)."""
         return None
+
+    def accepted_delivery(self) -> bool:
+        """Is this worker running a message the library sealed (a valid seal, checked before the claim)? Such a
+        call was held to the bounds in force when it was accepted (``delay()``, the outbox), and a bound lowered
+        since applies to new calls only: a size budget checked again at the worker would drop an accepted intent
+        (see :mod:`idemmail_celery._request`). False in the caller and for a message sent by name."""
+        request = self.request
+        trusted = getattr(request, "idemmail_trusted", None) or {}
+        return not request.called_directly and KEY_MARK_HEADER in trusted
 
     def _check_arguments(self, args: Any, kwargs: Any, plain: bool) -> None:
         """Raise :class:`~idemmail_celery.errors.UnserializableArgumentsError` for arguments the worker's main
