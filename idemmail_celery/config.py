@@ -254,8 +254,8 @@ SETTINGS: tuple[Setting, ...] = (
             "`retry_backoff` takes precedence)."),
     Setting("idemmail_retry_backoff_max", positive, 300.0,
             "Longest wait before retrying a transient failure, in seconds (a task's own `retry_backoff_max` "
-            "takes precedence when it sets `retry_backoff`). Past half the Redis or SQS `visibility_timeout`, "
-            "each wait is split into hops below it."),
+            "takes precedence when it sets `retry_backoff`), a provider's `Retry-After` included. Past half the "
+            "Redis or SQS `visibility_timeout`, each wait is split into hops below it."),
     Setting("idemmail_retry_deadline_seconds", positive, 6 * 3600.0,
             "How long after an intent's first enqueue (a countdown's due time; an outbox row's publish by the relay) "
             "a send that certainly did not happen (a `TransientSendError`: "
