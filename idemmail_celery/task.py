@@ -543,6 +543,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             headers.update(request.idemmail_key_headers)
             self._wait_until_due(headers)
             handler = self.handler  # opens the ledger: its driver is imported here
+            self.ensure_announced()
         except (PermanentSendError, Retry, Ignore):
             raise  # a key that cannot be made of the call (refused by name), or the next hop of a wait
         except Exception as exc:
@@ -565,6 +566,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
             hop=str(headers.get(HOP_HEADER) or request.id or ""), owner=owner,
         ))
         return self._carry_out(step, headers)
+
+    def ensure_announced(self) -> None:
+        """In a worker: return once the key-secret roster of this task's ledger holds the worker, announcing it
+        now if its heartbeat has not landed there yet (:meth:`roster.Announcer.ensure`). Every claim comes after
+        it; nothing to do outside a worker, or once it has landed. Raises :class:`LedgerError` like the claim."""
+        found = _announcers.get(id(self.app))
+        if found is not None:
+            found.ensure(self.ledger)
 
     def _policy_or_default(self) -> Policy:
         """This task's policy, or the defaults when its settings cannot be read either."""
@@ -927,7 +936,9 @@ def _check_at_start(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is not None:
         _found_at_start[id(app)] = start_up_problems(app)
-        _announcers[id(app)] = announcer(app).start()  # before the first message is taken
+        # In the background: a ledger down or slow must not hold the start-up. Claims wait for it instead
+        # (IdempotentTask.ensure_announced), in every process of the worker.
+        _announcers[id(app)] = announcer(app).start()
 
 
 _announcers: dict[int, roster.Announcer] = {}
