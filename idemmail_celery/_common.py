@@ -32,6 +32,10 @@ ENQUEUED_HEADER = "idemmail_enqueued"
 #: the retention rule and the retry deadline count from it; the ledger-loss rule counts from the enqueue, since
 #: another copy of the same intent, enqueued with it and due at once, may have been sent before a loss.
 DUE_HEADER = "idemmail_due"
+#: When the outbox relay published the row this message stands for (epoch seconds), set only by the relay: the
+#: retry deadline counts from it when later than the enqueue and due times (a row relayed hours after it was
+#: written still has its whole budget); the other rules count from the row's own times, as written.
+RELAYED_HEADER = "idemmail_relayed"
 #: How many times this chain was rescheduled because another holder's claim was live.
 INFLIGHT_HEADER = "idemmail_inflight"
 #: How many times this chain was rescheduled because the ledger (or the provider's set-up) was unavailable.
@@ -61,8 +65,8 @@ KEY_TAG = "idemmail_key"
 #: Headers the worker acts on: only a valid seal (``IntentKeyBuilder.seal``, in :data:`KEY_MARK_HEADER`) makes
 #: them count; without one they are ignored (the key is then a caller's own, hashed). The tenant is not among
 #: them: it only namespaces a key the worker hashes or derives itself.
-SEALED_HEADERS = (KEY_HEADER, OLDER_KEYS_HEADER, ENQUEUED_HEADER, DUE_HEADER, INFLIGHT_HEADER, OUTAGE_HEADER,
-                  OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, CAMPAIGN_HEADER, NOT_BEFORE_HEADER)
+SEALED_HEADERS = (KEY_HEADER, OLDER_KEYS_HEADER, ENQUEUED_HEADER, DUE_HEADER, RELAYED_HEADER, INFLIGHT_HEADER,
+                  OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, CAMPAIGN_HEADER, NOT_BEFORE_HEADER)
 #: When a message sealed under a key secret its worker lacks first waited (epoch seconds). Not sealed: it
 #: only decides how loudly the wait is logged (a forged one makes a publisher's own message louder).
 SECRET_WAIT_HEADER = "idemmail_secret_wait"

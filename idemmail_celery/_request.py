@@ -11,6 +11,11 @@ message for the next one. :class:`CheckedRequest` looks at the decoded arguments
 ``FAILURE`` with :class:`~idemmail_celery.errors.PermanentSendError` (reason ``invalid_arguments``):
 acknowledged, nothing claimed in the ledger, nothing run. The same on every pool.
 
+The size bound is the task's setting, and applies where a call is accepted: at ``delay()`` for what the
+library seals, here for everything else. A message over it whose seal is valid (queued before a deploy
+lowered the bound, or a retry, a reschedule, a sweep's republish of such a call) passes, so that no
+accepted intent, nor the verdict its chain carries, is lost; the depth bound holds for every message.
+
 The check hooks :meth:`CheckedRequest.revoked`: every ``execute_using_pool`` asks it first (the one
 Celery generates per task for its strategy too), and a request it answers True for never reaches
 the pool; the worker releases the pool slot it held (``TaskRevokedError``, as for a revoked task).
@@ -28,7 +33,7 @@ from celery.worker.state import task_ready
 
 from .errors import PermanentSendError
 from .handler import Outcome
-from .keys import MAX_NESTING, arguments_problem
+from .keys import MAX_NESTING, Payload, Seal, arguments_problem
 
 log = logging.getLogger("idemmail_celery")
 
@@ -66,7 +71,18 @@ class CheckedRequest(Request):  # type: ignore[misc]
         # The arguments' JSON bounds both answers: no deeper than its brackets, no larger than its length.
         if opened is not None and opened <= MAX_NESTING and (limit is None or len(body) <= limit):
             return None
-        return arguments_problem(self.args, self.kwargs, limit)
+        problem = arguments_problem(self.args, self.kwargs, limit)
+        if problem is None or limit is None or arguments_problem(self.args, self.kwargs) is not None:
+            return problem  # none, or nested too deep: that bound is no setting, and delay() never accepts it
+        return None if self._accepted() else problem
+
+    def _accepted(self) -> bool:
+        """Was this message accepted already, under the size bound in force then? True for a valid seal: the
+        library made it, at ``delay()`` (which checked the bound), for a retry, a reschedule, an outbox row or a
+        sweep's republish. A bound lowered since must not drop such an intent, nor the verdict its chain carries.
+        Only this worker's secrets vouch: no seal, a forged one, or one under a secret it lacks is checked."""
+        payload = Payload(list(self.args or ()), dict(self.kwargs or {}))
+        return self.task.seal_checker.check_seal(self._request_dict, payload) is Seal.VALID
 
     def _refuse(self, problem: str) -> None:
         """End the message as the worker ends any invalid call: FAILURE stored, ``task-failed`` sent, acknowledged."""

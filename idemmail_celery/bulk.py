@@ -264,8 +264,11 @@ def _send_campaign(
     try:
         sender.check_call((), {**base, "to": recipients[0]} if recipients else base)  # fail the whole run early
         handler = Handler(sender.ledger, builder, policy, CampaignEffect(sender, self))
+        sender.ensure_announced()  # no claim before this worker is in the ledger's key-secret roster
     except INVALID_INPUT:
         raise
+    except LedgerError as exc:  # the ledger does not answer: wait on the outage budget, as a batch claim would
+        raise _again(self, policy, exc, owners, verdicts, passes, resumed, outage=True) from exc
     except Exception as exc:  # this worker cannot send now (no provider, a missing driver): wait, as send_email does
         say_setup_error_once(exc)
         raise _again(self, policy, exc, owners, verdicts, passes, resumed, outage=True) from exc

@@ -254,10 +254,11 @@ SETTINGS: tuple[Setting, ...] = (
             "`retry_backoff` takes precedence)."),
     Setting("idemmail_retry_backoff_max", positive, 300.0,
             "Longest wait before retrying a transient failure, in seconds (a task's own `retry_backoff_max` "
-            "takes precedence when it sets `retry_backoff`). Past half the Redis or SQS `visibility_timeout`, "
-            "each wait is split into hops below it."),
+            "takes precedence when it sets `retry_backoff`), a provider's `Retry-After` included. Past half the "
+            "Redis or SQS `visibility_timeout`, each wait is split into hops below it."),
     Setting("idemmail_retry_deadline_seconds", positive, 6 * 3600.0,
-            "How long after an intent's first enqueue a send that certainly did not happen (a `TransientSendError`: "
+            "How long after an intent's first enqueue (a countdown's due time; an outbox row's publish by the relay) "
+            "a send that certainly did not happen (a `TransientSendError`: "
             "connection refused, a 4xx or 429 before the provider accepted anything) is still retried, whatever "
             "the task's `max_retries`; then the intent ends `failed`, reason `retry_deadline`. Lower it for mail "
             "that is useless late (a password reset: `@app.task(idempotency_retry_deadline_seconds=900)`).",
@@ -307,7 +308,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("idemmail_max_message_bytes", positive, 10 * 1024 * 1024,
             "Largest message `send_email` accepts, refused at `delay()` and again at the worker: every byte it "
             "stores or sends counts (addresses, subject, bodies, headers, tags, attachments with their names and "
-            "a MIME part's overhead each, `event_id`, `template`, `tenant`)."),
+            "a MIME part's overhead each, `event_id`, `template`, `tenant`). Lowered, it holds new calls and "
+            "messages sent by name: one `delay()` accepted (sealed) under a higher value is still sent."),
     Setting("idemmail_allow_mixed_script_domains", parse_bool, False,
             "Accept address domains whose labels mix scripts (Latin with Cyrillic: `ex\\u0430mple.com`, a "
             "look-alike of `example.com`); off, they are refused at `delay()`."),

@@ -619,7 +619,10 @@ class Handler:
             self.released(d, claim, note)
             countdown = self.retry_countdown(d.retries)
             if isinstance(exc, SendError) and exc.retry_after:
-                countdown = max(countdown, exc.retry_after)
+                # Honoured up to the backoff's maximum (one asking for longer is asked again then): a claim whose
+                # release did not land stays claimed, unrenewed, for the wait, and the re-drive sweep takes no
+                # claim for stranded before twice that maximum (redrive.stranded_after).
+                countdown = max(countdown, min(exc.retry_after, self.policy.retry_backoff_max))
             # If the release did not land, the retry takes its own claim back instead of waiting on it.
             carry: dict[str, Any] = {OWNER_HEADER: [claim.record.owner]}
             if timed:

@@ -38,6 +38,7 @@ or call :func:`register` explicitly.
 from __future__ import annotations
 
 import hashlib
+import sys
 import threading
 from typing import Any
 
@@ -184,19 +185,22 @@ class SendEmailTask(IdempotentTask):
         sender = kwargs.get("from_") or settings.default_from
         if not sender:
             raise InvalidEmail("no sender: pass from_= or set idemmail_default_from", field="from")
+        # A message the library sealed was held to the budget in force when it was accepted (delay(), the outbox):
+        # a budget lowered since must not drop it, nor a retry of it, so the worker does not hold it to today's.
+        budget = sys.maxsize if self.accepted_delivery() else int(settings.max_message_bytes)
         message = EmailMessage.build(
             sender=sender, to=kwargs.get("to") or (), subject=kwargs.get("subject", ""),
             text=kwargs.get("text"), html=kwargs.get("html"), cc=kwargs.get("cc"), bcc=kwargs.get("bcc"),
             reply_to=kwargs.get("reply_to"), headers=kwargs.get("headers"), tags=kwargs.get("tags"),
             attachments=kwargs.get("attachments"),
-            max_bytes=int(settings.max_message_bytes), max_recipients=settings.max_recipients,
+            max_bytes=budget, max_recipients=settings.max_recipients,
             allow_mixed_scripts=settings.allow_mixed_script_domains,
         )
         # The budget counts every byte stored or sent: the call's other texts are stored with the message.
         size = message.size() + sum(len(v.encode("utf-8", "surrogatepass")) for v in (
             kwargs.get(name) for name in _STORED_BESIDE) if isinstance(v, str))
-        if size > settings.max_message_bytes:
-            raise InvalidEmail(f"the message is {size} bytes, over the limit of {int(settings.max_message_bytes)} "
+        if size > budget:
+            raise InvalidEmail(f"the message is {size} bytes, over the limit of {budget} "
                                "(idemmail_max_message_bytes)", field="size")
         if not request.called_directly:  # a run's request, gone with the run (never the client's default)
             request.idemmail_message = (fields, settings, message)

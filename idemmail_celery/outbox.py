@@ -26,7 +26,8 @@ UPDATE`` (MariaDB/MySQL): the same intent enqueued ten times is one row.
 **The relay** (:func:`relay`, :func:`drain`, or the Celery task from
 :func:`register_relay` run by beat every few seconds) claims a batch of pending
 rows with ``SELECT ... FOR UPDATE SKIP LOCKED`` in a short transaction, publishes
-each to its task with the stored ``idempotency_key`` header, marks them
+each to its task with the stored ``idempotency_key`` header (and the time of the
+publish, from which the task's retry deadline counts), marks them
 dispatched and commits. Several relays drain one table in parallel without
 sharing rows. A relay that dies after publishing but before its commit leaves
 the rows pending, and the next relay publishes them again: harmless, because the
@@ -63,10 +64,10 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, scoped_session
 
-from ._common import KEY_HEADER, after_fork, backoff, logsafe
+from ._common import KEY_HEADER, RELAYED_HEADER, after_fork, backoff, logsafe
 from .config import Settings
 from .errors import ConfigurationError
-from .keys import untrusted_removed
+from .keys import Seal, untrusted_removed
 from .task import IdempotentTask, first_run_time
 
 log = logging.getLogger("idemmail_celery")
@@ -527,10 +528,24 @@ def _publish(app: Celery, row: Any, producer: Any) -> None:
     args, kwargs = _loads(row.args), _loads(row.kwargs)
     headers, options = _loads(row.headers), _loads(row.options)
     task = app.tasks.get(row.task_name)
+    if isinstance(task, IdempotentTask):
+        headers = _relayed(task, args, kwargs, headers)
     if task is not None:
         task.apply_async(args, kwargs, headers=headers, producer=producer, **options)
     else:
         app.send_task(row.task_name, args, kwargs, headers=headers, producer=producer, **options)
+
+
+def _relayed(task: IdempotentTask, args: Any, kwargs: Any, headers: dict[str, Any]) -> dict[str, Any]:
+    """A row's stored headers with the time of this publish sealed in (``idemmail_relayed``): the retry deadline
+    counts from it, not from the row's write, so a row relayed hours late still has its whole budget. The enqueue
+    and due times stay the row's own. Headers whose seal this process cannot check (a key secret it lacks) go as
+    they were stored, the deadline then counting from the write."""
+    builder = task.key_builder
+    payload = builder.payload(args, kwargs)
+    if builder.check_seal(headers, payload) is not Seal.VALID:
+        return headers
+    return task.sealed({**headers, RELAYED_HEADER: f"{time.time():.3f}"}, payload)
 
 
 def _is_broker_error(exc: BaseException) -> bool:

@@ -44,7 +44,7 @@ from ._common import logsafe, transport_visibility_timeout
 from .config import Settings
 from .errors import IdemmailError, LedgerError
 from .keys import Payload
-from .ledger import ClaimRequest, Ledger, State
+from .ledger import ClaimRequest, Ledger, Record, State
 from .ledger.base import new_owner
 from .ledger.sealed import is_sealed
 from .task import IdempotentTask
@@ -115,7 +115,8 @@ def stranded_after(app: Any, tasks: Iterable[IdempotentTask]) -> float:
     """How long a claim of ``tasks`` must have been quiet past its lease before the sweep re-drives it:
     ``idemmail_sweep_after_seconds`` when set, else twice the longest a live chain can leave its claim
     alone (the broker's visibility timeout with the Redis transport's restore delay, and the tasks'
-    longest backoffs), :data:`MIN_SWEEP_AFTER` at least."""
+    longest backoffs, a provider's ``Retry-After`` being honoured up to the retry backoff's maximum),
+    :data:`MIN_SWEEP_AFTER` at least."""
     settings = Settings.resolve(app.conf)
     if settings.sweep_after_seconds is not None:
         return settings.sweep_after_seconds
@@ -178,23 +179,37 @@ def _sweep_ledger(ledger: Ledger, tasks: dict[str, IdempotentTask], after_second
                     break  # taken over (this sweep stalled past its lease): the new holder goes on
                 renewed = time.monotonic()
             task = tasks.get(record.task_name)
-            quiet = now - max(record.lease_expires_at or 0.0, record.updated_at)
-            if task is None or record.key == LOCK_KEY or quiet < after_seconds:
+            if task is None or record.key == LOCK_KEY or not _stranded(record, after_seconds, now):
                 continue
             if not record.payload or is_sealed(record.payload):
                 log.warning("idemmail: claim %s is stranded and has no payload this process can read; "
                             "resolve it by hand (idemmail ledger resolve)", logsafe(record.key))
+                continue
+            # Read again: the listing may be minutes old, and a holder may have renewed (or settled) since.
+            fresh = ledger.get(record.key)
+            if fresh is None or fresh.token != record.token or not _stranded(fresh, after_seconds, now):
                 continue
             if ledger.mark_hop(record.key, "sweep", after_seconds) is False:
                 continue  # republished by a sweep not long ago
             first = Payload.from_json(record.payload)
             task.apply_async(list(first.args), dict(first.kwargs), headers=task.key_headers(record.key, first))
             log.warning("idemmail: claim %s of %s had no holder for %.0f s: republished from its first payload",
-                        logsafe(record.key), logsafe(record.task_name), quiet)
+                        logsafe(record.key), logsafe(record.task_name),
+                        now - max(fresh.lease_expires_at or 0.0, fresh.updated_at))
             republished.append(record.key)
     finally:
         _unlock(ledger, lock.token)
     return republished
+
+
+def _stranded(record: Record, after_seconds: float, now: float) -> bool:
+    """Is ``record`` a claim whose lease ran out, and that nothing moved, more than ``after_seconds`` before
+    ``now``? Never one whose lease is live, whatever ``after_seconds`` (its holder renews it, or a copy of its
+    message takes it over once it runs out)."""
+    if record.state is not State.CLAIMED:
+        return False
+    expires = record.lease_expires_at or 0.0
+    return expires <= now and now - max(expires, record.updated_at) >= after_seconds
 
 
 def _unlock(ledger: Ledger, token: int) -> None:

@@ -5,7 +5,9 @@ a seal made with it: while it runs, nobody may make keys under the new secret. E
 therefore puts the ids of the secrets it holds (:func:`~idemmail_celery.keys.secret_ids`) into its
 ledger's roster (:meth:`Ledger.announce`) when it starts, again every :data:`ANNOUNCE_SECONDS`
 (a heartbeat; the entry lapses :data:`ENTRY_SECONDS` after the last one, so a killed worker drops
-out by itself), and takes it out at a warm shutdown. A process configured with several secrets,
+out by itself), and takes it out at a warm shutdown. The first announcement is made in the
+background, never in the worker's start-up, and no process of the worker claims before it has landed
+(:meth:`Announcer.ensure`). A process configured with several secrets,
 a worker or a web process that only enqueues, makes keys and seals under the newest secret every
 live worker holds (:func:`active_order`), reading the roster at most every :data:`REFRESH_SECONDS`
 (:class:`RosterView`), never once per call. So ``[old]`` -> ``[new, old]`` in one rolling deploy
@@ -21,6 +23,7 @@ still holds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -39,6 +42,8 @@ REFRESH_SECONDS = 5.0
 #: How often a worker announces itself; its entry lapses this long after the last announcement.
 ANNOUNCE_SECONDS = 5.0
 ENTRY_SECONDS = 45.0
+#: How soon the heartbeat tries again while its first announcement has not landed (the ledger down at start).
+FIRST_RETRY_SECONDS = 1.0
 
 Secrets = tuple[bytes | None, ...]
 
@@ -143,33 +148,69 @@ def _forget_views() -> None:
 
 class Announcer:
     """A worker's heartbeat into its ledgers' rosters: a daemon thread announcing ``member`` with the
-    secret ids each ledger's tasks hold, every :data:`ANNOUNCE_SECONDS`; :meth:`stop` takes it out."""
+    secret ids each ledger's tasks hold, every :data:`ANNOUNCE_SECONDS`; :meth:`stop` takes it out.
+
+    Nothing waits for it at start: a ledger that is down or slow must not hold a worker's start-up (its
+    messages wait on the outage budget meanwhile). What the roster protects is kept by :meth:`ensure`
+    instead: no process of the worker claims in a ledger before its roster holds the worker. (A worker
+    lacking a secret the others hold is safe only once they see it: until then they may make keys under
+    that secret, and a key it derives itself would miss their records. Taking messages before that is
+    harmless; claiming is not.)"""
 
     def __init__(self, member: str, ledgers: Sequence[tuple[Ledger, Sequence[str]]]) -> None:
         self.member, self.ledgers = member, list(ledgers)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: ``id()`` of each ledger whose roster holds this worker (or that keeps none); a forked pool child
+        #: inherits what had landed by then.
+        self._landed: set[int] = set()
+        self._said = False
 
     def announce(self) -> None:
-        """Announce once, now, in every ledger (a ledger that cannot be reached is tried at the next beat)."""
+        """Announce once, now, in every ledger (a ledger that cannot be reached is tried again soon)."""
         for ledger, ids in self.ledgers:
             try:
-                ledger.announce(self.member, ids, ENTRY_SECONDS)
-            except NotImplementedError:
-                continue
+                self._announce(ledger, ids)
             except (LedgerError, UnsafeLedgerError) as exc:
-                log.warning("idemmail: could not announce this worker's key secrets (%s)", type(exc).__name__)
+                if not self._said:  # once, until an announcement lands again
+                    self._said = True
+                    log.warning("idemmail: could not announce this worker's key secrets (%s); its deliveries "
+                                "claim nothing until it has", type(exc).__name__)
+
+    def _announce(self, ledger: Ledger, ids: Sequence[str]) -> None:
+        with contextlib.suppress(NotImplementedError):  # no roster: nothing to wait for (two-deploy rotations)
+            ledger.announce(self.member, ids, ENTRY_SECONDS)
+        self._landed.add(id(ledger))
+        self._said = False
+
+    def landed(self) -> bool:
+        """Has every ledger's roster taken this worker (since it started)?"""
+        return all(id(ledger) in self._landed for ledger, _ in self.ledgers)
+
+    def ensure(self, ledger: Ledger) -> None:
+        """Return once ``ledger``'s roster holds this worker: at once when an announcement landed there (in
+        this process, or in the worker's main process before this pool child was forked), else after one
+        made now, in the calling thread. Raises what :meth:`Ledger.announce` raises (:class:`LedgerError`):
+        a delivery then claims nothing and waits on the outage budget, as for a ledger that does not answer."""
+        if id(ledger) in self._landed:
+            return
+        for known, ids in self.ledgers:
+            if known is ledger:
+                self._announce(known, ids)
+                return
 
     def start(self) -> Announcer:
-        """Announce now (before the worker takes its first message), then every :data:`ANNOUNCE_SECONDS`."""
-        self.announce()
+        """Start the heartbeat in a daemon thread, without waiting for it: it announces at once, then every
+        :data:`ANNOUNCE_SECONDS` (every :data:`FIRST_RETRY_SECONDS` until the first announcement lands)."""
         self._thread = threading.Thread(target=self._beat, name="idemmail-roster", daemon=True)
         self._thread.start()
         return self
 
     def _beat(self) -> None:
-        while not self._stop.wait(ANNOUNCE_SECONDS):
+        wait = 0.0
+        while not self._stop.wait(wait):
             self.announce()
+            wait = ANNOUNCE_SECONDS if self.landed() else FIRST_RETRY_SECONDS
 
     def stop(self) -> None:
         """Stop the heartbeat and leave every roster (a warm shutdown: the others need not wait for the entry

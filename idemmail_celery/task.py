@@ -51,6 +51,7 @@ from ._common import (
     OLDER_KEYS_HEADER,
     OUTAGE_HEADER,
     OWNER_HEADER,
+    RELAYED_HEADER,
     SEALED_HEADERS,
     SECRET_WAIT_ERROR_SECONDS,
     SECRET_WAIT_HEADER,
@@ -245,25 +246,38 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if builder is not None and builder.secret != secrets:
                 builder = None
         if builder is None:
-            self._check_options()
-            signature = inspect.signature(self.run)
-            spec = self.idempotency_key
-            if isinstance(spec, list):
-                spec = tuple(spec)
-            serializer = self.serializer or self.app.conf.task_serializer or "json"
-            builder = self._idem_builder = IntentKeyBuilder(
-                task_name=self.name,
-                signature=signature,
-                spec=spec,
-                tenant_field=self.idempotency_tenant,
-                version=self.idempotency_version,
-                address_fields=keys_mod.address_fields_for(signature, self.idempotency_address_fields),
-                must_match=tuple(self.idempotency_must_match or ()),
-                serializer=serializer,
-                secret=secrets or None,  # keys are made with the first, found under all
-                round_trip=serializer_round_trip(serializer),
-            )
+            builder = self._idem_builder = self._new_builder(secrets)
         return builder
+
+    @property
+    def seal_checker(self) -> IntentKeyBuilder:
+        """A builder that checks seals (:meth:`~idemmail_celery.keys.IntentKeyBuilder.check_seal`) as
+        :attr:`key_builder` does, under every configured secret, without reading the roster: what the worker's
+        main process uses, which must never wait on the ledger. Not for making keys or seals."""
+        builder = self._idem_builder
+        if builder is None:
+            builder = self._idem_builder = self._new_builder(self.idem_settings.key_secrets)
+        return builder
+
+    def _new_builder(self, secrets: Sequence[bytes | None]) -> IntentKeyBuilder:
+        self._check_options()
+        signature = inspect.signature(self.run)
+        spec = self.idempotency_key
+        if isinstance(spec, list):
+            spec = tuple(spec)
+        serializer = self.serializer or self.app.conf.task_serializer or "json"
+        return IntentKeyBuilder(
+            task_name=self.name,
+            signature=signature,
+            spec=spec,
+            tenant_field=self.idempotency_tenant,
+            version=self.idempotency_version,
+            address_fields=keys_mod.address_fields_for(signature, self.idempotency_address_fields),
+            must_match=tuple(self.idempotency_must_match or ()),
+            serializer=serializer,
+            secret=tuple(secrets) or None,  # keys are made with the first, found under all
+            round_trip=serializer_round_trip(serializer),
+        )
 
     def _check_options(self) -> None:
         global _warned_no_secret
@@ -425,6 +439,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         in the worker's main process before the pool (``send_email``: its message size budget)."""
         return None
 
+    def accepted_delivery(self) -> bool:
+        """Is this worker running a message the library sealed (a valid seal, checked before the claim)? Such a
+        call was held to the bounds in force when it was accepted (``delay()``, the outbox), and a bound lowered
+        since applies to new calls only: a size budget checked again at the worker would drop an accepted intent
+        (see :mod:`idemmail_celery._request`). False in the caller and for a message sent by name."""
+        request = self.request
+        trusted = getattr(request, "idemmail_trusted", None) or {}
+        return not request.called_directly and KEY_MARK_HEADER in trusted
+
     def _check_arguments(self, args: Any, kwargs: Any, plain: bool) -> None:
         """Raise :class:`~idemmail_celery.errors.UnserializableArgumentsError` for arguments the worker's main
         process would refuse before the pool: nested too deep, or over :meth:`max_argument_size`."""
@@ -520,6 +543,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             headers.update(request.idemmail_key_headers)
             self._wait_until_due(headers)
             handler = self.handler  # opens the ledger: its driver is imported here
+            self.ensure_announced()
         except (PermanentSendError, Retry, Ignore):
             raise  # a key that cannot be made of the call (refused by name), or the next hop of a wait
         except Exception as exc:
@@ -532,7 +556,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         request.idempotency_key = key
         request.idemmail_owner = owner = new_owner(request.id or "", ahead=handler.writes_ahead())
         enqueued_at, due_at = _number(headers.get(ENQUEUED_HEADER)), _number(headers.get(DUE_HEADER))
-        dated = max(enqueued_at, due_at or 0.0) if enqueued_at is not None else None
+        # The retry deadline counts from the latest of the enqueue, the due time and an outbox relay's publish.
+        relayed_at = _number(headers.get(RELAYED_HEADER))
+        dated = max(enqueued_at, due_at or 0.0, relayed_at or 0.0) if enqueued_at is not None else None
         step = handler.handle(Delivery(
             key=key, task_name=self.name, payload=payload, attempt_id=request.id or "", **chain, older_keys=older,
             retries=request.retries or 0, max_retries=self.max_retries, enqueued_at=enqueued_at,
@@ -540,6 +566,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
             hop=str(headers.get(HOP_HEADER) or request.id or ""), owner=owner,
         ))
         return self._carry_out(step, headers)
+
+    def ensure_announced(self) -> None:
+        """In a worker: return once the key-secret roster of this task's ledger holds the worker, announcing it
+        now if its heartbeat has not landed there yet (:meth:`roster.Announcer.ensure`). Every claim comes after
+        it; nothing to do outside a worker, or once it has landed. Raises :class:`LedgerError` like the claim."""
+        found = _announcers.get(id(self.app))
+        if found is not None:
+            found.ensure(self.ledger)
 
     def _policy_or_default(self) -> Policy:
         """This task's policy, or the defaults when its settings cannot be read either."""
@@ -902,7 +936,9 @@ def _check_at_start(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is not None:
         _found_at_start[id(app)] = start_up_problems(app)
-        _announcers[id(app)] = announcer(app).start()  # before the first message is taken
+        # In the background: a ledger down or slow must not hold the start-up. Claims wait for it instead
+        # (IdempotentTask.ensure_announced), in every process of the worker.
+        _announcers[id(app)] = announcer(app).start()
 
 
 _announcers: dict[int, roster.Announcer] = {}

@@ -42,10 +42,13 @@ class MemLedger(Ledger):
 
     def announce(self, member: str, secret_ids: Sequence[str], ttl_seconds: float) -> None:
         check_roster_entry(member, secret_ids)
+        now = self.now()
         if ttl_seconds <= 0:
             self.members.pop(member, None)
         else:
-            self.members[member] = RosterEntry(member, tuple(secret_ids), self.now() + ttl_seconds)
+            self.members[member] = RosterEntry(member, tuple(secret_ids), now + ttl_seconds)
+        for gone in [m for m, e in self.members.items() if e.expires_at <= now]:  # reads never write
+            del self.members[gone]
 
     def roster(self) -> list[RosterEntry]:
         now = self.now()

@@ -200,6 +200,9 @@ class Sender:
     def _policy_or_default(self) -> Policy:
         return self.world.policy
 
+    def ensure_announced(self) -> None:
+        return None  # no roster here: the simulated workers claim at once
+
     def wait_as_received(self, exc: BaseException, running: Any = None) -> None:
         raise AssertionError(f"the simulated campaign cannot read its headers: {exc}")
 

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from idemmail_celery.errors import IllegalTransitionError, RecordNotFoundError, StaleTokenError
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger, State, from_url
@@ -674,3 +675,33 @@ def test_the_key_secret_roster_lists_live_workers_until_they_lapse_or_leave(ledg
         ledger.announce("web-3:30", [], 30.0)
     with pytest.raises(ValueError):
         ledger.announce("", ["aaaaaaaaaaaa"], 30.0)
+
+
+def stored_roster_members(ledger: Ledger) -> set[str]:
+    """The members the store holds, lapsed or not (what ``roster()`` leaves out, read past it)."""
+    from idemmail_celery.ledger.redis import RedisLedger
+    from idemmail_celery.ledger.sql import SQLLedger
+    from sim.ledger import MemLedger
+
+    if isinstance(ledger, RedisLedger):
+        return set(ledger.client.hkeys(ledger.names.roster()))
+    if isinstance(ledger, MemLedger):  # the simulator's (tests/test_sim.py runs this contract on it)
+        return set(ledger.members)
+    assert isinstance(ledger, SQLLedger)
+    r = ledger.roster_table
+    return {m for (m,) in ledger._run(lambda conn: conn.execute(sa.select(r.c.member)).all())}
+
+
+def test_reading_the_roster_writes_nothing_and_an_announcement_prunes_lapsed_entries(ledger: Ledger) -> None:
+    """Every process with several key secrets reads the roster (web processes too, on a read-only database
+    user or replica, say): a read leaves lapsed entries out without deleting them; the workers' announcements
+    (a write anyway) prune them."""
+    ledger.announce("gone-1:10", ["aaaaaaaaaaaa"], 0.3)
+    ledger.announce("live-2:20", ["aaaaaaaaaaaa"], 30.0)
+    time.sleep(0.5)  # gone-1 lapsed
+    for _ in range(3):
+        assert [e.member for e in ledger.roster()] == ["live-2:20"]
+    assert stored_roster_members(ledger) == {"gone-1:10", "live-2:20"}  # read, not written
+    ledger.announce("live-2:20", ["aaaaaaaaaaaa"], 30.0)  # the next heartbeat prunes
+    assert stored_roster_members(ledger) == {"live-2:20"}
+    assert [e.member for e in ledger.roster()] == ["live-2:20"]

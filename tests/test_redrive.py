@@ -5,19 +5,22 @@ from __future__ import annotations
 import base64
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 from celery import Celery
 
-from idemmail_celery import IdempotentTask
+from idemmail_celery import IdempotentTask, TransientSendError
 from idemmail_celery._common import KEY_HEADER
+from idemmail_celery.handler import Action, Delivery, Handler
 from idemmail_celery.keys import Payload
-from idemmail_celery.ledger import ClaimRequest
+from idemmail_celery.ledger import ClaimRequest, State
 from idemmail_celery.redrive import LOCK_KEY, MIN_SWEEP_AFTER, SWEEP_TASK, stranded_after, sweep_stranded
 
-from .conftest import REDIS_URL
+from .conftest import RABBITMQ_URL, REDIS_URL, drop_ledger, unique
+from .test_handler import Mailbox, Refusing
 
 
 def test_one_sweeper_at_a_time_republishes_a_stranded_claim_once_under_its_own_key(
@@ -80,3 +83,72 @@ def test_a_claim_is_stranded_after_twice_the_longest_a_live_chain_leaves_it_alon
     def notify(to: str) -> None: ...
 
     assert stranded_after(app, [notify]) == expected
+
+
+@pytest.fixture
+def rabbit_app(tmp_path: Any) -> Iterator[tuple[Celery, Any, list[str]]]:
+    """An app on RabbitMQ (no visibility timeout: the sweep's age is the tasks' longest waits) with a Redis ledger
+    of its own, one task, and the keys the sweep republishes it under (caught, not published)."""
+    app = Celery(unique("rabbit"), broker=RABBITMQ_URL, set_as_current=False)
+    app.conf.update(idemmail_ledger_url=REDIS_URL, idemmail_ledger_options={"prefix": unique("led")},
+                    idemmail_key_secret="s")
+
+    @app.task(base=IdempotentTask, shared=False, idempotency_key=("to",))
+    def notify(to: str) -> None: ...
+
+    republished: list[str] = []
+    notify.apply_async = lambda args=None, kwargs=None, **options: republished.append(options["headers"][KEY_HEADER])
+    yield app, notify, republished
+    drop_ledger(notify.ledger.backend)
+
+
+def test_a_claim_waiting_out_a_providers_retry_after_is_not_re_driven_meanwhile(
+    rabbit_app: tuple[Celery, Any, list[str]]
+) -> None:
+    """A provider answered 429 with ``Retry-After: 3600`` and the claim's release did not land (the ledger blinked):
+    the claim stays ``claimed``, renewed by nobody, until the retry comes back for it. The retry waited the whole
+    hour, and the sweep took the claim for stranded after 600 s: its republished copy reclaimed it under the
+    waiting retry (a reclaim counted, a keyless send parked for review). The wait is now honoured up to the
+    retry backoff's maximum, which the sweep's age is twice."""
+    app, notify, republished = rabbit_app
+    ledger = Refusing(notify.ledger)
+    ledger.down.add(State.RELEASED.value)
+    box = Mailbox()
+    box.fail_with = TransientSendError("429 too many requests", reason="rate_limited", retry_after=3600.0)
+    handler = Handler(ledger, notify.key_builder, notify.policy, box)
+    key = notify.intent_key("ann@example.com")
+    started = time.time()
+    step = handler.handle(Delivery(key=key, task_name=notify.name, payload=Payload(["ann@example.com"], {}),
+                                   attempt_id="t-1", retry_from=started))
+    assert step.action is Action.RETRY and box.sent == []
+    record = notify.ledger.get(key)
+    assert record is not None and record.state is State.CLAIMED  # the release did not land
+    age = stranded_after(app, [notify])
+    assert step.countdown * 2 <= age, (step.countdown, age)
+    # Just before the retry comes back for its claim, the sweep leaves it alone.
+    assert sweep_stranded(app, now=started + step.countdown - 1) == [] and republished == []
+    # A claim nobody comes back for is still re-driven, once its age has passed.
+    assert sweep_stranded(app, now=(record.lease_expires_at or 0) + age + 1) == [key] and republished == [key]
+
+
+def test_a_claim_renewed_after_the_sweep_listed_it_is_not_re_driven(
+    rabbit_app: tuple[Celery, Any, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep lists claims page by page and republishes as it goes: a holder alive but slow to renew (its
+    renewal came through after the listing) must keep its claim. Each claim is read again before it is re-driven,
+    and one whose lease is live is never re-driven, whatever the age."""
+    app, notify, republished = rabbit_app
+    ledger = notify.ledger
+    key = notify.intent_key("bob@example.com")
+    first = Payload(["bob@example.com"], {})
+    claim = ledger.claim(ClaimRequest(key=key, task_name=notify.name, payload=first.to_json(),
+                                      fingerprint=notify.key_builder.fingerprint(first), owner="slow:1:alive",
+                                      lease_seconds=0.1))
+    time.sleep(0.2)
+    listed = [r for r in ledger.iter_records(State.CLAIMED) if r.key == key]
+    assert ledger.renew(key, claim.token, 600.0)  # the holder's renewal lands after the listing
+    monkeypatch.setattr(ledger, "iter_records", lambda state=None: iter(listed))
+    assert sweep_stranded(app, after_seconds=60, now=time.time() + 120) == [] and republished == []
+    assert sweep_stranded(app, after_seconds=1e-9) == []  # live: not re-driven at any age
+    record = ledger.get(key)
+    assert record is not None and record.token == claim.token and record.reclaims == 0

@@ -13,7 +13,7 @@ from idemmail_celery._common import KEY_HEADER, KEY_MARK_HEADER, OLDER_KEYS_HEAD
 from idemmail_celery.keys import secret_ids
 from idemmail_celery.ledger.base import RosterEntry
 
-from .conftest import unique
+from .conftest import unique, wait_for
 
 OLD, NEW = b"old-secret", b"new-secret"
 OLD_ID, NEW_ID = secret_ids([OLD, NEW])
@@ -75,6 +75,7 @@ def test_a_worker_announces_the_secrets_all_its_tasks_hold_and_leaves_at_shutdow
     send = sender(tmp_path, [NEW, OLD])
     beat = announcer(send.app).start()
     try:
+        wait_for(beat.landed, timeout=10)
         [mine] = [e for e in send.ledger.roster() if e.member == beat.member]
         assert mine.secret_ids == (NEW_ID, OLD_ID)
     finally:
@@ -99,3 +100,45 @@ def test_a_ledger_without_a_roster_keeps_the_configured_order_and_an_unreadable_
     assert roster.RosterView(ledger).order((NEW, OLD)) == (NEW, OLD)  # rotate in two deploys there
     monkeypatch.setattr(ledger.backend, "roster", down)
     assert roster.RosterView(ledger).order((NEW, OLD)) == (OLD, NEW)
+
+
+def test_the_first_announcement_holds_no_start_up_and_a_claim_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The heartbeat starts without waiting on the ledger (a worker used to block in ``worker_init`` for as long
+    as its first announcement took); until one lands, ``ensure`` announces in the caller and raises what the
+    ledger raises, so a delivery claims nothing before the roster holds its worker."""
+    import threading
+
+    from idemmail_celery.errors import LedgerUnavailableError
+    from idemmail_celery.task import announcer
+
+    send = sender(tmp_path, [NEW, OLD])
+    ledger = send.ledger
+    gate, calls = threading.Event(), []
+    real_announce = ledger.backend.announce
+
+    def slow_then_down(member: str, ids: Any, ttl: float) -> None:
+        calls.append(threading.current_thread().name)
+        if not gate.wait(5):
+            raise LedgerUnavailableError("down")
+        real_announce(member, ids, ttl)
+
+    monkeypatch.setattr(ledger.backend, "announce", slow_then_down)
+    monkeypatch.setattr(roster, "FIRST_RETRY_SECONDS", 0.05)
+    beat = announcer(send.app)
+    try:
+        beat.start()  # returns at once, the ledger stalling
+        assert not beat.landed()
+        with pytest.raises(LedgerUnavailableError):
+            beat.ensure(ledger)  # the delivery's own try, in its thread: the ledger does not answer
+        assert "MainThread" in calls and not beat.landed()
+        gate.set()  # the ledger answers
+        beat.ensure(ledger)
+        assert beat.landed() and [e.member for e in ledger.roster()] == [beat.member]
+        made = len(calls)
+        beat.ensure(ledger)  # landed: no more round trips per claim
+        assert len(calls) == made
+    finally:
+        gate.set()
+        beat.stop()

@@ -778,7 +778,8 @@ class SQLLedger(Ledger):
 
     def announce(self, member: str, secret_ids: Sequence[str], ttl_seconds: float) -> None:
         """One upsert (or a delete for ``ttl_seconds <= 0``) of the member's row, on this process's clock:
-        keep the hosts' clocks in step (NTP) well within the announcements' life."""
+        keep the hosts' clocks in step (NTP) well within the announcements' life. Then the rows that lapsed
+        are pruned (:meth:`_prune_roster`): reads never write."""
         ids = check_roster_entry(member, secret_ids)
         r = self.roster_table
 
@@ -800,17 +801,37 @@ class SQLLedger(Ledger):
             conn.execute(stmt)
 
         self._run(do)
+        self._prune_roster()
+
+    def _prune_roster(self) -> None:
+        """Delete the roster rows that lapsed, by their primary keys (a statement of its own, after the
+        announcement landed: a prune that fails costs it nothing). Rows are looked for first, without a
+        lock: most announcements find none, and the delete then locks only rows that lapsed (a scan under
+        InnoDB would lock every row and wait on other workers' upserts)."""
+        r = self.roster_table
+
+        def do(conn: Connection) -> None:
+            now = time.time()
+            lapsed = [m for (m,) in conn.execute(sa.select(r.c.member).where(r.c.expires_at <= now)).all()]
+            if lapsed:  # re-announced since: its new expiry keeps it
+                conn.execute(sa.delete(r).where(r.c.member.in_(lapsed), r.c.expires_at <= now))
+
+        try:
+            self._run(do)
+        except LedgerUnavailableError as exc:  # the next announcement prunes them; reads leave them out meanwhile
+            log.debug("idemmail: lapsed roster rows not pruned yet (%s)", type(exc).__name__)
 
     def roster(self) -> list[RosterEntry]:
+        """The live rows, read only (lapsed rows are left out, and pruned by :meth:`announce`)."""
         r = self.roster_table
 
         self._need_roster()
 
         def do(conn: Connection) -> list[RosterEntry]:
             now = time.time()
-            conn.execute(sa.delete(r).where(r.c.expires_at <= now))
-            rows = conn.execute(sa.select(r.c.member, r.c.secret_ids, r.c.expires_at)).all()
-            return [RosterEntry(m, tuple(str(ids).split(",")), float(exp)) for m, ids, exp in rows if exp > now]
+            rows = conn.execute(sa.select(r.c.member, r.c.secret_ids, r.c.expires_at)
+                                .where(r.c.expires_at > now)).all()
+            return [RosterEntry(m, tuple(str(ids).split(",")), float(exp)) for m, ids, exp in rows]
 
         entries: list[RosterEntry] = self._run(do)
         return entries

@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import types
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -59,6 +61,22 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[sa.Engi
     yield engine, table
     table.drop(engine)
     engine.dispose()
+
+
+@pytest.fixture
+def pg_outbox() -> Iterator[tuple[sa.Engine, sa.Table]]:
+    """An outbox table of its own on PostgreSQL, dropped at the end."""
+    engine = sa.create_engine(POSTGRES_URL)
+    try:
+        engine.connect().close()
+    except Exception as exc:
+        service_missing("postgresql", exc)
+    table = create_outbox_table(engine, unique("outbox"))
+    try:
+        yield engine, table
+    finally:
+        table.drop(engine)
+        engine.dispose()
 
 
 def rows(engine: sa.Engine, table: sa.Table) -> list[Any]:
@@ -214,32 +232,53 @@ def test_relay_killed_between_publish_and_commit_publishes_again_and_still_deliv
 
 def test_relay_task_on_beat_delivers_committed_rows_once(
     provider_env: dict[str, str], fake: FakeProvider, celery_process: Callable[..., CeleryProcess],  # noqa: F811
-    request: pytest.FixtureRequest, tmp_path: Path,
+    request: pytest.FixtureRequest, tmp_path: Path, pg_outbox: tuple[sa.Engine, sa.Table],
 ) -> None:
     """``register_relay`` on a worker, fired by a real beat every half second, several runs overlapping."""
-    engine = sa.create_engine(POSTGRES_URL)
-    try:
-        engine.connect().close()
-    except Exception as exc:
-        service_missing("postgresql", exc)
-    table = create_outbox_table(engine, unique("outbox"))
+    engine, table = pg_outbox
     env = {**provider_env, "IDEMMAIL_TEST_BEAT_ENTRIES": "relay", "IDEMMAIL_TEST_OUTBOX_URL": POSTGRES_URL,
            "IDEMMAIL_TEST_OUTBOX_TABLE": table.name}
     app = request.getfixturevalue("app_module").app  # the web side: same key secret as the worker's app
-    try:
-        celery_process("worker", ["worker", "-P", "prefork", "-c", "4", "--loglevel=INFO", "--without-gossip",
-                                  "--without-mingle", "--without-heartbeat", "-n", f"{env['IDEMMAIL_TEST_NS']}-r@%h"],
-                       env, b"ready.")
-        celery_process("beat", ["beat", "-s", str(tmp_path / "schedule"), "--loglevel=INFO"], env, b"beat: Starting")
-        recipients = [f"reader{i}@example.com" for i in range(60)]
-        with Session(engine) as session, session.begin():
-            for i, to in enumerate(recipients):
-                for _ in range(2):  # a retried request writes its intents again: still one row each
-                    enqueue_email(session, app=app, table=table, to=to, event_id=f"order-{i}", **EMAIL)
-        wait_for(lambda: fake.delivery_count() >= len(recipients), timeout=30)
-        wait_for(lambda: {r.state for r in rows(engine, table)} == {DISPATCHED}, timeout=10)
-        assert per_recipient(fake) == dict.fromkeys(recipients, 1)
-        assert len(rows(engine, table)) == len(recipients)
-    finally:
-        table.drop(engine)
-        engine.dispose()
+    celery_process("worker", ["worker", "-P", "prefork", "-c", "4", "--loglevel=INFO", "--without-gossip",
+                              "--without-mingle", "--without-heartbeat", "-n", f"{env['IDEMMAIL_TEST_NS']}-r@%h"],
+                   env, b"ready.")
+    celery_process("beat", ["beat", "-s", str(tmp_path / "schedule"), "--loglevel=INFO"], env, b"beat: Starting")
+    recipients = [f"reader{i}@example.com" for i in range(60)]
+    with Session(engine) as session, session.begin():
+        for i, to in enumerate(recipients):
+            for _ in range(2):  # a retried request writes its intents again: still one row each
+                enqueue_email(session, app=app, table=table, to=to, event_id=f"order-{i}", **EMAIL)
+    wait_for(lambda: fake.delivery_count() >= len(recipients), timeout=30)
+    wait_for(lambda: {r.state for r in rows(engine, table)} == {DISPATCHED}, timeout=10)
+    assert per_recipient(fake) == dict.fromkeys(recipients, 1)
+    assert len(rows(engine, table)) == len(recipients)
+
+
+def test_a_row_relayed_seven_hours_after_its_write_still_has_its_whole_retry_budget(
+    provider_env: dict[str, str], fake: FakeProvider, request: pytest.FixtureRequest, start_worker: Any,
+    monkeypatch: pytest.MonkeyPatch, pg_outbox: tuple[sa.Engine, sa.Table],
+) -> None:
+    """The retry deadline (6 h here, the default) counted from the row's write: a relay that came back after a
+    7 h outage published a row whose first transient failure (the provider refusing it before accepting it)
+    ended it ``failed``, ``retry_deadline``, never retried. It counts from the relay's publish now.
+
+    The failure is a 429 (``TransientSendError``: certainly not sent, so retried on the deadline; a 503 is
+    ambiguous and retried on the task's count instead)."""
+    from idemmail_celery import task as task_module
+
+    engine, table = pg_outbox
+    app = request.getfixturevalue("app_module").app
+    assert app.tasks[TASK_NAME].idem_settings.retry_deadline_seconds == 6 * 3600
+    written_at = time.time() - 7 * 3600
+    with monkeypatch.context() as m, engine.begin() as conn:  # the row is written 7 hours ago
+        m.setattr(task_module, "time", types.SimpleNamespace(time=lambda: written_at))
+        key = enqueue_email(conn, app=app, table=table, to="dee@example.com", event_id="order-7h", **EMAIL)
+    fake.fail_next("429")
+    start_worker("-P", "prefork", "-c", "1")
+    assert relay(engine, app, table=table) == 1  # the relay is back
+    ledger = app.tasks[TASK_NAME].ledger
+    wait_for(lambda: (record := ledger.get(key)) is not None and record.state.value not in ("claimed", "released"),
+             timeout=45)
+    record = ledger.get(key)
+    assert record is not None and record.state.value == "sent", record.error
+    assert per_recipient(fake) == {"dee@example.com": 1} and fake.attempt_count() == 2

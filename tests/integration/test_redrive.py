@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -12,7 +14,7 @@ from idemmail_celery.ledger import ClaimRequest, State
 from idemmail_celery.redrive import LOCK_KEY, SWEEP_TASK, sweep_stranded
 from idemmail_celery.testing.redis_server import RedisServer
 
-from ..conftest import wait_for
+from ..conftest import RABBITMQ_URL, wait_for
 from .conftest import Sink, results
 
 
@@ -155,3 +157,49 @@ def test_the_restore_timer_hands_a_dead_workers_unacked_message_back_with_no_wor
         wait_for(lambda: sink.r.llen(queue) == 1, timeout=60)  # back in the queue, for any worker
     finally:
         stop.set()
+
+
+@pytest.fixture
+def rabbit_app_module(worker_env: dict[str, str], request: pytest.FixtureRequest) -> Any:
+    """``app_module`` and its workers on RabbitMQ, with a 1 s lease and no sweep of the workers' own."""
+    worker_env.update(IDEMMAIL_TEST_BROKER=RABBITMQ_URL, IDEMMAIL_TEST_LEASE="1",
+                      IDEMMAIL_TEST_SWEEP_IN_WORKERS="false")
+    return request.getfixturevalue("app_module")
+
+
+@pytest.mark.parametrize("task_name", ["send", "send_keyed"])
+def test_a_claim_re_driven_while_its_holder_is_alive_but_paused_is_still_sent_once(
+    rabbit_app_module: Any, sink: Sink, start_worker: Any, task_name: str
+) -> None:
+    """RabbitMQ keeps a live worker's message unacked for as long as it runs: a holder that stops renewing (here
+    SIGSTOPped, as a long pause or a partition from the ledger would leave it) loses its lease, and a sweep
+    re-drives its claim. The fencing token only refuses the late holder's record; what keeps the intent from a
+    second send is the reclaim rules: a claim taken over from a holder that may have run is parked for review
+    (no key downstream) or sent again under its key (the provider de-duplicates), and a holder that writes
+    ahead loses its fenced mark first. The paused holder, resumed, sends; nothing is sent twice."""
+    app_module = rabbit_app_module
+    task = getattr(app_module, task_name)
+    start_worker("-P", "prefork", "-c", "2")
+    sink.control("hold", "3")
+    ar = task.delay("cy@example.com", 95)
+    [holder] = wait_for(lambda: sink.pids(), timeout=30)
+    os.kill(holder, signal.SIGSTOP)  # alive, holding its claim, renewing nothing
+    sink.r.delete(sink.k("ctl.hold"))
+    key = task.intent_key("cy@example.com", 95)
+    try:
+        wait_for(lambda: (r := task.ledger.get(key)) is not None and (r.lease_expires_at or 0) < time.time(),
+                 timeout=30)
+        assert sweep_stranded(app_module.app, after_seconds=0.5, now=time.time() + 1) == [key]
+        # The republished copy takes the claim over on the worker's other child.
+        wait_for(lambda: (r := task.ledger.get(key)) is not None and r.reclaims == 1 and r.state is not State.CLAIMED,
+                 timeout=30)
+    finally:
+        os.kill(holder, signal.SIGCONT)
+    assert results([ar], timeout=60)[0]["status"] == "sent"  # the holder's own run, resumed, went on
+    record = task.ledger.get(key)
+    assert record is not None and record.state is State.SENT and record.reclaims == 1
+    if task_name == "send":  # no key downstream: the copy parked it, the holder's late send was recorded over that
+        assert (record.error or {}).get("reason") == "lease_expired" and len(sink.attempts()) == 1
+    else:  # the copy sent under the key, the holder's attempt met the provider's de-duplication
+        assert len(sink.attempts()) == 2
+    assert len(sink.deliveries()) == 1, sink.deliveries()

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from idemmail_celery import PermanentSendError
-from idemmail_celery.mail import TASK_NAME
+from idemmail_celery._common import KEY_MARK_HEADER
+from idemmail_celery.mail import ARGUMENT_SLACK, TASK_NAME
 from idemmail_celery.testing.fake_provider import FakeProvider
 
 from ..conftest import require_module
@@ -78,3 +79,51 @@ def test_arguments_over_the_tasks_size_bound_are_refused_before_the_pool(
     assert isinstance(out, PermanentSendError) and out.reason == "invalid_arguments", out
     assert "larger than" in str(out) and b"refused before the pool" in worker.log()
     assert list(app.tasks[TASK_NAME].ledger.iter_records()) == [] and fake.delivery_count() == 0
+
+
+def test_a_retry_of_an_accepted_intent_passes_a_bound_lowered_since_and_unsealed_copies_do_not(
+    app_module: Any, sink: Any, start_worker: Any
+) -> None:
+    """The size bound is the task's (``max_argument_size``, for ``send_email`` a setting): an operator may lower
+    it between deploys. An intent accepted under the old bound (its seal says so) goes on: the bound lowered
+    while its first attempt failed used to refuse its retry in the main process, FAILURE, its record left
+    ``released`` with nothing sent. A message without a seal, or with a forged one, is still refused."""
+    worker = start_worker("-P", "prefork", "-c", "1")
+    send, app = app_module.send_bounded, app_module.app
+    body = "x" * 2000
+    sink.push_failure("lower_bound")  # the first attempt lowers the bound to 100 and fails before sending
+    out = results([send.delay("kim@example.com", 35, body=body)], timeout=45)[0]
+    assert isinstance(out, dict) and out["status"] == "sent", out
+    assert sink.r.get(sink.k("ctl.max_args")) == "100"
+    assert [d.split("|")[1:] for d in sink.deliveries()] == [["kim@example.com", body]]
+    assert send.ledger.get(out["key"]).state.value == "sent"
+
+    # What the library did not seal for these arguments meets today's bound: by name; a seal copied from another
+    # call's message; a seal naming a secret this worker does not hold.
+    sealed = send.intent_headers(("lee@example.com", 36), {"body": "short"})
+    forged = [{}, sealed, {**sealed, KEY_MARK_HEADER: "0123456789ab:" + "0" * 64}]
+    refused = results([app.send_task(send.name, ("lee@example.com", 36), {"body": body}, headers=headers)
+                       for headers in forged], timeout=45)
+    for got in refused:
+        assert isinstance(got, PermanentSendError) and got.reason == "invalid_arguments", got
+        assert "larger than 100" in str(got)
+    assert len(sink.deliveries()) == 1 and worker.log().count(b"refused before the pool") == 3
+
+
+def test_an_email_accepted_under_a_larger_budget_is_sent_by_a_worker_deployed_with_a_smaller_one(
+    fake_app: Any, fake: FakeProvider, start_worker: Any
+) -> None:
+    """``idemmail_max_message_bytes`` lowered while a message accepted under the old budget waits in the queue
+    (or retries): neither the worker's main process (the argument bound) nor its check before the claim (the
+    message's size) drops it. The same email sent by name, without the library's seal, is refused."""
+    budget = 64 * 1024
+    worker = start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_MAX_MESSAGE_BYTES": str(budget)})
+    task = fake_app.app.tasks[TASK_NAME]  # this process is a web process still on the 10 MiB default
+    big = {**KIM, "text": "x" * (budget + ARGUMENT_SLACK + 1000)}
+    out = results([task.delay(**big)], timeout=45)[0]
+    assert isinstance(out, dict) and out["status"] == "sent", out
+    assert fake.delivery_count() == 1
+
+    by_name = results([fake_app.app.send_task(TASK_NAME, kwargs={**big, "event_id": "order-36"})], timeout=45)[0]
+    assert isinstance(by_name, PermanentSendError) and by_name.reason == "invalid_arguments", by_name
+    assert fake.delivery_count() == 1 and b"refused before the pool" in worker.log()

@@ -66,6 +66,8 @@ app.conf.update(
     idemmail_campaign_pass_seconds=os.environ.get("IDEMMAIL_TEST_CAMPAIGN_PASS") or None,
     idemmail_refuse_to_start=bool(os.environ.get("IDEMMAIL_TEST_REFUSE_TO_START")),
 )
+if os.environ.get("IDEMMAIL_TEST_MAX_MESSAGE_BYTES"):  # a budget lowered by a deploy (test_refused_before_the_pool.py)
+    app.conf.update(idemmail_max_message_bytes=os.environ["IDEMMAIL_TEST_MAX_MESSAGE_BYTES"])
 if os.environ.get("IDEMMAIL_TEST_RETRY_DEADLINE"):  # a short retry deadline (tests/integration/test_retry_deadline.py)
     app.conf.update(idemmail_retry_deadline_seconds=os.environ["IDEMMAIL_TEST_RETRY_DEADLINE"])
 # Re-drive (tests/integration/test_redrive.py): set only when asked, the library's defaults otherwise.
@@ -175,3 +177,24 @@ def _die_after_record(task_id: str | None = None, task: Any = None, **_: Any) ->
 def send_strict(self: IdempotentTask, to: str, order_id: int, body: str = "hello") -> dict[str, Any]:
     """A send whose key is the order alone, and whose recipient a duplicate must repeat."""
     return {"message_id": _deliver(self.request.idempotency_key, to, body, dedupe=False)}
+
+
+class BoundedTask(IdempotentTask):
+    """An idempotent task whose argument bound an operator changes: the sink's ``max_args`` control, read by the
+    caller at ``delay()`` and by the worker's main process for each message (none when unset)."""
+
+    abstract = True
+
+    def max_argument_size(self) -> int | None:
+        value = _control("max_args")
+        return int(value) if value else None
+
+
+@app.task(shared=False, base=BoundedTask, bind=True, idempotency_key=("to", "order_id"))
+def send_bounded(self: IdempotentTask, to: str, order_id: int, body: str = "hello") -> dict[str, Any]:
+    """A send whose first attempt may lower the bound (a deploy) and fail before sending: its retry meets it."""
+    key = self.request.idempotency_key
+    if _next_failure("lower_bound"):
+        r.set(k("ctl.max_args"), _control("lower_bound_to") or "100")
+        raise TransientSendError("connection refused before anything was written", reason="connect")
+    return {"message_id": _deliver(key, to, body, dedupe=False)}
