@@ -23,16 +23,7 @@ from ..email import EmailMessage
 from ..errors import AmbiguousSendError, ConfigurationError, PermanentSendError, TransientSendError
 from ..redaction import scrub as redact
 from ..redaction import scrubbed
-from ._http import (
-    MAX_ERROR_TEXT,
-    HTTPClientProvider,
-    netloc,
-    retry_after,
-    scrub,
-    split_url,
-    transport_error,
-    unbound,
-)
+from ._http import MAX_ERROR_TEXT, HTTPClientProvider, netloc, retry_after, scrub, split_url, transport_error, unbound
 from .base import SendResult, about_to_send, first_time, is_loopback
 
 __all__ = ["KEY_HEADER", "KEY_TAG", "KeylessHTTPProvider", "tagged_headers"]

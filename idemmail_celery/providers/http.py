@@ -40,16 +40,7 @@ from ..errors import (
 )
 from ..redaction import scrub as redact
 from ..redaction import scrubbed
-from ._http import (
-    MAX_ERROR_TEXT,
-    HTTPClientProvider,
-    netloc,
-    retry_after,
-    scrub,
-    split_url,
-    transport_error,
-    unbound,
-)
+from ._http import MAX_ERROR_TEXT, HTTPClientProvider, netloc, retry_after, scrub, split_url, transport_error, unbound
 from .base import SendResult, first_time, is_loopback
 
 __all__ = ["RESEND_API_URL", "HTTPProvider", "build_request_body"]
