@@ -9,14 +9,17 @@ and its ledger prefix/table all derive from it.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
 from typing import Any
 
+import kombu
 import redis
 from celery import Celery
 from celery.signals import task_postrun
+from celery.worker.control import inspect_command
 
 from idemmail_celery import AmbiguousSendError, IdempotentTask, TransientSendError, send_campaign, send_email  # noqa: F401
 
@@ -175,3 +178,30 @@ def _die_after_record(task_id: str | None = None, task: Any = None, **_: Any) ->
 def send_strict(self: IdempotentTask, to: str, order_id: int, body: str = "hello") -> dict[str, Any]:
     """A send whose key is the order alone, and whose recipient a duplicate must repeat."""
     return {"message_id": _deliver(self.request.idempotency_key, to, body, dedupe=False)}
+
+
+@inspect_command()
+def message_copies(state: Any) -> dict[str, int]:
+    """What the kombu messages alive in this process (the worker's main one) still hold: how many there are, and
+    the characters of their bodies, of their transport's raw payloads (the body inside) and of their decoded
+    bodies' strings (tests/integration/test_message_memory.py). Counted after a full collection: what is kept."""
+    gc.collect()
+    held = {"messages": 0, "body": 0, "raw": 0, "decoded": 0}
+    for o in gc.get_objects():
+        if isinstance(o, kombu.Message):
+            held["messages"] += 1
+            held["body"] += len(o.body or b"")
+            held["raw"] += len(str((getattr(o, "_raw", None) or {}).get("body") or ""))
+            held["decoded"] += _characters(o._decoded_cache)
+    return held
+
+
+def _characters(value: Any) -> int:
+    """The characters of every string in ``value`` (lists and mappings walked)."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_characters(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_characters(v) for v in value)
+    return 0
