@@ -19,18 +19,24 @@ accepted intent, nor the verdict its chain carries, is lost; the depth bound hol
 The check hooks :meth:`CheckedRequest.revoked`: every ``execute_using_pool`` asks it first (the one
 Celery generates per task for its strategy too), and a request it answers True for never reaches
 the pool; the worker releases the pool slot it held (``TaskRevokedError``, as for a revoked task).
+
+The request also lets its message go of the copies it holds (:mod:`idemmail_celery._memory`): the raw
+payload and kombu's decoding as soon as the request is made, the body once the acknowledgement (or
+rejection) has been carried out, which a worker with an event loop does a moment after asking for it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import platform
+from collections.abc import Callable
+from typing import Any
 
 from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
 from celery.worker.state import task_ready
+from vine import Thenable
 
+from ._memory import drop_body, drop_payload_copies
 from .errors import PermanentSendError
 from .handler import Outcome
 from .keys import MAX_NESTING, Payload, Seal, arguments_problem
@@ -42,6 +48,14 @@ class CheckedRequest(Request):  # type: ignore[misc]
     """A request whose arguments are checked in the main process before the pool gets them."""
 
     _idemmail_refused: bool | None = None  # None until checked
+    _on_ack: Callable[..., Any]  # Celery's: the consumer's callbacks that settle the message
+    _on_reject: Callable[..., Any]
+
+    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(message, *args, **kwargs)
+        drop_payload_copies(message)
+        self._on_ack = _then_drop_body(self._on_ack, message)
+        self._on_reject = _then_drop_body(self._on_reject, message)
 
     def revoked(self) -> bool:
         """True for a revoked or expired task (Celery's answer), and for one refused here (see the module doc)."""
@@ -105,23 +119,16 @@ class CheckedRequest(Request):  # type: ignore[misc]
         self.acknowledge()
 
 
-#: glibc's own default threshold (128 KiB), above which an allocation is a mapping of its own, unmapped when freed.
-MMAP_THRESHOLD = 128 * 1024
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+def _then_drop_body(settle: Callable[..., Any], message: Any) -> Callable[..., Any]:
+    """``settle`` (the consumer's ack or reject callback), then :func:`~idemmail_celery._memory.drop_body` once the
+    message is settled: at once, or when the event loop (kombu's hub) has run the callback it was scheduled as."""
 
+    def settle_then_drop(*args: Any) -> Any:
+        scheduled = settle(*args)
+        if isinstance(scheduled, Thenable):
+            scheduled.then(lambda *_: drop_body(message))
+        else:
+            drop_body(message)
+        return scheduled
 
-def fix_mmap_threshold() -> bool:
-    """Keep glibc's mmap threshold at its default in this process (and the pool children it forks afterwards).
-
-    glibc raises the threshold, up to 32 MiB, each time a block above it is freed: after one large
-    message (its body, the decoded arguments, the pickled job, the provider's request: about 10 MiB
-    each) the next ones are allocated inside the heap, and a heap gives memory back only from its top.
-    Pool children kept hundreds of MiB that way (issue 35). Setting the threshold turns the raising
-    off; every block above it goes back to the system when freed. False where the C library is not glibc.
-    """
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-    except (OSError, AttributeError):
-        return False
+    return settle_then_drop

@@ -1027,8 +1027,8 @@ def _pending_idempotent(name: str | None) -> bool:
 
 
 def _fix_mmap_threshold(**_: Any) -> None:
-    """On ``worker_init`` (main process, before the pool forks): :func:`idemmail_celery._request.fix_mmap_threshold`."""
-    from ._request import fix_mmap_threshold
+    """On ``worker_init`` (main process, before the pool forks): :func:`idemmail_celery._memory.fix_mmap_threshold`."""
+    from ._memory import fix_mmap_threshold
 
     fix_mmap_threshold()
 

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "idemmail_celery"
 LAYERS: dict[str, int] = {
     # 0: plumbing, vocabulary and settings
     "errors": 0, "_common": 0, "_ahead": 0, "_registry": 0, "config": 0, "metrics": 0, "redaction": 0,
-    "sealing": 0, "_version": 0,
+    "sealing": 0, "_version": 0, "_memory": 0,
     # 1: values: keys, messages
     "keys": 1, "email": 1,
     # 2: stores and providers, one module each behind one base class

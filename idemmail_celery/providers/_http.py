@@ -2,6 +2,8 @@
 
 * :class:`HTTPClientProvider`, a provider base holding one ``httpx.Client``, created
   lazily and anew after ``fork()``;
+* :func:`unbound`, which lets a read response go of the request body as soon as nobody
+  refers to it;
 * :func:`transport_error`, which maps a failed request (no HTTP answer at all)
   onto the provider contract (:mod:`.base`);
 * :func:`scrub`, which keeps credentials out of messages built from what a server
@@ -82,6 +84,19 @@ _live: weakref.WeakSet[HTTPClientProvider] = weakref.WeakSet()
 def _drop_clients() -> None:
     for provider in list(_live):
         provider._drop_after_fork()
+
+
+def unbound(response: httpx.Response) -> httpx.Response:
+    """``response`` (read: ``send`` without ``stream=True``), its stream no longer bound to it.
+
+    httpx binds a response's stream to the response (for ``elapsed``): a reference cycle, and through
+    ``response.request`` it holds the request body. A cycle is freed only by the cyclic garbage
+    collector, whose oldest generation runs seldom: pool children kept 4 to 7 requests of a 10 MiB
+    message each (issue 35). The stream has nothing left to give once the response is read; its
+    content takes its place, so the response and its request are freed with the last reference to them.
+    """
+    response.stream = httpx.ByteStream(response.content)
+    return response
 
 
 def transport_error(

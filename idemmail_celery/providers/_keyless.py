@@ -23,7 +23,7 @@ from ..email import EmailMessage
 from ..errors import AmbiguousSendError, ConfigurationError, PermanentSendError, TransientSendError
 from ..redaction import scrub as redact
 from ..redaction import scrubbed
-from ._http import MAX_ERROR_TEXT, HTTPClientProvider, netloc, retry_after, scrub, split_url, transport_error
+from ._http import MAX_ERROR_TEXT, HTTPClientProvider, netloc, retry_after, scrub, split_url, transport_error, unbound
 from .base import SendResult, about_to_send, first_time, is_loopback
 
 __all__ = ["KEY_HEADER", "KEY_TAG", "KeylessHTTPProvider", "tagged_headers"]
@@ -158,7 +158,7 @@ class KeylessHTTPProvider(HTTPClientProvider):
         request = client.build_request(method, self.base_url + path, content=content, params=params, headers=headers)
         self._authorize(request, self.__secret)
         try:
-            return client.send(request)
+            return unbound(client.send(request))
         except httpx.HTTPError as exc:
             # "from None": the httpx exception holds the request, credentials included.
             raise transport_error(exc, f"{self.name} at {self.base_url}", key, self._scrub, search=search) from None

@@ -40,7 +40,7 @@ from ..errors import (
 )
 from ..redaction import scrub as redact
 from ..redaction import scrubbed
-from ._http import MAX_ERROR_TEXT, HTTPClientProvider, netloc, retry_after, scrub, split_url, transport_error
+from ._http import MAX_ERROR_TEXT, HTTPClientProvider, netloc, retry_after, scrub, split_url, transport_error, unbound
 from .base import SendResult, first_time, is_loopback
 
 __all__ = ["RESEND_API_URL", "HTTPProvider", "build_request_body"]
@@ -146,7 +146,7 @@ class HTTPProvider(HTTPClientProvider):
             "Accept": "application/json",
         }
         try:
-            response = self._http().post(self.url, content=body, headers=headers)
+            response = unbound(self._http().post(self.url, content=body, headers=headers))
         except httpx.HTTPError as exc:
             # "from None": the httpx exception holds the request, Authorization header included.
             raise transport_error(exc, self.url, key, self._scrub) from None

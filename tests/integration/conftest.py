@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 from idemmail_celery.testing.redis_server import RedisServer
 
-from ..conftest import POSTGRES_URL, REDIS_URL, service_missing, unique, wait_for
+from ..conftest import POSTGRES_URL, REDIS_URL, require_module, service_missing, unique, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -335,3 +335,17 @@ def fake_app(fake: FakeProvider, worker_env: dict[str, str], request: pytest.Fix
     ``worker_env`` does so before asking for this one."""
     worker_env.update(IDEMMAIL_TEST_PROVIDER=fake.url, IDEMMAIL_TEST_PROVIDER_KEY=DEFAULT_API_KEY)
     return request.getfixturevalue("app_module")
+
+
+#: Each pool at a small concurrency, for tests of what every pool must do alike (:func:`fake_pool_worker`).
+POOL_CONCURRENCY = {"prefork": "2", "threads": "4", "gevent": "20"}
+
+
+@pytest.fixture(params=sorted(POOL_CONCURRENCY))
+def fake_pool_worker(request: pytest.FixtureRequest, fake_app: Any, start_worker: Any) -> WorkerProcess:
+    """A worker of ``fake_app`` on each pool in turn, at its :data:`POOL_CONCURRENCY` (gevent must be installed)."""
+    pool = request.param
+    if pool == "gevent":
+        require_module("gevent")
+    worker: WorkerProcess = start_worker("-P", pool, "-c", POOL_CONCURRENCY[pool])
+    return worker

@@ -14,20 +14,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import pytest
-
 from idemmail_celery import PermanentSendError
 from idemmail_celery._common import KEY_MARK_HEADER
 from idemmail_celery.mail import ARGUMENT_SLACK, TASK_NAME
 from idemmail_celery.testing.fake_provider import FakeProvider
 
-from ..conftest import require_module
 from .conftest import WorkerProcess, results
 
 KIM = {"to": "kim@example.com", "subject": "Your receipt", "text": "Thanks", "event_id": "order-35"}
-CONCURRENCY = {"prefork": "2", "threads": "4", "gevent": "20"}
-
-
 def nested(levels: int) -> Any:
     value: Any = "x"
     for _ in range(levels):
@@ -44,13 +38,10 @@ def stays_up(worker: WorkerProcess, seconds: float) -> None:
         time.sleep(0.5)
 
 
-@pytest.mark.parametrize("pool", sorted(CONCURRENCY))
 def test_a_message_nested_850_deep_is_refused_before_the_pool_and_the_worker_lives(
-    fake_app: Any, fake: FakeProvider, start_worker: Any, pool: str
+    fake_app: Any, fake: FakeProvider, fake_pool_worker: WorkerProcess
 ) -> None:
-    if pool == "gevent":
-        require_module("gevent")
-    worker = start_worker("-P", pool, "-c", CONCURRENCY[pool])
+    worker = fake_pool_worker
     app = fake_app.app
     deep = app.send_task(TASK_NAME, kwargs={**KIM, "tags": {"t": nested(850)}})
     out = results([deep], timeout=45)[0]
