@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import heapq
+import itertools
 import logging
 import re
 import secrets
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from typing import Any
@@ -55,6 +58,7 @@ from ..base import (
     dumps_json,
     loads_json,
 )
+from ..listing import Position, RecordQuery, Selection, Summary, after
 from .layout import (
     _ENTRY,
     _INDEXED,
@@ -72,6 +76,7 @@ from .layout import (
     _field,
     _joined,
     _layout1_fields,
+    _pack_all,
     _pack_fp,
     _seconds,
     _unbody,
@@ -104,7 +109,11 @@ _REPLY_CODE = re.compile(r"^([A-Z]+)\b|\s-([A-Z]+)\s")
 _CLAIM_STATUS = {status.value: status for status in ClaimStatus}
 
 #: The scripts beside this module, each one atomic transition; record scripts start with ``prelude.lua``.
-_RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page", "restock", "sweep", "withdraw")
+_RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page", "restock", "sweep", "withdraw",
+                   "listing")
+#: Records a filtered listing first asks the listing script about, one call per bucket (Redis runs nothing
+#: else meanwhile: a few ms a call); each next stretch twice as long, up to 8 times this.
+LISTING_STRETCH = 500
 
 
 #: A record script's first line naming the prelude's parts it uses (none named: all of them).
@@ -302,6 +311,7 @@ class RedisLedger(Ledger):
         self._read = self.client.register_script(_lua("read"))
         self._page = self.client.register_script(_lua("page"))
         self._withdraw = self.client.register_script(_lua("withdraw"))
+        self._listing = self.client.register_script(_lua("listing"))
         #: Every key name (see ``layout.py``); its shelves per bucket are this process's until the markers say.
         self.names = Names(prefix, buckets, shelves)
         self._stems = self.names.stems
@@ -1222,6 +1232,100 @@ class RedisLedger(Ledger):
                 counts[name.rsplit(":", 1)[1]] += int(n)
         return counts
 
+    # -- listing: the review queue (see ``ledger.listing``) --
+
+    def _listing_window(self, query: RecordQuery, position: Position | None, want: int, skip: int) -> Selection:
+        """The state's indexes walked in order across buckets (:class:`_Walk`); with a task, a reason or words,
+        each stretch of the walk checked in the store by the listing script; then the records read in one
+        pipeline. ``sent`` (no index) and every state at once: the base class's scan."""
+        if query.state not in _INDEXED:
+            return super()._listing_window(query, position, want, skip)
+        if not self._checked:
+            self._check_store()
+        walk = _Walk(self, query, position)
+        failed_by_time = query.state is State.FAILED and (query.since is not None or query.until is not None)
+        to_skip = skip if not (query.words or failed_by_time) else 0  # the store's matches are exact: skip there
+        filtered = bool(query.task or query.reason or query.plain_words)
+        skipped, found, last = 0, list[Position](), position
+        size = LISTING_STRETCH  # a filtered walk looks at stretches growing to LISTING_STRETCH * 8
+        while len(found) < want and not walk.ended:
+            stretch = walk.take(to_skip + want - len(found) if not filtered else size)
+            size = min(size * 2, LISTING_STRETCH * 8)
+            flags = self._check(query, stretch) if filtered else "1" * len(stretch)
+            for (at, _), flag in zip(stretch, flags, strict=True):
+                last = at
+                if flag != "1":
+                    continue
+                if to_skip:
+                    to_skip, skipped = to_skip - 1, skipped + 1
+                    continue
+                found.append(at)
+                if len(found) == want:
+                    break
+        read = self._pipeline([(c, (name,)) for at in found
+                               for c, name in (("hgetall", self._rec(at.key)), ("get", self._payload(at.key)))])
+        items = [(at, self._record(at.key, h, payload))
+                 for at, h, payload in zip(found, read[::2], read[1::2], strict=True) if h]
+        done = walk.ended and last == walk.last  # every position handed out was looked at
+        return Selection(items, None if done else last, skipped)
+
+    def _check(self, query: RecordQuery, stretch: list[tuple[Position, int]]) -> str:
+        """The listing script's verdict on each record of ``stretch`` (``1``: it matches), bucket by bucket."""
+        words = query.plain_words
+        by_bucket: dict[int, list[int]] = {}
+        for i, (_, bucket) in enumerate(stretch):
+            by_bucket.setdefault(bucket, []).append(i)
+        calls = [self._listing_call("check", query, b, [stretch[i][0].key for i in at], words)
+                 for b, at in by_bucket.items()]
+        flags = ["0"] * len(stretch)
+        for at, out in zip(by_bucket.values(), self._run_scripts(self._listing, calls), strict=True):
+            for i, flag in zip(at, str(out), strict=True):
+                flags[i] = flag
+        return "".join(flags)
+
+    def _listing_call(self, mode: str, query: RecordQuery, bucket: int, keys: list[str],
+                      words: tuple[str, ...]) -> tuple[list[str], list[Any]]:
+        assert query.state is not None
+        stem = self._stems[bucket]
+        packed = _pack_all(keys)
+        names = [f"{stem}r:{p}" for p in packed] + ([f"{stem}p:{p}" for p in packed] if words else [])
+        return names, [mode, query.state.value, query.task, query.reason, len(words), *words, *keys]
+
+    def summarize(self, query: RecordQuery | None = None) -> Summary:
+        """Counted by the listing script over every record of the state's index in the time range (reasons
+        and tasks too; the total is None with words: each match is checked here). ``sent`` and all states:
+        the counters' total without other filters, else the base class's scan (so is ``failed`` by time)."""
+        query = query or RecordQuery()
+        if query.state not in _INDEXED:
+            if query == RecordQuery(state=query.state, newest_first=query.newest_first):
+                counts = self.stats()
+                return Summary(counts[query.state.value] if query.state else sum(counts.values()))
+            return super().summarize(query)
+        if query.state is State.FAILED and (query.since is not None or query.until is not None):
+            return super().summarize(query)  # its index is by expiry: the times are the records' own
+        if not self._checked:
+            self._check_store()
+        total, reasons, tasks = 0, Counter[str](), Counter[str]()
+        lo, hi = _Walk.bounds(query)
+        cursors = dict.fromkeys(range(self.buckets), 0)
+        while cursors:
+            ranges = self._pipeline([("zrangebyscore", (self._index(b, query.state), lo, hi, at, LISTING_STRETCH * 2))
+                                     for b, at in cursors.items()])
+            calls, counted = [], []
+            for (b, at), keys in zip(list(cursors.items()), ranges, strict=True):
+                if keys:
+                    calls.append(self._listing_call("tally", query, b, [str(k) for k in keys], ()))
+                    counted.append(b)
+                if len(keys) < LISTING_STRETCH * 2:
+                    del cursors[b]
+                else:
+                    cursors[b] = at + len(keys)
+            for count, by_reason, by_task in self._run_scripts(self._listing, calls):
+                total += int(count)
+                reasons.update({str(by_reason[i]): int(by_reason[i + 1]) for i in range(0, len(by_reason), 2)})
+                tasks.update({str(by_task[i]): int(by_task[i + 1]) for i in range(0, len(by_task), 2)})
+        return Summary(None if query.words else total, dict(reasons), dict(tasks))
+
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
         ttl = "" if new.expires_at is None else int((new.expires_at - new.updated_at) * 1000)
         drop = new.payload is None or (new.state is State.SENT and not self.keep_payload)
@@ -1308,6 +1412,89 @@ class RedisLedger(Ledger):
         a lock one of its threads held (a metrics scrape checking the store) would never be released.
         redis-py's own pool notices the fork by itself."""
         self._spare, self._check_lock = [], threading.Lock()
+
+
+class _Walk:
+    """One state's records in a listing's order, across every bucket's index of the state (a sorted set by
+    the time each record entered it), read a stretch at a time without reading the records.
+
+    Each bucket's index is read in batches (ZRANGE BYSCORE, one pipeline for the buckets that need more);
+    a position is handed out once every bucket still being read has been read past it (the least of their
+    last positions), so no later record is ever handed out before an earlier one of another bucket."""
+
+    def __init__(self, ledger: RedisLedger, query: RecordQuery, position: Position | None) -> None:
+        assert query.state is not None
+        self.ledger, self.newest = ledger, query.newest_first
+        self.index = [ledger._index(b, query.state) for b in range(ledger.buckets)]
+        self.lo, self.hi = self.bounds(query)
+        #: Per bucket still being read: the last position read (None: none yet, from ``position``).
+        self.read: dict[int, Position | None] = dict.fromkeys(range(ledger.buckets), position)
+        self.pending: dict[int, list[Position]] = {b: [] for b in range(ledger.buckets)}
+        #: The last position handed out.
+        self.last: Position | None = position
+
+    @staticmethod
+    def bounds(query: RecordQuery) -> tuple[str, str]:
+        """The index's score range for the query's time range (scores are microseconds). ``failed`` is scored
+        by its expiry (the time it failed plus the retention): only the live ones, times checked by the caller."""
+        us = 1_000_000
+        if query.state is State.FAILED:
+            return f"({time.time() * us:.17g}", "+inf"
+        return ("-inf" if query.since is None else f"{query.since * us:.17g}",
+                "+inf" if query.until is None else f"({query.until * us:.17g}")
+
+    @property
+    def ended(self) -> bool:
+        return not self.read and not any(self.pending.values())
+
+    def take(self, n: int) -> list[tuple[Position, int]]:
+        """The next ``n`` positions (fewer at the end), each with its bucket."""
+        out: list[tuple[Position, int]] = []
+        while len(out) < n and not self.ended:
+            missing = n - len(out)
+            short = [b for b in self.read if len(self.pending[b]) < missing]
+            if short:
+                self._fill(short, max(32, 2 * -(-missing // len(self.read))))
+            live = [p for p in self.read.values() if p is not None]
+            frontier = (max(live) if self.newest else min(live)) if live else None
+            ready = heapq.merge(*([(p, b) for p in self.pending[b]
+                                   if frontier is None or not after(p, frontier, self.newest)]
+                                  for b in self.pending), reverse=self.newest)
+            taken = list(itertools.islice(ready, missing))
+            for b in {b for _, b in taken}:  # what each bucket gave is the front of its pending
+                self.pending[b] = self.pending[b][sum(1 for _, tb in taken if tb == b):]
+            out += taken
+        if out:
+            self.last = out[-1][0]
+        return out
+
+    def _fill(self, buckets: list[int], batch: int) -> None:
+        """Read the next ``batch`` entries of each of ``buckets``' indexes (and those tied with where it is)."""
+        commands: list[tuple[str, tuple[Any, ...]]] = []
+        for b in buckets:
+            at = self.read[b]
+            if self.newest:
+                top = self.hi if at is None else f"({at.at:.17g}"
+                commands.append(("zrevrangebyscore", (self.index[b], top, self.lo, 0, batch, True)))
+            else:
+                low = self.lo if at is None else f"({at.at:.17g}"
+                commands.append(("zrangebyscore", (self.index[b], low, self.hi, 0, batch, True)))
+            if at is not None:  # the entries with the very same score that follow its key
+                score = f"{at.at:.17g}"
+                commands.append(("zrangebyscore", (self.index[b], score, score, None, None, True)))
+        replies = iter(self.ledger._pipeline(commands))
+        for b in buckets:
+            at = self.read[b]
+            found = [Position(float(score), str(key)) for key, score in next(replies)]
+            ended = len(found) < batch
+            if at is not None:
+                tied = sorted((Position(float(score), str(key)) for key, score in next(replies)), reverse=self.newest)
+                found = [p for p in tied if after(p, at, self.newest)] + found
+            self.pending[b] += found
+            if ended:
+                del self.read[b]  # its index ends here
+            elif found:
+                self.read[b] = found[-1]
 
 
 def _whole(text: str | None) -> tuple[Any, ...]:
