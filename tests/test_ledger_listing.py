@@ -177,15 +177,20 @@ def test_a_search_finds_key_start_message_id_template_tag_event_and_domain_never
 def test_a_summary_counts_by_reason_and_by_task(ledger: Ledger) -> None:
     keys = [key_of(f"summary-{i}") for i in range(24)]
     park(ledger, keys)
+    retime(ledger, keys[0], time.time() - 3 * 86400)  # a record of another day
     records = list(ledger.iter_records(State.REVIEW))
     reasons = Counter(reason_of(r) for r in records)
     tasks = Counter(r.task_name for r in records)
-    assert ledger.summarize(RecordQuery(state=State.REVIEW)) == Summary(24, dict(reasons), dict(tasks))
+    days = Counter(int(r.updated_at // 86400) for r in records)
+    assert len(days) >= 2
+    assert ledger.summarize(RecordQuery(state=State.REVIEW)) == Summary(24, dict(reasons), dict(tasks), dict(days))
     only = ledger.summarize(RecordQuery(state=State.REVIEW, reason="after_data", task=TASKS[0]))
     both = sum(1 for r in records if reason_of(r) == "after_data" and r.task_name == TASKS[0])
     assert only.total == both
     assert only.reasons == dict(Counter(reason_of(r) for r in records if r.task_name == TASKS[0]))
     assert only.tasks == dict(Counter(r.task_name for r in records if reason_of(r) == "after_data"))
+    assert only.days == dict(Counter(int(r.updated_at // 86400) for r in records
+                                     if reason_of(r) == "after_data" and r.task_name == TASKS[0]))
     assert ledger.summarize(RecordQuery(state=State.REVIEW, search="winter")).total in (None, 12)
     assert ledger.summarize(RecordQuery(state=State.FAILED)).total == 0
     assert ledger.summarize(RecordQuery(state=State.REVIEW, since=time.time() + 60)).total == 0
@@ -246,6 +251,7 @@ def test_a_sealed_ledger_lists_and_filters_what_it_opens(backend: str,
         assert label_of(led.list_records(RecordQuery(state=State.REVIEW), limit=1).records[0]).template == "receipt"
         counted = led.summarize(RecordQuery(state=State.REVIEW, task=TASKS[0]))
         assert counted.total == 5 and counted.reasons is None and counted.tasks == {TASKS[0]: 5, TASKS[1]: 4}
+        assert counted.days is not None and sum(counted.days.values()) == 5
         assert led.summarize(RecordQuery(state=State.REVIEW, reason="after_data")).total is None
     finally:
         drop_ledger(led.backend)

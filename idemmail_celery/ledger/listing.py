@@ -257,6 +257,8 @@ class Summary:
     reasons: dict[str, int] | None = None
     #: Task name -> records, over the records matching the query but for its task and search.
     tasks: dict[str, int] | None = None
+    #: UTC day (``updated_at // 86400``) -> records matching the query but for its search (a date hierarchy).
+    days: dict[int, int] | None = None
 
 
 @dataclass
@@ -267,6 +269,7 @@ class Tally:
     total: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
     tasks: dict[str, int] = field(default_factory=dict)
+    days: dict[int, int] = field(default_factory=dict)
 
     def add(self, record: Record, now: float) -> None:
         base = self.query.without(task=True, reason=True, search=True)
@@ -279,11 +282,14 @@ class Tally:
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
         if reason_ok:
             self.tasks[record.task_name] = self.tasks.get(record.task_name, 0) + 1
-            if task_ok and searched(record, self.query.words):
-                self.total += 1
+            if task_ok:
+                day = int(record.updated_at // 86400)
+                self.days[day] = self.days.get(day, 0) + 1
+                if searched(record, self.query.words):
+                    self.total += 1
 
     def summary(self) -> Summary:
-        return Summary(self.total, self.reasons, self.tasks)
+        return Summary(self.total, self.reasons, self.tasks, self.days)
 
 
 def select_in_memory(records: Iterable[Record], query: RecordQuery, position: Position | None, skip: int,

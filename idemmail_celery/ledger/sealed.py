@@ -216,11 +216,11 @@ class SealedLedger(LedgerWrapper):
 
     def summarize(self, query: RecordQuery | None = None) -> Summary:
         """The backend's counts of what it can read: the total unless the query names a reason or words, the
-        tasks unless it names a reason; never the reasons (sealed)."""
+        tasks and days unless it names a reason; never the reasons (sealed)."""
         query = query or RecordQuery()
         counted = self.inner.summarize(query.without(reason=True, search=True))
         return Summary(counted.total if not (query.reason or query.search) else None, None,
-                       counted.tasks if not query.reason else None)
+                       counted.tasks if not query.reason else None, counted.days if not query.reason else None)
 
     def _readable(self, key: str) -> Record | None:
         """Erasing needs no key: what this process cannot open is erased whole (a result without

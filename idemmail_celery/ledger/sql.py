@@ -918,22 +918,27 @@ class SQLLedger(Ledger):
         return Selection(items, items[-1][0] if len(items) == want else None, skipped)
 
     def summarize(self, query: RecordQuery | None = None) -> Summary:
-        """Two aggregates in the database, by reason and by task; the total is the reasons' count of the query's
-        reason (None with words: they are checked row by row)."""
+        """Three aggregates in the database, by reason, by task and by day; the total is the reasons' count of
+        the query's reason (None with words: they are checked row by row)."""
         query = query or RecordQuery()
         t = self.table
         now = time.time()
         reason, task = sa.func.coalesce(self._reason(), ""), self._exact(t.c.task_name)
+        # The UTC day: SQLite has no floor() unless built with its math functions (times are positive: a cast).
+        day = (sa.cast(t.c.updated_at / 86400, sa.Integer) if self.dialect == "sqlite"
+               else sa.func.floor(t.c.updated_at / 86400))
         by_reason = (sa.select(reason, sa.func.count()).where(*self._where(query, now, reason=False, search=False))
                      .group_by(reason))
         by_task = (sa.select(task, sa.func.count()).where(*self._where(query, now, task=False, search=False))
                    .group_by(task))
+        by_day = sa.select(day, sa.func.count()).where(*self._where(query, now, search=False)).group_by(day)
 
         def do(conn: Connection) -> Summary:
             reasons = {str(k): int(n) for k, n in conn.execute(by_reason).all()}
             tasks = {str(k): int(n) for k, n in conn.execute(by_task).all()}
+            days = {int(k): int(n) for k, n in conn.execute(by_day).all()}
             total = reasons.get(query.reason, 0) if query.reason else sum(reasons.values())
-            return Summary(None if query.words else total, reasons, tasks)
+            return Summary(None if query.words else total, reasons, tasks, days)
 
         summary: Summary = self._run(do)
         return summary

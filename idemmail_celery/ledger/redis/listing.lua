@@ -7,8 +7,9 @@
 -- A record matches when it is in the state, of the task, with the reason (its error's ``reason``), and when
 -- each word is in the start of its key, or anywhere in its task name, result or payload as stored (a
 -- rough look that never misses: the caller checks each match exactly).
--- Returns, check: one character per record, '1' for a match, '0' for none; tally: {the matches, the
--- reasons of the records matching all but the reason {name, count, ...}, their tasks likewise}.
+-- Returns, check: one character per record, '1' for a match, '0' for none; tally (no words): {those
+-- characters, the reasons of the records matching all but the reason {name, count, ...}, the tasks of those
+-- matching all but the task likewise}.
 local mode, state, task, reason = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local nwords = tonumber(ARGV[5])
 local words = {unpack(ARGV, 6, 5 + nwords)}
@@ -64,7 +65,7 @@ local function text(rec, v, from, count, base)
   return table.concat(parts)
 end
 
-local flags, count, reasons, tasks = {}, 0, {}, {}
+local flags, reasons, tasks = {}, {}, {}
 for i = 1, n do
   local ok = false
   local v = redis.call('HMGET', KEYS[i], unpack(wanted))
@@ -78,7 +79,6 @@ for i = 1, n do
     end
     ok = task_ok and reason_ok and (nwords == 0 or found(i, name, need_result and text(KEYS[i], v, R, 4, 'r')))
   end
-  if ok then count = count + 1 end
   flags[i] = ok and '1' or '0'
 end
 if not tally then return table.concat(flags) end
@@ -91,4 +91,4 @@ local function flat(counts)
   end
   return out
 end
-return {count, flat(reasons), flat(tasks)}
+return {table.concat(flags), flat(reasons), flat(tasks)}

@@ -1305,26 +1305,31 @@ class RedisLedger(Ledger):
             return super().summarize(query)  # its index is by expiry: the times are the records' own
         if not self._checked:
             self._check_store()
-        total, reasons, tasks = 0, Counter[str](), Counter[str]()
+        total, reasons, tasks, days = 0, Counter[str](), Counter[str](), Counter[int]()
         lo, hi = _Walk.bounds(query)
+        # A failed record is scored by its expiry: its day is the score less the ledger's retention.
+        shift = self._retention_ms * 1000 if query.state is State.FAILED else 0
         cursors = dict.fromkeys(range(self.buckets), 0)
         while cursors:
-            ranges = self._pipeline([("zrangebyscore", (self._index(b, query.state), lo, hi, at, LISTING_STRETCH * 2))
-                                     for b, at in cursors.items()])
-            calls, counted = [], []
-            for (b, at), keys in zip(list(cursors.items()), ranges, strict=True):
-                if keys:
-                    calls.append(self._listing_call("tally", query, b, [str(k) for k in keys], ()))
-                    counted.append(b)
-                if len(keys) < LISTING_STRETCH * 2:
+            ranges = self._pipeline([("zrangebyscore", (self._index(b, query.state), lo, hi, at, LISTING_STRETCH * 2,
+                                                        True)) for b, at in cursors.items()])
+            calls, scores = [], []
+            for (b, at), found in zip(list(cursors.items()), ranges, strict=True):
+                if found:
+                    calls.append(self._listing_call("tally", query, b, [str(k) for k, _ in found], ()))
+                    scores.append([s for _, s in found])
+                if len(found) < LISTING_STRETCH * 2:
                     del cursors[b]
                 else:
-                    cursors[b] = at + len(keys)
-            for count, by_reason, by_task in self._run_scripts(self._listing, calls):
-                total += int(count)
+                    cursors[b] = at + len(found)
+            for (flags, by_reason, by_task), stretch in zip(self._run_scripts(self._listing, calls), scores,
+                                                            strict=True):
+                matched = [score for score, flag in zip(stretch, str(flags), strict=True) if flag == "1"]
+                total += len(matched)
+                days.update(int((score - shift) // 86_400_000_000) for score in matched)
                 reasons.update({str(by_reason[i]): int(by_reason[i + 1]) for i in range(0, len(by_reason), 2)})
                 tasks.update({str(by_task[i]): int(by_task[i + 1]) for i in range(0, len(by_task), 2)})
-        return Summary(None if query.words else total, dict(reasons), dict(tasks))
+        return Summary(None if query.words else total, dict(reasons), dict(tasks), dict(days))
 
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
         ttl = "" if new.expires_at is None else int((new.expires_at - new.updated_at) * 1000)
