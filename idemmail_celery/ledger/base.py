@@ -44,12 +44,13 @@ from .._common import after_fork
 from ..errors import IllegalTransitionError, RecordNotFoundError
 from ..keys import canonical_json
 from .listing import (
+    Counts,
     Position,
     RecordPage,
     RecordQuery,
     Selection,
     Summary,
-    Tally,
+    count_in_memory,
     decode_cursor,
     encode_cursor,
     select_in_memory,
@@ -677,15 +678,17 @@ class Ledger(ABC):
             position = selection.resume
 
     def summarize(self, query: RecordQuery | None = None) -> Summary:
-        """How many records ``query`` names, and how they divide by reason and by task (see :class:`Summary`).
+        """How many records ``query`` names, and how they divide by reason, task and day (see :class:`Summary`):
+        read from :meth:`count` of its state and time range."""
+        query = query or RecordQuery()
+        return self.count(query).summary(query)
 
-        This default reads every record with :meth:`iter_records`; the built-in backends count in the store.
-        """
-        tally = Tally(query or RecordQuery())
-        now = time.time()
-        for record in self.iter_records(tally.query.state):
-            tally.add(record, now)
-        return tally.summary()
+    def count(self, query: RecordQuery | None = None) -> Counts:
+        """The records in ``query``'s state and time range (its other filters aside), counted by reason, task and
+        UTC day (:class:`Counts`). This default reads every record with :meth:`iter_records`; the built-in
+        backends count in the store."""
+        query = query or RecordQuery()
+        return count_in_memory(self.iter_records(query.state), query, time.time())
 
     def _listing_window(self, query: RecordQuery, position: Position | None, want: int, skip: int) -> Selection:
         """The records after ``position`` in ``query``'s order: at least ``want`` of them unless fewer

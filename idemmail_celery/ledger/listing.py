@@ -21,8 +21,9 @@ with :meth:`~idemmail_celery.ledger.base.Ledger.iter_records` (fine for small st
   indexes (sorted sets by the time a record entered the state, kept by the transitions' scripts) with a
   read-only script that checks state, task and reason in the store, and the words roughly (a superset);
   the SQL ledger runs keyset pages on an index of (state, updated_at, key).
-* ``summarize(query)``: counts in the store (a script over the indexes, ``GROUP BY``); a field it cannot
-  count without reading every record into this process is None.
+* ``count(query)``: the :class:`Counts` of the state's records in the time range by reason, task and day,
+  counted in the store (a script over the indexes, one ``GROUP BY``); ``summarize`` reads a query's total
+  and its sidebar's counts from it.
 
 A ledger that seals payloads, results and errors (:class:`~idemmail_celery.ledger.sealed.SealedLedger`)
 hands its backend the query without what only the opened fields can answer (reason, words), and checks
@@ -35,7 +36,7 @@ import base64
 import binascii
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..keys import Payload
@@ -248,12 +249,12 @@ class RecordPage:
 
 @dataclass(frozen=True)
 class Summary:
-    """How a query's records divide, as far as the store can count them. A field is None when it would take
-    reading every record into this process (a search's total; reasons of a sealed ledger)."""
+    """How a query's records divide (an admin's sidebar), as far as the store can tell."""
 
-    #: How many records match the query.
+    #: How many records match the query; None with search words (each record is checked apart).
     total: int | None
-    #: Reason -> records, over the records matching the query but for its reason and search.
+    #: Reason -> records, over the records matching the query but for its reason and search; None when
+    #: the store cannot read reasons (a sealed ledger).
     reasons: dict[str, int] | None = None
     #: Task name -> records, over the records matching the query but for its task and search.
     tasks: dict[str, int] | None = None
@@ -261,35 +262,54 @@ class Summary:
     days: dict[int, int] | None = None
 
 
-@dataclass
-class Tally:
-    """A summary counted record by record (a backend without counts of its own, or a sealed one)."""
+#: A record's cell in :class:`Counts`: its reason (``""`` for none), its task, its UTC day.
+Cell = tuple[str, str, int]
 
-    query: RecordQuery
-    total: int = 0
-    reasons: dict[str, int] = field(default_factory=dict)
-    tasks: dict[str, int] = field(default_factory=dict)
-    days: dict[int, int] = field(default_factory=dict)
 
-    def add(self, record: Record, now: float) -> None:
-        base = self.query.without(task=True, reason=True, search=True)
-        if not base.matches(record, now):
-            return
-        task_ok = not self.query.task or record.task_name == self.query.task
-        reason = reason_of(record)
-        reason_ok = not self.query.reason or reason == self.query.reason
-        if task_ok:
-            self.reasons[reason] = self.reasons.get(reason, 0) + 1
-        if reason_ok:
-            self.tasks[record.task_name] = self.tasks.get(record.task_name, 0) + 1
+@dataclass(frozen=True)
+class Counts:
+    """The records of one state and time range (a query's ``state``, ``since`` and ``until``), counted by
+    reason, task and day: every :class:`Summary` of those records, whatever the task and reason asked for,
+    follows from it (:meth:`summary`), so a sidebar counts once per state and reads many filters from it."""
+
+    cells: dict[Cell, int]
+    #: False when the store cannot read reasons (a sealed ledger counts every record under ``""``).
+    reasons_known: bool = True
+
+    def summary(self, query: RecordQuery) -> Summary:
+        reasons: dict[str, int] = {}
+        tasks: dict[str, int] = {}
+        days: dict[int, int] = {}
+        total = 0
+        for (reason, task, day), n in self.cells.items():
+            task_ok = not query.task or task == query.task
+            reason_ok = not query.reason or reason == query.reason
             if task_ok:
-                day = int(record.updated_at // 86400)
-                self.days[day] = self.days.get(day, 0) + 1
-                if searched(record, self.query.words):
-                    self.total += 1
+                reasons[reason] = reasons.get(reason, 0) + n
+            if reason_ok:
+                tasks[task] = tasks.get(task, 0) + n
+                if task_ok:
+                    days[day] = days.get(day, 0) + n
+                    total += n
+        if not self.reasons_known:
+            return Summary(None if query.reason or query.words else total, None,
+                           *((None, None) if query.reason else (tasks, days)))
+        return Summary(None if query.words else total, reasons, tasks, days)
 
-    def summary(self) -> Summary:
-        return Summary(self.total, self.reasons, self.tasks, self.days)
+
+def cell_of(record: Record) -> Cell:
+    return reason_of(record), record.task_name, int(record.updated_at // 86400)
+
+
+def count_in_memory(records: Iterable[Record], query: RecordQuery, now: float) -> Counts:
+    """The default count: ``records`` in the query's state and time range, counted here."""
+    plain = RecordQuery(state=query.state, since=query.since, until=query.until)
+    cells: dict[Cell, int] = {}
+    for record in records:
+        if plain.matches(record, now):
+            cell = cell_of(record)
+            cells[cell] = cells.get(cell, 0) + 1
+    return Counts(cells)
 
 
 def select_in_memory(records: Iterable[Record], query: RecordQuery, position: Position | None, skip: int,

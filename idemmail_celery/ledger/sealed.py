@@ -40,7 +40,7 @@ from ..errors import LedgerError, PayloadKeyError
 from ..keys import canonical_json
 from ..sealing import INSTALL_HINT, PLAIN, Keyring  # noqa: F401  # re-exported: part of this module's API
 from .base import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State, loads_json
-from .listing import Position, RecordQuery, Selection, Summary
+from .listing import Counts, Position, RecordQuery, Selection
 from .wrapper import LedgerWrapper
 
 log = logging.getLogger("idemmail_celery")
@@ -214,13 +214,10 @@ class SealedLedger(LedgerWrapper):
             items.append((at, opened))
         return Selection(items, found.resume, found.skipped)
 
-    def summarize(self, query: RecordQuery | None = None) -> Summary:
-        """The backend's counts of what it can read: the total unless the query names a reason or words, the
-        tasks and days unless it names a reason; never the reasons (sealed)."""
-        query = query or RecordQuery()
-        counted = self.inner.summarize(query.without(reason=True, search=True))
-        return Summary(counted.total if not (query.reason or query.search) else None, None,
-                       counted.tasks if not query.reason else None, counted.days if not query.reason else None)
+    def count(self, query: RecordQuery | None = None) -> Counts:
+        """The backend's counts, its reasons unknown: it cannot read a sealed error (a summary then has no
+        reasons, and no counts for a query that names one)."""
+        return replace(self.inner.count(query), reasons_known=False)
 
     def _readable(self, key: str) -> Record | None:
         """Erasing needs no key: what this process cannot open is erased whole (a result without

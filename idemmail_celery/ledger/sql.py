@@ -72,7 +72,7 @@ from .base import (
     loads_json,
     owner_writes_ahead,
 )
-from .listing import Position, RecordQuery, Selection, Summary
+from .listing import Counts, Position, RecordQuery, Selection
 
 log = logging.getLogger("idemmail_celery")
 
@@ -917,31 +917,19 @@ class SQLLedger(Ledger):
         items = [(Position(float(r.updated_at), str(r.intent_key)), self._record(r)) for r in rows]
         return Selection(items, items[-1][0] if len(items) == want else None, skipped)
 
-    def summarize(self, query: RecordQuery | None = None) -> Summary:
-        """Three aggregates in the database, by reason, by task and by day; the total is the reasons' count of
-        the query's reason (None with words: they are checked row by row)."""
+    def count(self, query: RecordQuery | None = None) -> Counts:
+        """One ``GROUP BY`` reason, task and UTC day over the rows of the state and time range."""
         query = query or RecordQuery()
         t = self.table
-        now = time.time()
+        plain = RecordQuery(state=query.state, since=query.since, until=query.until)
         reason, task = sa.func.coalesce(self._reason(), ""), self._exact(t.c.task_name)
         # The UTC day: SQLite has no floor() unless built with its math functions (times are positive: a cast).
         day = (sa.cast(t.c.updated_at / 86400, sa.Integer) if self.dialect == "sqlite"
                else sa.func.floor(t.c.updated_at / 86400))
-        by_reason = (sa.select(reason, sa.func.count()).where(*self._where(query, now, reason=False, search=False))
-                     .group_by(reason))
-        by_task = (sa.select(task, sa.func.count()).where(*self._where(query, now, task=False, search=False))
-                   .group_by(task))
-        by_day = sa.select(day, sa.func.count()).where(*self._where(query, now, search=False)).group_by(day)
-
-        def do(conn: Connection) -> Summary:
-            reasons = {str(k): int(n) for k, n in conn.execute(by_reason).all()}
-            tasks = {str(k): int(n) for k, n in conn.execute(by_task).all()}
-            days = {int(k): int(n) for k, n in conn.execute(by_day).all()}
-            total = reasons.get(query.reason, 0) if query.reason else sum(reasons.values())
-            return Summary(None if query.words else total, reasons, tasks, days)
-
-        summary: Summary = self._run(do)
-        return summary
+        stmt = (sa.select(reason, task, day, sa.func.count()).where(*self._where(plain, time.time()))
+                .group_by(reason, task, day))
+        rows = self._run(lambda conn: conn.execute(stmt).all())
+        return Counts({(str(r), str(k), int(d)): int(n) for r, k, d, n in rows})
 
     def purge_expired(self, now: float | None = None) -> int:
         """Delete ``sent``/``failed`` records past retention (and expired reschedule marks).

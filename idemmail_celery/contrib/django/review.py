@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from ...ledger import Ledger, Record, State
-from ...ledger.listing import MAX_TEXT, RecordQuery, Summary, label_of, message_id_of, reason_of
+from ...ledger.listing import MAX_TEXT, Counts, RecordQuery, Summary, label_of, message_id_of, reason_of
 
 #: Records a page lists (Django's ``list_per_page``).
 PER_PAGE = 100
@@ -209,27 +209,27 @@ def readable(value: Any, name: str = "") -> Any:
 
 
 class Summaries:
-    """The sidebar's counts per ledger and query, kept :data:`SUMMARY_SECONDS` (on Redis each is a pass over
-    the state's records); an operator's action here forgets them at once."""
+    """The sidebar's counts: the :class:`~idemmail_celery.ledger.listing.Counts` of a state and time range, kept
+    :data:`SUMMARY_SECONDS` per ledger (on Redis each is a pass over the state's records), so that choosing a
+    reason or a task, or the next page, counts nothing again; an operator's action here forgets them at once."""
 
     def __init__(self) -> None:
-        self._kept: dict[tuple[int, RecordQuery], tuple[float, Summary]] = {}
+        self._kept: dict[tuple[int, RecordQuery], tuple[float, Counts]] = {}
         self._lock = threading.Lock()
 
     def get(self, ledger: Ledger, query: RecordQuery) -> Summary:
-        key = (id(ledger), RecordQuery(state=query.state, task=query.task, reason=query.reason, since=query.since,
-                                       until=query.until, search=query.search))
+        key = (id(ledger), RecordQuery(state=query.state, since=query.since, until=query.until))
         now = time.monotonic()
         with self._lock:
             kept = self._kept.get(key)
         if kept is not None and kept[0] > now:
-            return kept[1]
-        summary = ledger.summarize(key[1])
+            return kept[1].summary(query)
+        counts = ledger.count(key[1])
         with self._lock:
             if len(self._kept) > 256:
                 self._kept.clear()
-            self._kept[key] = (now + SUMMARY_SECONDS, summary)
-        return summary
+            self._kept[key] = (now + SUMMARY_SECONDS, counts)
+        return counts.summary(query)
 
     def forget(self) -> None:
         with self._lock:

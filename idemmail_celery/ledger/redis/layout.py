@@ -9,6 +9,7 @@ docstring.
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 import functools
 import json
@@ -143,9 +144,14 @@ def _pack_all(texts: list[str]) -> list[str]:
         if len(text) == 64:
             with contextlib.suppress(ValueError):
                 raw = bytes.fromhex(text)
-        out.append(base64.urlsafe_b64encode(raw)[:43].decode("ascii") if raw is not None and raw.hex() == text
-                   else _pack(text))
+        if raw is not None and raw.hex() == text:
+            out.append(binascii.b2a_base64(raw, newline=False)[:43].translate(_URLSAFE).decode("ascii"))
+        else:
+            out.append(_pack(text))
     return out
+
+
+_URLSAFE = bytes.maketrans(b"+/", b"-_")
 
 
 #: The digits of a packed fingerprint: ASCII but NUL and ``~``, so it is text (UTF-8) a script copies as it is.

@@ -7,9 +7,9 @@
 -- A record matches when it is in the state, of the task, with the reason (its error's ``reason``), and when
 -- each word is in the start of its key, or anywhere in its task name, result or payload as stored (a
 -- rough look that never misses: the caller checks each match exactly).
--- Returns, check: one character per record, '1' for a match, '0' for none; tally (no words): {those
--- characters, the reasons of the records matching all but the reason {name, count, ...}, the tasks of those
--- matching all but the task likewise}.
+-- Returns, check: one character per record, '1' for a match, '0' for none; tally (no task, reason or
+-- words): {the (reason, task) pairs found {reason, task, ...}, then per record the number of its pair (from
+-- 1), 0 for a record not in the state}.
 local mode, state, task, reason = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local nwords = tonumber(ARGV[5])
 local words = {unpack(ARGV, 6, 5 + nwords)}
@@ -30,7 +30,7 @@ local function reason_of(text)
   return ''
 end
 
-local function found(i, name, result)
+local function found_words(i, name, result)
   local key, ltask, payload = string.lower(ARGV[first_key + i - 1]), string.lower(name), nil
   result = string.lower(result or '')
   for _, w in ipairs(words) do
@@ -65,30 +65,27 @@ local function text(rec, v, from, count, base)
   return table.concat(parts)
 end
 
-local flags, reasons, tasks = {}, {}, {}
+local flags, pairs, numbers, found = {}, {}, {}, {}
 for i = 1, n do
   local ok = false
   local v = redis.call('HMGET', KEYS[i], unpack(wanted))
+  numbers[i] = 0
   if v[1] == state then  -- none: gone meanwhile (a failed record past its retention)
     local name = (v[2] or '') .. (v[3] or '') .. (v[4] or '') .. (v[5] or '')
     local why = need_error and reason_of(text(KEYS[i], v, E, 8, 'e')) or ''
-    local task_ok, reason_ok = task == '' or name == task, reason == '' or why == reason
     if tally then
-      if task_ok then reasons[why] = (reasons[why] or 0) + 1 end
-      if reason_ok then tasks[name] = (tasks[name] or 0) + 1 end
+      local pair = why .. '\0' .. name
+      if not found[pair] then
+        pairs[#pairs + 1] = why
+        pairs[#pairs + 1] = name
+        found[pair] = #pairs / 2
+      end
+      numbers[i] = found[pair]
     end
-    ok = task_ok and reason_ok and (nwords == 0 or found(i, name, need_result and text(KEYS[i], v, R, 4, 'r')))
+    ok = (task == '' or name == task) and (reason == '' or why == reason) and
+      (nwords == 0 or found_words(i, name, need_result and text(KEYS[i], v, R, 4, 'r')))
   end
   flags[i] = ok and '1' or '0'
 end
-if not tally then return table.concat(flags) end
-
-local function flat(counts)
-  local out = {}
-  for name, c in pairs(counts) do
-    out[#out + 1] = name
-    out[#out + 1] = c
-  end
-  return out
-end
-return {table.concat(flags), flat(reasons), flat(tasks)}
+if tally then return {pairs, numbers} end
+return table.concat(flags)

@@ -58,7 +58,7 @@ from ..base import (
     dumps_json,
     loads_json,
 )
-from ..listing import Position, RecordQuery, Selection, Summary, after
+from ..listing import Counts, Position, RecordQuery, Selection, after
 from .layout import (
     _ENTRY,
     _INDEXED,
@@ -1291,45 +1291,41 @@ class RedisLedger(Ledger):
         names = [f"{stem}r:{p}" for p in packed] + ([f"{stem}p:{p}" for p in packed] if words else [])
         return names, [mode, query.state.value, query.task, query.reason, len(words), *words, *keys]
 
-    def summarize(self, query: RecordQuery | None = None) -> Summary:
-        """Counted by the listing script over every record of the state's index in the time range (reasons
-        and tasks too; the total is None with words: each match is checked here). ``sent`` and all states:
-        the counters' total without other filters, else the base class's scan (so is ``failed`` by time)."""
+    def count(self, query: RecordQuery | None = None) -> Counts:
+        """Counted by the listing script over every record of the state's index in the time range, bucket by
+        bucket. ``sent`` (no index) and all states: the base class's scan; so is ``failed`` in a time range
+        (its index is by expiry)."""
         query = query or RecordQuery()
-        if query.state not in _INDEXED:
-            if query == RecordQuery(state=query.state, newest_first=query.newest_first):
-                counts = self.stats()
-                return Summary(counts[query.state.value] if query.state else sum(counts.values()))
-            return super().summarize(query)
-        if query.state is State.FAILED and (query.since is not None or query.until is not None):
-            return super().summarize(query)  # its index is by expiry: the times are the records' own
+        if query.state not in _INDEXED or (query.state is State.FAILED and (query.since, query.until) != (None, None)):
+            return super().count(query)
         if not self._checked:
             self._check_store()
-        total, reasons, tasks, days = 0, Counter[str](), Counter[str](), Counter[int]()
-        lo, hi = _Walk.bounds(query)
+        state = query.state
+        assert state is not None
+        plain = RecordQuery(state=state, since=query.since, until=query.until)
+        cells = Counter[tuple[str, str, int]]()
+        lo, hi = _Walk.bounds(plain)
         # A failed record is scored by its expiry: its day is the score less the ledger's retention.
-        shift = self._retention_ms * 1000 if query.state is State.FAILED else 0
-        cursors = dict.fromkeys(range(self.buckets), 0)
-        while cursors:
-            ranges = self._pipeline([("zrangebyscore", (self._index(b, query.state), lo, hi, at, LISTING_STRETCH * 2,
-                                                        True)) for b, at in cursors.items()])
+        shift = self._retention_ms * 1000 if state is State.FAILED else 0
+        stretch = LISTING_STRETCH * 2
+        starts = dict.fromkeys(range(self.buckets), 0)
+        while starts:
+            ranges = self._pipeline([("zrangebyscore", (self._index(b, state), lo, hi, at, stretch, True))
+                                     for b, at in starts.items()])
             calls, scores = [], []
-            for (b, at), found in zip(list(cursors.items()), ranges, strict=True):
+            for (b, at), found in zip(list(starts.items()), ranges, strict=True):
                 if found:
-                    calls.append(self._listing_call("tally", query, b, [str(k) for k, _ in found], ()))
+                    calls.append(self._listing_call("tally", plain, b, [str(k) for k, _ in found], ()))
                     scores.append([s for _, s in found])
-                if len(found) < LISTING_STRETCH * 2:
-                    del cursors[b]
+                if len(found) < stretch:
+                    del starts[b]
                 else:
-                    cursors[b] = at + len(found)
-            for (flags, by_reason, by_task), stretch in zip(self._run_scripts(self._listing, calls), scores,
-                                                            strict=True):
-                matched = [score for score, flag in zip(stretch, str(flags), strict=True) if flag == "1"]
-                total += len(matched)
-                days.update(int((score - shift) // 86_400_000_000) for score in matched)
-                reasons.update({str(by_reason[i]): int(by_reason[i + 1]) for i in range(0, len(by_reason), 2)})
-                tasks.update({str(by_task[i]): int(by_task[i + 1]) for i in range(0, len(by_task), 2)})
-        return Summary(None if query.words else total, dict(reasons), dict(tasks), dict(days))
+                    starts[b] = at + len(found)
+            for (pairs, numbers), stretch_scores in zip(self._run_scripts(self._listing, calls), scores, strict=True):
+                named = [(str(pairs[i]), str(pairs[i + 1])) for i in range(0, len(pairs), 2)]
+                cells.update((*named[number - 1], int((score - shift) // 86_400_000_000))
+                             for number, score in zip(numbers, stretch_scores, strict=True) if number)
+        return Counts(dict(cells))
 
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
         ttl = "" if new.expires_at is None else int((new.expires_at - new.updated_at) * 1000)
