@@ -119,6 +119,22 @@ def park(app: Any, ledger: Any, n: int) -> list[str]:
     return [k for k, _ in made]
 
 
+def park_one(app: Any, ledger: Any) -> str:
+    """One send parked as the SMTP provider parks a connection lost after the message was written."""
+    from idemmail_celery.ledger import ClaimRequest
+
+    send = app.tasks["idemmail_celery.send_email"]
+    kwargs = {"to": ["ann@example.org", "Bob <bob@shop.example>"], "subject": "Your invoice 2026-0042",
+              "text": "Attached.", "event_id": "invoice-2026-0042", "template": "invoice", "tags": {"batch": "nightly"}}
+    key = send.intent_key(**kwargs)
+    claim = ledger.claim(ClaimRequest(key=key, task_name=send.name, fingerprint="f",
+                                      payload=send.key_builder.payload((), kwargs).to_json()))
+    ledger.park(key, claim.token, {"type": "SendNeedsReview", "reason": "after_data", "at": time.time(),
+                                   "maybe_sent": True, "message": "outcome unknown (after_data): SMTP connection "
+                                   "lost after the message was written (SMTPServerDisconnected)"})
+    return str(key)
+
+
 def pages(keys: list[str]) -> list[tuple[str, dict[str, Any]]]:
     """The pages measured: (what, query parameters); ``cursor`` is filled in with page 1's next link."""
     day = time.gmtime(time.time() - 3 * 86400)
@@ -173,8 +189,9 @@ def measure(client: Any, repeat: int, keys: list[str]) -> list[tuple[str, float,
     return out
 
 
-def screenshots(where: Path, superuser: tuple[str, str], keys: list[str]) -> list[Path]:
-    """The list, a filtered list with rows ticked for a bulk action, and a record's page, in headless Chromium."""
+def screenshots(where: Path, superuser: tuple[str, str], app: Any, ledger: Any) -> list[Path]:
+    """The list, a filtered list with rows ticked for a bulk action, and a record's page (one parked now, as an
+    SMTP send is parked), in headless Chromium."""
     from django.contrib.staticfiles.handlers import StaticFilesHandler
     from django.test.testcases import LiveServerThread
     from selenium import webdriver
@@ -189,7 +206,7 @@ def screenshots(where: Path, superuser: tuple[str, str], keys: list[str]) -> lis
     options = webdriver.ChromeOptions()
     profile = tempfile.mkdtemp(prefix="chromium-")
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
-                 "--disable-sync", f"--user-data-dir={profile}", "--window-size=1440,1000", "--hide-scrollbars"):
+                 "--disable-sync", f"--user-data-dir={profile}", "--window-size=1600,1000", "--hide-scrollbars"):
         options.add_argument(flag)
     options.binary_location = "/usr/bin/chromium"
     browser = webdriver.Chrome(options=options, service=webdriver.ChromeService("/usr/bin/chromedriver"))
@@ -202,6 +219,7 @@ def screenshots(where: Path, superuser: tuple[str, str], keys: list[str]) -> lis
         browser.find_element(By.NAME, "password").send_keys(superuser[1])
         browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
         browser.find_element(By.ID, "result_list")
+        browser.find_element(By.ID, "toggle-nav-sidebar").click()  # the page's width for the list
         shots.append(where / "admin-review-queue.png")
         browser.save_screenshot(str(shots[-1]))
         browser.get(f"{base}{LIST}?reason=after_data&q=shipped&o=-updated")
@@ -211,7 +229,7 @@ def screenshots(where: Path, superuser: tuple[str, str], keys: list[str]) -> lis
         browser.find_element(By.ID, "bulk-note").send_keys("incident 2026-11-27: orders cancelled, do not send")
         shots.append(where / "admin-review-bulk.png")
         browser.save_screenshot(str(shots[-1]))
-        browser.get(f"{base}{LIST}record/?key={keys[7]}")
+        browser.get(f"{base}{LIST}record/?key={park_one(app, ledger)}")
         browser.find_element(By.ID, "record-error")
         shots.append(where / "admin-review-record.png")
         browser.save_screenshot(str(shots[-1]))
@@ -246,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
                       file=sys.stderr)
                 results[backend] = measure(client, args.repeat, keys)
                 if args.screenshots and backend == "redis":
-                    for shot in screenshots(args.screenshots, ("bench", "bench-password"), keys):
+                    for shot in screenshots(args.screenshots, ("bench", "bench-password"), app, ledger):
                         print(f"screenshot: {shot}", file=sys.stderr)
         report(results, args.records)
 

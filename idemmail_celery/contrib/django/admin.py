@@ -138,6 +138,9 @@ class ReviewQueueAdmin(admin.ModelAdmin):
             counts = ledger.stats()
             summary = summaries.get(ledger, asked.query)
             page = _page(ledger, asked)
+            shown = (asked.page - 1) * PER_PAGE + len(page.records)
+            if summary.total is not None and (shown > summary.total or (page.next_cursor and shown >= summary.total)):
+                summary = summaries.get(ledger, asked.query, fresh=True)  # counted before records came: again
         except (LedgerUnavailableError, PayloadKeyError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         bulk = [(name, label) for name, label in BULK_ACTIONS.items() if request.user.has_perm(ACTIONS[name][1])]
@@ -303,12 +306,13 @@ def _row_html(r: dict[str, Any], tick: bool, record_url: str) -> SafeString:
     said = format_html('<span title="provider message id">{}</span>', r["said"]) if r["said_is_message_id"] \
         else r["said"]
     return format_html(
-        '<tr class="idemmail-record">{}<th><a href="{}?{}" class="idemmail-key">{}</a></th>'
+        '<tr class="idemmail-record">{}<th><a href="{}?{}" class="idemmail-key">{}<wbr>{}</a></th>'
         '<td class="idemmail-label">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>'
         '<td class="idemmail-when">{}</td></tr>',
         format_html('<td class="action-checkbox"><input type="checkbox" name="_selected_action" value="{}" '
                     'class="action-select" aria-label="Select {}"></td>', r["key"], r["key"]) if tick else "",
-        record_url, urlencode({"key": r["key"]}), r["key"], r["label"] or "-", r["state"], r["task_name"] or "-",
+        record_url, urlencode({"key": r["key"]}), r["key"][:32], r["key"][32:], r["label"] or "-", r["state"],
+        r["task_name"] or "-",
         said or "-", r["attempts"], r["when"])
 
 

@@ -217,12 +217,13 @@ class Summaries:
         self._kept: dict[tuple[int, RecordQuery], tuple[float, Counts]] = {}
         self._lock = threading.Lock()
 
-    def get(self, ledger: Ledger, query: RecordQuery) -> Summary:
+    def get(self, ledger: Ledger, query: RecordQuery, *, fresh: bool = False) -> Summary:
+        """The summary of ``query``, from counts kept unless ``fresh`` (the page showed them stale)."""
         key = (id(ledger), RecordQuery(state=query.state, since=query.since, until=query.until))
         now = time.monotonic()
         with self._lock:
             kept = self._kept.get(key)
-        if kept is not None and kept[0] > now:
+        if kept is not None and kept[0] > now and not fresh:
             return kept[1].summary(query)
         counts = ledger.count(key[1])
         with self._lock:
