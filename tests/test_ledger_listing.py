@@ -271,3 +271,20 @@ def test_a_label_says_which_send_without_personal_data() -> None:
 
 def test_positions_order_as_the_stores_do() -> None:
     assert Position(1.0, "b") < Position(1.0, "c") < Position(2.0, "a")
+
+
+def test_long_task_names_errors_and_results_are_read_whole(ledger: Ledger) -> None:
+    """A store reads a record's task, error and result in chunks: one longer than it reads at first is read whole."""
+    task = "shop." + "very_long_module_name." * 8 + "send"  # 181 characters
+    c = ledger.claim(ClaimRequest(key="long-one", task_name=task, payload=payload(1), fingerprint="f"))
+    ledger.park("long-one", c.token, {"type": "SendNeedsReview", "message": "x" * 600, "reason": "zz_last_field"})
+    c = ledger.claim(ClaimRequest(key="long-two", task_name=task, payload=payload(2), fingerprint="f"))
+    ledger._finish("long-two", c.token, State.FAILED, result={"message_id": "m" * 300 + "-tail"},
+                   error={"message": "y" * 600, "reason": "zz_failed"})
+    park(ledger, [key_of("short-one")])
+    assert every_page(ledger, RecordQuery(state=State.REVIEW, task=task), 5) == ["long-one"]
+    assert every_page(ledger, RecordQuery(state=State.REVIEW, reason="zz_last_field"), 5) == ["long-one"]
+    assert every_page(ledger, RecordQuery(state=State.FAILED, search="mmm-tail", reason="zz_failed"), 5) == ["long-two"]
+    counted = ledger.summarize(RecordQuery(state=State.REVIEW))
+    assert counted.reasons == {"zz_last_field": 1, "lease_expired": 1} and counted.tasks == {task: 1, TASKS[0]: 1}
+    assert ledger.summarize(RecordQuery(state=State.FAILED)).reasons == {"zz_failed": 1}

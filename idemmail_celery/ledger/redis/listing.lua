@@ -42,17 +42,18 @@ local function found_words(i, name, result)
   return true
 end
 
--- The fields a record is read for (HMGET: cheaper than the whole hash): its state, task name, and its error
--- (a reason to match, or a tally) and result (words) in up to 8 and 4 chunks; a longer one is read whole.
-local wanted = {'s', 'n', 'n2', 'n3', 'n4'}
+-- The fields a record is read for (HMGET: cheaper than the whole hash, and each field more costs): its state,
+-- its task name in up to 2 chunks, its error (a reason to match, or a tally) in up to 4 and its result (words)
+-- in up to 2; a longer one is read whole.
+local wanted = {'s', 'n', 'n2'}
 local need_error, need_result = reason ~= '' or tally, nwords > 0
 local E = #wanted + 1
 if need_error then
-  for _, name in ipairs({'e', 'e2', 'e3', 'e4', 'e5', 'e6', 'e7', 'e8'}) do wanted[#wanted + 1] = name end
+  for _, name in ipairs({'e', 'e2', 'e3', 'e4'}) do wanted[#wanted + 1] = name end
 end
 local R = #wanted + 1
 if need_result then
-  for _, name in ipairs({'r', 'r2', 'r3', 'r4'}) do wanted[#wanted + 1] = name end
+  for _, name in ipairs({'r', 'r2'}) do wanted[#wanted + 1] = name end
 end
 local function text(rec, v, from, count, base)
   if not v[from] then return nil end
@@ -71,8 +72,8 @@ for i = 1, n do
   local v = redis.call('HMGET', KEYS[i], unpack(wanted))
   numbers[i] = 0
   if v[1] == state then  -- none: gone meanwhile (a failed record past its retention)
-    local name = (v[2] or '') .. (v[3] or '') .. (v[4] or '') .. (v[5] or '')
-    local why = need_error and reason_of(text(KEYS[i], v, E, 8, 'e')) or ''
+    local name = text(KEYS[i], v, 2, 2, 'n') or ''
+    local why = need_error and reason_of(text(KEYS[i], v, E, 4, 'e')) or ''
     if tally then
       local pair = why .. '\0' .. name
       if not found[pair] then
@@ -83,7 +84,7 @@ for i = 1, n do
       numbers[i] = found[pair]
     end
     ok = (task == '' or name == task) and (reason == '' or why == reason) and
-      (nwords == 0 or found_words(i, name, need_result and text(KEYS[i], v, R, 4, 'r')))
+      (nwords == 0 or found_words(i, name, need_result and text(KEYS[i], v, R, 2, 'r')))
   end
   flags[i] = ok and '1' or '0'
 end

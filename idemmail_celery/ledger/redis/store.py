@@ -58,7 +58,7 @@ from ..base import (
     dumps_json,
     loads_json,
 )
-from ..listing import Counts, Position, RecordQuery, Selection, after
+from ..listing import Counts, Position, RecordQuery, Selection
 from .layout import (
     _ENTRY,
     _INDEXED,
@@ -1235,53 +1235,28 @@ class RedisLedger(Ledger):
     # -- listing: the review queue (see ``ledger.listing``) --
 
     def _listing_window(self, query: RecordQuery, position: Position | None, want: int, skip: int) -> Selection:
-        """The state's indexes walked in order across buckets (:class:`_Walk`); with a task, a reason or words,
-        each stretch of the walk checked in the store by the listing script; then the records read in one
-        pipeline. ``sent`` (no index) and every state at once: the base class's scan."""
+        """The state's indexes walked in order across buckets (:class:`_Walk`; with a task, a reason or words,
+        each bucket's stretch checked in the store by the listing script as it is read), then the records
+        read in one pipeline. ``sent`` (no index) and every state at once: the base class's scan."""
         if query.state not in _INDEXED:
             return super()._listing_window(query, position, want, skip)
         if not self._checked:
             self._check_store()
-        walk = _Walk(self, query, position)
         failed_by_time = query.state is State.FAILED and (query.since is not None or query.until is not None)
-        to_skip = skip if not (query.words or failed_by_time) else 0  # the store's matches are exact: skip there
-        filtered = bool(query.task or query.reason or query.plain_words)
-        skipped, found, last = 0, list[Position](), position
-        size = LISTING_STRETCH  # a filtered walk looks at stretches growing to LISTING_STRETCH * 8
-        while len(found) < want and not walk.ended:
-            stretch = walk.take(to_skip + want - len(found) if not filtered else size)
-            size = min(size * 2, LISTING_STRETCH * 8)
-            flags = self._check(query, stretch) if filtered else "1" * len(stretch)
-            for (at, _), flag in zip(stretch, flags, strict=True):
-                last = at
-                if flag != "1":
-                    continue
-                if to_skip:
-                    to_skip, skipped = to_skip - 1, skipped + 1
-                    continue
-                found.append(at)
-                if len(found) == want:
-                    break
-        read = self._pipeline([(c, (name,)) for at in found
+        skip = skip if not (query.words or failed_by_time) else 0  # the store's matches are exact: skip there
+        walk = _Walk(self, query, position)
+        found = walk.take(skip + want)
+        skipped = min(skip, len(found))
+        taken = found[skipped:]
+        read = self._pipeline([(c, (name,)) for at in taken
                                for c, name in (("hgetall", self._rec(at.key)), ("get", self._payload(at.key)))])
         items = [(at, self._record(at.key, h, payload))
-                 for at, h, payload in zip(found, read[::2], read[1::2], strict=True) if h]
-        done = walk.ended and last == walk.last  # every position handed out was looked at
-        return Selection(items, None if done else last, skipped)
+                 for at, h, payload in zip(taken, read[::2], read[1::2], strict=True) if h]
+        return Selection(items, None if walk.ended else walk.last, skipped)
 
-    def _check(self, query: RecordQuery, stretch: list[tuple[Position, int]]) -> str:
-        """The listing script's verdict on each record of ``stretch`` (``1``: it matches), bucket by bucket."""
-        words = query.plain_words
-        by_bucket: dict[int, list[int]] = {}
-        for i, (_, bucket) in enumerate(stretch):
-            by_bucket.setdefault(bucket, []).append(i)
-        calls = [self._listing_call("check", query, b, [stretch[i][0].key for i in at], words)
-                 for b, at in by_bucket.items()]
-        flags = ["0"] * len(stretch)
-        for at, out in zip(by_bucket.values(), self._run_scripts(self._listing, calls), strict=True):
-            for i, flag in zip(at, str(out), strict=True):
-                flags[i] = flag
-        return "".join(flags)
+    def _check(self, query: RecordQuery, bucket: int, keys: list[str]) -> tuple[list[str], Any]:
+        """The listing script's call on ``keys`` of one bucket: is each a match (``1``) of ``query``?"""
+        return self._listing_call("check", query, bucket, keys, query.plain_words)
 
     def _listing_call(self, mode: str, query: RecordQuery, bucket: int, keys: list[str],
                       words: tuple[str, ...]) -> tuple[list[str], list[Any]]:
@@ -1416,23 +1391,29 @@ class RedisLedger(Ledger):
 
 
 class _Walk:
-    """One state's records in a listing's order, across every bucket's index of the state (a sorted set by
-    the time each record entered it), read a stretch at a time without reading the records.
+    """The matches of one query in one state, in the listing's order, across every bucket's index of the state
+    (a sorted set by the time each record entered it).
 
-    Each bucket's index is read in batches (ZRANGE BYSCORE, one pipeline for the buckets that need more);
-    a position is handed out once every bucket still being read has been read past it (the least of their
-    last positions), so no later record is ever handed out before an earlier one of another bucket."""
+    Each bucket's index is read a stretch at a time (ZRANGE BYSCORE, one pipeline for the buckets that need
+    more); with a task, a reason or words, the stretch is checked by the listing script (one pipeline too) and
+    only its matches are kept. A match is handed out once every bucket still being read has been read past it
+    (the least of where they are), so no later record is ever handed out before an earlier one of another
+    bucket. Without such a filter no record is read: the index is the answer."""
 
     def __init__(self, ledger: RedisLedger, query: RecordQuery, position: Position | None) -> None:
         assert query.state is not None
-        self.ledger, self.newest = ledger, query.newest_first
+        self.ledger, self.query, self.newest = ledger, query, query.newest_first
+        self.filtered = bool(query.task or query.reason or query.plain_words)
         self.index = [ledger._index(b, query.state) for b in range(ledger.buckets)]
         self.lo, self.hi = self.bounds(query)
-        #: Per bucket still being read: the last position read (None: none yet, from ``position``).
-        self.read: dict[int, Position | None] = dict.fromkeys(range(ledger.buckets), position)
-        self.pending: dict[int, list[Position]] = {b: [] for b in range(ledger.buckets)}
-        #: The last position handed out.
+        start = None if position is None else (position.at, position.key)
+        #: Per bucket still being read: how far it has been read ((score, key); None: from the start).
+        self.read: dict[int, tuple[float, str] | None] = dict.fromkeys(range(ledger.buckets), start)
+        #: Per bucket: its matches read and not handed out yet, in order.
+        self.pending: dict[int, list[tuple[float, str]]] = {b: [] for b in range(ledger.buckets)}
+        #: The position the walk stands at: the last handed out, or where every bucket has been read to.
         self.last: Position | None = position
+        self._batch = 0  # entries a bucket is read by at least (grows while a filter keeps too few)
 
     @staticmethod
     def bounds(query: RecordQuery) -> tuple[str, str]:
@@ -1448,54 +1429,88 @@ class _Walk:
     def ended(self) -> bool:
         return not self.read and not any(self.pending.values())
 
-    def take(self, n: int) -> list[tuple[Position, int]]:
-        """The next ``n`` positions (fewer at the end), each with its bucket."""
-        out: list[tuple[Position, int]] = []
+    def take(self, n: int) -> list[Position]:
+        """The next ``n`` matches (fewer at the end)."""
+        out: list[Position] = []
         while len(out) < n and not self.ended:
             missing = n - len(out)
             short = [b for b in self.read if len(self.pending[b]) < missing]
             if short:
-                self._fill(short, max(32, 2 * -(-missing // len(self.read))))
+                per_bucket = max(32, 2 * -(-missing // len(self.read)))
+                kept = sum(len(p) for p in self.pending.values())
+                self._fill(short, max(per_bucket, self._batch))
+                if self.filtered and sum(len(p) for p in self.pending.values()) - kept < missing:
+                    # The filter kept too few: read twice as much a bucket next time, up to LISTING_STRETCH.
+                    self._batch = min(max(self._batch, per_bucket) * 2, LISTING_STRETCH)
             live = [p for p in self.read.values() if p is not None]
             frontier = (max(live) if self.newest else min(live)) if live else None
-            ready = heapq.merge(*([(p, b) for p in self.pending[b]
-                                   if frontier is None or not after(p, frontier, self.newest)]
-                                  for b in self.pending), reverse=self.newest)
+            ready = heapq.merge(*([p for p in pending if frontier is None or not _beyond(p, frontier, self.newest)]
+                                  for pending in self.pending.values()), reverse=self.newest)
             taken = list(itertools.islice(ready, missing))
-            for b in {b for _, b in taken}:  # what each bucket gave is the front of its pending
-                self.pending[b] = self.pending[b][sum(1 for _, tb in taken if tb == b):]
-            out += taken
-        if out:
-            self.last = out[-1][0]
+            gone = set(taken)
+            for b in self.pending:  # what each bucket gave is the front of its pending
+                while self.pending[b] and self.pending[b][0] in gone:
+                    self.pending[b].pop(0)
+            out += [Position(*p) for p in taken]
+            if taken:
+                self.last = out[-1]
+            elif frontier is not None and self.filtered:
+                self.last = Position(*frontier)  # read this far, nothing found: a later call starts here
         return out
 
     def _fill(self, buckets: list[int], batch: int) -> None:
-        """Read the next ``batch`` entries of each of ``buckets``' indexes (and those tied with where it is)."""
+        """Read the next ``batch`` entries of each of ``buckets``' indexes (and those tied with where it stands),
+        then, with a filter, keep only the matches."""
         commands: list[tuple[str, tuple[Any, ...]]] = []
         for b in buckets:
             at = self.read[b]
             if self.newest:
-                top = self.hi if at is None else f"({at.at:.17g}"
-                commands.append(("zrevrangebyscore", (self.index[b], top, self.lo, 0, batch, True)))
+                top = self.hi if at is None else f"({at[0]:.17g}"
+                commands.append(("execute_command", ("ZRANGE", self.index[b], top, self.lo, "BYSCORE", "REV",
+                                                     "LIMIT", 0, batch, "WITHSCORES")))
             else:
-                low = self.lo if at is None else f"({at.at:.17g}"
-                commands.append(("zrangebyscore", (self.index[b], low, self.hi, 0, batch, True)))
+                low = self.lo if at is None else f"({at[0]:.17g}"
+                commands.append(("execute_command", ("ZRANGE", self.index[b], low, self.hi, "BYSCORE",
+                                                     "LIMIT", 0, batch, "WITHSCORES")))
             if at is not None:  # the entries with the very same score that follow its key
-                score = f"{at.at:.17g}"
-                commands.append(("zrangebyscore", (self.index[b], score, score, None, None, True)))
+                score = f"{at[0]:.17g}"
+                commands.append(("execute_command", ("ZRANGE", self.index[b], score, score, "BYSCORE",
+                                                     "WITHSCORES")))
         replies = iter(self.ledger._pipeline(commands))
+        read: dict[int, list[tuple[float, str]]] = {}
         for b in buckets:
             at = self.read[b]
-            found = [Position(float(score), str(key)) for key, score in next(replies)]
+            found = _scored(next(replies))
             ended = len(found) < batch
             if at is not None:
-                tied = sorted((Position(float(score), str(key)) for key, score in next(replies)), reverse=self.newest)
-                found = [p for p in tied if after(p, at, self.newest)] + found
-            self.pending[b] += found
+                ties = sorted(_scored(next(replies)), reverse=self.newest)
+                found = [p for p in ties if _beyond(p, at, self.newest)] + found
+            read[b] = found
             if ended:
                 del self.read[b]  # its index ends here
             elif found:
                 self.read[b] = found[-1]
+        if self.filtered:
+            checked = [b for b in buckets if read[b]]
+            verdicts = self.ledger._run_scripts(self.ledger._listing, [
+                self.ledger._check(self.query, b, [key for _, key in read[b]]) for b in checked])
+            for b, flags in zip(checked, verdicts, strict=True):
+                read[b] = [p for p, flag in zip(read[b], str(flags), strict=True) if flag == "1"]
+        for b, found in read.items():
+            self.pending[b] += found
+
+
+def _scored(reply: list[Any]) -> list[tuple[float, str]]:
+    """A ZRANGE ... WITHSCORES reply as (score, member) pairs: flat as Redis sends it, or in pairs as redis-py
+    may hand it over."""
+    if reply and isinstance(reply[0], (list, tuple)):
+        return [(float(score), str(member)) for member, score in reply]
+    return [(float(reply[i + 1]), str(reply[i])) for i in range(0, len(reply), 2)]
+
+
+def _beyond(p: tuple[float, str], bound: tuple[float, str], newest_first: bool) -> bool:
+    """Does ``p`` come after ``bound`` in the order?"""
+    return p < bound if newest_first else p > bound
 
 
 def _whole(text: str | None) -> tuple[Any, ...]:
