@@ -160,8 +160,8 @@ def pages(keys: list[str]) -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
-def measure(client: Any, repeat: int, keys: list[str]) -> list[tuple[str, float, float]]:
-    """Each page: (what, cold ms, warm median ms)."""
+def measure(client: Any, repeat: int, keys: list[str]) -> list[tuple[str, float, float, float]]:
+    """Each page: (what, cold ms, warm median ms, warm median ms of this process's CPU)."""
     import re
 
     from idemmail_celery.contrib.django import admin as review_admin
@@ -179,13 +179,14 @@ def measure(client: Any, repeat: int, keys: list[str]) -> list[tuple[str, float,
         else:
             url, data = LIST, params
         review_admin.summaries.forget()
-        times = []
+        times, cpu = [], []
         for _ in range(repeat + 1):
-            start = time.perf_counter()
+            start, used = time.perf_counter(), time.process_time()
             reply = client.get(url, data)
             times.append((time.perf_counter() - start) * 1000)
+            cpu.append((time.process_time() - used) * 1000)
             assert reply.status_code == 200, (what, reply.status_code)
-        out.append((what, times[0], statistics.median(times[1:])))
+        out.append((what, times[0], statistics.median(times[1:]), statistics.median(cpu[1:])))
     return out
 
 
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         User.objects.create_superuser("bench", password="bench-password")
         client = Client()
         client.force_login(User.objects.get(username="bench"))
-        results: dict[str, list[tuple[str, float, float]]] = {}
+        results: dict[str, list[tuple[str, float, float, float]]] = {}
         for backend in args.backends.split(","):
             with ledger_for(app, backend) as ledger:
                 started = time.perf_counter()
@@ -269,15 +270,17 @@ def main(argv: list[str] | None = None) -> None:
         report(results, args.records)
 
 
-def report(results: dict[str, list[tuple[str, float, float]]], records: int) -> None:
+def report(results: dict[str, list[tuple[str, float, float, float]]], records: int) -> None:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"{records:,} parked records; Python {platform.python_version()}, {os.cpu_count()} cores, "
-          f"load average at the end {load}; ms per request (cold: the filters' first render; warm: median after)")
+    print(f"{records:,} parked records; Python {platform.python_version()}, {os.cpu_count()} cores, load average "
+          f"at the end {load}. ms per request: cold (the filters' first render), warm (median after), and the "
+          "web process's CPU of a warm one")
     backends = list(results)
-    print("| page | " + " | ".join(f"{b} cold | {b} warm" for b in backends) + " |")
-    print("|---|" + "---:|---:|" * len(backends))
-    for i, (what, _, _) in enumerate(results[backends[0]]):
-        print(f"| {what} | " + " | ".join(f"{results[b][i][1]:.0f} | {results[b][i][2]:.0f}" for b in backends) + " |")
+    print("| page | " + " | ".join(f"{b} cold | {b} warm | {b} CPU" for b in backends) + " |")
+    print("|---|" + "---:|---:|---:|" * len(backends))
+    for i, (what, *_) in enumerate(results[backends[0]]):
+        cells = [f"{cold:.0f} | {warm:.0f} | {cpu:.0f}" for _, cold, warm, cpu in (results[b][i] for b in backends)]
+        print(f"| {what} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

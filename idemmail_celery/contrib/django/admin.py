@@ -135,12 +135,13 @@ class ReviewQueueAdmin(admin.ModelAdmin):
         summary, page = Summary(None), RecordPage([], None)
         try:
             ledger = operator().ledger
-            counts = ledger.stats()
+            counts = summaries.states(ledger)
             summary = summaries.get(ledger, asked.query)
             page = _page(ledger, asked)
             shown = (asked.page - 1) * PER_PAGE + len(page.records)
             if summary.total is not None and (shown > summary.total or (page.next_cursor and shown >= summary.total)):
-                summary = summaries.get(ledger, asked.query, fresh=True)  # counted before records came: again
+                summaries.forget()  # counted before these records came: count again
+                counts, summary = summaries.states(ledger), summaries.get(ledger, asked.query)
         except (LedgerUnavailableError, PayloadKeyError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         bulk = [(name, label) for name, label in BULK_ACTIONS.items() if request.user.has_perm(ACTIONS[name][1])]

@@ -215,15 +215,16 @@ class Summaries:
 
     def __init__(self) -> None:
         self._kept: dict[tuple[int, RecordQuery], tuple[float, Counts]] = {}
+        self._stats: dict[int, tuple[float, dict[str, int]]] = {}
         self._lock = threading.Lock()
 
-    def get(self, ledger: Ledger, query: RecordQuery, *, fresh: bool = False) -> Summary:
-        """The summary of ``query``, from counts kept unless ``fresh`` (the page showed them stale)."""
+    def get(self, ledger: Ledger, query: RecordQuery) -> Summary:
+        """The summary of ``query``, from the counts kept for its state and time range, else counted now."""
         key = (id(ledger), RecordQuery(state=query.state, since=query.since, until=query.until))
         now = time.monotonic()
         with self._lock:
             kept = self._kept.get(key)
-        if kept is not None and kept[0] > now and not fresh:
+        if kept is not None and kept[0] > now:
             return kept[1].summary(query)
         counts = ledger.count(key[1])
         with self._lock:
@@ -232,6 +233,19 @@ class Summaries:
             self._kept[key] = (now + SUMMARY_SECONDS, counts)
         return counts.summary(query)
 
+    def states(self, ledger: Ledger) -> dict[str, int]:
+        """The records per state (:meth:`~idemmail_celery.ledger.base.Ledger.stats`), kept as long."""
+        now = time.monotonic()
+        with self._lock:
+            kept = self._stats.get(id(ledger))
+        if kept is not None and kept[0] > now:
+            return kept[1]
+        counts = ledger.stats()
+        with self._lock:
+            self._stats[id(ledger)] = (now + SUMMARY_SECONDS, counts)
+        return counts
+
     def forget(self) -> None:
         with self._lock:
             self._kept.clear()
+            self._stats.clear()
