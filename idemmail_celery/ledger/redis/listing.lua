@@ -3,7 +3,7 @@
 -- (``RedisLedger._listing_window`` and ``summarize``; the caller walks the state's indexes and names the records).
 -- KEYS: the records (hashes), then, when there are words, their payloads in the same order.
 -- ARGV: mode ('check' or 'tally'), the state, the task and the reason to match ('' for any), how many
--- words, the words (lower case), then the records' keys in KEYS' order.
+-- words, then (with words) the words (lower case) and the records' keys in KEYS' order.
 -- A record matches when it is in the state, of the task, with the reason (its error's ``reason``), and when
 -- each word is in the start of its key, or anywhere in its task name, result or payload as stored (a
 -- rough look that never misses: the caller checks each match exactly).
@@ -18,11 +18,10 @@ local tally = mode == 'tally'
 local n = #KEYS
 if nwords > 0 then n = n / 2 end
 
--- The reason of an error's JSON (a string), or ''. One object without nesting: read off its text.
+-- The reason of an error's JSON (a string), or ''. One object without nesting or escapes: read off its text.
 local function reason_of(text)
   if not text then return '' end
-  local _, objects = string.gsub(text, '{', '{')
-  if objects == 1 and not string.find(text, '\\', 1, true) then
+  if not string.find(text, '{', 2, true) and not string.find(text, '\\', 1, true) then
     return string.match(text, '"reason":"([^"]*)"') or ''
   end
   local ok, e = pcall(cjson.decode, text)

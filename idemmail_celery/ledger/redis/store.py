@@ -1263,7 +1263,9 @@ class RedisLedger(Ledger):
         assert query.state is not None
         stem = self._stems[bucket]
         packed = _pack_all(keys)
-        names = [f"{stem}r:{p}" for p in packed] + ([f"{stem}p:{p}" for p in packed] if words else [])
+        if not words:  # the keys themselves are for words only
+            return [f"{stem}r:{p}" for p in packed], [mode, query.state.value, query.task, query.reason, 0]
+        names = [f"{stem}r:{p}" for p in packed] + [f"{stem}p:{p}" for p in packed]
         return names, [mode, query.state.value, query.task, query.reason, len(words), *words, *keys]
 
     def count(self, query: RecordQuery | None = None) -> Counts:
