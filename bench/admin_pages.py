@@ -227,7 +227,7 @@ def screenshots(where: Path, superuser: tuple[str, str], app: Any, ledger: Any) 
         for box in browser.find_elements(By.CSS_SELECTOR, "input.action-select")[:3]:
             box.click()
         Select(browser.find_element(By.NAME, "action")).select_by_value("failed")
-        browser.find_element(By.ID, "bulk-note").send_keys("incident 2026-11-27: orders cancelled, do not send")
+        browser.find_element(By.ID, "bulk-note").send_keys("incident 42: orders cancelled, do not send")
         shots.append(where / "admin-review-bulk.png")
         browser.save_screenshot(str(shots[-1]))
         browser.get(f"{base}{LIST}record/?key={park_one(app, ledger)}")
