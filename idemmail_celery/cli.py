@@ -3,6 +3,7 @@
 As a Celery subcommand (the ``celery.commands`` entry point), with the app's settings::
 
     celery -A proj idemmail ledger list --state review
+    celery -A proj idemmail ledger list --state review --reason after_data --search order-4821 --newest-first
     celery -A proj idemmail ledger show KEY
     celery -A proj idemmail ledger resolve KEY --sent --message-id MSG --note "seen in provider log"
     celery -A proj idemmail ledger resolve KEY --release --note "provider says not delivered"
@@ -74,6 +75,7 @@ from .errors import (
 )
 from .keys import Payload, secret_ids
 from .ledger import DetectsLoss, Ledger, Record, State, from_url, passive_options
+from .ledger.listing import RecordQuery, label_of, message_id_of, reason_of
 from .ledger.sealed import is_sealed
 from .redaction import scrub
 from .roster import active_order
@@ -170,9 +172,9 @@ def _when(ts: float | None) -> str:
 
 
 def _line(r: Record) -> str:
-    reason = (r.error or {}).get("reason", "")
-    msgid = (r.result or {}).get("message_id") or ""
-    return f"{r.key}  {r.state.value:<8}  {r.task_name:<36}  {_when(r.updated_at)}  {reason or msgid}"
+    said = message_id_of(r) if r.state is State.SENT else reason_of(r) or message_id_of(r)
+    task = r.task_name or "-"
+    return f"{r.key}  {r.state.value:<8}  {task:<36}  {_when(r.updated_at)}  {said or '-':<20}  {label_of(r)}"
 
 
 def _actor() -> str:
@@ -220,19 +222,50 @@ def ledger() -> None:
 @ledger.command("list")
 @click.option("--state", type=click.Choice([s.value for s in State]), default=None,
               help="Only the records in this state (default: every state).")
+@click.option("--task", default="", help="Only the records of this task (its full name).")
+@click.option("--reason", default="", help="Only the records whose error has this reason (lease_expired, ...).")
+@click.option("--search", default="", help="Words, each in the key's start, task, message id, template, tag, event "
+                                           "id or a recipient's domain.")
+@click.option("--since", default=None, help="Only records that entered their state at or after this UTC time "
+                                            "(ISO 8601: 2026-11-27 or 2026-11-27T17:05).")
+@click.option("--until", default=None, help="... and before this one.")
+@click.option("--newest-first", is_flag=True, help="The newest first (default: the oldest, as a queue is worked).")
 @click.option("--limit", type=int, default=100, show_default=True, help="Print at most this many records.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--cursor", default=None, help="Start after the last record of an earlier listing (it prints the "
+                                             "cursor when there is more).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line (with its non-personal label).")
 @click.pass_obj
-def list_records(obj: _Ctx, state: str | None, limit: int, as_json: bool) -> None:
-    """List records, one a line, in the store's own order (not by time)."""
+def list_records(obj: _Ctx, state: str | None, task: str, reason: str, search: str, since: str | None,
+                 until: str | None, newest_first: bool, limit: int, cursor: str | None, as_json: bool) -> None:
+    """List records, one a line, in the order they entered their state, with a label (template, event id,
+    tags, recipients' domains: never an address). The Django admin's review queue lists the same way."""
+    if limit < 1:
+        raise click.UsageError("--limit is 1 or more")
     try:
-        for n, record in enumerate(obj.ledger.iter_records(State(state) if state else None)):
-            if n >= limit:
-                click.echo("... (more; raise --limit)", err=True)
-                break
-            click.echo(json.dumps(record.to_dict(), sort_keys=True) if as_json else _line(record))
+        query = RecordQuery(state=State(state) if state else None, task=task, reason=reason, search=search,
+                            since=_utc(since, "--since"), until=_utc(until, "--until"), newest_first=newest_first)
+        page = obj.ledger.list_records(query, cursor=cursor, limit=limit)
+    except ValueError as exc:  # a query or cursor that does not parse
+        raise click.UsageError(str(exc)) from exc
     except LedgerUnavailableError as exc:
         _fail(EXIT_UNREACHABLE, str(exc))
+        return
+    for record in page.records:
+        click.echo(json.dumps({**record.to_dict(), "label": str(label_of(record))}, sort_keys=True) if as_json
+                   else _line(record))
+    if page.next_cursor:
+        click.echo(f"... more: --cursor {page.next_cursor}", err=True)
+
+
+def _utc(text: str | None, option: str) -> float | None:
+    """An ISO 8601 date or time as epoch seconds (UTC unless it says otherwise)."""
+    if not text:
+        return None
+    try:
+        when = dt.datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError as exc:
+        raise click.UsageError(f"{option} {text!r} is not an ISO 8601 date or time (2026-11-27T17:05)") from exc
+    return (when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)).timestamp()
 
 
 @ledger.command("show")

@@ -81,6 +81,37 @@ def test_list_show_stats(cli_ledger: Ledger) -> None:
     assert stats["review"] == 1 and stats["sent"] == 0
 
 
+def test_list_pages_in_the_order_records_were_parked_with_filters_and_a_cursor(cli_ledger: Ledger) -> None:
+    """``ledger list`` is the admin's listing: oldest first, a label without addresses, filters, and a cursor to
+    go on from where a page stopped."""
+    for key in ("k-a", "k-b", "k-c"):
+        parked(cli_ledger, key)
+    c = cli_ledger.claim(ClaimRequest(key="k-d", task_name="t.other", fingerprint="f" * 64,
+                                      payload='{"args":[],"kwargs":{"to":"b@y.org","template":"receipt"}}'))
+    cli_ledger.park("k-d", c.token, {"type": "SendNeedsReview", "reason": "after_data"})
+
+    def keys(*args: str) -> list[str]:
+        out = run(cli_ledger, "ledger", "list", "--state", "review", *args)
+        assert out.exit_code == 0, out.output
+        return [line.split()[0] for line in out.stdout.splitlines()]
+
+    first = run(cli_ledger, "ledger", "list", "--state", "review", "--limit", "2")
+    assert [line.split()[0] for line in first.stdout.splitlines()] == ["k-a", "k-b"]
+    cursor = first.stderr.split("--cursor ")[1].strip()
+    assert keys("--cursor", cursor) == ["k-c", "k-d"]
+    assert keys("--reason", "after_data") == ["k-d"] and keys("--task", "t.send") == ["k-a", "k-b", "k-c"]
+    assert keys("--newest-first", "--limit", "1") == ["k-d"]
+    assert keys("--search", "x.org") == ["k-a", "k-b", "k-c"] and keys("--search", "a@x.org") == []
+    assert keys("--since", "2000-01-01", "--until", "2000-01-02") == []
+    line = run(cli_ledger, "ledger", "list", "--state", "review", "--search", "receipt").stdout
+    assert line.startswith("k-d  review") and "after_data" in line and line.rstrip().endswith("receipt · @y.org")
+    shown = json.loads(run(cli_ledger, "ledger", "list", "--search", "k-d", "--json").stdout)
+    assert shown["label"] == "receipt · @y.org" and "payload" not in shown
+    for bad in (["--since", "yesterday"], ["--cursor", "nonsense"], ["--limit", "0"]):
+        refused = run(cli_ledger, "ledger", "list", *bad)
+        assert refused.exit_code == 2, (bad, refused.output)
+
+
 def test_resolve_sent_and_illegal_moves(cli_ledger: Ledger) -> None:
     parked(cli_ledger, "k2")
     out = run(cli_ledger, "ledger", "resolve", "k2", "--sent", "--message-id", "pm-77", "--note", "in provider log",

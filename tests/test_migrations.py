@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from idemmail_celery.ledger import ClaimRequest, ClaimStatus, from_url
+from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State, from_url
+from idemmail_celery.ledger.listing import RecordQuery
 from idemmail_celery.ledger.sql import MIGRATIONS, SQLLedger, migration_file, schema_sql
 
 from .conftest import MARIADB_URL, POSTGRES_URL, service_missing
@@ -106,4 +107,35 @@ def test_an_auto_created_ledger_from_before_gains_its_marks_table(dialect: str, 
     finally:
         ledger.drop_table()
         ledger.close()
+        engine.dispose()
+
+
+def _indexes(engine: sa.Engine, table: str) -> set[str]:
+    return {str(ix["name"]) for ix in sa.inspect(engine).get_indexes(table)}
+
+
+@pytest.mark.parametrize("dialect,url", DIALECTS)
+def test_a_ledger_from_before_the_listing_index_gains_it_or_says_to_apply_step_4(
+    dialect: str, url: str | None, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Steps 1-3 only: a hand-managed schema lists (slowly) with a warning naming migration 004; an auto-created
+    one gains the index at the next start; the review queue reads the same records either way."""
+    url = url or f"sqlite:///{tmp_path / 'm.sqlite3'}"
+    table = _table_name(tmp_path)
+    engine = _apply(url, dialect, table, range(1, 4))
+    by_hand = SQLLedger(url, table=table, create_table=False)
+    auto = SQLLedger(url, table=table)
+    try:
+        c = by_hand.claim(ClaimRequest(key="k", task_name="t", payload="{}", fingerprint="f"))
+        by_hand.park("k", c.token, {"reason": "lease_expired"})
+        with caplog.at_level(logging.WARNING, logger="idemmail_celery"):
+            assert [r.key for r in by_hand.list_records(RecordQuery(state=State.REVIEW)).records] == ["k"]
+        assert migration_file(dialect, 4) in caplog.text
+        assert f"ix_{table}_listing" not in _indexes(engine, table)
+        assert [r.key for r in auto.list_records(RecordQuery(state=State.REVIEW)).records] == ["k"]
+        assert f"ix_{table}_listing" in _indexes(engine, table)
+    finally:
+        auto.drop_table()
+        auto.close()
+        by_hand.close()
         engine.dispose()

@@ -43,6 +43,18 @@ from typing import Any, Protocol, runtime_checkable
 from .._common import after_fork
 from ..errors import IllegalTransitionError, RecordNotFoundError
 from ..keys import canonical_json
+from .listing import (
+    Counts,
+    Position,
+    RecordPage,
+    RecordQuery,
+    Selection,
+    Summary,
+    count_in_memory,
+    decode_cursor,
+    encode_cursor,
+    select_in_memory,
+)
 
 #: Short, because a crashed holder's intent waits this long before anyone may take it over; the
 #: holder renews it every third of its length while its body runs (see ``_lease``), so a long
@@ -629,3 +641,61 @@ class Ledger(ABC):
         if not self._force(key, record.token, new):
             raise IllegalTransitionError(f"record {key} changed while resolving; look again")
         return new
+
+    # -- listing: the review queue (see ``listing``) --
+
+    def list_records(self, query: RecordQuery | None = None, *, cursor: str | None = None, offset: int = 0,
+                     limit: int = 100) -> RecordPage:
+        """One page of the records ``query`` names, in its order (by the time each entered its state):
+        ``limit`` of them after ``cursor`` (a page's ``next_cursor``) and ``offset`` more.
+
+        The Django admin's pages and ``idemmail ledger list`` are this call. A cursor stays good while
+        records come and go (each page starts after the last record of the one before); ``offset`` serves a
+        page picked by its number. :class:`ValueError` for a cursor not made for this query's order.
+        """
+        query = query or RecordQuery()
+        if limit < 1 or offset < 0:
+            raise ValueError("a page lists at least 1 record, from an offset of 0 or more")
+        position = decode_cursor(cursor, query) if cursor else None
+        skip, found = offset, list[tuple[Position, Record]]()
+        now = time.time()
+        while True:
+            # Ask for what is missing, and one more: does a next page exist?
+            selection = self._listing_window(query, position, limit + 1 - len(found), skip)
+            skip -= selection.skipped
+            for at, record in selection.items:
+                position = at
+                if not query.matches(record, now):
+                    continue
+                if skip:
+                    skip -= 1
+                    continue
+                found.append((at, record))
+                if len(found) > limit:
+                    return RecordPage([r for _, r in found[:limit]], encode_cursor(found[limit - 1][0], query))
+            if selection.resume is None:
+                return RecordPage([r for _, r in found], None)
+            position = selection.resume
+
+    def summarize(self, query: RecordQuery | None = None) -> Summary:
+        """How many records ``query`` names, and how they divide by reason, task and day (see :class:`Summary`):
+        read from :meth:`count` of its state and time range."""
+        query = query or RecordQuery()
+        return self.count(query).summary(query)
+
+    def count(self, query: RecordQuery | None = None) -> Counts:
+        """The records in ``query``'s state and time range (its other filters aside), counted by reason, task and
+        UTC day (:class:`Counts`). This default reads every record with :meth:`iter_records`; the built-in
+        backends count in the store."""
+        query = query or RecordQuery()
+        return count_in_memory(self.iter_records(query.state), query, time.time())
+
+    def _listing_window(self, query: RecordQuery, position: Position | None, want: int, skip: int) -> Selection:
+        """The records after ``position`` in ``query``'s order: at least ``want`` of them unless fewer
+        follow, each with its position; records the query does not match may be among them (the caller
+        checks), none that it matches may be left out. ``skip``: matching records the store may leave out
+        first, saying how many in :attr:`Selection.skipped` (0 is always right).
+
+        This default reads every record of the state with :meth:`iter_records` and sorts them here.
+        """
+        return select_in_memory(self.iter_records(query.state), query, position, skip, time.time())

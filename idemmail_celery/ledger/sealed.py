@@ -40,6 +40,7 @@ from ..errors import LedgerError, PayloadKeyError
 from ..keys import canonical_json
 from ..sealing import INSTALL_HINT, PLAIN, Keyring  # noqa: F401  # re-exported: part of this module's API
 from .base import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State, loads_json
+from .listing import Counts, Position, RecordQuery, Selection
 from .wrapper import LedgerWrapper
 
 log = logging.getLogger("idemmail_celery")
@@ -201,6 +202,22 @@ class SealedLedger(LedgerWrapper):
                 log.warning("idemmail: record %s is sealed with a key not in idemmail_payload_keys",
                             logsafe(record.key))
                 yield record
+
+    def _listing_window(self, query: RecordQuery, position: Position | None, want: int, skip: int) -> Selection:
+        """The backend's selection, opened. The backend cannot read a sealed error or payload: it is asked
+        without the query's reason and words (and to skip nothing then), which are checked here."""
+        plain = query.without(reason=True, search=True)
+        found = self.inner._listing_window(plain, position, want, skip if plain == query else 0)
+        items = []
+        for at, record in found.items:
+            opened, _ = self.codec.open_readable(record)  # a field sealed with a key not held: None
+            items.append((at, opened))
+        return Selection(items, found.resume, found.skipped)
+
+    def count(self, query: RecordQuery | None = None) -> Counts:
+        """The backend's counts, its reasons unknown: it cannot read a sealed error (a summary then has no
+        reasons, and no counts for a query that names one)."""
+        return replace(self.inner.count(query), reasons_known=False)
 
     def _readable(self, key: str) -> Record | None:
         """Erasing needs no key: what this process cannot open is erased whole (a result without

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .base import Claim, ClaimRequest, Ledger, Record, RosterEntry, State
+from .listing import Counts, Position, RecordQuery, Selection
 
 
 class LedgerWrapper(Ledger):
@@ -95,3 +96,9 @@ class LedgerWrapper(Ledger):
 
     def prepare(self) -> None:
         self.inner.prepare()
+
+    def count(self, query: RecordQuery | None = None) -> Counts:
+        return self.inner.count(query)
+
+    def _listing_window(self, query: RecordQuery, position: Position | None, want: int, skip: int) -> Selection:
+        return self.inner._listing_window(query, position, want, skip)

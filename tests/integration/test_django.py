@@ -11,14 +11,16 @@ else in the suite imports Django).
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from celery.signals import before_task_publish
 
 from examples._stack import celery_worker
 from idemmail_celery.ledger import ClaimRequest, Ledger, State, from_url
+from idemmail_celery.ledger.listing import label_of
 from idemmail_celery.outbox import relay, run_relay
 from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 
@@ -622,6 +625,309 @@ def test_an_audit_line_is_one_line_whatever_the_user_is_called(shop: Shop, caplo
     assert refused.status_code == 403
     assert [r.getMessage() for r in caplog.records if r.name == "idemmail_celery.audit"] == [
         f'idemmail admin: release on {key} refused: "mallory\\nidemmail admin: release by root" lacks idemmail.release']
+
+
+# -- the review queue at scale: pages, search, filters, order, bulk actions (issue 32) --
+
+
+@dataclass
+class Queue:
+    """A ledger of its own the admin reads (the project's setting pointed at it), with parked send_email intents."""
+
+    shop: Shop
+    ledger: Ledger
+    backend: str
+    keys: list[str] = field(default_factory=list)
+
+    def park(self, n: int, *, first: int = 0, reason: Any = None) -> list[str]:
+        """``n`` send_email intents parked in this order: record ``i`` for order ``i``, to ``c<i>@shop<i % 3>.test``,
+        template receipt or welcome, reason lease_expired or after_data (``reason(i)``)."""
+        send = self.shop.app.tasks["idemmail_celery.send_email"]
+        made = []
+        for i in range(first, first + n):
+            kwargs = {"to": f"c{i}@shop{i % 3}.test", "subject": f"Private subject {i}", "text": "Dear customer",
+                      "event_id": f"order-{i}", "template": ("receipt", "welcome")[i % 2],
+                      "tags": {"campaign": "winter"}}
+            made.append((send.intent_key(**kwargs), send.key_builder.payload((), kwargs).to_json()))
+        for start in range(0, len(made), 100):
+            batch = made[start:start + 100]
+            claims = self.ledger.claim_many([ClaimRequest(key=k, task_name=send.name, fingerprint="f", payload=p)
+                                             for k, p in batch])
+            for n_in, ((k, _), c) in enumerate(zip(batch, claims, strict=True)):
+                i = first + start + n_in
+                why = reason(i) if reason else ("lease_expired", "after_data")[i % 2]
+                self.ledger.park(k, c.token, {"type": "SendNeedsReview", "reason": why, "at": time.time(),
+                                              "message": "outcome unknown: the worker died after the provider call"})
+        self.keys += [k for k, _ in made]
+        return [k for k, _ in made]
+
+    def state(self, key: str) -> State:
+        record = self.ledger.get(key)
+        assert record is not None
+        return record.state
+
+
+@pytest.fixture(params=["redis", "postgresql"])
+def queue(shop: Shop, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Queue]:
+    from idemmail_celery.contrib.django import admin as review_admin
+
+    name = unique("adq")
+    url, options = (REDIS_URL, {"prefix": name}) if request.param == "redis" else (POSTGRES_URL, {"table": name})
+    ledger = from_url(url, **options)
+    try:
+        ledger.ping()
+    except Exception as exc:
+        service_missing(request.param, exc)
+    monkeypatch.setitem(shop.app.conf, "idemmail_ledger_url", url)
+    monkeypatch.setitem(shop.app.conf, "idemmail_ledger_options", options)
+    monkeypatch.setattr(review_admin, "_operators", {})  # the admin opens the ledger the setting names
+    review_admin.summaries.forget()
+    try:
+        yield Queue(shop, ledger, request.param)
+    finally:
+        review_admin.summaries.forget()
+        if request.param == "redis":
+            r = ledger.client  # type: ignore[attr-defined]
+            names = list(r.scan_iter(f"{name}:*", count=1000))
+            for i in range(0, len(names), 500):
+                r.delete(*names[i:i + 500])
+        else:
+            ledger.drop_table()  # type: ignore[attr-defined]
+        ledger.close()
+
+
+LIST = "/admin/idemmail/reviewrecord/"
+
+
+def rows(page: Any) -> list[str]:
+    """The keys of a list page's rows, in order (each written whole, with a place to wrap in its middle)."""
+    return ["".join(halves) for halves in re.findall(r'class="idemmail-key">([0-9a-f]{32})<wbr>([0-9a-f]{32})<',
+                                                         page.content.decode())]
+
+
+def test_the_review_queue_pages_by_number_and_by_cursor(queue: Queue) -> None:
+    from django.test import Client
+
+    keys = queue.park(230)
+    viewer = Client()
+    viewer.force_login(staff(f"pager-{queue.backend}", "view_reviewrecord"))
+    first = viewer.get(LIST)
+    html = first.content.decode()
+    assert first.status_code == 200 and rows(first) == keys[:100]  # review, oldest first: the queue's front
+    assert "records 1-100 of 230" in html and 'href="?p=2"' in html and 'href="?p=3"' in html
+    assert rows(viewer.get(LIST, {"p": 2})) == keys[100:200]
+    last = viewer.get(LIST, {"p": 3})
+    assert rows(last) == keys[200:] and 'id="next-page"' not in last.content.decode()
+    follow = re.search(r'href="([^"]+)" id="next-page"', html)
+    assert follow is not None and "c=" in follow.group(1)  # the next page walks on from this one's last record
+    assert rows(viewer.get(LIST + follow.group(1).replace("&amp;", "&"))) == keys[100:200]
+    assert rows(viewer.get(LIST, {"o": "-updated"}))[:3] == keys[::-1][:3]
+    assert rows(viewer.get(LIST, {"p": 9})) == []  # past the end: an empty page, not an error
+    assert rows(viewer.get(LIST, {"p": "x"})) == keys[:100]
+
+
+def test_the_review_queue_searches_and_filters_in_the_sidebar(queue: Queue) -> None:
+    from django.test import Client
+
+    keys = queue.park(120)
+    old = time.time() - 10 * 86400
+    for k in keys[:3]:  # parked ten days ago
+        record = queue.ledger.get(k)
+        assert record is not None
+        queue.ledger._force(k, record.token, replace(record, token=record.token + 1, updated_at=old))
+    viewer = Client()
+    viewer.force_login(staff(f"finder-{queue.backend}", "view_reviewrecord"))
+
+    def found(**params: Any) -> list[str]:
+        page = viewer.get(LIST, params)
+        assert page.status_code == 200
+        return rows(page)
+
+    assert found(q="order-17") == [keys[17]]  # the event id
+    assert found(q=keys[42][:10]) == [keys[42]]  # the start of a key
+    got = found(q="welcome shop2.test")
+    want = [k for i, k in enumerate(keys) if i % 2 and i % 3 == 2][:100]
+    assert got == want, [str(label_of(queue.ledger.get(k))) for k in got if k not in want]  # type: ignore[arg-type]
+    assert found(q="c17@shop2.test") == [] and found(q="Private") == []  # an address, a subject: never
+    assert found(reason="after_data") == [k for i, k in enumerate(keys) if i % 2][:100]
+    assert found(reason="after_data", q="order-109") == [keys[109]]
+    assert found(reason="lease_expired", q="order-109") == []
+    assert found(task="idemmail_celery.send_email", age="older-7d") == sorted(keys[:3])  # tied times: by key
+    assert found(age="24h") == keys[3:103]
+    assert found(state="sent") == [] and found(state="nonsense") == found()
+    html = viewer.get(LIST).content.decode()
+    assert "after_data (60)" in html and "lease_expired (60)" in html and "review (120)" in html  # the facets
+    day = dt.datetime.fromtimestamp(old, dt.timezone.utc)
+    assert f"updated__year={day.year}" in html  # the date hierarchy offers the years with records
+    by_day = found(updated__year=day.year, updated__month=day.month, updated__day=day.day)
+    assert by_day == sorted(keys[:3])
+    for private in ("c5@shop2.test", "Private subject", "Dear customer"):
+        assert private not in html
+    assert "welcome · order-1 · campaign=winter · @shop1.test" in html  # a row's label: which send, no person
+
+
+def test_a_bulk_action_resolves_the_ticked_records_with_one_note(queue: Queue,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    from django.test import Client
+
+    keys = queue.park(12)
+    clerk = Client()
+    name = f"bulk-{queue.backend}"
+    clerk.force_login(staff(name, "view_reviewrecord", "mark_failed", "mark_sent"))
+    page = clerk.get(LIST).content.decode()
+    assert page.count('class="action-select"') == 12 and 'value="failed">Resolve as failed' in page
+    assert 'value="release"' not in page  # no permission, no action
+    with caplog.at_level(logging.INFO, logger="idemmail_celery.audit"):
+        done = clerk.post(LIST, {"action": "failed", "_selected_action": keys[:3], "note": "incident 42: cancelled"},
+                          follow=True)
+    assert done.status_code == 200
+    assert "Resolve as failed: 3 of 3 records, the note kept with each." in done.content.decode()
+    for k in keys[:3]:
+        record = queue.ledger.get(k)
+        assert record is not None and record.state is State.FAILED and record.error is not None
+        assert record.error["resolution"]["note"] == "incident 42: cancelled"
+        assert record.error["resolution"]["by"] == f"{name} (django admin)"
+    assert [r.getMessage() for r in caplog.records if r.name == "idemmail_celery.audit"] == [
+        f"idemmail admin: failed on {k} by {name} (django admin): failed (bulk)" for k in keys[:3]]
+    assert all(queue.state(k) is State.REVIEW for k in keys[3:])
+
+    # "Select all": every record the filters match, on every page.
+    across = clerk.post(LIST + "?reason=after_data", {"action": "sent", "select_across": "1", "note": "in the log",
+                                                      "_selected_action": keys[5:6]}, follow=True)
+    assert "Resolve as sent: 5 of 5 records" in across.content.decode()  # 1, 5, 7, 9, 11 (3 failed already)
+    assert [queue.state(k) for k in keys] == [State.FAILED] * 3 + [
+        State.SENT if i % 2 else State.REVIEW for i in range(3, 12)]
+    unnoted = clerk.post(LIST, {"action": "failed", "_selected_action": keys[4:5]}, follow=True)
+    assert "Say why in the note" in unnoted.content.decode() and queue.state(keys[4]) is State.REVIEW
+    refused = clerk.post(LIST, {"action": "release", "_selected_action": keys[4:5], "note": "resend"})
+    assert refused.status_code == 403 and queue.state(keys[4]) is State.REVIEW
+    again = clerk.post(LIST, {"action": "failed", "_selected_action": keys[1:2] + keys[4:5], "note": "twice"},
+                       follow=True).content.decode()
+    assert "Resolve as failed: 1 of 2 records" in again and f"Record {keys[1]}: record {keys[1]} is sent" in again
+
+
+def test_a_view_only_user_lists_the_queue_and_cannot_act_on_it(queue: Queue,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    from django.test import Client
+
+    keys = queue.park(3)
+    viewer = Client()
+    viewer.force_login(staff(f"looker-{queue.backend}", "view_reviewrecord"))
+    page = viewer.get(LIST).content.decode()
+    assert rows(viewer.get(LIST)) == keys and "action-select" not in page and 'name="action"' not in page
+    with caplog.at_level(logging.INFO, logger="idemmail_celery.audit"):
+        refused = viewer.post(LIST, {"action": "failed", "_selected_action": keys, "note": "x"})
+        forged = viewer.post(LIST, {"action": "failed", "_selected_action": [keys[0], keys[1] + "\nroot"], "note": "x"})
+    assert (refused.status_code, forged.status_code) == (403, 400)
+    assert [r.getMessage() for r in caplog.records if r.name == "idemmail_celery.audit"] == [
+        f"idemmail admin: failed on 3 records refused: looker-{queue.backend} lacks idemmail.mark_failed"]
+    assert all(queue.state(k) is State.REVIEW for k in keys)
+    assert Client().get(LIST).status_code == 302  # not logged in: to the login page
+
+
+def test_a_record_reads_as_a_person_reads_it(queue: Queue) -> None:
+    """ISO times in the error, the full key as written (never capitalised), and the message id once it is sent."""
+    from django.test import Client
+
+    [key] = queue.park(1)
+    clerk = Client()
+    clerk.force_login(staff(f"reader-{queue.backend}", "view_reviewrecord", "mark_sent"))
+    page = clerk.get(LIST + "record/", {"key": key}).content.decode()
+    assert re.search(r"at&quot;: &quot;20\d\d-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", page)  # not an epoch float
+    assert not re.search(r"at&quot;: \d{10}\.\d+", page)
+    assert "receipt · order-0 · campaign=winter · @shop0.test" in page
+    done = clerk.post(LIST + "record/sent/", {"key": key, "note": "seen in the provider's log",
+                                              "message_id": "msg-7f3a"}, follow=True).content.decode()
+    assert f"Record {key}: sent" in done  # the whole key, as it is written: it can be pasted
+    assert '<code id="record-message-id">msg-7f3a</code>' in done
+    listed = clerk.get(LIST, {"state": "sent"}).content.decode()
+    table = listed[listed.index("<tbody>"):listed.index("</tbody>")]
+    assert key in table and "msg-7f3a" in table and "lease_expired" not in table  # the message id, not the reason
+    assert "idemmail_celery.send_email" in table  # the task, also once it is sent
+
+
+@pytest.mark.parametrize("queue", ["redis"], indirect=True)
+def test_an_operator_pages_filters_and_resolves_many_records_at_once_in_headless_chromium(
+    queue: Queue, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In a browser: page on with the next link, filter by reason, tick two rows, resolve them with one note;
+    then tick the page, take Django's "select all" offer and resolve every record the filter matches."""
+    webdriver = require_module("selenium.webdriver")
+    if not Path("/usr/bin/chromedriver").exists():
+        service_missing("chromedriver", FileNotFoundError("/usr/bin/chromedriver (apt-get install chromium-driver)"))
+    from django.contrib.staticfiles.handlers import StaticFilesHandler
+    from django.test.testcases import LiveServerThread
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    keys = queue.park(130, reason=lambda i: "after_data" if i % 10 == 3 else "lease_expired")  # 13 after_data
+    staff("bulkbrowser", "view_reviewrecord", "mark_failed")
+    server = LiveServerThread("127.0.0.1", StaticFilesHandler)
+    server.daemon = True
+    server.start()
+    server.is_ready.wait()
+    if server.error:
+        raise server.error
+    options = webdriver.ChromeOptions()
+    profile = ARTIFACTS / f"chromium-profile-{uuid.uuid4().hex[:8]}"
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
+                 f"--user-data-dir={profile}", "--window-size=1600,1000"):
+        options.add_argument(flag)
+    options.binary_location = "/usr/bin/chromium"
+    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService("/usr/bin/chromedriver"))
+    browser.implicitly_wait(30)
+    base = f"http://127.0.0.1:{server.port}"
+
+    def shown() -> list[str]:
+        return [a.text for a in browser.find_elements(By.CSS_SELECTOR, "#result_list a.idemmail-key")]
+
+    try:
+        browser.get(f"{base}/admin/login/?next={LIST}")
+        browser.find_element(By.NAME, "username").send_keys("bulkbrowser")
+        browser.find_element(By.NAME, "password").send_keys("pw-bulkbrowser")
+        browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+        assert "records 1-100 of 130" in browser.find_element(By.CSS_SELECTOR, "p.paginator").text
+        assert shown() == keys[:100]
+        browser.find_element(By.ID, "next-page").click()
+        assert "records 101-130 of 130" in browser.find_element(By.CSS_SELECTOR, "p.paginator").text
+        assert shown() == keys[100:]
+        browser.find_element(By.PARTIAL_LINK_TEXT, "after_data (13)").click()  # the sidebar, with its count
+        assert shown() == keys[3::10]
+        for box in browser.find_elements(By.CSS_SELECTOR, "input.action-select")[:2]:
+            box.click()
+        assert browser.find_element(By.CSS_SELECTOR, "span.action-counter").text == "2 of 13 selected"
+        Select(browser.find_element(By.NAME, "action")).select_by_value("failed")
+        browser.find_element(By.ID, "bulk-note").send_keys("incident 7: orders cancelled")
+        browser.find_element(By.CSS_SELECTOR, "button[name=index]").click()
+        done = browser.find_element(By.CSS_SELECTOR, "ul.messagelist li.success").text
+        assert "Resolve as failed: 2 of 2 records" in done, done
+        assert [queue.state(k) for k in keys[3:14:10]] == [State.FAILED] * 2
+        assert shown() == keys[23::10]  # the filter kept: the eleven left
+
+        queue.park(120, first=130, reason=lambda i: "after_data")  # more than a page match now
+        browser.get(f"{base}{LIST}?reason=after_data")
+        browser.find_element(By.ID, "action-toggle").click()  # the whole page...
+        browser.find_element(By.CSS_SELECTOR, "span.question a").click()  # ... then "select all 131"
+        Select(browser.find_element(By.NAME, "action")).select_by_value("failed")
+        browser.find_element(By.ID, "bulk-note").send_keys("incident 7, the rest")
+        browser.find_element(By.CSS_SELECTOR, "button[name=index]").click()
+        done = browser.find_element(By.CSS_SELECTOR, "ul.messagelist li.success").text
+        assert "Resolve as failed: 131 of 131 records" in done, done
+        ARTIFACTS.mkdir(exist_ok=True)
+        assert browser.save_screenshot(str(ARTIFACTS / "django-admin-review-bulk.png"))
+    except Exception:
+        ARTIFACTS.mkdir(exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "django-admin-review-bulk-failed.png"))
+        (ARTIFACTS / "django-admin-review-bulk-failed.html").write_text(browser.page_source)
+        raise
+    finally:
+        browser.quit()
+        server.terminate()
+        server.join(timeout=15)
+        subprocess.run(["rm", "-rf", str(profile)], check=False)
+    left = [k for k in queue.keys if queue.state(k) is not State.FAILED]
+    assert len(left) == 117 and all(queue.state(k) is State.REVIEW for k in left)
 
 
 # -- Django's own email API through EMAIL_BACKEND = "idemmail_celery.contrib.django.EmailBackend" --

@@ -1,18 +1,24 @@
 """The ledger's review queue in the Django admin, for every ledger backend (Redis included).
 
-Not a ``ModelAdmin`` over a table: the page lists records through the ledger's own API, as the
-operator CLI does (``celery -A proj idemmail ledger list --state review``), and its actions are
-the CLI's own moves (:func:`idemmail_celery.cli.decide`, :func:`idemmail_celery.cli.erase`), with
-the same rules and refusals: mark sent, release for a resend (the stored first payload is queued
+Not a ``ModelAdmin`` over a table: the page lists records through the ledger's own API
+(:meth:`~idemmail_celery.ledger.base.Ledger.list_records`, as ``celery -A proj idemmail ledger list`` does),
+and its actions are the CLI's own moves (:func:`idemmail_celery.cli.decide`, :func:`idemmail_celery.cli.erase`),
+with the same rules and refusals: mark sent, release for a resend (the stored first payload is queued
 again before the record changes), mark failed, forget (erase the personal data).
 
-* The list filters by state (``review`` first) and shows keys, states, tasks, reasons and times,
-  never a payload. A record's page shows its payload only to a user with ``idemmail.view_payload``
-  who asks for it.
+* The list follows Django's ChangeList conventions (:mod:`.review`): pages (``?p=2``, 100 a page, the "next"
+  link carrying a cursor), a search (``?q=``: a key's start, message id, template, tag, event id, recipient
+  domain or task), filters in the sidebar (state with its count, reason, task, age), a date hierarchy, the
+  order by time (``?o=-updated``: newest first), and bulk actions with one note (resolve as sent, as failed,
+  release) on the rows ticked, or on every record the filters match. It opens on ``review``, oldest first.
+  Rows show the full key, a label (template, event id, tags, recipients' domains), state, task, reason or
+  message id, attempts and time (ISO 8601, UTC): never a payload or an address. A record's page shows its
+  result and error with their times in ISO 8601, and its payload only to a user with
+  ``idemmail.view_payload`` who asks for it.
 * Each action needs its own permission: ``idemmail.mark_sent``, ``idemmail.release``,
   ``idemmail.mark_failed``, ``idemmail.forget_payload`` (superusers have all); looking needs
-  ``idemmail.view_reviewrecord``.
-* Each action, done or refused, is one line on the ``idemmail_celery.audit`` logger (who, what,
+  ``idemmail.view_reviewrecord`` (a user with that alone sees no checkboxes and no actions).
+* Each action, done or refused, is one line per record on the ``idemmail_celery.audit`` logger (who, what,
   which key, the outcome; the note is kept in the record, not in the log). The record itself keeps
   who, when and why in ``error["resolution"]``, as from the CLI.
 * A ``key`` that is not shaped like a ledger key (64 lower-case hex digits) is answered 400 before
@@ -25,15 +31,15 @@ The ledger is the project's Celery app's (the app ``proj/__init__.py`` imports, 
 
 from __future__ import annotations
 
-import datetime as dt
-import itertools
 import json
 import logging
 import threading
+import time
 from typing import Any
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
 from django.http import (
     Http404,
     HttpRequest,
@@ -44,21 +50,23 @@ from django.http import (
 )
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
+from django.utils.html import format_html
 from django.utils.http import urlencode
+from django.utils.safestring import SafeString
 
 from ..._common import logsafe
 from ...cli import EXIT_CODES, OperatorError, _Ctx, decide, erase
 from ...errors import LedgerUnavailableError, PayloadKeyError
 from ...keys import Payload, is_derived_key
-from ...ledger import Record, State
+from ...ledger import Ledger, State
+from ...ledger.listing import RecordPage, RecordQuery, Summary, label_of, message_id_of
 from ...ledger.sealed import is_sealed
+from ...task import IdempotentTask
 from .conf import celery_app
 from .models import ReviewRecord
+from .review import AGES, PER_PAGE, ListRequest, Summaries, hierarchy, iso, readable, row
 
 audit = logging.getLogger("idemmail_celery.audit")
-
-#: Records one page lists (the CLI's ``--limit`` default).
-LIMIT = 100
 
 #: action -> (the outcome passed to the CLI's move, the permission it needs, its button)
 ACTIONS: dict[str, tuple[str, str, str]] = {
@@ -67,9 +75,14 @@ ACTIONS: dict[str, tuple[str, str, str]] = {
     "failed": ("failed", "idemmail.mark_failed", "Mark failed"),
     "forget": ("forget", "idemmail.forget_payload", "Forget the payload"),
 }
+#: The actions the list runs on many records at once, with one note: action -> its name in the menu.
+BULK_ACTIONS = {"sent": "Resolve as sent", "failed": "Resolve as failed", "release": "Release for a resend"}
+#: The most records one bulk action resolves ("select all" on a larger queue: narrow it with the filters).
+MAX_BULK = 10_000
 
 _operators: dict[int, _Ctx] = {}
 _operators_lock = threading.Lock()
+summaries = Summaries()
 
 
 def operator() -> _Ctx:
@@ -83,18 +96,8 @@ def operator() -> _Ctx:
         return ctx
 
 
-def _when(ts: float | None) -> dt.datetime | None:
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc) if ts else None
-
-
-def _row(r: Record) -> dict[str, Any]:
-    return {"key": r.key, "state": r.state.value, "task_name": r.task_name, "attempts": r.attempts,
-            "reason": (r.error or {}).get("reason") or "", "message_id": (r.result or {}).get("message_id") or "",
-            "updated": _when(r.updated_at)}
-
-
 class ReviewQueueAdmin(admin.ModelAdmin):
-    """The review queue: a list, a record's page, and one POST per action."""
+    """The review queue: a changelist, a record's page, and one POST per action (one record, or many)."""
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -120,24 +123,110 @@ class ReviewQueueAdmin(admin.ModelAdmin):
         if not self.has_view_permission(request):
             raise PermissionDenied
 
+    # -- the list --
+
     def list_view(self, request: HttpRequest) -> HttpResponse:
+        if request.method == "POST":
+            return self.bulk_view(request)
         self._refuse_unless_viewer(request)
-        chosen = request.GET.get("state", State.REVIEW.value)
-        state = None if chosen == "all" else State(chosen) if chosen in {s.value for s in State} else State.REVIEW
+        asked = ListRequest.parse(request.GET, time.time())
         error = None
+        counts: dict[str, int] = {}
+        summary, page = Summary(None), RecordPage([], None)
         try:
             ledger = operator().ledger
-            counts = ledger.stats()
-            found = list(itertools.islice(ledger.iter_records(state), LIMIT + 1))
+            counts = summaries.states(ledger)
+            summary = summaries.get(ledger, asked.query)
+            page = _page(ledger, asked)
+            shown = (asked.page - 1) * PER_PAGE + len(page.records)
+            if summary.total is not None and (shown > summary.total or (page.next_cursor and shown >= summary.total)):
+                summaries.forget()  # counted before these records came: count again
+                counts, summary = summaries.states(ledger), summaries.get(ledger, asked.query)
         except (LedgerUnavailableError, PayloadKeyError) as exc:
-            counts, found, error = {}, [], f"{type(exc).__name__}: {exc}"
-        filters = [{"value": "all", "label": "all", "count": sum(counts.values()), "selected": state is None}]
-        filters += [{"value": s.value, "label": s.value, "count": counts.get(s.value, 0), "selected": s is state}
-                    for s in State]
+            error = f"{type(exc).__name__}: {exc}"
+        bulk = [(name, label) for name, label in BULK_ACTIONS.items() if request.user.has_perm(ACTIONS[name][1])]
+        total = summary.total
+        pages = None
+        if total is not None and total > PER_PAGE:
+            paginator = Paginator(range(total), PER_PAGE)
+            numbers = paginator.get_elided_page_range(min(asked.page, paginator.num_pages), on_each_side=2, on_ends=1)
+            pages = [{"number": n, "link": asked.link(p=n) if isinstance(n, int) and n != asked.page else ""}
+                     for n in numbers]
+        state = asked.query.state
+        record_url = reverse("admin:idemmail_reviewrecord_record")
         return TemplateResponse(request, "idemmail/review_list.html", self._context(
             request, "Ledger records" + (f": {state.value}" if state else ""),
-            rows=[_row(r) for r in found[:LIMIT]], more=len(found) > LIMIT, filters=filters, error=error,
-            record_url=reverse("admin:idemmail_reviewrecord_record")))
+            rows=[_row_html(row(r), bool(bulk), record_url) for r in page.records], error=error,
+            problems=asked.problems, bulk_actions=bulk,
+            total=total, page=asked.page, pages=pages, per_page=PER_PAGE,
+            first=(asked.page - 1) * PER_PAGE + 1 if page.records else 0,
+            last=(asked.page - 1) * PER_PAGE + len(page.records),
+            next_link=asked.link(p=asked.page + 1, c=page.next_cursor) if page.next_cursor else "",
+            previous_link=asked.link(p=asked.page - 1 if asked.page > 2 else None) if asked.page > 1 else "",
+            search=asked.params.get("q", ""), search_hidden=[(k, v) for k, v in asked.params.items() if k != "q"],
+            clear_search_link=asked.link(q=None),
+            newest_first=asked.query.newest_first,
+            order_link=asked.link(o=None if asked.query.newest_first else "-updated"),
+            filters=_sidebar(asked, counts, summary, searching=bool(asked.query.search)),
+            clear_link=asked.link(**{k: None for k in asked.params if k not in ("state", "o")}) if asked.filtered
+            else "",
+            date_hierarchy=hierarchy(asked, summary.days), media=self.media))
+
+    def bulk_view(self, request: HttpRequest) -> HttpResponse:
+        """One action on the rows ticked (or every record the page's filters match), with one note."""
+        keys = request.POST.getlist("_selected_action")
+        if not all(is_derived_key(k) for k in keys):  # first: nothing below sees anything else
+            return _not_a_key()
+        self._refuse_unless_viewer(request)
+        asked = ListRequest.parse(request.GET, time.time())
+        back = HttpResponseRedirect(reverse("admin:idemmail_reviewrecord_changelist") + asked.link(p=asked.page))
+        action = request.POST.get("action", "")
+        if action not in BULK_ACTIONS:
+            messages.error(request, "Choose an action for the records ticked.")
+            return back
+        outcome, perm, _ = ACTIONS[action]
+        actor = f"{request.user.get_username()} (django admin)"
+        across = request.POST.get("select_across") == "1"
+        if not request.user.has_perm(perm):
+            audit.warning("idemmail admin: %s on %s records refused: %s lacks %s", action,
+                          "every matching" if across else len(keys), logsafe(request.user.get_username()), perm)
+            raise PermissionDenied
+        note = request.POST.get("note", "").strip()
+        if not note:
+            messages.error(request, "Say why in the note: it is kept with every record the action resolves.")
+            return back
+        try:
+            if across:
+                keys = _every_key(operator().ledger, asked.query)
+        except (LedgerUnavailableError, PayloadKeyError) as exc:
+            messages.error(request, f"{type(exc).__name__}: {exc}")
+            return back
+        if not keys:
+            messages.warning(request, "Tick the records to act on first (none was ticked).")
+            return back
+        done, refused = 0, []
+        for key in dict.fromkeys(keys):
+            try:
+                record = decide(operator(), key, outcome, note=note, actor=actor)
+            except (OperatorError, PayloadKeyError) as exc:
+                why = EXIT_CODES[exc.code].split(":")[0] if isinstance(exc, OperatorError) else "payload key missing"
+                audit.warning("idemmail admin: %s on %s by %s refused (%s; bulk)", action, logsafe(key),
+                              logsafe(actor), why)
+                refused.append(f"Record {key}: {exc}")
+                continue
+            done += 1
+            audit.info("idemmail admin: %s on %s by %s: %s (bulk)", action, logsafe(key), logsafe(actor),
+                       record.state.value + (" (re-enqueued)" if action == "release" else ""))
+        summaries.forget()
+        said = f"{BULK_ACTIONS[action]}: {done} of {len(set(keys))} records, the note kept with each."
+        (messages.success if done else messages.warning)(request, said)
+        for line in refused[:20]:
+            messages.error(request, line)
+        if len(refused) > 20:
+            messages.error(request, f"... and {len(refused) - 20} more refused (the audit log names each).")
+        return back
+
+    # -- one record --
 
     def record_view(self, request: HttpRequest) -> HttpResponse:
         key = request.GET.get("key", "")
@@ -161,9 +250,11 @@ class ReviewQueueAdmin(admin.ModelAdmin):
                 payload = json.dumps({"args": stored.args, "kwargs": stored.kwargs}, indent=2, default=str)
         fields = record.to_dict()
         for name in ("result", "error"):
-            fields[name] = json.dumps(fields[name], indent=2, sort_keys=True, default=str) if fields[name] else ""
+            fields[name] = json.dumps(readable(fields[name]), indent=2, sort_keys=True, default=str) \
+                if fields[name] else ""
         for name in ("created_at", "updated_at", "expires_at", "lease_expires_at"):
-            fields[name] = _when(fields[name])
+            fields[name] = iso(fields[name])
+        fields["label"], fields["message_id"] = str(label_of(record)), message_id_of(record)
         actions = [{"name": name, "label": label} for name, (_, perm, label) in ACTIONS.items()
                    if request.user.has_perm(perm)]
         return TemplateResponse(request, "idemmail/review_record.html", self._context(
@@ -203,11 +294,90 @@ class ReviewQueueAdmin(admin.ModelAdmin):
         except (OperatorError, PayloadKeyError) as exc:
             why = EXIT_CODES[exc.code].split(":")[0] if isinstance(exc, OperatorError) else "payload key missing"
             audit.warning("idemmail admin: %s on %s by %s refused (%s)", action, logsafe(key), logsafe(actor), why)
-            messages.error(request, str(exc))
+            messages.error(request, f"Record {key}: {exc}")
             return back
+        summaries.forget()
         audit.info("idemmail admin: %s on %s by %s: %s", action, logsafe(key), logsafe(actor), done)
-        messages.success(request, f"{key}: {done}")
+        messages.success(request, f"Record {key}: {done}")  # "Record" first: the admin capitalises a message
         return back
+
+
+def _row_html(r: dict[str, Any], tick: bool, record_url: str) -> SafeString:
+    """One row of the list, built here (a hundred rows through template tags cost more than the ledger's calls)."""
+    said = format_html('<span title="provider message id">{}</span>', r["said"]) if r["said_is_message_id"] \
+        else r["said"]
+    return format_html(
+        '<tr class="idemmail-record">{}<th><a href="{}?{}" class="idemmail-key">{}<wbr>{}</a></th>'
+        '<td class="idemmail-label">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>'
+        '<td class="idemmail-when">{}</td></tr>',
+        format_html('<td class="action-checkbox"><input type="checkbox" name="_selected_action" value="{}" '
+                    'class="action-select" aria-label="Select {}"></td>', r["key"], r["key"]) if tick else "",
+        record_url, urlencode({"key": r["key"]}), r["key"][:32], r["key"][32:], r["label"] or "-", r["state"],
+        r["task_name"] or "-",
+        said or "-", r["attempts"], r["when"])
+
+
+def _page(ledger: Ledger, asked: ListRequest) -> RecordPage:
+    """The page asked for: after the cursor the "next" link carries, else by its number from the start."""
+    if asked.cursor:
+        try:
+            return ledger.list_records(asked.query, cursor=asked.cursor, limit=PER_PAGE)
+        except ValueError:
+            pass  # a cursor of another order (or none of ours): by the page's number
+    return ledger.list_records(asked.query, offset=(asked.page - 1) * PER_PAGE, limit=PER_PAGE)
+
+
+def _every_key(ledger: Ledger, query: RecordQuery) -> list[str]:
+    """The keys of every record ``query`` matches ("select all"), at most :data:`MAX_BULK`."""
+    keys: list[str] = []
+    cursor = None
+    while len(keys) < MAX_BULK:
+        page = ledger.list_records(query, cursor=cursor, limit=min(500, MAX_BULK - len(keys)))
+        keys += [r.key for r in page.records]
+        if page.next_cursor is None:
+            break
+        cursor = page.next_cursor
+    return keys
+
+
+def _sidebar(asked: ListRequest, counts: dict[str, int], summary: Summary, *, searching: bool) -> list[dict[str, Any]]:
+    """The filters: each a title and its choices (a label, a link keeping the other filters, whether chosen)."""
+    def choice(label: str, param: str, value: str | None, n: int | None = None) -> dict[str, Any]:
+        shown = f"{label} ({n:,})" if n is not None and not searching else label
+        return {"display": shown, "link": asked.link(**{param: value}), "selected": asked.params.get(param) == value}
+
+    state = asked.params.get("state", State.REVIEW.value)
+    states = [{"display": f"all ({sum(counts.values()):,})", "link": asked.link(state="all"),
+               "selected": state == "all"}]
+    states += [{"display": f"{s.value} ({counts.get(s.value, 0):,})", "link": asked.link(state=s.value),
+                "selected": state == s.value} for s in State]
+    out = [{"title": "state", "choices": states}]
+    reasons = dict(summary.reasons or {})
+    tasks = dict(summary.tasks) if summary.tasks is not None else dict.fromkeys(_app_tasks(), None)
+    for param, found in (("reason", reasons), ("task", tasks)):
+        chosen = asked.params.get(param)
+        if chosen and chosen not in found:
+            found[chosen] = 0
+        choices = [choice("All", param, None)]
+        for value, n in sorted(found.items(), key=lambda kv: (-(kv[1] or 0), kv[0])):
+            if value:
+                choices.append(choice(value, param, value, n))
+            else:  # records without one: counted, not a filter of their own
+                choices.append({"display": f"(none) ({n:,})" if n is not None and not searching else "(none)",
+                                "link": "", "selected": False})
+        out.append({"title": param, "choices": choices})
+    out.append({"title": "age", "choices": [choice("Any time", "age", None)] + [
+        choice(label, "age", name) for name, (label, _, _) in AGES.items()]})
+    return out
+
+
+def _app_tasks() -> list[str]:
+    """The idempotent tasks of the project's Celery app: the task filter's choices where the ledger cannot
+    count them."""
+    try:
+        return sorted(name for name, task in celery_app().tasks.items() if isinstance(task, IdempotentTask))
+    except Exception:  # an app not finalised, or none: no choices but "All"
+        return []
 
 
 def _not_a_key() -> HttpResponse:

@@ -9,6 +9,8 @@ docstring.
 from __future__ import annotations
 
 import base64
+import binascii
+import contextlib
 import functools
 import json
 import re
@@ -132,6 +134,24 @@ def _pack(text: str) -> str:
     if len(text) == 64 and _HEX64.fullmatch(text):
         return base64.urlsafe_b64encode(bytes.fromhex(text))[:43].decode("ascii")
     return "~" + text if text else ""
+
+
+def _pack_all(texts: list[str]) -> list[str]:
+    """:func:`_pack` of many texts (a listing names thousands of records), the 64-hex ones without a regex."""
+    out = []
+    for text in texts:
+        raw = None
+        if len(text) == 64:
+            with contextlib.suppress(ValueError):
+                raw = bytes.fromhex(text)
+        if raw is not None and raw.hex() == text:
+            out.append(binascii.b2a_base64(raw, newline=False)[:43].translate(_URLSAFE).decode("ascii"))
+        else:
+            out.append(_pack(text))
+    return out
+
+
+_URLSAFE = bytes.maketrans(b"+/", b"-_")
 
 
 #: The digits of a packed fingerprint: ASCII but NUL and ``~``, so it is text (UTF-8) a script copies as it is.

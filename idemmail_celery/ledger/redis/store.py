@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import heapq
+import itertools
 import logging
 import re
 import secrets
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from typing import Any
@@ -55,6 +58,7 @@ from ..base import (
     dumps_json,
     loads_json,
 )
+from ..listing import Counts, Position, RecordQuery, Selection
 from .layout import (
     _ENTRY,
     _INDEXED,
@@ -72,6 +76,7 @@ from .layout import (
     _field,
     _joined,
     _layout1_fields,
+    _pack_all,
     _pack_fp,
     _seconds,
     _unbody,
@@ -104,7 +109,11 @@ _REPLY_CODE = re.compile(r"^([A-Z]+)\b|\s-([A-Z]+)\s")
 _CLAIM_STATUS = {status.value: status for status in ClaimStatus}
 
 #: The scripts beside this module, each one atomic transition; record scripts start with ``prelude.lua``.
-_RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page", "restock", "sweep", "withdraw")
+_RECORD_SCRIPTS = ("claim", "finish", "renew", "force", "erase", "read", "page", "restock", "sweep", "withdraw",
+                   "listing")
+#: Records a filtered listing first asks the listing script about, one call per bucket (Redis runs nothing
+#: else meanwhile: a few ms a call); each next stretch twice as long, up to 8 times this.
+LISTING_STRETCH = 500
 
 
 #: A record script's first line naming the prelude's parts it uses (none named: all of them).
@@ -302,6 +311,7 @@ class RedisLedger(Ledger):
         self._read = self.client.register_script(_lua("read"))
         self._page = self.client.register_script(_lua("page"))
         self._withdraw = self.client.register_script(_lua("withdraw"))
+        self._listing = self.client.register_script(_lua("listing"))
         #: Every key name (see ``layout.py``); its shelves per bucket are this process's until the markers say.
         self.names = Names(prefix, buckets, shelves)
         self._stems = self.names.stems
@@ -1222,6 +1232,78 @@ class RedisLedger(Ledger):
                 counts[name.rsplit(":", 1)[1]] += int(n)
         return counts
 
+    # -- listing: the review queue (see ``ledger.listing``) --
+
+    def _listing_window(self, query: RecordQuery, position: Position | None, want: int, skip: int) -> Selection:
+        """The state's indexes walked in order across buckets (:class:`_Walk`; with a task, a reason or words,
+        each bucket's stretch checked in the store by the listing script as it is read), then the records
+        read in one pipeline. ``sent`` (no index) and every state at once: the base class's scan."""
+        if query.state not in _INDEXED:
+            return super()._listing_window(query, position, want, skip)
+        if not self._checked:
+            self._check_store()
+        failed_by_time = query.state is State.FAILED and (query.since is not None or query.until is not None)
+        skip = skip if not (query.words or failed_by_time) else 0  # the store's matches are exact: skip there
+        walk = _Walk(self, query, position)
+        found = walk.take(skip + want)
+        skipped = min(skip, len(found))
+        taken = found[skipped:]
+        read = self._pipeline([(c, (name,)) for at in taken
+                               for c, name in (("hgetall", self._rec(at.key)), ("get", self._payload(at.key)))])
+        items = [(at, self._record(at.key, h, payload))
+                 for at, h, payload in zip(taken, read[::2], read[1::2], strict=True) if h]
+        return Selection(items, None if walk.ended else walk.last, skipped)
+
+    def _check(self, query: RecordQuery, bucket: int, keys: list[str]) -> tuple[list[str], Any]:
+        """The listing script's call on ``keys`` of one bucket: is each a match (``1``) of ``query``?"""
+        return self._listing_call("check", query, bucket, keys, query.plain_words)
+
+    def _listing_call(self, mode: str, query: RecordQuery, bucket: int, keys: list[str],
+                      words: tuple[str, ...]) -> tuple[list[str], list[Any]]:
+        assert query.state is not None
+        stem = self._stems[bucket]
+        packed = _pack_all(keys)
+        if not words:  # the keys themselves are for words only
+            return [f"{stem}r:{p}" for p in packed], [mode, query.state.value, query.task, query.reason, 0]
+        names = [f"{stem}r:{p}" for p in packed] + [f"{stem}p:{p}" for p in packed]
+        return names, [mode, query.state.value, query.task, query.reason, len(words), *words, *keys]
+
+    def count(self, query: RecordQuery | None = None) -> Counts:
+        """Counted by the listing script over every record of the state's index in the time range, bucket by
+        bucket. ``sent`` (no index) and all states: the base class's scan; so is ``failed`` in a time range
+        (its index is by expiry)."""
+        query = query or RecordQuery()
+        if query.state not in _INDEXED or (query.state is State.FAILED and (query.since, query.until) != (None, None)):
+            return super().count(query)
+        if not self._checked:
+            self._check_store()
+        state = query.state
+        assert state is not None
+        plain = RecordQuery(state=state, since=query.since, until=query.until)
+        cells = Counter[tuple[str, str, int]]()
+        lo, hi = _Walk.bounds(plain)
+        # A failed record is scored by its expiry: its day is the score less the ledger's retention.
+        shift = self._retention_ms * 1000 if state is State.FAILED else 0
+        stretch = LISTING_STRETCH * 2
+        starts = dict.fromkeys(range(self.buckets), 0)
+        while starts:
+            ranges = self._pipeline([("zrangebyscore", (self._index(b, state), lo, hi, at, stretch, True))
+                                     for b, at in starts.items()])
+            calls, scores = [], []
+            for (b, at), found in zip(list(starts.items()), ranges, strict=True):
+                if found:
+                    calls.append(self._listing_call("tally", plain, b, [str(k) for k, _ in found], ()))
+                    scores.append([s for _, s in found])
+                if len(found) < stretch:
+                    del starts[b]
+                else:
+                    starts[b] = at + len(found)
+            for (pairs, numbers), stretch_scores in zip(self._run_scripts(self._listing, calls), scores, strict=True):
+                named = [(str(pairs[i]), str(pairs[i + 1])) for i in range(0, len(pairs), 2)]
+                cells.update((*named[number - 1], int((score - shift) // 86_400_000_000))
+                             for number, score in zip(numbers, stretch_scores, strict=True) if number)
+        return Counts(dict(cells))
+
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
         ttl = "" if new.expires_at is None else int((new.expires_at - new.updated_at) * 1000)
         drop = new.payload is None or (new.state is State.SENT and not self.keep_payload)
@@ -1308,6 +1390,129 @@ class RedisLedger(Ledger):
         a lock one of its threads held (a metrics scrape checking the store) would never be released.
         redis-py's own pool notices the fork by itself."""
         self._spare, self._check_lock = [], threading.Lock()
+
+
+class _Walk:
+    """The matches of one query in one state, in the listing's order, across every bucket's index of the state
+    (a sorted set by the time each record entered it).
+
+    Each bucket's index is read a stretch at a time (ZRANGE BYSCORE, one pipeline for the buckets that need
+    more); with a task, a reason or words, the stretch is checked by the listing script (one pipeline too) and
+    only its matches are kept. A match is handed out once every bucket still being read has been read past it
+    (the least of where they are), so no later record is ever handed out before an earlier one of another
+    bucket. Without such a filter no record is read: the index is the answer."""
+
+    def __init__(self, ledger: RedisLedger, query: RecordQuery, position: Position | None) -> None:
+        assert query.state is not None
+        self.ledger, self.query, self.newest = ledger, query, query.newest_first
+        self.filtered = bool(query.task or query.reason or query.plain_words)
+        self.index = [ledger._index(b, query.state) for b in range(ledger.buckets)]
+        self.lo, self.hi = self.bounds(query)
+        start = None if position is None else (position.at, position.key)
+        #: Per bucket still being read: how far it has been read ((score, key); None: from the start).
+        self.read: dict[int, tuple[float, str] | None] = dict.fromkeys(range(ledger.buckets), start)
+        #: Per bucket: its matches read and not handed out yet, in order.
+        self.pending: dict[int, list[tuple[float, str]]] = {b: [] for b in range(ledger.buckets)}
+        #: The position the walk stands at: the last handed out, or where every bucket has been read to.
+        self.last: Position | None = position
+        self._batch = 0  # entries a bucket is read by at least (grows while a filter keeps too few)
+
+    @staticmethod
+    def bounds(query: RecordQuery) -> tuple[str, str]:
+        """The index's score range for the query's time range (scores are microseconds). ``failed`` is scored
+        by its expiry (the time it failed plus the retention): only the live ones, times checked by the caller."""
+        us = 1_000_000
+        if query.state is State.FAILED:
+            return f"({time.time() * us:.17g}", "+inf"
+        return ("-inf" if query.since is None else f"{query.since * us:.17g}",
+                "+inf" if query.until is None else f"({query.until * us:.17g}")
+
+    @property
+    def ended(self) -> bool:
+        return not self.read and not any(self.pending.values())
+
+    def take(self, n: int) -> list[Position]:
+        """The next ``n`` matches (fewer at the end)."""
+        out: list[Position] = []
+        while len(out) < n and not self.ended:
+            missing = n - len(out)
+            short = [b for b in self.read if len(self.pending[b]) < missing]
+            if short:
+                per_bucket = max(32, 2 * -(-missing // len(self.read)))
+                kept = sum(len(p) for p in self.pending.values())
+                self._fill(short, max(per_bucket, self._batch))
+                if self.filtered and sum(len(p) for p in self.pending.values()) - kept < missing:
+                    # The filter kept too few: read twice as much a bucket next time, up to LISTING_STRETCH.
+                    self._batch = min(max(self._batch, per_bucket) * 2, LISTING_STRETCH)
+            live = [p for p in self.read.values() if p is not None]
+            frontier = (max(live) if self.newest else min(live)) if live else None
+            ready = heapq.merge(*([p for p in pending if frontier is None or not _beyond(p, frontier, self.newest)]
+                                  for pending in self.pending.values()), reverse=self.newest)
+            taken = list(itertools.islice(ready, missing))
+            gone = set(taken)
+            for b in self.pending:  # what each bucket gave is the front of its pending
+                while self.pending[b] and self.pending[b][0] in gone:
+                    self.pending[b].pop(0)
+            out += [Position(*p) for p in taken]
+            if taken:
+                self.last = out[-1]
+            elif frontier is not None and self.filtered:
+                self.last = Position(*frontier)  # read this far, nothing found: a later call starts here
+        return out
+
+    def _fill(self, buckets: list[int], batch: int) -> None:
+        """Read the next ``batch`` entries of each of ``buckets``' indexes (and those tied with where it stands),
+        then, with a filter, keep only the matches."""
+        commands: list[tuple[str, tuple[Any, ...]]] = []
+        for b in buckets:
+            at = self.read[b]
+            if self.newest:
+                top = self.hi if at is None else f"({at[0]:.17g}"
+                commands.append(("execute_command", ("ZRANGE", self.index[b], top, self.lo, "BYSCORE", "REV",
+                                                     "LIMIT", 0, batch, "WITHSCORES")))
+            else:
+                low = self.lo if at is None else f"({at[0]:.17g}"
+                commands.append(("execute_command", ("ZRANGE", self.index[b], low, self.hi, "BYSCORE",
+                                                     "LIMIT", 0, batch, "WITHSCORES")))
+            if at is not None:  # the entries with the very same score that follow its key
+                score = f"{at[0]:.17g}"
+                commands.append(("execute_command", ("ZRANGE", self.index[b], score, score, "BYSCORE",
+                                                     "WITHSCORES")))
+        replies = iter(self.ledger._pipeline(commands))
+        read: dict[int, list[tuple[float, str]]] = {}
+        for b in buckets:
+            at = self.read[b]
+            found = _scored(next(replies))
+            ended = len(found) < batch
+            if at is not None:
+                ties = sorted(_scored(next(replies)), reverse=self.newest)
+                found = [p for p in ties if _beyond(p, at, self.newest)] + found
+            read[b] = found
+            if ended:
+                del self.read[b]  # its index ends here
+            elif found:
+                self.read[b] = found[-1]
+        if self.filtered:
+            checked = [b for b in buckets if read[b]]
+            verdicts = self.ledger._run_scripts(self.ledger._listing, [
+                self.ledger._check(self.query, b, [key for _, key in read[b]]) for b in checked])
+            for b, flags in zip(checked, verdicts, strict=True):
+                read[b] = [p for p, flag in zip(read[b], str(flags), strict=True) if flag == "1"]
+        for b, found in read.items():
+            self.pending[b] += found
+
+
+def _scored(reply: list[Any]) -> list[tuple[float, str]]:
+    """A ZRANGE ... WITHSCORES reply as (score, member) pairs: flat as Redis sends it, or in pairs as redis-py
+    may hand it over."""
+    if reply and isinstance(reply[0], (list, tuple)):
+        return [(float(score), str(member)) for member, score in reply]
+    return [(float(reply[i + 1]), str(reply[i])) for i in range(0, len(reply), 2)]
+
+
+def _beyond(p: tuple[float, str], bound: tuple[float, str], newest_first: bool) -> bool:
+    """Does ``p`` come after ``bound`` in the order?"""
+    return p < bound if newest_first else p > bound
 
 
 def _whole(text: str | None) -> tuple[Any, ...]:

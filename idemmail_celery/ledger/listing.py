@@ -1,0 +1,323 @@
+"""Listing records a page at a time: what an operator's review queue asks a ledger.
+
+A :class:`RecordQuery` says which records (a state, a time range, a task, a reason, words to look for)
+and in which order: by the time each record entered its state (``updated_at``), oldest first unless
+``newest_first``, ties by key. :meth:`Ledger.list_records <idemmail_celery.ledger.base.Ledger.list_records>`
+answers one :class:`RecordPage` and a cursor to the next; :meth:`Ledger.summarize
+<idemmail_celery.ledger.base.Ledger.summarize>` answers how many records match and how they divide by
+reason and by task (the admin's sidebar). The Django admin and ``idemmail ledger list`` both list this way.
+
+**What a search matches.** Every word (case-insensitive) must be found in one of: the start of the key,
+the task name, the result's message id, or the record's :class:`Label` (its template, event id, tags and
+recipients' domains, read from the stored first payload). Never in a subject, a body or an address's
+local part: a search is no way to find who was written to.
+
+**How backends answer.** A backend lists through two hooks, each with a default that reads every record
+with :meth:`~idemmail_celery.ledger.base.Ledger.iter_records` (fine for small stores):
+
+* ``_listing_window(query, after, want, skip)``: a :class:`Selection` of the records after a :class:`Position`, in
+  the query's order. It may hand back records the query does not match (the caller checks each with
+  :meth:`RecordQuery.matches`), never leave out one that does. The Redis ledger walks its per-state
+  indexes (sorted sets by the time a record entered the state, kept by the transitions' scripts) with a
+  read-only script that checks state, task and reason in the store, and the words roughly (a superset);
+  the SQL ledger runs keyset pages on an index of (state, updated_at, key).
+* ``count(query)``: the :class:`Counts` of the state's records in the time range by reason, task and day,
+  counted in the store (a script over the indexes, one ``GROUP BY``); ``summarize`` reads a query's total
+  and its sidebar's counts from it.
+
+A ledger that seals payloads, results and errors (:class:`~idemmail_celery.ledger.sealed.SealedLedger`)
+hands its backend the query without what only the opened fields can answer (reason, words), and checks
+those here: correct, but it reads every record of the state to count them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ..keys import Payload
+from ..redaction import scrub
+
+if TYPE_CHECKING:
+    from .base import Record, State
+
+#: The longest task name, reason or search a query takes (what a request may hand over).
+MAX_TEXT = 255
+#: The most words a search holds (more are refused).
+MAX_WORDS = 8
+#: The keyword arguments a record's :class:`Label` is read from, in a ``send_email``-shaped payload.
+RECIPIENT_FIELDS = ("to", "cc", "bcc")
+
+
+@dataclass(frozen=True)
+class RecordQuery:
+    """Which records to list, and in which order. Every field is optional: all records, oldest first."""
+
+    #: Only records in this state (None: every state).
+    state: State | None = None
+    #: Only records of this task (its full name).
+    task: str = ""
+    #: Only records whose error has this ``reason`` (``lease_expired``, ``after_data``, ...).
+    reason: str = ""
+    #: Only records that entered their state at or after this time (epoch seconds)...
+    since: float | None = None
+    #: ... and before this one.
+    until: float | None = None
+    #: Words, each to be found in the key's start, task, message id or label (see the module docstring).
+    search: str = ""
+    #: The newest first (by default the oldest: a queue is worked from its front).
+    newest_first: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("task", "reason", "search"):
+            if len(getattr(self, name)) > MAX_TEXT:
+                raise ValueError(f"a query's {name} is at most {MAX_TEXT} characters")
+        if len(self.search.split()) > MAX_WORDS:
+            raise ValueError(f"a search is at most {MAX_WORDS} words")
+
+    @property
+    def words(self) -> tuple[str, ...]:
+        """The search's words, lower case, each once."""
+        return tuple(dict.fromkeys(self.search.lower().split()))
+
+    @property
+    def plain_words(self) -> tuple[str, ...]:
+        """What a store may look for in the raw text it holds (JSON, a key) to narrow a search down: each word's
+        parts between ``=`` (a tag written ``name=value`` is stored as a JSON pair), where they are printable
+        ASCII without quotes or backslashes, which JSON writes as they are and every store lower-cases alike."""
+        parts = (p for w in self.words for p in w.split("=") if p)
+        return tuple(dict.fromkeys(p for p in parts if p.isascii() and p.isprintable() and not {'"', "\\"} & set(p)))
+
+    def without(self, *, task: bool = False, reason: bool = False, search: bool = False) -> RecordQuery:
+        """This query with the named filters dropped."""
+        return replace(self, task="" if task else self.task, reason="" if reason else self.reason,
+                       search="" if search else self.search)
+
+    def matches(self, record: Record, now: float | None = None) -> bool:
+        """Does ``record`` answer this query (an expired ``sent``/``failed`` record never does, given ``now``)?"""
+        if self.state is not None and record.state is not self.state:
+            return False
+        if now is not None and record.state.expires and (record.expires_at or 0) <= now:
+            return False
+        if self.since is not None and record.updated_at < self.since:
+            return False
+        if self.until is not None and record.updated_at >= self.until:
+            return False
+        if self.task and record.task_name != self.task:
+            return False
+        if self.reason and reason_of(record) != self.reason:
+            return False
+        return searched(record, self.words)
+
+
+def reason_of(record: Record) -> str:
+    """The ``reason`` of a record's error (a string), or ``""``."""
+    reason = (record.error or {}).get("reason")
+    return reason if isinstance(reason, str) else ""
+
+
+def message_id_of(record: Record) -> str:
+    """The provider's message id in a record's result (a string), or ``""``."""
+    mid = (record.result or {}).get("message_id")
+    return mid if isinstance(mid, str) else ""
+
+
+@dataclass(frozen=True)
+class Label:
+    """What tells an operator which send a record is, without personal data: read from the stored first
+    payload's keyword arguments as ``send_email`` takes them (template, event id, tags) and the domains of
+    its recipients, never an address. Addresses written into any of them are scrubbed."""
+
+    template: str = ""
+    event_id: str = ""
+    tags: tuple[tuple[str, str], ...] = ()
+    domains: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        parts = [self.template, self.event_id, *(f"{k}={v}" for k, v in self.tags)]
+        if self.domains:
+            parts.append("@" + ", @".join(self.domains))
+        return " · ".join(p for p in parts if p)
+
+    def texts(self) -> Iterator[str]:
+        """Every text a search word may be found in."""
+        yield from (self.template, self.event_id, *self.domains)
+        for name, value in self.tags:
+            yield from (name, value, f"{name}={value}")
+
+
+def label_of(record: Record) -> Label:
+    """The :class:`Label` of a record's stored first payload; empty without one (erased when sent, forgotten,
+    or sealed with a key this process does not hold) or for a payload not shaped like ``send_email``'s."""
+    if not record.payload or record.payload.startswith("fernet:"):
+        return Label()
+    try:
+        kwargs = Payload.from_json(record.payload).kwargs
+    except (ValueError, KeyError, TypeError):
+        return Label()
+    tags = kwargs.get("tags")
+    pairs = tuple((_text(k), _text(v)) for k, v in sorted(tags.items())) if isinstance(tags, dict) else ()
+    domains = sorted({d for name in RECIPIENT_FIELDS for d in _domains(kwargs.get(name)) if d})
+    return Label(template=_text(kwargs.get("template")), event_id=_text(kwargs.get("event_id")), tags=pairs,
+                 domains=tuple(domains))
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return ""
+    return scrub(str(value))[:MAX_TEXT]
+
+
+def _domains(value: Any) -> Iterable[str]:
+    """The domain of each address in a recipient argument (one address, or a list of them)."""
+    for item in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+        if isinstance(item, str) and "@" in item:
+            domain = item.rsplit("@", 1)[1].strip().rstrip(">").strip().lower()
+            if domain and "@" not in domain and " " not in domain:
+                yield domain
+
+
+def searched(record: Record, words: Iterable[str]) -> bool:
+    """Is every one of ``words`` (lower case) found in the record's key start, task, message id or label?"""
+    key, task, mid = record.key.lower(), record.task_name.lower(), message_id_of(record).lower()
+    texts: list[str] | None = None  # the label's, read from the payload only when needed
+    for word in words:
+        if key.startswith(word) or word in task or word in mid:
+            continue
+        if texts is None:
+            texts = [text.lower() for text in label_of(record).texts()]
+        if not any(word in text for text in texts):
+            return False
+    return True
+
+
+class Position(NamedTuple):
+    """Where a record stands in a listing's order: the store's time for it, then its key (a tuple: compared
+    as one, quickly, when a listing merges many)."""
+
+    at: float
+    key: str
+
+
+def encode_cursor(position: Position, query: RecordQuery) -> str:
+    """An opaque, URL-safe cursor: continue after ``position`` in ``query``'s order."""
+    text = json.dumps([1 if query.newest_first else 0, position.at, position.key], separators=(",", ":"))
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str, query: RecordQuery) -> Position:
+    """The position a cursor holds; :class:`ValueError` for anything :func:`encode_cursor` did not make for
+    ``query``'s order."""
+    try:
+        newest, at, key = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise ValueError("not a listing cursor") from exc
+    if newest not in (0, 1) or bool(newest) is not query.newest_first or not isinstance(key, str) \
+            or isinstance(at, bool) or not isinstance(at, (int, float)):
+        raise ValueError("not a listing cursor for this order")
+    return Position(float(at), key)
+
+
+def after(position: Position, bound: Position | None, newest_first: bool) -> bool:
+    """Does ``position`` come after ``bound`` in the order (anything does when there is no bound)?"""
+    return bound is None or (position < bound if newest_first else position > bound)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a backend's ``_listing_window`` hands back: records in the query's order, each with its position."""
+
+    items: list[tuple[Position, Record]]
+    #: Where the next call starts (after this position); None: nothing follows.
+    resume: Position | None
+    #: How many matching records the store left out before ``items`` (of the ``skip`` asked for).
+    skipped: int = 0
+
+
+@dataclass(frozen=True)
+class RecordPage:
+    """One page of a listing."""
+
+    records: list[Record]
+    #: The cursor of the next page (:meth:`~idemmail_celery.ledger.base.Ledger.list_records`), None on the last.
+    next_cursor: str | None
+
+
+@dataclass(frozen=True)
+class Summary:
+    """How a query's records divide (an admin's sidebar), as far as the store can tell."""
+
+    #: How many records match the query; None with search words (each record is checked apart).
+    total: int | None
+    #: Reason -> records, over the records matching the query but for its reason and search; None when
+    #: the store cannot read reasons (a sealed ledger).
+    reasons: dict[str, int] | None = None
+    #: Task name -> records, over the records matching the query but for its task and search.
+    tasks: dict[str, int] | None = None
+    #: UTC day (``updated_at // 86400``) -> records matching the query but for its search (a date hierarchy).
+    days: dict[int, int] | None = None
+
+
+#: A record's cell in :class:`Counts`: its reason (``""`` for none), its task, its UTC day.
+Cell = tuple[str, str, int]
+
+
+@dataclass(frozen=True)
+class Counts:
+    """The records of one state and time range (a query's ``state``, ``since`` and ``until``), counted by
+    reason, task and day: every :class:`Summary` of those records, whatever the task and reason asked for,
+    follows from it (:meth:`summary`), so a sidebar counts once per state and reads many filters from it."""
+
+    cells: dict[Cell, int]
+    #: False when the store cannot read reasons (a sealed ledger counts every record under ``""``).
+    reasons_known: bool = True
+
+    def summary(self, query: RecordQuery) -> Summary:
+        reasons: dict[str, int] = {}
+        tasks: dict[str, int] = {}
+        days: dict[int, int] = {}
+        total = 0
+        for (reason, task, day), n in self.cells.items():
+            task_ok = not query.task or task == query.task
+            reason_ok = not query.reason or reason == query.reason
+            if task_ok:
+                reasons[reason] = reasons.get(reason, 0) + n
+            if reason_ok:
+                tasks[task] = tasks.get(task, 0) + n
+                if task_ok:
+                    days[day] = days.get(day, 0) + n
+                    total += n
+        if not self.reasons_known:
+            return Summary(None if query.reason or query.words else total, None,
+                           *((None, None) if query.reason else (tasks, days)))
+        return Summary(None if query.words else total, reasons, tasks, days)
+
+
+def cell_of(record: Record) -> Cell:
+    return reason_of(record), record.task_name, int(record.updated_at // 86400)
+
+
+def count_in_memory(records: Iterable[Record], query: RecordQuery, now: float) -> Counts:
+    """The default count: ``records`` in the query's state and time range, counted here."""
+    plain = RecordQuery(state=query.state, since=query.since, until=query.until)
+    cells: dict[Cell, int] = {}
+    for record in records:
+        if plain.matches(record, now):
+            cell = cell_of(record)
+            cells[cell] = cells.get(cell, 0) + 1
+    return Counts(cells)
+
+
+def select_in_memory(records: Iterable[Record], query: RecordQuery, position: Position | None, skip: int,
+                     now: float) -> Selection:
+    """The default ``_listing_window``: ``records`` (every one the store holds, or of the query's state) filtered,
+    ordered, and cut after ``position``; all of the rest in one selection."""
+    found = sorted(((Position(r.updated_at, r.key), r) for r in records if query.matches(r, now)),
+                   key=lambda item: item[0], reverse=query.newest_first)
+    rest = [item for item in found if after(item[0], position, query.newest_first)]
+    skipped = min(skip, len(rest))
+    return Selection(rest[skipped:], None, skipped)
