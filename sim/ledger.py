@@ -162,12 +162,13 @@ class MemLedger(Ledger):
         self.records[key] = replace(new, payload=None) if new.state is State.SENT and not self.keep_payload else new
         return True
 
-    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+    def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
         seen = self.records.get(key)
-        if seen is None or seen.token != expected_token:
+        if seen is None or seen.token != expected_token or seen.state is not expected_state:
             return False
-        self.records[key] = replace(seen, payload=None, result=_stored(result), error=_stored(error))
+        kept = seen.error if ahead_mark(seen) is not None else _stored(error)
+        self.records[key] = replace(seen, payload=None, result=_stored(result), error=kept)
         return True
 
     def purge_expired(self, now: float | None = None) -> int:
@@ -250,9 +251,10 @@ class FaultLedger(LedgerWrapper):
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
         return bool(self._call("force", key, lambda: self.inner._force(key, expected_token, new)))
 
-    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+    def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
-        return bool(self._call("erase", key, lambda: self.inner._erase(key, expected_token, result, error)))
+        return bool(self._call("erase", key, lambda: self.inner._erase(key, expected_token, expected_state, result,
+                                                                       error)))
 
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         return self.inner.renew(key, token, lease_seconds)  # the keeper's: a scheduler event, not a point

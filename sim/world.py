@@ -92,7 +92,7 @@ class Config:
     rotation_from: int = 0      #: the rotation's step at the start (3: its second step being deployed)
     only: tuple[str, ...] = ()  #: the fault kinds offered (empty: all)
     operator: int = 0           #: operator actions (truthful resolve of a review, forget)
-    forget_live: bool = False   #: may the operator forget a claim still held (an open defect: see docs)
+    forget_live: bool = False   #: may the operator forget a claim still held (else only final records)
     sweeps: int = 0             #: sweeps during the schedule (the drain sweeps when a message was lost)
     ticks: int = 2              #: clock steps (past a lease) during the schedule
     preemptions: int = 2        #: switches away from a running actor that could have gone on

@@ -552,6 +552,48 @@ def test_forget_keeps_a_dead_holders_write_ahead_mark(ledger: Ledger) -> None:
     assert mark is not None and mark["ahead"] == "message" and mark["token"] == c.token
 
 
+class MovesWhileForgetting(LedgerWrapper):
+    """A store on which ``move`` lands between ``forget``'s read of a record and its erase: the race of a
+    data-subject request with the record's holder."""
+
+    def __init__(self, inner: Ledger, move: Any) -> None:
+        super().__init__(inner)
+        self.move = move
+
+    def _readable(self, key: str) -> Any:
+        seen = self.inner._readable(key)
+        if self.move is not None:
+            self.move, move = None, self.move
+            move()
+        return seen
+
+
+def test_forget_racing_a_write_ahead_mark_keeps_the_mark(ledger: Ledger) -> None:
+    """Found by the simulator (sim/traces/forget_races_a_write_ahead_mark.json): forget read a claim without a
+    mark, its holder marked and sent, forget erased under the same token and wiped the mark with the free
+    text; the holder died, and the next claimer, finding no mark, sent the intent again."""
+    c = ledger.claim(req("fg5", lease_seconds=0.2, owner=new_owner("t", ahead=True)))
+    store = MovesWhileForgetting(ledger, lambda: ledger.write_ahead("fg5", c.token, 0.2, "message"))
+    assert store.forget("fg5") is True
+    time.sleep(0.35)
+    taken = ledger.claim(req("fg5", owner=new_owner("u", ahead=True)))
+    assert taken.status is ClaimStatus.RECLAIMED and taken.record.payload is None
+    mark = ahead_mark(taken.record)
+    assert mark is not None and mark["ahead"] == "message" and mark["token"] == c.token
+
+
+def test_forget_racing_a_completion_keeps_what_it_recorded(ledger: Ledger) -> None:
+    """A completion between forget's read and its erase keeps the same token; the erase, made of what was
+    read before it, must not write over the result (the message id a duplicate is told)."""
+    c = ledger.claim(req("fg6"))
+    store = MovesWhileForgetting(ledger, lambda: ledger.complete("fg6", c.token, {"message_id": "m-fg6",
+                                                                                  "value": "Ann"}))
+    assert store.forget("fg6") is True
+    sent = ledger.get("fg6")
+    assert sent is not None and sent.state is State.SENT
+    assert sent.result == {"message_id": "m-fg6", "forgotten": True}  # read again and forgotten, not lost
+
+
 class DefaultWriteAhead(LedgerWrapper):
     """A backend that leaves ``write_ahead`` to the base class (read, then replace under the token)."""
 

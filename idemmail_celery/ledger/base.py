@@ -472,13 +472,18 @@ class Ledger(ABC):
         cause, times; see :func:`forgotten`). The record, its state and fingerprint stay, so
         the key keeps protecting against a resend; an operator can no longer re-enqueue the
         first payload. Idempotent.
+
+        The erase is made of what was read, so it lands only on the record as read (its token and
+        state); a holder's write-ahead mark written in between (its token unchanged) stays, as the
+        mark a dead holder left would: it holds no free text, and without it the next claimer would
+        take a claim that may have sent for one that never ran.
         """
         for _ in range(5):
             record = self._readable(key)
             if record is None:
                 return False
             result, error = forgotten(record.result, record.error)
-            if self._erase(key, record.token, result, error):
+            if self._erase(key, record.token, record.state, result, error):
                 return True
         raise IllegalTransitionError(f"record {key} kept changing while forgetting; try again")
 
@@ -488,10 +493,12 @@ class Ledger(ABC):
         return self.get(key)
 
     @abstractmethod
-    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+    def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
         """Drop the stored payload and set ``result`` and ``error``, atomically, if the record's
-        token is still ``expected_token``; False (nothing written) otherwise or without a record.
+        token and state are still ``expected_token`` and ``expected_state``; False (nothing written)
+        otherwise or without a record. A ``claimed`` record's write-ahead mark is kept in place of
+        ``error`` (see :meth:`forget`).
 
         Never creates a record and changes nothing else (state, lease, token, expiry).
         """

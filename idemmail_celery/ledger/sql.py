@@ -748,11 +748,14 @@ class SQLLedger(Ledger):
             values["payload"] = None
         return self._one_row(sa.update(t).where(t.c.intent_key == key, t.c.token == expected_token).values(values))
 
-    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+    def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
         t = self.table
-        stmt = (sa.update(t).where(t.c.intent_key == key, t.c.token == expected_token)
-                .values(payload=None, result=dumps_json(result), error=dumps_json(error)))
+        marked = sa.and_(t.c.state == State.CLAIMED.value, t.c.error.startswith(AHEAD_JSON_PREFIX, autoescape=True))
+        as_read = sa.and_(t.c.intent_key == key, t.c.token == expected_token, t.c.state == expected_state.value)
+        stmt = (sa.update(t).where(as_read)
+                .values(payload=None, result=dumps_json(result),
+                        error=sa.case((marked, t.c.error), else_=sa.literal(dumps_json(error), _LONG_TEXT))))
         # Rows matched, not changed (MariaDB gets CLIENT_FOUND_ROWS): erasing twice is still True.
         return self._one_row(stmt)
 

@@ -77,9 +77,9 @@ class LedgerWrapper(Ledger):
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
         return self.inner._force(key, expected_token, new)
 
-    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+    def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
-        return self.inner._erase(key, expected_token, result, error)
+        return self.inner._erase(key, expected_token, expected_state, result, error)
 
     def stats(self) -> dict[str, int]:
         return self.inner.stats()

@@ -1231,9 +1231,10 @@ class RedisLedger(Ledger):
                 *_chunked(new.error), *_counted(new.task_name)]
         return bool(self._call(self._force_script, keys=self._keys(key), args=args))
 
-    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+    def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
-        args = [expected_token, *_chunked(result), *_chunked(error), _field(key), _body(result, error)]
+        args = [expected_token, expected_state.value, *_chunked(result), *_chunked(error), _field(key),
+                _body(result, error)]
         return bool(self._call(self._erase_script, keys=self._keys(key), args=args))
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool:
