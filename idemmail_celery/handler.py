@@ -28,7 +28,8 @@ a redundant copy. Read top to bottom, :meth:`Handler.handle` is the guarantee:
                                  this chain could not record: record it, run nothing)
    ``done``                      replay: return the stored result, or raise the stored error
    ``busy``                      another holder is live: reschedule (own budget); a second
-                                 copy of the same reschedule drops
+                                 copy of the same reschedule drops once the first has
+                                 published it, and comes back as the same hop until then
    ``reclaimed``                 the holder died: run again with the same key if it travels
                                  downstream; else reconcile, or park as ``review``
    ============================  ==========================================================
@@ -56,7 +57,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ._ahead import writing_ahead
-from ._common import ENQUEUED_HEADER, INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff, logsafe
+from ._common import (
+    ENQUEUED_HEADER,
+    HOP_HEADER,
+    INFLIGHT_HEADER,
+    OUTAGE_HEADER,
+    OWNER_HEADER,
+    VERDICT_HEADER,
+    backoff,
+    logsafe,
+)
 from ._lease import keeper
 from .errors import (
     SEND_ERRORS,
@@ -155,6 +165,10 @@ class Step:
     #: RETRY only: does it spend one of the task's ``max_retries``? False for a retry on the time budget
     #: (``Delivery.retry_from``), which the handler checked: the task's count must not refuse it.
     counted: bool = True
+    #: RESCHEDULE only: the hop (``Delivery.hop``) this reschedule is the one publish of (see
+    #: :meth:`Handler.in_flight`). Once the adapter has published the step it calls
+    #: :meth:`Handler.published`, which says so in the ledger: later copies of that hop then drop.
+    confirms_hop: str = ""
 
 
 @dataclass(frozen=True)
@@ -284,6 +298,11 @@ def live_mark(claim: Claim) -> dict[str, Any] | None:
     if mark.get("token") == claim.token - 1 or claim.record.reclaims == 0:
         return None
     return mark
+
+
+def _published(hop: str) -> str:
+    """The mark (``Ledger.mark_hop``) that says the reschedule of ``hop`` is out (see :meth:`Handler.in_flight`)."""
+    return f"{hop}\0published"
 
 
 def owned_by(holder: str, owners: tuple[str, ...]) -> bool:
@@ -803,14 +822,24 @@ class Handler:
             self.effect.report(Outcome.IN_FLIGHT_GAVE_UP, key, reschedules=d.inflight)
             return Step(Outcome.IN_FLIGHT_GAVE_UP, Action.RAISE, key, error=IdempotencyInFlightError(
                 f"{key} still held by {record.owner} after {d.inflight} reschedules"))
+        # Of the copies of one message (its hop), one publishes the reschedule: the one whose mark_hop is first.
+        # It says so once the reschedule is out (published()); a copy that finds the hop marked drops only
+        # then. Until then it comes back as the same hop, never as a new one: the copy that marked may have died
+        # before publishing (a mark set before a publish that never happened), and then this copy is the only
+        # message carrying the intent; and copies that keep their hop never multiply.
+        confirms, same_hop = "", {}
         if d.hop:
             try:
                 first = self.ledger.mark_hop(key, d.hop, p.hop_ttl_seconds)
             except LedgerError:
                 first = None  # cannot tell: reschedule (a countdown below the visibility timeout keeps copies few)
-            if first is False:  # a copy of this message already rescheduled it: this one drops
+            if first is False and self.hop_published(key, d.hop):
                 self.effect.report(Outcome.COPY_DROPPED, key, reschedules=d.inflight)
                 return Step(Outcome.COPY_DROPPED, Action.DROP, key)
+            if first is False:
+                same_hop = {HOP_HEADER: d.hop}
+            else:
+                confirms = d.hop
         countdown = backoff(d.inflight, p.inflight_backoff, p.inflight_backoff_max)
         if record.lease_expires_at:  # no use waiting past the holder's lease: then it can be taken over
             countdown = min(countdown, max(record.lease_expires_at - time.time(), 0.0) + 0.5)
@@ -818,7 +847,25 @@ class Handler:
         return Step(Outcome.IN_FLIGHT, Action.RESCHEDULE, key, countdown=countdown,
                     error=IdempotencyInFlightError(f"{key} held by another worker, "
                                                    f"reschedule {d.inflight + 1}"),
-                    carry={INFLIGHT_HEADER: d.inflight + 1, OUTAGE_HEADER: d.outage})
+                    carry={INFLIGHT_HEADER: d.inflight + 1, OUTAGE_HEADER: d.outage, **same_hop},
+                    confirms_hop=confirms)
+
+    def hop_published(self, key: str, hop: str) -> bool:
+        """Has the copy of ``hop`` that marked it said its reschedule is out (:meth:`published`)? False when
+        the ledger cannot say: the copy asking comes back and asks again."""
+        try:
+            return self.ledger.hop_marked(key, _published(hop)) is True
+        except LedgerError:
+            return False
+
+    def published(self, step: Step) -> None:
+        """The adapter published ``step``: a reschedule that is its hop's one publish (``Step.confirms_hop``)
+        says it is out, so that the hop's other copies drop. Should that fail, they come back once more each
+        and look again (no copy is lost, none multiplies)."""
+        if not step.confirms_hop:
+            return
+        self.guarded(lambda: self.ledger.mark_hop(step.key, _published(step.confirms_hop),
+                                                  self.policy.hop_ttl_seconds))
 
     def unavailable(self, d: Delivery, exc: Exception, *, carry: dict[str, Any] | None = None,
                     value: Any = None, error: BaseException | None = None) -> Step:

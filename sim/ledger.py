@@ -141,6 +141,9 @@ class MemLedger(Ledger):
         self.hops[name] = now + ttl_seconds
         return True
 
+    def hop_marked(self, key: str, hop: str) -> bool | None:
+        return self.hops.get(f"{key}\0{hop}", 0.0) > self.now()
+
     def get(self, key: str) -> Record | None:
         seen = self.records.get(key)
         if seen is not None and seen.state.expires and (seen.expires_at or 0) <= self.now():
@@ -238,6 +241,10 @@ class FaultLedger(LedgerWrapper):
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
         out: bool | None = self._call("mark_hop", key, lambda: self.inner.mark_hop(key, hop, ttl_seconds))
+        return out
+
+    def hop_marked(self, key: str, hop: str) -> bool | None:
+        out: bool | None = self._call("hop_marked", key, lambda: self.inner.hop_marked(key, hop))
         return out
 
     def get(self, key: str) -> Record | None:

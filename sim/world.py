@@ -497,11 +497,12 @@ class World:
                 self.known.add(intent)
         if step.action in (Action.RETRY, Action.RESCHEDULE):
             headers = _chain(dict(h), step.carry, keep=step.action is Action.RESCHEDULE)
-            headers[HOP_HEADER] = f"hop{next(self.ids)}"
+            headers[HOP_HEADER] = step.carry.get(HOP_HEADER) or f"hop{next(self.ids)}"  # as task._split
             self.point("broker.publish", key)
             self.publish("send", msg.task_id, msg.kwargs, headers, countdown=step.countdown,
                          retries=msg.retries + (step.action is Action.RETRY), enqueued_at=msg.enqueued_at)
             self.knows(headers.get(VERDICT_HEADER), intent)
+            handler.published(step)
         self.point("broker.ack", key)
 
     def knows(self, verdict: Any, intent: int) -> None:

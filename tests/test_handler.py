@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 
-from idemmail_celery._common import ENQUEUED_HEADER, INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER
+from idemmail_celery._common import (
+    ENQUEUED_HEADER,
+    HOP_HEADER,
+    INFLIGHT_HEADER,
+    OUTAGE_HEADER,
+    OWNER_HEADER,
+    VERDICT_HEADER,
+)
 from idemmail_celery.errors import (
     AmbiguousSendError,
     ConfigurationError,
@@ -307,16 +314,37 @@ def test_a_live_claim_reschedules_within_the_holders_lease_and_gives_up_on_budge
     assert box.sent == []
 
 
-def test_a_second_copy_of_one_reschedule_drops(ledger: Ledger) -> None:
+def test_a_second_copy_of_one_reschedule_drops_once_the_first_published_it(ledger: Ledger) -> None:
     handler, _ = build(ledger)
     ledger.claim(ClaimRequest(key="h10", task_name="tests.mail", payload='{"args":[],"kwargs":{}}',
                               fingerprint="", owner="other:1", lease_seconds=30.0))
     first = handler.handle(delivery("h10", hop="published-1"))
+    assert first.action is Action.RESCHEDULE and first.confirms_hop == "published-1"
+    assert HOP_HEADER not in first.carry  # the reschedule goes out as a new hop
+    handler.published(first)  # the adapter published it
     copy = handler.handle(delivery("h10", hop="published-1"))  # the broker handed the same message out twice
-    assert first.action is Action.RESCHEDULE
     assert (copy.outcome, copy.action) == (Outcome.COPY_DROPPED, Action.DROP)
     other = handler.handle(delivery("h10", hop="published-2"))
     assert other.action is Action.RESCHEDULE
+
+
+def test_a_copy_of_a_reschedule_whose_first_copy_died_before_publishing_comes_back_as_the_same_hop(
+        ledger: Ledger) -> None:
+    """Found by the simulator (sim/traces/hop_marked_before_a_publish_that_never_happened_strands_the_claim.json):
+    a copy marked its hop and died before publishing the reschedule; the next copy of the same message found
+    the hop marked and dropped, and no message carried the intent any more."""
+    handler, box = build(ledger)
+    held = ledger.claim(ClaimRequest(key="h10b", task_name="tests.mail", payload='{"args":[],"kwargs":{}}',
+                                     fingerprint="", owner="other:1", lease_seconds=30.0))
+    handler.handle(delivery("h10b", hop="published-1"))  # marked; its worker dies before the publish
+    copies = [handler.handle(delivery("h10b", hop="published-1")) for _ in range(2)]
+    for copy in copies:  # neither is dropped, and neither is a new hop: copies never multiply
+        assert (copy.outcome, copy.action) == (Outcome.IN_FLIGHT, Action.RESCHEDULE)
+        assert copy.carry[HOP_HEADER] == "published-1" and copy.confirms_hop == ""
+    # The holder finishes (or its lease runs out): the copy that came back settles the intent.
+    ledger.release("h10b", held.token)
+    back = handler.handle(delivery("h10b", hop="published-1", inflight=1))
+    assert (back.outcome, back.action) == (Outcome.SENT, Action.RETURN) and len(box.sent) == 1
 
 
 def test_a_claim_whose_reply_was_lost_is_taken_back_by_the_next_delivery(ledger: Ledger) -> None:

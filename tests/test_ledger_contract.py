@@ -504,6 +504,16 @@ def test_mark_hop_expires(ledger: Ledger) -> None:
     assert ledger.mark_hop("hp4", "task-2:1", 0.3) is True
 
 
+def test_hop_marked_reads_a_live_mark_and_marks_nothing(ledger: Ledger) -> None:
+    assert ledger.hop_marked("hp5", "task-3:1") is False
+    assert ledger.hop_marked("hp5", "task-3:1") is False  # reading twice set nothing
+    assert ledger.mark_hop("hp5", "task-3:1", 0.3) is True
+    assert ledger.hop_marked("hp5", "task-3:1") is True
+    assert ledger.hop_marked("hp5", "task-3:2") is False and ledger.hop_marked("hp6", "task-3:1") is False
+    time.sleep(0.5)
+    assert ledger.hop_marked("hp5", "task-3:1") is False  # expired
+
+
 def test_forget_erases_payload_and_free_text_but_keeps_the_guarantee(ledger: Ledger) -> None:
     c = ledger.claim(req("fg1"))
     ledger.park("fg1", c.token, {"type": "SendNeedsReview", "reason": "timeout", "at": 1.0,

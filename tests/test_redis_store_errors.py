@@ -65,7 +65,8 @@ def writes(led: RedisLedger, tokens: dict[str, int]) -> dict[str, Callable[[], o
 
 
 def every_op(led: RedisLedger, tokens: dict[str, int]) -> dict[str, Callable[[], object]]:
-    return {**writes(led, tokens), "get": lambda: led.get("c"), "claim_busy": lambda: led.claim(req("c"))}
+    return {**writes(led, tokens), "get": lambda: led.get("c"), "claim_busy": lambda: led.claim(req("c")),
+            "hop_marked": lambda: led.hop_marked("c", "task:1")}
 
 
 def assert_all_unavailable(ops: dict[str, Callable[[], object]], *codes: str) -> None:

@@ -422,11 +422,21 @@ class Ledger(ABC):
         """Note that the reschedule ``hop`` of a copy of ``key`` is being published, once.
 
         True the first time ``(key, hop)`` is marked, False for every later call within
-        ``ttl_seconds``: a second copy of one broker message (redelivered by a Redis or SQS
-        transport while the first still waited for its countdown) then drops instead of
-        publishing a second reschedule, so waiting copies never multiply. None: this backend
+        ``ttl_seconds``: of the copies of one broker message (redelivered by a Redis or SQS
+        transport while the first still waited for its countdown), only the first publishes a
+        reschedule, so waiting copies never multiply; the others drop once it has said its
+        reschedule is out (see :meth:`hop_marked`). None: this backend
         keeps no marks (the caller reschedules; countdowns below the visibility timeout keep
         copies from multiplying). One round trip; called only when a claim is busy.
+        """
+        return None
+
+    def hop_marked(self, key: str, hop: str) -> bool | None:
+        """Is ``(key, hop)`` marked (:meth:`mark_hop`), its mark still live? A read: it marks nothing.
+
+        How a copy that found its hop marked learns whether the copy that marked it has said since that
+        its reschedule is out (see :meth:`~idemmail_celery.handler.Handler.in_flight`). None: this backend
+        keeps no marks. One round trip; called only by such a copy.
         """
         return None
 

@@ -65,6 +65,9 @@ class MeteredLedger(LedgerWrapper):
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
         return self._timed("mark_hop", lambda: self.inner.mark_hop(key, hop, ttl_seconds))
 
+    def hop_marked(self, key: str, hop: str) -> bool | None:
+        return self._timed("hop_marked", lambda: self.inner.hop_marked(key, hop))
+
     def get(self, key: str) -> Record | None:
         return self._timed("get", lambda: self.inner.get(key))
 

@@ -83,6 +83,11 @@ _HOP_DIGEST_BYTES = 16
 _OWNER_NONCE_HEX = 6
 
 
+def _hop_digest(key: str, hop: str) -> str:
+    """The name a reschedule's mark is stored under: a digest of key and hop, never either."""
+    return hashlib.blake2b(f"{key}\0{hop}".encode(), digest_size=_HOP_DIGEST_BYTES).hexdigest()
+
+
 def ledger_table(name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -> sa.Table:
     """The ledger table definition (also used to generate ``migrations/``)."""
     return sa.Table(
@@ -766,15 +771,27 @@ class SQLLedger(Ledger):
         table is missing from a hand-managed schema (migration 002 not applied yet).
         """
         now = time.time()
-        digest = hashlib.blake2b(f"{key}\0{hop}".encode(), digest_size=_HOP_DIGEST_BYTES).hexdigest()
         marker = secrets.token_hex(8)
-        params = {"d": digest, "m": marker, "exp": now + ttl_seconds, "now": now}
+        params = {"d": _hop_digest(key, hop), "m": marker, "exp": now + ttl_seconds, "now": now}
 
         def do(conn: Connection) -> bool | None:
             if not self._hops_ready:  # known once the first call has looked at the schema
                 return None
             row = conn.execute(self._stmts["mark_hop"], params).first()
             return row is not None and row[0] == marker
+
+        marked: bool | None = self._run(do)
+        return marked
+
+    def hop_marked(self, key: str, hop: str) -> bool | None:
+        """One ``SELECT`` of a live mark; None without the marks table (as :meth:`mark_hop`)."""
+        h = self.hops
+        stmt = sa.select(h.c.digest).where(h.c.digest == _hop_digest(key, hop), h.c.expires_at > sa.bindparam("now"))
+
+        def do(conn: Connection) -> bool | None:
+            if not self._hops_ready:
+                return None
+            return conn.execute(stmt, {"now": time.time()}).first() is not None
 
         marked: bool | None = self._run(do)
         return marked

@@ -62,6 +62,9 @@ class LedgerWrapper(Ledger):
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
         return self.inner.mark_hop(key, hop, ttl_seconds)
 
+    def hop_marked(self, key: str, hop: str) -> bool | None:
+        return self.inner.hop_marked(key, hop)
+
     def announce(self, member: str, secret_ids: Sequence[str], ttl_seconds: float) -> None:
         self.inner.announce(member, secret_ids, ttl_seconds)
 

@@ -1243,10 +1243,16 @@ class RedisLedger(Ledger):
         The mark holds this call's nonce: should the client send the script again after a lost reply,
         the call that set it still answers True (a plain SET NX would answer False to its own write).
         """
-        digest = hashlib.blake2b(f"{key}\0{hop}".encode(), digest_size=16).hexdigest()
-        mark = self.names.hop(key, digest)
         nonce = secrets.token_hex(8)
-        return bool(self._call(self._hop, keys=[mark], args=[nonce, max(1, int(ttl_seconds * 1000))]))
+        return bool(self._call(self._hop, keys=[self._hop_name(key, hop)],
+                               args=[nonce, max(1, int(ttl_seconds * 1000))]))
+
+    def hop_marked(self, key: str, hop: str) -> bool:
+        """One ``EXISTS`` of the mark (it expires by its TTL)."""
+        return bool(self._call(self.client.exists, self._hop_name(key, hop)))
+
+    def _hop_name(self, key: str, hop: str) -> str:
+        return self.names.hop(key, hashlib.blake2b(f"{key}\0{hop}".encode(), digest_size=16).hexdigest())
 
     def announce(self, member: str, secret_ids: Sequence[str], ttl_seconds: float) -> None:
         """One script on the roster hash (bucket 0's slot): the entry's expiry on the server's clock, so
