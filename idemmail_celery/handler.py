@@ -90,7 +90,7 @@ from .errors import (
 )
 from .keys import IntentKeyBuilder, Payload
 from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
-from .ledger.base import AHEAD_FIELD, ahead_mark, new_owner, owner_writes_ahead
+from .ledger.base import AHEAD_FIELD, AHEAD_OWNER_FIELD, ahead_mark, new_owner, owner_writes_ahead
 from .ledger.sealed import PAYLOAD_KEY_UNKNOWN, is_sealed, park_unreadable
 from .redaction import cut_leaking_chain, scrub
 
@@ -283,14 +283,22 @@ def message_id_of(value: Any) -> Any:
     return None
 
 
-def live_mark(claim: Claim) -> dict[str, Any] | None:
-    """The write-ahead mark a claim came back with, unless it is void: a resumed claim's mark written
-    by the very claim it resumed (its token is the one before). That holder is the owner this chain
+def live_mark(claim: Claim, owners: tuple[str, ...] = ()) -> dict[str, Any] | None:
+    """The write-ahead mark a claim came back with, unless it is void: a mark this chain wrote itself,
+    named by its owner among ``owners`` (``Delivery.resume_owners``), or a resumed claim's mark written
+    by the very claim it resumed (its token is the one before). That holder is an owner this chain
     carried, so its delivery ended with a step, not a kill; having marked, it would have carried a
     verdict had it sent, or might have ("sent", "review"). It carried none: it sent nothing (a
     transient error, a mark whose reply was lost) and only its release failed."""
     mark = ahead_mark(claim.record)
-    if mark is None or claim.status is not ClaimStatus.RESUMED:
+    if mark is None:
+        return None
+    writer = mark.get(AHEAD_OWNER_FIELD)
+    # Only a holder that promised its mark (a side effect without a key): one that carries a key is retried
+    # with it after a maybe-send, so its step says nothing about whether it sent.
+    if isinstance(writer, str) and owner_writes_ahead(writer) and owned_by(writer, owners):
+        return None
+    if claim.status is not ClaimStatus.RESUMED:
         return mark
     # The one before, or any earlier one while no holder was ever reclaimed: a claim that only ever
     # passed between this chain's own deliveries (each ended with a step, several of whose replies
@@ -544,15 +552,16 @@ class Handler:
             return self.unreadable(d, claim)  # this process has no payload keys: never run it, never strand it
         # A resumed claim with a dead holder behind it (this chain's own reclaim whose reply was lost), or
         # with a write-ahead mark (an earlier delivery of this chain that began its side effect and died).
-        if status is ClaimStatus.RECLAIMED or (
-                status is ClaimStatus.RESUMED and (record.reclaims > 0 or live_mark(claim) is not None)):
+        mark = live_mark(claim, d.resume_owners)
+        resumed_after_a_crash = status is ClaimStatus.RESUMED and (record.reclaims > 0 or mark is not None)
+        if status is ClaimStatus.RECLAIMED or resumed_after_a_crash:
             step = self.after_crash(d, claim)
             if step is not None:
                 return step
         # The loss rule: a new claim, and one taken over or back with no mark (the first claim since the loss may
         # have lost its reply, or died, before its holder applied the rule: nobody has decided yet).
         if (status is ClaimStatus.ACQUIRED or (status in (ClaimStatus.RECLAIMED, ClaimStatus.RESUMED)
-                                               and live_mark(claim) is None)) and self.older_than_loss(d):
+                                               and mark is None)) and self.older_than_loss(d):
             step = self.after_loss(d, claim)
             if step is not None:
                 return step
@@ -611,7 +620,7 @@ class Handler:
 
         def mark(stage: str) -> None:
             try:
-                held = self.ledger.write_ahead(d.key, claim.token, lease, stage)
+                held = self.ledger.write_ahead(d.key, claim.token, lease, stage, owner=claim.record.owner)
             except LedgerError as exc:
                 raise TransientSendError(f"the write-ahead mark could not be recorded ({type(exc).__name__}); "
                                          "nothing was sent", reason="ahead_unrecorded", key=d.key) from exc
@@ -732,9 +741,26 @@ class Handler:
         except LedgerError as exc_ledger:  # the claim was taken over: the newer holder's record wins
             log.error("idemmail: could not record %s for %s: %s", state.value, logsafe(d.key), logsafe(exc_ledger))
             self.effect.report(outcome, d.key, reason=reason, recorded="false", error=snake(type(exc_ledger).__name__))
+            if isinstance(exc_ledger, StaleTokenError):
+                return self.taken_over(d)
             return Step(outcome, Action.RAISE, d.key, error=exc)
         self.effect.report(outcome, d.key, reason=reason)
         return Step(outcome, Action.RAISE, d.key, error=exc)
+
+    def taken_over(self, d: Delivery) -> Step:
+        """This delivery's claim was taken over before it could record ``failed`` or ``review``: the intent's
+        outcome is what the newer holder records (it may send, after this attempt sent nothing or is parked by
+        the newer one's own rules), and that is what the caller is told: a final record is replayed, any other
+        waited for as a copy waits for a live claim."""
+        try:
+            record = self.ledger.get(d.key)
+        except (LedgerError, UnsafeLedgerError) as exc:  # the next delivery looks again (it holds nothing)
+            return self.unavailable(d, exc)
+        if record is None:  # withdrawn or forgotten meanwhile: the next delivery starts over
+            return self.unavailable(d, LedgerUnavailableError(f"{d.key}: no record after a takeover"))
+        if record.state.is_final:
+            return self.replay(record)
+        return self.in_flight(d, record)
 
     def record_verdict(self, d: Delivery, claim: Claim, verdict: dict[str, Any]) -> Step:
         """Record what an earlier delivery of this chain decided and could not record."""
@@ -900,7 +926,7 @@ class Handler:
         """A reclaimed expired lease (or a resumed claim an earlier delivery marked): its holder died,
         maybe mid-send. None: run again (with the key, or because it surely did not send)."""
         record = claim.record
-        mark = live_mark(claim)
+        mark = live_mark(claim, d.resume_owners)
         self.effect.report(Outcome.RECLAIMED, d.key, reclaims=record.reclaims)
         extra: dict[str, Any] = {}
         if record.reclaims > self.policy.max_reclaims:

@@ -126,12 +126,13 @@ class MemLedger(Ledger):
         del self.records[key]
         return True
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         seen = self._held(key, token)
         if seen is None:
             return False
         now = self.now()
-        self.records[key] = replace(seen, error=ahead_error(stage, now, token), lease_expires_at=now + lease_seconds)
+        self.records[key] = replace(seen, error=ahead_error(stage, now, token, owner),
+                                    lease_expires_at=now + lease_seconds)
         return True
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
@@ -235,9 +236,10 @@ class FaultLedger(LedgerWrapper):
     def withdraw(self, key: str, token: int) -> bool:
         return bool(self._call("withdraw", key, lambda: self.inner.withdraw(key, token)))
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         self._world.note_mark(key, token)
-        return bool(self._call("write_ahead", key, lambda: self.inner.write_ahead(key, token, lease_seconds, stage)))
+        return bool(self._call("write_ahead", key, lambda: self.inner.write_ahead(key, token, lease_seconds, stage,
+                                                                                   owner=owner)))
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
         out: bool | None = self._call("mark_hop", key, lambda: self.inner.mark_hop(key, hop, ttl_seconds))

@@ -98,10 +98,10 @@ class Refusing(LedgerWrapper):
             raise LedgerUnavailableError(f"store went away ({state.value})")
         self.inner._finish(key, token, state, **kw)
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         if "write_ahead" in self.down:
             raise LedgerUnavailableError("store went away (write_ahead)")
-        return self.inner.write_ahead(key, token, lease_seconds, stage)
+        return self.inner.write_ahead(key, token, lease_seconds, stage, owner=owner)
 
 
 def build(ledger: Ledger, mailbox: Mailbox | None = None, **policy: Any) -> tuple[Handler, Mailbox]:
@@ -799,12 +799,12 @@ class MarkFails(Refusing):
         super().__init__(inner)
         self.lands, self.failed = lands, False
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         if self.failed:
-            return self.inner.write_ahead(key, token, lease_seconds, stage)
+            return self.inner.write_ahead(key, token, lease_seconds, stage, owner=owner)
         self.failed = True
         if self.lands:
-            self.inner.write_ahead(key, token, lease_seconds, stage)
+            self.inner.write_ahead(key, token, lease_seconds, stage, owner=owner)
         self.down.add("released")
         raise LedgerUnavailableError("store went away (write_ahead)")
 
@@ -1022,3 +1022,88 @@ def test_the_retention_rule_counts_from_the_due_time_and_the_loss_rule_from_the_
     assert lost.outcome is Outcome.REVIEW and len(box.sent) == 1
     record = ledger.get("h-due-lost")
     assert record is not None and record.error is not None and record.error["reason"] == "ledger_lost"
+
+
+class TakenOverMidSend(Mailbox):
+    """A send that stalls past its lease: another delivery takes the claim over meanwhile (and ``then`` runs
+    as it), before this one's provider answers ``fail_with``."""
+
+    def __init__(self, then: Any) -> None:
+        super().__init__()
+        self.then = then
+
+    def perform(self, payload: Payload, key: str) -> Any:
+        if self.then is not None:
+            then, self.then = self.then, None
+            time.sleep(0.35)  # the lease runs out (its renewals stopped: a paused process)
+            then()
+        return super().perform(payload, key)
+
+
+class Paused:
+    """The lease keeper of a paused process: it renews nothing."""
+
+    def hold(self, *_: Any) -> None:
+        return None
+
+    def drop(self, *_: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize("newer", ["sent", "still_held"])
+def test_a_caller_whose_claim_was_taken_over_is_told_what_the_record_comes_to(
+        ledger: Ledger, newer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the simulator (sim/traces/smtp_caller_told_failed_record_says_sent.json): a delivery paused past
+    its lease, the provider refused it for good, and its `failed` met a claim another delivery had taken over
+    and then sent: its caller was told `failed` while the record says `sent`. The newer holder's record is the
+    intent's: a final one is replayed, a live one waited for as any copy waits."""
+    import idemmail_celery.handler as handler_mod
+
+    monkeypatch.setattr(handler_mod, "keeper", Paused())
+
+    def newer_holder() -> None:
+        taken = ledger.claim(ClaimRequest(key="h-over", task_name="tests.mail", payload='{"args":[],"kwargs":{}}',
+                                          fingerprint="", owner="newer:1", lease_seconds=30.0))
+        assert taken.status.value == "reclaimed"
+        if newer == "sent":
+            ledger.complete("h-over", taken.token, {"message_id": "m-newer"})
+
+    box = TakenOverMidSend(newer_holder)
+    box.fail_with = PermanentSendError("550 no such user", reason="rejected")
+    handler, _ = build(ledger, box, lease_seconds=0.2)
+    step = handler.handle(delivery("h-over"))
+    if newer == "sent":
+        assert (step.outcome, step.action) == (Outcome.DUPLICATE, Action.RETURN)
+        assert step.value["message_id"] == "m-newer"
+    else:
+        assert (step.outcome, step.action) == (Outcome.IN_FLIGHT, Action.RESCHEDULE)
+    record = ledger.get("h-over")
+    assert record is not None and record.state is (State.SENT if newer == "sent" else State.CLAIMED)
+
+
+def test_a_chains_own_mark_behind_a_reclaim_and_a_lost_claim_reply_is_void(ledger: Ledger) -> None:
+    """Found by the simulator (sim/traces/smtp_parks_unsent_intent_lease_expired.json): a delivery took over a
+    dead holder's unmarked claim, marked, sent nothing (a transient error) and could not release; its retry's
+    claim landed with its reply lost; the delivery after that took the claim back two owners on. The mark was
+    the chain's own, written by a delivery that then ended with a step and no verdict, yet, with a reclaim in
+    the record's past and the mark two tokens back, it was taken for a dead holder's: parked for review
+    although nothing had been sent."""
+    refusing = Refusing(ledger)
+    handler, box = build(refusing, Mailbox(ahead=True), lease_seconds=0.2)
+    ledger.claim(ClaimRequest(key="h-own2", task_name="tests.mail", payload=delivery("h-own2").payload.to_json(),
+                              fingerprint="", owner=new_owner("dead", ahead=True), lease_seconds=0.2))
+    time.sleep(0.35)  # a holder that promised its mark died before it: the next claimer runs the intent
+    box.fail_with = TransientSendError("connection dropped before the message", reason="smtp_dropped")
+    refusing.down.add("released")
+    d = delivery("h-own2")
+    first = handler.handle(d)  # reclaimed, marked, nothing sent, the release refused
+    assert first.action is Action.RETRY
+    marked = ledger.get("h-own2")
+    assert marked is not None and marked.reclaims == 1 and ahead_mark(marked) is not None
+    box.fail_with = None
+    refusing.down = {"claim_lost_reply"}
+    second = handler.handle(next_of(d, first))  # takes the claim back; the reply is lost
+    assert second.action is Action.RESCHEDULE and len(second.carry[OWNER_HEADER]) == 2
+    refusing.down.clear()
+    third = handler.handle(next_of(d, second))  # takes it back from the second owner: the mark is two back
+    assert third.outcome is Outcome.SENT and box.sent == [("h-own2", "first")]

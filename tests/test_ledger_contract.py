@@ -607,8 +607,8 @@ def test_forget_racing_a_completion_keeps_what_it_recorded(ledger: Ledger) -> No
 class DefaultWriteAhead(LedgerWrapper):
     """A backend that leaves ``write_ahead`` to the base class (read, then replace under the token)."""
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
-        return Ledger.write_ahead(self, key, token, lease_seconds, stage)
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
+        return Ledger.write_ahead(self, key, token, lease_seconds, stage, owner=owner)
 
 
 @pytest.mark.parametrize("own", [False, True], ids=["backend", "base-default"])
@@ -637,6 +637,17 @@ def test_a_write_ahead_mark_is_fenced_kept_by_a_reclaim_and_replaced_by_a_releas
     again = store.claim(req("wa1"))
     assert again.status is ClaimStatus.REOPENED and again.previous_owner is None
     assert ahead_mark(again.record) is None and again.record.error == {"reason": "tempfail"}
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["backend", "base-default"])
+def test_a_write_ahead_mark_names_the_owner_that_wrote_it(ledger: Ledger, own: bool) -> None:
+    store: Ledger = DefaultWriteAhead(ledger) if own else ledger
+    c = store.claim(req("wa4", lease_seconds=0.2, owner=new_owner("t", ahead=True)))
+    assert store.write_ahead("wa4", c.token, 0.2, "message", owner=c.record.owner) is True
+    time.sleep(0.35)
+    r = store.claim(req("wa4"))
+    mark = ahead_mark(r.record)  # kept by the reclaim, with the owner as the claim returned it
+    assert mark is not None and mark["owner"] == c.record.owner and mark["token"] == c.token
 
 
 def test_a_reclaim_names_the_holder_it_took_over_from(ledger: Ledger) -> None:

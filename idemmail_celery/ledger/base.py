@@ -176,6 +176,8 @@ def _forget_owner() -> None:
 WRITES_AHEAD = "ahead"
 #: The field of a write-ahead mark naming the stage its holder was about to begin.
 AHEAD_FIELD = "ahead"
+#: The field of a write-ahead mark naming the owner of the claim that wrote it (``Ledger.write_ahead``).
+AHEAD_OWNER_FIELD = "owner"
 #: The stage of the mark a ledger writes when a claim is taken over from a holder that made no
 #: write-ahead promise and left no mark (``Ledger.marks_takeovers``): it may have run.
 UNKNOWN_STAGE = "unknown"
@@ -218,10 +220,13 @@ def _check_unique(requests: Sequence[ClaimRequest]) -> None:
 AHEAD_JSON_PREFIX = f'{{"{AHEAD_FIELD}":'
 
 
-def ahead_error(stage: str, at: float, token: int) -> dict[str, Any]:
+def ahead_error(stage: str, at: float, token: int, owner: str = "") -> dict[str, Any]:
     """The ``error`` field a write-ahead mark writes (see :meth:`Ledger.write_ahead`): the stage, when,
-    and the token of the claim that wrote it."""
-    return {AHEAD_FIELD: stage, "at": at, "token": token}
+    and the token and (when given) the owner of the claim that wrote it."""
+    mark: dict[str, Any] = {AHEAD_FIELD: stage, "at": at, "token": token}
+    if owner:
+        mark[AHEAD_OWNER_FIELD] = owner
+    return mark
 
 
 def dumps_json(value: dict[str, Any] | None) -> str | None:
@@ -397,10 +402,13 @@ class Ledger(ABC):
     #: not to have been sent by the holder it took over from. Without it such a claim is parked.
     marks_takeovers: bool = False
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         """Record, before a side effect that carries no key can happen, that the holder is about to
         begin it: the claim held with ``token`` gets the mark ``{"ahead": stage, "at": time, "token": token}`` in its
         ``error`` field and a fresh lease. False (nothing written) if ``token`` no longer holds it.
+        ``owner``, the holder's (as its claim returned it), goes in the mark too: a later delivery of the
+        holder's own chain, which carries it, knows the mark for its own (see
+        :func:`~idemmail_celery.handler.live_mark`).
 
         A claim whose holder promised marks (:func:`owner_writes_ahead`) and died without one is known
         not to have run its side effect: the next claimer runs it instead of parking it for
@@ -415,7 +423,7 @@ class Ledger(ABC):
         if record is None or record.state is not State.CLAIMED or record.token != token:
             return False
         now = time.time()
-        marked = replace(record, error=ahead_error(stage, now, token), lease_expires_at=now + lease_seconds)
+        marked = replace(record, error=ahead_error(stage, now, token, owner), lease_expires_at=now + lease_seconds)
         return self._force(key, token, marked) and self.renew(key, token, lease_seconds)
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:

@@ -706,11 +706,11 @@ class SQLLedger(Ledger):
         """One ``DELETE`` fenced by state and token (see :meth:`Ledger.withdraw`)."""
         return self._one_row(sa.delete(self.table).where(self._held(key, token)))
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         """One ``UPDATE`` fenced by state and token (see :meth:`Ledger.write_ahead`)."""
         now = time.time()
         return self._one_row(sa.update(self.table).where(self._held(key, token)).values(
-            error=dumps_json(ahead_error(stage, now, token)), lease_expires_at=now + lease_seconds))
+            error=dumps_json(ahead_error(stage, now, token, owner)), lease_expires_at=now + lease_seconds))
 
     def get(self, key: str) -> Record | None:
         record: Record | None = self._run(lambda conn: self._select(conn, key))

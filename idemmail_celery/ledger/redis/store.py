@@ -1129,9 +1129,9 @@ class RedisLedger(Ledger):
         """One script: the record, its payload and its index entry go together (see :meth:`Ledger.withdraw`)."""
         return bool(self._eval(self._withdraw, self._keys(key), [key, token])[0] == "ok")
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         """The lease's renewal with the mark written in the same script (see :meth:`Ledger.write_ahead`)."""
-        mark = _chunked(ahead_error(stage, time.time(), token))
+        mark = _chunked(ahead_error(stage, time.time(), token, owner))
         return bool(self._eval(self._renew, self._keys(key), [token, int(lease_seconds * 1000), *mark])[0] == "ok")
 
     def get(self, key: str) -> Record | None:
