@@ -31,7 +31,9 @@ a redundant copy. Read top to bottom, :meth:`Handler.handle` is the guarantee:
                                  copy of the same reschedule drops once the first has
                                  published it, and comes back as the same hop until then
    ``reclaimed``                 the holder died: run again with the same key if it travels
-                                 downstream; else reconcile, or park as ``review``
+                                 downstream; else reconcile, or park as ``review`` (during a
+                                 rotation, unless it may have run, first checked as a new
+                                 claim: ``cross_check``)
    ============================  ==========================================================
 
 4. **record** what the body did: a result is ``sent``; :class:`TransientSendError`
@@ -90,7 +92,7 @@ from .errors import (
 )
 from .keys import IntentKeyBuilder, Payload
 from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
-from .ledger.base import AHEAD_FIELD, AHEAD_OWNER_FIELD, ahead_mark, new_owner, owner_writes_ahead
+from .ledger.base import AHEAD_FIELD, AHEAD_OWNER_FIELD, UNKNOWN_STAGE, ahead_mark, new_owner, owner_writes_ahead
 from .ledger.sealed import PAYLOAD_KEY_UNKNOWN, is_sealed, park_unreadable
 from .redaction import cut_leaking_chain, scrub
 
@@ -107,6 +109,9 @@ OLDER_THAN_RETENTION = "older_than_retention"
 RETENTION_SKEW_SECONDS = 60.0
 #: Attempts at recording ``sent`` before the verdict travels with the next delivery instead.
 COMPLETE_ATTEMPTS = 3
+#: The stage of the mark a holder whose side effect makes no mark of its own writes before running it during a
+#: key-secret rotation (see :meth:`Handler.attempt`).
+RUN_STAGE = "run"
 #: The reason of an intent that ends ``failed`` because its retry deadline passed while every attempt
 #: failed without sending (``Delivery.retry_from``).
 RETRY_DEADLINE = "retry_deadline"
@@ -313,6 +318,16 @@ def _published(hop: str) -> str:
     return f"{hop}\0published"
 
 
+def may_have_run(claim: Claim) -> bool:
+    """Does a held claim show that its side effect may have run under its key? A write-ahead mark says so
+    (but the ``unknown`` one a takeover writes for a holder that wrote none: during a rotation every holder
+    marks before it runs, see :meth:`Handler.attempt`), and so does a release (a holder ran and let go)."""
+    if claim.status is ClaimStatus.REOPENED:
+        return True
+    mark = ahead_mark(claim.record)
+    return mark is not None and mark.get(AHEAD_FIELD) != UNKNOWN_STAGE
+
+
 def owned_by(holder: str, owners: tuple[str, ...]) -> bool:
     """Is ``holder`` (a record's owner) one of ``owners``? A store may keep an owner with a suffix of its
     own (the SQL ledgers add a nonce to a new claim's)."""
@@ -483,10 +498,15 @@ class Handler:
         and rescheduled as an in-flight collision: the next delivery's look-up finds the other key's record
         and follows it. A re-read that fails runs nothing either (:meth:`unchecked`).
 
-        It runs on a new claim (``acquired``), and on one this chain takes back with no sign of having run
-        (``resumed``, neither reclaimed nor marked): the claim an earlier delivery could not check, which a
-        delivery on a worker of the other phase reaches by its look-up without ever looking at its own key.
-        Without a rotation ``other_keys`` is empty and this costs nothing.
+        It runs on every claim with no sign of having run (:func:`may_have_run`): a new one (``acquired``); one
+        this chain takes back (``resumed``: the claim an earlier delivery could not check, which a delivery on a
+        worker of the other phase reaches by its look-up without ever looking at its own key); and one taken
+        over from a holder that died before running it (``reclaimed``: its check, or its withdrawal, never
+        happened). Of two claims of one intent under two keys, the later never ran: its holder's re-read saw the
+        earlier one, or never came. A claim that may have run is the intent's, and is not checked: whatever
+        record another key has is such a never-run claim, withdrawn by whoever takes it. A holder that writes no
+        mark of its own marks its claim before running during a rotation (see :meth:`attempt`), so that a claim
+        without a mark never ran. Without a rotation ``other_keys`` is empty and this costs nothing.
         """
         for other in d.other_keys:
             try:
@@ -543,8 +563,7 @@ class Handler:
             return self.check_reuse(d, record) or self.in_flight(d, record)
         if d.verdict is not None:  # this chain decided, and could not record it: record it, never run again
             return self.record_verdict(d, claim, d.verdict)
-        if d.other_keys and (status is ClaimStatus.ACQUIRED or (
-                status is ClaimStatus.RESUMED and record.reclaims == 0 and ahead_mark(record) is None)):
+        if d.other_keys and not may_have_run(claim):
             step = self.cross_check(d, claim)  # a key-secret rotation: another key's claim may have come meanwhile
             if step is not None:
                 return step
@@ -593,6 +612,13 @@ class Handler:
         key = d.key
         # Marked whenever the claim's owner promised it: decided once, when the owner was made (claimant()).
         hook = self.ahead_hook(d, claim) if owner_writes_ahead(claim.record.owner) else None
+        if hook is None and d.other_keys:
+            # During a key-secret rotation a claim that may run is marked even if its side effect makes no mark
+            # of its own (it carries a key): a claim without one never ran (cross_check, may_have_run).
+            try:
+                self.ahead_hook(d, claim)(RUN_STAGE)
+            except TransientSendError as exc:
+                return self.retry_or_park(d, claim, exc, exc.reason, sent_maybe=False)
         try:
             with writing_ahead(hook):
                 value = self.effect.perform(payload, key)

@@ -1107,3 +1107,49 @@ def test_a_chains_own_mark_behind_a_reclaim_and_a_lost_claim_reply_is_void(ledge
     refusing.down.clear()
     third = handler.handle(next_of(d, second))  # takes it back from the second owner: the mark is two back
     assert third.outcome is Outcome.SENT and box.sent == [("h-own2", "first")]
+
+
+class DiesAfterSending(Mailbox):
+    """The provider takes the message, and the worker dies before it hears back (nothing the handler catches)."""
+
+    class Killed(BaseException):
+        pass
+
+    def perform(self, payload: Payload, key: str) -> Any:
+        super().perform(payload, key)
+        raise self.Killed
+
+
+@pytest.mark.parametrize("carries_key", [True, False], ids=["keyed", "keyless"])
+def test_a_rotation_claim_whose_holder_died_before_its_check_is_not_taken_over_and_sent_again(
+        ledger: Ledger, carries_key: bool) -> None:
+    """Found by the simulator (sim/traces/keyed_campaign_rotation_crash_after_accept_sends_twice.json): during a
+    key-secret rotation one delivery claimed the intent under the new key, passed its check and sent, and died
+    before it heard back; another claimed it under the old key and died before its check. Once both leases ran
+    out, a delivery following the old key's record took that claim over and sent the intent under the old key:
+    a key the provider never saw, so two emails (and a keyless provider sends twice anyway). A claim taken
+    over during a rotation is checked like a new one unless it shows it may have run (its mark): the never-run
+    one is withdrawn and the intent followed to the other key, where it is sent with that key or parked."""
+    box = DiesAfterSending(carries_key=carries_key, ahead=not carries_key)
+    handler, _ = build(ledger, box, lease_seconds=0.2)
+    on_old, on_new = rotating("rr6-old", "rr6-new")
+    with pytest.raises(DiesAfterSending.Killed):  # claims the new key, checks the old one (nothing), sends, dies
+        handler.handle(on_new)
+    ledger.claim(ClaimRequest(key="rr6-old", task_name="tests.mail", payload=on_old.payload.to_json(),
+                              fingerprint="", owner=new_owner("dies-before-its-check", ahead=not carries_key),
+                              lease_seconds=0.2))
+    time.sleep(0.35)
+    after = Mailbox(carries_key=carries_key, ahead=not carries_key)
+    handler.effect = after
+    step = handler.handle(on_new)  # its look-up finds the old key's record first
+    for _ in range(3):
+        if step.action is not Action.RESCHEDULE:
+            break
+        step = handler.handle(next_of(on_new, step, older_keys=("rr6-old",)))
+    assert {key for key, _ in box.sent + after.sent} == {"rr6-new"}  # one key: one email
+    assert ledger.get("rr6-old") is None
+    assert step.key == "rr6-new"
+    if carries_key:
+        assert step.outcome is Outcome.SENT  # sent again with the key the provider de-duplicates on
+    else:
+        assert step.outcome is Outcome.REVIEW and after.sent == []  # marked and dead: it may have been sent
