@@ -131,7 +131,8 @@ class Actor:
 
 class SimKeeper:
     """The lease keeper, as scheduler events: claims held by a live, unpaused actor are renewed when
-    the clock steps; a paused actor's are not."""
+    the clock steps; a paused actor's are not. A claim dropped still held and marked (its release refused)
+    is left behind by its holder, alive or not (:meth:`World.left_behind`)."""
 
     def __init__(self, world: World) -> None:
         self.world = world
@@ -145,6 +146,7 @@ class SimKeeper:
         actor = self.world.current
         if actor is not None:
             actor.held.pop((key, token), None)
+        self.world.dropped(key, token)
 
 
 class Effect:
@@ -393,6 +395,15 @@ class World:
             record = self.store.get(key)
             if record is not None and ahead_mark(record) is not None:
                 self.left_owners.add(record.owner)
+
+    def dropped(self, key: str, token: int) -> None:
+        """A holder stopped renewing the claim ``(key, token)``: settled, or left behind as :meth:`left_behind`
+        says, though the holder goes on (a campaign pass whose release of one recipient failed sends the next
+        ones; nobody renews that claim until its next pass takes it back)."""
+        record = self.store.get(key)
+        if record is not None and record.state is State.CLAIMED and record.token == token \
+                and ahead_mark(record) is not None:
+            self.left_owners.add(record.owner)
 
     def parking(self, key: str) -> None:
         """A delivery parks ``key``: a mark on it from a holder that left it behind, whose owner this delivery
