@@ -318,6 +318,13 @@ def _published(hop: str) -> str:
     return f"{hop}\0published"
 
 
+def first_of_its_tokens(claim: Claim) -> bool:
+    """Has this claim's record been held by this delivery's chain alone (``acquired``, or ``resumed`` and never
+    reclaimed)? Only then may it be withdrawn: the next claim of its key starts its tokens again, and a holder
+    it was taken over from, paused rather than dead, could act with one of them."""
+    return claim.status is ClaimStatus.ACQUIRED or (claim.status is ClaimStatus.RESUMED and claim.record.reclaims == 0)
+
+
 def may_have_run(claim: Claim) -> bool:
     """Does a held claim show that its side effect may have run under its key? A write-ahead mark says so
     (but the ``unknown`` one a takeover writes for a holder that wrote none: during a rotation every holder
@@ -520,7 +527,10 @@ class Handler:
         return None
 
     def withdrawn(self, d: Delivery, claim: Claim, other: str, record: Record) -> Step:
-        """Another key of the intent has a record: withdraw this claim and come back as if it were busy."""
+        """Another key of the intent has a record: withdraw this claim and come back as if it were busy. A claim
+        taken over from another holder is not withdrawn but followed to the other key (:meth:`follow`)."""
+        if not first_of_its_tokens(claim):
+            return self.follow(d, claim, other)
         try:
             self.ledger.withdraw(d.key, claim.token)  # False: no longer ours (its lease ran out), nothing to do
         except (LedgerError, UnsafeLedgerError, NotImplementedError) as exc:
@@ -530,16 +540,51 @@ class Handler:
                     "rotation (%s) meanwhile; this claim is withdrawn unsent", logsafe(d.key), logsafe(other))
         return self.in_flight(d, record)
 
+    def follow(self, d: Delivery, claim: Claim, other: str) -> Step:
+        """A claim taken over during a rotation shows no sign of having run, and another key of the intent has a
+        record: the intent is settled under that key, by this delivery, as its record says (replayed, waited for,
+        resent with that key, parked, or run if its holder too never ran), and this record then says the same.
+
+        This claim is not withdrawn: its tokens would start again with the next claim of its key, and the holder
+        it was taken from (paused, not dead) could act with one of them. Held by this delivery, never run, it is
+        left out of the other key's check; unsettled, its lease runs out and whoever takes it comes here again.
+        """
+        there = replace(d, key=other, older_keys=(), other_keys=tuple(k for k in d.other_keys if k != other))
+        owner = d.owner or new_owner(d.attempt_id, ahead=self.writes_ahead())
+        try:
+            found = self.take_back(there, self.ledger.claim(self.request(there, owner)), owner)
+        except Exception as exc:  # nothing claimed there, or its reply lost: the next delivery comes here again
+            return self.unavailable(d, exc, carry=_held(d))
+        step = self.settle(there, found)
+        self.echo(d, claim, other)
+        return step
+
+    def echo(self, d: Delivery, claim: Claim, other: str) -> None:
+        """Record under ``d.key``, held by ``claim`` and never run, the final record the intent has under
+        ``other`` (best effort: unsettled, the claim's lease runs out and its next holder does it)."""
+        try:
+            record = self.ledger.get(other)
+        except (LedgerError, UnsafeLedgerError):
+            return
+        if record is None or not record.state.is_final:
+            return
+        if record.state is State.SENT:
+            self.guarded(lambda: self.ledger.complete(d.key, claim.token, record.result or {}))
+        else:
+            move = self.ledger.fail if record.state is State.FAILED else self.ledger.park
+            self.guarded(lambda: move(d.key, claim.token, record.error or {"reason": "settled_under_another_key"}))
+
     def unchecked(self, d: Delivery, claim: Claim, exc: Exception) -> Step:
         """The re-read of :meth:`cross_check` failed: run nothing, and wait on the outage budget.
 
         The claim is withdrawn if the store takes that (a read of another key may fail where this key's
-        node answers): the next delivery then starts over. Otherwise it is still held, never run, and the next
+        node answers) and it is the first of its tokens (:func:`first_of_its_tokens`): the next delivery then
+        starts over. Otherwise it is still held, never run, and the next
         delivery carries its owner: its look-up finds another key's record (and withdraws this claim,
         :meth:`drop_unchecked`), or it takes the claim back (``resumed``) and this check runs again.
         """
         try:
-            gone = self.ledger.withdraw(d.key, claim.token)
+            gone = first_of_its_tokens(claim) and self.ledger.withdraw(d.key, claim.token)
         except (LedgerError, UnsafeLedgerError, NotImplementedError):
             gone = False
         if not isinstance(exc, (LedgerUnavailableError, UnsafeLedgerError)):
