@@ -134,8 +134,11 @@ class BatchResult:
                 for s in self.steps if VERDICT_HEADER in s.carry}
 
     def settled_keys(self) -> set[str]:
-        """Every key this batch settled a recipient under: the deliveries' and their claims'."""
-        return {*self.keys, *(s.key for s in self.steps)}
+        """Every key this batch settled a recipient under: the deliveries' and their claims'. A recipient left
+        pending is not settled: a verdict it came with stays to record (dropped while the pass still carries
+        the owner that reached it, it would make that owner's write-ahead mark look void: nothing sent)."""
+        return {k for key, step, outcome in zip(self.keys, self.steps, self.outcomes(), strict=True)
+                if outcome is not Outcome.PENDING for k in (key, step.key)}
 
 
 

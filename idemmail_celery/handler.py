@@ -28,9 +28,12 @@ a redundant copy. Read top to bottom, :meth:`Handler.handle` is the guarantee:
                                  this chain could not record: record it, run nothing)
    ``done``                      replay: return the stored result, or raise the stored error
    ``busy``                      another holder is live: reschedule (own budget); a second
-                                 copy of the same reschedule drops
+                                 copy of the same reschedule drops once the first has
+                                 published it, and comes back as the same hop until then
    ``reclaimed``                 the holder died: run again with the same key if it travels
-                                 downstream; else reconcile, or park as ``review``
+                                 downstream; else reconcile, or park as ``review`` (during a
+                                 rotation, unless it may have run, first checked as a new
+                                 claim: ``cross_check``)
    ============================  ==========================================================
 
 4. **record** what the body did: a result is ``sent``; :class:`TransientSendError`
@@ -56,7 +59,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ._ahead import writing_ahead
-from ._common import ENQUEUED_HEADER, INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff, logsafe
+from ._common import (
+    ENQUEUED_HEADER,
+    HOP_HEADER,
+    INFLIGHT_HEADER,
+    OUTAGE_HEADER,
+    OWNER_HEADER,
+    VERDICT_HEADER,
+    backoff,
+    logsafe,
+)
 from ._lease import keeper
 from .errors import (
     SEND_ERRORS,
@@ -80,7 +92,7 @@ from .errors import (
 )
 from .keys import IntentKeyBuilder, Payload
 from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
-from .ledger.base import AHEAD_FIELD, ahead_mark, new_owner, owner_writes_ahead
+from .ledger.base import AHEAD_FIELD, AHEAD_OWNER_FIELD, UNKNOWN_STAGE, ahead_mark, new_owner, owner_writes_ahead
 from .ledger.sealed import PAYLOAD_KEY_UNKNOWN, is_sealed, park_unreadable
 from .redaction import cut_leaking_chain, scrub
 
@@ -97,6 +109,9 @@ OLDER_THAN_RETENTION = "older_than_retention"
 RETENTION_SKEW_SECONDS = 60.0
 #: Attempts at recording ``sent`` before the verdict travels with the next delivery instead.
 COMPLETE_ATTEMPTS = 3
+#: The stage of the mark a holder whose side effect makes no mark of its own writes before running it during a
+#: key-secret rotation (see :meth:`Handler.attempt`).
+RUN_STAGE = "run"
 #: The reason of an intent that ends ``failed`` because its retry deadline passed while every attempt
 #: failed without sending (``Delivery.retry_from``).
 RETRY_DEADLINE = "retry_deadline"
@@ -155,6 +170,10 @@ class Step:
     #: RETRY only: does it spend one of the task's ``max_retries``? False for a retry on the time budget
     #: (``Delivery.retry_from``), which the handler checked: the task's count must not refuse it.
     counted: bool = True
+    #: RESCHEDULE only: the hop (``Delivery.hop``) this reschedule is the one publish of (see
+    #: :meth:`Handler.in_flight`). Once the adapter has published the step it calls
+    #: :meth:`Handler.published`, which says so in the ledger: later copies of that hop then drop.
+    confirms_hop: str = ""
 
 
 @dataclass(frozen=True)
@@ -269,14 +288,22 @@ def message_id_of(value: Any) -> Any:
     return None
 
 
-def live_mark(claim: Claim) -> dict[str, Any] | None:
-    """The write-ahead mark a claim came back with, unless it is void: a resumed claim's mark written
-    by the very claim it resumed (its token is the one before). That holder is the owner this chain
+def live_mark(claim: Claim, owners: tuple[str, ...] = ()) -> dict[str, Any] | None:
+    """The write-ahead mark a claim came back with, unless it is void: a mark this chain wrote itself,
+    named by its owner among ``owners`` (``Delivery.resume_owners``), or a resumed claim's mark written
+    by the very claim it resumed (its token is the one before). That holder is an owner this chain
     carried, so its delivery ended with a step, not a kill; having marked, it would have carried a
     verdict had it sent, or might have ("sent", "review"). It carried none: it sent nothing (a
     transient error, a mark whose reply was lost) and only its release failed."""
     mark = ahead_mark(claim.record)
-    if mark is None or claim.status is not ClaimStatus.RESUMED:
+    if mark is None:
+        return None
+    writer = mark.get(AHEAD_OWNER_FIELD)
+    # Only a holder that promised its mark (a side effect without a key): one that carries a key is retried
+    # with it after a maybe-send, so its step says nothing about whether it sent.
+    if isinstance(writer, str) and owner_writes_ahead(writer) and owned_by(writer, owners):
+        return None
+    if claim.status is not ClaimStatus.RESUMED:
         return mark
     # The one before, or any earlier one while no holder was ever reclaimed: a claim that only ever
     # passed between this chain's own deliveries (each ended with a step, several of whose replies
@@ -284,6 +311,28 @@ def live_mark(claim: Claim) -> dict[str, Any] | None:
     if mark.get("token") == claim.token - 1 or claim.record.reclaims == 0:
         return None
     return mark
+
+
+def _published(hop: str) -> str:
+    """The mark (``Ledger.mark_hop``) that says the reschedule of ``hop`` is out (see :meth:`Handler.in_flight`)."""
+    return f"{hop}\0published"
+
+
+def first_of_its_tokens(claim: Claim) -> bool:
+    """Has this claim's record been held by this delivery's chain alone (``acquired``, or ``resumed`` and never
+    reclaimed)? Only then may it be withdrawn: the next claim of its key starts its tokens again, and a holder
+    it was taken over from, paused rather than dead, could act with one of them."""
+    return claim.status is ClaimStatus.ACQUIRED or (claim.status is ClaimStatus.RESUMED and claim.record.reclaims == 0)
+
+
+def may_have_run(claim: Claim) -> bool:
+    """Does a held claim show that its side effect may have run under its key? A write-ahead mark says so
+    (but the ``unknown`` one a takeover writes for a holder that wrote none: during a rotation every holder
+    marks before it runs, see :meth:`Handler.attempt`), and so does a release (a holder ran and let go)."""
+    if claim.status is ClaimStatus.REOPENED:
+        return True
+    mark = ahead_mark(claim.record)
+    return mark is not None and mark.get(AHEAD_FIELD) != UNKNOWN_STAGE
 
 
 def owned_by(holder: str, owners: tuple[str, ...]) -> bool:
@@ -456,10 +505,15 @@ class Handler:
         and rescheduled as an in-flight collision: the next delivery's look-up finds the other key's record
         and follows it. A re-read that fails runs nothing either (:meth:`unchecked`).
 
-        It runs on a new claim (``acquired``), and on one this chain takes back with no sign of having run
-        (``resumed``, neither reclaimed nor marked): the claim an earlier delivery could not check, which a
-        delivery on a worker of the other phase reaches by its look-up without ever looking at its own key.
-        Without a rotation ``other_keys`` is empty and this costs nothing.
+        It runs on every claim with no sign of having run (:func:`may_have_run`): a new one (``acquired``); one
+        this chain takes back (``resumed``: the claim an earlier delivery could not check, which a delivery on a
+        worker of the other phase reaches by its look-up without ever looking at its own key); and one taken
+        over from a holder that died before running it (``reclaimed``: its check, or its withdrawal, never
+        happened). Of two claims of one intent under two keys, the later never ran: its holder's re-read saw the
+        earlier one, or never came. A claim that may have run is the intent's, and is not checked: whatever
+        record another key has is such a never-run claim, withdrawn by whoever takes it. A holder that writes no
+        mark of its own marks its claim before running during a rotation (see :meth:`attempt`), so that a claim
+        without a mark never ran. Without a rotation ``other_keys`` is empty and this costs nothing.
         """
         for other in d.other_keys:
             try:
@@ -473,7 +527,10 @@ class Handler:
         return None
 
     def withdrawn(self, d: Delivery, claim: Claim, other: str, record: Record) -> Step:
-        """Another key of the intent has a record: withdraw this claim and come back as if it were busy."""
+        """Another key of the intent has a record: withdraw this claim and come back as if it were busy. A claim
+        taken over from another holder is not withdrawn but followed to the other key (:meth:`follow`)."""
+        if not first_of_its_tokens(claim):
+            return self.follow(d, claim, other)
         try:
             self.ledger.withdraw(d.key, claim.token)  # False: no longer ours (its lease ran out), nothing to do
         except (LedgerError, UnsafeLedgerError, NotImplementedError) as exc:
@@ -483,16 +540,51 @@ class Handler:
                     "rotation (%s) meanwhile; this claim is withdrawn unsent", logsafe(d.key), logsafe(other))
         return self.in_flight(d, record)
 
+    def follow(self, d: Delivery, claim: Claim, other: str) -> Step:
+        """A claim taken over during a rotation shows no sign of having run, and another key of the intent has a
+        record: the intent is settled under that key, by this delivery, as its record says (replayed, waited for,
+        resent with that key, parked, or run if its holder too never ran), and this record then says the same.
+
+        This claim is not withdrawn: its tokens would start again with the next claim of its key, and the holder
+        it was taken from (paused, not dead) could act with one of them. Held by this delivery, never run, it is
+        left out of the other key's check; unsettled, its lease runs out and whoever takes it comes here again.
+        """
+        there = replace(d, key=other, older_keys=(), other_keys=tuple(k for k in d.other_keys if k != other))
+        owner = d.owner or new_owner(d.attempt_id, ahead=self.writes_ahead())
+        try:
+            found = self.take_back(there, self.ledger.claim(self.request(there, owner)), owner)
+        except Exception as exc:  # nothing claimed there, or its reply lost: the next delivery comes here again
+            return self.unavailable(d, exc, carry=_held(d))
+        step = self.settle(there, found)
+        self.echo(d, claim, other)
+        return step
+
+    def echo(self, d: Delivery, claim: Claim, other: str) -> None:
+        """Record under ``d.key``, held by ``claim`` and never run, the final record the intent has under
+        ``other`` (best effort: unsettled, the claim's lease runs out and its next holder does it)."""
+        try:
+            record = self.ledger.get(other)
+        except (LedgerError, UnsafeLedgerError):
+            return
+        if record is None or not record.state.is_final:
+            return
+        if record.state is State.SENT:
+            self.guarded(lambda: self.ledger.complete(d.key, claim.token, record.result or {}))
+        else:
+            move = self.ledger.fail if record.state is State.FAILED else self.ledger.park
+            self.guarded(lambda: move(d.key, claim.token, record.error or {"reason": "settled_under_another_key"}))
+
     def unchecked(self, d: Delivery, claim: Claim, exc: Exception) -> Step:
         """The re-read of :meth:`cross_check` failed: run nothing, and wait on the outage budget.
 
         The claim is withdrawn if the store takes that (a read of another key may fail where this key's
-        node answers): the next delivery then starts over. Otherwise it is still held, never run, and the next
+        node answers) and it is the first of its tokens (:func:`first_of_its_tokens`): the next delivery then
+        starts over. Otherwise it is still held, never run, and the next
         delivery carries its owner: its look-up finds another key's record (and withdraws this claim,
         :meth:`drop_unchecked`), or it takes the claim back (``resumed``) and this check runs again.
         """
         try:
-            gone = self.ledger.withdraw(d.key, claim.token)
+            gone = first_of_its_tokens(claim) and self.ledger.withdraw(d.key, claim.token)
         except (LedgerError, UnsafeLedgerError, NotImplementedError):
             gone = False
         if not isinstance(exc, (LedgerUnavailableError, UnsafeLedgerError)):
@@ -516,8 +608,7 @@ class Handler:
             return self.check_reuse(d, record) or self.in_flight(d, record)
         if d.verdict is not None:  # this chain decided, and could not record it: record it, never run again
             return self.record_verdict(d, claim, d.verdict)
-        if d.other_keys and (status is ClaimStatus.ACQUIRED or (
-                status is ClaimStatus.RESUMED and record.reclaims == 0 and ahead_mark(record) is None)):
+        if d.other_keys and not may_have_run(claim):
             step = self.cross_check(d, claim)  # a key-secret rotation: another key's claim may have come meanwhile
             if step is not None:
                 return step
@@ -525,15 +616,16 @@ class Handler:
             return self.unreadable(d, claim)  # this process has no payload keys: never run it, never strand it
         # A resumed claim with a dead holder behind it (this chain's own reclaim whose reply was lost), or
         # with a write-ahead mark (an earlier delivery of this chain that began its side effect and died).
-        if status is ClaimStatus.RECLAIMED or (
-                status is ClaimStatus.RESUMED and (record.reclaims > 0 or live_mark(claim) is not None)):
+        mark = live_mark(claim, d.resume_owners)
+        resumed_after_a_crash = status is ClaimStatus.RESUMED and (record.reclaims > 0 or mark is not None)
+        if status is ClaimStatus.RECLAIMED or resumed_after_a_crash:
             step = self.after_crash(d, claim)
             if step is not None:
                 return step
         # The loss rule: a new claim, and one taken over or back with no mark (the first claim since the loss may
         # have lost its reply, or died, before its holder applied the rule: nobody has decided yet).
         if (status is ClaimStatus.ACQUIRED or (status in (ClaimStatus.RECLAIMED, ClaimStatus.RESUMED)
-                                               and live_mark(claim) is None)) and self.older_than_loss(d):
+                                               and mark is None)) and self.older_than_loss(d):
             step = self.after_loss(d, claim)
             if step is not None:
                 return step
@@ -565,6 +657,13 @@ class Handler:
         key = d.key
         # Marked whenever the claim's owner promised it: decided once, when the owner was made (claimant()).
         hook = self.ahead_hook(d, claim) if owner_writes_ahead(claim.record.owner) else None
+        if hook is None and d.other_keys:
+            # During a key-secret rotation a claim that may run is marked even if its side effect makes no mark
+            # of its own (it carries a key): a claim without one never ran (cross_check, may_have_run).
+            try:
+                self.ahead_hook(d, claim)(RUN_STAGE)
+            except TransientSendError as exc:
+                return self.retry_or_park(d, claim, exc, exc.reason, sent_maybe=False)
         try:
             with writing_ahead(hook):
                 value = self.effect.perform(payload, key)
@@ -592,7 +691,7 @@ class Handler:
 
         def mark(stage: str) -> None:
             try:
-                held = self.ledger.write_ahead(d.key, claim.token, lease, stage)
+                held = self.ledger.write_ahead(d.key, claim.token, lease, stage, owner=claim.record.owner)
             except LedgerError as exc:
                 raise TransientSendError(f"the write-ahead mark could not be recorded ({type(exc).__name__}); "
                                          "nothing was sent", reason="ahead_unrecorded", key=d.key) from exc
@@ -716,9 +815,26 @@ class Handler:
         except LedgerError as exc_ledger:  # the claim was taken over: the newer holder's record wins
             log.error("idemmail: could not record %s for %s: %s", state.value, logsafe(d.key), logsafe(exc_ledger))
             self.effect.report(outcome, d.key, reason=reason, recorded="false", error=snake(type(exc_ledger).__name__))
+            if isinstance(exc_ledger, StaleTokenError):
+                return self.taken_over(d)
             return Step(outcome, Action.RAISE, d.key, error=exc)
         self.effect.report(outcome, d.key, reason=reason)
         return Step(outcome, Action.RAISE, d.key, error=exc)
+
+    def taken_over(self, d: Delivery) -> Step:
+        """This delivery's claim was taken over before it could record ``failed`` or ``review``: the intent's
+        outcome is what the newer holder records (it may send, after this attempt sent nothing or is parked by
+        the newer one's own rules), and that is what the caller is told: a final record is replayed, any other
+        waited for as a copy waits for a live claim."""
+        try:
+            record = self.ledger.get(d.key)
+        except (LedgerError, UnsafeLedgerError) as exc:  # the next delivery looks again (it holds nothing)
+            return self.unavailable(d, exc)
+        if record is None:  # withdrawn or forgotten meanwhile: the next delivery starts over
+            return self.unavailable(d, LedgerUnavailableError(f"{d.key}: no record after a takeover"))
+        if record.state.is_final:
+            return self.replay(record)
+        return self.in_flight(d, record)
 
     def record_verdict(self, d: Delivery, claim: Claim, verdict: dict[str, Any]) -> Step:
         """Record what an earlier delivery of this chain decided and could not record."""
@@ -806,14 +922,24 @@ class Handler:
             self.effect.report(Outcome.IN_FLIGHT_GAVE_UP, key, reschedules=d.inflight)
             return Step(Outcome.IN_FLIGHT_GAVE_UP, Action.RAISE, key, error=IdempotencyInFlightError(
                 f"{key} still held by {record.owner} after {d.inflight} reschedules"))
+        # Of the copies of one message (its hop), one publishes the reschedule: the one whose mark_hop is first.
+        # It says so once the reschedule is out (published()); a copy that finds the hop marked drops only
+        # then. Until then it comes back as the same hop, never as a new one: the copy that marked may have died
+        # before publishing (a mark set before a publish that never happened), and then this copy is the only
+        # message carrying the intent; and copies that keep their hop never multiply.
+        confirms, same_hop = "", {}
         if d.hop:
             try:
                 first = self.ledger.mark_hop(key, d.hop, p.hop_ttl_seconds)
             except LedgerError:
                 first = None  # cannot tell: reschedule (a countdown below the visibility timeout keeps copies few)
-            if first is False:  # a copy of this message already rescheduled it: this one drops
+            if first is False and self.hop_published(key, d.hop):
                 self.effect.report(Outcome.COPY_DROPPED, key, reschedules=d.inflight)
                 return Step(Outcome.COPY_DROPPED, Action.DROP, key)
+            if first is False:
+                same_hop = {HOP_HEADER: d.hop}
+            else:
+                confirms = d.hop
         countdown = backoff(d.inflight, p.inflight_backoff, p.inflight_backoff_max)
         if record.lease_expires_at:  # no use waiting past the holder's lease: then it can be taken over
             countdown = min(countdown, max(record.lease_expires_at - time.time(), 0.0) + 0.5)
@@ -821,7 +947,25 @@ class Handler:
         return Step(Outcome.IN_FLIGHT, Action.RESCHEDULE, key, countdown=countdown,
                     error=IdempotencyInFlightError(f"{key} held by another worker, "
                                                    f"reschedule {d.inflight + 1}"),
-                    carry={INFLIGHT_HEADER: d.inflight + 1, OUTAGE_HEADER: d.outage})
+                    carry={INFLIGHT_HEADER: d.inflight + 1, OUTAGE_HEADER: d.outage, **same_hop},
+                    confirms_hop=confirms)
+
+    def hop_published(self, key: str, hop: str) -> bool:
+        """Has the copy of ``hop`` that marked it said its reschedule is out (:meth:`published`)? False when
+        the ledger cannot say: the copy asking comes back and asks again."""
+        try:
+            return self.ledger.hop_marked(key, _published(hop)) is True
+        except LedgerError:
+            return False
+
+    def published(self, step: Step) -> None:
+        """The adapter published ``step``: a reschedule that is its hop's one publish (``Step.confirms_hop``)
+        says it is out, so that the hop's other copies drop. Should that fail, they come back once more each
+        and look again (no copy is lost, none multiplies)."""
+        if not step.confirms_hop:
+            return
+        self.guarded(lambda: self.ledger.mark_hop(step.key, _published(step.confirms_hop),
+                                                  self.policy.hop_ttl_seconds))
 
     def unavailable(self, d: Delivery, exc: Exception, *, carry: dict[str, Any] | None = None,
                     value: Any = None, error: BaseException | None = None) -> Step:
@@ -856,7 +1000,7 @@ class Handler:
         """A reclaimed expired lease (or a resumed claim an earlier delivery marked): its holder died,
         maybe mid-send. None: run again (with the key, or because it surely did not send)."""
         record = claim.record
-        mark = live_mark(claim)
+        mark = live_mark(claim, d.resume_owners)
         self.effect.report(Outcome.RECLAIMED, d.key, reclaims=record.reclaims)
         extra: dict[str, Any] = {}
         if record.reclaims > self.policy.max_reclaims:

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from celery import Task
@@ -675,7 +675,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if action is Action.RESCHEDULE:
             why = f"{step.outcome.value}: {step.error}" if step.error is not None else step.outcome.value
             assert isinstance(step.error, Exception)
-            self._publish_again(step.countdown, _chain(headers, step.carry, keep=True), why, step.error)
+            # A copy of a reschedule whose first copy has not said it published comes back as the same hop.
+            self._publish_again(step.countdown, _chain(headers, step.carry, keep=True), why, step.error,
+                                hop=step.carry.get(HOP_HEADER),
+                                published=(lambda: self.handler.published(step)) if step.confirms_hop else None)
         assert step.error is not None
         if step.outcome is not Outcome.LEDGER_GAVE_UP:  # reported by the handler: see Reported
             _told.add(step.error)
@@ -703,10 +706,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         self.sealed(headers, self._received(args, kwargs))  # last: every header the next delivery acts on is set
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
 
-    def _split(self, countdown: float, headers: dict[str, Any]) -> float:
+    def _split(self, countdown: float, headers: dict[str, Any], hop: str | None = None) -> float:
         """The countdown to publish with: at most the cap below the visibility timeout; a longer
-        wait travels as ``idemmail_not_before`` and the message hops until then."""
-        headers[HOP_HEADER] = uuid.uuid4().hex
+        wait travels as ``idemmail_not_before`` and the message hops until then. The message is a
+        new hop (``hop``: the same one again, see ``Handler.in_flight``)."""
+        headers[HOP_HEADER] = hop or uuid.uuid4().hex
         cap = self._countdown_cap()
         if cap is not None and countdown > cap:
             headers[NOT_BEFORE_HEADER] = f"{time.time() + countdown:.3f}"
@@ -769,17 +773,19 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception, *,
                        as_received: bool = False, running: Task | None = None,
-                       retries: int | None = None) -> NoReturn:
+                       retries: int | None = None, hop: str | None = None,
+                       published: Callable[[], None] | None = None) -> NoReturn:
         """Requeue this message (or the one ``running`` runs) like ``retry()``, without spending ``max_retries``.
 
         ``reason`` is what monitors show for the retry (Flower: state RETRY, its repr as the exception).
         ``as_received``: the headers go out exactly as they came (a seal this worker cannot make or check).
         ``retries``: the count the next delivery sees (default: this one's; a retry on the time budget adds one).
+        ``hop``: the hop it goes out as (default: a new one); ``published``: called once it is out as that hop.
         """
         running = self if running is None else running
         request = running.request
         if not as_received:
-            countdown = self._split(countdown, headers)
+            countdown = self._split(countdown, headers, hop)
             try:
                 self.sealed(headers, self._received())
             except IdemmailError:
@@ -792,6 +798,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if request.is_eager:  # ``Task.apply``: nothing is published (Celery would re-apply ``sig`` in-line, for ever)
             raise Rescheduled(why, exc=reason, when=countdown)
         sig.apply_async()
+        if published is not None and not as_received:  # sent as it came, it is the same hop again: not out
+            published()
         raise Rescheduled(why, exc=reason, when=countdown, sig=sig)
 
     # -- what the task lends the handler (handler.SideEffect) --

@@ -98,7 +98,7 @@ DEFECTS: tuple[Defect, ...] = (
                    preemptions=1, steps=60),
             Config(provider="smtp", copies=2, faults=1, crashes=0, stalls=1, ticks=1, preemptions=1, steps=60))),
     Defect("chain_marks_void", "every chain mark treated as void",
-           lambda: [(handler_mod, "live_mark", lambda claim: None)],
+           lambda: [(handler_mod, "live_mark", lambda claim, owners=(): None)],
            (Config(provider="keyless", copies=1, faults=1, crashes=1, ticks=2, steps=40), SMALL)),
     Defect("no_cross_check", "no rotation cross-check",
            lambda: [(Handler, "cross_check", lambda self, d, claim: None)],
@@ -125,7 +125,7 @@ DEFECTS: tuple[Defect, ...] = (
            (Config(provider="keyless", intents=0, campaign=3, batch=2, faults=1, crashes=0, ticks=1, steps=60),)),
     Defect("own_mark_not_void", "a chain's own mark from an attempt that sent nothing parks it (history: "
            "the rule that a chain's own mark is void)",
-           lambda: [(handler_mod, "live_mark", lambda claim: ahead_mark(claim.record))],
+           lambda: [(handler_mod, "live_mark", lambda claim, owners=(): ahead_mark(claim.record))],
            (Config(provider="smtp", copies=1, faults=2, crashes=0, ticks=1, preemptions=0, steps=40),
             Config(provider="keyless", copies=1, faults=3, crashes=0, ticks=2, steps=60))),
     Defect("verdict_dropped", "a verdict not carried through a reschedule (history: verdicts carried "

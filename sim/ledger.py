@@ -129,12 +129,13 @@ class MemLedger(Ledger):
         del self.records[key]
         return True
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         seen = self._held(key, token)
         if seen is None:
             return False
         now = self.now()
-        self.records[key] = replace(seen, error=ahead_error(stage, now, token), lease_expires_at=now + lease_seconds)
+        self.records[key] = replace(seen, error=ahead_error(stage, now, token, owner),
+                                    lease_expires_at=now + lease_seconds)
         return True
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
@@ -143,6 +144,9 @@ class MemLedger(Ledger):
             return False
         self.hops[name] = now + ttl_seconds
         return True
+
+    def hop_marked(self, key: str, hop: str) -> bool | None:
+        return self.hops.get(f"{key}\0{hop}", 0.0) > self.now()
 
     def get(self, key: str) -> Record | None:
         seen = self.records.get(key)
@@ -165,12 +169,13 @@ class MemLedger(Ledger):
         self.records[key] = replace(new, payload=None) if new.state is State.SENT and not self.keep_payload else new
         return True
 
-    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+    def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
         seen = self.records.get(key)
-        if seen is None or seen.token != expected_token:
+        if seen is None or seen.token != expected_token or seen.state is not expected_state:
             return False
-        self.records[key] = replace(seen, payload=None, result=_stored(result), error=_stored(error))
+        kept = seen.error if ahead_mark(seen) is not None else _stored(error)
+        self.records[key] = replace(seen, payload=None, result=_stored(result), error=kept)
         return True
 
     def purge_expired(self, now: float | None = None) -> int:
@@ -234,12 +239,17 @@ class FaultLedger(LedgerWrapper):
     def withdraw(self, key: str, token: int) -> bool:
         return bool(self._call("withdraw", key, lambda: self.inner.withdraw(key, token)))
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         self._world.note_mark(key, token)
-        return bool(self._call("write_ahead", key, lambda: self.inner.write_ahead(key, token, lease_seconds, stage)))
+        return bool(self._call("write_ahead", key, lambda: self.inner.write_ahead(key, token, lease_seconds, stage,
+                                                                                   owner=owner)))
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
         out: bool | None = self._call("mark_hop", key, lambda: self.inner.mark_hop(key, hop, ttl_seconds))
+        return out
+
+    def hop_marked(self, key: str, hop: str) -> bool | None:
+        out: bool | None = self._call("hop_marked", key, lambda: self.inner.hop_marked(key, hop))
         return out
 
     def get(self, key: str) -> Record | None:
@@ -253,9 +263,10 @@ class FaultLedger(LedgerWrapper):
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
         return bool(self._call("force", key, lambda: self.inner._force(key, expected_token, new)))
 
-    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+    def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
-        return bool(self._call("erase", key, lambda: self.inner._erase(key, expected_token, result, error)))
+        return bool(self._call("erase", key, lambda: self.inner._erase(key, expected_token, expected_state, result,
+                                                                       error)))
 
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         return self.inner.renew(key, token, lease_seconds)  # the keeper's: a scheduler event, not a point

@@ -92,7 +92,7 @@ class Config:
     rotation_from: int = 0      #: the rotation's step at the start (3: its second step being deployed)
     only: tuple[str, ...] = ()  #: the fault kinds offered (empty: all)
     operator: int = 0           #: operator actions (truthful resolve of a review, forget)
-    forget_live: bool = False   #: may the operator forget a claim still held (an open defect: see docs)
+    forget_live: bool = False   #: may the operator forget a claim still held (else only final records)
     sweeps: int = 0             #: sweeps during the schedule (the drain sweeps when a message was lost)
     ticks: int = 2              #: clock steps (past a lease) during the schedule
     preemptions: int = 2        #: switches away from a running actor that could have gone on
@@ -131,7 +131,8 @@ class Actor:
 
 class SimKeeper:
     """The lease keeper, as scheduler events: claims held by a live, unpaused actor are renewed when
-    the clock steps; a paused actor's are not."""
+    the clock steps; a paused actor's are not. A claim dropped still held and marked (its release refused)
+    is left behind by its holder, alive or not (:meth:`World.left_behind`)."""
 
     def __init__(self, world: World) -> None:
         self.world = world
@@ -145,6 +146,7 @@ class SimKeeper:
         actor = self.world.current
         if actor is not None:
             actor.held.pop((key, token), None)
+        self.world.dropped(key, token)
 
 
 class Effect:
@@ -397,6 +399,15 @@ class World:
             if record is not None and ahead_mark(record) is not None:
                 self.left_owners.add(record.owner)
 
+    def dropped(self, key: str, token: int) -> None:
+        """A holder stopped renewing the claim ``(key, token)``: settled, or left behind as :meth:`left_behind`
+        says, though the holder goes on (a campaign pass whose release of one recipient failed sends the next
+        ones; nobody renews that claim until its next pass takes it back)."""
+        record = self.store.get(key)
+        if record is not None and record.state is State.CLAIMED and record.token == token \
+                and ahead_mark(record) is not None:
+            self.left_owners.add(record.owner)
+
     def parking(self, key: str) -> None:
         """A delivery parks ``key``: a mark on it from a holder that left it behind, whose owner this delivery
         did not carry, is a possible send as far as it can know."""
@@ -500,11 +511,12 @@ class World:
                 self.known.add(intent)
         if step.action in (Action.RETRY, Action.RESCHEDULE):
             headers = _chain(dict(h), step.carry, keep=step.action is Action.RESCHEDULE)
-            headers[HOP_HEADER] = f"hop{next(self.ids)}"
+            headers[HOP_HEADER] = step.carry.get(HOP_HEADER) or f"hop{next(self.ids)}"  # as task._split
             self.point("broker.publish", key)
             self.publish("send", msg.task_id, msg.kwargs, headers, countdown=step.countdown,
                          retries=msg.retries + (step.action is Action.RETRY), enqueued_at=msg.enqueued_at)
             self.knows(headers.get(VERDICT_HEADER), intent)
+            handler.published(step)
         self.point("broker.ack", key)
 
     def knows(self, verdict: Any, intent: int) -> None:

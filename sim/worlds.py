@@ -32,11 +32,15 @@ RANDOM: tuple[Config, ...] = (
     Config(provider="keyed", intents=1, copies=5, faults=10, crashes=3, stalls=2, vt_copies=2, lost=1, ticks=4,
            sweeps=1, preemptions=6, steps=100),
     Config(provider="keyless", intents=1, copies=5, faults=10, crashes=3, stalls=2, vt_copies=2, lost=1, ticks=4,
-           sweeps=1, operator=1, preemptions=6, steps=100),
+           sweeps=1, operator=1, forget_live=True, preemptions=6, steps=100),
     Config(provider="smtp", intents=1, copies=5, faults=10, crashes=3, stalls=2, vt_copies=2, lost=1, ticks=4,
-           sweeps=1, operator=1, preemptions=6, steps=100),
+           sweeps=1, operator=1, forget_live=True, preemptions=6, steps=100),
     Config(provider="keyless", intents=2, copies=3, faults=6, crashes=2, stalls=1, rotation=True, ticks=3,
            preemptions=6, steps=150),
+    # Both steps of a rotation side by side from the start, and crashes: a claim left unchecked by a holder
+    # that died before its check, beside the other key's that ran.
+    *(Config(provider=p, intents=1, copies=2, faults=4, crashes=2, stalls=1, rotation=True, rotation_from=3,
+             ticks=2, preemptions=4, steps=80) for p in ("keyed", "keyless")),
     Config(provider="keyless", intents=1, copies=3, campaign=20, campaign_copies=2, batch=5, overlap=True,
            faults=10, crashes=2, stalls=1, vt_copies=1, ticks=4, preemptions=6, steps=250),
     Config(provider="keyed", intents=0, campaign=20, campaign_copies=2, batch=5, faults=10, crashes=2, stalls=1,

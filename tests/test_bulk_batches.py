@@ -705,3 +705,31 @@ def test_two_campaign_copies_in_lockstep_across_rotation_phases_withdraw_where_t
     assert mine.tally() == Counter({Outcome.DUPLICATE: 4, Outcome.SENT: 1})
     assert later.tally() == Counter({Outcome.DUPLICATE: 5})
     assert sorted(k for k, _ in box.sent) == sorted([f"br2-new-{i}" for i in range(4)] + ["br2-old-4"])
+
+
+def test_a_verdict_whose_recipient_another_holder_took_over_stays_to_record(ledger: Ledger) -> None:
+    """Found by the simulator (sim/traces/campaign_verdict_dropped_on_a_busy_claim_sends_twice.json): a pass sent
+    a recipient with an ambiguous answer and could not park it (its verdict travels on); another copy of the
+    campaign took the claim over and died; the next pass found the claim busy and dropped the verdict while it
+    still carried the first pass's owner, so a later pass took the claim over, found the first pass's own mark
+    void, and sent the recipient again. A verdict is kept until its recipient is settled."""
+    from idemmail_celery.errors import AmbiguousSendError
+
+    refusing = Refusing(ledger)
+    handler, box = build(refusing, Mailbox(ahead=True), lease_seconds=0.2)
+    ds = recipients(1, "b9")
+    first = new_owner("camp-first", ahead=True)
+    box.fail_with = AmbiguousSendError("the reply never came", reason="timeout")
+    refusing.down.add("review")
+    sent = send_batch(handler, ds, owner=first)
+    assert sent.outcomes() == [Outcome.PENDING] and len(box.sent) == 0 and set(sent.verdicts()) == {ds[0].key}
+    refusing.down.clear()
+    time.sleep(0.35)
+    taken = ledger.claim(ClaimRequest(key=ds[0].key, task_name="tests.mail", payload=ds[0].payload.to_json(),
+                                      fingerprint="", owner=new_owner("other-copy", ahead=True), lease_seconds=30))
+    assert taken.status is ClaimStatus.RECLAIMED  # the other copy holds it (and will die)
+    verdict = sent.verdicts()[ds[0].key]
+    again = [replace(ds[0], resume_owners=tuple(verdict["owner"]), verdict=verdict, retries=1)]
+    busy = send_batch(handler, again, owner=new_owner("camp-next", ahead=True))
+    assert busy.outcomes() == [Outcome.PENDING]
+    assert ds[0].key not in busy.settled_keys()  # its verdict is carried on, not dropped

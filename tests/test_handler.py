@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 
-from idemmail_celery._common import ENQUEUED_HEADER, INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER
+from idemmail_celery._common import (
+    ENQUEUED_HEADER,
+    HOP_HEADER,
+    INFLIGHT_HEADER,
+    OUTAGE_HEADER,
+    OWNER_HEADER,
+    VERDICT_HEADER,
+)
 from idemmail_celery.errors import (
     AmbiguousSendError,
     ConfigurationError,
@@ -91,10 +98,10 @@ class Refusing(LedgerWrapper):
             raise LedgerUnavailableError(f"store went away ({state.value})")
         self.inner._finish(key, token, state, **kw)
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         if "write_ahead" in self.down:
             raise LedgerUnavailableError("store went away (write_ahead)")
-        return self.inner.write_ahead(key, token, lease_seconds, stage)
+        return self.inner.write_ahead(key, token, lease_seconds, stage, owner=owner)
 
 
 def build(ledger: Ledger, mailbox: Mailbox | None = None, **policy: Any) -> tuple[Handler, Mailbox]:
@@ -307,16 +314,37 @@ def test_a_live_claim_reschedules_within_the_holders_lease_and_gives_up_on_budge
     assert box.sent == []
 
 
-def test_a_second_copy_of_one_reschedule_drops(ledger: Ledger) -> None:
+def test_a_second_copy_of_one_reschedule_drops_once_the_first_published_it(ledger: Ledger) -> None:
     handler, _ = build(ledger)
     ledger.claim(ClaimRequest(key="h10", task_name="tests.mail", payload='{"args":[],"kwargs":{}}',
                               fingerprint="", owner="other:1", lease_seconds=30.0))
     first = handler.handle(delivery("h10", hop="published-1"))
+    assert first.action is Action.RESCHEDULE and first.confirms_hop == "published-1"
+    assert HOP_HEADER not in first.carry  # the reschedule goes out as a new hop
+    handler.published(first)  # the adapter published it
     copy = handler.handle(delivery("h10", hop="published-1"))  # the broker handed the same message out twice
-    assert first.action is Action.RESCHEDULE
     assert (copy.outcome, copy.action) == (Outcome.COPY_DROPPED, Action.DROP)
     other = handler.handle(delivery("h10", hop="published-2"))
     assert other.action is Action.RESCHEDULE
+
+
+def test_a_copy_of_a_reschedule_whose_first_copy_died_before_publishing_comes_back_as_the_same_hop(
+        ledger: Ledger) -> None:
+    """Found by the simulator (sim/traces/hop_marked_before_a_publish_that_never_happened_strands_the_claim.json):
+    a copy marked its hop and died before publishing the reschedule; the next copy of the same message found
+    the hop marked and dropped, and no message carried the intent any more."""
+    handler, box = build(ledger)
+    held = ledger.claim(ClaimRequest(key="h10b", task_name="tests.mail", payload='{"args":[],"kwargs":{}}',
+                                     fingerprint="", owner="other:1", lease_seconds=30.0))
+    handler.handle(delivery("h10b", hop="published-1"))  # marked; its worker dies before the publish
+    copies = [handler.handle(delivery("h10b", hop="published-1")) for _ in range(2)]
+    for copy in copies:  # neither is dropped, and neither is a new hop: copies never multiply
+        assert (copy.outcome, copy.action) == (Outcome.IN_FLIGHT, Action.RESCHEDULE)
+        assert copy.carry[HOP_HEADER] == "published-1" and copy.confirms_hop == ""
+    # The holder finishes (or its lease runs out): the copy that came back settles the intent.
+    ledger.release("h10b", held.token)
+    back = handler.handle(delivery("h10b", hop="published-1", inflight=1))
+    assert (back.outcome, back.action) == (Outcome.SENT, Action.RETURN) and len(box.sent) == 1
 
 
 def test_a_claim_whose_reply_was_lost_is_taken_back_by_the_next_delivery(ledger: Ledger) -> None:
@@ -771,12 +799,12 @@ class MarkFails(Refusing):
         super().__init__(inner)
         self.lands, self.failed = lands, False
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         if self.failed:
-            return self.inner.write_ahead(key, token, lease_seconds, stage)
+            return self.inner.write_ahead(key, token, lease_seconds, stage, owner=owner)
         self.failed = True
         if self.lands:
-            self.inner.write_ahead(key, token, lease_seconds, stage)
+            self.inner.write_ahead(key, token, lease_seconds, stage, owner=owner)
         self.down.add("released")
         raise LedgerUnavailableError("store went away (write_ahead)")
 
@@ -994,3 +1022,162 @@ def test_the_retention_rule_counts_from_the_due_time_and_the_loss_rule_from_the_
     assert lost.outcome is Outcome.REVIEW and len(box.sent) == 1
     record = ledger.get("h-due-lost")
     assert record is not None and record.error is not None and record.error["reason"] == "ledger_lost"
+
+
+class TakenOverMidSend(Mailbox):
+    """A send that stalls past its lease: another delivery takes the claim over meanwhile (and ``then`` runs
+    as it), before this one's provider answers ``fail_with``."""
+
+    def __init__(self, then: Any) -> None:
+        super().__init__()
+        self.then = then
+
+    def perform(self, payload: Payload, key: str) -> Any:
+        if self.then is not None:
+            then, self.then = self.then, None
+            time.sleep(0.35)  # the lease runs out (its renewals stopped: a paused process)
+            then()
+        return super().perform(payload, key)
+
+
+class Paused:
+    """The lease keeper of a paused process: it renews nothing."""
+
+    def hold(self, *_: Any) -> None:
+        return None
+
+    def drop(self, *_: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize("newer", ["sent", "still_held"])
+def test_a_caller_whose_claim_was_taken_over_is_told_what_the_record_comes_to(
+        ledger: Ledger, newer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the simulator (sim/traces/smtp_caller_told_failed_record_says_sent.json): a delivery paused past
+    its lease, the provider refused it for good, and its `failed` met a claim another delivery had taken over
+    and then sent: its caller was told `failed` while the record says `sent`. The newer holder's record is the
+    intent's: a final one is replayed, a live one waited for as any copy waits."""
+    import idemmail_celery.handler as handler_mod
+
+    monkeypatch.setattr(handler_mod, "keeper", Paused())
+
+    def newer_holder() -> None:
+        taken = ledger.claim(ClaimRequest(key="h-over", task_name="tests.mail", payload='{"args":[],"kwargs":{}}',
+                                          fingerprint="", owner="newer:1", lease_seconds=30.0))
+        assert taken.status.value == "reclaimed"
+        if newer == "sent":
+            ledger.complete("h-over", taken.token, {"message_id": "m-newer"})
+
+    box = TakenOverMidSend(newer_holder)
+    box.fail_with = PermanentSendError("550 no such user", reason="rejected")
+    handler, _ = build(ledger, box, lease_seconds=0.2)
+    step = handler.handle(delivery("h-over"))
+    if newer == "sent":
+        assert (step.outcome, step.action) == (Outcome.DUPLICATE, Action.RETURN)
+        assert step.value["message_id"] == "m-newer"
+    else:
+        assert (step.outcome, step.action) == (Outcome.IN_FLIGHT, Action.RESCHEDULE)
+    record = ledger.get("h-over")
+    assert record is not None and record.state is (State.SENT if newer == "sent" else State.CLAIMED)
+
+
+def test_a_chains_own_mark_behind_a_reclaim_and_a_lost_claim_reply_is_void(ledger: Ledger) -> None:
+    """Found by the simulator (sim/traces/smtp_parks_unsent_intent_lease_expired.json): a delivery took over a
+    dead holder's unmarked claim, marked, sent nothing (a transient error) and could not release; its retry's
+    claim landed with its reply lost; the delivery after that took the claim back two owners on. The mark was
+    the chain's own, written by a delivery that then ended with a step and no verdict, yet, with a reclaim in
+    the record's past and the mark two tokens back, it was taken for a dead holder's: parked for review
+    although nothing had been sent."""
+    refusing = Refusing(ledger)
+    handler, box = build(refusing, Mailbox(ahead=True), lease_seconds=0.2)
+    ledger.claim(ClaimRequest(key="h-own2", task_name="tests.mail", payload=delivery("h-own2").payload.to_json(),
+                              fingerprint="", owner=new_owner("dead", ahead=True), lease_seconds=0.2))
+    time.sleep(0.35)  # a holder that promised its mark died before it: the next claimer runs the intent
+    box.fail_with = TransientSendError("connection dropped before the message", reason="smtp_dropped")
+    refusing.down.add("released")
+    d = delivery("h-own2")
+    first = handler.handle(d)  # reclaimed, marked, nothing sent, the release refused
+    assert first.action is Action.RETRY
+    marked = ledger.get("h-own2")
+    assert marked is not None and marked.reclaims == 1 and ahead_mark(marked) is not None
+    box.fail_with = None
+    refusing.down = {"claim_lost_reply"}
+    second = handler.handle(next_of(d, first))  # takes the claim back; the reply is lost
+    assert second.action is Action.RESCHEDULE and len(second.carry[OWNER_HEADER]) == 2
+    refusing.down.clear()
+    third = handler.handle(next_of(d, second))  # takes it back from the second owner: the mark is two back
+    assert third.outcome is Outcome.SENT and box.sent == [("h-own2", "first")]
+
+
+class DiesAfterSending(Mailbox):
+    """The provider takes the message, and the worker dies before it hears back (nothing the handler catches)."""
+
+    class Killed(BaseException):
+        pass
+
+    def perform(self, payload: Payload, key: str) -> Any:
+        super().perform(payload, key)
+        raise self.Killed
+
+
+@pytest.mark.parametrize("carries_key", [True, False], ids=["keyed", "keyless"])
+def test_a_rotation_claim_whose_holder_died_before_its_check_is_not_taken_over_and_sent_again(
+        ledger: Ledger, carries_key: bool) -> None:
+    """Found by the simulator (sim/traces/keyed_campaign_rotation_crash_after_accept_sends_twice.json): during a
+    key-secret rotation one delivery claimed the intent under the new key, passed its check and sent, and died
+    before it heard back; another claimed it under the old key and died before its check. Once both leases ran
+    out, a delivery following the old key's record took that claim over and sent the intent under the old key:
+    a key the provider never saw, so two emails (and a keyless provider sends twice anyway). A claim taken
+    over during a rotation is checked like a new one unless it shows it may have run (its mark): the never-run
+    one runs nothing, the intent is followed to the other key, where it is sent with that key or parked, and
+    the record under the old key then says the same."""
+    box = DiesAfterSending(carries_key=carries_key, ahead=not carries_key)
+    handler, _ = build(ledger, box, lease_seconds=0.2)
+    on_old, on_new = rotating("rr6-old", "rr6-new")
+    with pytest.raises(DiesAfterSending.Killed):  # claims the new key, checks the old one (nothing), sends, dies
+        handler.handle(on_new)
+    ledger.claim(ClaimRequest(key="rr6-old", task_name="tests.mail", payload=on_old.payload.to_json(),
+                              fingerprint="", owner=new_owner("dies-before-its-check", ahead=not carries_key),
+                              lease_seconds=0.2))
+    time.sleep(0.35)
+    after = Mailbox(carries_key=carries_key, ahead=not carries_key)
+    handler.effect = after
+    step = handler.handle(on_new)  # its look-up finds the old key's record first
+    assert {key for key, _ in box.sent + after.sent} == {"rr6-new"}  # one key: one email
+    assert step.key == "rr6-new"
+    if carries_key:
+        assert step.outcome is Outcome.SENT  # sent again with the key the provider de-duplicates on
+    else:
+        assert step.outcome is Outcome.REVIEW and after.sent == []  # marked and dead: it may have been sent
+    old, new = ledger.get("rr6-old"), ledger.get("rr6-new")
+    assert old is not None and new is not None and old.state is new.state  # the old key's record says the same
+
+
+@pytest.mark.parametrize("other", ["sent", "unreadable"])
+def test_a_rotation_claim_taken_over_from_a_paused_holder_keeps_its_tokens(ledger: Ledger, other: str) -> None:
+    """Found by the simulator (sim/traces/keyless_rotation_withdrawn_takeover_reissues_a_paused_holders_token.json):
+    a claim taken over during a rotation, whose re-read of the other key then failed (or met its record), was
+    withdrawn. Its key's next claim started the tokens again at 1, the token of the holder it had been taken
+    from, which was paused, not dead: that holder's mark landed on the new claim, and the intent went out twice.
+    A claim taken over is never withdrawn: the intent is followed to the other key, and this record says what
+    it comes to there."""
+    box = Mailbox(ahead=True)
+    handler, _ = build(ledger, box)
+    on_old, on_new = rotating("rr7-old", "rr7-new")
+    if other == "sent":
+        assert handler.handle(delivery("rr7-new")).outcome is Outcome.SENT  # the intent, under the new key
+    paused = ledger.claim(ClaimRequest(key="rr7-old", task_name="tests.mail", payload=on_old.payload.to_json(),
+                                       fingerprint="", owner=new_owner("paused", ahead=True), lease_seconds=0.2))
+    time.sleep(0.35)
+    if other == "unreadable":
+        handler.ledger = RereadFails(ledger, "rr7-new", down=False)
+        handler.ledger.reads = 1  # the look-up is not made here (the delivery finds the old key first)
+    step = handler.handle(on_new)  # its look-up finds the old key's record first, and takes the claim over
+    held = ledger.get("rr7-old")
+    assert held is not None and held.token > paused.token  # not withdrawn: no token is handed out twice
+    assert ledger.write_ahead("rr7-old", paused.token, 30, "message", owner=paused.record.owner) is False
+    if other == "sent":
+        assert (step.outcome, step.key) == (Outcome.DUPLICATE, "rr7-new") and len(box.sent) == 1
+        assert held.state is State.SENT and held.result == ledger.get("rr7-new").result  # type: ignore[union-attr]
+    else:
+        assert step.outcome is Outcome.LEDGER_UNAVAILABLE and box.sent == []

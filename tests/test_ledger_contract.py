@@ -505,6 +505,16 @@ def test_mark_hop_expires(ledger: Ledger) -> None:
     assert ledger.mark_hop("hp4", "task-2:1", 0.3) is True
 
 
+def test_hop_marked_reads_a_live_mark_and_marks_nothing(ledger: Ledger) -> None:
+    assert ledger.hop_marked("hp5", "task-3:1") is False
+    assert ledger.hop_marked("hp5", "task-3:1") is False  # reading twice set nothing
+    assert ledger.mark_hop("hp5", "task-3:1", 0.3) is True
+    assert ledger.hop_marked("hp5", "task-3:1") is True
+    assert ledger.hop_marked("hp5", "task-3:2") is False and ledger.hop_marked("hp6", "task-3:1") is False
+    time.sleep(0.5)
+    assert ledger.hop_marked("hp5", "task-3:1") is False  # expired
+
+
 def test_forget_erases_payload_and_free_text_but_keeps_the_guarantee(ledger: Ledger) -> None:
     c = ledger.claim(req("fg1"))
     ledger.park("fg1", c.token, {"type": "SendNeedsReview", "reason": "timeout", "at": 1.0,
@@ -553,11 +563,53 @@ def test_forget_keeps_a_dead_holders_write_ahead_mark(ledger: Ledger) -> None:
     assert mark is not None and mark["ahead"] == "message" and mark["token"] == c.token
 
 
+class MovesWhileForgetting(LedgerWrapper):
+    """A store on which ``move`` lands between ``forget``'s read of a record and its erase: the race of a
+    data-subject request with the record's holder."""
+
+    def __init__(self, inner: Ledger, move: Any) -> None:
+        super().__init__(inner)
+        self.move = move
+
+    def _readable(self, key: str) -> Any:
+        seen = self.inner._readable(key)
+        if self.move is not None:
+            self.move, move = None, self.move
+            move()
+        return seen
+
+
+def test_forget_racing_a_write_ahead_mark_keeps_the_mark(ledger: Ledger) -> None:
+    """Found by the simulator (sim/traces/forget_races_a_write_ahead_mark.json): forget read a claim without a
+    mark, its holder marked and sent, forget erased under the same token and wiped the mark with the free
+    text; the holder died, and the next claimer, finding no mark, sent the intent again."""
+    c = ledger.claim(req("fg5", lease_seconds=0.2, owner=new_owner("t", ahead=True)))
+    store = MovesWhileForgetting(ledger, lambda: ledger.write_ahead("fg5", c.token, 0.2, "message"))
+    assert store.forget("fg5") is True
+    time.sleep(0.35)
+    taken = ledger.claim(req("fg5", owner=new_owner("u", ahead=True)))
+    assert taken.status is ClaimStatus.RECLAIMED and taken.record.payload is None
+    mark = ahead_mark(taken.record)
+    assert mark is not None and mark["ahead"] == "message" and mark["token"] == c.token
+
+
+def test_forget_racing_a_completion_keeps_what_it_recorded(ledger: Ledger) -> None:
+    """A completion between forget's read and its erase keeps the same token; the erase, made of what was
+    read before it, must not write over the result (the message id a duplicate is told)."""
+    c = ledger.claim(req("fg6"))
+    store = MovesWhileForgetting(ledger, lambda: ledger.complete("fg6", c.token, {"message_id": "m-fg6",
+                                                                                  "value": "Ann"}))
+    assert store.forget("fg6") is True
+    sent = ledger.get("fg6")
+    assert sent is not None and sent.state is State.SENT
+    assert sent.result == {"message_id": "m-fg6", "forgotten": True}  # read again and forgotten, not lost
+
+
 class DefaultWriteAhead(LedgerWrapper):
     """A backend that leaves ``write_ahead`` to the base class (read, then replace under the token)."""
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
-        return Ledger.write_ahead(self, key, token, lease_seconds, stage)
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
+        return Ledger.write_ahead(self, key, token, lease_seconds, stage, owner=owner)
 
 
 @pytest.mark.parametrize("own", [False, True], ids=["backend", "base-default"])
@@ -586,6 +638,17 @@ def test_a_write_ahead_mark_is_fenced_kept_by_a_reclaim_and_replaced_by_a_releas
     again = store.claim(req("wa1"))
     assert again.status is ClaimStatus.REOPENED and again.previous_owner is None
     assert ahead_mark(again.record) is None and again.record.error == {"reason": "tempfail"}
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["backend", "base-default"])
+def test_a_write_ahead_mark_names_the_owner_that_wrote_it(ledger: Ledger, own: bool) -> None:
+    store: Ledger = DefaultWriteAhead(ledger) if own else ledger
+    c = store.claim(req("wa4", lease_seconds=0.2, owner=new_owner("t", ahead=True)))
+    assert store.write_ahead("wa4", c.token, 0.2, "message", owner=c.record.owner) is True
+    time.sleep(0.35)
+    r = store.claim(req("wa4"))
+    mark = ahead_mark(r.record)  # kept by the reclaim, with the owner as the claim returned it
+    assert mark is not None and mark["owner"] == c.record.owner and mark["token"] == c.token
 
 
 def test_a_reclaim_names_the_holder_it_took_over_from(ledger: Ledger) -> None:

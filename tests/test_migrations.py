@@ -77,6 +77,7 @@ def test_a_ledger_without_step_2_still_claims_and_keeps_no_marks_until_applied(
     try:
         with caplog.at_level(logging.WARNING, logger="idemmail_celery"):
             assert ledger.mark_hop("k", "task:1", 60) is None
+        assert ledger.hop_marked("k", "task:1") is None
         assert migration_file(dialect, 2) in caplog.text
         assert ledger.claim(ClaimRequest(key="k", task_name="t", payload="{}", fingerprint="f")).status \
             is ClaimStatus.ACQUIRED
@@ -86,6 +87,7 @@ def test_a_ledger_without_step_2_still_claims_and_keeps_no_marks_until_applied(
         upgraded = SQLLedger(url, table=table, create_table=False)
         assert upgraded.mark_hop("k", "task:1", 60) is True
         assert upgraded.mark_hop("k", "task:1", 60) is False
+        assert upgraded.hop_marked("k", "task:1") is True
         upgraded.close()
     finally:
         ledger.drop_table()

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from idemmail_celery import AmbiguousSendError, IdempotentTask, LedgerUnavailableError, PermanentSendError, metrics
 from idemmail_celery import handler as handler_mod
-from idemmail_celery.errors import StaleTokenError
+from idemmail_celery.errors import RecordNotFoundError, StaleTokenError
 from idemmail_celery.outcomes import _logfmt, clean_reason
 
 from .conftest import unique
@@ -125,15 +125,15 @@ def test_a_verdict_the_ledger_refused_says_recorded_false(
     def send(to: str) -> None:
         raise PermanentSendError("mailbox unavailable", reason="rejected")
 
-    def fail(*_: Any, **__: Any) -> None:
-        raise StaleTokenError("lease taken over")
+    def fail(*_: Any, **__: Any) -> None:  # a refusal that is not a takeover (that one waits for the record)
+        raise RecordNotFoundError("no ledger record")
 
     monkeypatch.setattr(send.ledger, "fail", fail)
     with pytest.raises(PermanentSendError):
         send.apply(("a@example.com",)).get()
     [(level, line)] = lines(caplog)
     assert level == "WARNING" and "status=failed" in line
-    assert "reason=rejected recorded=false error=stale_token_error" in line
+    assert "reason=rejected recorded=false error=record_not_found_error" in line
 
 
 def test_a_reconciled_send_is_one_outcome_with_reason_reconciled(

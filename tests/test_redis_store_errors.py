@@ -60,12 +60,13 @@ def writes(led: RedisLedger, tokens: dict[str, int]) -> dict[str, Callable[[], o
         "renew": lambda: led.renew("n", tokens["n"], 30),
         "withdraw": lambda: led.withdraw("w", tokens["w"]),
         "mark_hop": lambda: led.mark_hop("c", "task:1", 60),
-        "_erase": lambda: led._erase("e", tokens["e"], None, None),
+        "_erase": lambda: led._erase("e", tokens["e"], State.CLAIMED, None, None),
     }
 
 
 def every_op(led: RedisLedger, tokens: dict[str, int]) -> dict[str, Callable[[], object]]:
-    return {**writes(led, tokens), "get": lambda: led.get("c"), "claim_busy": lambda: led.claim(req("c"))}
+    return {**writes(led, tokens), "get": lambda: led.get("c"), "claim_busy": lambda: led.claim(req("c")),
+            "hop_marked": lambda: led.hop_marked("c", "task:1")}
 
 
 def assert_all_unavailable(ops: dict[str, Callable[[], object]], *codes: str) -> None:

@@ -3,7 +3,7 @@
 Real services, real failures: the connection pool exhausted (its one connection busy in another
 thread), the server killing the ledger's connection, a statement cancelled by the server's
 timeout while another session holds the row. Each operation a worker makes (claim, claim_many,
-complete/fail/park/release, renew, withdraw, mark_hop, _erase) is tried against each, and nothing it
+complete/fail/park/release, renew, withdraw, mark_hop, hop_marked, _erase) is tried against each, and nothing it
 was refused is changed.
 """
 
@@ -36,7 +36,8 @@ OPERATIONS: dict[str, Callable[[SQLLedger], object]] = {
     "renew": lambda led: led.renew("held", 1, 60),
     "withdraw": lambda led: led.withdraw("held", 1),
     "mark_hop": lambda led: led.mark_hop("held", "task:1", 60),
-    "erase": lambda led: led._erase("held", 1, None, None),
+    "hop_marked": lambda led: led.hop_marked("held", "task:1"),
+    "erase": lambda led: led._erase("held", 1, State.CLAIMED, None, None),
 }
 #: Those that write the "held" row (a lock on it makes them wait).
 ROW_WRITERS = ["complete", "fail", "park", "release", "renew", "withdraw", "erase"]

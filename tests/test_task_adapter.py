@@ -284,3 +284,56 @@ def test_a_countdown_is_sealed_beside_the_enqueue_time_not_in_its_place(tmp_path
     assert headers[DUE_HEADER] == f"{due:.3f}"
     assert DUE_HEADER not in later.intent_headers(("ann@example.com",), {}, due=before - 1)  # already due
     assert later.sealed(headers, Payload(["ann@example.com"], {}))[KEY_MARK_HEADER]  # sealed with the rest
+
+
+def test_a_copy_of_a_reschedule_whose_publish_never_happened_goes_out_again_as_the_same_hop(
+        redis_broker_app: Celery) -> None:
+    """The worker publishes a copy's reschedule as a new hop and then says it is out: a second copy of that
+    hop drops. A copy whose hop another copy marked without ever publishing (killed in between) goes out
+    again as the same hop instead of dropping (the simulator's trace
+    hop_marked_before_a_publish_that_never_happened_strands_the_claim)."""
+    from celery.exceptions import Ignore
+
+    from idemmail_celery.ledger import ClaimRequest
+
+    app = redis_broker_app
+    queue = app.conf.task_default_queue
+    r = redis.Redis.from_url(REDIS_URL)
+
+    @app.task(base=IdempotentTask, name=unique("adapter.copies"), shared=False)
+    def copies(to: str) -> None: ...
+
+    key = copies.intent_key("ann@example.com")
+    copies.ledger.claim(ClaimRequest(key=key, task_name=copies.name, payload="{}", fingerprint="f", owner="another",
+                                     lease_seconds=60))
+    call = Payload(["ann@example.com"], {})
+
+    def deliver(hop: str) -> dict[str, Any]:
+        """One delivery of the message published as ``hop``; the headers of what it published, if anything."""
+        r.delete(queue)
+        copies.push_request(id="delivery-1", args=["ann@example.com"], kwargs={},
+                            headers=copies.sealed({**copies.key_headers(key, call), HOP_HEADER: hop}, call),
+                            retries=0, is_eager=False, called_directly=False,
+                            delivery_info={"exchange": "", "routing_key": queue})
+        try:
+            copies("ann@example.com")
+        except Retry:
+            [raw] = r.lrange(queue, 0, -1)
+            return dict(json.loads(raw)["headers"])
+        except Ignore:
+            assert r.lrange(queue, 0, -1) == []
+            return {}
+        finally:
+            copies.pop_request()
+        raise AssertionError("neither rescheduled nor dropped")
+
+    try:
+        first = deliver("hop-1")
+        assert first[HOP_HEADER] not in ("", "hop-1") and copies.handler.hop_published(key, "hop-1")
+        assert deliver("hop-1") == {}  # its second copy drops: the reschedule is out
+        assert copies.ledger.mark_hop(key, "hop-2", 60) is True  # marked by a copy killed before it published
+        again = deliver("hop-2")
+        assert again[HOP_HEADER] == "hop-2" and copies.key_builder.check_seal(again, call) is Seal.VALID
+        assert not copies.handler.hop_published(key, "hop-2")
+    finally:
+        r.close()

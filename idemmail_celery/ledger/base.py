@@ -188,6 +188,8 @@ def _forget_owner() -> None:
 WRITES_AHEAD = "ahead"
 #: The field of a write-ahead mark naming the stage its holder was about to begin.
 AHEAD_FIELD = "ahead"
+#: The field of a write-ahead mark naming the owner of the claim that wrote it (``Ledger.write_ahead``).
+AHEAD_OWNER_FIELD = "owner"
 #: The stage of the mark a ledger writes when a claim is taken over from a holder that made no
 #: write-ahead promise and left no mark (``Ledger.marks_takeovers``): it may have run.
 UNKNOWN_STAGE = "unknown"
@@ -230,10 +232,13 @@ def _check_unique(requests: Sequence[ClaimRequest]) -> None:
 AHEAD_JSON_PREFIX = f'{{"{AHEAD_FIELD}":'
 
 
-def ahead_error(stage: str, at: float, token: int) -> dict[str, Any]:
+def ahead_error(stage: str, at: float, token: int, owner: str = "") -> dict[str, Any]:
     """The ``error`` field a write-ahead mark writes (see :meth:`Ledger.write_ahead`): the stage, when,
-    and the token of the claim that wrote it."""
-    return {AHEAD_FIELD: stage, "at": at, "token": token}
+    and the token and (when given) the owner of the claim that wrote it."""
+    mark: dict[str, Any] = {AHEAD_FIELD: stage, "at": at, "token": token}
+    if owner:
+        mark[AHEAD_OWNER_FIELD] = owner
+    return mark
 
 
 def dumps_json(value: dict[str, Any] | None) -> str | None:
@@ -409,10 +414,13 @@ class Ledger(ABC):
     #: not to have been sent by the holder it took over from. Without it such a claim is parked.
     marks_takeovers: bool = False
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         """Record, before a side effect that carries no key can happen, that the holder is about to
         begin it: the claim held with ``token`` gets the mark ``{"ahead": stage, "at": time, "token": token}`` in its
         ``error`` field and a fresh lease. False (nothing written) if ``token`` no longer holds it.
+        ``owner``, the holder's (as its claim returned it), goes in the mark too: a later delivery of the
+        holder's own chain, which carries it, knows the mark for its own (see
+        :func:`~idemmail_celery.handler.live_mark`).
 
         A claim whose holder promised marks (:func:`owner_writes_ahead`) and died without one is known
         not to have run its side effect: the next claimer runs it instead of parking it for
@@ -427,18 +435,28 @@ class Ledger(ABC):
         if record is None or record.state is not State.CLAIMED or record.token != token:
             return False
         now = time.time()
-        marked = replace(record, error=ahead_error(stage, now, token), lease_expires_at=now + lease_seconds)
+        marked = replace(record, error=ahead_error(stage, now, token, owner), lease_expires_at=now + lease_seconds)
         return self._force(key, token, marked) and self.renew(key, token, lease_seconds)
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
         """Note that the reschedule ``hop`` of a copy of ``key`` is being published, once.
 
         True the first time ``(key, hop)`` is marked, False for every later call within
-        ``ttl_seconds``: a second copy of one broker message (redelivered by a Redis or SQS
-        transport while the first still waited for its countdown) then drops instead of
-        publishing a second reschedule, so waiting copies never multiply. None: this backend
+        ``ttl_seconds``: of the copies of one broker message (redelivered by a Redis or SQS
+        transport while the first still waited for its countdown), only the first publishes a
+        reschedule, so waiting copies never multiply; the others drop once it has said its
+        reschedule is out (see :meth:`hop_marked`). None: this backend
         keeps no marks (the caller reschedules; countdowns below the visibility timeout keep
         copies from multiplying). One round trip; called only when a claim is busy.
+        """
+        return None
+
+    def hop_marked(self, key: str, hop: str) -> bool | None:
+        """Is ``(key, hop)`` marked (:meth:`mark_hop`), its mark still live? A read: it marks nothing.
+
+        How a copy that found its hop marked learns whether the copy that marked it has said since that
+        its reschedule is out (see :meth:`~idemmail_celery.handler.Handler.in_flight`). None: this backend
+        keeps no marks. One round trip; called only by such a copy.
         """
         return None
 
@@ -484,13 +502,18 @@ class Ledger(ABC):
         cause, times; see :func:`forgotten`). The record, its state and fingerprint stay, so
         the key keeps protecting against a resend; an operator can no longer re-enqueue the
         first payload. Idempotent.
+
+        The erase is made of what was read, so it lands only on the record as read (its token and
+        state); a holder's write-ahead mark written in between (its token unchanged) stays, as the
+        mark a dead holder left would: it holds no free text, and without it the next claimer would
+        take a claim that may have sent for one that never ran.
         """
         for _ in range(5):
             record = self._readable(key)
             if record is None:
                 return False
             result, error = forgotten(record.result, record.error)
-            if self._erase(key, record.token, result, error):
+            if self._erase(key, record.token, record.state, result, error):
                 return True
         raise IllegalTransitionError(f"record {key} kept changing while forgetting; try again")
 
@@ -500,10 +523,12 @@ class Ledger(ABC):
         return self.get(key)
 
     @abstractmethod
-    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+    def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
         """Drop the stored payload and set ``result`` and ``error``, atomically, if the record's
-        token is still ``expected_token``; False (nothing written) otherwise or without a record.
+        token and state are still ``expected_token`` and ``expected_state``; False (nothing written)
+        otherwise or without a record. A ``claimed`` record's write-ahead mark is kept in place of
+        ``error`` (see :meth:`forget`).
 
         Never creates a record and changes nothing else (state, lease, token, expiry).
         """

@@ -59,11 +59,14 @@ class MeteredLedger(LedgerWrapper):
     def withdraw(self, key: str, token: int) -> bool:
         return self._timed("withdraw", lambda: self.inner.withdraw(key, token))
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
-        return self._timed("write_ahead", lambda: self.inner.write_ahead(key, token, lease_seconds, stage))
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
+        return self._timed("write_ahead", lambda: self.inner.write_ahead(key, token, lease_seconds, stage, owner=owner))
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
         return self._timed("mark_hop", lambda: self.inner.mark_hop(key, hop, ttl_seconds))
+
+    def hop_marked(self, key: str, hop: str) -> bool | None:
+        return self._timed("hop_marked", lambda: self.inner.hop_marked(key, hop))
 
     def get(self, key: str) -> Record | None:
         return self._timed("get", lambda: self.inner.get(key))

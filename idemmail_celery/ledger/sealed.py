@@ -227,7 +227,7 @@ class SealedLedger(LedgerWrapper):
 
     # -- the backend's own, but what it stores is sealed --
 
-    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+    def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
         c = self.codec
-        return self.inner._erase(key, expected_token, c.seal_dict(result), c.seal_dict(error))
+        return self.inner._erase(key, expected_token, expected_state, c.seal_dict(result), c.seal_dict(error))

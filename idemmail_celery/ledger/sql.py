@@ -84,6 +84,11 @@ _HOP_DIGEST_BYTES = 16
 _OWNER_NONCE_HEX = 6
 
 
+def _hop_digest(key: str, hop: str) -> str:
+    """The name a reschedule's mark is stored under: a digest of key and hop, never either."""
+    return hashlib.blake2b(f"{key}\0{hop}".encode(), digest_size=_HOP_DIGEST_BYTES).hexdigest()
+
+
 def ledger_table(name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -> sa.Table:
     """The ledger table definition (also used to generate ``migrations/``)."""
     return sa.Table(
@@ -739,11 +744,11 @@ class SQLLedger(Ledger):
         """One ``DELETE`` fenced by state and token (see :meth:`Ledger.withdraw`)."""
         return self._one_row(sa.delete(self.table).where(self._held(key, token)))
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         """One ``UPDATE`` fenced by state and token (see :meth:`Ledger.write_ahead`)."""
         now = time.time()
         return self._one_row(sa.update(self.table).where(self._held(key, token)).values(
-            error=dumps_json(ahead_error(stage, now, token)), lease_expires_at=now + lease_seconds))
+            error=dumps_json(ahead_error(stage, now, token, owner)), lease_expires_at=now + lease_seconds))
 
     def get(self, key: str) -> Record | None:
         record: Record | None = self._run(lambda conn: self._select(conn, key))
@@ -786,11 +791,14 @@ class SQLLedger(Ledger):
             values["payload"] = None
         return self._one_row(sa.update(t).where(t.c.intent_key == key, t.c.token == expected_token).values(values))
 
-    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+    def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
         t = self.table
-        stmt = (sa.update(t).where(t.c.intent_key == key, t.c.token == expected_token)
-                .values(payload=None, result=dumps_json(result), error=dumps_json(error)))
+        marked = sa.and_(t.c.state == State.CLAIMED.value, t.c.error.startswith(AHEAD_JSON_PREFIX, autoescape=True))
+        as_read = sa.and_(t.c.intent_key == key, t.c.token == expected_token, t.c.state == expected_state.value)
+        stmt = (sa.update(t).where(as_read)
+                .values(payload=None, result=dumps_json(result),
+                        error=sa.case((marked, t.c.error), else_=sa.literal(dumps_json(error), _LONG_TEXT))))
         # Rows matched, not changed (MariaDB gets CLIENT_FOUND_ROWS): erasing twice is still True.
         return self._one_row(stmt)
 
@@ -801,15 +809,27 @@ class SQLLedger(Ledger):
         table is missing from a hand-managed schema (migration 002 not applied yet).
         """
         now = time.time()
-        digest = hashlib.blake2b(f"{key}\0{hop}".encode(), digest_size=_HOP_DIGEST_BYTES).hexdigest()
         marker = secrets.token_hex(8)
-        params = {"d": digest, "m": marker, "exp": now + ttl_seconds, "now": now}
+        params = {"d": _hop_digest(key, hop), "m": marker, "exp": now + ttl_seconds, "now": now}
 
         def do(conn: Connection) -> bool | None:
             if not self._hops_ready:  # known once the first call has looked at the schema
                 return None
             row = conn.execute(self._stmts["mark_hop"], params).first()
             return row is not None and row[0] == marker
+
+        marked: bool | None = self._run(do)
+        return marked
+
+    def hop_marked(self, key: str, hop: str) -> bool | None:
+        """One ``SELECT`` of a live mark; None without the marks table (as :meth:`mark_hop`)."""
+        h = self.hops
+        stmt = sa.select(h.c.digest).where(h.c.digest == _hop_digest(key, hop), h.c.expires_at > sa.bindparam("now"))
+
+        def do(conn: Connection) -> bool | None:
+            if not self._hops_ready:
+                return None
+            return conn.execute(stmt, {"now": time.time()}).first() is not None
 
         marked: bool | None = self._run(do)
         return marked

@@ -57,11 +57,14 @@ class LedgerWrapper(Ledger):
     def withdraw(self, key: str, token: int) -> bool:
         return self.inner.withdraw(key, token)
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
-        return self.inner.write_ahead(key, token, lease_seconds, stage)
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
+        return self.inner.write_ahead(key, token, lease_seconds, stage, owner=owner)
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
         return self.inner.mark_hop(key, hop, ttl_seconds)
+
+    def hop_marked(self, key: str, hop: str) -> bool | None:
+        return self.inner.hop_marked(key, hop)
 
     def announce(self, member: str, secret_ids: Sequence[str], ttl_seconds: float) -> None:
         self.inner.announce(member, secret_ids, ttl_seconds)
@@ -78,9 +81,9 @@ class LedgerWrapper(Ledger):
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
         return self.inner._force(key, expected_token, new)
 
-    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+    def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
-        return self.inner._erase(key, expected_token, result, error)
+        return self.inner._erase(key, expected_token, expected_state, result, error)
 
     def stats(self) -> dict[str, int]:
         return self.inner.stats()

@@ -1139,9 +1139,9 @@ class RedisLedger(Ledger):
         """One script: the record, its payload and its index entry go together (see :meth:`Ledger.withdraw`)."""
         return bool(self._eval(self._withdraw, self._keys(key), [key, token])[0] == "ok")
 
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str) -> bool:
+    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         """The lease's renewal with the mark written in the same script (see :meth:`Ledger.write_ahead`)."""
-        mark = _chunked(ahead_error(stage, time.time(), token))
+        mark = _chunked(ahead_error(stage, time.time(), token, owner))
         return bool(self._eval(self._renew, self._keys(key), [token, int(lease_seconds * 1000), *mark])[0] == "ok")
 
     def get(self, key: str) -> Record | None:
@@ -1313,9 +1313,10 @@ class RedisLedger(Ledger):
                 *_chunked(new.error), *_counted(new.task_name)]
         return bool(self._call(self._force_script, keys=self._keys(key), args=args))
 
-    def _erase(self, key: str, expected_token: int, result: dict[str, Any] | None,
+    def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
                error: dict[str, Any] | None) -> bool:
-        args = [expected_token, *_chunked(result), *_chunked(error), _field(key), _body(result, error)]
+        args = [expected_token, expected_state.value, *_chunked(result), *_chunked(error), _field(key),
+                _body(result, error)]
         return bool(self._call(self._erase_script, keys=self._keys(key), args=args))
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool:
@@ -1324,10 +1325,16 @@ class RedisLedger(Ledger):
         The mark holds this call's nonce: should the client send the script again after a lost reply,
         the call that set it still answers True (a plain SET NX would answer False to its own write).
         """
-        digest = hashlib.blake2b(f"{key}\0{hop}".encode(), digest_size=16).hexdigest()
-        mark = self.names.hop(key, digest)
         nonce = secrets.token_hex(8)
-        return bool(self._call(self._hop, keys=[mark], args=[nonce, max(1, int(ttl_seconds * 1000))]))
+        return bool(self._call(self._hop, keys=[self._hop_name(key, hop)],
+                               args=[nonce, max(1, int(ttl_seconds * 1000))]))
+
+    def hop_marked(self, key: str, hop: str) -> bool:
+        """One ``EXISTS`` of the mark (it expires by its TTL)."""
+        return bool(self._call(self.client.exists, self._hop_name(key, hop)))
+
+    def _hop_name(self, key: str, hop: str) -> str:
+        return self.names.hop(key, hashlib.blake2b(f"{key}\0{hop}".encode(), digest_size=16).hexdigest())
 
     def announce(self, member: str, secret_ids: Sequence[str], ttl_seconds: float) -> None:
         """One script on the roster hash (bucket 0's slot): the entry's expiry on the server's clock, so
