@@ -230,16 +230,26 @@ def _repeat(name: str, wait: Callable[[], float], tick: Callable[[], None],
     return stop
 
 
+def restore_unacked(app: Any, connection: Any) -> None:
+    """One pass of the Redis transport's ``restore_visible`` over ``connection``: every unacked message older
+    than the visibility timeout goes back to its queue, as kombu's own event loop does (its
+    ``unacked_restore_limit`` unset: no limit), or at most ``unacked_restore_limit`` of them when it is set.
+
+    A whole worker killed holds as many messages as its pool has slots (50 under ``-P gevent -c 50``) plus
+    its countdowns: ten a pass, one pass a restore interval, would hand the last of them back minutes late."""
+    limit = (app.conf.broker_transport_options or {}).get("unacked_restore_limit")
+    connection.default_channel.qos.restore_visible(num=int(limit) if limit else None, interval=1)
+
+
 def restore_unacked_on_a_timer(app: Any, interval: float) -> threading.Event:
-    """Run the Redis transport's ``restore_visible`` every ``interval`` seconds on a connection of its own
-    (kombu's own mutex keeps it to one worker at a time); set the returned event to stop."""
+    """Run :func:`restore_unacked` every ``interval`` seconds on a connection of its own (kombu's own mutex
+    keeps it to one worker at a time); set the returned event to stop."""
     conn = [app.connection_for_read()]
 
     def tick() -> None:
         try:
             conn[0].ensure_connection(max_retries=1)
-            limit = int(_transport_option(app, "unacked_restore_limit", 10))
-            conn[0].default_channel.qos.restore_visible(num=limit, interval=1)
+            restore_unacked(app, conn[0])
         except Exception as exc:  # the broker is away: the next tick tries again
             log.warning("idemmail: restoring unacked messages failed (%s); retrying in %.0f s",
                         type(exc).__name__, interval)

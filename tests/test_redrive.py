@@ -15,9 +15,16 @@ from idemmail_celery import IdempotentTask
 from idemmail_celery._common import KEY_HEADER
 from idemmail_celery.keys import Payload
 from idemmail_celery.ledger import ClaimRequest
-from idemmail_celery.redrive import LOCK_KEY, MIN_SWEEP_AFTER, SWEEP_TASK, stranded_after, sweep_stranded
+from idemmail_celery.redrive import (
+    LOCK_KEY,
+    MIN_SWEEP_AFTER,
+    SWEEP_TASK,
+    restore_unacked,
+    stranded_after,
+    sweep_stranded,
+)
 
-from .conftest import REDIS_URL
+from .conftest import REDIS_URL, unique
 
 
 def test_one_sweeper_at_a_time_republishes_a_stranded_claim_once_under_its_own_key(
@@ -80,3 +87,37 @@ def test_a_claim_is_stranded_after_twice_the_longest_a_live_chain_leaves_it_alon
     def notify(to: str) -> None: ...
 
     assert stranded_after(app, [notify]) == expected
+
+
+@pytest.mark.parametrize(("limit", "restored"), [(None, 25), (10, 10)])
+def test_one_restore_pass_hands_back_every_message_a_killed_worker_held(
+    redis_broker_app: Celery, limit: int | None, restored: int
+) -> None:
+    # A killed green-pool worker holds a message per slot and its countdowns: kombu's event loop restores them
+    # all in one pass (its unacked_restore_limit unset), and so must the timer that stands in for it.
+    app = redis_broker_app
+    prefix = unique("unacked") + "."
+    options: dict[str, Any] = {"global_keyprefix": prefix, "visibility_timeout": 5}
+    if limit is not None:
+        options["unacked_restore_limit"] = limit
+    app.conf.broker_transport_options = options
+    queue = app.conf.task_default_queue
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        with app.connection_for_write() as conn:
+            channel = conn.default_channel
+            with conn.Producer() as producer:
+                for i in range(25):
+                    producer.publish({"n": i}, routing_key=queue, declare=[conn.SimpleQueue(queue).queue])
+            for _ in range(25):
+                assert channel.basic_get(queue, no_ack=False) is not None  # handed out, never acknowledged
+            channel.qos._delivered.clear()  # as a SIGKILL leaves them: nothing hands them back at close
+            r.zadd(f"{prefix}unacked_index", dict.fromkeys(r.zrange(f"{prefix}unacked_index", 0, -1), time.time() - 60))
+            assert r.llen(f"{prefix}{queue}") == 0
+        with app.connection_for_read() as conn:
+            restore_unacked(app, conn)
+        assert r.llen(f"{prefix}{queue}") == restored
+    finally:
+        for name in r.scan_iter(f"{prefix}*"):
+            r.delete(name)
+        r.close()
