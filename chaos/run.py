@@ -170,11 +170,18 @@ def notes(results: list[Result]) -> str:
                        f"{r.resent_deliveries} of them delivered again (duplicates {r.duplicates}); "
                        f"intents without a record at the end {r.no_record}")
         if r.worker_kills:
+            closest = max(r.recoveries, key=lambda rec: rec.over, default=None)
+            against = "" if closest is None else (
+                f" (design {r.recovery_design:.1f} s plus the broker's queue wait on the path, up to "
+                f"{max(rec.queue_wait for rec in r.recoveries):.1f} s here; closest to its bound: "
+                f"{closest.settled_after:.1f} of {closest.allowed:.1f} s)")
             out.append(f"- {s.name}: {r.killed_executions} executions cut short by whole-worker kills; from the "
                        f"kill to the intent's delivery: {spread(r.kill_to_delivery)}, to its final ledger record: "
-                       f"{spread(r.kill_to_settled)}; most copies of one task id handed out: "
-                       f"{r.max_copies_per_task} (reschedules included), most running at once: "
-                       f"{r.max_concurrent_copies}")
+                       f"{spread(r.kill_to_settled)}{against}")
+        out.append(f"- {s.name}: most deliveries of one task id {r.max_copies_per_task} (hops and redeliveries "
+                   f"included), longest chain {r.longest_chain} messages, most lineages of one task id "
+                   f"{r.max_lineages}, forks no kill explains {r.unexplained_forks}, most running at once "
+                   f"{r.max_concurrent_copies}")
         if s.provider_outage and r.outage_seconds:
             out.append(f"- {s.name}: the provider was down {r.outage_seconds:.0f} s (stopped at "
                        f"{r.delivered_at_outage} intents delivered); the last intent was delivered "
@@ -225,6 +232,12 @@ POSTs = requests the provider received (SMTP: messages it recorded); reviews = i
 parked for a person.
 
 {notes(results)}
+
+**Copies and recovery.** A task id's deliveries count every hop of a copy waiting on a claim and every
+redelivery; a storm is copies multiplying, and the runs on the library's defaults fail on any fork of a
+message that no kill explains (see [the judges](chaos.md#the-judges)). From a whole-worker kill to the final
+record the design allows the holder's lease plus 0.5 s (or the broker's redelivery, if later) and one send,
+plus the broker's own queue wait on the way, measured: a reschedule goes to the back of the queue.
 
 **Ledger-loss drill.** The drills enqueue every copy before the workers start, then delete the Redis ledger's keys
 (records, indexes and epoch markers) when half of the intents have been delivered, and an operator acknowledges the loss

@@ -119,10 +119,7 @@ def stranded_after(app: Any, tasks: Iterable[IdempotentTask]) -> float:
     settings = Settings.resolve(app.conf)
     if settings.sweep_after_seconds is not None:
         return settings.sweep_after_seconds
-    longest = transport_visibility_timeout(app) or 0.0
-    if longest and _redis_broker(app):  # restored only on the transport's next scan after it
-        longest += (_transport_option(app, "unacked_restore_interval", _KOMBU_RESTORE_INTERVAL)
-                    * _transport_option(app, "unacked_restore_throttle", _KOMBU_RESTORE_THROTTLE))
+    longest = redelivered_after(app)
     for task in tasks:
         try:
             policy = task.policy
@@ -130,6 +127,21 @@ def stranded_after(app: Any, tasks: Iterable[IdempotentTask]) -> float:
             continue
         longest = max(longest, policy.inflight_backoff_max, policy.retry_backoff_max)
     return max(MIN_SWEEP_AFTER, 2 * longest)
+
+
+def redelivered_after(app: Any, *, event_loop: bool = True) -> float:
+    """How long after a worker dies, at the most, the broker hands the messages it held out again: the
+    visibility timeout (Redis, SQS), and on Redis the period of the scan that restores them after it
+    (kombu's event loop scans every ``unacked_restore_interval`` x ``unacked_restore_throttle`` seconds;
+    ``event_loop=False``, a green pool: the library's timer, every ``unacked_restore_interval``). 0 for a
+    broker that requeues them when the worker's connection drops (AMQP)."""
+    longest = transport_visibility_timeout(app) or 0.0
+    if longest and _redis_broker(app):  # restored only on the transport's next scan after it
+        period = _transport_option(app, "unacked_restore_interval", _KOMBU_RESTORE_INTERVAL)
+        if event_loop:
+            period *= _transport_option(app, "unacked_restore_throttle", _KOMBU_RESTORE_THROTTLE)
+        longest += period
+    return longest
 
 
 def sweep_stranded(app: Any, *, after_seconds: float | None = None, now: float | None = None,

@@ -19,6 +19,7 @@ from idemmail_celery.redrive import (
     LOCK_KEY,
     MIN_SWEEP_AFTER,
     SWEEP_TASK,
+    redelivered_after,
     restore_unacked,
     stranded_after,
     sweep_stranded,
@@ -87,6 +88,21 @@ def test_a_claim_is_stranded_after_twice_the_longest_a_live_chain_leaves_it_alon
     def notify(to: str) -> None: ...
 
     assert stranded_after(app, [notify]) == expected
+
+
+@pytest.mark.parametrize(("broker", "options", "event_loop", "expected"), [
+    ("redis://h/0", {}, True, 3600 + 10 * 10),  # kombu's defaults: an hour, then a scan every 10 x 10 s
+    ("redis://h/0", {}, False, 3600 + 10),  # a green pool: the library's timer, every unacked_restore_interval
+    ("redis://h/0", {"visibility_timeout": 10, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}, True, 11),
+    ("sqs://", {"visibility_timeout": 60}, True, 60),  # SQS hands it out again itself
+    ("amqp://h//", {}, True, 0),  # requeued when the dead worker's connection drops
+])
+def test_a_dead_workers_messages_come_back_after_the_visibility_timeout_and_one_restore_scan(
+    broker: str, options: dict[str, Any], event_loop: bool, expected: float
+) -> None:
+    app = Celery("redelivered", broker=broker, set_as_current=False)
+    app.conf.broker_transport_options = options
+    assert redelivered_after(app, event_loop=event_loop) == expected
 
 
 @pytest.mark.parametrize(("limit", "restored"), [(None, 25), (10, 10)])
