@@ -519,9 +519,9 @@ class BrokerView:
         if self.redis is None:
             return {"depth": self.depth()}
         p = f"{self.ns}."
-        oldest = self.redis.zrange(p + "unacked_index", 0, 0, withscores=True)
+        oldest = [float(pair[1]) for pair in self.redis.zrange(p + "unacked_index", 0, 0, withscores=True)]
         return {"queued": self.redis.llen(p + self.queue), "unacked": self.redis.hlen(p + "unacked"),
-                "oldest_unacked_s": round(time.time() - oldest[0][1], 1) if oldest else None,
+                "oldest_unacked_s": round(time.time() - oldest[0], 1) if oldest else None,
                 "restore_lock_ttl_s": self.redis.ttl(p + "unacked_mutex")}
 
     def cleanup(self) -> None:
@@ -723,7 +723,10 @@ def recoveries(killed: list[tuple[str, str, str, float]], by_task: dict[str, Cop
 
     The path the design relies on is the killed message's: handed out again, then rescheduled on the lease
     (its lineage), and any message a worker published for the intent after the kill (another copy's reschedule
-    or retry). A copy the caller enqueued is not on it: the caller could enqueue it at any time."""
+    or retry). A copy the caller enqueued is not on it: the caller could enqueue it at any time. The killed
+    message itself is held to the design's redelivery time, its lateness never counted as the queue's: the
+    transport restores it to the head of the queue, and one restored late is a restore that failed (a timer
+    restoring ten messages a pass handed a killed green worker's last messages back a minute late)."""
     by_key: dict[str, list[Copies]] = {}
     for copies in by_task.values():
         if copies.key:
@@ -736,19 +739,16 @@ def recoveries(killed: list[tuple[str, str, str, float]], by_task: dict[str, Cop
     out: list[Recovery] = []
     for key, (kill_at, task_id, hop) in sorted(last.items()):
         settled = settled_at[key]
-        path: list[tuple[Message, float]] = []  # each message of the path, and when it was due
-        if task_id in by_task:
-            for m in by_task[task_id].lineage(hop):
-                if m.hop == hop:
-                    path.append((m, kill_at + design.redelivered))  # the killed message, handed out again
-                elif m.published is not None and m.published >= kill_at and m.due is not None:
-                    path.append((m, m.due))
+        path = [m for m in (by_task[task_id].lineage(hop) if task_id in by_task else [])
+                if m.hop != hop and m.published is not None and m.published >= kill_at]
         for copies in by_key.get(key, []):
-            path += [(m, m.due) for m in copies.messages.values()
-                     if m.published is not None and m.published >= kill_at and m.due is not None
-                     and m.parent is not None and copies.task_id != task_id]
+            path += [m for m in copies.messages.values()
+                     if m.published is not None and m.published >= kill_at and m.parent is not None
+                     and copies.task_id != task_id]
         waited = 0.0
-        for m, due in path:
+        for m in path:
+            due = m.due if m.due is not None else m.published
+            assert due is not None
             if due >= settled:
                 continue  # not due before the intent settled: nothing waited on it
             handed = min((d.start for d in m.deliveries if d.start >= kill_at), default=settled)

@@ -223,14 +223,16 @@ DESIGN = RecoveryDesign(lease=30.0, margin=0.5, redelivered=11.0, send=10.0, ret
                         retry_backoff_max=300.0)
 
 
-def recovered(reschedule_due: float, handed_out: float, settled: float) -> Result:
-    """A holder killed at 100 s: its message handed out again at 111 s finds the claim held and reschedules; the
-    reschedule is due at ``reschedule_due``, handed out at ``handed_out``; the intent settles at ``settled``."""
+def recovered(reschedule_due: float | None, handed_out: float, settled: float, restored: float = 111.0) -> Result:
+    """A holder killed at 100 s: its message handed out again at ``restored`` finds the claim held and reschedules;
+    the reschedule is due at ``reschedule_due``, handed out at ``handed_out``; the intent settles at ``settled``.
+    No reschedule (None): the message is handed out again after the lease ran out and takes the claim over."""
     rec = Recorded()
     rec.deliver("m0", 99.0, ended=False, pid=1)
-    rec.deliver("m0", 111.0, redelivered=True, pid=2)
-    rec.publish("m1", "m0", 111.0, reschedule_due - 111.0)
-    rec.deliver("m1", handed_out, pid=2)
+    rec.deliver("m0", restored, redelivered=True, pid=2)
+    if reschedule_due is not None:
+        rec.publish("m1", "m0", restored, reschedule_due - restored)
+        rec.deliver("m1", handed_out, pid=2)
     copies = copies_by_task(rec.receipts, rec.ends, rec.publishes, {rec.task_id: 90.0})
     found = recoveries([(rec.task_id, "m0", rec.key, 100.0)], copies, {rec.key: settled}, {}, DESIGN)
     s = replace(DEFAULTS, kills=1, whole_worker_share=1.0)
@@ -256,6 +258,11 @@ def test_verdict_fails_an_intent_whose_copy_waited_past_its_holders_lease() -> N
     r = recovered(reschedule_due=160.0, handed_out=160.0, settled=160.3)
     assert (r.recoveries[0].queue_wait, r.recoveries[0].allowed) == (0.0, 40.5)
     assert any("settled 60.3 s later, over the 40.5 s the design allows" in p for p in verdict(r)), verdict(r)
+    # The killed message handed back a minute late (a restore timer handing back ten messages a pass): not the
+    # queue's wait, a restore that failed.
+    r = recovered(reschedule_due=None, handed_out=0.0, settled=160.3, restored=160.0)
+    assert r.recoveries[0].queue_wait == 0.0
+    assert any("settled 60.3 s later" in p for p in verdict(r)), verdict(r)
 
 
 def test_verdict_passes_an_intent_whose_broker_handed_its_copy_out_late() -> None:
