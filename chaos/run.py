@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -196,9 +197,17 @@ def notes(results: list[Result]) -> str:
     return "\n".join(out)
 
 
-def doc(results: list[Result], command: str, seconds: float) -> str:
-    """The ``make chaos`` section of docs/benchmarks.md."""
-    import os
+def load_note(loads: list[float] | None) -> str:
+    """`` (load average 3.1 at the start, 2.0 to 7.5 after each scenario)``, or nothing unknown."""
+    if not loads:
+        return ""
+    after = f", {min(loads[1:]):.1f} to {max(loads[1:]):.1f} after each scenario" if len(loads) > 1 else ""
+    return f" (1-minute load average {loads[0]:.1f} at the start{after})"
+
+
+def doc(results: list[Result], command: str, seconds: float, loads: list[float] | None = None) -> str:
+    """The ``make chaos`` section of docs/benchmarks.md. ``loads``: the 1-minute load average at the start and
+    after each scenario (others may share the machine)."""
     import platform
 
     import celery
@@ -207,13 +216,14 @@ def doc(results: list[Result], command: str, seconds: float) -> str:
     main = results[0].scenario
     drills = [r.scenario for r in results if r.scenario.drill]
     main_drill_wait = f"{drills[0].loss_seconds:g}" if drills else "10"
+    started = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=seconds)
     return f"""## Exactly once under fire (`make chaos`)
 
 ```
 {command}
 ```
 
-Run on {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores,
+Run from {started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores{load_note(loads)},
 Python {platform.python_version()}, Celery {celery.__version__}, kombu {kombu.__version__};
 {len(results)} scenarios in {seconds / 60:.1f} min.
 Each scenario: {main.workers} worker processes (`-P prefork -c {main.concurrency}`, `acks_late` and
@@ -295,11 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     root = args.log_dir or HERE / "runs" / stamp
     results: list[Result] = []
     t0 = time.monotonic()
+    loads = [os.getloadavg()[0]]
     try:
         for s in chosen:
             print(f"== {s.name}: M={s.intents} K={s.copies} kills={s.kills} ...", flush=True)
             r = run_scenario(s, root / s.name)
             results.append(r)
+            loads.append(os.getloadavg()[0])
             print(table([r]).splitlines()[-1], flush=True)
             if r.problems:
                 print(f"   problems: {'; '.join(r.problems)}", flush=True)
@@ -324,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             del given[at:at + 2]
         shown = " ".join(given)
         command = f"make chaos   # = .venv/bin/python -m chaos.run {shown}"
-        write_section(DOCS, "chaos", doc(results, command.rstrip(), time.monotonic() - t0))
+        write_section(DOCS, "chaos", doc(results, command.rstrip(), time.monotonic() - t0, loads))
         print(f"\nwritten to {DOCS}")
     return 0 if results and all(r.ok for r in results) else 1
 
