@@ -15,6 +15,7 @@ Two tasks, both the library's own email path:
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import time
@@ -22,8 +23,10 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import task_postrun, task_prerun
+from celery import _state as celery_state
+from celery.signals import before_task_publish, task_postrun, task_prerun
 
+from idemmail_celery._common import HOP_HEADER
 from idemmail_celery.bulk import CAMPAIGN_TASK, send_campaign  # noqa: F401  (the campaign scenario)
 from idemmail_celery.mail import TASK_NAME, SendEmailTask, register
 
@@ -128,13 +131,14 @@ def build_app(config: dict[str, str]) -> Celery:
     return app
 
 
-# -- the execution trace: one line per task execution that finished, so the orchestrator can
-# show that the broker handed a running task to a second worker (a redelivered copy that
-# started while the first execution of the same task id was still running). --
+# -- the execution trace: one line per task execution that started (receipts), one per execution that
+# finished (trace) and one per message a worker published (publishes), so the orchestrator can tell a
+# message handed out again from a message published anew, and a chain that hops from copies that multiply. --
 
 _config = config_from_env()
 _trace = redis.Redis.from_url(_config["trace"]) if _config["trace"] else None
-_started: dict[str, tuple[float, bool]] = {}
+#: (task id, id of the request) -> (start, redelivered): one task id may run twice at once in one process.
+_started: dict[tuple[str, int], tuple[float, bool]] = {}
 
 
 def trace_key(ns: str) -> str:
@@ -142,26 +146,59 @@ def trace_key(ns: str) -> str:
 
 
 def receipts_key(ns: str) -> str:
-    """One line per execution that started: task id, pid, start, intent key."""
+    """One line per execution that started: task id, pid, start, intent key, message (hop), redelivered."""
     return f"{ns}.receipts"
+
+
+def publishes_key(ns: str) -> str:
+    """One line per message a worker published: task id, message (hop), the task id and message of the
+    execution that published it (None outside one), when, and when it is due (its countdown or ETA)."""
+    return f"{ns}.publishes"
+
+
+def hop_of(task_id: str, headers: dict[str, Any] | None, request: Any = None) -> str:
+    """The message a delivery or a publish is: the library's hop id (new on every publish, the same on a
+    redelivery), or the task id for a message the library never republished."""
+    hop = (headers or {}).get(HOP_HEADER) or (getattr(request, HOP_HEADER, None) if request is not None else None)
+    return str(hop or task_id)
 
 
 @task_prerun.connect
 def _trace_start(task_id: str | None = None, task: Any = None, **_: Any) -> None:
     if _trace is not None and task_id:
         now = time.time()
-        redelivered = bool((task.request.delivery_info or {}).get("redelivered"))
-        _started[task_id] = (now, redelivered)
-        key = (task.request.headers or {}).get("idempotency_key") or getattr(task.request, "idempotency_key", None)
-        _trace.rpush(receipts_key(_config["ns"]), json.dumps([task_id, os.getpid(), now, key]))
+        request = task.request
+        redelivered = bool((request.delivery_info or {}).get("redelivered"))
+        _started[(task_id, id(request))] = (now, redelivered)
+        key = (request.headers or {}).get("idempotency_key") or getattr(request, "idempotency_key", None)
+        hop = hop_of(task_id, request.headers, request)
+        _trace.rpush(receipts_key(_config["ns"]), json.dumps([task_id, os.getpid(), now, key, hop, redelivered]))
 
 
 @task_postrun.connect
-def _trace_end(task_id: str | None = None, state: str | None = None, **_: Any) -> None:
-    if _trace is not None and task_id and task_id in _started:
-        start, redelivered = _started.pop(task_id)
+def _trace_end(task_id: str | None = None, task: Any = None, state: str | None = None, **_: Any) -> None:
+    if _trace is not None and task_id and (task_id, id(task.request)) in _started:
+        start, redelivered = _started.pop((task_id, id(task.request)))
         line = [task_id, os.getpid(), start, time.time(), redelivered, state]
         _trace.rpush(trace_key(_config["ns"]), json.dumps(line))
+
+
+@before_task_publish.connect
+def _trace_publish(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    if _trace is None or not headers or not headers.get("id"):
+        return
+    now = time.time()
+    task_id = str(headers["id"])
+    due = now
+    if headers.get("eta"):
+        with_tz = datetime.datetime.fromisoformat(str(headers["eta"]))
+        due = with_tz.timestamp() if with_tz.tzinfo else with_tz.replace(tzinfo=datetime.timezone.utc).timestamp()
+    running = celery_state.get_current_task()
+    parent = running.request if running is not None else None
+    parent_id = getattr(parent, "id", None)
+    parent_hop = hop_of(parent_id, parent.headers, parent) if parent is not None and parent_id else None
+    _trace.rpush(publishes_key(_config["ns"]),
+                 json.dumps([task_id, hop_of(task_id, headers), parent_id, parent_hop, now, due]))
 
 
 app = build_app(_config)

@@ -112,6 +112,9 @@ COMPLETE_ATTEMPTS = 3
 #: The stage of the mark a holder whose side effect makes no mark of its own writes before running it during a
 #: key-secret rotation (see :meth:`Handler.attempt`).
 RUN_STAGE = "run"
+#: How long past another holder's lease a copy waiting on it comes back at the latest: its lease then has
+#: run out, and the copy takes the claim over (the holder died) or finds it settled.
+LEASE_MARGIN_SECONDS = 0.5
 #: The reason of an intent that ends ``failed`` because its retry deadline passed while every attempt
 #: failed without sending (``Delivery.retry_from``).
 RETRY_DEADLINE = "retry_deadline"
@@ -942,7 +945,7 @@ class Handler:
                 confirms = d.hop
         countdown = backoff(d.inflight, p.inflight_backoff, p.inflight_backoff_max)
         if record.lease_expires_at:  # no use waiting past the holder's lease: then it can be taken over
-            countdown = min(countdown, max(record.lease_expires_at - time.time(), 0.0) + 0.5)
+            countdown = min(countdown, max(record.lease_expires_at - time.time(), 0.0) + LEASE_MARGIN_SECONDS)
         self.effect.report(Outcome.IN_FLIGHT, key, reschedules=d.inflight + 1)
         return Step(Outcome.IN_FLIGHT, Action.RESCHEDULE, key, countdown=countdown,
                     error=IdempotencyInFlightError(f"{key} held by another worker, "

@@ -120,10 +120,7 @@ def stranded_after(app: Any, tasks: Iterable[IdempotentTask]) -> float:
     settings = Settings.resolve(app.conf)
     if settings.sweep_after_seconds is not None:
         return settings.sweep_after_seconds
-    longest = transport_visibility_timeout(app) or 0.0
-    if longest and _redis_broker(app):  # restored only on the transport's next scan after it
-        longest += (_transport_option(app, "unacked_restore_interval", _KOMBU_RESTORE_INTERVAL)
-                    * _transport_option(app, "unacked_restore_throttle", _KOMBU_RESTORE_THROTTLE))
+    longest = redelivered_after(app)
     for task in tasks:
         try:
             policy = task.policy
@@ -131,6 +128,21 @@ def stranded_after(app: Any, tasks: Iterable[IdempotentTask]) -> float:
             continue
         longest = max(longest, policy.inflight_backoff_max, policy.retry_backoff_max)
     return max(MIN_SWEEP_AFTER, 2 * longest)
+
+
+def redelivered_after(app: Any, *, event_loop: bool = True) -> float:
+    """How long after a worker dies, at the most, the broker hands the messages it held out again: the
+    visibility timeout (Redis, SQS), and on Redis the period of the scan that restores them after it
+    (kombu's event loop scans every ``unacked_restore_interval`` x ``unacked_restore_throttle`` seconds;
+    ``event_loop=False``, a green pool: the library's timer, every ``unacked_restore_interval``). 0 for a
+    broker that requeues them when the worker's connection drops (AMQP)."""
+    longest = transport_visibility_timeout(app) or 0.0
+    if longest and _redis_broker(app):  # restored only on the transport's next scan after it
+        period = _transport_option(app, "unacked_restore_interval", _KOMBU_RESTORE_INTERVAL)
+        if event_loop:
+            period *= _transport_option(app, "unacked_restore_throttle", _KOMBU_RESTORE_THROTTLE)
+        longest += period
+    return longest
 
 
 def sweep_stranded(app: Any, *, after_seconds: float | None = None, now: float | None = None,
@@ -245,16 +257,35 @@ def _repeat(name: str, wait: Callable[[], float], tick: Callable[[], None],
     return stop
 
 
+def restore_unacked(app: Any, connection: Any, lock_seconds: float) -> None:
+    """One pass of the Redis transport's ``restore_visible`` over ``connection``: every unacked message older
+    than the visibility timeout goes back to its queue, as kombu's own event loop does (its
+    ``unacked_restore_limit`` unset: no limit), or at most ``unacked_restore_limit`` of them when it is set.
+
+    A whole worker killed holds as many messages as its pool has slots (50 under ``-P gevent -c 50``) plus
+    its countdowns: ten a pass, one pass a restore interval, would hand the last of them back minutes late.
+    kombu's lock over the pass is held ``lock_seconds`` at most unless ``unacked_mutex_expire`` is set: with
+    kombu's 300 s, a worker killed mid-pass (a green pool is killed whole) stopped every restore for five
+    minutes. Two passes that overlap restore each message once (each restore is a transaction watching the
+    unacked set), so a short lock costs at most some work done twice.
+    """
+    options = app.conf.broker_transport_options or {}
+    qos = connection.default_channel.qos
+    if options.get("unacked_mutex_expire") is None:
+        qos.unacked_mutex_expire = lock_seconds
+    limit = options.get("unacked_restore_limit")
+    qos.restore_visible(num=int(limit) if limit else None, interval=1)
+
+
 def restore_unacked_on_a_timer(app: Any, interval: float) -> threading.Event:
-    """Run the Redis transport's ``restore_visible`` every ``interval`` seconds on a connection of its own
-    (kombu's own mutex keeps it to one worker at a time); set the returned event to stop."""
+    """Run :func:`restore_unacked` every ``interval`` seconds on a connection of its own (kombu's own lock keeps
+    it to one worker at a time, held one interval at most); set the returned event to stop."""
     conn = [app.connection_for_read()]
 
     def tick() -> None:
         try:
             conn[0].ensure_connection(max_retries=1)
-            limit = int(_transport_option(app, "unacked_restore_limit", 10))
-            conn[0].default_channel.qos.restore_visible(num=limit, interval=1)
+            restore_unacked(app, conn[0], interval)
         except Exception as exc:  # the broker is away: the next tick tries again
             log.warning("idemmail: restoring unacked messages failed (%s); retrying in %.0f s",
                         type(exc).__name__, interval)

@@ -24,12 +24,17 @@ from chaos.scenario import (
     HTTP_FAULTS,
     HTTPFake,
     LedgerView,
+    RecoveryDesign,
     Result,
     Scenario,
     SMTPFake,
+    copies_by_task,
     fault_kinds,
+    recoveries,
+    recovery_design,
     verdict,
 )
+from chaos.workerapp import build_app
 from idemmail_celery.email import EmailMessage
 from idemmail_celery.errors import AmbiguousSendError, TransientSendError
 from idemmail_celery.ledger import ClaimRequest
@@ -132,6 +137,142 @@ def test_verdict_fails_a_run_whose_planned_disturbances_did_not_happen() -> None
     for expected, planted in cases.items():
         problems = verdict(replace(clean_run(s), **planted))
         assert any(expected in p for p in problems), (expected, problems)
+
+
+class Recorded:
+    """What the chaos workers record of one task id's messages (see chaos.workerapp), written by hand: each
+    delivery of a message (receipts, and ends for those that ended) and each message a delivery published."""
+
+    def __init__(self, task_id: str = "m0", key: str = "k1") -> None:  # the first message's hop is its task id
+        self.task_id, self.key = task_id, key
+        self.receipts: list[list[Any]] = []
+        self.ends: set[tuple[str, int, float]] = set()
+        self.publishes: list[list[Any]] = []
+
+    def deliver(self, hop: str, at: float, *, ended: bool = True, redelivered: bool = False, pid: int = 1) -> None:
+        self.receipts.append([self.task_id, pid, at, self.key, hop, redelivered])
+        if ended:
+            self.ends.add((self.task_id, pid, at))
+
+    def publish(self, hop: str, parent: str, at: float, countdown: float) -> None:
+        self.publishes.append([self.task_id, hop, self.task_id, parent, at, at + countdown])
+
+    def judged(self, s: Scenario) -> Result:
+        """A clean run of ``s`` whose copies are these."""
+        copies = copies_by_task(self.receipts, self.ends, self.publishes, {self.task_id: 0.0})[self.task_id]
+        return replace(clean_run(s), max_copies_per_task=copies.deliveries, max_lineages=copies.lineages,
+                       unexplained_forks=copies.unexplained_forks, longest_chain=copies.longest_chain)
+
+
+DEFAULTS = Scenario(name="defaults", intents=1, kills=0, fault_rate=0.0, defaults=True)
+
+
+def test_verdict_fails_a_run_whose_copies_multiplied() -> None:
+    # The storm of before countdowns were capped: a copy waiting 30 s under a 10 s visibility timeout was handed
+    # out again while its worker still held it, and every delivery rescheduled it. No kill in sight.
+    rec = Recorded()
+    rec.deliver("m0", 0.0)
+    rec.publish("m1", "m0", 0.0, 30.0)
+    frontier, at = ["m1"], 0.0
+    for _ in range(3):
+        at += 10.0
+        later = []
+        for hop in frontier:
+            for copy in range(2):  # handed out, and again a visibility timeout later
+                rec.deliver(hop, at + 10.0 * copy, redelivered=copy > 0)
+                rec.publish(f"{hop}.{copy}", hop, at + 10.0 * copy, 30.0)
+                later.append(f"{hop}.{copy}")
+        frontier = later
+    r = rec.judged(DEFAULTS)
+    assert (r.max_lineages, r.unexplained_forks) == (8, 7)
+    assert any("copies multiplied: one task id's messages forked 7 times" in p for p in verdict(r)), verdict(r)
+
+
+def test_verdict_passes_one_chain_hopping_behind_a_dead_holders_lease_however_many_hops() -> None:
+    # What the old judge failed (17 hand-outs of one task id > 12): reschedules on the lease, 5 s hops below the
+    # visibility timeout, one message alive at a time.
+    rec = Recorded()
+    rec.deliver("m0", 0.0)
+    for n in range(1, 17):
+        rec.publish(f"m{n}", f"m{n - 1}", 5.0 * n - 5.0, 5.0)
+        rec.deliver(f"m{n}", 5.0 * n)
+    r = rec.judged(DEFAULTS)
+    assert (r.max_copies_per_task, r.longest_chain, r.max_lineages, r.unexplained_forks) == (17, 17, 1, 0)
+    assert verdict(r) == []
+
+
+def test_verdict_passes_a_fork_a_kill_explains() -> None:
+    # A delivery killed after it published its next message and before its acknowledgement: the broker hands it
+    # out again and that delivery publishes too. Two lineages, by design.
+    rec = Recorded()
+    rec.deliver("m0", 0.0, ended=False, pid=1)
+    rec.publish("m1", "m0", 0.1, 1.0)
+    rec.deliver("m0", 11.0, redelivered=True, pid=2)
+    rec.publish("m1b", "m0", 11.0, 1.0)
+    rec.deliver("m1", 1.1)
+    rec.deliver("m1b", 12.0)
+    r = rec.judged(DEFAULTS)
+    assert (r.max_lineages, r.unexplained_forks) == (2, 0)
+    assert verdict(r) == []
+    rec.deliver("m0", 22.0, redelivered=True, pid=3)  # and once more, with no kill: that one multiplied
+    rec.publish("m1c", "m0", 22.0, 1.0)
+    assert any("forked 1 times with no kill" in p for p in verdict(rec.judged(DEFAULTS)))
+
+
+DESIGN = RecoveryDesign(lease=30.0, margin=0.5, redelivered=11.0, send=10.0, retry_backoff=2.0,
+                        retry_backoff_max=300.0)
+
+
+def recovered(reschedule_due: float | None, handed_out: float, settled: float, restored: float = 111.0) -> Result:
+    """A holder killed at 100 s: its message handed out again at ``restored`` finds the claim held and reschedules;
+    the reschedule is due at ``reschedule_due``, handed out at ``handed_out``; the intent settles at ``settled``.
+    No reschedule (None): the message is handed out again after the lease ran out and takes the claim over."""
+    rec = Recorded()
+    rec.deliver("m0", 99.0, ended=False, pid=1)
+    rec.deliver("m0", restored, redelivered=True, pid=2)
+    if reschedule_due is not None:
+        rec.publish("m1", "m0", restored, reschedule_due - restored)
+        rec.deliver("m1", handed_out, pid=2)
+    copies = copies_by_task(rec.receipts, rec.ends, rec.publishes, {rec.task_id: 90.0})
+    found = recoveries([(rec.task_id, "m0", rec.key, 100.0)], copies, {rec.key: settled}, {}, DESIGN)
+    s = replace(DEFAULTS, kills=1, whole_worker_share=1.0)
+    return replace(clean_run(s), child_kills=0, worker_kills=1, killed_executions=1, recoveries=found,
+                   recovery_design=DESIGN.bound())
+
+
+def test_the_recovery_design_comes_from_the_library_settings_the_workers_run_with() -> None:
+    config = {"ns": "t", "broker": "redis://127.0.0.1:6379/0", "ledger": "redis://127.0.0.1:6379/0",
+              "provider": "http://127.0.0.1:1", "provider_key": "k", "provider_timeout": "10", "lease": "3",
+              "visibility_timeout": "10", "trace": "", "defaults": "1", "key_secrets": "", "restore_defaults": ""}
+    task = build_app(config).tasks["idemmail_celery.send_email"]
+    # The library's 30 s lease (not the chaos runs' 3 s), the 10 s visibility timeout and the quick restore scan.
+    assert recovery_design(task.app, task.name, "prefork") == DESIGN
+    green = build_app({**config, "restore_defaults": "1"})  # a green pool restores on the library's 10 s timer
+    assert recovery_design(green, task.name, "gevent").redelivered == 20.0
+    assert DESIGN.bound() == 40.5 and DESIGN.bound(queue_wait=5.0, faults=1) == 30.5 + 2 * 15.0 + 2.0
+
+
+def test_verdict_fails_an_intent_whose_copy_waited_past_its_holders_lease() -> None:
+    assert verdict(recovered(reschedule_due=130.5, handed_out=130.5, settled=131.0)) == []
+    # The library oversleeping the lease (its reschedule due 30 s past it), with a broker that kept time.
+    r = recovered(reschedule_due=160.0, handed_out=160.0, settled=160.3)
+    assert (r.recoveries[0].queue_wait, r.recoveries[0].allowed) == (0.0, 40.5)
+    assert any("settled 60.3 s later, over the 40.5 s the design allows" in p for p in verdict(r)), verdict(r)
+    # The killed message handed back a minute late (a restore timer handing back ten messages a pass): not the
+    # queue's wait, a restore that failed.
+    r = recovered(reschedule_due=None, handed_out=0.0, settled=160.3, restored=160.0)
+    assert r.recoveries[0].queue_wait == 0.0
+    assert any("settled 60.3 s later" in p for p in verdict(r)), verdict(r)
+
+
+def test_verdict_passes_an_intent_whose_broker_handed_its_copy_out_late() -> None:
+    # Due on time, handed out a minute late (a deep queue: a reschedule waits behind the whole backlog).
+    r = recovered(reschedule_due=130.5, handed_out=190.0, settled=190.3)
+    assert (r.recoveries[0].queue_wait, r.recoveries[0].allowed) == (59.5, 100.0)
+    assert verdict(r) == []
+    # Still waiting when another copy settled it: its wait counts up to then.
+    r = recovered(reschedule_due=130.5, handed_out=200.0, settled=150.0)
+    assert r.recoveries[0].queue_wait == 19.5 and verdict(r) == []
 
 
 def drill(s_keyed: bool) -> Result:

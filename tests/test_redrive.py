@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,9 +18,17 @@ from idemmail_celery._common import KEY_HEADER
 from idemmail_celery.handler import Action, Delivery, Handler
 from idemmail_celery.keys import Payload
 from idemmail_celery.ledger import ClaimRequest, State
-from idemmail_celery.redrive import LOCK_KEY, MIN_SWEEP_AFTER, SWEEP_TASK, stranded_after, sweep_stranded
+from idemmail_celery.redrive import (
+    LOCK_KEY,
+    MIN_SWEEP_AFTER,
+    SWEEP_TASK,
+    redelivered_after,
+    restore_unacked,
+    stranded_after,
+    sweep_stranded,
+)
 
-from .conftest import RABBITMQ_URL, REDIS_URL, drop_ledger, unique
+from .conftest import RABBITMQ_URL, REDIS_URL, drop_ledger, unique, wait_for
 from .test_handler import Mailbox, Refusing
 
 
@@ -152,3 +161,89 @@ def test_a_claim_renewed_after_the_sweep_listed_it_is_not_re_driven(
     assert sweep_stranded(app, after_seconds=1e-9) == []  # live: not re-driven at any age
     record = ledger.get(key)
     assert record is not None and record.token == claim.token and record.reclaims == 0
+
+
+@pytest.mark.parametrize(("broker", "options", "event_loop", "expected"), [
+    ("redis://h/0", {}, True, 3600 + 10 * 10),  # kombu's defaults: an hour, then a scan every 10 x 10 s
+    ("redis://h/0", {}, False, 3600 + 10),  # a green pool: the library's timer, every unacked_restore_interval
+    ("redis://h/0", {"visibility_timeout": 10, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}, True, 11),
+    ("sqs://", {"visibility_timeout": 60}, True, 60),  # SQS hands it out again itself
+    ("amqp://h//", {}, True, 0),  # requeued when the dead worker's connection drops
+])
+def test_a_dead_workers_messages_come_back_after_the_visibility_timeout_and_one_restore_scan(
+    broker: str, options: dict[str, Any], event_loop: bool, expected: float
+) -> None:
+    app = Celery("redelivered", broker=broker, set_as_current=False)
+    app.conf.broker_transport_options = options
+    assert redelivered_after(app, event_loop=event_loop) == expected
+
+
+def killed_workers_messages(app: Celery, n: int) -> tuple[redis.Redis, str, str]:
+    """``n`` messages in ``app``'s queue handed out and never acknowledged, as a SIGKILL leaves them, a minute
+    past their visibility timeout; returns a Redis client, the transport's key prefix and the queue's key."""
+    prefix = unique("unacked") + "."
+    app.conf.broker_transport_options = {**(app.conf.broker_transport_options or {}), "global_keyprefix": prefix,
+                                         "visibility_timeout": 5}
+    queue = app.conf.task_default_queue
+    r = redis.Redis.from_url(REDIS_URL)
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        with conn.Producer() as producer:
+            for i in range(n):
+                producer.publish({"n": i}, routing_key=queue, declare=[conn.SimpleQueue(queue).queue])
+        for _ in range(n):
+            assert channel.basic_get(queue, no_ack=False) is not None  # handed out, never acknowledged
+        channel.qos._delivered.clear()  # nothing hands them back at close
+    r.zadd(f"{prefix}unacked_index", dict.fromkeys(r.zrange(f"{prefix}unacked_index", 0, -1), time.time() - 60))
+    assert r.llen(f"{prefix}{queue}") == 0
+    return r, prefix, f"{prefix}{queue}"
+
+
+def forget(r: redis.Redis, prefix: str) -> None:
+    for name in r.scan_iter(f"{prefix}*"):
+        r.delete(name)
+    r.close()
+
+
+@pytest.mark.parametrize(("limit", "restored"), [(None, 25), (10, 10)])
+def test_one_restore_pass_hands_back_every_message_a_killed_worker_held(
+    redis_broker_app: Celery, limit: int | None, restored: int
+) -> None:
+    # A killed green-pool worker holds a message per slot and its countdowns: kombu's event loop restores them
+    # all in one pass (its unacked_restore_limit unset), and so must the timer that stands in for it.
+    app = redis_broker_app
+    if limit is not None:
+        app.conf.broker_transport_options = {"unacked_restore_limit": limit}
+    r, prefix, queue = killed_workers_messages(app, 25)
+    try:
+        with app.connection_for_read() as conn:
+            restore_unacked(app, conn, 10.0)
+        assert r.llen(queue) == restored
+    finally:
+        forget(r, prefix)
+
+
+def test_a_restorer_killed_mid_pass_holds_the_restores_up_one_interval_not_five_minutes(
+    redis_broker_app: Celery,
+) -> None:
+    # A green pool is killed whole, its restore timer with it: mid-pass, it leaves kombu's lock behind.
+    app = redis_broker_app
+    r, prefix, queue = killed_workers_messages(app, 5)
+    dead, stuck = app.connection_for_read(), threading.Event()
+    dead.default_channel.qos.restore_by_tag = lambda *a, **k: stuck.wait(30)  # never gets past its first message
+    killed = threading.Thread(target=restore_unacked, args=(app, dead, 1.0), daemon=True)
+    try:
+        killed.start()
+        wait_for(lambda: r.exists(f"{prefix}unacked_mutex"), timeout=10)
+        assert 0 < r.pttl(f"{prefix}unacked_mutex") <= 1000  # kombu's own: 300 s
+        with app.connection_for_read() as conn:
+            restore_unacked(app, conn, 1.0)  # still held: this pass skips
+            assert r.llen(queue) == 0
+            time.sleep(1.2)
+            restore_unacked(app, conn, 1.0)
+        assert r.llen(queue) == 5
+    finally:
+        stuck.set()
+        killed.join(10)
+        dead.release()
+        forget(r, prefix)
