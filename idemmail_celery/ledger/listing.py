@@ -5,7 +5,8 @@ and in which order: by the time each record entered its state (``updated_at``), 
 ``newest_first``, ties by key. :meth:`Ledger.list_records <idemmail_celery.ledger.base.Ledger.list_records>`
 answers one :class:`RecordPage` and a cursor to the next; :meth:`Ledger.summarize
 <idemmail_celery.ledger.base.Ledger.summarize>` answers how many records match and how they divide by
-reason and by task (the admin's sidebar). The Django admin and ``idemmail ledger list`` both list this way.
+reason, task and day (the admin's sidebar and date hierarchy). The Django admin and ``idemmail ledger
+list`` both list this way.
 
 **What a search matches.** Every word (case-insensitive) must be found in one of: the start of the key,
 the task name, the result's message id, or the record's :class:`Label` (its template, event id, tags and
@@ -26,8 +27,8 @@ with :meth:`~idemmail_celery.ledger.base.Ledger.iter_records` (fine for small st
   and its sidebar's counts from it.
 
 A ledger that seals payloads, results and errors (:class:`~idemmail_celery.ledger.sealed.SealedLedger`)
-hands its backend the query without what only the opened fields can answer (reason, words), and checks
-those here: correct, but it reads every record of the state to count them.
+hands its backend the query without what only the opened fields can answer (reason, words) and checks
+those here, after opening each record; it counts no reasons (its store cannot read one).
 """
 
 from __future__ import annotations

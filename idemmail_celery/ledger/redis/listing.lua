@@ -1,6 +1,6 @@
 -- Runs after prelude.lua: fields.
 -- Read-only: records of one bucket checked against a listing's filters, or counted, for the review queue
--- (``RedisLedger._listing_window`` and ``summarize``; the caller walks the state's indexes and names the records).
+-- (``RedisLedger._listing_window`` and ``count``; the caller walks the state's indexes and names the records).
 -- KEYS: the records (hashes), then, when there are words, their payloads in the same order.
 -- ARGV: mode ('check' or 'tally'), the state, the task and the reason to match ('' for any), how many
 -- words, then (with words) the words (lower case) and the records' keys in KEYS' order.
