@@ -175,7 +175,7 @@ def notes(results: list[Result]) -> str:
             against = "" if closest is None else (
                 f" (design {r.recovery_design:.1f} s plus the broker's queue wait on the path, up to "
                 f"{max(rec.queue_wait for rec in r.recoveries):.1f} s here; closest to its bound: "
-                f"{closest.settled_after:.1f} of {closest.allowed:.1f} s)")
+                f"{closest.settled_after:.1f} of {closest.allowed:.1f} s{'' if s.defaults else ', not judged'})")
             out.append(f"- {s.name}: {r.killed_executions} executions cut short by whole-worker kills; from the "
                        f"kill to the intent's delivery: {spread(r.kill_to_delivery)}, to its final ledger record: "
                        f"{spread(r.kill_to_settled)}{against}")

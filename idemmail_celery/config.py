@@ -276,8 +276,10 @@ SETTINGS: tuple[Setting, ...] = (
             "`idemmail_sweep_after_seconds` (15 min at most). Off: only a beat entry runs the sweep."),
     Setting("idemmail_restore_unacked", parse_bool, True,
             "Workers that run no kombu event loop (`-P gevent`, `-P eventlet`) on a Redis broker hand a killed "
-            "worker's unacked messages back to the queue every `unacked_restore_interval` seconds. Off: only "
-            "workers with an event loop do."),
+            "worker's unacked messages back to the queue every `unacked_restore_interval` seconds, and every "
+            "worker on a Redis broker holds the transport's restore lock one restore period at most unless "
+            "`unacked_mutex_expire` is set (kombu: 300 s, and a worker killed mid-scan stopped every restore that "
+            "long). Off: only workers with an event loop restore, kombu's way."),
     Setting("idemmail_refuse_to_start", parse_bool, False,
             "Exit at worker start when a start-up check fails (a ledger that does not answer or whose driver is "
             "missing, a provider that cannot be built, no key secret). Off: each failure is one ERROR line with "

@@ -138,11 +138,18 @@ def redelivered_after(app: Any, *, event_loop: bool = True) -> float:
     broker that requeues them when the worker's connection drops (AMQP)."""
     longest = transport_visibility_timeout(app) or 0.0
     if longest and _redis_broker(app):  # restored only on the transport's next scan after it
-        period = _transport_option(app, "unacked_restore_interval", _KOMBU_RESTORE_INTERVAL)
-        if event_loop:
-            period *= _transport_option(app, "unacked_restore_throttle", _KOMBU_RESTORE_THROTTLE)
-        longest += period
+        longest += restore_period(app, event_loop=event_loop)
     return longest
+
+
+def restore_period(app: Any, *, event_loop: bool = True) -> float:
+    """Seconds between two scans that restore a Redis broker's unacked messages: kombu's event loop scans every
+    ``unacked_restore_interval`` x ``unacked_restore_throttle``, the library's timer in a worker without one
+    every ``unacked_restore_interval``."""
+    period = _transport_option(app, "unacked_restore_interval", _KOMBU_RESTORE_INTERVAL)
+    if event_loop:
+        period *= _transport_option(app, "unacked_restore_throttle", _KOMBU_RESTORE_THROTTLE)
+    return period
 
 
 def sweep_stranded(app: Any, *, after_seconds: float | None = None, now: float | None = None,
@@ -324,10 +331,36 @@ def _idempotent(app: Any) -> bool:
 
 
 def _on_init(sender: Any = None, **_: Any) -> None:
-    """``worker_init``: a worker of an app with idempotent tasks can run :data:`SWEEP_TASK` (a beat entry)."""
+    """``worker_init``: a worker of an app with idempotent tasks can run :data:`SWEEP_TASK` (a beat entry), and
+    holds the Redis transport's restore lock for a bounded time (:func:`bound_restore_lock`)."""
     app = getattr(sender, "app", None)
-    if app is not None and SWEEP_TASK not in app.tasks and _idempotent(app):
+    if app is None or not _idempotent(app):
+        return
+    if SWEEP_TASK not in app.tasks:
         app.task(name=SWEEP_TASK, bind=True, ignore_result=True, shared=False)(_sweep)
+    # Before the consumer connects: its connection takes the transport options as they are now.
+    bound_restore_lock(app, event_loop=bool(getattr(sender, "use_eventloop", True)))
+
+
+def bound_restore_lock(app: Any, *, event_loop: bool) -> None:
+    """Unless ``unacked_mutex_expire`` is set (or ``idemmail_restore_unacked`` is off), set it to one restore
+    period (:func:`restore_period`, 1 s at least) in ``app``'s transport options on a Redis broker.
+
+    kombu holds the lock over its restore scan for 300 s by default. A worker killed whole in the middle of a
+    scan (a few milliseconds a message, every second with a quick ``unacked_restore_interval``) leaves it
+    held, and no worker of that database restores anything until it expires: every message of every worker
+    killed meanwhile stays unacked five minutes. Two scans that overlap restore each message once (each
+    restore is a transaction watching the unacked set), so a short lock costs at most some work done twice.
+    """
+    try:
+        settings = Settings.resolve(app.conf)
+    except IdemmailError:  # the start-up check says what is wrong
+        return
+    options = dict(app.conf.broker_transport_options or {})
+    if not settings.restore_unacked or not _redis_broker(app) or options.get("unacked_mutex_expire") is not None:
+        return
+    options["unacked_mutex_expire"] = max(1.0, restore_period(app, event_loop=event_loop))
+    app.conf.broker_transport_options = options
 
 
 def _on_ready(sender: Any = None, **_: Any) -> None:

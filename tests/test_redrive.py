@@ -22,6 +22,7 @@ from idemmail_celery.redrive import (
     LOCK_KEY,
     MIN_SWEEP_AFTER,
     SWEEP_TASK,
+    bound_restore_lock,
     redelivered_after,
     restore_unacked,
     stranded_after,
@@ -247,3 +248,31 @@ def test_a_restorer_killed_mid_pass_holds_the_restores_up_one_interval_not_five_
         killed.join(10)
         dead.release()
         forget(r, prefix)
+
+
+@pytest.mark.parametrize(("broker", "options", "conf", "event_loop", "expected"), [
+    ("redis://h/0", {}, {}, True, 100.0),  # kombu's event loop: a scan every 10 x 10 s
+    ("redis://h/0", {}, {}, False, 10.0),  # a green pool: the library's timer, every 10 s
+    ("redis://h/0", {"unacked_restore_interval": 1, "unacked_restore_throttle": 1}, {}, True, 1.0),
+    ("redis://h/0", {"unacked_mutex_expire": 30}, {}, True, 30),  # as set
+    ("redis://h/0", {}, {"idemmail_restore_unacked": False}, True, None),  # the library restores nothing: as kombu
+    ("amqp://h//", {}, {}, True, None),
+])
+def test_a_worker_holds_the_transports_restore_lock_one_restore_period_not_five_minutes(
+    tmp_path: Any, broker: str, options: dict[str, Any], conf: dict[str, Any], event_loop: bool,
+    expected: float | None
+) -> None:
+    # A worker killed whole mid-scan leaves kombu's lock held: 300 s by default, and no restore meanwhile.
+    app = Celery("lock", broker=broker, set_as_current=False)
+    app.conf.update(broker_transport_options=options, idemmail_ledger_url=f"sqlite:///{tmp_path / 'l.sqlite3'}",
+                    **conf)
+    bound_restore_lock(app, event_loop=event_loop)
+    assert app.conf.broker_transport_options.get("unacked_mutex_expire") == expected
+
+
+def test_the_consumers_redis_channel_takes_the_bounded_restore_lock(redis_broker_app: Celery) -> None:
+    app = redis_broker_app
+    app.conf.broker_transport_options = {"unacked_restore_interval": 1, "unacked_restore_throttle": 2}
+    bound_restore_lock(app, event_loop=True)
+    with app.connection_for_read() as conn:  # as the worker's consumer makes its connection, after worker_init
+        assert conn.default_channel.qos.unacked_mutex_expire == 2.0
