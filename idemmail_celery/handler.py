@@ -112,6 +112,10 @@ COMPLETE_ATTEMPTS = 3
 #: The stage of the mark a holder whose side effect makes no mark of its own writes before running it during a
 #: key-secret rotation (see :meth:`Handler.attempt`).
 RUN_STAGE = "run"
+#: The stage of the release note of an attempt that may have sent, to be retried with its key: the claim that
+#: reopens the record carries it as a mark (its side effect may have run under this key: see
+#: :func:`may_have_run`), and a takeover keeps it rather than write the ``unknown`` mark over it.
+MAYBE_SENT_STAGE = "maybe_sent"
 #: The reason of an intent that ends ``failed`` because its retry deadline passed while every attempt
 #: failed without sending (``Delivery.retry_from``).
 RETRY_DEADLINE = "retry_deadline"
@@ -715,6 +719,8 @@ class Handler:
         if retry_safe and budget_left:
             note = {**error_record(exc, reason, type(exc) if isinstance(exc, SendError) else SendError),
                     "maybe_sent": sent_maybe}
+            if sent_maybe:  # retried with its key: the note is a write-ahead mark for whoever claims it next
+                note[AHEAD_FIELD] = MAYBE_SENT_STAGE
             self.released(d, claim, note)
             countdown = self.retry_countdown(d.retries)
             if isinstance(exc, SendError) and exc.retry_after:
