@@ -560,10 +560,10 @@ class Handler:
         except Exception as exc:  # nothing claimed there, or its reply lost: the next delivery comes here again
             return self.unavailable(d, exc, carry=_held(d))
         step = self.settle(there, found)
-        self.echo(d, claim, other)
+        self.copy_final_record(d, claim, other)
         return step
 
-    def echo(self, d: Delivery, claim: Claim, other: str) -> None:
+    def copy_final_record(self, d: Delivery, claim: Claim, other: str) -> None:
         """Record under ``d.key``, held by ``claim`` and never run, the final record the intent has under
         ``other`` (best effort: unsettled, the claim's lease runs out and its next holder does it)."""
         try:
