@@ -115,6 +115,10 @@ RUN_STAGE = "run"
 #: How long past another holder's lease a copy waiting on it comes back at the latest: its lease then has
 #: run out, and the copy takes the claim over (the holder died) or finds it settled.
 LEASE_MARGIN_SECONDS = 0.5
+#: The stage of the release note of an attempt that may have sent, to be retried with its key: the claim that
+#: reopens the record carries it as a mark (its side effect may have run under this key: see
+#: :func:`may_have_run`), and a takeover keeps it rather than write the ``unknown`` mark over it.
+MAYBE_SENT_STAGE = "maybe_sent"
 #: The reason of an intent that ends ``failed`` because its retry deadline passed while every attempt
 #: failed without sending (``Delivery.retry_from``).
 RETRY_DEADLINE = "retry_deadline"
@@ -559,10 +563,10 @@ class Handler:
         except Exception as exc:  # nothing claimed there, or its reply lost: the next delivery comes here again
             return self.unavailable(d, exc, carry=_held(d))
         step = self.settle(there, found)
-        self.echo(d, claim, other)
+        self.copy_final_record(d, claim, other)
         return step
 
-    def echo(self, d: Delivery, claim: Claim, other: str) -> None:
+    def copy_final_record(self, d: Delivery, claim: Claim, other: str) -> None:
         """Record under ``d.key``, held by ``claim`` and never run, the final record the intent has under
         ``other`` (best effort: unsettled, the claim's lease runs out and its next holder does it)."""
         try:
@@ -718,6 +722,8 @@ class Handler:
         if retry_safe and budget_left:
             note = {**error_record(exc, reason, type(exc) if isinstance(exc, SendError) else SendError),
                     "maybe_sent": sent_maybe}
+            if sent_maybe:  # retried with its key: the note is a write-ahead mark for whoever claims it next
+                note[AHEAD_FIELD] = MAYBE_SENT_STAGE
             self.released(d, claim, note)
             countdown = self.retry_countdown(d.retries)
             if isinstance(exc, SendError) and exc.retry_after:

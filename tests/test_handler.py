@@ -1181,3 +1181,42 @@ def test_a_rotation_claim_taken_over_from_a_paused_holder_keeps_its_tokens(ledge
         assert held.state is State.SENT and held.result == ledger.get("rr7-new").result  # type: ignore[union-attr]
     else:
         assert step.outcome is Outcome.LEDGER_UNAVAILABLE and box.sent == []
+
+
+def test_a_keyed_attempt_that_may_have_sent_stays_the_intents_key_through_a_rotation(ledger: Ledger) -> None:
+    """Found by the simulator (sim/traces/keyed_rotation_released_maybe_sent_claim_withdrawn_sends_twice.json):
+    during a rotation a keyed send under the old key was accepted with its reply lost (released, to be retried
+    with the key); the retry's claim landed with its reply lost, and the delivery after it took the claim back
+    with nothing on it but the release note. Taken for a claim that never ran, it was withdrawn in favour of
+    a never-run claim under the new key, and the intent went out again under a key the provider never saw."""
+    refusing = Refusing(ledger)
+    box = Mailbox(carries_key=True)
+    handler, _ = build(refusing, box, lease_seconds=0.2)
+    on_old, on_new = rotating("rr8-old", "rr8-new")
+    box.fail_with = AmbiguousSendError("the reply never came", reason="timeout")
+
+    class AcceptedThenTimedOut(Mailbox):
+        def perform(self, payload: Payload, key: str) -> Any:
+            self.sent.append((key, payload.kwargs.get("body")))
+            raise AmbiguousSendError("the reply never came", reason="timeout")
+
+    handler.effect = first_box = AcceptedThenTimedOut(carries_key=True)
+    first = handler.handle(on_old)
+    assert first.action is Action.RETRY and first_box.sent == [("rr8-old", "first")]
+    # A copy on a worker of the other phase claimed the new key before that send began, and died before its check.
+    ledger.claim(ClaimRequest(key="rr8-new", task_name="tests.mail", payload=on_new.payload.to_json(),
+                              fingerprint="", owner="dead:1", lease_seconds=0.2))
+    handler.effect = box
+    box.fail_with = None
+    refusing.down.add("claim_lost_reply")
+    second = handler.handle(next_of(on_new, first, older_keys=("rr8-old",)))  # reopens the old key's claim
+    assert second.action is Action.RESCHEDULE
+    refusing.down.clear()
+    time.sleep(0.35)
+    step = handler.handle(next_of(on_new, second, older_keys=("rr8-old",)))
+    for _ in range(3):
+        if step.action is not Action.RESCHEDULE:
+            break
+        step = handler.handle(next_of(on_new, step, older_keys=("rr8-old",)))
+    assert {key for key, _ in first_box.sent + box.sent} == {"rr8-old"}  # one key: one email
+    assert (step.outcome, step.key) == (Outcome.SENT, "rr8-old")
