@@ -949,7 +949,8 @@ class SQLLedger(Ledger):
                                                                                             t.c.intent_key)
         stmt = sa.select(t).where(*self._where(query, now)).order_by(*order).limit(want)
         if position is not None:
-            row, bound = sa.tuple_(t.c.updated_at, t.c.intent_key), sa.tuple_(position.at, position.key)
+            row, bound = sa.tuple_(t.c.updated_at, t.c.intent_key), sa.tuple_(
+                sa.literal(position.at, t.c.updated_at.type), sa.literal(position.key, t.c.intent_key.type))
             stmt = stmt.where(row < bound if query.newest_first else row > bound)
         skipped = skip if skip and not query.words else 0  # every other condition is exact
         if skipped:
