@@ -987,7 +987,7 @@ class Handler:
         """
         carry = _held(d) if carry is None else carry
         if isinstance(exc, (LedgerUnavailableError, UnsafeLedgerError)):
-            _say_unreachable_once(self.ledger, exc)
+            say_unreachable_once(self.ledger, exc)
             if self.policy.fail_open and VERDICT_HEADER not in carry:
                 return self.fail_open(d, exc)
         return wait_out(self.policy, self.effect, d, exc, carry=carry, value=value, error=error)
@@ -1206,7 +1206,7 @@ _said_unreachable: set[int] = set()
 _said_lock = threading.Lock()
 
 
-def _say_unreachable_once(ledger: Ledger, exc: Exception) -> None:
+def say_unreachable_once(ledger: Ledger, exc: Exception) -> None:
     """One ERROR line per process and ledger when it stops answering; each delivery then reports INFO."""
     with _said_lock:
         if id(ledger) in _said_unreachable:

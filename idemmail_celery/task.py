@@ -79,6 +79,7 @@ from .handler import (
     Step,
     owners_of,
     say_setup_error_once,
+    say_unreachable_once,
     verdict_of,
     wait_out,
 )
@@ -551,6 +552,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # message FAILURE (acknowledged, gone). It waits on the outage budget, its chain state kept.
             if headers is None:
                 headers = untrusted_removed(received)
+            if isinstance(exc, LedgerError):  # the roster's check before the claim: said once, as a claim says it
+                say_unreachable_once(self.ledger, exc)
             step = wait_out(self._policy_or_default(), self, _chain_state(self.name, request, headers, payload), exc)
             return self._carry_out(step, headers)
         request.idempotency_key = key
