@@ -34,18 +34,19 @@ from typing import Any
 from celery import Task, shared_task
 
 from . import outcomes, redaction
-from ._common import (
-    CAMPAIGN_HEADER,
-    KEY_MARK_HEADER,
-    OWNER_HEADER,
-    SEALED_HEADERS,
-    VERDICT_HEADER,
-    backoff,
-    chain_headers,
-    logsafe,
-    transport_visibility_timeout,
-)
+from ._common import backoff, logsafe, transport_visibility_timeout
 from ._lease import keeper
+from .chain import (
+    KEY_MARK_HEADER,
+    SEALED_HEADERS,
+    Carry,
+    ChainState,
+    Verdict,
+    campaign_pass_headers,
+    campaign_verdicts,
+    held_by,
+    owners_of,
+)
 from .config import Settings
 from .errors import ConfigurationError, IdemmailError, LedgerError, SendNeedsReview
 from .handler import (
@@ -57,10 +58,7 @@ from .handler import (
     Policy,
     Step,
     error_record,
-    held_by,
-    owners_of,
     say_setup_error_once,
-    verdict_of,
     writes_ahead,
 )
 from .keys import Payload, Seal, untrusted_removed
@@ -130,8 +128,8 @@ class BatchResult:
         (during a key-secret rotation an older key, which the next pass's secrets may not derive), each
         with the ``owner`` (a list, newest first) its claim is held by: the pass that records it takes
         the claim back as that owner, under that key."""
-        return {s.key: {**s.carry[VERDICT_HEADER], "owner": s.carry.get(OWNER_HEADER)}
-                for s in self.steps if VERDICT_HEADER in s.carry}
+        return {s.key: {**s.carry.verdict.to_header(), "owner": list(s.carry.owners) or None}
+                for s in self.steps if s.carry.verdict is not None}
 
     def settled_keys(self) -> set[str]:
         """Every key this batch settled a recipient under: the deliveries' and their claims'. A recipient left
@@ -208,7 +206,7 @@ def _settle_one(handler: Handler, d: Delivery, claim: Claim, *, last: bool) -> S
         except Exception:
             log.exception("idemmail: parking a campaign recipient failed; the next pass records it")
             return Step(Outcome.ERROR, Action.RESCHEDULE, d.key, error=exc,
-                        carry={VERDICT_HEADER: {"state": "review", "error": error}})
+                        carry=Carry(verdict=Verdict("review", error=error)))
 
 
 def _send_campaign(
@@ -256,11 +254,11 @@ def _send_campaign(
     owner = new_owner(self.request.id or "campaign", ahead=writes_ahead(sender))
     # The owners whose claims this pass may hold or find held (a batch claim whose reply was lost may or may
     # not have landed): every pass it hands on to takes back whichever of them holds a recipient's claim.
-    owners = held_by(owner, owners_of(request_headers.get(OWNER_HEADER)))
-    carried = request_headers.get(VERDICT_HEADER)
-    verdicts = carried if isinstance(carried, dict) else {}
+    chain = ChainState.from_headers(request_headers)
+    owners = list(held_by(owner, chain.owners))
+    verdicts = campaign_verdicts(request_headers)
     # A pass that ran out of time handed the rest of the list to this one (see _yield_pass).
-    resumed = _Resumed.of(request_headers.get(CAMPAIGN_HEADER), len(recipients))
+    resumed = _Resumed.of(chain.campaign, len(recipients))
     # Neither running out of time nor waiting on an outage is a retry of the campaign.
     passes = max(0, (self.request.retries or 0) - resumed.continued - resumed.outages)
     policy = sender._policy_or_default()
@@ -443,10 +441,11 @@ def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: s
         if key in out:
             continue
         claim_key = next((k for k in (key, *older) if k in verdicts), None) or by_place.get(place)
-        verdict = verdict_of(verdicts.get(claim_key)) if claim_key is not None else None
+        carried = verdicts.get(claim_key) if claim_key is not None else None
+        verdict = Verdict.from_header(carried)
         for k in (key, *older, *([claim_key] if verdict is not None else [])):
             recipient_of.setdefault(str(k), place)
-        holders = owners_of(verdict.get("owner")) if verdict is not None else ()
+        holders = owners_of(carried.get("owner")) if verdict is not None and isinstance(carried, dict) else ()
         out[key] = Delivery(key=str(claim_key) if verdict is not None else key, task_name=SEND_EMAIL,
                             payload=payload, attempt_id=request.id or "", retries=passes, max_retries=MAX_PASSES,
                             owner=owner, resume_owners=holders or resume, verdict=verdict,
@@ -485,15 +484,9 @@ def _pass_headers(task: Task, owners: list[str], verdicts: dict[str, Any],
                   resume: dict[str, Any] | None) -> dict[str, Any]:
     """The next pass's headers: this message's, with the claim owners it may hold, its unrecorded verdicts
     and where the next pass starts (none: the whole list) in place of the ones it came with."""
-    state: dict[str, Any] = {OWNER_HEADER: owners}
-    if verdicts:
-        state[VERDICT_HEADER] = verdicts
-    if resume is not None:
-        state[CAMPAIGN_HEADER] = resume
     # What this pass did not write goes; then, last, the seal: the next pass acts on these only if this
     # library wrote them for this campaign (see _trusted).
-    headers = chain_headers(untrusted_removed(task.request.headers or {}, keep=()), state,
-                            drop=(OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER))
+    headers = campaign_pass_headers(untrusted_removed(task.request.headers or {}, keep=()), owners, verdicts, resume)
     headers[KEY_MARK_HEADER] = task.app.tasks[SEND_EMAIL].key_builder.seal(headers, _campaign_call(task),
                                                                           task_name=CAMPAIGN_TASK)
     return headers

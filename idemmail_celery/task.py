@@ -38,28 +38,19 @@ from kombu.serialization import loads as kombu_loads
 
 from . import keys as keys_mod
 from . import outcomes, redaction, roster
-from ._common import (
-    CHAIN_HEADERS,
-    DUE_HEADER,
-    ENQUEUED_HEADER,
-    HOP_HEADER,
-    INFLIGHT_HEADER,
+from ._common import logsafe, transport_visibility_timeout
+from .chain import (
     KEY_HEADER,
     KEY_MARK_HEADER,
-    MAX_OLDER_KEYS,
-    NOT_BEFORE_HEADER,
-    OLDER_KEYS_HEADER,
-    OUTAGE_HEADER,
-    OWNER_HEADER,
-    RELAYED_HEADER,
     SEALED_HEADERS,
     SECRET_WAIT_ERROR_SECONDS,
     SECRET_WAIT_HEADER,
-    TENANT_HEADER,
-    VERDICT_HEADER,
-    chain_headers,
-    logsafe,
-    transport_visibility_timeout,
+    Carry,
+    ChainState,
+    intent_headers,
+    key_headers,
+    next_headers,
+    with_hop,
 )
 from .config import Settings
 from .errors import (
@@ -77,10 +68,8 @@ from .handler import (
     Outcome,
     Policy,
     Step,
-    owners_of,
     say_setup_error_once,
     say_unreachable_once,
-    verdict_of,
     wait_out,
 )
 from .keys import IntentKeyBuilder, KeySpec, Payload, RoundTrip, Seal, untrusted_removed
@@ -378,17 +367,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
         payload = self.validate_call(args, kwargs)
         builder = self.key_builder
-        headers: dict[str, Any] = {KEY_HEADER: builder.derive(payload, explicit=explicit, tenant=tenant)}
+        key = builder.derive(payload, explicit=explicit, tenant=tenant)
         older = builder.older_keys(payload, explicit=explicit, tenant=tenant)  # () unless rotating
-        if older:
-            headers[OLDER_KEYS_HEADER] = list(older)
-        now = time.time()
-        headers[ENQUEUED_HEADER] = f"{now:.3f}"
-        if due is not None and due > now:
-            headers[DUE_HEADER] = f"{due:.3f}"
-        if tenant is not None:
-            headers[TENANT_HEADER] = str(tenant)
-        return self.sealed(headers, payload)
+        return self.sealed(intent_headers(key, older, enqueued_at=time.time(), due_at=due, tenant=tenant), payload)
 
     def key_headers(self, key: str, payload: Payload, older: Sequence[str] = ()) -> dict[str, Any]:
         """The headers that put an intent key the library derived on a message for the call ``payload``, sealed.
@@ -400,7 +381,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         arguments, other headers, another task) is a caller's own, checked and hashed (see
         :meth:`apply_async`).
         """
-        return self.sealed(_key_only(key, older), payload)
+        return self.sealed(key_headers(key, older), payload)
 
     def sealed(self, headers: dict[str, Any], payload: Payload) -> dict[str, Any]:
         """``headers`` with the seal of what they hold for the call ``payload`` (in place; returned).
@@ -532,17 +513,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
         headers: dict[str, Any] | None = None  # until the seal is checked: nothing it vouches for is acted on
         try:
             headers = request.idemmail_trusted = self._trusted(received, payload)
-            chain = _chain_fields(headers)
+            chain = ChainState.from_headers(headers)
             # A delivery after a retry or a reschedule: its success clears the retry's exception in Flower.
-            request.idemmail_rescheduled = bool(chain["inflight"] or chain["outage"] or request.retries)
-            key, older = self._claim_key(payload, headers)
+            request.idemmail_rescheduled = chain.rescheduled or bool(request.retries)
+            key, older = self._claim_key(payload, headers.get(KEY_HEADER), chain)
             # Whatever this delivery publishes next (a retry, a reschedule, the next hop of a wait)
             # carries the key it claims under. Not sealed here: every publish point seals last, after
             # its own headers (see sealed()), so a seal made now would be thrown away, at the cost of
             # a digest of the arguments and an HMAC on every delivery.
-            request.idemmail_key_headers = _key_only(key, older)
+            request.idemmail_key_headers = key_headers(key, older)
             headers.update(request.idemmail_key_headers)
-            self._wait_until_due(headers)
+            self._wait_until_due(headers, chain.not_before)
             handler = self.handler  # opens the ledger: its driver is imported here
             self.ensure_announced()
         except (PermanentSendError, Retry, Ignore):
@@ -554,19 +535,21 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 headers = untrusted_removed(received)
             if isinstance(exc, LedgerError):  # the roster's check before the claim: said once, as a claim says it
                 say_unreachable_once(self.ledger, exc)
-            step = wait_out(self._policy_or_default(), self, _chain_state(self.name, request, headers, payload), exc)
+            waiting = ChainState.from_headers(headers)  # what the message carried, kept for its next delivery
+            step = wait_out(self._policy_or_default(), self, Delivery(
+                key=waiting.key, task_name=self.name, payload=payload, attempt_id=request.id or "",
+                inflight=waiting.inflight, outage=waiting.outage, resume_owners=waiting.owners,
+                verdict=waiting.verdict), exc)
             return self._carry_out(step, headers)
         request.idempotency_key = key
         request.idemmail_owner = owner = new_owner(request.id or "", ahead=handler.writes_ahead())
-        enqueued_at, due_at = _number(headers.get(ENQUEUED_HEADER)), _number(headers.get(DUE_HEADER))
-        # The retry deadline counts from the latest of the enqueue, the due time and an outbox relay's publish.
-        relayed_at = _number(headers.get(RELAYED_HEADER))
-        dated = max(enqueued_at, due_at or 0.0, relayed_at or 0.0) if enqueued_at is not None else None
+        dated = chain.retry_from
         step = handler.handle(Delivery(
-            key=key, task_name=self.name, payload=payload, attempt_id=request.id or "", **chain, older_keys=older,
-            retries=request.retries or 0, max_retries=self.max_retries, enqueued_at=enqueued_at,
-            due_at=due_at, retry_from=time.time() if dated is None else dated,
-            hop=str(headers.get(HOP_HEADER) or request.id or ""), owner=owner,
+            key=key, task_name=self.name, payload=payload, attempt_id=request.id or "", older_keys=older,
+            inflight=chain.inflight, outage=chain.outage, resume_owners=chain.owners, verdict=chain.verdict,
+            retries=request.retries or 0, max_retries=self.max_retries, enqueued_at=chain.enqueued_at,
+            due_at=chain.due_at, retry_from=time.time() if dated is None else dated,
+            hop=chain.hop or str(request.id or ""), owner=owner,
         ))
         return self._carry_out(step, headers)
 
@@ -604,7 +587,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                         "ignored", logsafe(self.name), logsafe(self.request.id), check.value, ", ".join(ignored))
         return untrusted_removed(headers)
 
-    def _claim_key(self, payload: Payload, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+    def _claim_key(self, payload: Payload, carried: Any, chain: ChainState) -> tuple[str, tuple[str, ...]]:
         """The key this delivery claims under, and the older keys to look for first (a rotation).
 
         * a key the library sealed (:meth:`key_headers`; :meth:`_trusted` dropped any other seal): as it is;
@@ -613,19 +596,19 @@ class IdempotentTask(Task):  # type: ignore[misc]
           Message-ID does) therefore never reaches that intent's record;
         * none (sent by name without one): derived from the arguments, as ``apply_async`` would.
         """
-        carried = headers.get(KEY_HEADER) or getattr(self.request, KEY_HEADER, None)
+        carried = carried or getattr(self.request, KEY_HEADER, None)
         # Only headers under a valid seal are left (see _trusted) when the mark is there.
-        if carried and KEY_MARK_HEADER in headers:
-            return self._rotated(str(carried), payload, headers)
+        if carried and chain.sealed:
+            return self._rotated(str(carried), payload, chain)
         if carried:
-            return self._raw_key(carried, headers)
+            return self._raw_key(carried, chain.tenant)
         try:
-            key = self.key_builder.derive(payload, tenant=headers.get(TENANT_HEADER))
+            key = self.key_builder.derive(payload, tenant=chain.tenant)
         except IdemmailError as exc:
             raise PermanentSendError(f"cannot derive an intent key: {exc}", reason="invalid_arguments") from exc
-        return self._rotated(key, payload, headers)
+        return self._rotated(key, payload, chain)
 
-    def _rotated(self, key: str, payload: Payload, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+    def _rotated(self, key: str, payload: Payload, chain: ChainState) -> tuple[str, tuple[str, ...]]:
         """During a key-secret rotation: the key to claim under, and the older keys to look for first.
 
         The caller sends the older keys (it knows an explicit key). A message without them (sent by
@@ -634,11 +617,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         cannot be, and a derived key must not stand in for one. Either way a new record goes under
         the newest key, and one made under any secret is found. Nothing to do with one secret.
         """
-        sent = headers.get(OLDER_KEYS_HEADER)
-        if isinstance(sent, list):  # sealed; still at most one per older secret a rotation can have
-            return key, tuple(str(k) for k in sent[:MAX_OLDER_KEYS] if keys_mod.is_derived_key(k))
+        if chain.older_keys is not None:  # sealed; at most one per older secret a rotation can have
+            return key, tuple(k for k in chain.older_keys if keys_mod.is_derived_key(k))
         builder = self.key_builder
-        tenant = headers.get(TENANT_HEADER)
+        tenant = chain.tenant
         older = builder.older_keys(payload, tenant=tenant)  # () without a rotation: no work
         if not older:
             return key, ()
@@ -647,7 +629,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return newest, older
         return key, ()
 
-    def _raw_key(self, raw: Any, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+    def _raw_key(self, raw: Any, tenant: str | None) -> tuple[str, tuple[str, ...]]:
         """A raw ``idempotency_key`` header's ledger key, namespaced and hashed (an invalid one is refused),
         and its forms under older key secrets (during a rotation: a record made before it is found).
 
@@ -655,7 +637,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         workers have always hashed a raw header. A record under the raw text itself is never looked
         up: whoever can read a key (a Message-ID shows it) could otherwise send under it.
         """
-        tenant = headers.get(TENANT_HEADER)
         builder = self.key_builder
         try:
             key = builder.explicit_key(raw, tenant=tenant)
@@ -670,17 +651,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if action is Action.DROP:
             raise Ignore()  # acknowledged, no result stored: the copy that published the next hop carries on
         if action is Action.RETRY and step.counted:
-            raise self.retry(exc=step.error, countdown=step.countdown, headers=_chain(headers, step.carry, keep=False))
+            raise self.retry(exc=step.error, countdown=step.countdown,
+                             headers=next_headers(headers, step.carry, keep=False))
         if action is Action.RETRY:  # on the time budget the handler checked: Celery's max_retries must not refuse it
             assert isinstance(step.error, Exception)
-            self._publish_again(step.countdown, _chain(headers, step.carry, keep=False), f"retry: {step.error}",
+            self._publish_again(step.countdown, next_headers(headers, step.carry, keep=False), f"retry: {step.error}",
                                 step.error, retries=(self.request.retries or 0) + 1)
         if action is Action.RESCHEDULE:
             why = f"{step.outcome.value}: {step.error}" if step.error is not None else step.outcome.value
             assert isinstance(step.error, Exception)
             # A copy of a reschedule whose first copy has not said it published comes back as the same hop.
-            self._publish_again(step.countdown, _chain(headers, step.carry, keep=True), why, step.error,
-                                hop=step.carry.get(HOP_HEADER),
+            self._publish_again(step.countdown, next_headers(headers, step.carry, keep=True), why, step.error,
+                                hop=step.carry.hop,
                                 published=(lambda: self.handler.published(step)) if step.confirms_hop else None)
         assert step.error is not None
         if step.outcome is not Outcome.LEDGER_GAVE_UP:  # reported by the handler: see Reported
@@ -699,7 +681,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             trusted = getattr(self.request, "idemmail_trusted", None)  # never what the message carried unsealed
             if trusted is None:
                 trusted = untrusted_removed(self.request.headers or {})
-            headers = _chain(dict(trusted), {OWNER_HEADER: [owner]} if owner else {}, keep=False)
+            headers = next_headers(trusted, Carry(owners=(owner,) if owner else ()), keep=False)
             headers.update(getattr(self.request, "idemmail_key_headers", None) or {})  # the key claimed (sealed below)
         if countdown is None and eta is None:
             countdown = self.default_retry_delay
@@ -713,19 +695,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """The countdown to publish with: at most the cap below the visibility timeout; a longer
         wait travels as ``idemmail_not_before`` and the message hops until then. The message is a
         new hop (``hop``: the same one again, see ``Handler.in_flight``)."""
-        headers[HOP_HEADER] = hop or uuid.uuid4().hex
         cap = self._countdown_cap()
-        if cap is not None and countdown > cap:
-            headers[NOT_BEFORE_HEADER] = f"{time.time() + countdown:.3f}"
-            return cap
-        headers.pop(NOT_BEFORE_HEADER, None)
-        return countdown
+        waits = cap is not None and countdown > cap
+        with_hop(headers, hop or uuid.uuid4().hex, time.time() + countdown if waits else None)
+        return cap if waits and cap is not None else countdown
 
     def _countdown_cap(self) -> float | None:
         vt = transport_visibility_timeout(self.app)
         return None if vt is None else max(vt * VISIBILITY_SHARE, 0.1)
 
-    def _wait_until_due(self, headers: dict[str, Any]) -> None:
+    def _wait_until_due(self, headers: dict[str, Any], due: float | None) -> None:
         """A hop of a long wait that is early: publish the next hop and stop here (nothing claimed).
 
         A second copy of the same hop (the broker handed it out again after its visibility timeout)
@@ -733,7 +712,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         only thing carrying its intent, and a mark set before a publish that never happened (a
         worker killed in between) would drop it for good. Two waits meet at the claim.
         """
-        due = _number(headers.get(NOT_BEFORE_HEADER))
         if due is None:
             return
         left = due - time.time()
@@ -849,41 +827,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         outcomes.report(self, outcome, key, **fields)
 
 
-def _key_only(key: str, older: Sequence[str]) -> dict[str, Any]:
-    """The key headers of :meth:`IdempotentTask.key_headers`, unsealed: for a publish point that seals last."""
-    headers: dict[str, Any] = {KEY_HEADER: key}
-    if older:
-        headers[OLDER_KEYS_HEADER] = list(older)
-    return headers
-
-
-def _chain(headers: dict[str, Any], carry: dict[str, Any], *, keep: bool) -> dict[str, Any]:
-    """The headers of the next delivery: this one's, less its chain state (all of it for a new
-    chain, ``keep=False``; the one-shot parts otherwise), plus what the handler carries."""
-    drop = CHAIN_HEADERS if not keep else (OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, NOT_BEFORE_HEADER)
-    return chain_headers(headers, carry, drop=drop)
-
-
-def _chain_fields(headers: dict[str, Any]) -> dict[str, Any]:
-    """This chain's state as ``headers`` bring it (the budgets spent, the owners that may hold its claim, a
-    verdict to record), as :class:`Delivery` fields: kept whatever the delivery comes to."""
-    return {"inflight": _count(headers.get(INFLIGHT_HEADER)), "outage": _count(headers.get(OUTAGE_HEADER)),
-            "resume_owners": owners_of(headers.get(OWNER_HEADER)), "verdict": verdict_of(headers.get(VERDICT_HEADER))}
-
-
-def _chain_state(task_name: str, request: Any, headers: dict[str, Any], payload: Payload) -> Delivery:
-    """A delivery that claims nothing (it waits on an outage): its chain state (:func:`_chain_fields`) alone."""
-    return Delivery(key=str(headers.get(KEY_HEADER) or ""), task_name=task_name, payload=payload,
-                    attempt_id=request.id or "", **_chain_fields(headers))
-
-
-def _count(value: Any) -> int:
-    try:
-        return max(int(value or 0), 0)
-    except (TypeError, ValueError):
-        return 0
-
-
 def first_run_time(app: Any, countdown: Any = None, eta: Any = None) -> float | None:
     """When a message with Celery's ``countdown`` or ``eta`` option may run (epoch seconds); None without
     either, or for one Celery itself would refuse. A naive ``eta`` is in the app's timezone, as the
@@ -900,13 +843,6 @@ def first_run_time(app: Any, countdown: Any = None, eta: Any = None) -> float | 
     except (TypeError, ValueError, OverflowError):
         pass
     return None
-
-
-def _number(value: Any) -> float | None:
-    try:
-        return None if value is None else float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def start_up_problems(app: Any) -> list[tuple[str, BaseException]]:

@@ -80,7 +80,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ._common import KEY_TAG, logsafe
+from ._common import logsafe
+from .chain import KEY_TAG
 from .errors import (
     ConfigurationError,
     LedgerError,

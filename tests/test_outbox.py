@@ -29,7 +29,7 @@ from idemmail_celery import (
     InvalidEmail,
     send_email,  # noqa: F401  # registers send_email on every app
 )
-from idemmail_celery._common import ENQUEUED_HEADER, KEY_HEADER, KEY_MARK_HEADER, OWNER_HEADER, TENANT_HEADER
+from idemmail_celery.chain import ENQUEUED_HEADER, KEY_HEADER, KEY_MARK_HEADER, OWNER_HEADER, TENANT_HEADER
 from idemmail_celery.keys import Seal
 from idemmail_celery.mail import TASK_NAME
 from idemmail_celery.outbox import (

@@ -9,7 +9,7 @@ import pytest
 from celery import Celery
 
 from idemmail_celery import IdempotentTask, roster
-from idemmail_celery._common import KEY_HEADER, KEY_MARK_HEADER, OLDER_KEYS_HEADER
+from idemmail_celery.chain import KEY_HEADER, KEY_MARK_HEADER, OLDER_KEYS_HEADER
 from idemmail_celery.keys import secret_ids
 from idemmail_celery.ledger.base import RosterEntry
 
