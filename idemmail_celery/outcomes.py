@@ -41,6 +41,7 @@ from celery.signals import worker_init
 
 from . import metrics
 from ._common import after_fork, logsafe, quoted
+from ._request import RequestState, state_of
 from .config import Settings
 from .handler import RETRY_DEADLINE, Outcome
 from .ledger import passive_options, shared
@@ -108,7 +109,7 @@ def report(task: Any, status: Outcome | str, key: str, *, message_id: Any = None
         if event and _Worker.task_events and request.hostname:
             if status in _EVENTFUL or unrecorded or replayed_failure:
                 _event(task, status, key, message_id, reason, attempts, extra)
-            elif status in _SUCCESS and getattr(request, "idemmail_rescheduled", False):
+            elif status in _SUCCESS and (state_of(request, create=False) or RequestState()).rescheduled:
                 # Flower keeps the exception of an earlier task-retried event after the task succeeds (its
                 # task-succeeded names none): this event clears it, and leaves the result to task-succeeded.
                 _event(task, status, key, message_id, reason, attempts, extra, clear_exception=True)

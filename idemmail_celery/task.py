@@ -39,6 +39,7 @@ from kombu.serialization import loads as kombu_loads
 from . import keys as keys_mod
 from . import outcomes, redaction, roster
 from ._common import logsafe, transport_visibility_timeout
+from ._request import RequestState, state_of
 from .chain import (
     KEY_HEADER,
     KEY_MARK_HEADER,
@@ -427,8 +428,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         since applies to new calls only: a size budget checked again at the worker would drop an accepted intent
         (see :mod:`idemmail_celery._request`). False in the caller and for a message sent by name."""
         request = self.request
-        trusted = getattr(request, "idemmail_trusted", None) or {}
-        return not request.called_directly and KEY_MARK_HEADER in trusted
+        state = state_of(request, create=False)
+        return not request.called_directly and state is not None and KEY_MARK_HEADER in (state.trusted or {})
 
     def _check_arguments(self, args: Any, kwargs: Any, plain: bool) -> None:
         """Raise :class:`~idemmail_celery.errors.UnserializableArgumentsError` for arguments the worker's main
@@ -512,17 +513,19 @@ class IdempotentTask(Task):  # type: ignore[misc]
         payload = Payload(list(args), dict(kwargs))
         headers: dict[str, Any] | None = None  # until the seal is checked: nothing it vouches for is acted on
         try:
-            headers = request.idemmail_trusted = self._trusted(received, payload)
+            state = state_of(request)
+            assert state is not None
+            headers = state.trusted = self._trusted(received, payload)
             chain = ChainState.from_headers(headers)
             # A delivery after a retry or a reschedule: its success clears the retry's exception in Flower.
-            request.idemmail_rescheduled = chain.rescheduled or bool(request.retries)
+            state.rescheduled = chain.rescheduled or bool(request.retries)
             key, older = self._claim_key(payload, headers.get(KEY_HEADER), chain)
             # Whatever this delivery publishes next (a retry, a reschedule, the next hop of a wait)
             # carries the key it claims under. Not sealed here: every publish point seals last, after
             # its own headers (see sealed()), so a seal made now would be thrown away, at the cost of
             # a digest of the arguments and an HMAC on every delivery.
-            request.idemmail_key_headers = key_headers(key, older)
-            headers.update(request.idemmail_key_headers)
+            state.key_headers = key_headers(key, older)
+            headers.update(state.key_headers)
             self._wait_until_due(headers, chain.not_before)
             handler = self.handler  # opens the ledger: its driver is imported here
             self.ensure_announced()
@@ -542,7 +545,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 verdict=waiting.verdict), exc)
             return self._carry_out(step, headers)
         request.idempotency_key = key
-        request.idemmail_owner = owner = new_owner(request.id or "", ahead=handler.writes_ahead())
+        state.owner = owner = new_owner(request.id or "", ahead=handler.writes_ahead())
         dated = chain.retry_from
         step = handler.handle(Delivery(
             key=key, task_name=self.name, payload=payload, attempt_id=request.id or "", older_keys=older,
@@ -677,12 +680,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if headers is None:
             # A body asking to retry: its claim is released after this returns; should the release
             # fail, the retry takes the claim back (its owner travels) instead of waiting on it.
-            owner = getattr(self.request, "idemmail_owner", None)
-            trusted = getattr(self.request, "idemmail_trusted", None)  # never what the message carried unsealed
+            state = state_of(self.request, create=False) or RequestState()
+            owner, trusted = state.owner, state.trusted  # trusted: never what the message carried unsealed
             if trusted is None:
                 trusted = untrusted_removed(self.request.headers or {})
             headers = next_headers(trusted, Carry(owners=(owner,) if owner else ()), keep=False)
-            headers.update(getattr(self.request, "idemmail_key_headers", None) or {})  # the key claimed (sealed below)
+            headers.update(state.key_headers or {})  # the key claimed (sealed below)
         if countdown is None and eta is None:
             countdown = self.default_retry_delay
         if eta is not None:
