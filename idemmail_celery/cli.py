@@ -78,8 +78,9 @@ from .ledger import DetectsLoss, Ledger, Record, State, from_url, passive_option
 from .ledger.listing import RecordQuery, label_of, message_id_of, reason_of
 from .ledger.sealed import is_sealed
 from .redaction import scrub
+from .republish import VISIBILITY_SHARE
 from .roster import active_order
-from .task import VISIBILITY_SHARE, IdempotentTask
+from .task import IdempotentTask
 
 EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_ILLEGAL, EXIT_UNREACHABLE, EXIT_LOST = 0, 1, 2, 3, 4, 5
 EXIT_PAYLOAD_KEY, EXIT_UNKNOWN_KEY, EXIT_BROKER = 6, 7, 8

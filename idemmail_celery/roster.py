@@ -221,3 +221,8 @@ class Announcer:
                 ledger.announce(self.member, ids, 0)
             except (NotImplementedError, LedgerError, UnsafeLedgerError):
                 continue
+
+
+#: The announcer of each app whose worker runs in this process (``worker.py`` starts and stops them; a claim
+#: waits on its app's, :meth:`Announcer.ensure`), by ``id(app)``.
+running: dict[int, Announcer] = {}

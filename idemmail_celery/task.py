@@ -22,15 +22,14 @@ import inspect
 import logging
 import threading
 import time
-import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from celery import Task
 from celery import _state as _celery_state
 from celery.exceptions import Ignore, Retry
-from celery.signals import before_task_publish, celeryd_after_setup, worker_init, worker_shutdown
+from celery.signals import before_task_publish
 from celery.utils.time import maybe_make_aware
 from kombu.exceptions import KombuError
 from kombu.serialization import dumps as kombu_dumps
@@ -44,14 +43,11 @@ from .chain import (
     KEY_HEADER,
     KEY_MARK_HEADER,
     SEALED_HEADERS,
-    SECRET_WAIT_ERROR_SECONDS,
-    SECRET_WAIT_HEADER,
     Carry,
     ChainState,
     intent_headers,
     key_headers,
     next_headers,
-    with_hop,
 )
 from .config import Settings
 from .errors import (
@@ -69,20 +65,16 @@ from .handler import (
     Outcome,
     Policy,
     Step,
-    say_setup_error_once,
     say_unreachable_once,
     wait_out,
 )
 from .keys import IntentKeyBuilder, KeySpec, Payload, RoundTrip, Seal, untrusted_removed
 from .ledger import Ledger, backend_for, shared
-from .ledger.base import default_owner, new_owner
-from .redaction import scrub
+from .ledger.base import new_owner
+from .republish import Republisher
 
 log = logging.getLogger("idemmail_celery")
 
-#: Of the broker's visibility timeout, the most a countdown may take (the rest is margin for the
-#: time a message waits in the worker before its countdown starts).
-VISIBILITY_SHARE = 0.5
 
 _warned_no_secret = False
 _warned_lock = threading.Lock()
@@ -111,18 +103,6 @@ def serializer_round_trip(serializer: str) -> RoundTrip:
 def get_ledger(url: str, options: dict[str, Any] | None = None) -> Ledger:
     """The process-wide ledger for ``url`` (see :func:`idemmail_celery.ledger.shared`)."""
     return shared(url, options)
-
-
-class Rescheduled(Retry):  # type: ignore[misc]
-    """The :class:`~celery.exceptions.Retry` of a reschedule, shown as its reason.
-
-    Celery's own reads ``Retry(Retry(...), IdempotencyInFlightError(...), 0.58)``, and a prefork
-    worker's ``task-retried`` event carries that repr, which Flower keeps as the task's exception
-    even after the rescheduled copy succeeds; the reason alone says what happened.
-    """
-
-    def __repr__(self) -> str:
-        return repr(self.exc) if self.exc is not None else f"Rescheduled({self.message!r})"
 
 
 class _ToldOf(type):
@@ -526,7 +506,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # a digest of the arguments and an HMAC on every delivery.
             state.key_headers = key_headers(key, older)
             headers.update(state.key_headers)
-            self._wait_until_due(headers, chain.not_before)
+            Republisher(self).wait_until_due(headers, chain.not_before)
             handler = self.handler  # opens the ledger: its driver is imported here
             self.ensure_announced()
         except (PermanentSendError, Retry, Ignore):
@@ -560,7 +540,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """In a worker: return once the key-secret roster of this task's ledger holds the worker, announcing it
         now if its heartbeat has not landed there yet (:meth:`roster.Announcer.ensure`). Every claim comes after
         it; nothing to do outside a worker, or once it has landed. Raises :class:`LedgerError` like the claim."""
-        found = _announcers.get(id(self.app))
+        found = roster.running.get(id(self.app))
         if found is not None:
             found.ensure(self.ledger)
 
@@ -658,15 +638,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
                              headers=next_headers(headers, step.carry, keep=False))
         if action is Action.RETRY:  # on the time budget the handler checked: Celery's max_retries must not refuse it
             assert isinstance(step.error, Exception)
-            self._publish_again(step.countdown, next_headers(headers, step.carry, keep=False), f"retry: {step.error}",
-                                step.error, retries=(self.request.retries or 0) + 1)
+            Republisher(self).publish_again(step.countdown, next_headers(headers, step.carry, keep=False),
+                                            f"retry: {step.error}", step.error, retries=(self.request.retries or 0) + 1)
         if action is Action.RESCHEDULE:
             why = f"{step.outcome.value}: {step.error}" if step.error is not None else step.outcome.value
             assert isinstance(step.error, Exception)
             # A copy of a reschedule whose first copy has not said it published comes back as the same hop.
-            self._publish_again(step.countdown, next_headers(headers, step.carry, keep=True), why, step.error,
-                                hop=step.carry.hop,
-                                published=(lambda: self.handler.published(step)) if step.confirms_hop else None)
+            Republisher(self).publish_again(
+                step.countdown, next_headers(headers, step.carry, keep=True), why, step.error, hop=step.carry.hop,
+                published=(lambda: self.handler.published(step)) if step.confirms_hop else None)
         assert step.error is not None
         if step.outcome is not Outcome.LEDGER_GAVE_UP:  # reported by the handler: see Reported
             _told.add(step.error)
@@ -690,101 +670,19 @@ class IdempotentTask(Task):  # type: ignore[misc]
             countdown = self.default_retry_delay
         if eta is not None:
             countdown, eta = max(0.0, eta.timestamp() - time.time()), None
-        countdown = self._split(float(countdown), headers)
+        countdown = Republisher(self).split(float(countdown), headers)
         self.sealed(headers, self._received(args, kwargs))  # last: every header the next delivery acts on is set
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
 
-    def _split(self, countdown: float, headers: dict[str, Any], hop: str | None = None) -> float:
-        """The countdown to publish with: at most the cap below the visibility timeout; a longer
-        wait travels as ``idemmail_not_before`` and the message hops until then. The message is a
-        new hop (``hop``: the same one again, see ``Handler.in_flight``)."""
-        cap = self._countdown_cap()
-        waits = cap is not None and countdown > cap
-        with_hop(headers, hop or uuid.uuid4().hex, time.time() + countdown if waits else None)
-        return cap if waits and cap is not None else countdown
-
-    def _countdown_cap(self) -> float | None:
-        vt = transport_visibility_timeout(self.app)
-        return None if vt is None else max(vt * VISIBILITY_SHARE, 0.1)
-
-    def _wait_until_due(self, headers: dict[str, Any], due: float | None) -> None:
-        """A hop of a long wait that is early: publish the next hop and stop here (nothing claimed).
-
-        A second copy of the same hop (the broker handed it out again after its visibility timeout)
-        publishes a next hop too: unlike a copy waiting on a live claim, a waiting message is the
-        only thing carrying its intent, and a mark set before a publish that never happened (a
-        worker killed in between) would drop it for good. Two waits meet at the claim.
-        """
-        if due is None:
-            return
-        left = due - time.time()
-        if left <= 0.05:
-            return
-        self._publish_again(left, headers, "waiting", TransientSendError("waiting", reason="waiting"))
-
     def wait_for_key_secret(self, headers: dict[str, Any], running: Task | None = None) -> NoReturn:
-        """Requeue the message ``running`` (this task, else one sealing with its key builder: a campaign) is
-        running exactly as it came, for a worker that has the key secret its seal was made under.
-
-        Such a seal is neither trusted nor dropped: trusting it is impossible, and dropping the state it
-        carries (a key, a verdict, a campaign's passes) could send an intent twice (see docs/security.md).
-        """
-        running = self if running is None else running
-        now = time.time()
-        try:
-            since = min(float(headers.get(SECRET_WAIT_HEADER) or now), now)
-        except (TypeError, ValueError):
-            since = now
-        headers = {**headers, SECRET_WAIT_HEADER: since}  # not sealed: the seal stays as it came
-        waited = now - since
-        # A short wait is a rolling deploy (web processes first); a long one a secret removed while messages
-        # sealed under it were queued: never dropped, never guessed, but said at ERROR until it is put back.
-        log.log(logging.ERROR if waited > SECRET_WAIT_ERROR_SECONDS else logging.WARNING,
-                "idemmail: task %s[%s] is sealed under a key secret this worker does not have (a newer "
-                "idemmail_key_secret, or one removed too early: put it back in the list); it has waited %.0f s "
-                "for a worker that has it", logsafe(running.name), logsafe(running.request.id), waited)
-        countdown = min(self.policy.inflight_backoff_max, self._countdown_cap() or 60.0)
-        self._publish_again(countdown, headers, "waiting for the key secret", TransientSendError(
-            "sealed under an unknown key secret", reason="unknown_key_secret"), as_received=True, running=running)
+        """Requeue the message ``running`` runs (this task, else a campaign sealing with its key builder) exactly
+        as it came, for a worker that has its key secret (:meth:`Republisher.wait_for_key_secret`)."""
+        Republisher(self).wait_for_key_secret(headers, self if running is None else running)
 
     def wait_as_received(self, exc: Exception, running: Task) -> NoReturn:
-        """``running`` (a campaign) cannot even read its headers here (``exc``: no key secret, bad settings):
-        one ERROR with the fix, and the message is requeued exactly as it came, for a worker that can."""
-        say_setup_error_once(exc)
-        countdown = min(self._policy_or_default().inflight_backoff_max, self._countdown_cap() or 60.0)
-        self._publish_again(countdown, dict(running.request.headers or {}), "set-up error", exc, as_received=True,
-                            running=running)
-
-    def _publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception, *,
-                       as_received: bool = False, running: Task | None = None,
-                       retries: int | None = None, hop: str | None = None,
-                       published: Callable[[], None] | None = None) -> NoReturn:
-        """Requeue this message (or the one ``running`` runs) like ``retry()``, without spending ``max_retries``.
-
-        ``reason`` is what monitors show for the retry (Flower: state RETRY, its repr as the exception).
-        ``as_received``: the headers go out exactly as they came (a seal this worker cannot make or check).
-        ``retries``: the count the next delivery sees (default: this one's; a retry on the time budget adds one).
-        ``hop``: the hop it goes out as (default: a new one); ``published``: called once it is out as that hop.
-        """
-        running = self if running is None else running
-        request = running.request
-        if not as_received:
-            countdown = self._split(countdown, headers, hop)
-            try:
-                self.sealed(headers, self._received())
-            except IdemmailError:
-                # This worker cannot seal (no key secret, settings that do not parse): the message goes on
-                # exactly as it came, its own seal and chain state intact, for a worker that can. Ending it
-                # here would acknowledge an intent nobody recorded.
-                headers, as_received = dict(request.headers or {}), True
-        sig = running.signature_from_request(request, countdown=countdown, headers=headers,
-                                             retries=request.retries if retries is None else retries)
-        if request.is_eager:  # ``Task.apply``: nothing is published (Celery would re-apply ``sig`` in-line, for ever)
-            raise Rescheduled(why, exc=reason, when=countdown)
-        sig.apply_async()
-        if published is not None and not as_received:  # sent as it came, it is the same hop again: not out
-            published()
-        raise Rescheduled(why, exc=reason, when=countdown, sig=sig)
+        """``running`` (a campaign) cannot even read its headers here: requeued exactly as it came, for a worker
+        that can (:meth:`Republisher.wait_as_received`)."""
+        Republisher(self).wait_as_received(exc, running)
 
     # -- what the task lends the handler (handler.SideEffect) --
 
@@ -848,99 +746,6 @@ def first_run_time(app: Any, countdown: Any = None, eta: Any = None) -> float | 
     return None
 
 
-def start_up_problems(app: Any) -> list[tuple[str, BaseException]]:
-    """What would keep this worker's idempotent tasks from running, checked once at start: each task's
-    settings, its key secret, its ledger (its driver imports, it opens and answers) and, for tasks with
-    a provider (``send_email``), that the provider builds. A list of (task name, error); empty when all pass.
-
-    Opening the ledgers here also reads what pool children must inherit (the Redis ledger's epoch):
-    a child that first met the store after it was emptied would take it for a new ledger and send again.
-    """
-    problems: list[tuple[str, BaseException]] = []
-    seen: set[int] = set()
-    for task in list(app.tasks.values()):
-        if not isinstance(task, IdempotentTask):
-            continue
-        try:
-            settings = task.idem_settings
-            if not (settings.key_secrets or settings.allow_plain_keys or settings.ledger_url.startswith("sqlite")):
-                raise ConfigurationError("idemmail_key_secret is not set: set it (or IDEMMAIL_KEY_SECRET)")
-            ledger = task.ledger
-            if id(ledger) not in seen:
-                seen.add(id(ledger))
-                ledger.prepare()
-                ledger.ping()  # a SQL ledger imports its driver on first use: here, not at the first message
-            if settings.provider_url and hasattr(task, "provider"):
-                task.provider  # noqa: B018 - a provider without its API key, or its module missing
-        except Exception as exc:
-            problems.append((task.name, exc))
-    return problems
-
-
-_found_at_start: dict[int, list[tuple[str, BaseException]]] = {}
-
-
-def _check_at_start(sender: Any = None, **_: Any) -> None:
-    """On ``worker_init`` (main process, before the pool forks): :func:`start_up_problems`, kept for
-    :func:`_report_at_start` (Celery's logging is not set up yet). Never raises."""
-    app = getattr(sender, "app", None)
-    if app is not None:
-        _found_at_start[id(app)] = start_up_problems(app)
-        # In the background: a ledger down or slow must not hold the start-up. Claims wait for it instead
-        # (IdempotentTask.ensure_announced), in every process of the worker.
-        _announcers[id(app)] = announcer(app).start()
-
-
-_announcers: dict[int, roster.Announcer] = {}
-
-
-def announcer(app: Any) -> roster.Announcer:
-    """This worker's heartbeat into the key-secret roster of each ledger its idempotent tasks use, with the
-    ids of the secrets all of that ledger's tasks hold (:mod:`idemmail_celery.roster`)."""
-    held: dict[int, tuple[Ledger, list[str]]] = {}
-    for task in list(app.tasks.values()):
-        if not isinstance(task, IdempotentTask):
-            continue
-        try:
-            ledger, ids = task.ledger, keys_mod.secret_ids(task.idem_settings.key_secrets or None)
-        except Exception:  # settings that do not parse: reported by start_up_problems
-            continue
-        found = held.get(id(ledger))
-        held[id(ledger)] = (ledger, list(ids) if found is None else [i for i in found[1] if i in ids])
-    return roster.Announcer(default_owner(), [(ledger, ids) for ledger, ids in held.values() if ids])
-
-
-def _leave_at_shutdown(sender: Any = None, **_: Any) -> None:
-    """On ``worker_shutdown``: out of the rosters at once, rather than when the entry lapses."""
-    app = getattr(sender, "app", None)
-    found = _announcers.pop(id(app), None) if app is not None else None
-    if found is not None:
-        found.stop()
-
-
-def _report_at_start(sender: Any = None, instance: Any = None, **_: Any) -> None:
-    """On ``celeryd_after_setup`` (``celery worker``: logging set up, the pool not started, before ``ready``):
-    one ERROR line with its fix per start-up problem. Messages then wait on the outage budget until it is
-    fixed; with ``idemmail_refuse_to_start`` the worker exits instead."""
-    app = getattr(instance, "app", None)
-    problems = _found_at_start.pop(id(app), []) if app is not None else []
-    for name, exc in problems:
-        if isinstance(exc, LedgerError):  # the store is down now: the first claim finds out again
-            log.error("idemmail: start-up check of %s failed (%s: %s): start the ledger's store or correct "
-                      "idemmail_ledger_url; messages wait until it answers", logsafe(name), type(exc).__name__,
-                      logsafe(scrub(str(exc))[:300]))
-        else:  # said once per process: pool children forked after this do not say it again per message
-            say_setup_error_once(exc, f"start-up check of {name} failed")
-    if problems and app is not None:
-        try:
-            refuse = Settings.resolve(app.conf).refuse_to_start
-        except ConfigurationError:
-            refuse = False
-        if refuse:
-            raise SystemExit(f"idemmail: refusing to start: {len(problems)} start-up check(s) failed (see the "
-                             "ERROR lines above); idemmail_refuse_to_start is set")
-
-
 def _redact_on_publish(sender: str | None = None, headers: dict[str, Any] | None = None, **rest: Any) -> None:
     """Redact every message of an idempotent task (:func:`idemmail_celery.redaction.on_before_publish`).
 
@@ -976,18 +781,6 @@ def _pending_idempotent(name: str | None) -> bool:
         return True
 
 
-def _fix_mmap_threshold(**_: Any) -> None:
-    """On ``worker_init`` (main process, before the pool forks): :func:`idemmail_celery._memory.fix_mmap_threshold`."""
-    from ._memory import fix_mmap_threshold
-
-    fix_mmap_threshold()
-
-
-# outcomes (imported above) connected its worker_init handler first: metrics are on before this opens ledgers.
-worker_init.connect(_check_at_start, weak=False)
-worker_init.connect(_fix_mmap_threshold, weak=False)
-celeryd_after_setup.connect(_report_at_start, weak=False)
-worker_shutdown.connect(_leave_at_shutdown, weak=False)
 # Every publish path (apply_async, send_task by name, the outbox relay, canvas, retries) passes this signal. The
 # rules are in redaction, which stays Celery-free for the handler; the hook belongs to the adapter.
 before_task_publish.connect(_redact_on_publish, weak=False)

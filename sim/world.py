@@ -520,7 +520,7 @@ class World:
                 self.known.add(intent)
         if step.action in (Action.RETRY, Action.RESCHEDULE):
             headers = next_headers(h, step.carry, keep=step.action is Action.RESCHEDULE)
-            headers[HOP_HEADER] = step.carry.hop or f"hop{next(self.ids)}"  # as task._split
+            headers[HOP_HEADER] = step.carry.hop or f"hop{next(self.ids)}"  # as Republisher.split
             self.point("broker.publish", key)
             self.publish("send", msg.task_id, msg.kwargs, headers, countdown=step.countdown,
                          retries=msg.retries + (step.action is Action.RETRY), enqueued_at=msg.enqueued_at)

@@ -23,10 +23,10 @@ LAYERS: dict[str, int] = {
     # 3: the state machine and what it needs while a side effect runs
     "_lease": 3, "handler": 3, "roster": 3, "steps": 3, "rotation": 3,
     # 4: the Celery adapter and its reports
-    "outcomes": 4, "task": 4, "_request": 4,
+    "outcomes": 4, "task": 4, "_request": 4, "republish": 4,
     # 5: what is built on the adapter
     "mail": 5, "bulk": 6, "tools": 6, "outbox": 5, "beat": 5, "webhooks": 5, "cli": 6, "testing": 5,
-    "redrive": 5,
+    "redrive": 5, "worker": 5,
     "__main__": 7, "__init__": 7,
     # integrations, each an optional extra: one row per module (a sub-package's rows go by its first two names)
     "contrib": 7, "contrib.mcp": 6, "contrib.langchain": 6, "contrib.django": 7,
