@@ -269,6 +269,8 @@ def _send_campaign(
     except INVALID_INPUT:
         raise
     except LedgerError as exc:  # the ledger does not answer: wait on the outage budget, as a batch claim would
+        if isinstance(exc, ConfigurationError):  # a store set up unsafely: its fix, once
+            say_setup_error_once(exc)
         raise _again(self, policy, exc, owners, verdicts, passes, resumed, outage=True) from exc
     except Exception as exc:  # this worker cannot send now (no provider, a missing driver): wait, as send_email does
         say_setup_error_once(exc)

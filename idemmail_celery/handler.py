@@ -536,7 +536,7 @@ class Handler:
         reason = str(error.get("reason") or "")
         try:
             move(d.key, claim.token, error)
-        except LedgerUnavailableError as exc_ledger:
+        except (LedgerUnavailableError, UnsafeLedgerError) as exc_ledger:
             log.error("idemmail: could not record %s for %s yet: %s", state.value, logsafe(d.key), logsafe(exc_ledger))
             self.effect.report(outcome, d.key, reason=reason, recorded="false", error=snake(type(exc_ledger).__name__))
             return self.unavailable(d, exc_ledger, carry=Carry(
@@ -559,7 +559,7 @@ class Handler:
         waited for as a copy waits for a live claim."""
         try:
             record = self.ledger.get(d.key)
-        except (LedgerError, UnsafeLedgerError) as exc:  # the next delivery looks again (it holds nothing)
+        except LedgerError as exc:  # the next delivery looks again (it holds nothing)
             return self.unavailable(d, exc)
         if record is None:  # withdrawn or forgotten meanwhile: the next delivery starts over
             return self.unavailable(d, LedgerUnavailableError(f"{d.key}: no record after a takeover"))
@@ -866,7 +866,7 @@ def wait_out(policy: Policy, effect: SideEffect, d: Delivery, exc: BaseException
     key = d.key
     carry = d.held() if carry is None else carry
     word = snake(type(exc).__name__)
-    ledger_down = isinstance(exc, (LedgerError, UnsafeLedgerError))
+    ledger_down = isinstance(exc, LedgerError)
     if not ledger_down:
         say_setup_error_once(exc)
     if policy.outage_max_retries is not None and d.outage >= policy.outage_max_retries:

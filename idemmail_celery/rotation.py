@@ -105,7 +105,7 @@ def cross_check(h: Handler, d: Delivery, claim: Claim) -> Step | None:
             record = h.ledger.get(other)
         except PayloadKeyError:  # sealed with a key this process lacks: a record all the same
             record = claim.record
-        except (LedgerError, UnsafeLedgerError) as exc:
+        except LedgerError as exc:
             return unchecked(h, d, claim, exc)
         if record is not None:
             return withdrawn(h, d, claim, other, record)
@@ -119,7 +119,7 @@ def withdrawn(h: Handler, d: Delivery, claim: Claim, other: str, record: Record)
         return follow(h, d, claim, other)
     try:
         h.ledger.withdraw(d.key, claim.token)  # False: no longer ours (its lease ran out), nothing to do
-    except (LedgerError, UnsafeLedgerError, NotImplementedError) as exc:
+    except (LedgerError, NotImplementedError) as exc:
         # Still held, never run: the next delivery takes it back or drops it (see unchecked).
         return h.unavailable(d, exc, carry=d.held(claim.record.owner))
     log.warning("idemmail: %s: another delivery claimed the same intent under another key of a key-secret "
@@ -152,7 +152,7 @@ def copy_final_record(h: Handler, d: Delivery, claim: Claim, other: str) -> None
     ``other`` (best effort: unsettled, the claim's lease runs out and its next holder does it)."""
     try:
         record = h.ledger.get(other)
-    except (LedgerError, UnsafeLedgerError):
+    except LedgerError:
         return
     if record is None or not record.state.is_final:
         return
@@ -174,7 +174,7 @@ def unchecked(h: Handler, d: Delivery, claim: Claim, exc: Exception) -> Step:
     """
     try:
         gone = first_of_its_tokens(claim) and h.ledger.withdraw(d.key, claim.token)
-    except (LedgerError, UnsafeLedgerError, NotImplementedError):
+    except (LedgerError, NotImplementedError):
         gone = False
     if not isinstance(exc, (LedgerUnavailableError, UnsafeLedgerError)):
         exc = LedgerUnavailableError(f"rotation re-read after claiming {d.key} failed: {exc}")

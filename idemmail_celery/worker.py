@@ -102,7 +102,8 @@ def _report_at_start(sender: Any = None, instance: Any = None, **_: Any) -> None
     app = getattr(instance, "app", None)
     problems = _found_at_start.pop(id(app), []) if app is not None else []
     for name, exc in problems:
-        if isinstance(exc, LedgerError):  # the store is down now: the first claim finds out again
+        # The store is down now (not set up unsafely: that is a fix to make): the first claim finds out again.
+        if isinstance(exc, LedgerError) and not isinstance(exc, ConfigurationError):
             log.error("idemmail: start-up check of %s failed (%s: %s): start the ledger's store or correct "
                       "idemmail_ledger_url; messages wait until it answers", logsafe(name), type(exc).__name__,
                       logsafe(scrub(str(exc))[:300]))

@@ -156,7 +156,7 @@ def test_every_error_is_defined_in_errors_py_and_drawn_in_its_tree() -> None:
     assert elsewhere == []
 
     def drawn(cls: type, depth: int) -> list[str]:
-        also = [b.__name__ for b in cls.__bases__ if not issubclass(b, errors.IdemmailError) and b is not Exception]
+        also = [b.__name__ for b in cls.__bases__[1:] if b is not Exception]  # the first base is drawn above it
         line = "    " * (depth + 1) + cls.__name__ + (f" (also {', '.join(also)})" if also else "")
         children = [c for c in vars(errors).values()
                     if inspect.isclass(c) and c.__bases__[0] is cls and c.__module__ == errors.__name__]
