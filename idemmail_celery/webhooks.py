@@ -195,6 +195,42 @@ def _unwrap_sns(event: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return event
 
 
+#: What a reader finds in one provider's event: (event kind, intent key, message id), each None if absent.
+_Fields = tuple[str | None, str | None, str | None]
+
+
+def _postmark_fields(event: Mapping[str, Any]) -> _Fields | None:
+    metadata = event.get("Metadata")
+    key = _text(metadata.get(KEY_TAG)) if isinstance(metadata, Mapping) else None
+    return _text(event.get("RecordType")), key, _text(event.get("MessageID"))
+
+
+def _sendgrid_fields(event: Mapping[str, Any]) -> _Fields | None:
+    # SendGrid puts custom args at the top level of each event.
+    return _text(event.get("event")), _text(event.get(KEY_TAG)), _text(event.get("sg_message_id"))
+
+
+def _ses_fields(event: Mapping[str, Any]) -> _Fields | None:
+    """None for an SNS subscription confirmation or an event without its ``mail`` object."""
+    inner = _unwrap_sns(event)
+    mail = inner.get("mail") if inner is not None else None
+    if inner is None or not isinstance(mail, Mapping):
+        return None
+    kind = _text(inner.get("eventType")) or _text(inner.get("notificationType"))
+    tags = mail.get("tags")
+    values = tags.get(KEY_TAG) if isinstance(tags, Mapping) else None
+    key = _text(values[0]) if isinstance(values, list) and values else None
+    return kind, key, _text(mail.get("messageId"))
+
+
+#: Each provider's reader of (kind, key, message id), by the name :func:`_provider_of` gives.
+_READERS: Mapping[str, Callable[[Mapping[str, Any]], _Fields | None]] = {
+    "postmark": _postmark_fields,
+    "sendgrid": _sendgrid_fields,
+    "ses": _ses_fields,
+}
+
+
 def evidence(event: Mapping[str, Any], *, provider: str | None = None) -> DeliveryEvidence | None:
     """What a parsed, verified provider event proves, or None (not a confirming event, or no key).
 
@@ -205,27 +241,11 @@ def evidence(event: Mapping[str, Any], *, provider: str | None = None) -> Delive
     found = _provider_of(event)
     if provider is not None and found is not None and found != provider:
         raise WebhookPayloadError(f"a {found} event posted to the {provider} webhook")
-    key = message_id = kind = None
-    if found == "postmark":
-        kind = _text(event.get("RecordType"))
-        metadata = event.get("Metadata")
-        key = _text(metadata.get(KEY_TAG)) if isinstance(metadata, Mapping) else None
-        message_id = _text(event.get("MessageID"))
-    elif found == "sendgrid":
-        kind = _text(event.get("event"))
-        key = _text(event.get(KEY_TAG))
-        message_id = _text(event.get("sg_message_id"))
-    elif found == "ses":
-        inner = _unwrap_sns(event)
-        mail = inner.get("mail") if inner is not None else None
-        if inner is None or not isinstance(mail, Mapping):
-            return None
-        kind = _text(inner.get("eventType")) or _text(inner.get("notificationType"))
-        tags = mail.get("tags")
-        values = tags.get(KEY_TAG) if isinstance(tags, Mapping) else None
-        key = _text(values[0]) if isinstance(values, list) and values else None
-        message_id = _text(mail.get("messageId"))
-    if found is None or kind not in _CONFIRMING[found] or key is None or message_id is None:
+    fields = _READERS[found](event) if found is not None else None
+    if found is None or fields is None:
+        return None
+    kind, key, message_id = fields
+    if kind not in _CONFIRMING[found] or key is None or message_id is None:
         return None
     if len(message_id) > _MAX_MESSAGE_ID or not message_id.isprintable():
         return None
@@ -378,40 +398,65 @@ class WebhookAuth:
             raise ConfigurationError(f"nothing configured that authenticates {provider} webhooks "
                                      f"(it can use: {', '.join(SCHEMES[provider])})")
         lowered = {name.lower(): value for name, value in headers.items()}
-        authorization = lowered.get("authorization", "")
-        if "basic" in schemes and authorization[:6].lower() == "basic ":
-            try:
-                presented = base64.b64decode(authorization[6:].strip(), validate=True)
-            except (binascii.Error, ValueError):
-                raise WebhookSignatureError("the basic auth credentials are malformed") from None
-            if not _any_equal(presented, self._keys):
-                raise WebhookSignatureError("the basic auth credentials do not match")
-            return "basic"
-        if "header" in schemes and SECRET_HEADER.lower() in lowered:
-            if not _any_equal(lowered[SECRET_HEADER.lower()].encode("utf-8", "replace"), self._keys):
-                raise WebhookSignatureError(f"the {SECRET_HEADER} header does not match")
-            return "header"
-        if "hmac" in schemes and SIGNATURE_HEADER.lower() in lowered:
-            stamp = lowered.get(TIMESTAMP_HEADER.lower(), "")
-            _fresh(stamp, "signature", now, tolerance)
-            offered = [part.strip()[3:].encode("ascii", "replace")
-                       for part in lowered[SIGNATURE_HEADER.lower()].split(",") if part.strip().startswith("v1=")]
-            expected = [_signature(k, stamp, body).encode("ascii") for k in self._keys]
-            if not any(_any_equal(o, expected) for o in offered):
-                raise WebhookSignatureError("the signature does not match the body")
-            return "hmac"
-        if "ecdsa" in schemes and SENDGRID_SIGNATURE_HEADER.lower() in lowered:
-            stamp = lowered.get(SENDGRID_TIMESTAMP_HEADER.lower(), "")
-            _fresh(stamp, "SendGrid signature", now, tolerance)
-            self._check_ecdsa(lowered[SENDGRID_SIGNATURE_HEADER.lower()], stamp, body)
-            return "ecdsa"
-        if "sns" in schemes and b'"SigningCertURL"' in body:
-            self._check_sns(body, now)
-            return "sns"
+        # A fixed order, whatever the provider's: a request carrying two schemes' headers is judged by the first.
+        checks = (("basic", self._basic), ("header", self._header), ("hmac", self._hmac), ("ecdsa", self._ecdsa),
+                  ("sns", self._sns))
+        for scheme, check in checks:
+            if scheme in schemes and check(lowered, body, now, tolerance):
+                return scheme
         wanted = {"basic": "Authorization: Basic", "header": SECRET_HEADER, "hmac": SIGNATURE_HEADER,
                   "ecdsa": SENDGRID_SIGNATURE_HEADER, "sns": "an SNS signature"}
         raise WebhookSignatureError(f"unauthenticated {provider} webhook: expected "
                                     f"{' or '.join(wanted[s] for s in schemes)}")
+
+    # Each scheme's check: False when the request does not use the scheme, True when it authenticates
+    # the request, WebhookSignatureError when the request uses it and fails. ``lowered``: the headers,
+    # their names in lower case.
+
+    def _basic(self, lowered: Mapping[str, str], body: bytes, now: float | None, tolerance: float) -> bool:
+        authorization = lowered.get("authorization", "")
+        if authorization[:6].lower() != "basic ":
+            return False
+        try:
+            presented = base64.b64decode(authorization[6:].strip(), validate=True)
+        except (binascii.Error, ValueError):
+            raise WebhookSignatureError("the basic auth credentials are malformed") from None
+        if not _any_equal(presented, self._keys):
+            raise WebhookSignatureError("the basic auth credentials do not match")
+        return True
+
+    def _header(self, lowered: Mapping[str, str], body: bytes, now: float | None, tolerance: float) -> bool:
+        if SECRET_HEADER.lower() not in lowered:
+            return False
+        if not _any_equal(lowered[SECRET_HEADER.lower()].encode("utf-8", "replace"), self._keys):
+            raise WebhookSignatureError(f"the {SECRET_HEADER} header does not match")
+        return True
+
+    def _hmac(self, lowered: Mapping[str, str], body: bytes, now: float | None, tolerance: float) -> bool:
+        if SIGNATURE_HEADER.lower() not in lowered:
+            return False
+        stamp = lowered.get(TIMESTAMP_HEADER.lower(), "")
+        _fresh(stamp, "signature", now, tolerance)
+        offered = [part.strip()[3:].encode("ascii", "replace")
+                   for part in lowered[SIGNATURE_HEADER.lower()].split(",") if part.strip().startswith("v1=")]
+        expected = [_signature(k, stamp, body).encode("ascii") for k in self._keys]
+        if not any(_any_equal(o, expected) for o in offered):
+            raise WebhookSignatureError("the signature does not match the body")
+        return True
+
+    def _ecdsa(self, lowered: Mapping[str, str], body: bytes, now: float | None, tolerance: float) -> bool:
+        if SENDGRID_SIGNATURE_HEADER.lower() not in lowered:
+            return False
+        stamp = lowered.get(SENDGRID_TIMESTAMP_HEADER.lower(), "")
+        _fresh(stamp, "SendGrid signature", now, tolerance)
+        self._check_ecdsa(lowered[SENDGRID_SIGNATURE_HEADER.lower()], stamp, body)
+        return True
+
+    def _sns(self, lowered: Mapping[str, str], body: bytes, now: float | None, tolerance: float) -> bool:
+        if b'"SigningCertURL"' not in body:
+            return False
+        self._check_sns(body, now)
+        return True
 
     def _check_ecdsa(self, signature: str, stamp: str, body: bytes) -> None:
         crypto = _crypto()
