@@ -620,15 +620,9 @@ class SQLLedger(Ledger):
 
     def _settle(self, conn: Connection, request: ClaimRequest, seen: Record) -> Claim | None:
         """Decide about a key that was already there; take it over if allowed. None: lost a race."""
-        t = self.table
         now = time.time()
-        lease = now + request.lease_seconds
         expired_final = seen.state.expires and (seen.expires_at or 0) <= now
-        # Resumed: this chain's earlier claim, or this very request run twice (a statement retried after
-        # its reply was lost): the owner carries a nonce, so nobody else matches.
-        resume = seen.state is State.CLAIMED and (
-            _owned_by(seen.owner, request.owner)
-            or (request.resume_owner is not None and _owned_by(seen.owner, request.resume_owner)))
+        resume = _resumes(seen, request)
         if seen.state is State.CLAIMED and (seen.lease_expires_at or 0) > now and not resume:
             return Claim(ClaimStatus.BUSY, seen)
         if seen.state.is_final and not expired_final:
@@ -636,20 +630,9 @@ class SQLLedger(Ledger):
         if expired_final:
             status, values = ClaimStatus.ACQUIRED, {**_fresh_row(request), "token": seen.token + 1}
         else:
-            if resume:
-                status = ClaimStatus.RESUMED  # this delivery's own chain held it: no takeover to count
-            elif seen.state is State.CLAIMED:
-                status = ClaimStatus.RECLAIMED
-            else:
-                status = ClaimStatus.REOPENED
-            values = {
-                "state": State.CLAIMED.value, "token": seen.token + 1, "owner": request.owner,
-                "lease_expires_at": lease, "attempts": seen.attempts + 1,
-                "reclaims": seen.reclaims + (1 if status is ClaimStatus.RECLAIMED else 0), "updated_at": now,
-            }
-            if status is ClaimStatus.RECLAIMED and not owner_writes_ahead(seen.owner) and ahead_mark(seen) is None:
-                # Taken over from a holder that made no write-ahead promise and left no mark: it may have run.
-                values["error"] = dumps_json(ahead_error(UNKNOWN_STAGE, int(now), seen.token))
+            status = _takeover_status(seen, resume=resume)
+            values = _takeover_values(seen, request, status, now)
+        t = self.table
         moved = conn.execute(
             sa.update(t)
             .where(t.c.intent_key == request.key, t.c.token == seen.token, t.c.state == seen.state.value)
@@ -1040,6 +1023,34 @@ def _fresh_row(request: ClaimRequest) -> dict[str, Any]:
         "attempts": 1, "reclaims": 0, "payload": request.payload, "fingerprint": request.fingerprint,
         "result": None, "error": None, "created_at": now, "updated_at": now, "expires_at": None,
     }
+
+
+def _resumes(seen: Record, request: ClaimRequest) -> bool:
+    """Does ``request`` resume the claim ``seen``: this chain's earlier claim, or this very request run twice
+    (a statement retried after its reply was lost)? The stored owner carries a nonce, so nobody else matches."""
+    return seen.state is State.CLAIMED and (
+        _owned_by(seen.owner, request.owner)
+        or (request.resume_owner is not None and _owned_by(seen.owner, request.resume_owner)))
+
+
+def _takeover_status(seen: Record, *, resume: bool) -> ClaimStatus:
+    """What taking over ``seen`` (not a final record past retention) is called."""
+    if resume:
+        return ClaimStatus.RESUMED  # this delivery's own chain held it: no takeover to count
+    return ClaimStatus.RECLAIMED if seen.state is State.CLAIMED else ClaimStatus.REOPENED
+
+
+def _takeover_values(seen: Record, request: ClaimRequest, status: ClaimStatus, now: float) -> dict[str, Any]:
+    """The columns a takeover of ``seen`` writes: a new token, owner and lease, one more attempt (and reclaim)."""
+    values: dict[str, Any] = {
+        "state": State.CLAIMED.value, "token": seen.token + 1, "owner": request.owner,
+        "lease_expires_at": now + request.lease_seconds, "attempts": seen.attempts + 1,
+        "reclaims": seen.reclaims + (1 if status is ClaimStatus.RECLAIMED else 0), "updated_at": now,
+    }
+    if status is ClaimStatus.RECLAIMED and not owner_writes_ahead(seen.owner) and ahead_mark(seen) is None:
+        # Taken over from a holder that made no write-ahead promise and left no mark: it may have run.
+        values["error"] = dumps_json(ahead_error(UNKNOWN_STAGE, int(now), seen.token))
+    return values
 
 
 def _owned_by(stored: str, owner: str) -> bool:
