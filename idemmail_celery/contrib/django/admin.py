@@ -301,6 +301,7 @@ class _Listing:
 
     @classmethod
     def read(cls, asked: ListRequest) -> _Listing:
+        """Read what the page ``asked`` for shows; an unreachable ledger or a missing payload key is its error."""
         listed = cls()
         try:
             ledger = operator().ledger

@@ -75,7 +75,7 @@ class ListRequest:
             except ValueError as exc:  # too many words: the rest of the query still lists
                 problems.append(f"search: {exc}; left out")
                 params.pop("q")
-        return cls(params, query, _page(get), _cursor(get), problems)
+        return cls(params, query, _page_number(get), _cursor(get), problems)
 
     def link(self, **changes: str | int | None) -> str:
         """This page's query string with ``changes`` (None drops a parameter); a new filter starts at page 1."""
@@ -138,7 +138,7 @@ def _age(params: dict[str, str], problems: list[str], now: float, since: float |
     return since, until
 
 
-def _page(get: Mapping[str, str]) -> int:
+def _page_number(get: Mapping[str, str]) -> int:
     """The page number, from 1 (1 when it is not a number)."""
     try:
         return max(1, int(get.get("p", "1")))
