@@ -921,11 +921,13 @@ def installed(world_clock: Callable[[], World | None]) -> Iterator[None]:
         def report(*a: Any, **k: Any) -> None:
             return None
 
-    import idemmail_celery.ledger.sql as sql
+    import idemmail_celery.ledger.sql.connection as sql_connection
+    import idemmail_celery.ledger.sql.store as sql_store
 
     patches: list[tuple[Any, str, Any]] = [
         (handler_mod, "time", fake_time), (ledger_base, "time", fake_time), (bulk, "time", fake_time),
-        (redrive, "time", fake_time), (sql, "time", fake_time), (handler_mod, "keeper", Keeper()),
+        (redrive, "time", fake_time), (sql_store, "time", fake_time), (sql_connection, "time", fake_time),
+        (handler_mod, "keeper", Keeper()),
         (bulk, "keeper", Keeper()), (handler_mod, "backoff", steady), (bulk, "backoff", steady),
         (bulk, "outcomes", Silent), (bulk, "transport_visibility_timeout", lambda app: VISIBILITY),
     ]
