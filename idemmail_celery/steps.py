@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .chain import Carry, Verdict, held_by
+from .config import DEFAULTS
 from .keys import Payload
 from .ledger import Claim, ClaimStatus
 from .ledger.base import AHEAD_FIELD, AHEAD_OWNER_FIELD, UNKNOWN_STAGE, ahead_mark, owner_writes_ahead
@@ -79,18 +80,18 @@ class Step:
 class Policy:
     """The numbers the state machine works with (from :class:`~idemmail_celery.config.Settings`)."""
 
-    lease_seconds: float = 30.0
-    max_reclaims: int = 3
-    inflight_max_retries: int = 30
-    inflight_backoff: float = 1.0
-    inflight_backoff_max: float = 60.0
-    retry_backoff: float = 2.0
-    retry_backoff_max: float = 300.0
+    lease_seconds: float = DEFAULTS["lease_seconds"]
+    max_reclaims: int = DEFAULTS["max_reclaims"]
+    inflight_max_retries: int = DEFAULTS["inflight_max_retries"]
+    inflight_backoff: float = DEFAULTS["inflight_backoff"]
+    inflight_backoff_max: float = DEFAULTS["inflight_backoff_max"]
+    retry_backoff: float = DEFAULTS["retry_backoff"]
+    retry_backoff_max: float = DEFAULTS["retry_backoff_max"]
     retry_jitter: bool = True
     #: How long after the first enqueue (``Delivery.retry_from``) a failure that sent nothing is still retried.
-    retry_deadline_seconds: float = 6 * 3600.0
-    outage_max_retries: int | None = None
-    fail_open: bool = False
+    retry_deadline_seconds: float = DEFAULTS["retry_deadline_seconds"]
+    outage_max_retries: int | None = DEFAULTS["outage_max_retries"]
+    fail_open: bool = DEFAULTS["fail_open"]
     #: How long a reschedule's mark is kept (``Ledger.mark_hop``): longer than a copy of the message can
     #: come back (the broker's visibility timeout and its restore delay), so a late copy still drops.
     hop_ttl_seconds: float = 3600.0
