@@ -57,6 +57,13 @@ HOP_HEADER = "idemmail_hop"
 CAMPAIGN_HEADER = "idemmail_campaign"
 #: Epoch seconds before which this message only waits (a long countdown split into hops the broker keeps).
 NOT_BEFORE_HEADER = "idemmail_not_before"
+#: The version of the header format a message was written in (:data:`HEADER_FORMAT`), sealed with the rest.
+FORMAT_HEADER = "idemmail_format"
+#: The header format this release writes, and the ones it reads. A message in a format this worker does not
+#: read (written by a newer release, during a rolling upgrade) is requeued exactly as it came, for a worker
+#: that reads it: never guessed at (docs/upgrading.md). A message without the header is in format "1".
+HEADER_FORMAT = "1"
+READ_FORMATS = ("1",)
 #: The time a beat entry was due (ISO 8601, the app's timezone): the slot a digest is keyed by.
 SLOT_HEADER = "idemmail_slot"
 #: When a message sealed under a key secret its worker lacks first waited (epoch seconds). Not sealed: it
@@ -67,7 +74,8 @@ SECRET_WAIT_HEADER = "idemmail_secret_wait"
 #: them count; without one they are ignored (the key is then a caller's own, hashed). The tenant is not among
 #: them: it only namespaces a key the worker hashes or derives itself.
 SEALED_HEADERS = (KEY_HEADER, OLDER_KEYS_HEADER, ENQUEUED_HEADER, DUE_HEADER, RELAYED_HEADER, INFLIGHT_HEADER,
-                  OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, CAMPAIGN_HEADER, NOT_BEFORE_HEADER)
+                  OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, CAMPAIGN_HEADER, NOT_BEFORE_HEADER,
+                  FORMAT_HEADER)
 #: Headers that belong to one reschedule chain: a ``retry()`` starts a new chain without them.
 CHAIN_HEADERS = (INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, NOT_BEFORE_HEADER)
 #: The chain headers that hold for one message only: a reschedule keeps the budgets and drops these.
@@ -188,6 +196,8 @@ class ChainState:
     campaign: Any = None
     #: Is the message sealed by the library (its key claimed as it is)?
     sealed: bool = False
+    #: The header format it was written in (:data:`FORMAT_HEADER`).
+    format: str = HEADER_FORMAT
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, Any]) -> ChainState:
@@ -203,7 +213,13 @@ class ChainState:
             owners=owners_of(headers.get(OWNER_HEADER)), verdict=Verdict.from_header(headers.get(VERDICT_HEADER)),
             hop=str(headers.get(HOP_HEADER) or ""), not_before=number(headers.get(NOT_BEFORE_HEADER)),
             campaign=headers.get(CAMPAIGN_HEADER), sealed=KEY_MARK_HEADER in headers,
+            format=str(headers.get(FORMAT_HEADER) or HEADER_FORMAT),
         )
+
+    @property
+    def readable(self) -> bool:
+        """Is the message in a header format this release reads (:data:`READ_FORMATS`)?"""
+        return self.format in READ_FORMATS
 
     @property
     def rescheduled(self) -> bool:
@@ -233,7 +249,7 @@ def intent_headers(key: str, older: Iterable[str], *, enqueued_at: float, due_at
 
 def key_headers(key: str, older: Iterable[str] = ()) -> dict[str, Any]:
     """The headers that put a key (and its forms under older key secrets) on a message, unsealed."""
-    headers: dict[str, Any] = {KEY_HEADER: key}
+    headers: dict[str, Any] = {KEY_HEADER: key, FORMAT_HEADER: HEADER_FORMAT}
     older = list(older)
     if older:
         headers[OLDER_KEYS_HEADER] = older

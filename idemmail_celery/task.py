@@ -42,6 +42,7 @@ from ._request import RequestState, state_of
 from .chain import (
     KEY_HEADER,
     KEY_MARK_HEADER,
+    READ_FORMATS,
     SEALED_HEADERS,
     Carry,
     ChainState,
@@ -497,6 +498,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             assert state is not None
             headers = state.trusted = self._trusted(received, payload)
             chain = ChainState.from_headers(headers)
+            if not chain.readable:  # written by a newer release: left, as it came, for a worker that reads it
+                Republisher(self).wait_as_received(ConfigurationError(
+                    f"message header format {chain.format!r} is newer than this worker reads "
+                    f"({', '.join(READ_FORMATS)}): upgrade this worker"), self)
             # A delivery after a retry or a reschedule: its success clears the retry's exception in Flower.
             state.rescheduled = chain.rescheduled or bool(request.retries)
             key, older = self._claim_key(payload, headers.get(KEY_HEADER), chain)

@@ -735,3 +735,30 @@ def test_a_verdict_whose_recipient_another_holder_took_over_stays_to_record(ledg
     busy = send_batch(handler, again, owner=new_owner("camp-next", ahead=True))
     assert busy.outcomes() == [Outcome.PENDING]
     assert ds[0].key not in busy.settled_keys()  # its verdict is carried on, not dropped
+
+
+def test_a_message_in_a_newer_header_format_waits_as_it_came_for_a_worker_that_reads_it(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Every message says the header format it was written in, sealed with the rest. A worker of this release
+    meeting a newer format (a rolling upgrade, the new release's web processes first) neither guesses at it nor
+    drops it: the message is requeued exactly as it came (its seal intact), nothing is claimed or sent, and the
+    fix is said at ERROR once. The same message in this release's format sends."""
+    from celery.exceptions import Retry
+
+    from idemmail_celery.chain import FORMAT_HEADER, HEADER_FORMAT, KEY_MARK_HEADER, ChainState
+
+    app, _ = campaign_app(tmp_path, "a-secret", "format-newer")
+    send = app.tasks["idemmail_celery.send_email"]
+    call = {"to": "ann@example.com", "subject": "Hi", "text": "x", "event_id": "e-format"}
+    headers = send.intent_headers((), call)
+    assert headers[FORMAT_HEADER] == HEADER_FORMAT and ChainState.from_headers(headers).readable
+    newer = {k: v for k, v in headers.items() if k != KEY_MARK_HEADER} | {FORMAT_HEADER: "2"}
+    newer[KEY_MARK_HEADER] = send.key_builder.seal(newer, Payload([], call))
+    with caplog.at_level(logging.ERROR, logger="idemmail_celery"):
+        out = send.apply(kwargs=call, headers=newer)
+    assert out.state == "RETRY" and isinstance(out.result, Retry), out.result
+    assert any("header format '2' is newer than this worker reads" in r.message for r in caplog.records)
+    assert send.ledger.get(headers["idempotency_key"]) is None  # nothing claimed
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())  # nothing sent
+    done = send.apply(kwargs=call, headers=headers).get()
+    assert done["status"] == "sent" and len(list((tmp_path / "out").iterdir())) == 1
