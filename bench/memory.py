@@ -91,7 +91,7 @@ def measure(records: int, short_result: bool, port: int, *options: str, shelves:
         names = [n for n in admin.scan_iter(count=1000) if n not in names_before]
         usage = {n: int(admin.memory_usage(n, samples=0) or 0) for n in names}
         shelf_names = [n for n in names if ":d:" in n]
-        left = sum(1 for k in keys if admin.exists(led._rec(k)))
+        left = sum(1 for k in keys if admin.exists(led.names.record(k)))
         led.close()
         return {
             "records": records, "result": "message id" if short_result else "send_email result",
@@ -186,7 +186,7 @@ shelves, their dictionaries' tables, the per-bucket counters that replace a `sen
 `EVALSHA` calls' time in `INFO commandstats` (the scripts' commands run inside it) per claim +
 completion, one client.
 
-**Layout 4.** A `sent` record is an entry on its *shelf*: one of 64 hashes per bucket
+**The layout (format version 1).** A `sent` record is an entry on its *shelf*: one of 64 hashes per bucket
 ({ours['shelves']:,} here), chosen by bits of the intent key, never by the clock, so a claim or a read
 looks in the record's hash and then its shelf, two places whatever the retention. The entry's field is
 the key's 32 bytes, its value one string of about 92 bytes: its expiry (tenths of a second, rounded up),
@@ -211,9 +211,9 @@ shelves of about 50 records in listpack encoding, each record split into two fie
 fingerprint; result) so every value is within 64 bytes: a listpack entry carries 2-3 bytes of
 overhead instead of a dictionary entry's 24 and a table slot, but the record needs a second field
 name and the large listpacks lose to the allocator's steps: no better in `INFO memory`, and a
-lookup scans the shelf. Layout 4 keeps one entry per record in a hash the server encodes as it likes.
-Layout 3 (time-granule archives) measured 191 / 178 bytes; layout 2 (a hash per record with a
-TTL) 553 / 488.
+lookup scans the shelf. The layout keeps one entry per record in a hash the server encodes as it likes.
+Shapes tried before it, never released: `sent` records in time-granule archives measured 191 / 178
+bytes; a hash per record with a TTL 553 / 488.
 """
 
 

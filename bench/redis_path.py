@@ -133,7 +133,7 @@ def pipelined(url: str, admin: redis.Redis, pairs: int, runs: int) -> tuple[floa
     led = RedisLedger(url, prefix=f"bench.path.{uuid.uuid4().hex[:8]}")
     try:
         led.prepare()
-        for script in (led._claim, led._finish_script):
+        for script in (led.scripts["claim"], led.scripts["finish"]):
             admin.script_load(script.script)
         conn: Any = admin.connection_pool.get_connection()
 
@@ -150,9 +150,9 @@ def pipelined(url: str, admin: redis.Redis, pairs: int, runs: int) -> tuple[floa
         claim = complete = float("inf")
         for rep in range(runs):
             requests = _requests(f"pipe{rep}.{uuid.uuid4().hex[:6]}", pairs)
-            claim = min(claim, timed(led._claim.sha, [(led._claim_keys(r.key), [led._epoch, *led._claim_args(r)])
-                                                      for r in requests]))
-            complete = min(complete, timed(led._finish_script.sha, [
+            claim = min(claim, timed(led.scripts["claim"].sha, [
+                (led._claim_keys(r.key), [led._epoch, *led._claim_args(r)]) for r in requests]))
+            complete = min(complete, timed(led.scripts["finish"].sha, [
                 (led._keys(r.key), [led._epoch, *led._finish_args(r.key, 1, State.SENT, _result(), None)])
                 for r in requests]))
         admin.connection_pool.release(conn)

@@ -26,8 +26,8 @@ from celery import Celery
 from celery import _state as celery_state
 from celery.signals import before_task_publish, task_postrun, task_prerun
 
-from idemmail_celery._common import HOP_HEADER
 from idemmail_celery.bulk import CAMPAIGN_TASK, send_campaign  # noqa: F401  (the campaign scenario)
+from idemmail_celery.chain import HOP_HEADER
 from idemmail_celery.mail import TASK_NAME, SendEmailTask, register
 
 KEYLESS_TASK = "chaos.send_email_keyless"

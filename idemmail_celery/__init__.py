@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 # The worker's re-drive (a green pool's unacked messages, the stranded-claim sweep): on by default, so its
 # worker signals are connected with the package, and act only in workers whose app has an idempotent task.
 from . import redrive as _redrive  # noqa: F401
+from . import worker as _worker  # noqa: F401  (the worker signals: start-up checks, roster heartbeat)
 from .errors import (
     AmbiguousSendError,
     ConfigurationError,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from celery.utils.saferepr import saferepr
@@ -132,3 +133,30 @@ def _then_drop_body(settle: Callable[..., Any], message: Any) -> Callable[..., A
         return scheduled
 
     return settle_then_drop
+
+
+@dataclass
+class RequestState:
+    """What an idempotent task keeps on Celery's request while one delivery runs, declared in one place
+    (Celery's ``Context`` takes any attribute; the library sets only ``request.idemmail``, this value)."""
+
+    #: The headers this delivery may act on (all under a valid seal, else none the seal vouches for).
+    trusted: dict[str, Any] | None = None
+    #: A delivery after a retry or a reschedule: its success clears the retry's exception in Flower.
+    rescheduled: bool = False
+    #: The key headers (unsealed) of the key this delivery claims: whatever it publishes next carries them.
+    key_headers: dict[str, Any] | None = None
+    #: The claim owner this delivery claims under.
+    owner: str | None = None
+    #: ``send_email``: the message built for this delivery (built once, reused by every attempt of it).
+    message: Any = None
+
+
+def state_of(request: Any, *, create: bool = True) -> RequestState | None:
+    """The :class:`RequestState` of ``request`` (made on first use unless ``create`` is False)."""
+    state = getattr(request, "idemmail", None)
+    if isinstance(state, RequestState) or not create:
+        return state if isinstance(state, RequestState) else None
+    state = RequestState()
+    request.idemmail = state
+    return state

@@ -48,7 +48,8 @@ from celery import Celery
 from celery.beat import PersistentScheduler
 from celery.schedules import schedstate, schedule
 
-from ._common import KEY_HEADER, SLOT_HEADER, logsafe
+from ._common import logsafe
+from .chain import KEY_HEADER, SLOT_HEADER
 from .errors import InvalidEmail, SlotMissingError
 from .keys import untrusted_removed
 from .redaction import scrub

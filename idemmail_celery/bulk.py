@@ -28,24 +28,25 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Task, shared_task
 
 from . import outcomes, redaction
-from ._common import (
-    CAMPAIGN_HEADER,
-    KEY_MARK_HEADER,
-    OWNER_HEADER,
-    SEALED_HEADERS,
-    VERDICT_HEADER,
-    backoff,
-    chain_headers,
-    logsafe,
-    transport_visibility_timeout,
-)
+from ._common import backoff, logsafe, transport_visibility_timeout
 from ._lease import keeper
+from .chain import (
+    KEY_MARK_HEADER,
+    SEALED_HEADERS,
+    Carry,
+    ChainState,
+    Verdict,
+    campaign_pass_headers,
+    campaign_verdicts,
+    held_by,
+    owners_of,
+)
 from .config import Settings
 from .errors import ConfigurationError, IdemmailError, LedgerError, SendNeedsReview
 from .handler import (
@@ -57,10 +58,7 @@ from .handler import (
     Policy,
     Step,
     error_record,
-    held_by,
-    owners_of,
     say_setup_error_once,
-    verdict_of,
     writes_ahead,
 )
 from .keys import Payload, Seal, untrusted_removed
@@ -130,8 +128,8 @@ class BatchResult:
         (during a key-secret rotation an older key, which the next pass's secrets may not derive), each
         with the ``owner`` (a list, newest first) its claim is held by: the pass that records it takes
         the claim back as that owner, under that key."""
-        return {s.key: {**s.carry[VERDICT_HEADER], "owner": s.carry.get(OWNER_HEADER)}
-                for s in self.steps if VERDICT_HEADER in s.carry}
+        return {s.key: {**s.carry.verdict.to_header(), "owner": list(s.carry.owners) or None}
+                for s in self.steps if s.carry.verdict is not None}
 
     def settled_keys(self) -> set[str]:
         """Every key this batch settled a recipient under: the deliveries' and their claims'. A recipient left
@@ -208,7 +206,7 @@ def _settle_one(handler: Handler, d: Delivery, claim: Claim, *, last: bool) -> S
         except Exception:
             log.exception("idemmail: parking a campaign recipient failed; the next pass records it")
             return Step(Outcome.ERROR, Action.RESCHEDULE, d.key, error=exc,
-                        carry={VERDICT_HEADER: {"state": "review", "error": error}})
+                        carry=Carry(verdict=Verdict("review", error=error)))
 
 
 def _send_campaign(
@@ -256,11 +254,11 @@ def _send_campaign(
     owner = new_owner(self.request.id or "campaign", ahead=writes_ahead(sender))
     # The owners whose claims this pass may hold or find held (a batch claim whose reply was lost may or may
     # not have landed): every pass it hands on to takes back whichever of them holds a recipient's claim.
-    owners = held_by(owner, owners_of(request_headers.get(OWNER_HEADER)))
-    carried = request_headers.get(VERDICT_HEADER)
-    verdicts = carried if isinstance(carried, dict) else {}
+    chain = ChainState.from_headers(request_headers)
+    owners = list(held_by(owner, chain.owners))
+    verdicts = campaign_verdicts(request_headers)
     # A pass that ran out of time handed the rest of the list to this one (see _yield_pass).
-    resumed = _Resumed.of(request_headers.get(CAMPAIGN_HEADER), len(recipients))
+    resumed = _Resumed.of(chain.campaign, len(recipients))
     # Neither running out of time nor waiting on an outage is a retry of the campaign.
     passes = max(0, (self.request.retries or 0) - resumed.continued - resumed.outages)
     policy = sender._policy_or_default()
@@ -271,6 +269,8 @@ def _send_campaign(
     except INVALID_INPUT:
         raise
     except LedgerError as exc:  # the ledger does not answer: wait on the outage budget, as a batch claim would
+        if isinstance(exc, ConfigurationError):  # a store set up unsafely: its fix, once
+            say_setup_error_once(exc)
         raise _again(self, policy, exc, owners, verdicts, passes, resumed, outage=True) from exc
     except Exception as exc:  # this worker cannot send now (no provider, a missing driver): wait, as send_email does
         say_setup_error_once(exc)
@@ -279,77 +279,143 @@ def _send_campaign(
     deliveries, recipient_of = _unique(builder, base, recipients, tenant, self.request, owners, verdicts, passes)
     if resumed.start > len(deliveries):  # not this list's place: the whole list (the ledger skips the settled)
         resumed = _Resumed(continued=resumed.continued, outages=resumed.outages)
-    tally: Counter[Outcome] = Counter(dict(resumed.tally))
-    # Verdicts still to record: those this pass came with, until their recipients are settled, and
-    # those it reaches and cannot record. A pass that stops early carries both on.
-    pending_verdicts: dict[str, dict[str, Any]] = dict(verdicts)
-    size = max(1, int(batch_size))
-    # Recipients with a verdict to record go first, wherever they are in the list, and all of them:
-    # their claims are the last pass's (whose owner this one resumes) only until their leases run out.
-    first = [d for d in deliveries if d.verdict is not None]
-    # Those before where this pass starts were counted (pending) by the pass that handed them on: they
-    # are counted again now. Those after it are counted when the list reaches them: by this pass with
-    # the outcome they come to now, or (if it runs out of time first) by a later one.
-    behind = {d.key for d in deliveries[:resumed.start] if d.verdict is not None}
-    tally[Outcome.PENDING] = max(0, tally[Outcome.PENDING] - len(behind))
-    early: dict[str, Outcome] = {}
-    # Each claimed as the owner that holds it (the pass that reached the verdict), so that it stays that
-    # owner's whether or not this claim lands: a verdict is recorded, never sent, whoever takes it back.
-    holders: dict[str, list[Delivery]] = {}
-    for d in first:
-        holders.setdefault(handler.claimant(d), []).append(d)
-    batches: list[tuple[int | None, str, list[Delivery]]] = [
-        (None, holder, held[i:i + size]) for holder, held in holders.items() for i in range(0, len(held), size)]
-    batches += [(i, owner, deliveries[i:i + size]) for i in range(resumed.start, len(deliveries), size)]
-    budget = pass_seconds(self.app, sender.idem_settings)
-    started = time.monotonic()
-    for at, claimant, chunk in batches:
-        if at is not None and at > resumed.start and time.monotonic() - started >= budget:
-            raise _yield_pass(self, policy, owners, pending_verdicts, passes, at, tally, resumed)
-        if at is not None:  # recorded first in this pass: counted here, not sent for again
-            recorded = [d.key for d in chunk if d.key in early]
-            tally.update(early.pop(key) for key in recorded)
-            chunk = [d for d in chunk if d.key not in recorded]
-        if not chunk:
-            continue
+    return CampaignPass(self, handler, policy, campaign_id, owner, owners, deliveries, recipient_of, resumed,
+                        passes, max(1, int(batch_size)), last, pass_seconds(self.app, sender.idem_settings),
+                        verdicts=dict(verdicts)).run()
+
+
+@dataclass
+class CampaignPass:
+    """One pass of a campaign over its list (the task's run, from where the last pass handed on).
+
+    It claims in batches, recipients with a verdict to record first, and counts what each came to. It
+    stops early (another pass published) when its time is up, when the ledger fails, or when the list
+    meets a set-up error; at the end, with verdicts it could not record or recipients still pending,
+    it hands the whole list to another pass."""
+
+    task: Task
+    handler: Handler
+    policy: Policy
+    campaign_id: str
+    #: This pass's claim owner, and every owner whose claims it may hold or find held (newest first).
+    owner: str
+    owners: list[str]
+    deliveries: list[Delivery]
+    #: Each key a recipient may be recorded under -> its place in the list.
+    recipient_of: dict[str, int]
+    resumed: _Resumed
+    passes: int
+    size: int
+    #: The last pass MAX_PASSES allows: a recipient left pending is left to whoever holds it.
+    last: bool
+    #: How long this pass may run (:func:`pass_seconds`) before it hands the rest of the list on.
+    budget: float
+    #: Verdicts still to record: those this pass came with, until their recipients are settled, and those it
+    #: reaches and cannot record. A pass that stops early carries both on.
+    verdicts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tally: Counter[Outcome] = field(default_factory=Counter)
+    #: Recipients with a verdict, settled ahead of their place in the list: counted when the list reaches them.
+    early: dict[str, Outcome] = field(default_factory=dict)
+    #: Recipients with a verdict before where this pass starts: the pass that handed on counted them pending.
+    behind: set[str] = field(default_factory=set)
+
+    def run(self) -> dict[str, Any]:
+        """Go over the list (or stop early, raising the next pass) and return the campaign's counts."""
+        self.tally.update(dict(self.resumed.tally))
+        self.behind = {d.key for d in self.deliveries[:self.resumed.start] if d.verdict is not None}
+        # Those before where this pass starts were counted (pending) by the pass that handed them on: they
+        # are counted again now. Those after it are counted when the list reaches them: by this pass with
+        # the outcome they come to now, or (if it runs out of time first) by a later one.
+        self.tally[Outcome.PENDING] = max(0, self.tally[Outcome.PENDING] - len(self.behind))
+        started = time.monotonic()
+        for at, claimant, chunk in self.batches():
+            if at is not None and at > self.resumed.start and time.monotonic() - started >= self.budget:
+                raise _yield_pass(self.task, self.policy, self.owners, self.verdicts, self.passes, at, self.tally,
+                                  self.resumed)
+            chunk = self.not_counted_yet(at, chunk)
+            if chunk:
+                self.send(at, claimant, chunk)
+        return self.result()
+
+    def again(self, exc: BaseException | None, *, outage: bool = False) -> BaseException:
+        """The next pass over the whole list (see :func:`_again`)."""
+        return _again(self.task, self.policy, exc, self.owners, self.verdicts, self.passes, self.resumed,
+                      outage=outage)
+
+    def batches(self) -> list[tuple[int | None, str, list[Delivery]]]:
+        """The batches in the order they are claimed, each with its place in the list (None: ahead of it)
+        and the owner it claims as. Recipients with a verdict to record go first, wherever they are in the
+        list, and all of them: their claims are the last pass's (whose owner this one resumes) only until
+        their leases run out. Each is claimed as the owner that holds it (the pass that reached the verdict),
+        so that it stays that owner's whether or not this claim lands: a verdict is recorded, never sent."""
+        holders: dict[str, list[Delivery]] = {}
+        for d in self.deliveries:
+            if d.verdict is not None:
+                holders.setdefault(self.handler.claimant(d), []).append(d)
+        size = self.size
+        out: list[tuple[int | None, str, list[Delivery]]] = [
+            (None, holder, held[i:i + size]) for holder, held in holders.items() for i in range(0, len(held), size)]
+        out += [(i, self.owner, self.deliveries[i:i + size]) for i in range(self.resumed.start, len(self.deliveries),
+                                                                             size)]
+        return out
+
+    def not_counted_yet(self, at: int | None, chunk: list[Delivery]) -> list[Delivery]:
+        """``chunk`` less the recipients recorded first in this pass: counted here, not sent for again."""
+        if at is None:
+            return chunk
+        recorded = [d.key for d in chunk if d.key in self.early]
+        self.tally.update(self.early.pop(key) for key in recorded)
+        return [d for d in chunk if d.key not in recorded]
+
+    def send(self, at: int | None, claimant: str, chunk: list[Delivery]) -> None:
+        """Claim and settle one batch, count it, and keep the verdicts it could not record."""
         try:
-            batch = send_batch(handler, chunk, owner=claimant, last=last)
+            batch = send_batch(self.handler, chunk, owner=claimant, last=self.last)
         except Exception as exc:  # the ledger failed (or worse): nothing more sent; this pass's claims are ours
             if not isinstance(exc, LedgerError):
-                log.exception("idemmail: campaign %s batch failed; retrying the campaign", logsafe(campaign_id))
-            raise _again(self, policy, exc, owners, pending_verdicts, passes, resumed) from exc
-        if at is None:
-            for d, outcome in zip(chunk, batch.outcomes(), strict=True):
-                if d.key in behind:
-                    tally[outcome] += 1
-                else:
-                    early[d.key] = outcome
-        else:
-            tally.update(batch.tally())
+                log.exception("idemmail: campaign %s batch failed; retrying the campaign", logsafe(self.campaign_id))
+            raise self.again(exc) from exc
+        self.count(at, chunk, batch)
         for key in batch.settled_keys():
-            pending_verdicts.pop(key, None)
+            self.verdicts.pop(key, None)
         # Each verdict says which recipient it is, so a pass with other key secrets finds its claim all the same.
-        pending_verdicts.update({k: {**v, "recipient": recipient_of.get(k)} for k, v in batch.verdicts().items()})
+        self.verdicts.update({k: {**v, "recipient": self.recipient_of.get(k)} for k, v in batch.verdicts().items()})
         setup = next((s.error for s in batch.steps if s.outcome is Outcome.SETUP_ERROR), None)
         if setup is not None:  # the rest of the list meets it too: wait on the outage budget, as send_email does
-            raise _again(self, policy, setup, owners, pending_verdicts, passes, resumed, outage=True) from setup
-        processed = resumed.start if at is None else min(at + size, len(deliveries))
-        progress = {"total": len(deliveries), "processed": processed, **{o.value: n for o, n in tally.items()}}
-        try:
-            self.update_state(state="PROGRESS", meta=progress)
-        except Exception as exc:  # progress is best effort: a result backend blip must not stop the campaign
-            log.warning("idemmail: campaign %s progress not stored: %s", logsafe(campaign_id), type(exc).__name__)
+            raise self.again(setup, outage=True) from setup
+        self.progress(self.resumed.start if at is None else min(at + self.size, len(self.deliveries)))
 
-    if pending_verdicts or (tally[Outcome.PENDING] and not last):
-        # Verdicts of this campaign's own sends are never given up on (the outage budget aside):
-        # the claims they hold would otherwise be left to nobody. The next pass goes over the whole list.
-        raise _again(self, policy, None, owners, pending_verdicts, passes, resumed)
-    if tally[Outcome.PENDING]:  # held by other deliveries after MAX_PASSES: theirs to settle
-        log.warning("idemmail: campaign %s leaves %d recipients to the deliveries holding them after %d passes",
-                    logsafe(campaign_id), tally[Outcome.PENDING], passes)
-    return {"campaign_id": campaign_id, "total": len(deliveries),
-            **{o.value: tally[o] for o in (Outcome.SENT, Outcome.DUPLICATE, Outcome.FAILED, Outcome.REVIEW,
-                                            Outcome.PENDING)}}
+    def count(self, at: int | None, chunk: list[Delivery], batch: BatchResult) -> None:
+        if at is not None:
+            self.tally.update(batch.tally())
+            return
+        for d, outcome in zip(chunk, batch.outcomes(), strict=True):
+            if d.key in self.behind:
+                self.tally[outcome] += 1
+            else:
+                self.early[d.key] = outcome
+
+    def progress(self, processed: int) -> None:
+        """The task state ``PROGRESS`` with the counts so far (best effort)."""
+        meta = {"total": len(self.deliveries), "processed": processed, **{o.value: n for o, n in self.tally.items()}}
+        try:
+            self.task.update_state(state="PROGRESS", meta=meta)
+        except Exception as exc:  # progress is best effort: a result backend blip must not stop the campaign
+            log.warning("idemmail: campaign %s progress not stored: %s", logsafe(self.campaign_id),
+                        type(exc).__name__)
+
+    def result(self) -> dict[str, Any]:
+        tally = self.tally
+        if self.verdicts or (tally[Outcome.PENDING] and not self.last):
+            # Verdicts of this campaign's own sends are never given up on (the outage budget aside):
+            # the claims they hold would otherwise be left to nobody. The next pass goes over the whole list.
+            raise self.again(None)
+        if tally[Outcome.PENDING]:  # held by other deliveries after MAX_PASSES: theirs to settle
+            log.warning("idemmail: campaign %s leaves %d recipients to the deliveries holding them after %d passes",
+                        logsafe(self.campaign_id), tally[Outcome.PENDING], self.passes)
+        return {"campaign_id": self.campaign_id, "total": len(self.deliveries),
+                **{o.value: tally[o] for o in (Outcome.SENT, Outcome.DUPLICATE, Outcome.FAILED, Outcome.REVIEW,
+                                                Outcome.PENDING)}}
 
 
 def pass_seconds(app: Any, settings: Settings) -> float:
@@ -443,10 +509,11 @@ def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: s
         if key in out:
             continue
         claim_key = next((k for k in (key, *older) if k in verdicts), None) or by_place.get(place)
-        verdict = verdict_of(verdicts.get(claim_key)) if claim_key is not None else None
+        carried = verdicts.get(claim_key) if claim_key is not None else None
+        verdict = Verdict.from_header(carried)
         for k in (key, *older, *([claim_key] if verdict is not None else [])):
             recipient_of.setdefault(str(k), place)
-        holders = owners_of(verdict.get("owner")) if verdict is not None else ()
+        holders = owners_of(carried.get("owner")) if verdict is not None and isinstance(carried, dict) else ()
         out[key] = Delivery(key=str(claim_key) if verdict is not None else key, task_name=SEND_EMAIL,
                             payload=payload, attempt_id=request.id or "", retries=passes, max_retries=MAX_PASSES,
                             owner=owner, resume_owners=holders or resume, verdict=verdict,
@@ -485,15 +552,9 @@ def _pass_headers(task: Task, owners: list[str], verdicts: dict[str, Any],
                   resume: dict[str, Any] | None) -> dict[str, Any]:
     """The next pass's headers: this message's, with the claim owners it may hold, its unrecorded verdicts
     and where the next pass starts (none: the whole list) in place of the ones it came with."""
-    state: dict[str, Any] = {OWNER_HEADER: owners}
-    if verdicts:
-        state[VERDICT_HEADER] = verdicts
-    if resume is not None:
-        state[CAMPAIGN_HEADER] = resume
     # What this pass did not write goes; then, last, the seal: the next pass acts on these only if this
     # library wrote them for this campaign (see _trusted).
-    headers = chain_headers(untrusted_removed(task.request.headers or {}, keep=()), state,
-                            drop=(OWNER_HEADER, VERDICT_HEADER, CAMPAIGN_HEADER))
+    headers = campaign_pass_headers(untrusted_removed(task.request.headers or {}, keep=()), owners, verdicts, resume)
     headers[KEY_MARK_HEADER] = task.app.tasks[SEND_EMAIL].key_builder.seal(headers, _campaign_call(task),
                                                                           task_name=CAMPAIGN_TASK)
     return headers

@@ -71,15 +71,15 @@ from .errors import (
     LedgerUnavailableError,
     PayloadKeyError,
     RecordNotFoundError,
-    UnsafeLedgerError,
 )
 from .keys import Payload, secret_ids
 from .ledger import DetectsLoss, Ledger, Record, State, from_url, passive_options
 from .ledger.listing import RecordQuery, label_of, message_id_of, reason_of
 from .ledger.sealed import is_sealed
 from .redaction import scrub
+from .republish import VISIBILITY_SHARE
 from .roster import active_order
-from .task import VISIBILITY_SHARE, IdempotentTask
+from .task import IdempotentTask
 
 EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_ILLEGAL, EXIT_UNREACHABLE, EXIT_LOST = 0, 1, 2, 3, 4, 5
 EXIT_PAYLOAD_KEY, EXIT_UNKNOWN_KEY, EXIT_BROKER = 6, 7, 8
@@ -661,34 +661,6 @@ def installed_docs(dist: Any) -> Path | None:
             if found.is_file():
                 return found.parent
     return None
-
-
-@ledger.command("migrate")
-@click.option("--quiet-seconds", type=float, default=60.0, show_default=True,
-              help="How long the store must have seen no worker of an older version before converting it.")
-@click.option("--actor", default=None, help="Who (default: login@host).")
-@click.pass_obj
-def migrate(obj: _Ctx, quiet_seconds: float, actor: str | None) -> None:
-    """Convert a Redis ledger written by an older version (record layout 1, 2 or 3) to this one's, once.
-
-    Refuses (exit 3, nothing changed) while a worker of an older version still uses the store (it
-    reads the markers the older layouts kept; their idle time shows its last use), then fences older
-    workers out, converts the records and writes the new markers; workers of this version wait for it.
-    Idempotent: run it again after stopping what it named.
-    """
-    from .ledger.redis import RedisLedger
-
-    store = obj.ledger.backend
-    if not isinstance(store, RedisLedger):
-        click.echo("this ledger is not a Redis ledger: nothing to migrate")
-        return
-    try:
-        done = store.migrate_layout(quiet_seconds=quiet_seconds, actor=actor or _actor())
-    except UnsafeLedgerError as exc:
-        _fail(EXIT_ILLEGAL, str(exc))
-    click.echo(" ".join(f"{name} {n}" for name, n in done.items()))
-    if done["left"]:
-        _fail(EXIT_ILLEGAL, f"{done['left']} records changed while they were converted: run it again")
 
 
 def standalone() -> click.Group:

@@ -344,7 +344,10 @@ SETTINGS: tuple[Setting, ...] = (
 
 
 #: Each setting's default, by :class:`Settings` attribute (the table is the one place they are written).
-_D: dict[str, Any] = {s.field: s.default for s in SETTINGS}
+#: Every setting's default, by field name: the one place a default is written (``Settings``, the handler's
+#: ``Policy`` and the ledgers' own defaults read it from here).
+DEFAULTS: dict[str, Any] = {s.field: s.default for s in SETTINGS}
+_D = DEFAULTS
 
 
 _KNOWN = frozenset(s.conf for s in SETTINGS)

@@ -8,7 +8,7 @@ this module's class)::
     IdemmailError
         ConfigurationError
             UnknownLedgerSchemeError
-            UnsafeLedgerError
+            UnsafeLedgerError (also LedgerError)
         IdempotencyKeyError
             UnserializableArgumentsError
         InvalidEmail (also ValueError)
@@ -48,14 +48,6 @@ class ConfigurationError(IdemmailError):
 
 class UnknownLedgerSchemeError(ConfigurationError):
     """The ledger URL names a scheme no ledger backend registers."""
-
-
-class UnsafeLedgerError(ConfigurationError):
-    """The ledger store is configured in a way that could silently reopen keys.
-
-    For example a Redis server whose ``maxmemory-policy`` evicts keys: an evicted
-    ``sent`` record turns the next duplicate into a second send.
-    """
 
 
 class IdempotencyKeyError(IdemmailError):
@@ -128,6 +120,15 @@ class IdempotencyKeyReuseError(IdemmailError):
 
 class LedgerError(IdemmailError):
     """Base class of ledger errors."""
+
+
+class UnsafeLedgerError(ConfigurationError, LedgerError):
+    """The ledger store is configured in a way that could silently reopen keys.
+
+    For example a Redis server whose ``maxmemory-policy`` evicts keys: an evicted
+    ``sent`` record turns the next duplicate into a second send. A :class:`LedgerError` too: a
+    task meeting it fails closed as when the store is down (rescheduled, nothing sent), and says its fix.
+    """
 
 
 class LedgerUnavailableError(LedgerError):

@@ -49,27 +49,18 @@ a redundant copy. Read top to bottom, :meth:`Handler.handle` is the guarantee:
 from __future__ import annotations
 
 import datetime as _dt
-import enum
-import json
 import logging
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
+from . import rotation
 from ._ahead import writing_ahead
-from ._common import (
-    ENQUEUED_HEADER,
-    HOP_HEADER,
-    INFLIGHT_HEADER,
-    OUTAGE_HEADER,
-    OWNER_HEADER,
-    VERDICT_HEADER,
-    backoff,
-    logsafe,
-)
+from ._common import backoff, logsafe
 from ._lease import keeper
+from .chain import Carry, Verdict
+from .diagnostics import heard_from, say_setup_error_once, say_unreachable_once
 from .errors import (
     SEND_ERRORS,
     AmbiguousSendError,
@@ -79,7 +70,6 @@ from .errors import (
     IdempotencyKeyReuseError,
     InvalidEmail,
     LedgerError,
-    LedgerLostError,
     LedgerUnavailableError,
     PayloadKeyError,
     PermanentSendError,
@@ -92,11 +82,57 @@ from .errors import (
 )
 from .keys import IntentKeyBuilder, Payload
 from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
-from .ledger.base import AHEAD_FIELD, AHEAD_OWNER_FIELD, UNKNOWN_STAGE, ahead_mark, new_owner, owner_writes_ahead
+from .ledger.base import AHEAD_FIELD, new_owner, owner_writes_ahead
 from .ledger.sealed import PAYLOAD_KEY_UNKNOWN, is_sealed, park_unreadable
 from .redaction import cut_leaking_chain, scrub
+from .steps import (
+    Action,
+    Delivery,
+    Outcome,
+    Policy,
+    SideEffect,
+    Step,
+    first_of_its_tokens,
+    live_mark,
+    may_have_run,
+    owned_by,
+    snake,
+    writes_ahead,
+)
 
 log = logging.getLogger("idemmail_celery")
+
+#: What the handler's users import from here (the vocabulary lives in ``steps.py``, the chain in ``chain.py``).
+__all__ = [
+    "COMPLETE_ATTEMPTS",
+    "INVALID_INPUT",
+    "LEASE_MARGIN_SECONDS",
+    "MAYBE_SENT_STAGE",
+    "OLDER_THAN_RETENTION",
+    "RETENTION_SKEW_SECONDS",
+    "RETRY_DEADLINE",
+    "RUN_STAGE",
+    "UNDATED_AFTER_LOSS_SECONDS",
+    "Action",
+    "Delivery",
+    "Handler",
+    "Outcome",
+    "Policy",
+    "SideEffect",
+    "Step",
+    "error_record",
+    "first_of_its_tokens",
+    "live_mark",
+    "may_have_run",
+    "message_id_of",
+    "owned_by",
+    "say_setup_error_once",
+    "say_unreachable_once",
+    "sent_outcome",
+    "snake",
+    "wait_out",
+    "writes_ahead",
+]
 
 #: After an acknowledged ledger loss, a message that does not say when it was enqueued (sent by
 #: name, or by an older version) counts as possibly older than the loss for this long.
@@ -124,155 +160,6 @@ MAYBE_SENT_STAGE = "maybe_sent"
 RETRY_DEADLINE = "retry_deadline"
 
 
-class Outcome(str, enum.Enum):
-    """What one delivery of an intent came to: the one vocabulary of logs, Flower events,
-    metrics, bulk tallies, agent tools and the CLI."""
-
-    SENT = "sent"                              #: the side effect ran and its result is recorded
-    DUPLICATE = "duplicate"                    #: a final record was replayed; nothing ran
-    FAILED = "failed"                          #: failed for good (or refused as invalid); replayed to duplicates
-    REVIEW = "review"                          #: parked: the outcome cannot be known, a person decides
-    RETRY = "retry"                            #: nothing left the process (or the key travels): retried
-    IN_FLIGHT = "in_flight"                    #: another holder's claim is live: rescheduled
-    IN_FLIGHT_GAVE_UP = "in_flight_gave_up"    #: ...and the in-flight budget ran out
-    COPY_DROPPED = "copy_dropped"              #: a second copy of a reschedule already published: dropped
-    LEDGER_UNAVAILABLE = "ledger_unavailable"  #: fail closed: rescheduled until the ledger (or set-up) is back
-    LEDGER_GAVE_UP = "ledger_unavailable_gave_up"  #: the outage budget ran out: the message fails
-    SETUP_ERROR = "setup_error"                #: this worker cannot set the call up (a missing API key or driver,
-                                               #: a broken install): rescheduled on the outage budget, nothing claimed
-    RECLAIMED = "reclaimed"                    #: a dead holder's expired lease was taken over (a step)
-    KEY_REUSE = "key_reuse"                    #: refused: the key came back with other must-match values
-    FAIL_OPEN = "fail_open"                    #: the ledger was down and fail_open ran the body without a claim
-    INVALID = "invalid"                        #: refused before anything was enqueued (agent tools)
-    PENDING = "pending"                        #: not settled within the caller's wait; asking again is safe
-    ERROR = "error"                            #: the task failed in a way none of the above describes
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class Action(enum.Enum):
-    """What the adapter does with a :class:`Step`."""
-
-    RETURN = "return"          #: return ``Step.value`` (the task succeeds)
-    RAISE = "raise"            #: raise ``Step.error`` (the task fails; re-raised as is)
-    RETRY = "retry"            #: retry after ``Step.countdown`` on the task's own retry budget
-    RESCHEDULE = "reschedule"  #: publish again after ``Step.countdown``, on no retry budget
-    DROP = "drop"              #: acknowledge, record no result: another copy carries on
-
-
-@dataclass(frozen=True)
-class Step:
-    """The handler's answer for one delivery."""
-
-    outcome: Outcome
-    action: Action
-    key: str
-    value: Any = None
-    error: BaseException | None = None
-    countdown: float = 0.0
-    #: Headers for the next delivery of this chain (RETRY and RESCHEDULE): the owner to take
-    #: back, a verdict to record, the chain's budgets. The adapter drops every other chain header.
-    carry: dict[str, Any] = field(default_factory=dict)
-    #: RETRY only: does it spend one of the task's ``max_retries``? False for a retry on the time budget
-    #: (``Delivery.retry_from``), which the handler checked: the task's count must not refuse it.
-    counted: bool = True
-    #: RESCHEDULE only: the hop (``Delivery.hop``) this reschedule is the one publish of (see
-    #: :meth:`Handler.in_flight`). Once the adapter has published the step it calls
-    #: :meth:`Handler.published`, which says so in the ledger: later copies of that hop then drop.
-    confirms_hop: str = ""
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The numbers the state machine works with (from :class:`~idemmail_celery.config.Settings`)."""
-
-    lease_seconds: float = 30.0
-    max_reclaims: int = 3
-    inflight_max_retries: int = 30
-    inflight_backoff: float = 1.0
-    inflight_backoff_max: float = 60.0
-    retry_backoff: float = 2.0
-    retry_backoff_max: float = 300.0
-    retry_jitter: bool = True
-    #: How long after the first enqueue (``Delivery.retry_from``) a failure that sent nothing is still retried.
-    retry_deadline_seconds: float = 6 * 3600.0
-    outage_max_retries: int | None = None
-    fail_open: bool = False
-    #: How long a reschedule's mark is kept (``Ledger.mark_hop``): longer than a copy of the message can
-    #: come back (the broker's visibility timeout and its restore delay), so a late copy still drops.
-    hop_ttl_seconds: float = 3600.0
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """One delivery of an intent, as the adapter knows it."""
-
-    key: str
-    task_name: str
-    payload: Payload
-    #: Who is delivering (a task id): part of every claim owner, so operators can tell them apart.
-    attempt_id: str = ""
-    #: ``retry()`` calls spent on this intent so far, and how many the task allows (None: no limit).
-    retries: int = 0
-    max_retries: int | None = 3
-    #: When the intent's retry deadline started (its first enqueue, or when a worker first saw it undated):
-    #: a failure that sent nothing (:class:`TransientSendError`) is retried for ``Policy.retry_deadline_seconds``
-    #: from then, whatever ``max_retries`` says, then ends ``failed`` (``retry_deadline``). None: ``max_retries``.
-    retry_from: float | None = None
-    #: This chain's reschedules so far: because a claim was busy, and because something was unavailable.
-    inflight: int = 0
-    outage: int = 0
-    #: When the message was enqueued: the sealed ``idemmail_enqueued`` header, caller's clock. The
-    #: ledger-loss rule counts from it (a copy enqueued with it may have been sent before a loss).
-    #: None: not said.
-    enqueued_at: float | None = None
-    #: When its countdown or ETA first let it run, if later (sealed ``idemmail_due``): this message
-    #: cannot have been claimed before it, so the retention rule counts from it.
-    due_at: float | None = None
-    #: The claim owners this chain may still hold its claim under, newest first (``ClaimRequest.resume_owner``:
-    #: a claim whose reply was lost may or may not have landed, so the one before it is kept too), and the
-    #: verdict it could not record (``{"state": "sent", "result": ...}`` or ``{"state": "failed"|"review", ...}``).
-    resume_owners: tuple[str, ...] = ()
-    verdict: dict[str, Any] | None = None
-    #: The id of the published message this delivery is a copy of (``Ledger.mark_hop``).
-    hop: str = ""
-    #: The owner this delivery claims under (a new one is made when empty).
-    owner: str = ""
-    #: During a key-secret rotation, the keys this intent had under the older secrets, newest first:
-    #: an intent recorded under one of them is claimed (and replayed) there, never sent again.
-    older_keys: tuple[str, ...] = ()
-    #: The intent's keys other than ``key`` once :meth:`Handler.recorded_key` has chosen the one to claim
-    #: (during a rotation only): read again after the claim, before anything runs (:meth:`Handler.cross_check`).
-    other_keys: tuple[str, ...] = ()
-
-
-class SideEffect(Protocol):
-    """What an adapter lends the handler: the side effect and what it knows about it."""
-
-    def check(self, payload: Payload) -> None:
-        """Refuse a call before anything is stored: raise :class:`InvalidEmail`,
-        :class:`IdempotencyKeyError` or ``TypeError`` for bad input (it ends ``failed``), or
-        :class:`ConfigurationError` when the side effect cannot be set up (it waits on the
-        outage budget)."""
-
-    def perform(self, payload: Payload, key: str) -> Any:
-        """Run the side effect once under ``key``; return what to record, raise a :class:`SendError`."""
-
-    def carries_key(self) -> bool:
-        """Does the side effect pass the key to a service that de-duplicates on it?"""
-
-    def writes_ahead(self) -> bool:
-        """Does ``perform`` call :func:`~idemmail_celery.providers.base.about_to_send` before the side
-        effect can happen? Then a claim left without the mark is known not to have run it."""
-
-    def reconcile(self, key: str, payload: Payload) -> Any | None:
-        """Ask the service whether the intent already happened: its result, or None (not proof)."""
-
-    def report(self, outcome: Outcome, key: str, **fields: Any) -> None:
-        """Tell logs, events and metrics (never raises)."""
-
-
 #: Exceptions from ``check`` that mean the call itself is wrong: ``failed``, never retried.
 INVALID_INPUT: tuple[type[BaseException], ...] = (InvalidEmail, IdempotencyKeyError, TypeError, ValueError)
 
@@ -295,71 +182,9 @@ def message_id_of(value: Any) -> Any:
     return None
 
 
-def live_mark(claim: Claim, owners: tuple[str, ...] = ()) -> dict[str, Any] | None:
-    """The write-ahead mark a claim came back with, unless it is void: a mark this chain wrote itself,
-    named by its owner among ``owners`` (``Delivery.resume_owners``), or a resumed claim's mark written
-    by the very claim it resumed (its token is the one before). That holder is an owner this chain
-    carried, so its delivery ended with a step, not a kill; having marked, it would have carried a
-    verdict had it sent, or might have ("sent", "review"). It carried none: it sent nothing (a
-    transient error, a mark whose reply was lost) and only its release failed."""
-    mark = ahead_mark(claim.record)
-    if mark is None:
-        return None
-    writer = mark.get(AHEAD_OWNER_FIELD)
-    # Only a holder that promised its mark (a side effect without a key): one that carries a key is retried
-    # with it after a maybe-send, so its step says nothing about whether it sent.
-    if isinstance(writer, str) and owner_writes_ahead(writer) and owned_by(writer, owners):
-        return None
-    if claim.status is not ClaimStatus.RESUMED:
-        return mark
-    # The one before, or any earlier one while no holder was ever reclaimed: a claim that only ever
-    # passed between this chain's own deliveries (each ended with a step, several of whose replies
-    # may have been lost) was never held by a delivery that died after its mark.
-    if mark.get("token") == claim.token - 1 or claim.record.reclaims == 0:
-        return None
-    return mark
-
-
 def _published(hop: str) -> str:
     """The mark (``Ledger.mark_hop``) that says the reschedule of ``hop`` is out (see :meth:`Handler.in_flight`)."""
     return f"{hop}\0published"
-
-
-def first_of_its_tokens(claim: Claim) -> bool:
-    """Has this claim's record been held by this delivery's chain alone (``acquired``, or ``resumed`` and never
-    reclaimed)? Only then may it be withdrawn: the next claim of its key starts its tokens again, and a holder
-    it was taken over from, paused rather than dead, could act with one of them."""
-    return claim.status is ClaimStatus.ACQUIRED or (claim.status is ClaimStatus.RESUMED and claim.record.reclaims == 0)
-
-
-def may_have_run(claim: Claim) -> bool:
-    """Does a held claim show that its side effect may have run under its key? A write-ahead mark says so
-    (but the ``unknown`` one a takeover writes for a holder that wrote none: during a rotation every holder
-    marks before it runs, see :meth:`Handler.attempt`), and so does a release (a holder ran and let go)."""
-    if claim.status is ClaimStatus.REOPENED:
-        return True
-    mark = ahead_mark(claim.record)
-    return mark is not None and mark.get(AHEAD_FIELD) != UNKNOWN_STAGE
-
-
-def owned_by(holder: str, owners: tuple[str, ...]) -> bool:
-    """Is ``holder`` (a record's owner) one of ``owners``? A store may keep an owner with a suffix of its
-    own (the SQL ledgers add a nonce to a new claim's)."""
-    return any(holder.startswith(o) for o in owners)
-
-
-def writes_ahead(effect: SideEffect) -> bool:
-    """Does ``effect`` mark the ledger before it can happen? Only a side effect without a key does (one
-    that carries it is sent again with it anyway); False when it cannot say (a provider not built yet)."""
-    try:
-        return not effect.carries_key() and effect.writes_ahead()
-    except Exception:
-        return False
-
-
-def snake(name: str) -> str:
-    """``LedgerUnavailableError`` -> ``ledger_unavailable_error`` (exception types as reason words)."""
-    return "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(name))
 
 
 class Handler:
@@ -395,9 +220,8 @@ class Handler:
         except Exception as exc:
             # Fail closed. The claim may have landed with its reply lost, or not: the next delivery
             # takes back whichever of this chain's owners holds it.
-            return self.unavailable(d, exc, carry=_held(d, owner))
-        if _said_unreachable:  # the ledger answers again: its next outage gets its ERROR line too
-            _said_unreachable.discard(id(self.ledger))
+            return self.unavailable(d, exc, carry=d.held(owner))
+        heard_from(self.ledger)
         return self.settle(d, claim)
 
     def claimant(self, d: Delivery) -> str:
@@ -450,153 +274,6 @@ class Handler:
             return self.unavailable(d, exc)
         return None
 
-    def recorded_key(self, d: Delivery) -> Delivery:
-        """During a rotation: the delivery under the older key its intent is recorded with, if any
-        (one read per older secret, only while rotating).
-
-        Raises :class:`LedgerUnavailableError` (or :class:`UnsafeLedgerError`) when a read fails:
-        claiming under the new key could then send an intent recorded under an old one (the keys
-        live in other buckets, on a cluster on other nodes, and a blip may pass before the claim).
-        """
-        keys = (d.key, *d.older_keys)
-        for old in d.older_keys:
-            try:
-                found = self.ledger.get(old) is not None
-            except PayloadKeyError:  # sealed with a key this process lacks: the record is there all the same
-                found = True
-            except (LedgerUnavailableError, UnsafeLedgerError):
-                raise
-            except LedgerError as exc:  # anything else the store said: not an answer either way
-                raise LedgerUnavailableError(f"rotation lookup of {old} failed: {exc}") from exc
-            if found:
-                if d.resume_owners and d.verdict is None:
-                    self.drop_unchecked(d)
-                return replace(d, key=old, older_keys=(), other_keys=tuple(k for k in keys if k != old))
-        return replace(d, other_keys=d.older_keys)
-
-    def drop_unchecked(self, d: Delivery) -> None:
-        """The intent is recorded under another key, and this chain may hold a claim under ``d.key`` that
-        never ran (an earlier delivery's :meth:`cross_check` could not read, nor withdraw; or its claim's
-        reply was lost): withdrawn, so that nobody takes it over once its lease runs out and sends the
-        intent again. A claim with any sign of having run (a reclaim, a write-ahead mark) is left alone.
-
-        Raises :class:`LedgerUnavailableError` (or :class:`UnsafeLedgerError`) like :meth:`recorded_key`.
-        """
-        try:
-            record = self.ledger.get(d.key)
-            if (record is not None and record.state is State.CLAIMED and record.reclaims == 0
-                    and ahead_mark(record) is None and owned_by(record.owner, d.resume_owners)):
-                self.ledger.withdraw(d.key, record.token)
-        except PayloadKeyError:  # sealed with a key this process lacks: not this chain's claim to judge
-            return
-        except (LedgerUnavailableError, UnsafeLedgerError):
-            raise
-        except LedgerError as exc:
-            raise LedgerUnavailableError(f"rotation clean-up of {d.key} failed: {exc}") from exc
-        except NotImplementedError:  # a ledger without withdraw: its lease runs out, the reclaim rules decide
-            log.warning("idemmail: %s: %s cannot withdraw a claim; it is left to its lease", logsafe(d.key),
-                        type(self.ledger.backend).__name__)
-
-    def cross_check(self, d: Delivery, claim: Claim) -> Step | None:
-        """During a key-secret rotation, between a new claim and anything it runs: read the intent's other
-        keys (``Delivery.other_keys``) again. None: none has a record, the claim may run.
-
-        The look-up before the claim (:meth:`recorded_key`) is not atomic with it. While the workers are
-        restarted onto the second step of a rotation, some claim under the old secret's key (looking up the
-        new one's) and others under the new one's (looking up the old one's): two copies of one intent on
-        workers of each kind may both look, both find nothing, and both claim, each under its own key.
-        This re-read makes that safe. Of two such claims, the later one's re-read comes after the earlier
-        claim and sees it, so at most one of them runs; if both re-reads see the other claim, both
-        withdraw and try again after a randomized countdown, and the next look-ups decide. A claim that
-        met another key's record is withdrawn (:meth:`Ledger.withdraw`: it never ran, it leaves no trace)
-        and rescheduled as an in-flight collision: the next delivery's look-up finds the other key's record
-        and follows it. A re-read that fails runs nothing either (:meth:`unchecked`).
-
-        It runs on every claim with no sign of having run (:func:`may_have_run`): a new one (``acquired``); one
-        this chain takes back (``resumed``: the claim an earlier delivery could not check, which a delivery on a
-        worker of the other phase reaches by its look-up without ever looking at its own key); and one taken
-        over from a holder that died before running it (``reclaimed``: its check, or its withdrawal, never
-        happened). Of two claims of one intent under two keys, the later never ran: its holder's re-read saw the
-        earlier one, or never came. A claim that may have run is the intent's, and is not checked: whatever
-        record another key has is such a never-run claim, withdrawn by whoever takes it. A holder that writes no
-        mark of its own marks its claim before running during a rotation (see :meth:`attempt`), so that a claim
-        without a mark never ran. Without a rotation ``other_keys`` is empty and this costs nothing.
-        """
-        for other in d.other_keys:
-            try:
-                record = self.ledger.get(other)
-            except PayloadKeyError:  # sealed with a key this process lacks: a record all the same
-                record = claim.record
-            except (LedgerError, UnsafeLedgerError) as exc:
-                return self.unchecked(d, claim, exc)
-            if record is not None:
-                return self.withdrawn(d, claim, other, record)
-        return None
-
-    def withdrawn(self, d: Delivery, claim: Claim, other: str, record: Record) -> Step:
-        """Another key of the intent has a record: withdraw this claim and come back as if it were busy. A claim
-        taken over from another holder is not withdrawn but followed to the other key (:meth:`follow`)."""
-        if not first_of_its_tokens(claim):
-            return self.follow(d, claim, other)
-        try:
-            self.ledger.withdraw(d.key, claim.token)  # False: no longer ours (its lease ran out), nothing to do
-        except (LedgerError, UnsafeLedgerError, NotImplementedError) as exc:
-            # Still held, never run: the next delivery takes it back or drops it (see unchecked).
-            return self.unavailable(d, exc, carry=_held(d, claim.record.owner))
-        log.warning("idemmail: %s: another delivery claimed the same intent under another key of a key-secret "
-                    "rotation (%s) meanwhile; this claim is withdrawn unsent", logsafe(d.key), logsafe(other))
-        return self.in_flight(d, record)
-
-    def follow(self, d: Delivery, claim: Claim, other: str) -> Step:
-        """A claim taken over during a rotation shows no sign of having run, and another key of the intent has a
-        record: the intent is settled under that key, by this delivery, as its record says (replayed, waited for,
-        resent with that key, parked, or run if its holder too never ran), and this record then says the same.
-
-        This claim is not withdrawn: its tokens would start again with the next claim of its key, and the holder
-        it was taken from (paused, not dead) could act with one of them. Held by this delivery, never run, it is
-        left out of the other key's check; unsettled, its lease runs out and whoever takes it comes here again.
-        """
-        there = replace(d, key=other, older_keys=(), other_keys=tuple(k for k in d.other_keys if k != other))
-        owner = d.owner or new_owner(d.attempt_id, ahead=self.writes_ahead())
-        try:
-            found = self.take_back(there, self.ledger.claim(self.request(there, owner)), owner)
-        except Exception as exc:  # nothing claimed there, or its reply lost: the next delivery comes here again
-            return self.unavailable(d, exc, carry=_held(d))
-        step = self.settle(there, found)
-        self.copy_final_record(d, claim, other)
-        return step
-
-    def copy_final_record(self, d: Delivery, claim: Claim, other: str) -> None:
-        """Record under ``d.key``, held by ``claim`` and never run, the final record the intent has under
-        ``other`` (best effort: unsettled, the claim's lease runs out and its next holder does it)."""
-        try:
-            record = self.ledger.get(other)
-        except (LedgerError, UnsafeLedgerError):
-            return
-        if record is None or not record.state.is_final:
-            return
-        if record.state is State.SENT:
-            self.guarded(lambda: self.ledger.complete(d.key, claim.token, record.result or {}))
-        else:
-            move = self.ledger.fail if record.state is State.FAILED else self.ledger.park
-            self.guarded(lambda: move(d.key, claim.token, record.error or {"reason": "settled_under_another_key"}))
-
-    def unchecked(self, d: Delivery, claim: Claim, exc: Exception) -> Step:
-        """The re-read of :meth:`cross_check` failed: run nothing, and wait on the outage budget.
-
-        The claim is withdrawn if the store takes that (a read of another key may fail where this key's
-        node answers) and it is the first of its tokens (:func:`first_of_its_tokens`): the next delivery then
-        starts over. Otherwise it is still held, never run, and the next
-        delivery carries its owner: its look-up finds another key's record (and withdraws this claim,
-        :meth:`drop_unchecked`), or it takes the claim back (``resumed``) and this check runs again.
-        """
-        try:
-            gone = first_of_its_tokens(claim) and self.ledger.withdraw(d.key, claim.token)
-        except (LedgerError, UnsafeLedgerError, NotImplementedError):
-            gone = False
-        if not isinstance(exc, (LedgerUnavailableError, UnsafeLedgerError)):
-            exc = LedgerUnavailableError(f"rotation re-read after claiming {d.key} failed: {exc}")
-        return self.unavailable(d, exc, carry=_held(d) if gone else _held(d, claim.record.owner))
 
     def request(self, d: Delivery, owner: str) -> ClaimRequest:
         """The claim a delivery makes."""
@@ -607,46 +284,90 @@ class Handler:
                             resume_owner=d.resume_owners[0] if d.resume_owners else None)
 
     def settle(self, d: Delivery, claim: Claim) -> Step:
-        """Everything after the claim (bulk sends call this for each claim of a batch)."""
-        status, record = claim.status, claim.record
-        if status is ClaimStatus.DONE:
+        """Everything after the claim (bulk sends call this for each claim of a batch).
+
+        A final record is replayed and a live holder's claim waited for. A claim this delivery holds meets
+        the gates below in order; the first that answers ends the delivery, and if none does the side
+        effect runs (:meth:`run`) with the payload :meth:`payload_to_run` names.
+        """
+        if claim.status is ClaimStatus.DONE:
+            record = claim.record
             return self.check_reuse(d, record) or self.confirm_verdict(d, record) or self.replay(record)
-        if status is ClaimStatus.BUSY:
-            return self.check_reuse(d, record) or self.in_flight(d, record)
-        if d.verdict is not None:  # this chain decided, and could not record it: record it, never run again
-            return self.record_verdict(d, claim, d.verdict)
-        if d.other_keys and not may_have_run(claim):
-            step = self.cross_check(d, claim)  # a key-secret rotation: another key's claim may have come meanwhile
+        if claim.status is ClaimStatus.BUSY:
+            return self.check_reuse(d, claim.record) or self.in_flight(d, claim.record)
+        gates = (self.pending_verdict, self.rotation_gate, self.sealed_gate, self.crash_gate, self.loss_gate,
+                 self.retention_gate, self.reuse_gate)
+        for gate in gates:
+            step = gate(d, claim)
             if step is not None:
                 return step
-        if status is not ClaimStatus.ACQUIRED and is_sealed(record.payload):
-            return self.unreadable(d, claim)  # this process has no payload keys: never run it, never strand it
-        # A resumed claim with a dead holder behind it (this chain's own reclaim whose reply was lost), or
-        # with a write-ahead mark (an earlier delivery of this chain that began its side effect and died).
-        mark = live_mark(claim, d.resume_owners)
-        resumed_after_a_crash = status is ClaimStatus.RESUMED and (record.reclaims > 0 or mark is not None)
-        if status is ClaimStatus.RECLAIMED or resumed_after_a_crash:
-            step = self.after_crash(d, claim)
-            if step is not None:
-                return step
-        # The loss rule: a new claim, and one taken over or back with no mark (the first claim since the loss may
-        # have lost its reply, or died, before its holder applied the rule: nobody has decided yet).
-        if (status is ClaimStatus.ACQUIRED or (status in (ClaimStatus.RECLAIMED, ClaimStatus.RESUMED)
-                                               and mark is None)) and self.older_than_loss(d):
-            step = self.after_loss(d, claim)
-            if step is not None:
-                return step
-        if status is ClaimStatus.ACQUIRED and self.older_than_retention(d):
+        return self.run(d, claim, self.payload_to_run(d, claim))
+
+    # -- the gates a held claim passes before it runs (None: pass) --
+
+    def pending_verdict(self, d: Delivery, claim: Claim) -> Step | None:
+        """This chain decided, and could not record it: record it, never run again."""
+        return None if d.verdict is None else self.record_verdict(d, claim, d.verdict)
+
+    def rotation_gate(self, d: Delivery, claim: Claim) -> Step | None:
+        """A key-secret rotation: another key's claim may have come meanwhile (:meth:`cross_check`)."""
+        return self.cross_check(d, claim) if d.other_keys and not may_have_run(claim) else None
+
+    def recorded_key(self, d: Delivery) -> Delivery:
+        """During a rotation, before the claim: the delivery under the key its intent is recorded with
+        (:func:`~idemmail_celery.rotation.recorded_key`)."""
+        return rotation.recorded_key(self, d)
+
+    def cross_check(self, d: Delivery, claim: Claim) -> Step | None:
+        """During a rotation, after a new claim: None if no other key of the intent has a record
+        (:func:`~idemmail_celery.rotation.cross_check`)."""
+        return rotation.cross_check(self, d, claim)
+
+    def sealed_gate(self, d: Delivery, claim: Claim) -> Step | None:
+        """A claim held before, whose first payload this process cannot read: never run it, never strand it."""
+        if claim.status is not ClaimStatus.ACQUIRED and is_sealed(claim.record.payload):
+            return self.unreadable(d, claim)
+        return None
+
+    def crash_gate(self, d: Delivery, claim: Claim) -> Step | None:
+        """A claim taken over from a dead holder; or a resumed one with a dead holder behind it (this chain's
+        own reclaim whose reply was lost) or a write-ahead mark (an earlier delivery of this chain that began
+        its side effect and died): :meth:`after_crash` decides."""
+        resumed_after_a_crash = claim.status is ClaimStatus.RESUMED and (
+            claim.record.reclaims > 0 or live_mark(claim, d.resume_owners) is not None)
+        if claim.status is ClaimStatus.RECLAIMED or resumed_after_a_crash:
+            return self.after_crash(d, claim)
+        return None
+
+    def loss_gate(self, d: Delivery, claim: Claim) -> Step | None:
+        """The loss rule (:meth:`after_loss`): a new claim, and one taken over or back with no mark (the first
+        claim since the loss may have lost its reply, or died, before its holder applied the rule: nobody has
+        decided yet)."""
+        undecided = claim.status is ClaimStatus.ACQUIRED or (
+            claim.status in (ClaimStatus.RECLAIMED, ClaimStatus.RESUMED) and live_mark(claim, d.resume_owners) is None)
+        return self.after_loss(d, claim) if undecided and self.older_than_loss(d) else None
+
+    def retention_gate(self, d: Delivery, claim: Claim) -> Step | None:
+        """A new claim for a message older than what the ledger can vouch for (:meth:`after_retention`)."""
+        if claim.status is ClaimStatus.ACQUIRED and self.older_than_retention(d):
             return self.after_retention(d, claim)
-        if status in (ClaimStatus.REOPENED, ClaimStatus.RESUMED):
-            refused = self.check_reuse(d, record)
-            if refused is not None:  # nothing ran: the first payload's own retry will
-                self.guarded(lambda: self.ledger.release(d.key, claim.token))
-                return refused
-        # The first payload ships; if an operator erased it (``forget``), this delivery's is all there is.
-        first = record.payload
-        payload = d.payload if status is ClaimStatus.ACQUIRED or not first else Payload.from_json(first)
-        return self.run(d, claim, payload)
+        return None
+
+    def reuse_gate(self, d: Delivery, claim: Claim) -> Step | None:
+        """A claim that runs its first payload, met with other must-match values: refused, and released (nothing
+        ran: the first payload's own retry will)."""
+        if claim.status not in (ClaimStatus.REOPENED, ClaimStatus.RESUMED):
+            return None
+        refused = self.check_reuse(d, claim.record)
+        if refused is not None:
+            self.guarded(lambda: self.ledger.release(d.key, claim.token))
+        return refused
+
+    @staticmethod
+    def payload_to_run(d: Delivery, claim: Claim) -> Payload:
+        """The first payload ships; if an operator erased it (``forget``), this delivery's is all there is."""
+        first = claim.record.payload
+        return d.payload if claim.status is ClaimStatus.ACQUIRED or not first else Payload.from_json(first)
 
     # -- running the side effect --
 
@@ -732,11 +453,11 @@ class Handler:
                 # claim for stranded before twice that maximum (redrive.stranded_after).
                 countdown = max(countdown, min(exc.retry_after, self.policy.retry_backoff_max))
             # If the release did not land, the retry takes its own claim back instead of waiting on it.
-            carry: dict[str, Any] = {OWNER_HEADER: [claim.record.owner]}
+            carry = Carry(owners=(claim.record.owner,))
             if timed:
                 countdown = min(countdown, left)  # the last attempt comes at the deadline, not after it
                 if d.enqueued_at is None:  # undated (sent by name): the deadline must not move with each retry
-                    carry[ENQUEUED_HEADER] = f"{d.retry_from:.3f}"
+                    carry = replace(carry, enqueued_at=d.retry_from)
             return Step(Outcome.RETRY, Action.RETRY, key, error=exc, countdown=countdown, carry=carry,
                         counted=not timed)
         if sent_maybe:
@@ -795,8 +516,8 @@ class Handler:
             # meanwhile the lease keeps any copy from sending again.
             self.effect.report(Outcome.SENT, key, message_id=outcome["message_id"], reason=unrecorded,
                                recorded="false")
-            return self.unavailable(d, LedgerUnavailableError(f"{key}: sent, not yet recorded"), carry={
-                OWNER_HEADER: [claim.record.owner], VERDICT_HEADER: {"state": "sent", "result": stored}},
+            return self.unavailable(d, LedgerUnavailableError(f"{key}: sent, not yet recorded"), carry=Carry(
+                owners=(claim.record.owner,), verdict=Verdict("sent", result=stored)),
                 value=outcome)
         if unrecorded:
             self.effect.report(Outcome.SENT, key, message_id=outcome["message_id"], reason=unrecorded,
@@ -815,11 +536,12 @@ class Handler:
         reason = str(error.get("reason") or "")
         try:
             move(d.key, claim.token, error)
-        except LedgerUnavailableError as exc_ledger:
+        except (LedgerUnavailableError, UnsafeLedgerError) as exc_ledger:
             log.error("idemmail: could not record %s for %s yet: %s", state.value, logsafe(d.key), logsafe(exc_ledger))
             self.effect.report(outcome, d.key, reason=reason, recorded="false", error=snake(type(exc_ledger).__name__))
-            return self.unavailable(d, exc_ledger, carry={
-                OWNER_HEADER: [claim.record.owner], VERDICT_HEADER: {"state": state.value, "error": error}},
+            return self.unavailable(d, exc_ledger, carry=Carry(
+                owners=(claim.record.owner,), verdict=Verdict("failed" if state is State.FAILED else "review",
+                                                              error=error)),
                 error=exc)
         except LedgerError as exc_ledger:  # the claim was taken over: the newer holder's record wins
             log.error("idemmail: could not record %s for %s: %s", state.value, logsafe(d.key), logsafe(exc_ledger))
@@ -837,7 +559,7 @@ class Handler:
         waited for as a copy waits for a live claim."""
         try:
             record = self.ledger.get(d.key)
-        except (LedgerError, UnsafeLedgerError) as exc:  # the next delivery looks again (it holds nothing)
+        except LedgerError as exc:  # the next delivery looks again (it holds nothing)
             return self.unavailable(d, exc)
         if record is None:  # withdrawn or forgotten meanwhile: the next delivery starts over
             return self.unavailable(d, LedgerUnavailableError(f"{d.key}: no record after a takeover"))
@@ -845,16 +567,14 @@ class Handler:
             return self.replay(record)
         return self.in_flight(d, record)
 
-    def record_verdict(self, d: Delivery, claim: Claim, verdict: dict[str, Any]) -> Step:
+    def record_verdict(self, d: Delivery, claim: Claim, verdict: Verdict) -> Step:
         """Record what an earlier delivery of this chain decided and could not record."""
-        state = str(verdict.get("state"))
-        if state == State.SENT.value:
-            result = verdict.get("result") or {}
-            return self.record_sent(d, claim, result.get("value"), reconciled=False)
-        error = verdict.get("error") or {}
-        reason = str(error.get("reason") or state)
+        if verdict.state == "sent":
+            return self.record_sent(d, claim, (verdict.result or {}).get("value"), reconciled=False)
+        error = verdict.error or {}
+        reason = str(error.get("reason") or verdict.state)
         message = str(error.get("message") or reason)
-        if state == State.FAILED.value:
+        if verdict.state == "failed":
             return self.record_final(d, claim, State.FAILED, error, PermanentSendError(message, reason, d.key))
         return self.record_final(d, claim, State.REVIEW, error, SendNeedsReview(message, reason, d.key))
 
@@ -867,9 +587,9 @@ class Handler:
         ``resolve`` would be), never sent again, never left for someone to look into. None: not that case.
         """
         verdict = d.verdict
-        if verdict is None or verdict.get("state") != State.SENT.value or record.state is not State.REVIEW:
+        if verdict is None or verdict.state != "sent" or record.state is not State.REVIEW:
             return None
-        stored = verdict.get("result") or {}
+        stored = verdict.result or {}
         try:
             confirmed = self.ledger.confirm_sent(record.key, stored, note="sent by this chain; recorded from its "
                                                                           "verdict", actor=d.owner or d.attempt_id,
@@ -936,7 +656,7 @@ class Handler:
         # then. Until then it comes back as the same hop, never as a new one: the copy that marked may have died
         # before publishing (a mark set before a publish that never happened), and then this copy is the only
         # message carrying the intent; and copies that keep their hop never multiply.
-        confirms, same_hop = "", {}
+        confirms, same_hop = "", None
         if d.hop:
             try:
                 first = self.ledger.mark_hop(key, d.hop, p.hop_ttl_seconds)
@@ -946,7 +666,7 @@ class Handler:
                 self.effect.report(Outcome.COPY_DROPPED, key, reschedules=d.inflight)
                 return Step(Outcome.COPY_DROPPED, Action.DROP, key)
             if first is False:
-                same_hop = {HOP_HEADER: d.hop}
+                same_hop = d.hop
             else:
                 confirms = d.hop
         countdown = backoff(d.inflight, p.inflight_backoff, p.inflight_backoff_max)
@@ -956,7 +676,7 @@ class Handler:
         return Step(Outcome.IN_FLIGHT, Action.RESCHEDULE, key, countdown=countdown,
                     error=IdempotencyInFlightError(f"{key} held by another worker, "
                                                    f"reschedule {d.inflight + 1}"),
-                    carry={INFLIGHT_HEADER: d.inflight + 1, OUTAGE_HEADER: d.outage, **same_hop},
+                    carry=Carry(inflight=d.inflight + 1, outage=d.outage, hop=same_hop),
                     confirms_hop=confirms)
 
     def hop_published(self, key: str, hop: str) -> bool:
@@ -976,7 +696,7 @@ class Handler:
         self.guarded(lambda: self.ledger.mark_hop(step.key, _published(step.confirms_hop),
                                                   self.policy.hop_ttl_seconds))
 
-    def unavailable(self, d: Delivery, exc: Exception, *, carry: dict[str, Any] | None = None,
+    def unavailable(self, d: Delivery, exc: Exception, *, carry: Carry | None = None,
                     value: Any = None, error: BaseException | None = None) -> Step:
         """The ledger (or the side effect's set-up) cannot be used now: reschedule on the outage budget.
 
@@ -985,10 +705,10 @@ class Handler:
         that ends a delivery before its outcome is recorded leaves the chain's claim to nobody.
         When the budget runs out the step returns ``value`` or raises ``error`` (default ``exc``).
         """
-        carry = _held(d) if carry is None else carry
+        carry = d.held() if carry is None else carry
         if isinstance(exc, (LedgerUnavailableError, UnsafeLedgerError)):
             say_unreachable_once(self.ledger, exc)
-            if self.policy.fail_open and VERDICT_HEADER not in carry:
+            if self.policy.fail_open and carry.verdict is None:
                 return self.fail_open(d, exc)
         return wait_out(self.policy, self.effect, d, exc, carry=carry, value=value, error=error)
 
@@ -1138,15 +858,15 @@ class Handler:
 
 
 def wait_out(policy: Policy, effect: SideEffect, d: Delivery, exc: BaseException, *,
-             carry: dict[str, Any] | None = None, value: Any = None, error: BaseException | None = None) -> Step:
+             carry: Carry | None = None, value: Any = None, error: BaseException | None = None) -> Step:
     """Reschedule ``d`` on the outage budget (see :meth:`Handler.unavailable`), with ``carry`` for its next
     delivery. A ledger that cannot answer is ``ledger_unavailable``; anything else (a set-up error: a missing
     API key or driver, a broken install, a defect before the claim) is ``setup_error``, and its fix is
     logged at ERROR once per process. Adapters call this when even the handler cannot be built."""
     key = d.key
-    carry = _held(d) if carry is None else carry
+    carry = d.held() if carry is None else carry
     word = snake(type(exc).__name__)
-    ledger_down = isinstance(exc, (LedgerError, UnsafeLedgerError))
+    ledger_down = isinstance(exc, LedgerError)
     if not ledger_down:
         say_setup_error_once(exc)
     if policy.outage_max_retries is not None and d.outage >= policy.outage_max_retries:
@@ -1155,65 +875,12 @@ def wait_out(policy: Policy, effect: SideEffect, d: Delivery, exc: BaseException
             return Step(Outcome.SENT, Action.RETURN, key, value=value)
         return Step(Outcome.LEDGER_GAVE_UP, Action.RAISE, key, error=error or exc)
     countdown = backoff(d.outage, policy.inflight_backoff, policy.inflight_backoff_max)
-    if carry and VERDICT_HEADER in carry:  # back before the claim's lease can run out: no copy may take it
+    if carry.verdict is not None:  # back before the claim's lease can run out: no copy may take it
         countdown = min(countdown, policy.lease_seconds / 3)
     outcome = Outcome.LEDGER_UNAVAILABLE if ledger_down else Outcome.SETUP_ERROR
     effect.report(outcome, key, reason=word, reschedules=d.outage + 1)
     return Step(outcome, Action.RESCHEDULE, key, countdown=countdown, error=exc,
-                carry={INFLIGHT_HEADER: d.inflight, OUTAGE_HEADER: d.outage + 1, **(carry or {})})
-
-
-#: The optional extra that installs each driver a ledger or provider imports on demand.
-EXTRA_OF_MODULE = {"psycopg": "postgres", "psycopg2": "postgres", "pymysql": "mysql", "MySQLdb": "mysql",
-                   "redis": "redis", "hiredis": "redis", "prometheus_client": "metrics", "cryptography": "crypto"}
-
-
-def setup_fix(exc: BaseException) -> str:
-    """What an operator does about a set-up error, in one sentence."""
-    missing = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
-    root = str(missing or "").split(".")[0]
-    if root in ("psycopg2", "MySQLdb"):  # a URL without a driver name: SQLAlchemy's default driver, not the extra's
-        scheme = "postgresql+psycopg" if root == "psycopg2" else "mysql+pymysql"
-        return (f"install the driver: pip install 'idemmail-celery[{EXTRA_OF_MODULE[root]}]' and name it in the "
-                f"ledger URL ({scheme}://...), then restart the worker")
-    if root in EXTRA_OF_MODULE:
-        return f"install the driver: pip install 'idemmail-celery[{EXTRA_OF_MODULE[root]}]', then restart the worker"
-    if isinstance(exc, ImportError):
-        return f"install the missing module {missing or ''} (or repair the install), then restart the worker"
-    if isinstance(exc, ConfigurationError):
-        return "fix the configuration as it says, then restart the worker"
-    return "a defect or a broken install: see the traceback, fix it and restart the worker"
-
-
-_said_setup: set[tuple[str, str]] = set()
-
-
-def say_setup_error_once(exc: BaseException, what: str = "tasks cannot be set up on this worker") -> None:
-    """One ERROR line per process and problem, with its fix (:func:`setup_fix`); each delivery then
-    reports ``setup_error`` at WARNING."""
-    problem = (type(exc).__name__, str(exc)[:200])
-    with _said_lock:
-        if problem in _said_setup:
-            return
-        _said_setup.add(problem)
-    log.error("idemmail: %s (%s: %s): %s; messages wait on the outage budget (idemmail_outage_max_retries) "
-              "and are sent once it is fixed", logsafe(what), type(exc).__name__, logsafe(scrub(str(exc))[:300]),
-              logsafe(setup_fix(exc)),
-              exc_info=not isinstance(exc, (ConfigurationError, ImportError)))
-
-
-_said_unreachable: set[int] = set()
-_said_lock = threading.Lock()
-
-
-def say_unreachable_once(ledger: Ledger, exc: Exception) -> None:
-    """One ERROR line per process and ledger when it stops answering; each delivery then reports INFO."""
-    with _said_lock:
-        if id(ledger) in _said_unreachable:
-            return
-        _said_unreachable.add(id(ledger))
-    what = "lost (see the CRITICAL log line)" if isinstance(exc, LedgerLostError) else "unreachable"
-    log.error("idemmail: ledger %s (%s); tasks retry until it is back", what, logsafe(exc))
+                carry=replace(carry, inflight=d.inflight, outage=d.outage + 1))
 
 
 def sent_outcome(status: str, key: str, stored: dict[str, Any], at: float) -> dict[str, Any]:
@@ -1231,43 +898,3 @@ def _iso(ts: float | None) -> str | None:
     return None if not ts else _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).isoformat()
 
 
-#: How many of a chain's owners travel (one more each time a claim's reply is lost in a row).
-MAX_OWNERS = 16
-
-
-def held_by(owner: str | None, owners: tuple[str, ...]) -> list[str]:
-    """The owners that may hold a chain's claim after a claim as ``owner`` whose reply did not come back:
-    ``owner`` (it landed) or any of ``owners`` (it did not), newest first, each once."""
-    return list(dict.fromkeys(o for o in (owner, *owners) if o))[:MAX_OWNERS]
-
-
-def owners_of(header: Any) -> tuple[str, ...]:
-    """An owner header as the broker returns it (a list, newest first; one string from older releases)."""
-    if isinstance(header, str):
-        return (header,) if header else ()
-    if isinstance(header, (list, tuple)):
-        return tuple(str(o) for o in header if isinstance(o, str) and o)[:MAX_OWNERS]
-    return ()
-
-
-def _held(d: Delivery, owner: str | None = None) -> dict[str, Any]:
-    """What a delivery that met an outage hands to the next one: the owners that may hold its claim
-    (``owner``, the one it just claimed under, if any), and its verdict (dropped, the claim would wait
-    out its lease and be decided again)."""
-    owners = held_by(owner, d.resume_owners)
-    carry: dict[str, Any] = {OWNER_HEADER: owners} if owners else {}
-    if d.verdict is not None:
-        carry[VERDICT_HEADER] = d.verdict
-    return carry
-
-
-def verdict_of(header: Any) -> dict[str, Any] | None:
-    """A verdict header as the broker returns it (a dict, or JSON text); None when absent or malformed."""
-    if isinstance(header, str):
-        try:
-            header = json.loads(header)
-        except ValueError:
-            return None
-    if isinstance(header, dict) and header.get("state") in (State.SENT.value, State.FAILED.value, State.REVIEW.value):
-        return header
-    return None

@@ -63,7 +63,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._common import KEY_HEADER, KEY_MARK_HEADER, SEALED_HEADERS
+from .chain import KEY_HEADER, KEY_MARK_HEADER, SEALED_HEADERS
 from .email import parse_address
 from .errors import ConfigurationError, IdempotencyKeyError, InvalidEmail, UnserializableArgumentsError
 

@@ -45,6 +45,7 @@ from typing import Any
 from celery import Celery, shared_task
 
 from ._common import after_fork
+from ._request import state_of
 from .config import Settings
 from .email import EmailMessage
 from .errors import AmbiguousSendError, ConfigurationError, InvalidEmail, PermanentSendError, SendError
@@ -179,7 +180,8 @@ class SendEmailTask(IdempotentTask):
         # settings with it), so the body reuses what the check built (validating addresses is the costly part).
         fields = tuple(kwargs.get(name) for name in _MESSAGE_FIELDS)
         request = self.request
-        held = getattr(request, "idemmail_message", None)
+        state = state_of(request, create=False)
+        held = state.message if state is not None else None
         if held is not None and held[1] is settings and held[0] == fields:
             return held[2]  # type: ignore[no-any-return]
         sender = kwargs.get("from_") or settings.default_from
@@ -203,7 +205,7 @@ class SendEmailTask(IdempotentTask):
             raise InvalidEmail(f"the message is {size} bytes, over the limit of {budget} "
                                "(idemmail_max_message_bytes)", field="size")
         if not request.called_directly:  # a run's request, gone with the run (never the client's default)
-            request.idemmail_message = (fields, settings, message)
+            state_of(request).message = (fields, settings, message)  # type: ignore[union-attr]
         return message
 
     def max_argument_size(self) -> int:

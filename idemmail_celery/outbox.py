@@ -64,7 +64,8 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, scoped_session
 
-from ._common import KEY_HEADER, RELAYED_HEADER, after_fork, backoff, logsafe
+from ._common import after_fork, backoff, logsafe
+from .chain import KEY_HEADER, RELAYED_HEADER
 from .config import Settings
 from .errors import ConfigurationError
 from .keys import Seal, untrusted_removed

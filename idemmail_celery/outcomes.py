@@ -41,6 +41,7 @@ from celery.signals import worker_init
 
 from . import metrics
 from ._common import after_fork, logsafe, quoted
+from ._request import RequestState, state_of
 from .config import Settings
 from .handler import RETRY_DEADLINE, Outcome
 from .ledger import passive_options, shared
@@ -81,7 +82,6 @@ def report(task: Any, status: Outcome | str, key: str, *, message_id: Any = None
     if extra.get("recorded") in (False, "false"):
         extra["recorded"] = False  # one type for "not recorded" wherever a report is read
     request = task.request
-    name = task.name
     attempts = (request.retries or 0) + 1
     if message_id is not None and not isinstance(message_id, str):
         message_id = str(message_id)
@@ -89,31 +89,49 @@ def report(task: Any, status: Outcome | str, key: str, *, message_id: Any = None
         reason = clean_reason(reason)
     unrecorded = extra.get("recorded") is False
     try:
-        level = _level(status, unrecorded, reason, routine=event and reason is None and (
-            (status is Outcome.SENT and not unrecorded)
-            or (status is Outcome.DUPLICATE and extra.get("recorded") == "sent")))
+        level = _level(status, unrecorded, reason, routine=event and reason is None and _routine(status, extra))
         if log.isEnabledFor(level):
-            _log(level, status, name, key, request.id, message_id, reason, attempts, extra)
-        active = metrics.active
-        if active is not None:
-            if status is Outcome.RECLAIMED:  # a step, not an outcome: the run goes on to one (counted once)
-                active.reclaimed(name)
-            else:
-                active.outcome(name, status.value)
-                if status is Outcome.FAILED:
-                    active.failed(name, reason or "other")
-                if unrecorded:
-                    active.unrecorded(name, status.value, reason or "other")
-        replayed_failure = status is Outcome.DUPLICATE and extra.get("recorded") in ("failed", "review")
+            _log(level, status, task.name, key, request.id, message_id, reason, attempts, extra)
+        _count(task.name, status, reason, unrecorded=unrecorded)
         if event and _Worker.task_events and request.hostname:
-            if status in _EVENTFUL or unrecorded or replayed_failure:
-                _event(task, status, key, message_id, reason, attempts, extra)
-            elif status in _SUCCESS and getattr(request, "idemmail_rescheduled", False):
-                # Flower keeps the exception of an earlier task-retried event after the task succeeds (its
-                # task-succeeded names none): this event clears it, and leaves the result to task-succeeded.
-                _event(task, status, key, message_id, reason, attempts, extra, clear_exception=True)
+            _maybe_event(task, status, key, message_id, reason, attempts, extra)
     except Exception:  # pragma: no cover - a broken handler or broker must not change the outcome
         log.debug("idemmail: reporting %s for %s failed", status, logsafe(key), exc_info=True)
+
+
+def _routine(status: Outcome, extra: dict[str, Any]) -> bool:
+    """Is this a success Celery's own "succeeded" line already shows (a recorded send, a replayed send)?"""
+    if status is Outcome.SENT:
+        return extra.get("recorded") is not False
+    return status is Outcome.DUPLICATE and extra.get("recorded") == "sent"
+
+
+def _count(name: str, status: Outcome, reason: str | None, *, unrecorded: bool) -> None:
+    """Count one report in :mod:`~idemmail_celery.metrics`, when metrics are on."""
+    active = metrics.active
+    if active is None:
+        return
+    if status is Outcome.RECLAIMED:  # a step, not an outcome: the run goes on to one (counted once)
+        active.reclaimed(name)
+        return
+    active.outcome(name, status.value)
+    if status is Outcome.FAILED:
+        active.failed(name, reason or "other")
+    if unrecorded:
+        active.unrecorded(name, status.value, reason or "other")
+
+
+def _maybe_event(task: Any, status: Outcome, key: str, message_id: str | None, reason: str | None,
+                 attempts: int, extra: dict[str, Any]) -> None:
+    """Send a ``task-idemmail`` event when Flower needs one (on a worker that sends task events)."""
+    recorded = extra.get("recorded")
+    replayed_failure = status is Outcome.DUPLICATE and recorded in ("failed", "review")
+    if status in _EVENTFUL or recorded is False or replayed_failure:
+        _event(task, status, key, message_id, reason, attempts, extra)
+    elif status in _SUCCESS and (state_of(task.request, create=False) or RequestState()).rescheduled:
+        # Flower keeps the exception of an earlier task-retried event after the task succeeds (its
+        # task-succeeded names none): this event clears it, and leaves the result to task-succeeded.
+        _event(task, status, key, message_id, reason, attempts, extra, clear_exception=True)
 
 
 def clean_reason(reason: Any) -> str:

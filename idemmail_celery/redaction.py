@@ -46,7 +46,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from ._common import KEY_HEADER, LIBRARY_TASKS, logsafe
+from ._common import LIBRARY_TASKS, logsafe
+from .chain import KEY_HEADER
 from .errors import SendError
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 
 from ._common import after_fork
-from .errors import LedgerError, UnsafeLedgerError
+from .errors import LedgerError
 from .keys import secret_ids
 from .ledger import Ledger
 from .ledger.base import RosterEntry
@@ -171,7 +171,7 @@ class Announcer:
         for ledger, ids in self.ledgers:
             try:
                 self._announce(ledger, ids)
-            except (LedgerError, UnsafeLedgerError) as exc:
+            except LedgerError as exc:
                 if not self._said:  # once, until an announcement lands again
                     self._said = True
                     log.warning("idemmail: could not announce this worker's key secrets (%s); its deliveries "
@@ -219,5 +219,10 @@ class Announcer:
         for ledger, ids in self.ledgers:
             try:
                 ledger.announce(self.member, ids, 0)
-            except (NotImplementedError, LedgerError, UnsafeLedgerError):
+            except (NotImplementedError, LedgerError):
                 continue
+
+
+#: The announcer of each app whose worker runs in this process (``worker.py`` starts and stops them; a claim
+#: waits on its app's, :meth:`Announcer.ensure`), by ``id(app)``.
+running: dict[int, Announcer] = {}

@@ -22,15 +22,14 @@ import inspect
 import logging
 import threading
 import time
-import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from celery import Task
 from celery import _state as _celery_state
 from celery.exceptions import Ignore, Retry
-from celery.signals import before_task_publish, celeryd_after_setup, worker_init, worker_shutdown
+from celery.signals import before_task_publish
 from celery.utils.time import maybe_make_aware
 from kombu.exceptions import KombuError
 from kombu.serialization import dumps as kombu_dumps
@@ -38,28 +37,18 @@ from kombu.serialization import loads as kombu_loads
 
 from . import keys as keys_mod
 from . import outcomes, redaction, roster
-from ._common import (
-    CHAIN_HEADERS,
-    DUE_HEADER,
-    ENQUEUED_HEADER,
-    HOP_HEADER,
-    INFLIGHT_HEADER,
+from ._common import logsafe, transport_visibility_timeout
+from ._request import RequestState, state_of
+from .chain import (
     KEY_HEADER,
     KEY_MARK_HEADER,
-    MAX_OLDER_KEYS,
-    NOT_BEFORE_HEADER,
-    OLDER_KEYS_HEADER,
-    OUTAGE_HEADER,
-    OWNER_HEADER,
-    RELAYED_HEADER,
+    READ_FORMATS,
     SEALED_HEADERS,
-    SECRET_WAIT_ERROR_SECONDS,
-    SECRET_WAIT_HEADER,
-    TENANT_HEADER,
-    VERDICT_HEADER,
-    chain_headers,
-    logsafe,
-    transport_visibility_timeout,
+    Carry,
+    ChainState,
+    intent_headers,
+    key_headers,
+    next_headers,
 )
 from .config import Settings
 from .errors import (
@@ -77,22 +66,16 @@ from .handler import (
     Outcome,
     Policy,
     Step,
-    owners_of,
-    say_setup_error_once,
     say_unreachable_once,
-    verdict_of,
     wait_out,
 )
 from .keys import IntentKeyBuilder, KeySpec, Payload, RoundTrip, Seal, untrusted_removed
 from .ledger import Ledger, backend_for, shared
-from .ledger.base import default_owner, new_owner
-from .redaction import scrub
+from .ledger.base import new_owner
+from .republish import Republisher
 
 log = logging.getLogger("idemmail_celery")
 
-#: Of the broker's visibility timeout, the most a countdown may take (the rest is margin for the
-#: time a message waits in the worker before its countdown starts).
-VISIBILITY_SHARE = 0.5
 
 _warned_no_secret = False
 _warned_lock = threading.Lock()
@@ -121,18 +104,6 @@ def serializer_round_trip(serializer: str) -> RoundTrip:
 def get_ledger(url: str, options: dict[str, Any] | None = None) -> Ledger:
     """The process-wide ledger for ``url`` (see :func:`idemmail_celery.ledger.shared`)."""
     return shared(url, options)
-
-
-class Rescheduled(Retry):  # type: ignore[misc]
-    """The :class:`~celery.exceptions.Retry` of a reschedule, shown as its reason.
-
-    Celery's own reads ``Retry(Retry(...), IdempotencyInFlightError(...), 0.58)``, and a prefork
-    worker's ``task-retried`` event carries that repr, which Flower keeps as the task's exception
-    even after the rescheduled copy succeeds; the reason alone says what happened.
-    """
-
-    def __repr__(self) -> str:
-        return repr(self.exc) if self.exc is not None else f"Rescheduled({self.message!r})"
 
 
 class _ToldOf(type):
@@ -378,17 +349,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """
         payload = self.validate_call(args, kwargs)
         builder = self.key_builder
-        headers: dict[str, Any] = {KEY_HEADER: builder.derive(payload, explicit=explicit, tenant=tenant)}
+        key = builder.derive(payload, explicit=explicit, tenant=tenant)
         older = builder.older_keys(payload, explicit=explicit, tenant=tenant)  # () unless rotating
-        if older:
-            headers[OLDER_KEYS_HEADER] = list(older)
-        now = time.time()
-        headers[ENQUEUED_HEADER] = f"{now:.3f}"
-        if due is not None and due > now:
-            headers[DUE_HEADER] = f"{due:.3f}"
-        if tenant is not None:
-            headers[TENANT_HEADER] = str(tenant)
-        return self.sealed(headers, payload)
+        return self.sealed(intent_headers(key, older, enqueued_at=time.time(), due_at=due, tenant=tenant), payload)
 
     def key_headers(self, key: str, payload: Payload, older: Sequence[str] = ()) -> dict[str, Any]:
         """The headers that put an intent key the library derived on a message for the call ``payload``, sealed.
@@ -400,7 +363,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         arguments, other headers, another task) is a caller's own, checked and hashed (see
         :meth:`apply_async`).
         """
-        return self.sealed(_key_only(key, older), payload)
+        return self.sealed(key_headers(key, older), payload)
 
     def sealed(self, headers: dict[str, Any], payload: Payload) -> dict[str, Any]:
         """``headers`` with the seal of what they hold for the call ``payload`` (in place; returned).
@@ -446,8 +409,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         since applies to new calls only: a size budget checked again at the worker would drop an accepted intent
         (see :mod:`idemmail_celery._request`). False in the caller and for a message sent by name."""
         request = self.request
-        trusted = getattr(request, "idemmail_trusted", None) or {}
-        return not request.called_directly and KEY_MARK_HEADER in trusted
+        state = state_of(request, create=False)
+        return not request.called_directly and state is not None and KEY_MARK_HEADER in (state.trusted or {})
 
     def _check_arguments(self, args: Any, kwargs: Any, plain: bool) -> None:
         """Raise :class:`~idemmail_celery.errors.UnserializableArgumentsError` for arguments the worker's main
@@ -531,18 +494,24 @@ class IdempotentTask(Task):  # type: ignore[misc]
         payload = Payload(list(args), dict(kwargs))
         headers: dict[str, Any] | None = None  # until the seal is checked: nothing it vouches for is acted on
         try:
-            headers = request.idemmail_trusted = self._trusted(received, payload)
-            chain = _chain_fields(headers)
+            state = state_of(request)
+            assert state is not None
+            headers = state.trusted = self._trusted(received, payload)
+            chain = ChainState.from_headers(headers)
+            if not chain.readable:  # written by a newer release: left, as it came, for a worker that reads it
+                Republisher(self).wait_as_received(ConfigurationError(
+                    f"message header format {chain.format!r} is newer than this worker reads "
+                    f"({', '.join(READ_FORMATS)}): upgrade this worker"), self)
             # A delivery after a retry or a reschedule: its success clears the retry's exception in Flower.
-            request.idemmail_rescheduled = bool(chain["inflight"] or chain["outage"] or request.retries)
-            key, older = self._claim_key(payload, headers)
+            state.rescheduled = chain.rescheduled or bool(request.retries)
+            key, older = self._claim_key(payload, headers.get(KEY_HEADER), chain)
             # Whatever this delivery publishes next (a retry, a reschedule, the next hop of a wait)
             # carries the key it claims under. Not sealed here: every publish point seals last, after
             # its own headers (see sealed()), so a seal made now would be thrown away, at the cost of
             # a digest of the arguments and an HMAC on every delivery.
-            request.idemmail_key_headers = _key_only(key, older)
-            headers.update(request.idemmail_key_headers)
-            self._wait_until_due(headers)
+            state.key_headers = key_headers(key, older)
+            headers.update(state.key_headers)
+            Republisher(self).wait_until_due(headers, chain.not_before)
             handler = self.handler  # opens the ledger: its driver is imported here
             self.ensure_announced()
         except (PermanentSendError, Retry, Ignore):
@@ -554,19 +523,21 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 headers = untrusted_removed(received)
             if isinstance(exc, LedgerError):  # the roster's check before the claim: said once, as a claim says it
                 say_unreachable_once(self.ledger, exc)
-            step = wait_out(self._policy_or_default(), self, _chain_state(self.name, request, headers, payload), exc)
+            waiting = ChainState.from_headers(headers)  # what the message carried, kept for its next delivery
+            step = wait_out(self._policy_or_default(), self, Delivery(
+                key=waiting.key, task_name=self.name, payload=payload, attempt_id=request.id or "",
+                inflight=waiting.inflight, outage=waiting.outage, resume_owners=waiting.owners,
+                verdict=waiting.verdict), exc)
             return self._carry_out(step, headers)
         request.idempotency_key = key
-        request.idemmail_owner = owner = new_owner(request.id or "", ahead=handler.writes_ahead())
-        enqueued_at, due_at = _number(headers.get(ENQUEUED_HEADER)), _number(headers.get(DUE_HEADER))
-        # The retry deadline counts from the latest of the enqueue, the due time and an outbox relay's publish.
-        relayed_at = _number(headers.get(RELAYED_HEADER))
-        dated = max(enqueued_at, due_at or 0.0, relayed_at or 0.0) if enqueued_at is not None else None
+        state.owner = owner = new_owner(request.id or "", ahead=handler.writes_ahead())
+        dated = chain.retry_from
         step = handler.handle(Delivery(
-            key=key, task_name=self.name, payload=payload, attempt_id=request.id or "", **chain, older_keys=older,
-            retries=request.retries or 0, max_retries=self.max_retries, enqueued_at=enqueued_at,
-            due_at=due_at, retry_from=time.time() if dated is None else dated,
-            hop=str(headers.get(HOP_HEADER) or request.id or ""), owner=owner,
+            key=key, task_name=self.name, payload=payload, attempt_id=request.id or "", older_keys=older,
+            inflight=chain.inflight, outage=chain.outage, resume_owners=chain.owners, verdict=chain.verdict,
+            retries=request.retries or 0, max_retries=self.max_retries, enqueued_at=chain.enqueued_at,
+            due_at=chain.due_at, retry_from=time.time() if dated is None else dated,
+            hop=chain.hop or str(request.id or ""), owner=owner,
         ))
         return self._carry_out(step, headers)
 
@@ -574,7 +545,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """In a worker: return once the key-secret roster of this task's ledger holds the worker, announcing it
         now if its heartbeat has not landed there yet (:meth:`roster.Announcer.ensure`). Every claim comes after
         it; nothing to do outside a worker, or once it has landed. Raises :class:`LedgerError` like the claim."""
-        found = _announcers.get(id(self.app))
+        found = roster.running.get(id(self.app))
         if found is not None:
             found.ensure(self.ledger)
 
@@ -604,7 +575,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                         "ignored", logsafe(self.name), logsafe(self.request.id), check.value, ", ".join(ignored))
         return untrusted_removed(headers)
 
-    def _claim_key(self, payload: Payload, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+    def _claim_key(self, payload: Payload, carried: Any, chain: ChainState) -> tuple[str, tuple[str, ...]]:
         """The key this delivery claims under, and the older keys to look for first (a rotation).
 
         * a key the library sealed (:meth:`key_headers`; :meth:`_trusted` dropped any other seal): as it is;
@@ -613,19 +584,19 @@ class IdempotentTask(Task):  # type: ignore[misc]
           Message-ID does) therefore never reaches that intent's record;
         * none (sent by name without one): derived from the arguments, as ``apply_async`` would.
         """
-        carried = headers.get(KEY_HEADER) or getattr(self.request, KEY_HEADER, None)
+        carried = carried or getattr(self.request, KEY_HEADER, None)
         # Only headers under a valid seal are left (see _trusted) when the mark is there.
-        if carried and KEY_MARK_HEADER in headers:
-            return self._rotated(str(carried), payload, headers)
+        if carried and chain.sealed:
+            return self._rotated(str(carried), payload, chain)
         if carried:
-            return self._raw_key(carried, headers)
+            return self._raw_key(carried, chain.tenant)
         try:
-            key = self.key_builder.derive(payload, tenant=headers.get(TENANT_HEADER))
+            key = self.key_builder.derive(payload, tenant=chain.tenant)
         except IdemmailError as exc:
             raise PermanentSendError(f"cannot derive an intent key: {exc}", reason="invalid_arguments") from exc
-        return self._rotated(key, payload, headers)
+        return self._rotated(key, payload, chain)
 
-    def _rotated(self, key: str, payload: Payload, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+    def _rotated(self, key: str, payload: Payload, chain: ChainState) -> tuple[str, tuple[str, ...]]:
         """During a key-secret rotation: the key to claim under, and the older keys to look for first.
 
         The caller sends the older keys (it knows an explicit key). A message without them (sent by
@@ -634,11 +605,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         cannot be, and a derived key must not stand in for one. Either way a new record goes under
         the newest key, and one made under any secret is found. Nothing to do with one secret.
         """
-        sent = headers.get(OLDER_KEYS_HEADER)
-        if isinstance(sent, list):  # sealed; still at most one per older secret a rotation can have
-            return key, tuple(str(k) for k in sent[:MAX_OLDER_KEYS] if keys_mod.is_derived_key(k))
+        if chain.older_keys is not None:  # sealed; at most one per older secret a rotation can have
+            return key, tuple(k for k in chain.older_keys if keys_mod.is_derived_key(k))
         builder = self.key_builder
-        tenant = headers.get(TENANT_HEADER)
+        tenant = chain.tenant
         older = builder.older_keys(payload, tenant=tenant)  # () without a rotation: no work
         if not older:
             return key, ()
@@ -647,7 +617,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return newest, older
         return key, ()
 
-    def _raw_key(self, raw: Any, headers: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+    def _raw_key(self, raw: Any, tenant: str | None) -> tuple[str, tuple[str, ...]]:
         """A raw ``idempotency_key`` header's ledger key, namespaced and hashed (an invalid one is refused),
         and its forms under older key secrets (during a rotation: a record made before it is found).
 
@@ -655,7 +625,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         workers have always hashed a raw header. A record under the raw text itself is never looked
         up: whoever can read a key (a Message-ID shows it) could otherwise send under it.
         """
-        tenant = headers.get(TENANT_HEADER)
         builder = self.key_builder
         try:
             key = builder.explicit_key(raw, tenant=tenant)
@@ -670,18 +639,19 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if action is Action.DROP:
             raise Ignore()  # acknowledged, no result stored: the copy that published the next hop carries on
         if action is Action.RETRY and step.counted:
-            raise self.retry(exc=step.error, countdown=step.countdown, headers=_chain(headers, step.carry, keep=False))
+            raise self.retry(exc=step.error, countdown=step.countdown,
+                             headers=next_headers(headers, step.carry, keep=False))
         if action is Action.RETRY:  # on the time budget the handler checked: Celery's max_retries must not refuse it
             assert isinstance(step.error, Exception)
-            self._publish_again(step.countdown, _chain(headers, step.carry, keep=False), f"retry: {step.error}",
-                                step.error, retries=(self.request.retries or 0) + 1)
+            Republisher(self).publish_again(step.countdown, next_headers(headers, step.carry, keep=False),
+                                            f"retry: {step.error}", step.error, retries=(self.request.retries or 0) + 1)
         if action is Action.RESCHEDULE:
             why = f"{step.outcome.value}: {step.error}" if step.error is not None else step.outcome.value
             assert isinstance(step.error, Exception)
             # A copy of a reschedule whose first copy has not said it published comes back as the same hop.
-            self._publish_again(step.countdown, _chain(headers, step.carry, keep=True), why, step.error,
-                                hop=step.carry.get(HOP_HEADER),
-                                published=(lambda: self.handler.published(step)) if step.confirms_hop else None)
+            Republisher(self).publish_again(
+                step.countdown, next_headers(headers, step.carry, keep=True), why, step.error, hop=step.carry.hop,
+                published=(lambda: self.handler.published(step)) if step.confirms_hop else None)
         assert step.error is not None
         if step.outcome is not Outcome.LEDGER_GAVE_UP:  # reported by the handler: see Reported
             _told.add(step.error)
@@ -695,115 +665,29 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if headers is None:
             # A body asking to retry: its claim is released after this returns; should the release
             # fail, the retry takes the claim back (its owner travels) instead of waiting on it.
-            owner = getattr(self.request, "idemmail_owner", None)
-            trusted = getattr(self.request, "idemmail_trusted", None)  # never what the message carried unsealed
+            state = state_of(self.request, create=False) or RequestState()
+            owner, trusted = state.owner, state.trusted  # trusted: never what the message carried unsealed
             if trusted is None:
                 trusted = untrusted_removed(self.request.headers or {})
-            headers = _chain(dict(trusted), {OWNER_HEADER: [owner]} if owner else {}, keep=False)
-            headers.update(getattr(self.request, "idemmail_key_headers", None) or {})  # the key claimed (sealed below)
+            headers = next_headers(trusted, Carry(owners=(owner,) if owner else ()), keep=False)
+            headers.update(state.key_headers or {})  # the key claimed (sealed below)
         if countdown is None and eta is None:
             countdown = self.default_retry_delay
         if eta is not None:
             countdown, eta = max(0.0, eta.timestamp() - time.time()), None
-        countdown = self._split(float(countdown), headers)
+        countdown = Republisher(self).split(float(countdown), headers)
         self.sealed(headers, self._received(args, kwargs))  # last: every header the next delivery acts on is set
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
 
-    def _split(self, countdown: float, headers: dict[str, Any], hop: str | None = None) -> float:
-        """The countdown to publish with: at most the cap below the visibility timeout; a longer
-        wait travels as ``idemmail_not_before`` and the message hops until then. The message is a
-        new hop (``hop``: the same one again, see ``Handler.in_flight``)."""
-        headers[HOP_HEADER] = hop or uuid.uuid4().hex
-        cap = self._countdown_cap()
-        if cap is not None and countdown > cap:
-            headers[NOT_BEFORE_HEADER] = f"{time.time() + countdown:.3f}"
-            return cap
-        headers.pop(NOT_BEFORE_HEADER, None)
-        return countdown
-
-    def _countdown_cap(self) -> float | None:
-        vt = transport_visibility_timeout(self.app)
-        return None if vt is None else max(vt * VISIBILITY_SHARE, 0.1)
-
-    def _wait_until_due(self, headers: dict[str, Any]) -> None:
-        """A hop of a long wait that is early: publish the next hop and stop here (nothing claimed).
-
-        A second copy of the same hop (the broker handed it out again after its visibility timeout)
-        publishes a next hop too: unlike a copy waiting on a live claim, a waiting message is the
-        only thing carrying its intent, and a mark set before a publish that never happened (a
-        worker killed in between) would drop it for good. Two waits meet at the claim.
-        """
-        due = _number(headers.get(NOT_BEFORE_HEADER))
-        if due is None:
-            return
-        left = due - time.time()
-        if left <= 0.05:
-            return
-        self._publish_again(left, headers, "waiting", TransientSendError("waiting", reason="waiting"))
-
     def wait_for_key_secret(self, headers: dict[str, Any], running: Task | None = None) -> NoReturn:
-        """Requeue the message ``running`` (this task, else one sealing with its key builder: a campaign) is
-        running exactly as it came, for a worker that has the key secret its seal was made under.
-
-        Such a seal is neither trusted nor dropped: trusting it is impossible, and dropping the state it
-        carries (a key, a verdict, a campaign's passes) could send an intent twice (see docs/security.md).
-        """
-        running = self if running is None else running
-        now = time.time()
-        try:
-            since = min(float(headers.get(SECRET_WAIT_HEADER) or now), now)
-        except (TypeError, ValueError):
-            since = now
-        headers = {**headers, SECRET_WAIT_HEADER: since}  # not sealed: the seal stays as it came
-        waited = now - since
-        # A short wait is a rolling deploy (web processes first); a long one a secret removed while messages
-        # sealed under it were queued: never dropped, never guessed, but said at ERROR until it is put back.
-        log.log(logging.ERROR if waited > SECRET_WAIT_ERROR_SECONDS else logging.WARNING,
-                "idemmail: task %s[%s] is sealed under a key secret this worker does not have (a newer "
-                "idemmail_key_secret, or one removed too early: put it back in the list); it has waited %.0f s "
-                "for a worker that has it", logsafe(running.name), logsafe(running.request.id), waited)
-        countdown = min(self.policy.inflight_backoff_max, self._countdown_cap() or 60.0)
-        self._publish_again(countdown, headers, "waiting for the key secret", TransientSendError(
-            "sealed under an unknown key secret", reason="unknown_key_secret"), as_received=True, running=running)
+        """Requeue the message ``running`` runs (this task, else a campaign sealing with its key builder) exactly
+        as it came, for a worker that has its key secret (:meth:`Republisher.wait_for_key_secret`)."""
+        Republisher(self).wait_for_key_secret(headers, self if running is None else running)
 
     def wait_as_received(self, exc: Exception, running: Task) -> NoReturn:
-        """``running`` (a campaign) cannot even read its headers here (``exc``: no key secret, bad settings):
-        one ERROR with the fix, and the message is requeued exactly as it came, for a worker that can."""
-        say_setup_error_once(exc)
-        countdown = min(self._policy_or_default().inflight_backoff_max, self._countdown_cap() or 60.0)
-        self._publish_again(countdown, dict(running.request.headers or {}), "set-up error", exc, as_received=True,
-                            running=running)
-
-    def _publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception, *,
-                       as_received: bool = False, running: Task | None = None,
-                       retries: int | None = None, hop: str | None = None,
-                       published: Callable[[], None] | None = None) -> NoReturn:
-        """Requeue this message (or the one ``running`` runs) like ``retry()``, without spending ``max_retries``.
-
-        ``reason`` is what monitors show for the retry (Flower: state RETRY, its repr as the exception).
-        ``as_received``: the headers go out exactly as they came (a seal this worker cannot make or check).
-        ``retries``: the count the next delivery sees (default: this one's; a retry on the time budget adds one).
-        ``hop``: the hop it goes out as (default: a new one); ``published``: called once it is out as that hop.
-        """
-        running = self if running is None else running
-        request = running.request
-        if not as_received:
-            countdown = self._split(countdown, headers, hop)
-            try:
-                self.sealed(headers, self._received())
-            except IdemmailError:
-                # This worker cannot seal (no key secret, settings that do not parse): the message goes on
-                # exactly as it came, its own seal and chain state intact, for a worker that can. Ending it
-                # here would acknowledge an intent nobody recorded.
-                headers, as_received = dict(request.headers or {}), True
-        sig = running.signature_from_request(request, countdown=countdown, headers=headers,
-                                             retries=request.retries if retries is None else retries)
-        if request.is_eager:  # ``Task.apply``: nothing is published (Celery would re-apply ``sig`` in-line, for ever)
-            raise Rescheduled(why, exc=reason, when=countdown)
-        sig.apply_async()
-        if published is not None and not as_received:  # sent as it came, it is the same hop again: not out
-            published()
-        raise Rescheduled(why, exc=reason, when=countdown, sig=sig)
+        """``running`` (a campaign) cannot even read its headers here: requeued exactly as it came, for a worker
+        that can (:meth:`Republisher.wait_as_received`)."""
+        Republisher(self).wait_as_received(exc, running)
 
     # -- what the task lends the handler (handler.SideEffect) --
 
@@ -849,41 +733,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         outcomes.report(self, outcome, key, **fields)
 
 
-def _key_only(key: str, older: Sequence[str]) -> dict[str, Any]:
-    """The key headers of :meth:`IdempotentTask.key_headers`, unsealed: for a publish point that seals last."""
-    headers: dict[str, Any] = {KEY_HEADER: key}
-    if older:
-        headers[OLDER_KEYS_HEADER] = list(older)
-    return headers
-
-
-def _chain(headers: dict[str, Any], carry: dict[str, Any], *, keep: bool) -> dict[str, Any]:
-    """The headers of the next delivery: this one's, less its chain state (all of it for a new
-    chain, ``keep=False``; the one-shot parts otherwise), plus what the handler carries."""
-    drop = CHAIN_HEADERS if not keep else (OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, NOT_BEFORE_HEADER)
-    return chain_headers(headers, carry, drop=drop)
-
-
-def _chain_fields(headers: dict[str, Any]) -> dict[str, Any]:
-    """This chain's state as ``headers`` bring it (the budgets spent, the owners that may hold its claim, a
-    verdict to record), as :class:`Delivery` fields: kept whatever the delivery comes to."""
-    return {"inflight": _count(headers.get(INFLIGHT_HEADER)), "outage": _count(headers.get(OUTAGE_HEADER)),
-            "resume_owners": owners_of(headers.get(OWNER_HEADER)), "verdict": verdict_of(headers.get(VERDICT_HEADER))}
-
-
-def _chain_state(task_name: str, request: Any, headers: dict[str, Any], payload: Payload) -> Delivery:
-    """A delivery that claims nothing (it waits on an outage): its chain state (:func:`_chain_fields`) alone."""
-    return Delivery(key=str(headers.get(KEY_HEADER) or ""), task_name=task_name, payload=payload,
-                    attempt_id=request.id or "", **_chain_fields(headers))
-
-
-def _count(value: Any) -> int:
-    try:
-        return max(int(value or 0), 0)
-    except (TypeError, ValueError):
-        return 0
-
-
 def first_run_time(app: Any, countdown: Any = None, eta: Any = None) -> float | None:
     """When a message with Celery's ``countdown`` or ``eta`` option may run (epoch seconds); None without
     either, or for one Celery itself would refuse. A naive ``eta`` is in the app's timezone, as the
@@ -900,106 +749,6 @@ def first_run_time(app: Any, countdown: Any = None, eta: Any = None) -> float | 
     except (TypeError, ValueError, OverflowError):
         pass
     return None
-
-
-def _number(value: Any) -> float | None:
-    try:
-        return None if value is None else float(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def start_up_problems(app: Any) -> list[tuple[str, BaseException]]:
-    """What would keep this worker's idempotent tasks from running, checked once at start: each task's
-    settings, its key secret, its ledger (its driver imports, it opens and answers) and, for tasks with
-    a provider (``send_email``), that the provider builds. A list of (task name, error); empty when all pass.
-
-    Opening the ledgers here also reads what pool children must inherit (the Redis ledger's epoch):
-    a child that first met the store after it was emptied would take it for a new ledger and send again.
-    """
-    problems: list[tuple[str, BaseException]] = []
-    seen: set[int] = set()
-    for task in list(app.tasks.values()):
-        if not isinstance(task, IdempotentTask):
-            continue
-        try:
-            settings = task.idem_settings
-            if not (settings.key_secrets or settings.allow_plain_keys or settings.ledger_url.startswith("sqlite")):
-                raise ConfigurationError("idemmail_key_secret is not set: set it (or IDEMMAIL_KEY_SECRET)")
-            ledger = task.ledger
-            if id(ledger) not in seen:
-                seen.add(id(ledger))
-                ledger.prepare()
-                ledger.ping()  # a SQL ledger imports its driver on first use: here, not at the first message
-            if settings.provider_url and hasattr(task, "provider"):
-                task.provider  # noqa: B018 - a provider without its API key, or its module missing
-        except Exception as exc:
-            problems.append((task.name, exc))
-    return problems
-
-
-_found_at_start: dict[int, list[tuple[str, BaseException]]] = {}
-
-
-def _check_at_start(sender: Any = None, **_: Any) -> None:
-    """On ``worker_init`` (main process, before the pool forks): :func:`start_up_problems`, kept for
-    :func:`_report_at_start` (Celery's logging is not set up yet). Never raises."""
-    app = getattr(sender, "app", None)
-    if app is not None:
-        _found_at_start[id(app)] = start_up_problems(app)
-        # In the background: a ledger down or slow must not hold the start-up. Claims wait for it instead
-        # (IdempotentTask.ensure_announced), in every process of the worker.
-        _announcers[id(app)] = announcer(app).start()
-
-
-_announcers: dict[int, roster.Announcer] = {}
-
-
-def announcer(app: Any) -> roster.Announcer:
-    """This worker's heartbeat into the key-secret roster of each ledger its idempotent tasks use, with the
-    ids of the secrets all of that ledger's tasks hold (:mod:`idemmail_celery.roster`)."""
-    held: dict[int, tuple[Ledger, list[str]]] = {}
-    for task in list(app.tasks.values()):
-        if not isinstance(task, IdempotentTask):
-            continue
-        try:
-            ledger, ids = task.ledger, keys_mod.secret_ids(task.idem_settings.key_secrets or None)
-        except Exception:  # settings that do not parse: reported by start_up_problems
-            continue
-        found = held.get(id(ledger))
-        held[id(ledger)] = (ledger, list(ids) if found is None else [i for i in found[1] if i in ids])
-    return roster.Announcer(default_owner(), [(ledger, ids) for ledger, ids in held.values() if ids])
-
-
-def _leave_at_shutdown(sender: Any = None, **_: Any) -> None:
-    """On ``worker_shutdown``: out of the rosters at once, rather than when the entry lapses."""
-    app = getattr(sender, "app", None)
-    found = _announcers.pop(id(app), None) if app is not None else None
-    if found is not None:
-        found.stop()
-
-
-def _report_at_start(sender: Any = None, instance: Any = None, **_: Any) -> None:
-    """On ``celeryd_after_setup`` (``celery worker``: logging set up, the pool not started, before ``ready``):
-    one ERROR line with its fix per start-up problem. Messages then wait on the outage budget until it is
-    fixed; with ``idemmail_refuse_to_start`` the worker exits instead."""
-    app = getattr(instance, "app", None)
-    problems = _found_at_start.pop(id(app), []) if app is not None else []
-    for name, exc in problems:
-        if isinstance(exc, LedgerError):  # the store is down now: the first claim finds out again
-            log.error("idemmail: start-up check of %s failed (%s: %s): start the ledger's store or correct "
-                      "idemmail_ledger_url; messages wait until it answers", logsafe(name), type(exc).__name__,
-                      logsafe(scrub(str(exc))[:300]))
-        else:  # said once per process: pool children forked after this do not say it again per message
-            say_setup_error_once(exc, f"start-up check of {name} failed")
-    if problems and app is not None:
-        try:
-            refuse = Settings.resolve(app.conf).refuse_to_start
-        except ConfigurationError:
-            refuse = False
-        if refuse:
-            raise SystemExit(f"idemmail: refusing to start: {len(problems)} start-up check(s) failed (see the "
-                             "ERROR lines above); idemmail_refuse_to_start is set")
 
 
 def _redact_on_publish(sender: str | None = None, headers: dict[str, Any] | None = None, **rest: Any) -> None:
@@ -1037,18 +786,6 @@ def _pending_idempotent(name: str | None) -> bool:
         return True
 
 
-def _fix_mmap_threshold(**_: Any) -> None:
-    """On ``worker_init`` (main process, before the pool forks): :func:`idemmail_celery._memory.fix_mmap_threshold`."""
-    from ._memory import fix_mmap_threshold
-
-    fix_mmap_threshold()
-
-
-# outcomes (imported above) connected its worker_init handler first: metrics are on before this opens ledgers.
-worker_init.connect(_check_at_start, weak=False)
-worker_init.connect(_fix_mmap_threshold, weak=False)
-celeryd_after_setup.connect(_report_at_start, weak=False)
-worker_shutdown.connect(_leave_at_shutdown, weak=False)
 # Every publish path (apply_async, send_task by name, the outbox relay, canvas, retries) passes this signal. The
 # rules are in redaction, which stays Celery-free for the handler; the hook belongs to the adapter.
 before_task_publish.connect(_redact_on_publish, weak=False)

@@ -71,7 +71,7 @@ from celery import Celery
 from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
-from ._common import KEY_HEADER
+from .chain import KEY_HEADER
 from .errors import (
     ConfigurationError,
     IdemmailError,

@@ -80,7 +80,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ._common import KEY_TAG, logsafe
+from ._common import logsafe
+from .chain import KEY_TAG
 from .errors import (
     ConfigurationError,
     LedgerError,
@@ -195,6 +196,42 @@ def _unwrap_sns(event: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return event
 
 
+#: What a reader finds in one provider's event: (event kind, intent key, message id), each None if absent.
+_Fields = tuple[str | None, str | None, str | None]
+
+
+def _postmark_fields(event: Mapping[str, Any]) -> _Fields | None:
+    metadata = event.get("Metadata")
+    key = _text(metadata.get(KEY_TAG)) if isinstance(metadata, Mapping) else None
+    return _text(event.get("RecordType")), key, _text(event.get("MessageID"))
+
+
+def _sendgrid_fields(event: Mapping[str, Any]) -> _Fields | None:
+    # SendGrid puts custom args at the top level of each event.
+    return _text(event.get("event")), _text(event.get(KEY_TAG)), _text(event.get("sg_message_id"))
+
+
+def _ses_fields(event: Mapping[str, Any]) -> _Fields | None:
+    """None for an SNS subscription confirmation or an event without its ``mail`` object."""
+    inner = _unwrap_sns(event)
+    mail = inner.get("mail") if inner is not None else None
+    if inner is None or not isinstance(mail, Mapping):
+        return None
+    kind = _text(inner.get("eventType")) or _text(inner.get("notificationType"))
+    tags = mail.get("tags")
+    values = tags.get(KEY_TAG) if isinstance(tags, Mapping) else None
+    key = _text(values[0]) if isinstance(values, list) and values else None
+    return kind, key, _text(mail.get("messageId"))
+
+
+#: Each provider's reader of (kind, key, message id), by the name :func:`_provider_of` gives.
+_READERS: Mapping[str, Callable[[Mapping[str, Any]], _Fields | None]] = {
+    "postmark": _postmark_fields,
+    "sendgrid": _sendgrid_fields,
+    "ses": _ses_fields,
+}
+
+
 def evidence(event: Mapping[str, Any], *, provider: str | None = None) -> DeliveryEvidence | None:
     """What a parsed, verified provider event proves, or None (not a confirming event, or no key).
 
@@ -205,27 +242,11 @@ def evidence(event: Mapping[str, Any], *, provider: str | None = None) -> Delive
     found = _provider_of(event)
     if provider is not None and found is not None and found != provider:
         raise WebhookPayloadError(f"a {found} event posted to the {provider} webhook")
-    key = message_id = kind = None
-    if found == "postmark":
-        kind = _text(event.get("RecordType"))
-        metadata = event.get("Metadata")
-        key = _text(metadata.get(KEY_TAG)) if isinstance(metadata, Mapping) else None
-        message_id = _text(event.get("MessageID"))
-    elif found == "sendgrid":
-        kind = _text(event.get("event"))
-        key = _text(event.get(KEY_TAG))
-        message_id = _text(event.get("sg_message_id"))
-    elif found == "ses":
-        inner = _unwrap_sns(event)
-        mail = inner.get("mail") if inner is not None else None
-        if inner is None or not isinstance(mail, Mapping):
-            return None
-        kind = _text(inner.get("eventType")) or _text(inner.get("notificationType"))
-        tags = mail.get("tags")
-        values = tags.get(KEY_TAG) if isinstance(tags, Mapping) else None
-        key = _text(values[0]) if isinstance(values, list) and values else None
-        message_id = _text(mail.get("messageId"))
-    if found is None or kind not in _CONFIRMING[found] or key is None or message_id is None:
+    fields = _READERS[found](event) if found is not None else None
+    if found is None or fields is None:
+        return None
+    kind, key, message_id = fields
+    if kind not in _CONFIRMING[found] or key is None or message_id is None:
         return None
     if len(message_id) > _MAX_MESSAGE_ID or not message_id.isprintable():
         return None
@@ -292,13 +313,6 @@ def _any_equal(presented: bytes, secrets: list[bytes]) -> bool:
     return sum(hmac.compare_digest(presented, s) for s in secrets) > 0
 
 
-def _fresh(stamp: str, what: str, now: float | None, tolerance: float) -> None:
-    if not _STAMP.fullmatch(stamp):
-        raise WebhookSignatureError(f"the {what} needs a timestamp in unix seconds (1 to 12 digits)")
-    if abs((time.time() if now is None else now) - int(stamp)) > tolerance:
-        raise WebhookSignatureError(f"the {what}'s timestamp is more than {tolerance:.0f} s from now")
-
-
 def _crypto() -> Any:
     try:
         from cryptography import x509
@@ -328,6 +342,42 @@ def _fetch_certificate(url: str) -> bytes:
     if response.status_code != 200 or len(response.content) > _MAX_CERTIFICATE:
         raise WebhookSignatureError(f"the SNS signing certificate could not be fetched (HTTP {response.status_code})")
     return response.content
+
+
+#: The header whose presence says a request uses the scheme (basic auth and SNS are told otherwise).
+_SCHEME_HEADER = {"header": SECRET_HEADER, "hmac": SIGNATURE_HEADER, "ecdsa": SENDGRID_SIGNATURE_HEADER}
+#: How an unauthenticated request is told what each scheme expects.
+_WANTED = {"basic": "Authorization: Basic", **_SCHEME_HEADER, "sns": "an SNS signature"}
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One webhook request as the scheme checks read it: ``headers`` keyed by lower-case name, ``now`` the clock."""
+
+    headers: Mapping[str, str]
+    body: bytes
+    now: float
+    tolerance: float
+
+    def header(self, name: str) -> str:
+        return self.headers.get(name.lower(), "")
+
+    def carries(self, scheme: str) -> bool:
+        """Does the request use ``scheme`` (whether or not it will authenticate)?"""
+        if scheme == "basic":
+            return self.header("Authorization")[:6].lower() == "basic "
+        if scheme == "sns":
+            return b'"SigningCertURL"' in self.body  # the signed envelope is the body itself
+        return _SCHEME_HEADER[scheme].lower() in self.headers
+
+    def fresh_timestamp(self, name: str, what: str) -> str:
+        """The timestamp in header ``name``, or :class:`WebhookSignatureError` if it is not within the tolerance."""
+        stamp = self.header(name)
+        if not _STAMP.fullmatch(stamp):
+            raise WebhookSignatureError(f"the {what} needs a timestamp in unix seconds (1 to 12 digits)")
+        if abs(self.now - int(stamp)) > self.tolerance:
+            raise WebhookSignatureError(f"the {what}'s timestamp is more than {self.tolerance:.0f} s from now")
+        return stamp
 
 
 @dataclass(frozen=True)
@@ -377,54 +427,53 @@ class WebhookAuth:
         if not schemes:
             raise ConfigurationError(f"nothing configured that authenticates {provider} webhooks "
                                      f"(it can use: {', '.join(SCHEMES[provider])})")
-        lowered = {name.lower(): value for name, value in headers.items()}
-        authorization = lowered.get("authorization", "")
-        if "basic" in schemes and authorization[:6].lower() == "basic ":
-            try:
-                presented = base64.b64decode(authorization[6:].strip(), validate=True)
-            except (binascii.Error, ValueError):
-                raise WebhookSignatureError("the basic auth credentials are malformed") from None
-            if not _any_equal(presented, self._keys):
-                raise WebhookSignatureError("the basic auth credentials do not match")
-            return "basic"
-        if "header" in schemes and SECRET_HEADER.lower() in lowered:
-            if not _any_equal(lowered[SECRET_HEADER.lower()].encode("utf-8", "replace"), self._keys):
-                raise WebhookSignatureError(f"the {SECRET_HEADER} header does not match")
-            return "header"
-        if "hmac" in schemes and SIGNATURE_HEADER.lower() in lowered:
-            stamp = lowered.get(TIMESTAMP_HEADER.lower(), "")
-            _fresh(stamp, "signature", now, tolerance)
-            offered = [part.strip()[3:].encode("ascii", "replace")
-                       for part in lowered[SIGNATURE_HEADER.lower()].split(",") if part.strip().startswith("v1=")]
-            expected = [_signature(k, stamp, body).encode("ascii") for k in self._keys]
-            if not any(_any_equal(o, expected) for o in offered):
-                raise WebhookSignatureError("the signature does not match the body")
-            return "hmac"
-        if "ecdsa" in schemes and SENDGRID_SIGNATURE_HEADER.lower() in lowered:
-            stamp = lowered.get(SENDGRID_TIMESTAMP_HEADER.lower(), "")
-            _fresh(stamp, "SendGrid signature", now, tolerance)
-            self._check_ecdsa(lowered[SENDGRID_SIGNATURE_HEADER.lower()], stamp, body)
-            return "ecdsa"
-        if "sns" in schemes and b'"SigningCertURL"' in body:
-            self._check_sns(body, now)
-            return "sns"
-        wanted = {"basic": "Authorization: Basic", "header": SECRET_HEADER, "hmac": SIGNATURE_HEADER,
-                  "ecdsa": SENDGRID_SIGNATURE_HEADER, "sns": "an SNS signature"}
+        request = _Request({name.lower(): value for name, value in headers.items()}, body,
+                           time.time() if now is None else now, tolerance)
+        # Looked for in this order, whatever the provider's: a request carrying two schemes is judged by the first.
+        checks = {"basic": self._check_basic, "header": self._check_header, "hmac": self._check_hmac,
+                  "ecdsa": self._check_ecdsa, "sns": self._check_sns}
+        for scheme, check in checks.items():
+            if scheme in schemes and request.carries(scheme):
+                check(request)
+                return scheme
         raise WebhookSignatureError(f"unauthenticated {provider} webhook: expected "
-                                    f"{' or '.join(wanted[s] for s in schemes)}")
+                                    f"{' or '.join(_WANTED[s] for s in schemes)}")
 
-    def _check_ecdsa(self, signature: str, stamp: str, body: bytes) -> None:
+    # Each scheme's check, for a request that carries the scheme: WebhookSignatureError unless it authenticates.
+
+    def _check_basic(self, request: _Request) -> None:
+        try:
+            presented = base64.b64decode(request.header("Authorization")[6:].strip(), validate=True)
+        except (binascii.Error, ValueError):
+            raise WebhookSignatureError("the basic auth credentials are malformed") from None
+        if not _any_equal(presented, self._keys):
+            raise WebhookSignatureError("the basic auth credentials do not match")
+
+    def _check_header(self, request: _Request) -> None:
+        if not _any_equal(request.header(SECRET_HEADER).encode("utf-8", "replace"), self._keys):
+            raise WebhookSignatureError(f"the {SECRET_HEADER} header does not match")
+
+    def _check_hmac(self, request: _Request) -> None:
+        stamp = request.fresh_timestamp(TIMESTAMP_HEADER, "signature")
+        offered = [part.strip()[3:].encode("ascii", "replace")
+                   for part in request.header(SIGNATURE_HEADER).split(",") if part.strip().startswith("v1=")]
+        expected = [_signature(k, stamp, request.body).encode("ascii") for k in self._keys]
+        if not any(_any_equal(o, expected) for o in offered):
+            raise WebhookSignatureError("the signature does not match the body")
+
+    def _check_ecdsa(self, request: _Request) -> None:
+        stamp = request.fresh_timestamp(SENDGRID_TIMESTAMP_HEADER, "SendGrid signature")
         crypto = _crypto()
         try:
-            der = base64.b64decode(signature.strip(), validate=True)
-            self._ecdsa_key.verify(der, stamp.encode("ascii") + body, crypto.ec.ECDSA(crypto.hashes.SHA256()))
+            der = base64.b64decode(request.header(SENDGRID_SIGNATURE_HEADER).strip(), validate=True)
+            self._ecdsa_key.verify(der, stamp.encode("ascii") + request.body, crypto.ec.ECDSA(crypto.hashes.SHA256()))
         except (binascii.Error, ValueError, crypto.InvalidSignature):
             raise WebhookSignatureError("the SendGrid signature does not match the body") from None
 
-    def _check_sns(self, body: bytes, now: float | None) -> None:
+    def _check_sns(self, request: _Request) -> None:
         crypto = _crypto()
         try:
-            message = loads(body, "SNS message")
+            message = loads(request.body, "SNS message")
         except WebhookPayloadError as exc:
             raise WebhookSignatureError(f"unauthenticated: {exc}") from None
         if not isinstance(message, Mapping):
@@ -444,8 +493,8 @@ class WebhookAuth:
         try:
             signature = base64.b64decode(str(message.get("Signature", "")), validate=True)
             certificate = self._certificate(url, crypto)
-            valid_now = certificate.not_valid_before_utc.timestamp() <= (time.time() if now is None else now) \
-                <= certificate.not_valid_after_utc.timestamp()
+            valid_now = (certificate.not_valid_before_utc.timestamp() <= request.now
+                         <= certificate.not_valid_after_utc.timestamp())
             public_key = certificate.public_key()
             if not valid_now or not isinstance(public_key, crypto.rsa.RSAPublicKey):
                 raise WebhookSignatureError("the SNS signing certificate is expired or not an RSA key")

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import idemmail_celery.bulk as bulk
 import idemmail_celery.handler as handler_mod
 import idemmail_celery.redrive as redrive
-from idemmail_celery._common import OWNER_HEADER, VERDICT_HEADER
+from idemmail_celery.chain import Carry
 from idemmail_celery.errors import LedgerError
-from idemmail_celery.handler import Action, Handler, Outcome, Step
+from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Step
 from idemmail_celery.ledger import State
 from idemmail_celery.ledger.base import ahead_mark
 
@@ -34,11 +34,9 @@ def _unfenced(original: Callable[..., Any]) -> Callable[..., Any]:
     return finish
 
 
-def _no_owner_held(original: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
-    def held(d: Any, owner: str | None = None) -> dict[str, Any]:
-        carry = original(d, owner)
-        carry.pop(OWNER_HEADER, None)
-        return carry
+def _no_owner_held(original: Callable[..., Carry]) -> Callable[..., Carry]:
+    def held(d: Any, owner: str | None = None) -> Carry:
+        return replace(original(d, owner), owners=())
     return held
 
 
@@ -75,7 +73,7 @@ def _verdict_dropped_on_reschedule(original: Callable[..., Step]) -> Callable[..
         step = original(self, d, claim, value, reconciled=reconciled)
         if step.action is Action.RESCHEDULE:  # the verdict left behind: the lease decides instead
             return Step(step.outcome, step.action, step.key, error=step.error, countdown=step.countdown,
-                        carry={k: v for k, v in step.carry.items() if k != VERDICT_HEADER})
+                        carry=replace(step.carry, verdict=None))
         return step
     return record_sent
 
@@ -110,7 +108,7 @@ DEFECTS: tuple[Defect, ...] = (
            lambda: [(Handler, "retry_or_park", _released_ambiguity(Handler.retry_or_park))],
            (Config(provider="smtp", copies=1, faults=1, crashes=0, ticks=1, steps=40),)),
     Defect("owner_not_carried", "the owner not carried across an outage",
-           lambda: [(handler_mod, "_held", _no_owner_held(handler_mod._held))],
+           lambda: [(Delivery, "held", _no_owner_held(Delivery.held))],
            (Config(provider="keyless", copies=1, faults=6, crashes=0, ticks=3, steps=80),
             Config(provider="keyed", copies=1, faults=6, crashes=0, ticks=3, steps=80))),
     Defect("sweep_live_lease", "the sweep re-driving a claim whose lease is live",

@@ -27,15 +27,23 @@ import idemmail_celery.bulk as bulk
 import idemmail_celery.handler as handler_mod
 import idemmail_celery.ledger.base as ledger_base
 import idemmail_celery.redrive as redrive
-from idemmail_celery._common import HOP_HEADER, KEY_HEADER, OWNER_HEADER, VERDICT_HEADER, backoff
+from idemmail_celery._common import backoff
+from idemmail_celery.chain import (
+    HOP_HEADER,
+    KEY_HEADER,
+    OWNER_HEADER,
+    VERDICT_HEADER,
+    ChainState,
+    next_headers,
+    owners_of,
+)
 from idemmail_celery.errors import AmbiguousSendError, IdemmailError, PermanentSendError, TransientSendError
-from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Policy, Step, owned_by, owners_of
+from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Policy, Step, owned_by
 from idemmail_celery.keys import IntentKeyBuilder, Payload
 from idemmail_celery.ledger import Ledger, Record, State
 from idemmail_celery.ledger.base import ahead_mark, new_owner
 from idemmail_celery.mail import TASK_NAME as SEND_EMAIL
 from idemmail_celery.providers.base import about_to_send
-from idemmail_celery.task import _chain, _chain_fields
 
 from .ledger import AFTER, BEFORE, OK, FaultLedger, MemLedger
 
@@ -498,11 +506,12 @@ class World:
             key = str(carried)
         else:
             key, older = _keys(actor.builder, handler.builder, payload)
-        chain = _chain_fields(h)
+        chain = ChainState.from_headers(h)
         owner = new_owner(msg.task_id, ahead=handler.writes_ahead())
-        d = Delivery(key=key, task_name=SEND_EMAIL, payload=payload, attempt_id=msg.task_id, **chain,
+        d = Delivery(key=key, task_name=SEND_EMAIL, payload=payload, attempt_id=msg.task_id,
+                     inflight=chain.inflight, outage=chain.outage, resume_owners=chain.owners, verdict=chain.verdict,
                      older_keys=tuple(older), retries=msg.retries, max_retries=3, enqueued_at=msg.enqueued_at,
-                     hop=str(h.get(HOP_HEADER) or msg.task_id), owner=owner)
+                     hop=chain.hop or msg.task_id, owner=owner)
         step = handler.handle(d)
         intent = self.intent_of[msg.kwargs["to"]]
         if step.action in (Action.RETURN, Action.RAISE):
@@ -510,8 +519,8 @@ class World:
             if step.outcome is Outcome.SENT:
                 self.known.add(intent)
         if step.action in (Action.RETRY, Action.RESCHEDULE):
-            headers = _chain(dict(h), step.carry, keep=step.action is Action.RESCHEDULE)
-            headers[HOP_HEADER] = step.carry.get(HOP_HEADER) or f"hop{next(self.ids)}"  # as task._split
+            headers = next_headers(h, step.carry, keep=step.action is Action.RESCHEDULE)
+            headers[HOP_HEADER] = step.carry.hop or f"hop{next(self.ids)}"  # as Republisher.split
             self.point("broker.publish", key)
             self.publish("send", msg.task_id, msg.kwargs, headers, countdown=step.countdown,
                          retries=msg.retries + (step.action is Action.RETRY), enqueued_at=msg.enqueued_at)
@@ -912,11 +921,13 @@ def installed(world_clock: Callable[[], World | None]) -> Iterator[None]:
         def report(*a: Any, **k: Any) -> None:
             return None
 
-    import idemmail_celery.ledger.sql as sql
+    import idemmail_celery.ledger.sql.connection as sql_connection
+    import idemmail_celery.ledger.sql.store as sql_store
 
     patches: list[tuple[Any, str, Any]] = [
         (handler_mod, "time", fake_time), (ledger_base, "time", fake_time), (bulk, "time", fake_time),
-        (redrive, "time", fake_time), (sql, "time", fake_time), (handler_mod, "keeper", Keeper()),
+        (redrive, "time", fake_time), (sql_store, "time", fake_time), (sql_connection, "time", fake_time),
+        (handler_mod, "keeper", Keeper()),
         (bulk, "keeper", Keeper()), (handler_mod, "backoff", steady), (bulk, "backoff", steady),
         (bulk, "outcomes", Silent), (bulk, "transport_visibility_timeout", lambda app: VISIBILITY),
     ]

@@ -58,7 +58,7 @@ def test_the_keys_a_fan_out_returns_are_its_recipients_keys_in_order(app: Celery
 def test_a_header_only_the_library_writes_in_options_does_not_change_a_recipients_key(app: Celery) -> None:
     from celery.signals import before_task_publish
 
-    from idemmail_celery._common import KEY_HEADER, OWNER_HEADER
+    from idemmail_celery.chain import KEY_HEADER, OWNER_HEADER
 
     published: list[dict[str, Any]] = []
 

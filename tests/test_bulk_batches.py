@@ -20,6 +20,7 @@ import pytest
 from celery import Celery
 
 from idemmail_celery.bulk import CAMPAIGN_TASK, send_batch
+from idemmail_celery.chain import Verdict
 from idemmail_celery.handler import Delivery, Outcome
 from idemmail_celery.keys import Payload
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger, State
@@ -57,7 +58,8 @@ def test_a_ledger_blip_recording_one_recipient_settles_it_and_the_batch_goes_on(
     assert len(box.sent) == 5 and set(batch.verdicts()) == {blip_key}
     # The next pass takes its own claim back and records the verdict: nothing is sent again.
     refusing.down.clear()
-    again = [replace(d, resume_owners=("camp:1:aaaa",), verdict=batch.verdicts().get(d.key), retries=1)
+    carried = batch.verdicts()
+    again = [replace(d, resume_owners=("camp:1:aaaa",), verdict=Verdict.from_header(carried.get(d.key)), retries=1)
              for d in recipients(5, "b1")]
     second = send_batch(handler, again, owner="camp:1:bbbb")
     assert second.tally() == Counter({Outcome.SENT: 1, Outcome.DUPLICATE: 4}) and len(box.sent) == 5
@@ -192,7 +194,7 @@ def test_a_pass_sealed_under_a_secret_this_worker_lacks_waits_for_one_that_has_i
     dropped: the message is requeued as it came, and nothing is sent meanwhile."""
     from celery.exceptions import Retry
 
-    from idemmail_celery._common import CAMPAIGN_HEADER, KEY_MARK_HEADER, OWNER_HEADER
+    from idemmail_celery.chain import CAMPAIGN_HEADER, KEY_MARK_HEADER, OWNER_HEADER
 
     app, campaign = campaign_app(tmp_path, "old-secret", "bulk-rot-wait")
     newer = replace(app.tasks["idemmail_celery.send_email"].key_builder, secret=["new-secret", "old-secret"])
@@ -225,7 +227,7 @@ def test_a_long_wait_for_a_key_secret_is_said_at_error(
         tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     """A secret removed while messages sealed under it were queued: the wait never ends by itself (nothing
     dropped, no key guessed), so after ten minutes every requeue says so at ERROR."""
-    from idemmail_celery._common import KEY_MARK_HEADER, OWNER_HEADER, SECRET_WAIT_HEADER
+    from idemmail_celery.chain import KEY_MARK_HEADER, OWNER_HEADER, SECRET_WAIT_HEADER
 
     app, campaign = campaign_app(tmp_path, "old-secret", "bulk-rot-long")
     newer = replace(app.tasks["idemmail_celery.send_email"].key_builder, secret=["new-secret", "old-secret"])
@@ -729,7 +731,34 @@ def test_a_verdict_whose_recipient_another_holder_took_over_stays_to_record(ledg
                                       fingerprint="", owner=new_owner("other-copy", ahead=True), lease_seconds=30))
     assert taken.status is ClaimStatus.RECLAIMED  # the other copy holds it (and will die)
     verdict = sent.verdicts()[ds[0].key]
-    again = [replace(ds[0], resume_owners=tuple(verdict["owner"]), verdict=verdict, retries=1)]
+    again = [replace(ds[0], resume_owners=tuple(verdict["owner"]), verdict=Verdict.from_header(verdict), retries=1)]
     busy = send_batch(handler, again, owner=new_owner("camp-next", ahead=True))
     assert busy.outcomes() == [Outcome.PENDING]
     assert ds[0].key not in busy.settled_keys()  # its verdict is carried on, not dropped
+
+
+def test_a_message_in_a_newer_header_format_waits_as_it_came_for_a_worker_that_reads_it(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Every message says the header format it was written in, sealed with the rest. A worker of this release
+    meeting a newer format (a rolling upgrade, the new release's web processes first) neither guesses at it nor
+    drops it: the message is requeued exactly as it came (its seal intact), nothing is claimed or sent, and the
+    fix is said at ERROR once. The same message in this release's format sends."""
+    from celery.exceptions import Retry
+
+    from idemmail_celery.chain import FORMAT_HEADER, HEADER_FORMAT, KEY_MARK_HEADER, ChainState
+
+    app, _ = campaign_app(tmp_path, "a-secret", "format-newer")
+    send = app.tasks["idemmail_celery.send_email"]
+    call = {"to": "ann@example.com", "subject": "Hi", "text": "x", "event_id": "e-format"}
+    headers = send.intent_headers((), call)
+    assert headers[FORMAT_HEADER] == HEADER_FORMAT and ChainState.from_headers(headers).readable
+    newer = {k: v for k, v in headers.items() if k != KEY_MARK_HEADER} | {FORMAT_HEADER: "2"}
+    newer[KEY_MARK_HEADER] = send.key_builder.seal(newer, Payload([], call))
+    with caplog.at_level(logging.ERROR, logger="idemmail_celery"):
+        out = send.apply(kwargs=call, headers=newer)
+    assert out.state == "RETRY" and isinstance(out.result, Retry), out.result
+    assert any("header format '2' is newer than this worker reads" in r.message for r in caplog.records)
+    assert send.ledger.get(headers["idempotency_key"]) is None  # nothing claimed
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())  # nothing sent
+    done = send.apply(kwargs=call, headers=headers).get()
+    assert done["status"] == "sent" and len(list((tmp_path / "out").iterdir())) == 1

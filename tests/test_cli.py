@@ -145,9 +145,9 @@ def same_store(ledger: Ledger, **options: Any) -> Ledger:
 def stored(ledger: Ledger, key: str) -> bool:
     """Is anything of ``key`` still in the store, expired or not (a Redis index entry, an SQL row)?"""
     if isinstance(ledger, RedisLedger):
-        b = ledger._bucket(key)
-        return bool(ledger.client.exists(ledger._rec(key))) or any(
-            ledger.client.zscore(ledger._index(b, s), key) is not None for s in State)
+        b = ledger.names.bucket(key)
+        return bool(ledger.client.exists(ledger.names.record(key))) or any(
+            ledger.client.zscore(ledger.names.index(b, s), key) is not None for s in State)
     assert isinstance(ledger, SQLLedger)
     t = ledger.table
     return bool(ledger._run(lambda conn: conn.execute(sa.select(t.c.intent_key).where(t.c.intent_key == key)).first()))

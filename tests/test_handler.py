@@ -15,14 +15,7 @@ from typing import Any
 
 import pytest
 
-from idemmail_celery._common import (
-    ENQUEUED_HEADER,
-    HOP_HEADER,
-    INFLIGHT_HEADER,
-    OUTAGE_HEADER,
-    OWNER_HEADER,
-    VERDICT_HEADER,
-)
+from idemmail_celery.chain import Verdict
 from idemmail_celery.errors import (
     AmbiguousSendError,
     ConfigurationError,
@@ -33,7 +26,7 @@ from idemmail_celery.errors import (
     SendNeedsReview,
     TransientSendError,
 )
-from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Policy, Step, owners_of
+from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Policy, Step
 from idemmail_celery.keys import IntentKeyBuilder, Payload
 from idemmail_celery.ledger import ClaimRequest, Ledger, State
 from idemmail_celery.ledger.base import ahead_mark, new_owner
@@ -120,9 +113,9 @@ def delivery(key: str, body: str = "first", **kw: Any) -> Delivery:
 def next_of(d: Delivery, step: Step, **kw: Any) -> Delivery:
     """The next delivery of a chain, as the adapter would make it from ``step.carry``."""
     carry = step.carry
-    return delivery(d.key, d.payload.kwargs["body"], inflight=carry.get(INFLIGHT_HEADER, 0),
-                    outage=carry.get(OUTAGE_HEADER, 0), resume_owners=owners_of(carry.get(OWNER_HEADER)),
-                    verdict=carry.get(VERDICT_HEADER), **kw)
+    return delivery(d.key, d.payload.kwargs["body"], inflight=carry.inflight or 0,
+                    outage=carry.outage or 0, resume_owners=carry.owners,
+                    verdict=carry.verdict, **kw)
 
 
 def test_first_delivery_sends_and_duplicates_replay_it(ledger: Ledger) -> None:
@@ -157,7 +150,7 @@ def test_transient_failure_releases_and_the_retry_sends_the_first_payload(ledger
     record = ledger.get("h2")
     assert record is not None and record.state is State.RELEASED
     box.fail_with = None
-    done = handler.handle(delivery("h2", "regenerated", retries=1, resume_owners=owners_of(step.carry[OWNER_HEADER])))
+    done = handler.handle(delivery("h2", "regenerated", retries=1, resume_owners=step.carry.owners))
     assert done.outcome is Outcome.SENT and box.sent == [("h2", "first")]
 
 
@@ -188,7 +181,7 @@ def test_the_last_retry_comes_at_the_deadline_and_then_the_intent_fails_naming_i
     step = handler.handle(delivery("h3e", retries=5, retry_from=began))
     assert step.action is Action.RETRY and 0.0 < step.countdown <= 2.0
     step = handler.handle(delivery("h3e", retries=6, retry_from=began - 5.0,
-                                   resume_owners=owners_of(step.carry[OWNER_HEADER])))
+                                   resume_owners=step.carry.owners))
     assert (step.outcome, step.action) == (Outcome.FAILED, Action.RAISE)
     assert isinstance(step.error, PermanentSendError) and step.error.reason == "retry_deadline"
     assert "retry deadline" in str(step.error) and "connection refused" in str(step.error)
@@ -202,9 +195,9 @@ def test_an_undated_delivery_carries_when_its_deadline_began(ledger: Ledger) -> 
     box.fail_with = TransientSendError("connection refused", reason="connect")
     began = time.time() - 5.0
     undated = handler.handle(delivery("h3f", retry_from=began))
-    assert undated.carry[ENQUEUED_HEADER] == f"{began:.3f}"  # its next delivery is dated: the deadline stays put
+    assert f"{undated.carry.enqueued_at:.3f}" == f"{began:.3f}"  # its next delivery is dated: the deadline stays put
     dated = handler.handle(delivery("h3g", retry_from=began, enqueued_at=began))
-    assert ENQUEUED_HEADER not in dated.carry
+    assert dated.carry.enqueued_at is None
 
 
 def test_a_send_that_may_have_happened_is_never_retried_on_the_deadline(ledger: Ledger) -> None:
@@ -217,7 +210,7 @@ def test_a_send_that_may_have_happened_is_never_retried_on_the_deadline(ledger: 
     again = keyed.handle(delivery("h3i", retry_from=time.time()))
     assert (again.action, again.counted) == (Action.RETRY, True)  # with the key downstream: on the count, as before
     spent = keyed.handle(delivery("h3i", retries=3, max_retries=3, retry_from=time.time(),
-                                  resume_owners=owners_of(again.carry[OWNER_HEADER])))
+                                  resume_owners=again.carry.owners))
     assert spent.outcome is Outcome.REVIEW and isinstance(spent.error, SendNeedsReview)
 
 
@@ -270,7 +263,7 @@ def test_a_side_effect_that_cannot_be_set_up_waits_on_the_outage_budget_unclaime
     box.invalid = ConfigurationError("no API key")
     step = handler.handle(delivery("h8"))
     assert (step.outcome, step.action) == (Outcome.SETUP_ERROR, Action.RESCHEDULE)
-    assert step.carry[OUTAGE_HEADER] == 1 and ledger.get("h8") is None
+    assert step.carry.outage == 1 and ledger.get("h8") is None
     last = handler.handle(delivery("h8", outage=2))
     assert (last.outcome, last.action) == (Outcome.LEDGER_GAVE_UP, Action.RAISE)
     assert isinstance(last.error, ConfigurationError) and ledger.get("h8") is None
@@ -292,11 +285,11 @@ def test_an_unexpected_error_before_the_claim_waits_on_the_outage_budget_and_say
     handler, box = build(NoDriver(ledger) if where == "claim" else ledger, outage_max_retries=5)
     if where == "check":
         box.invalid = ModuleNotFoundError("No module named 'psycopg'", name="psycopg")
-    monkeypatch.setattr("idemmail_celery.handler._said_setup", set())  # one ERROR per process: this one's
+    monkeypatch.setattr("idemmail_celery.diagnostics._said_setup", set())  # one ERROR per process: this one's
     caplog.set_level("ERROR", logger="idemmail_celery")
     steps = [handler.handle(delivery(f"h-setup-{where}", outage=n)) for n in range(2)]
     assert [(s.outcome, s.action) for s in steps] == [(Outcome.SETUP_ERROR, Action.RESCHEDULE)] * 2
-    assert steps[1].carry[OUTAGE_HEADER] == 2 and box.sent == [] and ledger.get(f"h-setup-{where}") is None
+    assert steps[1].carry.outage == 2 and box.sent == [] and ledger.get(f"h-setup-{where}") is None
     fixes = [r for r in caplog.records if "pip install 'idemmail-celery[postgres]'" in r.getMessage()]
     assert len(fixes) == 1 and fixes[0].levelname == "ERROR"  # once, not per delivery
 
@@ -308,7 +301,7 @@ def test_a_live_claim_reschedules_within_the_holders_lease_and_gives_up_on_budge
     step = handler.handle(delivery("h9", hop="msg-1"))
     assert (step.outcome, step.action) == (Outcome.IN_FLIGHT, Action.RESCHEDULE)
     assert step.countdown <= 5.5  # not past the holder's lease: then it can be taken over
-    assert step.carry[INFLIGHT_HEADER] == 1
+    assert step.carry.inflight == 1
     gave_up = handler.handle(delivery("h9", inflight=2, hop="msg-3"))
     assert gave_up.outcome is Outcome.IN_FLIGHT_GAVE_UP and isinstance(gave_up.error, IdempotencyInFlightError)
     assert box.sent == []
@@ -320,7 +313,7 @@ def test_a_second_copy_of_one_reschedule_drops_once_the_first_published_it(ledge
                               fingerprint="", owner="other:1", lease_seconds=30.0))
     first = handler.handle(delivery("h10", hop="published-1"))
     assert first.action is Action.RESCHEDULE and first.confirms_hop == "published-1"
-    assert HOP_HEADER not in first.carry  # the reschedule goes out as a new hop
+    assert first.carry.hop is None  # the reschedule goes out as a new hop
     handler.published(first)  # the adapter published it
     copy = handler.handle(delivery("h10", hop="published-1"))  # the broker handed the same message out twice
     assert (copy.outcome, copy.action) == (Outcome.COPY_DROPPED, Action.DROP)
@@ -340,7 +333,7 @@ def test_a_copy_of_a_reschedule_whose_first_copy_died_before_publishing_comes_ba
     copies = [handler.handle(delivery("h10b", hop="published-1")) for _ in range(2)]
     for copy in copies:  # neither is dropped, and neither is a new hop: copies never multiply
         assert (copy.outcome, copy.action) == (Outcome.IN_FLIGHT, Action.RESCHEDULE)
-        assert copy.carry[HOP_HEADER] == "published-1" and copy.confirms_hop == ""
+        assert copy.carry.hop == "published-1" and copy.confirms_hop == ""
     # The holder finishes (or its lease runs out): the copy that came back settles the intent.
     ledger.release("h10b", held.token)
     back = handler.handle(delivery("h10b", hop="published-1", inflight=1))
@@ -404,7 +397,7 @@ def test_a_chain_takes_back_its_older_owners_expired_claim_and_does_not_park_it(
     refusing.down = {"claim"}
     time.sleep(0.35)  # the first owner's lease runs out
     second = handler.handle(next_of(d, first))
-    assert second.action is Action.RESCHEDULE and len(second.carry[OWNER_HEADER]) == 2
+    assert second.action is Action.RESCHEDULE and len(second.carry.owners) == 2
     refusing.down.clear()
     third = handler.handle(next_of(d, second))
     assert third.outcome is Outcome.SENT and box.sent == [("h-own", "first")]
@@ -491,7 +484,7 @@ def test_a_delivery_that_cannot_set_up_its_side_effect_hands_on_the_owner_holdin
     box.invalid = ConfigurationError("no API key")
     retry = next_of(d, step, retries=1)
     waiting = handler.handle(retry)
-    assert waiting.action is Action.RESCHEDULE and waiting.carry.get(OWNER_HEADER)
+    assert waiting.action is Action.RESCHEDULE and waiting.carry.owners
     box.invalid = None
     done = handler.handle(next_of(retry, waiting, retries=1))
     assert done.outcome is Outcome.SENT and box.sent == [("h-conf-owner", "first")]
@@ -509,7 +502,7 @@ def test_a_verdict_the_ledger_refused_is_recorded_by_the_next_delivery_without_r
     d = delivery("h13")
     step = handler.handle(d)
     assert (step.outcome, step.action) == (Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE)
-    assert step.carry[VERDICT_HEADER]["state"] == state
+    assert step.carry.verdict.state == state
     refusing.down.clear()
     box.fail_with = None
     settled = handler.handle(next_of(d, step))
@@ -527,7 +520,7 @@ def sent_not_recorded(ledger: Ledger, key: str,
     refusing.down.add("sent")
     d = delivery(key)
     first = handler.handle(d)
-    assert first.carry[VERDICT_HEADER]["state"] == "sent" and len(box.sent) == 1
+    assert first.carry.verdict.state == "sent" and len(box.sent) == 1
     return refusing, handler, box, d, first
 
 
@@ -545,7 +538,7 @@ def test_a_sent_verdict_is_recorded_over_the_review_a_stale_copy_parked_it_in(
     with monkeypatch.context() as m:
         m.setattr("idemmail_celery.handler.time.sleep", lambda s: None)  # its tries to record, at once
         first = handler.handle(d)
-    assert first.carry[VERDICT_HEADER]["state"] == "sent"
+    assert first.carry.verdict.state == "sent"
     refusing.down = set()
     held = ledger.get("h-stale")
     assert held is not None and held.lease_expires_at is not None
@@ -556,7 +549,7 @@ def test_a_sent_verdict_is_recorded_over_the_review_a_stale_copy_parked_it_in(
     assert (step.outcome, step.action) == (Outcome.SENT, Action.RETURN) and len(box.sent) == 1
     record = ledger.get("h-stale")
     assert record is not None and record.state is State.SENT
-    assert record.result["message_id"] == first.carry[VERDICT_HEADER]["result"]["message_id"]  # type: ignore[index]
+    assert record.result["message_id"] == first.carry.verdict.result["message_id"]  # type: ignore[union-attr,index]
     # A copy after that replays the send.
     assert handler.handle(delivery("h-stale")).outcome is Outcome.DUPLICATE and len(box.sent) == 1
 
@@ -573,7 +566,7 @@ def test_a_verdict_survives_a_second_outage_at_the_next_claim(
     second_delivery = next_of(d, first)
     second = handler.handle(second_delivery)
     assert (second.outcome, second.action) == (Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE)
-    assert second.carry.get(VERDICT_HEADER) == first.carry[VERDICT_HEADER]
+    assert second.carry.verdict == first.carry.verdict
     refusing.down = set()
     third = handler.handle(next_of(second_delivery, second))
     assert third.outcome is Outcome.SENT and len(box.sent) == 1
@@ -610,7 +603,7 @@ def test_a_send_the_ledger_could_not_record_is_recorded_by_the_next_delivery_onc
     d = delivery("h14")
     step = handler.handle(d)
     assert (step.outcome, step.action) == (Outcome.LEDGER_UNAVAILABLE, Action.RESCHEDULE)
-    assert step.carry[VERDICT_HEADER]["state"] == "sent" and len(box.sent) == 1
+    assert step.carry.verdict.state == "sent" and len(box.sent) == 1
     # Meanwhile a duplicate finds the claim held: it waits, it does not send.
     assert handler.handle(delivery("h14", hop="dup-1")).outcome is Outcome.IN_FLIGHT
     refusing.down.clear()
@@ -665,7 +658,7 @@ def test_a_carried_verdict_is_recorded_whatever_the_claim_finds_and_nothing_runs
     handler, box = build(ledger)
     sent = {"state": "sent", "result": {"value": {"message_id": "m-earlier"}, "message_id": "m-earlier"}}
     # The record went away meanwhile (an operator released it, or it was purged): still not sent again.
-    step = handler.handle(delivery("h17", resume_owners=("gone:1",), verdict=sent))
+    step = handler.handle(delivery("h17", resume_owners=("gone:1",), verdict=Verdict.from_header(sent)))
     assert step.outcome is Outcome.SENT and box.sent == []
     record = ledger.get("h17")
     assert record is not None and record.state is State.SENT and record.result["message_id"] == "m-earlier"  # type: ignore[index]
@@ -862,7 +855,7 @@ def test_a_rotation_race_between_workers_of_both_phases_sends_once(ledger: Ledge
     handler, _ = build(Lockstep(ledger, "rr1-new", lambda: theirs.append(other.handle(on_new))), box)
     step = handler.handle(on_old)
     assert [s.outcome for s in theirs] == [Outcome.SENT] and theirs[0].key == "rr1-new"
-    assert (step.outcome, step.action) == (Outcome.IN_FLIGHT, Action.RESCHEDULE) and OWNER_HEADER not in step.carry
+    assert (step.outcome, step.action) == (Outcome.IN_FLIGHT, Action.RESCHEDULE) and not step.carry.owners
     assert box.sent == [("rr1-new", "first")]
     assert ledger.get("rr1-old") is None  # withdrawn: the claim that never ran left no trace
     again = handler.handle(next_of(on_old, step, older_keys=("rr1-new",)))  # its look-up now follows the record
@@ -934,9 +927,9 @@ def test_a_rotation_reread_that_fails_runs_nothing_and_leaves_no_claim_behind(le
     assert box.sent == [("rr3-new", "first")]  # the other worker's send, and only that
     held = ledger.get("rr3-old")
     if down:  # still held, never run: the next delivery carries its owner
-        assert held is not None and held.state is State.CLAIMED and step.carry[OWNER_HEADER] == [held.owner]
+        assert held is not None and held.state is State.CLAIMED and step.carry.owners == (held.owner,)
     else:
-        assert held is None and OWNER_HEADER not in step.carry
+        assert held is None and not step.carry.owners
     handler.ledger = ledger  # the store answers again
     again = handler.handle(next_of(on_old, step, older_keys=("rr3-new",)))
     assert (again.outcome, again.key) == (Outcome.DUPLICATE, "rr3-new") and len(box.sent) == 1
@@ -1103,7 +1096,7 @@ def test_a_chains_own_mark_behind_a_reclaim_and_a_lost_claim_reply_is_void(ledge
     box.fail_with = None
     refusing.down = {"claim_lost_reply"}
     second = handler.handle(next_of(d, first))  # takes the claim back; the reply is lost
-    assert second.action is Action.RESCHEDULE and len(second.carry[OWNER_HEADER]) == 2
+    assert second.action is Action.RESCHEDULE and len(second.carry.owners) == 2
     refusing.down.clear()
     third = handler.handle(next_of(d, second))  # takes it back from the second owner: the mark is two back
     assert third.outcome is Outcome.SENT and box.sent == [("h-own2", "first")]

@@ -287,7 +287,7 @@ def nested(levels: int) -> Any:
 
 
 def test_arguments_nested_past_the_limit_are_refused_at_delay_as_the_worker_refuses_them(app: Celery) -> None:
-    @app.task(base=IdempotentTask, name=unique("deep"))
+    @app.task(shared=False, base=IdempotentTask, name=unique("deep"))
     def remember(note: Any) -> None:
         pass
 

@@ -10,7 +10,7 @@ import pytest
 from celery import Celery
 
 from idemmail_celery import ConfigurationError, IdempotentTask
-from idemmail_celery._common import KEY_HEADER, OLDER_KEYS_HEADER, TENANT_HEADER
+from idemmail_celery.chain import KEY_HEADER, OLDER_KEYS_HEADER, TENANT_HEADER
 
 from .conftest import REDIS_URL, unique
 

@@ -551,7 +551,7 @@ def test_the_builders_own_json_round_trip_gives_the_keys_celerys_gives() -> None
 # -- the seal over the headers the worker acts on (issue 24) --
 
 def test_a_seal_covers_every_header_the_worker_acts_on_the_task_and_the_arguments() -> None:
-    from idemmail_celery._common import KEY_MARK_HEADER, SEALED_HEADERS, TENANT_HEADER
+    from idemmail_celery.chain import KEY_MARK_HEADER, SEALED_HEADERS, TENANT_HEADER
     from idemmail_celery.keys import Seal
 
     b = builder(secret="s")
@@ -575,7 +575,7 @@ def test_a_seal_covers_every_header_the_worker_acts_on_the_task_and_the_argument
 
 
 def test_a_seal_made_under_an_older_secret_verifies_and_one_under_a_newer_secret_is_told_apart() -> None:
-    from idemmail_celery._common import KEY_HEADER, KEY_MARK_HEADER
+    from idemmail_celery.chain import KEY_HEADER, KEY_MARK_HEADER
     from idemmail_celery.keys import Seal
 
     old, rotating = builder(secret="one"), builder(secret=["two", "one"])

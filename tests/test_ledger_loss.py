@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from idemmail_celery.cli import EXIT_ILLEGAL, EXIT_LOST, EXIT_UNKNOWN_KEY, idemmail
 from idemmail_celery.errors import LedgerLostError, LedgerUnavailableError, UnsafeLedgerError
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State, from_url
-from idemmail_celery.ledger.redis import RedisLedger
+from idemmail_celery.ledger.redis import LAYOUT, RedisLedger
 
 from .conftest import REDIS_URL, service_missing, unique
 
@@ -77,7 +77,7 @@ def prefix() -> Iterator[str]:
 
 def key_in_bucket(led: RedisLedger, bucket: int, n: int = 0) -> str:
     """The n-th key ``k<i>`` that lands in ``bucket``."""
-    found = [k for k in (f"k{i}" for i in range(10_000)) if led._bucket(k) == bucket]
+    found = [k for k in (f"k{i}" for i in range(10_000)) if led.names.bucket(k) == bucket]
     return found[n]
 
 
@@ -303,14 +303,15 @@ def test_read_only_cli_commands_on_a_lost_store_report_and_write_no_flag(prefix:
         c = led.claim(req(k))
         led.complete(k, c.token, {"message_id": "m"})
     wipe(led, bucket=3)
-    before = {n: led.client.hgetall(n) for n in names(led) if n.endswith(":epoch4")}
+    markers = {led.names.marker(b) for b in range(led.buckets)}
+    before = {n: led.client.hgetall(n) for n in names(led) if n in markers}
     stats = cli(led, "ledger", "stats")
     assert stats.exit_code == EXIT_LOST and "buckets 3 lost" in stats.output, stats.output
     listed = cli(led, "ledger", "list", "--state", "sent")
     assert listed.exit_code == 0 and kept in listed.output, listed.output
     shown = cli(led, "ledger", "show", kept)
     assert shown.exit_code == 0 and json.loads(shown.output)["state"] == "sent", shown.output
-    after = {n: led.client.hgetall(n) for n in names(led) if n.endswith(":epoch4")}
+    after = {n: led.client.hgetall(n) for n in names(led) if n in markers}
     assert after == before  # no lost flag: a look is not a decision
     assert not any(m.get("lost") for m in after.values())
 
@@ -333,22 +334,29 @@ def test_the_metrics_scrape_never_starts_an_epoch(prefix: str) -> None:
         strict.claim(req("k"))
 
 
-def test_a_store_in_the_pre_bucket_layout_is_refused(prefix: str) -> None:
+def test_a_store_whose_markers_name_another_record_layout_is_refused(prefix: str) -> None:
+    """The markers carry the record layout's format version (1): a store they say was written in another (a later
+    release's, or markers without a version) is refused at first use, by a worker, a strict one and `ledger
+    init`, and nothing is flagged over it; with this version's markers back, it works."""
     led = open_ledger(prefix)
-    # What an older version left: <prefix>:r:<key> and <prefix>:i:<state>, no buckets, no markers.
-    led.client.hset(f"{prefix}:r:k", mapping={"task": "t.send", "state": "sent", "token": 1, "fp": "f" * 64})
-    led.client.zadd(f"{prefix}:i:sent", {"k": time.time() + 3600})
-    with pytest.raises(UnsafeLedgerError, match=r"pre-bucket layout.*new `prefix`"):
-        led.claim(req("k"))
-    with pytest.raises(UnsafeLedgerError, match="pre-bucket"):
+    led.prepare()
+    markers = [led.names.marker(b) for b in range(led.buckets)]
+    assert {led.client.hget(name, "layout") for name in markers} == {LAYOUT} == {"1"}
+    for name in markers:
+        led.client.hset(name, "layout", "2")
+    with pytest.raises(UnsafeLedgerError, match=r"written in record layout 2; this version reads layout 1 only"):
+        open_ledger(prefix).claim(req("k"))
+    with pytest.raises(UnsafeLedgerError, match="record layout 2"):
         open_ledger(prefix, auto_init=False).claim(req("k"))
     out = cli(led, "ledger", "init")
-    assert out.exit_code != 0 and "pre-bucket" in out.output, out.output
-    assert not any(n.endswith((":epoch", ":epoch4")) for n in names(led))  # no epoch was started over the old records
-    led.client.delete(f"{prefix}:i:sent")
-    led.client.zadd(f"{prefix}:i:review", {"k2": time.time()})  # any old index counts
-    with pytest.raises(UnsafeLedgerError, match="pre-bucket"):
-        open_ledger(prefix).claim(req("k2"))
+    assert out.exit_code != 0 and "record layout 2" in out.output, out.output
+    led.client.hdel(markers[0], "layout")
+    with pytest.raises(UnsafeLedgerError, match="record layout 2/unknown"):
+        open_ledger(prefix).claim(req("k"))
+    assert not any(led.client.hget(name, "lost") for name in markers)  # refused: no loss flagged
+    for name in markers:
+        led.client.hset(name, "layout", LAYOUT)
+    assert open_ledger(prefix).claim(req("k")).status is ClaimStatus.ACQUIRED
 
 
 def test_a_worker_that_started_afresh_after_the_flush_is_stopped_by_one_that_held_the_epoch(prefix: str) -> None:

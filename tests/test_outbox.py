@@ -29,7 +29,14 @@ from idemmail_celery import (
     InvalidEmail,
     send_email,  # noqa: F401  # registers send_email on every app
 )
-from idemmail_celery._common import ENQUEUED_HEADER, KEY_HEADER, KEY_MARK_HEADER, OWNER_HEADER, TENANT_HEADER
+from idemmail_celery.chain import (
+    ENQUEUED_HEADER,
+    FORMAT_HEADER,
+    KEY_HEADER,
+    KEY_MARK_HEADER,
+    OWNER_HEADER,
+    TENANT_HEADER,
+)
 from idemmail_celery.keys import Seal
 from idemmail_celery.mail import TASK_NAME
 from idemmail_celery.outbox import (
@@ -141,7 +148,7 @@ def test_rollback_writes_no_row_and_commit_writes_one(engine: sa.Engine, table: 
     assert headers.pop(KEY_HEADER) == key
     assert time.time() - 60 < float(headers.pop(ENQUEUED_HEADER)) <= time.time()  # dated when written
     headers.pop(KEY_MARK_HEADER)
-    assert headers == {}
+    assert headers == {FORMAT_HEADER: "1"}  # and the format it is written in
     assert json.loads(row.kwargs) == EMAIL and json.loads(row.args) == []
 
 
@@ -169,7 +176,7 @@ def test_row_key_is_the_key_apply_async_would_send(engine: sa.Engine, table: sa.
     assert k3 == charge.intent_headers(("cus_1", 9), {}, explicit="inv-9:charge")[KEY_HEADER]
     stored = json.loads(rows(engine, table)[1].headers)
     assert {k: stored[k] for k in (KEY_HEADER, TENANT_HEADER)} == {KEY_HEADER: k2, TENANT_HEADER: "acme"}
-    assert set(stored) == {KEY_HEADER, TENANT_HEADER, ENQUEUED_HEADER, KEY_MARK_HEADER}
+    assert set(stored) == {KEY_HEADER, TENANT_HEADER, ENQUEUED_HEADER, KEY_MARK_HEADER, FORMAT_HEADER}
 
 
 def test_bad_input_raises_before_anything_is_written(engine: sa.Engine, table: sa.Table, app: Celery,

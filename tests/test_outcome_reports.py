@@ -51,7 +51,7 @@ def unrecorded(reg: CollectorRegistry, task: str, outcome: str, reason: str) -> 
 
 def test_fail_open_is_reported_as_its_own_outcome(app: Celery, registry: CollectorRegistry,
                                                   caplog: pytest.LogCaptureFixture) -> None:
-    @app.task(base=IdempotentTask, name=unique("fo"), idempotency_ledger_url="redis://127.0.0.1:1/0",
+    @app.task(shared=False, base=IdempotentTask, name=unique("fo"), idempotency_ledger_url="redis://127.0.0.1:1/0",
               idempotency_fail_open=True)
     def send(to: str) -> dict[str, Any]:
         return {"message_id": "m-1"}
@@ -68,7 +68,7 @@ def test_the_outage_budget_running_out_is_reported_before_the_intent_is_dropped(
         app: Celery, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture) -> None:
     app.conf.idemmail_outage_max_retries = 0
 
-    @app.task(base=IdempotentTask, name=unique("gu"), idempotency_ledger_url="redis://127.0.0.1:1/0")
+    @app.task(shared=False, base=IdempotentTask, name=unique("gu"), idempotency_ledger_url="redis://127.0.0.1:1/0")
     def send(to: str) -> None: ...
 
     with pytest.raises(LedgerUnavailableError):
@@ -82,7 +82,7 @@ def test_the_outage_budget_running_out_is_reported_before_the_intent_is_dropped(
 def test_a_send_after_losing_the_lease_is_told_apart(
         app: Celery, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    @app.task(base=IdempotentTask, name=unique("ls"))
+    @app.task(shared=False, base=IdempotentTask, name=unique("ls"))
     def send(to: str) -> dict[str, Any]:
         return {"message_id": "m-2"}
 
@@ -101,7 +101,7 @@ def test_a_send_the_ledger_cannot_record_yet_travels_with_a_reschedule(
         app: Celery, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Sent, and the ledger is down: said loudly, and the verdict goes with the next delivery (not acked as done)."""
-    @app.task(base=IdempotentTask, name=unique("lu"))
+    @app.task(shared=False, base=IdempotentTask, name=unique("lu"))
     def send(to: str) -> dict[str, Any]:
         return {"message_id": "m-3"}
 
@@ -121,7 +121,7 @@ def test_a_send_the_ledger_cannot_record_yet_travels_with_a_reschedule(
 def test_a_verdict_the_ledger_refused_says_recorded_false(
         app: Celery, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    @app.task(base=IdempotentTask, name=unique("vr"))
+    @app.task(shared=False, base=IdempotentTask, name=unique("vr"))
     def send(to: str) -> None:
         raise PermanentSendError("mailbox unavailable", reason="rejected")
 
@@ -144,7 +144,7 @@ def test_a_reconciled_send_is_one_outcome_with_reason_reconciled(
         def reconcile(self, key: str, payload: Any) -> Any:
             return {"message_id": "found-1"}
 
-    @app.task(base=Reconciling, name=unique("rc"), max_retries=0)
+    @app.task(shared=False, base=Reconciling, name=unique("rc"), max_retries=0)
     def send(to: str) -> None:
         raise AmbiguousSendError("read timeout", reason="timeout")
 
@@ -173,7 +173,7 @@ def test_reasons_are_short_words(reason: str, kept: str) -> None:
 def test_a_forged_reason_does_not_reach_the_log(app: Celery, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
 
-    @app.task(base=IdempotentTask, name=unique("fr"))
+    @app.task(shared=False, base=IdempotentTask, name=unique("fr"))
     def send(to: str) -> None:
         raise PermanentSendError("no", reason="x\nidemmail outcome status=sent key=forged")
 

@@ -74,7 +74,8 @@ def raw_record(ledger: Ledger, key: str) -> str:
     """One record as the store holds it (HGETALL of its hash, or its row)."""
     inner = ledger.inner if isinstance(ledger, SealedLedger) else ledger
     if isinstance(inner, RedisLedger):  # the hash, and the first payload's own string key
-        return json.dumps({**inner.client.hgetall(inner._rec(key)), "payload": inner.client.get(inner._payload(key))})
+        names = inner.names
+        return json.dumps({**inner.client.hgetall(names.record(key)), "payload": inner.client.get(names.payload(key))})
     assert isinstance(inner, SQLLedger)
     with inner.engine.connect() as conn:
         row = conn.execute(sa.select(inner.table).where(inner.table.c.intent_key == key)).one()

@@ -16,7 +16,7 @@ import redis
 from celery import Celery
 
 from idemmail_celery import IdempotentTask
-from idemmail_celery._common import ENQUEUED_HEADER, KEY_HEADER, KEY_MARK_HEADER, MAX_OLDER_KEYS
+from idemmail_celery.chain import ENQUEUED_HEADER, KEY_HEADER, KEY_MARK_HEADER, MAX_OLDER_KEYS
 from idemmail_celery.errors import IdempotencyKeyError, InvalidEmail, PermanentSendError
 from idemmail_celery.keys import Seal, is_derived_key
 from idemmail_celery.ledger import ClaimRequest

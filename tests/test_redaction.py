@@ -16,8 +16,8 @@ from celery import Celery
 
 import idemmail_celery  # noqa: F401  (registers send_email and send_campaign on every app)
 from idemmail_celery import IdempotentTask
-from idemmail_celery._common import KEY_HEADER
 from idemmail_celery.bulk import CAMPAIGN_TASK
+from idemmail_celery.chain import KEY_HEADER
 from idemmail_celery.mail import TASK_NAME
 from idemmail_celery.outbox import create_outbox_table, enqueue, relay
 

@@ -50,7 +50,7 @@ def test_every_script_file_is_packaged_and_loads_on_a_real_server() -> None:
         assert client.script_load(text) == hashlib.sha1(text.encode()).hexdigest(), name  # compiles
     led = from_url(REDIS_URL, prefix=unique("lua"))
     assert isinstance(led, RedisLedger)
-    assert led._claim.script == _lua("claim")
+    assert led.scripts["claim"].script == _lua("claim")
     # A record script carries the prelude's parts its first line names (the claim: not the shelving
     # ones), or (renew) all of it.
     assert "local function shelved(" in _lua("claim") and "local function shelve(" not in _lua("claim")

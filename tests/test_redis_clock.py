@@ -4,9 +4,9 @@ makes a ``sent`` record invisible: every one still answers ``done``.
 The server is a private ``redis-server`` (its own port on loopback, started and stopped here) run under
 an ``LD_PRELOAD`` shim, compiled with gcc at test time, that shifts ``clock_gettime(CLOCK_REALTIME)``,
 ``gettimeofday`` and ``time`` by the microseconds written in a file: the test moves the server's clock
-by rewriting it, and checks that it moved (``TIME``) before it looks. Layout 3 filed ``sent`` records
-into archives named by the server's clock, and this test fails there from the first step back past a
-granule (retention / 8: 15 minutes here).
+by rewriting it, and checks that it moved (``TIME``) before it looks. A layout that filed ``sent`` records
+into archives named by the server's clock (a granule of retention / 8: 15 minutes here) would fail it from
+the first step back past a granule.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ time_t time(time_t *out) {
 """
 
 HOUR = 3600.0
-RETENTION = 2 * HOUR  # layout 3's granule: retention / 8 = 15 minutes
+RETENTION = 2 * HOUR  # a clock-named archive's granule would be retention / 8 = 15 minutes
 
 
 class ShiftedRedis:
@@ -138,7 +138,7 @@ def test_every_sent_record_answers_done_whatever_way_the_servers_clock_steps(ser
         claim = led.claim(req(key))
         assert claim.status is ClaimStatus.ACQUIRED
         led.complete(key, claim.token, {"message_id": f"m-{key}"})
-    # Back by more than a layout 3 granule (15 min), back by an hour, forward within the retention.
+    # Back by more than such a granule (15 min), back by an hour, forward within the retention.
     for shift in (-(RETENTION / 8 + 60), -HOUR, HOUR, RETENTION - 10 * 60):
         server.shift(shift)
         assert abs(server.offset() - shift) < 60, "the shim did not move the server's clock"

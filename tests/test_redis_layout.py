@@ -1,13 +1,12 @@
-"""The Redis ledger's lean record (layout 4): ``sent`` records on shelves found by their key alone, without an
-index, listed by SCAN, counted by counters; long results and errors in chunks; a layout 1 store refused, then
-migrated (layouts 2 and 3, written by the real older versions: tests/test_redis_migration.py)."""
+"""The Redis ledger's lean record (layout format version 1): ``sent`` records on shelves found by their key alone,
+without an index, listed by SCAN, counted by counters; long results and errors in chunks. (A store whose markers
+name another layout is refused: tests/test_ledger_loss.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
 import time
-import zlib
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -15,8 +14,8 @@ from typing import Any
 import pytest
 import redis
 
-from idemmail_celery.errors import StaleTokenError, UnsafeLedgerError
-from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State, from_url
+from idemmail_celery.errors import StaleTokenError
+from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State
 from idemmail_celery.ledger.redis import RedisLedger
 
 from .conftest import REDIS_URL, drop_ledger, make_ledger, unique
@@ -43,7 +42,7 @@ def led(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisLedger]:
 
 def shelf(led: RedisLedger, key: str) -> dict[str, int]:
     """``key``'s shelf if it exists: name -> its entries, live or dead (the sweep's own field left out)."""
-    name = led._shelf_of(key)
+    name = led.names.shelf(key)
     raw = redis.Redis.from_url(REDIS_URL)  # a shelf's fields are bytes: read without decoding
     return {name: sum(1 for f in raw.hkeys(name) if f)} if raw.exists(name) else {}
 
@@ -51,14 +50,14 @@ def shelf(led: RedisLedger, key: str) -> dict[str, int]:
 def test_a_sent_record_leaves_no_key_of_its_own_and_replays_from_its_shelf(led: RedisLedger) -> None:
     key = hexkey()
     claim = led.claim(req(key))  # a long payload: the claimed record is a hash, its payload a string
-    assert led.client.exists(led._rec(key), led._payload(key)) == 2
+    assert led.client.exists(led.names.record(key), led.names.payload(key)) == 2
     message_id = "0100018c2b7f4a5e-3f2a1b4c-5d6e-4f70-8a9b-0c1d2e3f4a5b-000000"
     result = {"message_id": message_id, "value": {"message_id": message_id, "provider": "ses"}}
     led.complete(key, claim.token, result)
-    assert led.client.exists(led._rec(key), led._payload(key)) == 0  # no record, no payload: one shelf entry
+    assert led.client.exists(led.names.record(key), led.names.payload(key)) == 0  # no record, no payload: an entry
     [(name, entries)] = shelf(led, key).items()
-    assert entries == 1 and name.startswith(led._stems[led._bucket(key)] + "d:")
-    members = [m for b in range(led.buckets) for s in State for m in led.client.zrange(led._index(b, s), 0, -1)]
+    assert entries == 1 and name.startswith(led.names.stems[led.names.bucket(key)] + "d:")
+    members = [m for b in range(led.buckets) for s in State for m in led.client.zrange(led.names.index(b, s), 0, -1)]
     assert key not in members  # no sent index
     record = led.get(key)
     assert record is not None and record.state is State.SENT and record.result == result and record.token == 1
@@ -67,7 +66,7 @@ def test_a_sent_record_leaves_no_key_of_its_own_and_replays_from_its_shelf(led: 
     assert led.client.pexpiretime(name) == round(record.expires_at * 1000)  # the shelf lives as long as its entry
     dup = led.claim(req(key, payload="{}"))
     assert dup.status is ClaimStatus.DONE and dup.record == record  # what a duplicate is told
-    assert led.client.exists(led._rec(key)) == 0  # a duplicate writes nothing
+    assert led.client.exists(led.names.record(key)) == 0  # a duplicate writes nothing
 
 
 @pytest.mark.parametrize("result", [
@@ -86,7 +85,7 @@ def test_every_result_shape_reads_back_from_the_shelf(led: RedisLedger, result: 
     for key, fingerprint in cases.items():
         c = led.claim(ClaimRequest(key=key, task_name="t", payload="{}", fingerprint=fingerprint))
         led.complete(key, c.token, result)
-        assert not led.client.exists(led._rec(key))
+        assert not led.client.exists(led.names.record(key))
         record = led.get(key)
         assert record is not None and (record.result, record.fingerprint) == (result, fingerprint)
         assert led.claim(req(key)).record.result == result
@@ -153,11 +152,11 @@ def test_a_sent_record_kept_longer_than_the_ledger_retention_is_shelved_with_its
     key = hexkey()
     c = led.claim(req(key))
     led.complete(key, c.token, {"message_id": "m"})
-    assert not led.client.exists(led._rec(key)) and sum(shelf(led, key).values()) == 1
+    assert not led.client.exists(led.names.record(key)) and sum(shelf(led, key).values()) == 1
     record = led.get(key)
     assert record is not None and record.expires_at is not None
     assert abs(record.expires_at - record.updated_at - led.retention_seconds) < 0.01
-    assert led.client.pexpiretime(led._shelf_of(key)) == round(record.expires_at * 1000)
+    assert led.client.pexpiretime(led.names.shelf(key)) == round(record.expires_at * 1000)
     assert led.claim(req(key)).status is ClaimStatus.DONE
     assert [r.key for r in led.iter_records(State.SENT)] == [key]
 
@@ -175,7 +174,7 @@ def test_a_shelf_sweeps_its_dead_entries_when_written_past_its_sweep_time() -> N
         old = [hexkey() for _ in range(5)]
         for k in old:
             led.complete(k, led.claim(req(k)).token, {"message_id": k})
-        name = led._shelf_of(keeper)
+        name = led.names.shelf(keeper)
         assert shelf(led, keeper) == {name: 6}
         time.sleep(2.2)  # past their expiry (1 s) and the first sweep's time (1 s after the first write)
         assert all(led.get(k) is None for k in old) and shelf(led, keeper) == {name: 6}  # dead, still there
@@ -212,7 +211,7 @@ def test_sent_records_are_listed_by_scan_counted_and_purged(led: RedisLedger) ->
     assert list(led.iter_records(State.SENT)) == []
     assert {k: v for k, v in led.stats().items() if v} == {"review": 1}
     assert led.purge_expired() == len(keys)  # the counters' spent granules, and what they counted
-    assert not any(led.client.hlen(led._counter(b)) for b in range(led.buckets))
+    assert not any(led.client.hlen(led.names.counter(b)) for b in range(led.buckets))
     assert led.purge_expired() == 0
 
 
@@ -224,85 +223,13 @@ def test_long_and_non_ascii_results_and_errors_round_trip_in_chunks(led: RedisLe
     assert record is not None and record.error == {"reason": "timeout", "message": text}
     resolved = led.resolve("chunks", "sent", result={"message_id": "m", "note": text[:200]}, note=text)
     assert led.get("chunks") == resolved
-    assert led.client.object("encoding", led._rec("chunks")) == "listpack"
+    assert led.client.object("encoding", led.names.record("chunks")) == "listpack"
     assert led.forget("chunks") is True
     forgotten = led.get("chunks")
     assert forgotten is not None and forgotten.result == {"message_id": "m", "forgotten": True}
     assert forgotten.error is not None and "message" not in forgotten.error
     assert forgotten.error["resolution"]["from"] == "review"  # read back whole: no stale chunk joined in
-    assert led.client.pttl(led._rec("chunks")) > 0  # forget left the TTL alone
-
-
-def _layout1(prefix: str, buckets: int = 16) -> Any:
-    """Write what the previous version wrote: markers without a layout, long field names, seconds,
-    an index for every state (sent included). Returns the client and the records written."""
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
-    now = time.time()
-    for b in range(buckets):
-        client.hset(f"{prefix}:{{{b:02x}}}:epoch", mapping={"epoch": "e1", "buckets": buckets, "created_at": now,
-                                                           "created_by": "old", "note": "auto_init"})
-    fp = "cd" * 32
-    records = {
-        "claimed": {"state": "claimed", "token": 3, "owner": "old:1:aa", "lease": now + 600, "payload": LONG_PAYLOAD},
-        "released": {"state": "released", "token": 2, "owner": "old:1:bb", "payload": LONG_PAYLOAD,
-                     "error": json.dumps({"reason": "connect_error"})},
-        "review": {"state": "review", "token": 1, "owner": "old:1:cc", "payload": LONG_PAYLOAD,
-                   "error": json.dumps({"reason": "timeout", "message": "x" * 150})},
-        "sent": {"state": "sent", "token": 1, "owner": "old:1:dd", "result": json.dumps({"message_id": "m-old"}),
-                 "expires": now + 3600},
-        "failed": {"state": "failed", "token": 1, "owner": "old:1:ee", "payload": LONG_PAYLOAD,
-                   "error": json.dumps({"reason": "bounced"}), "expires": now + 3600},
-    }
-    keys = {}
-    for state, fields in records.items():
-        key = hexkey() if state != "review" else "review-key"
-        keys[state] = key
-        stem = f"{prefix}:{{{zlib.crc32(key.encode()) % buckets:02x}}}:"
-        client.hset(f"{stem}r:{key}", mapping={"task": "idemmail_celery.send_email", "attempts": 1, "reclaims": 0,
-                                               "fp": fp, "created": now - 10, "updated": now - 5, **fields})
-        if state in ("sent", "failed"):
-            client.pexpire(f"{stem}r:{key}", 3_600_000)
-        client.zadd(f"{stem}i:{state}", {key: float(str(fields.get("expires", now - 5)))})
-    return client, keys, fp
-
-
-def test_a_store_of_the_previous_layout_is_refused_then_migrated_and_settles() -> None:
-    prefix = unique("v1")
-    client, keys, fp = _layout1(prefix)
-    try:
-        led = from_url(REDIS_URL, prefix=prefix)
-        assert isinstance(led, RedisLedger)
-        with pytest.raises(UnsafeLedgerError, match="migrate_layout"):
-            led.claim(req(hexkey()))
-        # (quiet_seconds=0: the markers were written just now, by this test standing in for an old worker)
-        assert RedisLedger(REDIS_URL, prefix=prefix).migrate_layout(quiet_seconds=0) == {
-            "claimed": 1, "released": 1, "sent": 1, "failed": 1, "review": 1, "left": 0, "shelved": 0}
-        assert not [n for n in client.scan_iter(f"{prefix}:*i:sent", count=1000)]  # the sent index is gone
-        assert RedisLedger(REDIS_URL, prefix=prefix).migrate_layout(quiet_seconds=0)["left"] == 0  # idempotent
-
-        led = from_url(REDIS_URL, prefix=prefix)  # what a new worker builds
-        assert {k: v for k, v in led.stats().items() if v} == {
-            "claimed": 1, "released": 1, "sent": 1, "failed": 1, "review": 1}
-        sent = led.claim(req(keys["sent"], fingerprint=fp))
-        assert sent.status is ClaimStatus.DONE and sent.record.result == {"message_id": "m-old"}
-        assert sent.record.fingerprint == fp and sent.record.token == 1
-        assert 0 < client.pttl(led._rec(keys["sent"])) <= 3_600_000  # its TTL kept
-        assert led.claim(req(keys["claimed"])).status is ClaimStatus.BUSY  # its lease kept
-        led.complete(keys["claimed"], 3, {"message_id": "m-late"})  # the old holder's token still settles it
-        reopened = led.claim(req(keys["released"], payload="{}"))
-        assert reopened.status is ClaimStatus.REOPENED and reopened.record.payload == LONG_PAYLOAD
-        assert reopened.record.token == 3 and reopened.record.attempts == 2
-        review = led.get("review-key")
-        assert review is not None and review.error == {"reason": "timeout", "message": "x" * 150}
-        led.resolve("review-key", "failed", note="checked")
-        failed = led.claim(req(keys["failed"]))
-        assert failed.status is ClaimStatus.DONE and failed.record.error == {"reason": "bounced"}
-        assert sorted(r.key for r in led.iter_records(State.SENT)) == sorted([keys["claimed"], keys["sent"]])
-    finally:
-        for name in client.scan_iter(f"{prefix}:*", count=1000):
-            client.delete(name)
+    assert led.client.pttl(led.names.record("chunks")) > 0  # forget left the TTL alone
 
 
 def test_a_workers_long_owner_and_task_name_keep_the_record_compact(led: RedisLedger) -> None:
@@ -313,7 +240,7 @@ def test_a_workers_long_owner_and_task_name_keep_the_record_compact(led: RedisLe
     task = "myproject.notifications.transactional.tasks.send_password_reset_email_v2"
     key = hexkey()
     claim = led.claim(ClaimRequest(key=key, task_name=task, payload=LONG_PAYLOAD, fingerprint="ab" * 32, owner=first))
-    assert led.client.object("encoding", led._rec(key)) == "listpack"
+    assert led.client.object("encoding", led.names.record(key)) == "listpack"
     again = f"{host_pid}:0c2d9a8e-5b7f-4c1e-9a3d-6f8e2b1c4d5a:bbbbbbbb"
     resumed = led.claim(ClaimRequest(key=key, task_name=task, payload="{}", fingerprint="ab" * 32, owner=again,
                                      resume_owner=first))
@@ -322,6 +249,6 @@ def test_a_workers_long_owner_and_task_name_keep_the_record_compact(led: RedisLe
     led.release(key, resumed.token)
     short = led.claim(ClaimRequest(key=key, task_name=task, payload="{}", fingerprint="ab" * 32, owner="o:1"))
     assert short.status is ClaimStatus.REOPENED and short.record.owner == "o:1"  # no chunk of the longer one left
-    assert led.client.object("encoding", led._rec(key)) == "listpack"
+    assert led.client.object("encoding", led.names.record(key)) == "listpack"
     record = led.get(key)
     assert record is not None and (record.owner, record.task_name) == ("o:1", task)

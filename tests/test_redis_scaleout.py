@@ -178,7 +178,7 @@ def test_buckets_spread_over_every_node_and_listing_sees_them_all(ledger: Ledger
     for k in keys[:50]:
         c = ledger.claim(req(k))
         assert c.status is ClaimStatus.BUSY
-    nodes = {ledger.client.get_node_from_key(ledger._rec(k)).name for k in keys}
+    nodes = {ledger.client.get_node_from_key(ledger.names.record(k)).name for k in keys}
     assert len(nodes) == 3, nodes
     listed = {r.key for r in ledger.iter_records(State.CLAIMED)}
     assert listed == set(keys)
@@ -245,7 +245,7 @@ def test_losing_one_buckets_keys_on_one_node_is_detected(ledger: Ledger, redis_c
     assert isinstance(ledger, RedisLedger)
     keys = [f"lose{i}" for i in range(64)]
     ledger.claim_many([req(k) for k in keys])
-    victim = ledger._bucket(keys[0])
+    victim = ledger.names.bucket(keys[0])
     assert wipe(ledger, f"{ledger.prefix}:{{{victim:02x}}}:*") >= 3
     fresh = from_url(redis_cluster.url, prefix=ledger.prefix)
     with pytest.raises(LedgerLostError, match=f"buckets {victim} lost"):
@@ -264,7 +264,7 @@ def test_a_shard_restarted_empty_stops_every_worker_until_acknowledged(tmp_path:
         keys = [f"s{i}" for i in range(64)]
         for c, k in zip(led.claim_many([req(k) for k in keys]), keys, strict=True):
             led.complete(k, c.token, {"message_id": k})
-        on_node = {k: led.client.get_node_from_key(led._rec(k)).port for k in keys}
+        on_node = {k: led.client.get_node_from_key(led.names.record(k)).port for k in keys}
         victim = cluster.ports[1]
         lost_key = next(k for k in keys if on_node[k] == victim)
         kept_key = next(k for k in keys if on_node[k] != victim)
@@ -289,7 +289,7 @@ def test_a_shard_restarted_empty_stops_every_worker_until_acknowledged(tmp_path:
 def _batch_across(led: RedisLedger, victim: int, n_other: int = 4) -> tuple[list[str], list[str]]:
     """Fresh keys of this test: one on the ``victim`` node's port, ``n_other`` on the other nodes."""
     cands = [f"nb{i}" for i in range(200)]
-    on = {k: led.client.get_node_from_key(led._rec(k)).port for k in cands}
+    on = {k: led.client.get_node_from_key(led.names.record(k)).port for k in cands}
     return [k for k in cands if on[k] == victim][:1], [k for k in cands if on[k] != victim][:n_other]
 
 
@@ -410,7 +410,7 @@ def test_claim_complete_duplicate_through_sentinel(sentinel: SentinelSetup) -> N
     assert dup.status is ClaimStatus.DONE and dup.record.result == {"message_id": "m"}
     # The record is on the server Sentinel named, not somewhere else.
     direct = redis.Redis(host="127.0.0.1", port=sentinel.redis_port, decode_responses=True)
-    assert direct.exists(led._shelf_of("k"))  # type: ignore[attr-defined]  # its sent record's shelf
+    assert direct.exists(led.names.shelf("k"))  # type: ignore[attr-defined]  # its sent record's shelf
     led.close()
 
 

@@ -152,7 +152,7 @@ def test_replica_cut_from_its_primary_fails_closed_at_every_operation(tmp_path: 
                           "--replica-serve-stale-data", "no") as replica_url:
             replica = redis.Redis.from_url(replica_url, decode_responses=True)
             wait_for(lambda: replica.info("replication")["master_link_status"] == "up"
-                     and replica.exists(on_primary._rec("e")))
+                     and replica.exists(on_primary.names.record("e")))
             led = open_ledger(replica_url)
             led.prepare()  # met the store while it answered: epoch read
             assert led.get("e") is not None
@@ -189,7 +189,7 @@ def test_an_unexpected_error_reply_is_a_ledger_error(tmp_path: Path) -> None:
     with redis_server(tmp_path) as url:
         led = open_ledger(url)
         led.prepare()
-        led.client.set(led._rec("k"), "not a hash")
+        led.client.set(led.names.record("k"), "not a hash")
         for op in (lambda: led.claim(req("k")), lambda: led.get("k"), lambda: led.complete("k", 1, {})):
             with pytest.raises(LedgerError, match="WRONGTYPE") as caught:
                 op()

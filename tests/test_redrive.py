@@ -14,7 +14,7 @@ import redis
 from celery import Celery
 
 from idemmail_celery import IdempotentTask, TransientSendError
-from idemmail_celery._common import KEY_HEADER
+from idemmail_celery.chain import KEY_HEADER
 from idemmail_celery.handler import Action, Delivery, Handler
 from idemmail_celery.keys import Payload
 from idemmail_celery.ledger import ClaimRequest, State

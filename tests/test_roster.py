@@ -9,7 +9,7 @@ import pytest
 from celery import Celery
 
 from idemmail_celery import IdempotentTask, roster
-from idemmail_celery._common import KEY_HEADER, KEY_MARK_HEADER, OLDER_KEYS_HEADER
+from idemmail_celery.chain import KEY_HEADER, KEY_MARK_HEADER, OLDER_KEYS_HEADER
 from idemmail_celery.keys import secret_ids
 from idemmail_celery.ledger.base import RosterEntry
 
@@ -70,7 +70,7 @@ def test_a_caller_on_new_old_makes_keys_under_old_while_a_worker_without_new_is_
 
 
 def test_a_worker_announces_the_secrets_all_its_tasks_hold_and_leaves_at_shutdown(tmp_path: Path) -> None:
-    from idemmail_celery.task import announcer
+    from idemmail_celery.worker import announcer
 
     send = sender(tmp_path, [NEW, OLD])
     beat = announcer(send.app).start()
@@ -111,7 +111,7 @@ def test_the_first_announcement_holds_no_start_up_and_a_claim_waits_for_it(
     import threading
 
     from idemmail_celery.errors import LedgerUnavailableError
-    from idemmail_celery.task import announcer
+    from idemmail_celery.worker import announcer
 
     send = sender(tmp_path, [NEW, OLD])
     ledger = send.ledger

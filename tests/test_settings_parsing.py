@@ -90,10 +90,10 @@ def test_a_tasks_retry_deadline_overrides_the_apps_and_reaches_its_policy() -> N
     app = Celery("deadline", set_as_current=False)
     app.conf.update(idemmail_retry_deadline_seconds="7200", idemmail_ledger_url="sqlite:///:memory:")
 
-    @app.task(base=IdempotentTask, idempotency_retry_deadline_seconds="900")
+    @app.task(shared=False, base=IdempotentTask, idempotency_retry_deadline_seconds="900")
     def reset(to: str) -> None: ...
 
-    @app.task(base=IdempotentTask)
+    @app.task(shared=False, base=IdempotentTask)
     def receipt(to: str) -> None: ...
 
     assert reset.policy.retry_deadline_seconds == 900.0 and receipt.policy.retry_deadline_seconds == 7200.0

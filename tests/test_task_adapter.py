@@ -14,7 +14,7 @@ from celery import Celery
 from celery.exceptions import Retry
 
 from idemmail_celery import IdempotentTask
-from idemmail_celery._common import (
+from idemmail_celery.chain import (
     DUE_HEADER,
     ENQUEUED_HEADER,
     HOP_HEADER,
@@ -26,9 +26,11 @@ from idemmail_celery._common import (
     OUTAGE_HEADER,
     OWNER_HEADER,
     VERDICT_HEADER,
+    Carry,
+    next_headers,
 )
 from idemmail_celery.keys import Payload, Seal
-from idemmail_celery.task import _chain
+from idemmail_celery.republish import Republisher
 
 from .conftest import REDIS_URL, unique
 
@@ -54,7 +56,7 @@ def test_every_countdown_stays_below_the_visibility_timeout(broker: str, options
 
     headers: dict[str, Any] = {KEY_HEADER: "k"}
     before = time.time()
-    countdown = t._split(7200.0, headers)
+    countdown = Republisher(t).split(7200.0, headers)
     if cap is None:
         assert countdown == 7200.0 and NOT_BEFORE_HEADER not in headers
     else:
@@ -62,15 +64,15 @@ def test_every_countdown_stays_below_the_visibility_timeout(broker: str, options
         assert float(headers[NOT_BEFORE_HEADER]) == pytest.approx(before + 7200.0, abs=2)  # the rest hops
     assert headers[HOP_HEADER]  # every publish has an id of its own
     short: dict[str, Any] = {NOT_BEFORE_HEADER: "1"}
-    assert t._split(1.0, short) == 1.0 and NOT_BEFORE_HEADER not in short
+    assert Republisher(t).split(1.0, short) == 1.0 and NOT_BEFORE_HEADER not in short
 
 
 def test_a_retry_starts_a_new_chain_and_a_reschedule_keeps_its_budgets() -> None:
-    headers = {KEY_HEADER: "k", ENQUEUED_HEADER: "1.0", INFLIGHT_HEADER: 7, OUTAGE_HEADER: 3, OWNER_HEADER: "o:1",
+    headers = {KEY_HEADER: "k", ENQUEUED_HEADER: "1.0", INFLIGHT_HEADER: 7, OUTAGE_HEADER: 3, OWNER_HEADER: ["o:1"],
                VERDICT_HEADER: {"state": "sent"}, HOP_HEADER: "h", NOT_BEFORE_HEADER: "9"}
-    retry = _chain(headers, {OWNER_HEADER: "o:2"}, keep=False)
-    assert retry == {KEY_HEADER: "k", ENQUEUED_HEADER: "1.0", OWNER_HEADER: "o:2"}  # budgets count per chain
-    again = _chain(headers, {INFLIGHT_HEADER: 8, OUTAGE_HEADER: 3}, keep=True)
+    retry = next_headers(headers, Carry(owners=("o:2",)), keep=False)
+    assert retry == {KEY_HEADER: "k", ENQUEUED_HEADER: "1.0", OWNER_HEADER: ["o:2"]}  # budgets count per chain
+    again = next_headers(headers, Carry(inflight=8, outage=3), keep=True)
     assert again == {KEY_HEADER: "k", ENQUEUED_HEADER: "1.0", INFLIGHT_HEADER: 8, OUTAGE_HEADER: 3}
 
 
@@ -95,8 +97,8 @@ def test_celerys_retry_attributes_set_the_curve_of_transient_retries() -> None:
 def test_a_retry_keeps_the_key_and_its_mark_and_a_reschedule_too() -> None:
     headers = {KEY_HEADER: "k", KEY_MARK_HEADER: "m", OLDER_KEYS_HEADER: ["o"], INFLIGHT_HEADER: 1}
     for keep in (False, True):
-        assert {KEY_HEADER: "k", KEY_MARK_HEADER: "m", OLDER_KEYS_HEADER: ["o"]}.items() <= _chain(
-            headers, {}, keep=keep).items()
+        assert {KEY_HEADER: "k", KEY_MARK_HEADER: "m", OLDER_KEYS_HEADER: ["o"]}.items() <= next_headers(
+            headers, Carry(), keep=keep).items()
 
 
 def test_a_bodys_own_retry_is_published_with_its_key_marked(

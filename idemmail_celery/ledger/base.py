@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from .._common import after_fork
+from ..config import DEFAULTS
 from ..errors import IllegalTransitionError, RecordNotFoundError
 from ..keys import canonical_json
 from .listing import (
@@ -59,7 +60,7 @@ from .listing import (
 #: Short, because a crashed holder's intent waits this long before anyone may take it over; the
 #: holder renews it every third of its length while its body runs (see ``_lease``), so a long
 #: send never loses it. 30 s: a SIGKILLed worker's intents are recovered within about a minute.
-DEFAULT_LEASE_SECONDS = 30.0
+DEFAULT_LEASE_SECONDS: float = DEFAULTS["lease_seconds"]
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
 
 

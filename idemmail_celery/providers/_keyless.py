@@ -18,7 +18,8 @@ from urllib.parse import SplitResult, parse_qs, urlsplit, urlunsplit
 
 import httpx
 
-from .._common import KEY_TAG, logsafe
+from .._common import logsafe
+from ..chain import KEY_TAG
 from ..email import EmailMessage
 from ..errors import AmbiguousSendError, ConfigurationError, PermanentSendError, TransientSendError
 from ..redaction import scrub as redact

@@ -84,7 +84,7 @@ import re
 import smtplib
 import ssl
 from typing import Any, NoReturn
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 from .._common import logsafe
 from ..email import EmailMessage, message_id_for, split_address
@@ -104,6 +104,25 @@ _URL_OPTIONS = frozenset({"starttls", "timeout", "domain", "local_hostname"})
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
+
+def _split_url(url: str) -> tuple[str, SplitResult, str, int | None]:
+    """An ``smtp://``/``smtps://`` URL's scheme (lower case), parts, host and port (if it names one), or
+    :class:`ConfigurationError`."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in _DEFAULT_PORTS:
+        raise ConfigurationError(f"SMTPProvider serves smtp:// and smtps:// URLs, not {scheme}://")
+    if parts.password is not None:
+        # Never echo the URL: it holds the secret.
+        raise ConfigurationError(f"the SMTP URL must not contain a password: pass password= or set {PASSWORD_ENV}")
+    if not parts.hostname:
+        raise ConfigurationError("the SMTP URL names no host (smtp://host[:port])")
+    if parts.path not in ("", "/"):
+        raise ConfigurationError(f"the SMTP URL takes no path; got {parts.path!r}")
+    try:
+        return scheme, parts, parts.hostname, parts.port
+    except ValueError as exc:
+        raise ConfigurationError(f"the SMTP URL has an invalid port: {exc}") from None
 
 
 def message_id_domain(message: EmailMessage, domain: str | None = None) -> str:
@@ -141,26 +160,11 @@ class SMTPProvider(Provider):
         local_hostname: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        parts = urlsplit(url)
-        scheme = parts.scheme.lower()
-        if scheme not in _DEFAULT_PORTS:
-            raise ConfigurationError(f"SMTPProvider serves smtp:// and smtps:// URLs, not {scheme}://")
-        if parts.password is not None:
-            # Never echo the URL: it holds the secret.
-            raise ConfigurationError(
-                f"the SMTP URL must not contain a password: pass password= or set {PASSWORD_ENV}")
-        if not parts.hostname:
-            raise ConfigurationError("the SMTP URL names no host (smtp://host[:port])")
-        if parts.path not in ("", "/"):
-            raise ConfigurationError(f"the SMTP URL takes no path; got {parts.path!r}")
-        try:
-            port = parts.port
-        except ValueError as exc:
-            raise ConfigurationError(f"the SMTP URL has an invalid port: {exc}") from None
+        scheme, parts, host, port = _split_url(url)
         query = _parse_query(parts.query)
 
         self.scheme = scheme
-        self.host = parts.hostname
+        self.host = host
         self.port = port or _DEFAULT_PORTS[scheme]
         self.implicit_tls = scheme == "smtps"
         self.username = unquote(parts.username) if parts.username else None
@@ -169,14 +173,18 @@ class SMTPProvider(Provider):
         self.domain = domain or query.get("domain") or None
         self.local_hostname = local_hostname or query.get("local_hostname") or None
         self._ssl_context = ssl_context
-        if self.timeout <= 0:
-            raise ConfigurationError("timeout must be a positive number of seconds")
-        if self.implicit_tls and self.starttls:
-            raise ConfigurationError("smtps:// is already TLS from the first byte; drop ?starttls=1")
+        self._check_connection_options()
         self._password = self._choose_password(password, api_key)
         if self._password is not None and not (self.implicit_tls or self.starttls or is_loopback(self.host)):
             raise ConfigurationError(
                 f"refusing to send SMTP credentials unencrypted to {self.host}: use smtps:// or ?starttls=1")
+
+    def _check_connection_options(self) -> None:
+        """:class:`ConfigurationError` for a timeout or a TLS choice that cannot work."""
+        if self.timeout <= 0:
+            raise ConfigurationError("timeout must be a positive number of seconds")
+        if self.implicit_tls and self.starttls:
+            raise ConfigurationError("smtps:// is already TLS from the first byte; drop ?starttls=1")
 
     def _choose_password(self, password: str | None, api_key: str | None) -> str | None:
         if password is not None and api_key is not None and password != api_key:

@@ -93,6 +93,27 @@ class _Stored:
     expires: float
 
 
+@dataclass(frozen=True)
+class _EmailRequest:
+    """One ``POST /emails`` as the fake reads it: ``seen`` is its headers as recorded (the API key redacted)."""
+
+    key: str | None
+    sha: str
+    body: bytes
+    token: str
+    authorized: bool
+    seen: dict[str, str]
+
+    @classmethod
+    def read(cls, headers: Mapping[str, str], body: bytes, api_key: str | None) -> _EmailRequest:
+        """``api_key``: the bearer token expected (None: any non-empty one)."""
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        authorized = scheme.lower() == "bearer" and bool(token) and (api_key is None or token == api_key)
+        seen = {k: (f"{scheme} <redacted>" if k == "authorization" else v) for k, v in headers.items()}
+        return cls(headers.get("idempotency-key") or None, hashlib.sha256(body).hexdigest(), body, token,
+                   authorized, seen)
+
+
 def _error(status: int, name: str, message: str, headers: dict[str, str] | None = None) -> Reply:
     return Reply(status, {"statusCode": status, "name": name, "message": message}, headers or {})
 
@@ -252,86 +273,97 @@ class FakeProvider(FakeHTTPServer):
 
     def _send_email(self, headers: Mapping[str, str], body: bytes) -> Reply | None:
         """Answer one ``POST /emails``; None means "close the connection without a response"."""
-        key = headers.get("idempotency-key") or None
-        sha = hashlib.sha256(body).hexdigest()
-        auth = headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        authorized = scheme.lower() == "bearer" and bool(token) and (self.api_key is None or token == self.api_key)
-        seen = {k: (f"{scheme} <redacted>" if k == "authorization" else v) for k, v in headers.items()}
-
-        def finish(reply: Reply | None, outcome: str, fault: str | None) -> Reply | None:
-            attempt = Attempt(key, time.time(), reply.status if reply else None, outcome, fault, authorized, sha,
-                              body, seen)
-            with self._lock:
-                self._attempts.append(attempt)
-                self._attempted[key] += 1
-            return reply
-
+        request = _EmailRequest.read(headers, body, self.api_key)
         fault = self._next_fault()
-        if fault in _BEFORE_ACCEPT:
-            status, name, text = _BEFORE_ACCEPT[fault]
-            return finish(_error(status, name, text, {"Retry-After": "1"} if status == 429 else None), fault, fault)
-        if not authorized:
-            reason = "missing_api_key" if not token else "invalid_api_key"
-            return finish(_error(401, reason, "API key is invalid" if token else "Missing API key"),
-                          "unauthorized", fault)
-        problem = _validate(body)
-        if problem:
-            return finish(_error(422, "validation_error", problem), "invalid", fault)
-
-        replay: _Stored | None = None
-        conflict: tuple[Reply, str] | None = None
+        reply, outcome = self._answer(request, fault)
+        attempt = Attempt(request.key, time.time(), reply.status if reply else None, outcome, fault,
+                          request.authorized, request.sha, body, request.seen)
         with self._lock:
-            now = time.monotonic()
-            self._forget_expired(now)
-            if self.dedupe and key is not None:
-                replay = self._stored.get(key)
-                if replay is not None and replay.expires <= now:  # behind an entry stored for longer
-                    del self._stored[key]
-                    replay = None
-                pending = self._in_flight.get(key)
-                if (replay and replay.body_sha256 != sha) or (pending is not None and pending != sha):
-                    conflict = (_error(409, "invalid_idempotent_request",
-                                       "this idempotency key was used with a different request body"),
-                                "key_payload_mismatch")
-                elif pending is not None:
-                    conflict = (_error(409, "concurrent_idempotent_requests",
-                                       "a request with this idempotency key is still being processed"), "in_flight")
-                elif replay is None:
-                    self._in_flight[key] = sha
-        if conflict is not None:
-            return finish(conflict[0], conflict[1], fault)
+            self._attempts.append(attempt)
+            self._attempted[request.key] += 1
+        return reply
 
+    # Each step of a send answers (the reply, or None to drop the connection; the attempt's outcome), or None
+    # to go on to the next step.
+
+    def _answer(self, request: _EmailRequest, fault: str | None) -> tuple[Reply | None, str]:
+        refused = self._refusal(request, fault)
+        if refused is not None:
+            return refused
+        replay, conflict = self._take_key(request)
+        if conflict is not None:
+            return conflict
         hold = self.latency + (self.slow_seconds if fault == "slow" else 0.0)
         if hold > 0 and self._stopping.wait(hold):
             # Stopped mid-request: a provider that went down before accepting.
             with self._lock:
-                if key is not None:
-                    self._in_flight.pop(key, None)
-            return finish(None, "stopped", fault)
+                if request.key is not None:
+                    self._in_flight.pop(request.key, None)
+            return None, "stopped"
+        message_id, outcome = self._accept(request, replay)
+        if fault == "drop_after_accept":
+            return None, f"{outcome}+dropped"
+        if fault == "500_after_accept":
+            return _error(500, "internal_server_error", "an unexpected error occurred"), f"{outcome}+500"
+        reply_headers = {"Idempotent-Replayed": "true"} if replay is not None else {}
+        return Reply(200, {"id": message_id}, reply_headers), outcome
 
+    def _refusal(self, request: _EmailRequest, fault: str | None) -> tuple[Reply, str] | None:
+        """A fault that refuses before anything is accepted, a wrong API key, or a body Resend would refuse."""
+        if fault in _BEFORE_ACCEPT:
+            status, name, text = _BEFORE_ACCEPT[fault]
+            return _error(status, name, text, {"Retry-After": "1"} if status == 429 else None), fault
+        if not request.authorized:
+            if request.token:
+                return _error(401, "invalid_api_key", "API key is invalid"), "unauthorized"
+            return _error(401, "missing_api_key", "Missing API key"), "unauthorized"
+        problem = _validate(request.body)
+        if problem:
+            return _error(422, "validation_error", problem), "invalid"
+        return None
+
+    def _take_key(self, request: _EmailRequest) -> tuple[_Stored | None, tuple[Reply, str] | None]:
+        """The stored response this request replays (if any), or the 409 its key earns; a new key is marked
+        in flight."""
+        key, sha = request.key, request.sha
+        with self._lock:
+            now = time.monotonic()
+            self._forget_expired(now)
+            if not self.dedupe or key is None:
+                return None, None
+            replay = self._stored.get(key)
+            if replay is not None and replay.expires <= now:  # behind an entry stored for longer
+                del self._stored[key]
+                replay = None
+            pending = self._in_flight.get(key)
+            if (replay and replay.body_sha256 != sha) or (pending is not None and pending != sha):
+                return replay, (_error(409, "invalid_idempotent_request",
+                                       "this idempotency key was used with a different request body"),
+                                "key_payload_mismatch")
+            if pending is not None:
+                return replay, (_error(409, "concurrent_idempotent_requests",
+                                       "a request with this idempotency key is still being processed"), "in_flight")
+            if replay is None:
+                self._in_flight[key] = sha
+            return replay, None
+
+    def _accept(self, request: _EmailRequest, replay: _Stored | None) -> tuple[str, str]:
+        """Count a replay, or record a new delivery (and remember its key): its message id and the outcome."""
+        key = request.key
         if replay is not None:
             with self._lock:
                 self._suppressed[key] += 1
-            message_id, outcome = replay.message_id, "replayed"
-        else:
-            message_id, outcome = str(uuid.uuid4()), "delivered"
-            data = json.loads(body)
-            delivery = Delivery(key, _recipients(data), str(data.get("subject", "")), sha, message_id, time.time())
-            with self._lock:
-                self._deliveries.append(delivery)
-                self._delivered[key] += 1
-                if self.dedupe and key is not None:
-                    self._in_flight.pop(key, None)
-                    self._stored[key] = _Stored(sha, message_id, time.monotonic() + self.dedupe_window)
-
-        if fault == "drop_after_accept":
-            return finish(None, f"{outcome}+dropped", fault)
-        if fault == "500_after_accept":
-            return finish(_error(500, "internal_server_error", "an unexpected error occurred"),
-                          f"{outcome}+500", fault)
-        reply_headers = {"Idempotent-Replayed": "true"} if replay is not None else {}
-        return finish(Reply(200, {"id": message_id}, reply_headers), outcome, fault)
+            return replay.message_id, "replayed"
+        message_id = str(uuid.uuid4())
+        data = json.loads(request.body)
+        delivery = Delivery(key, _recipients(data), str(data.get("subject", "")), request.sha, message_id, time.time())
+        with self._lock:
+            self._deliveries.append(delivery)
+            self._delivered[key] += 1
+            if self.dedupe and key is not None:
+                self._in_flight.pop(key, None)
+                self._stored[key] = _Stored(request.sha, message_id, time.monotonic() + self.dedupe_window)
+        return message_id, "delivered"
 
     def _queue_faults(self, body: bytes) -> Reply:
         try:

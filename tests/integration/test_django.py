@@ -20,6 +20,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -524,21 +525,17 @@ def test_the_admin_lists_and_resolves_a_parked_intent_on_a_sql_ledger(
     assert shop.fake.delivery_count(key) == 0
 
 
-def test_a_staff_user_marks_a_parked_intent_failed_in_headless_chromium(
-    shop: Shop, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """End to end in a browser: log in, filter the review queue, open the record, mark it failed."""
+@contextmanager
+def headless_chromium(window_size: str, artifact: str) -> Iterator[tuple[Any, str]]:
+    """Headless Chromium (``window_size`` as ``"width,height"``) and a live server of this process's Django
+    (static files served): yields the browser and the server's base URL. A failure in the ``with`` block saves
+    the page as ``test-artifacts/<artifact>-failed.png`` and ``.html``; browser, server and profile always go."""
     webdriver = require_module("selenium.webdriver")
     if not Path("/usr/bin/chromedriver").exists():
         service_missing("chromedriver", FileNotFoundError("/usr/bin/chromedriver (apt-get install chromium-driver)"))
     from django.contrib.staticfiles.handlers import StaticFilesHandler
     from django.test.testcases import LiveServerThread
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions
-    from selenium.webdriver.support.wait import WebDriverWait
 
-    key = park(shop, "browser@example.com")
-    staff("browser", "view_reviewrecord", "mark_failed")
     server = LiveServerThread("127.0.0.1", StaticFilesHandler)
     server.daemon = True
     server.start()
@@ -549,13 +546,36 @@ def test_a_staff_user_marks_a_parked_intent_failed_in_headless_chromium(
     profile = ARTIFACTS / f"chromium-profile-{uuid.uuid4().hex[:8]}"
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
-                 f"--user-data-dir={profile}", "--window-size=1280,900"):
+                 f"--user-data-dir={profile}", f"--window-size={window_size}"):
         options.add_argument(flag)
     options.binary_location = "/usr/bin/chromium"
     browser = webdriver.Chrome(options=options, service=webdriver.ChromeService("/usr/bin/chromedriver"))
     browser.implicitly_wait(30)  # each find waits for the page a click opened
-    base = f"http://127.0.0.1:{server.port}"
     try:
+        yield browser, f"http://127.0.0.1:{server.port}"
+    except Exception:
+        ARTIFACTS.mkdir(exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / f"{artifact}-failed.png"))
+        (ARTIFACTS / f"{artifact}-failed.html").write_text(browser.page_source)
+        raise
+    finally:
+        browser.quit()
+        server.terminate()
+        server.join(timeout=15)
+        subprocess.run(["rm", "-rf", str(profile)], check=False)
+
+
+def test_a_staff_user_marks_a_parked_intent_failed_in_headless_chromium(
+    shop: Shop, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """End to end in a browser: log in, filter the review queue, open the record, mark it failed."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.wait import WebDriverWait
+
+    key = park(shop, "browser@example.com")
+    staff("browser", "view_reviewrecord", "mark_failed")
+    with headless_chromium("1280,900", "django-admin-review") as (browser, base):
         browser.get(f"{base}/admin/login/?next=/admin/idemmail/reviewrecord/")
         browser.find_element(By.NAME, "username").send_keys("browser")
         browser.find_element(By.NAME, "password").send_keys("pw-browser")
@@ -574,16 +594,6 @@ def test_a_staff_user_marks_a_parked_intent_failed_in_headless_chromium(
         assert browser.save_screenshot(str(shot))
         with capsys.disabled():
             print(f"\nscreenshot of the admin's review queue: {shot}")
-    except Exception:
-        ARTIFACTS.mkdir(exist_ok=True)
-        browser.save_screenshot(str(ARTIFACTS / "django-admin-review-failed.png"))
-        (ARTIFACTS / "django-admin-review-failed.html").write_text(browser.page_source)
-        raise
-    finally:
-        browser.quit()
-        server.terminate()
-        server.join(timeout=15)
-        subprocess.run(["rm", "-rf", str(profile)], check=False)
     record = shop.ledger.get(key)
     assert record is not None and record.state is State.FAILED
     assert record.error is not None and record.error["resolution"]["by"] == "browser (django admin)"
@@ -852,37 +862,16 @@ def test_an_operator_pages_filters_and_resolves_many_records_at_once_in_headless
 ) -> None:
     """In a browser: page on with the next link, filter by reason, tick two rows, resolve them with one note;
     then tick the page, take Django's "select all" offer and resolve every record the filter matches."""
-    webdriver = require_module("selenium.webdriver")
-    if not Path("/usr/bin/chromedriver").exists():
-        service_missing("chromedriver", FileNotFoundError("/usr/bin/chromedriver (apt-get install chromium-driver)"))
-    from django.contrib.staticfiles.handlers import StaticFilesHandler
-    from django.test.testcases import LiveServerThread
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
     keys = queue.park(130, reason=lambda i: "after_data" if i % 10 == 3 else "lease_expired")  # 13 after_data
     staff("bulkbrowser", "view_reviewrecord", "mark_failed")
-    server = LiveServerThread("127.0.0.1", StaticFilesHandler)
-    server.daemon = True
-    server.start()
-    server.is_ready.wait()
-    if server.error:
-        raise server.error
-    options = webdriver.ChromeOptions()
-    profile = ARTIFACTS / f"chromium-profile-{uuid.uuid4().hex[:8]}"
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
-                 f"--user-data-dir={profile}", "--window-size=1600,1000"):
-        options.add_argument(flag)
-    options.binary_location = "/usr/bin/chromium"
-    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService("/usr/bin/chromedriver"))
-    browser.implicitly_wait(30)
-    base = f"http://127.0.0.1:{server.port}"
+    with headless_chromium("1600,1000", "django-admin-review-bulk") as (browser, base):
 
-    def shown() -> list[str]:
-        return [a.text for a in browser.find_elements(By.CSS_SELECTOR, "#result_list a.idemmail-key")]
+        def shown() -> list[str]:
+            return [a.text for a in browser.find_elements(By.CSS_SELECTOR, "#result_list a.idemmail-key")]
 
-    try:
         browser.get(f"{base}/admin/login/?next={LIST}")
         browser.find_element(By.NAME, "username").send_keys("bulkbrowser")
         browser.find_element(By.NAME, "password").send_keys("pw-bulkbrowser")
@@ -916,16 +905,6 @@ def test_an_operator_pages_filters_and_resolves_many_records_at_once_in_headless
         assert "Resolve as failed: 131 of 131 records" in done, done
         ARTIFACTS.mkdir(exist_ok=True)
         assert browser.save_screenshot(str(ARTIFACTS / "django-admin-review-bulk.png"))
-    except Exception:
-        ARTIFACTS.mkdir(exist_ok=True)
-        browser.save_screenshot(str(ARTIFACTS / "django-admin-review-bulk-failed.png"))
-        (ARTIFACTS / "django-admin-review-bulk-failed.html").write_text(browser.page_source)
-        raise
-    finally:
-        browser.quit()
-        server.terminate()
-        server.join(timeout=15)
-        subprocess.run(["rm", "-rf", str(profile)], check=False)
     left = [k for k in queue.keys if queue.state(k) is not State.FAILED]
     assert len(left) == 117 and all(queue.state(k) is State.REVIEW for k in left)
 

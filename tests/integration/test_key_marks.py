@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from idemmail_celery._common import ENQUEUED_HEADER, KEY_HEADER
+from idemmail_celery.chain import ENQUEUED_HEADER, KEY_HEADER
 from idemmail_celery.ledger import State
 
 from .conftest import results

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from idemmail_celery.ledger.redis import DEFAULT_BUCKETS, DEFAULT_SHELVES, Names
 from idemmail_celery.mail import TASK_NAME
 from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 
@@ -28,7 +29,8 @@ def ledger_keys(sink: Sink) -> list[str]:
 
 
 def lost_flagged(sink: Sink) -> bool:
-    return any(sink.r.hget(k, "lost") for k in ledger_keys(sink) if k.endswith(":epoch4"))
+    markers = Names(f"led.{sink.ns}", DEFAULT_BUCKETS, DEFAULT_SHELVES)  # the worker's ledger: the default buckets
+    return any(sink.r.hget(markers.marker(b), "lost") for b in range(DEFAULT_BUCKETS))
 
 
 def test_flushed_ledger_sends_nothing_until_the_loss_is_acknowledged(

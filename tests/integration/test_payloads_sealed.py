@@ -46,15 +46,15 @@ def stored_hash(ledger: Any, key: str) -> dict[str, str]:
     assert isinstance(ledger, SealedLedger)
     inner = ledger.inner
     client = inner.client  # type: ignore[attr-defined]
-    record = dict(client.hgetall(inner._rec(key)))  # type: ignore[attr-defined]
-    if not record:  # sent: an entry of its shelf (layout 4), field the packed key
+    record = dict(client.hgetall(inner.names.record(key)))  # type: ignore[attr-defined]
+    if not record:  # sent: an entry of its shelf, field the packed key
         from idemmail_celery.ledger.redis import _field
 
-        entry = client.hget(inner._shelf_of(key), _field(key))  # type: ignore[attr-defined]
+        entry = client.hget(inner.names.shelf(key), _field(key))  # type: ignore[attr-defined]
         if entry is not None:
             record = {"shelved": entry}
     assert record, key
-    payload = client.get(inner._payload(key))  # type: ignore[attr-defined]  # the first payload's own key
+    payload = client.get(inner.names.payload(key))  # type: ignore[attr-defined]  # the first payload's own key
     return {**record, **({"payload": payload} if payload is not None else {})}
 
 

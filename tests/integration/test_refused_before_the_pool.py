@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from idemmail_celery import PermanentSendError
-from idemmail_celery._common import KEY_MARK_HEADER
+from idemmail_celery.chain import KEY_MARK_HEADER
 from idemmail_celery.mail import ARGUMENT_SLACK, TASK_NAME
 from idemmail_celery.testing.fake_provider import FakeProvider
 

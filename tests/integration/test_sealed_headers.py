@@ -13,7 +13,8 @@ import json
 from typing import Any
 
 from idemmail_celery import PermanentSendError
-from idemmail_celery._common import (
+from idemmail_celery.bulk import CAMPAIGN_TASK
+from idemmail_celery.chain import (
     CAMPAIGN_HEADER,
     INFLIGHT_HEADER,
     KEY_HEADER,
@@ -22,7 +23,6 @@ from idemmail_celery._common import (
     OWNER_HEADER,
     VERDICT_HEADER,
 )
-from idemmail_celery.bulk import CAMPAIGN_TASK
 from idemmail_celery.keys import secret_ids
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State
 from idemmail_celery.mail import TASK_NAME

@@ -35,6 +35,7 @@ import json
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.contrib import admin, messages
@@ -126,51 +127,22 @@ class ReviewQueueAdmin(admin.ModelAdmin):
     # -- the list --
 
     def list_view(self, request: HttpRequest) -> HttpResponse:
+        """The changelist as ``request.GET`` asks (see :mod:`.review`); a POST is a bulk action."""
         if request.method == "POST":
             return self.bulk_view(request)
         self._refuse_unless_viewer(request)
         asked = ListRequest.parse(request.GET, time.time())
-        error = None
-        counts: dict[str, int] = {}
-        summary, page = Summary(None), RecordPage([], None)
-        try:
-            ledger = operator().ledger
-            counts = summaries.states(ledger)
-            summary = summaries.get(ledger, asked.query)
-            page = _page(ledger, asked)
-            shown = (asked.page - 1) * PER_PAGE + len(page.records)
-            if summary.total is not None and (shown > summary.total or (page.next_cursor and shown >= summary.total)):
-                summaries.forget()  # counted before these records came: count again
-                counts, summary = summaries.states(ledger), summaries.get(ledger, asked.query)
-        except (LedgerUnavailableError, PayloadKeyError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
+        listed = _Listing.read(asked)
         bulk = [(name, label) for name, label in BULK_ACTIONS.items() if request.user.has_perm(ACTIONS[name][1])]
-        total = summary.total
-        pages = None
-        if total is not None and total > PER_PAGE:
-            paginator = Paginator(range(total), PER_PAGE)
-            numbers = paginator.get_elided_page_range(min(asked.page, paginator.num_pages), on_each_side=2, on_ends=1)
-            pages = [{"number": n, "link": asked.link(p=n) if isinstance(n, int) and n != asked.page else ""}
-                     for n in numbers]
         state = asked.query.state
         record_url = reverse("admin:idemmail_reviewrecord_record")
         return TemplateResponse(request, "idemmail/review_list.html", self._context(
             request, "Ledger records" + (f": {state.value}" if state else ""),
-            rows=[_row_html(row(r), bool(bulk), record_url) for r in page.records], error=error,
-            problems=asked.problems, bulk_actions=bulk,
-            total=total, page=asked.page, pages=pages, per_page=PER_PAGE,
-            first=(asked.page - 1) * PER_PAGE + 1 if page.records else 0,
-            last=(asked.page - 1) * PER_PAGE + len(page.records),
-            next_link=asked.link(p=asked.page + 1, c=page.next_cursor) if page.next_cursor else "",
-            previous_link=asked.link(p=asked.page - 1 if asked.page > 2 else None) if asked.page > 1 else "",
-            search=asked.params.get("q", ""), search_hidden=[(k, v) for k, v in asked.params.items() if k != "q"],
-            clear_search_link=asked.link(q=None),
-            newest_first=asked.query.newest_first,
-            order_link=asked.link(o=None if asked.query.newest_first else "-updated"),
-            filters=_sidebar(asked, counts, summary, searching=bool(asked.query.search)),
-            clear_link=asked.link(**{k: None for k in asked.params if k not in ("state", "o")}) if asked.filtered
-            else "",
-            date_hierarchy=hierarchy(asked, summary.days), media=self.media))
+            rows=[_row_html(row(r), bool(bulk), record_url) for r in listed.page.records], error=listed.error,
+            problems=asked.problems, bulk_actions=bulk, total=listed.summary.total, per_page=PER_PAGE,
+            filters=_sidebar(asked, listed.counts, listed.summary, searching=bool(asked.query.search)),
+            date_hierarchy=hierarchy(asked, listed.summary.days), media=self.media,
+            **_paging(asked, listed.page, listed.summary.total), **_list_links(asked)))
 
     def bulk_view(self, request: HttpRequest) -> HttpResponse:
         """One action on the rows ticked (or every record the page's filters match), with one note."""
@@ -315,6 +287,67 @@ def _row_html(r: dict[str, Any], tick: bool, record_url: str) -> SafeString:
         record_url, urlencode({"key": r["key"]}), r["key"][:32], r["key"][32:], r["label"] or "-", r["state"],
         r["task_name"] or "-",
         said or "-", r["attempts"], r["when"])
+
+
+@dataclass
+class _Listing:
+    """What the list page read from the ledger: counts per state, the summary of the query, the page of
+    records, or the error that stopped the reading (the page still shows, empty, with it)."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    summary: Summary = field(default_factory=lambda: Summary(None))
+    page: RecordPage = field(default_factory=lambda: RecordPage([], None))
+    error: str | None = None
+
+    @classmethod
+    def read(cls, asked: ListRequest) -> _Listing:
+        """Read what the page ``asked`` for shows; an unreachable ledger or a missing payload key is its error."""
+        listed = cls()
+        try:
+            ledger = operator().ledger
+            listed.counts = summaries.states(ledger)
+            listed.summary = summaries.get(ledger, asked.query)
+            listed.page = _page(ledger, asked)
+            if listed.counted_too_early(asked):
+                summaries.forget()  # counted before these records came: count again
+                listed.counts, listed.summary = summaries.states(ledger), summaries.get(ledger, asked.query)
+        except (LedgerUnavailableError, PayloadKeyError) as exc:
+            listed.error = f"{type(exc).__name__}: {exc}"
+        return listed
+
+    def counted_too_early(self, asked: ListRequest) -> bool:
+        """Do the kept counts say fewer records than this page (and those before it) show?"""
+        total = self.summary.total
+        shown = (asked.page - 1) * PER_PAGE + len(self.page.records)
+        return total is not None and (shown > total or bool(self.page.next_cursor and shown >= total))
+
+
+def _paging(asked: ListRequest, page: RecordPage, total: int | None) -> dict[str, Any]:
+    """The list's pagination: the page numbers (elided, as Django's), the rows' numbers, previous and next."""
+    pages = None
+    if total is not None and total > PER_PAGE:
+        paginator = Paginator(range(total), PER_PAGE)
+        numbers = paginator.get_elided_page_range(min(asked.page, paginator.num_pages), on_each_side=2, on_ends=1)
+        pages = [{"number": n, "link": asked.link(p=n) if isinstance(n, int) and n != asked.page else ""}
+                 for n in numbers]
+    before = (asked.page - 1) * PER_PAGE
+    return {
+        "page": asked.page, "pages": pages, "first": before + 1 if page.records else 0,
+        "last": before + len(page.records),
+        "next_link": asked.link(p=asked.page + 1, c=page.next_cursor) if page.next_cursor else "",
+        "previous_link": asked.link(p=asked.page - 1 if asked.page > 2 else None) if asked.page > 1 else "",
+    }
+
+
+def _list_links(asked: ListRequest) -> dict[str, Any]:
+    """The search box, the order toggle and the "clear all filters" link, each keeping the other parameters."""
+    return {
+        "search": asked.params.get("q", ""), "search_hidden": [(k, v) for k, v in asked.params.items() if k != "q"],
+        "clear_search_link": asked.link(q=None), "newest_first": asked.query.newest_first,
+        "order_link": asked.link(o=None if asked.query.newest_first else "-updated"),
+        "clear_link": asked.link(**{k: None for k in asked.params if k not in ("state", "o")}) if asked.filtered
+        else "",
+    }
 
 
 def _page(ledger: Ledger, asked: ListRequest) -> RecordPage:

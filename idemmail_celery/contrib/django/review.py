@@ -19,7 +19,7 @@ import math
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlencode
 
@@ -57,50 +57,25 @@ class ListRequest:
 
     @classmethod
     def parse(cls, get: Mapping[str, str], now: float) -> ListRequest:
-        params: dict[str, str] = {}
+        """The request's parameters (``request.GET``) as a query; ``now`` (epoch seconds) anchors ``age``.
+
+        Never raises: what does not parse is left out of ``params`` with a line in ``problems``.
+        """
         problems: list[str] = []
-        for name in FILTERS:
-            value = str(get.get(name, "")).strip()
-            if value:
-                if len(value) > MAX_TEXT or not value.isprintable():
-                    problems.append(f"{name}: left out (not a value this page takes)")
-                else:
-                    params[name] = value
-        chosen = params.get("state", State.REVIEW.value)
-        if chosen != "all" and chosen not in {s.value for s in State}:
-            problems.append(f"state {chosen!r}: no such state, review shown")
-            params.pop("state")
-            chosen = State.REVIEW.value
-        since, until = _dates(params, problems)
-        age = params.get("age")
-        if age is not None:
-            if age not in AGES:
-                problems.append(f"age {age!r}: left out")
-                params.pop("age")
-            else:
-                # Whole minutes: the same filter a minute long is one query (and one set of counts).
-                minute = math.floor(now / 60) * 60
-                _, newer, older = AGES[age]
-                since = max(since or 0.0, minute - newer) if newer else since
-                until = min(until or math.inf, minute - older) if older else until
+        params = _taken(get, problems)
+        state = _state(params, problems)
+        since, until = _age(params, problems, now, *_dates(params, problems))
         if params.get("o", "-updated") not in ("updated", "-updated"):
             problems.append(f"order {params.pop('o')!r}: left out")
-        try:
-            query = RecordQuery(state=None if chosen == "all" else State(chosen), task=params.get("task", ""),
-                                reason=params.get("reason", ""), since=since, until=until,
-                                search=params.get("q", ""), newest_first=params.get("o") == "-updated")
-        except ValueError as exc:
-            problems.append(f"search: {exc}; left out")
-            params.pop("q", None)
-            query = RecordQuery(state=None if chosen == "all" else State(chosen), task=params.get("task", ""),
-                                reason=params.get("reason", ""), since=since, until=until,
-                                newest_first=params.get("o") == "-updated")
-        try:
-            page = max(1, int(get.get("p", "1")))
-        except ValueError:
-            page = 1
-        cursor = str(get.get("c", "")) or None
-        return cls(params, query, page, cursor if cursor and len(cursor) < 2 * MAX_TEXT else None, problems)
+        query = RecordQuery(state=state, task=params.get("task", ""), reason=params.get("reason", ""), since=since,
+                            until=until, newest_first=params.get("o") == "-updated")
+        if "q" in params:
+            try:
+                query = replace(query, search=params["q"])
+            except ValueError as exc:  # too many words: the rest of the query still lists
+                problems.append(f"search: {exc}; left out")
+                params.pop("q")
+        return cls(params, query, _page_number(get), _cursor(get), problems)
 
     def link(self, **changes: str | int | None) -> str:
         """This page's query string with ``changes`` (None drops a parameter); a new filter starts at page 1."""
@@ -117,6 +92,64 @@ class ListRequest:
     def filtered(self) -> bool:
         """Does any filter but the state narrow the list?"""
         return any(k in self.params for k in ("task", "reason", "age", *DATE_PARTS, "q"))
+
+
+def _taken(get: Mapping[str, str], problems: list[str]) -> dict[str, str]:
+    """The filters given, stripped; one too long or not printable is left out (a page never echoes such text)."""
+    params: dict[str, str] = {}
+    for name in FILTERS:
+        value = str(get.get(name, "")).strip()
+        if not value:
+            continue
+        if len(value) > MAX_TEXT or not value.isprintable():
+            problems.append(f"{name}: left out (not a value this page takes)")
+        else:
+            params[name] = value
+    return params
+
+
+def _state(params: dict[str, str], problems: list[str]) -> State | None:
+    """The state chosen (``review`` by default, ``all``: None); an unknown one shows ``review``."""
+    chosen = params.get("state", State.REVIEW.value)
+    if chosen == "all":
+        return None
+    if chosen not in {s.value for s in State}:
+        problems.append(f"state {chosen!r}: no such state, review shown")
+        params.pop("state")
+        return State.REVIEW
+    return State(chosen)
+
+
+def _age(params: dict[str, str], problems: list[str], now: float, since: float | None,
+         until: float | None) -> tuple[float | None, float | None]:
+    """The range ``since``-``until`` narrowed by the ``age`` filter, if one of :data:`AGES` is chosen."""
+    age = params.get("age")
+    if age is None:
+        return since, until
+    if age not in AGES:
+        problems.append(f"age {age!r}: left out")
+        params.pop("age")
+        return since, until
+    # Whole minutes: the same filter a minute long is one query (and one set of counts).
+    minute = math.floor(now / 60) * 60
+    _, newer, older = AGES[age]
+    since = max(since or 0.0, minute - newer) if newer else since
+    until = min(until or math.inf, minute - older) if older else until
+    return since, until
+
+
+def _page_number(get: Mapping[str, str]) -> int:
+    """The page number, from 1 (1 when it is not a number)."""
+    try:
+        return max(1, int(get.get("p", "1")))
+    except ValueError:
+        return 1
+
+
+def _cursor(get: Mapping[str, str]) -> str | None:
+    """The "next" link's cursor, or None (none given, or too long to be one this page wrote)."""
+    cursor = str(get.get("c", ""))
+    return cursor if cursor and len(cursor) < 2 * MAX_TEXT else None
 
 
 def _dates(params: dict[str, str], problems: list[str]) -> tuple[float | None, float | None]:

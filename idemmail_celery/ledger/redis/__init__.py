@@ -2,7 +2,8 @@
 
 A record in progress is a hash, a sent one an entry on a shelf; every transition is one
 Lua script (``*.lua`` beside ``store.py``, registered with the client's script support and called with
-EVALSHA, loaded again on NOSCRIPT), so a claim, a completion or a replay is one atomic round trip.
+EVALSHA, loaded again on NOSCRIPT; see ``scripts.py``), so a claim, a completion or a replay is one atomic
+round trip.
 Lease times come from the Redis server's clock (``TIME``), so worker clocks do
 not have to agree.
 
@@ -15,8 +16,7 @@ so that every script touches keys of one hash slot, as Redis Cluster requires::
     <prefix>:{<bb>}:i:<state>        the bucket's index of claimed, released, failed or review records
     <prefix>:{<bb>}:c:sent           the bucket's count of sent records, by expiry (a hash)
     <prefix>:{<bb>}:h:<digest>       a reschedule's mark (see ``mark_hop``; expires)
-    <prefix>:{<bb>}:epoch4           the bucket's epoch marker (a hash)
-    <prefix>:{<bb>}:epoch            layouts 1-3's marker: flagged lost, so that no older worker runs here
+    <prefix>:{<bb>}:epoch            the bucket's epoch marker (a hash: the epoch, the layout's version, ...)
 
 ``bb`` is the bucket number in two hex digits, chosen by CRC32 of the intent key.
 On one Redis the buckets cost nothing on the hot path; listing, stats and purge
@@ -29,7 +29,7 @@ else as ``~`` + itself), the owner, task name, result and error in chunks of at 
 the payload in a string of its own: every value within Redis's ``hash-max-listpack-value``, so
 the hash stays compact (listpack).
 
-**A sent record is an entry on its shelf** (layout 4). Most records are ``sent`` and stay for the
+**A sent record is an entry on its shelf**. Most records are ``sent`` and stay for the
 retention, and a key of its own with a TTL costs Redis about 150 bytes before its first byte of
 data. So the completion that makes a record ``sent`` moves it, in the same script, onto its
 *shelf*: one of ``shelves`` hashes per bucket (64 by default, fixed in the markers when the ledger
@@ -59,43 +59,23 @@ docs/benchmarks.md for the figures and the shapes compared). ``stats`` reads the
 (an ``HLEN`` of the shelves would count dead entries until their sweep), which count a record until
 its expiry's granule ends (at most 1% of the retention late).
 
-**Loss detection.** A Redis without persistence can be flushed or restart
-empty, silently reopening every key. Each bucket holds an epoch marker; every
-script is handed the epoch this process read at first use (a worker reads it in
-its main process at start, see :meth:`RedisLedger.prepare`) and refuses, writing
-nothing, when the bucket's marker is missing, different, or flagged lost. The
-process then reads every marker again: an epoch an operator acknowledged (``ledger
-ack-loss``) is adopted; anything else raises :class:`LedgerLostError` (a
-:class:`LedgerUnavailableError`, so tasks fail closed and retry) and flags every
-marker lost, so processes that start later stop too. A process that has seen a
-loss remembers it: from then on it accepts only an epoch an operator acknowledged,
-never a "new" store (emptied again, flags and all) nor an unacknowledged fresh
-epoch. What is detected and what is not is in :meth:`RedisLedger.loss_status` and
-docs/operations.md ("Ledger loss").
+**Loss detection.** Each bucket holds an epoch marker that every script checks: a store flushed, or
+restarted empty, stops every claim until an operator acknowledges the loss (``ledger ack-loss``). See
+``epochs.py``, :meth:`RedisLedger.loss_status` and docs/operations.md ("Ledger loss").
 
-Operator tools and the metrics scrape build the ledger ``passive``: they read the
-markers and never write them (no ``auto_init``, no lost flags); only
-:meth:`~RedisLedger.init_store` and :meth:`~RedisLedger.acknowledge_loss` do.
+**One layout, format version 1** (:data:`LAYOUT`). The markers carry it; a store whose markers name another
+version is refused at first use (:class:`UnsafeLedgerError`), so that a later release changes the format on
+purpose and decides how it reads this one. There is nothing to migrate from: no earlier layout was released.
 
-**Old layouts.** Versions before the buckets kept ``<prefix>:r:<key>`` and
-``<prefix>:i:<state>``. This version would not see those records, so at first use
-it looks for the old index keys and refuses (:class:`UnsafeLedgerError`) if any exist.
-Layouts 1-3 (long field names and a ``sent`` index; every record a hash of its own; sent records in
-time-granule archives) kept their markers in ``<prefix>:{bb}:epoch``: a store with those and no
-layout 4 markers is refused at first use, naming the step, ``celery -A proj idemmail ledger
-migrate`` (:meth:`RedisLedger.migrate_layout`), which refuses while an older worker still uses the
-store and fences older workers out before it converts anything. A layout 4 store keeps the old
-markers flagged lost, so an older worker refuses it too (at start, and at its next script if it was
-running): no older worker ever claims a key whose ``sent`` record it could not see.
+**The store must not evict keys**: an evicted ``sent`` record reopens its key and the next duplicate sends again.
+At first use the ledger refuses a ``maxmemory-policy`` other than ``noeviction`` (unless
+``allow_eviction=True``) and reads it again on the claim path every ``policy_recheck_seconds``; a worker warns
+at start about a server with neither AOF nor RDB save points. See ``checks.py``.
 
-The store must not evict keys: an evicted ``sent`` record reopens its key and
-the next duplicate sends again. At first use the ledger reads
-``maxmemory-policy`` and refuses anything but ``noeviction`` unless built with
-``allow_eviction=True``; the claim path reads it again every ``policy_recheck_seconds``
-(30 s), so a policy changed at runtime is refused too, until it is set back. Run Redis
-with AOF persistence for the same reason: a worker that meets a server with neither AOF
-nor RDB save points logs a warning at start. Where CONFIG is disabled or renamed (managed
-Redis), both checks log that they could not look, and the ledger carries on.
+**Modules.** ``store.py``: :class:`RedisLedger` and its record moves; ``checks.py``: the server checks;
+``epochs.py``: the epoch markers; ``listing.py``: listing, counting, the review queue's pages; ``plumbing.py``:
+what they share (the client's calls); ``client.py``: the client built from a URL (or a caller's own) and its
+errors; ``scripts.py``: the Lua scripts; ``layout.py``: every key name and packing.
 """
 
 from .layout import (
@@ -111,7 +91,8 @@ from .layout import (
     _unbody,
     _unpack_fp,
 )
-from .store import RedisLedger, _lua
+from .scripts import _lua
+from .store import RedisLedger
 
 __all__ = [
     "DEFAULT_BUCKETS", "DEFAULT_SHELVES", "LAYOUT", "Names", "RedisLedger", "_b36", "_body", "_field", "_lua",

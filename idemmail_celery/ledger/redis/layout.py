@@ -1,4 +1,5 @@
-"""The Redis ledger's record layout (4): every key name and every packing, in one place.
+"""The Redis ledger's record layout (format version :data:`LAYOUT`): every key name and every packing, in one
+place.
 
 :class:`Names` spells each key a ledger writes; the functions below pack what goes into them and read
 it back. The Lua scripts beside this module (``*.lua``) write the same shapes (their shared helpers are
@@ -17,16 +18,17 @@ import re
 import zlib
 from typing import Any
 
-from ..base import State, dumps_json
+from ...errors import LedgerError
+from ..base import Record, State, dumps_json, loads_json
 
 DEFAULT_BUCKETS = 16
-_STATES = (State.CLAIMED, State.RELEASED, State.SENT, State.FAILED, State.REVIEW)
 #: States with an index (a sorted set per bucket): those an operator acts on, and ``failed`` for purge.
 #: ``sent`` has none: its records expire by TTL, a counter keeps their number, listing them scans.
 _INDEXED = (State.CLAIMED, State.RELEASED, State.FAILED, State.REVIEW)
-#: This layout's version, in every epoch marker (``<prefix>:{bb}:epoch4``); layouts 1-3 kept theirs
-#: in ``<prefix>:{bb}:epoch``, which a layout 4 store keeps flagged lost so that no older worker runs on it.
-LAYOUT = "4"
+#: The format version of this layout, written in every epoch marker (``<prefix>:{bb}:epoch``, field ``layout``).
+#: A store whose markers name another version is refused at first use: a later release that changes the format
+#: raises it and decides, on purpose, how it reads (or converts) a version 1 store.
+LAYOUT = "1"
 #: Shelves per bucket unless the markers say otherwise (fixed when the ledger is created, see ``_shelf``).
 DEFAULT_SHELVES = 64
 #: A shelf's dead entries are swept at most every retention / this (so at most this fraction of a
@@ -173,13 +175,13 @@ def _pack_fp(fingerprint: str) -> str:
 
 
 def _unpack_fp(packed: str) -> str:
-    """A record's ``f`` read back: 37 base-126 characters, or (layout 2) 43 base64url ones, or ``~`` + text."""
-    if len(packed) == 37 and packed[0] != "~":
-        n = 0
-        for ch in packed:
-            n = n * 126 + _B126_VALUE[ch]
-        return f"{n:064x}"
-    return _unpack(packed)
+    """A record's ``f`` read back (see :func:`_pack_fp`): 37 base-126 characters, or ``~`` + text, or none."""
+    if not packed or packed[0] == "~":
+        return packed[1:]
+    n = 0
+    for ch in packed:
+        n = n * 126 + _B126_VALUE[ch]
+    return f"{n:064x}"
 
 
 @functools.lru_cache(maxsize=256)  # a claim's, then its completion's: spelled once
@@ -199,10 +201,11 @@ def _unfield(text: str) -> str:
 
 
 #: A shelf's entry: expiry, retention, token, attempts, reclaims, then its fingerprint's kind (see ``prelude.lua``).
-_ENTRY = re.compile(r"([0-9a-z]+)(?:R([0-9a-z]+))?(?:T([0-9a-z]+))?(?:A([0-9a-z]+))?(?:C([0-9a-z]+))?([.,~])")
+_ENTRY = re.compile(r"([0-9a-z]+)(?:R([0-9a-z]+))?(?:T([0-9a-z]+))?(?:A([0-9a-z]+))?(?:C([0-9a-z]+))?([.~])")
 
 
 def _unpack(packed: str) -> str:
+    """A key as :func:`_pack` packed it."""
     if not packed or packed[0] == "~":
         return packed[1:]
     return base64.urlsafe_b64decode(packed + "=").hex()
@@ -254,17 +257,51 @@ def _joined(h: dict[str, str], base: str) -> str | None:
     return "".join(parts)
 
 
-def _layout1_fields(h: dict[str, str]) -> list[str]:
-    """A record of layout 1 (long names, seconds) as this layout's fields, flat."""
-    out: list[Any] = ["s", h["state"], "t", h["token"], "a", h.get("attempts", "1"), "c", h.get("reclaims", "0"),
-                      "f", _pack_fp(h.get("fp", ""))]
-    for name, new in (("lease", "l"), ("created", "k"), ("updated", "u")):
-        if h.get(name):
-            out += [new, int(float(h[name]) * 1_000_000)]
-    for name, base in (("task", "n"), ("owner", "o"), ("result", "r"), ("error", "e")):
-        for i, part in enumerate(_chunks(h.get(name) or ""), start=1):
-            out += [base if i == 1 else f"{base}{i}", part]
-    return out
+def _read_record(key: str, fields: list[str] | dict[str, str], payload: str | None, retention_seconds: float) -> Record:
+    """A record kept as a hash (its ``HGETALL``, flat or as a dict) read back.
+
+    Its expiry is not stored (the TTL holds it): the retention ``retention_seconds`` from its last update."""
+    h = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=True))
+    state = State(h["s"])
+    updated = _seconds(h.get("u")) or 0.0
+    return Record(
+        key=key, task_name=_joined(h, "n") or "", state=state, token=int(h["t"]), owner=_joined(h, "o") or "",
+        lease_expires_at=_seconds(h.get("l")), attempts=int(h.get("a", 0)), reclaims=int(h.get("c", 0)),
+        payload=payload or None, fingerprint=_unpack_fp(h.get("f", "")), result=loads_json(_joined(h, "r")),
+        error=loads_json(_joined(h, "e")), created_at=_seconds(h.get("k")) or 0.0, updated_at=updated,
+        expires_at=updated + retention_seconds if state.expires else None,
+    )
+
+
+def _read_entry(key: str, value: str, payload: str | None, retention_ms: int) -> Record:
+    """A ``sent`` record kept as a shelf's entry read back: expiry, retention (``retention_ms`` unless the entry
+    says), token, attempts, reclaims, fingerprint, result and error.
+
+    Task name, owner and the time of the first claim are not kept (empty, empty, the time it was sent)."""
+    m = _ENTRY.match(value)
+    if m is None:
+        raise LedgerError(f"Redis ledger error: the shelved record of {key} cannot be read")
+    expires, retention, token, attempts, reclaims, kind = m.groups()
+    at = m.end()
+    if kind == ".":
+        fp, body = _unpack_fp(value[at:at + 37]), value[at + 37:]
+    else:
+        space = value.index(" ", at)
+        fp, body = bytes.fromhex(value[at:space]).decode(), value[space + 1:]
+    expires_ms = int(expires, 36) * 100  # tenths of a second
+    updated = (expires_ms - (int(retention, 36) if retention else retention_ms)) / 1000
+    result, error = _unbody(body)
+    return Record(
+        key=key, task_name="", state=State.SENT, token=int(token, 36) if token else 1, owner="",
+        lease_expires_at=None, attempts=int(attempts, 36) if attempts else 1,
+        reclaims=int(reclaims, 36) if reclaims else 0, payload=payload or None, fingerprint=fp, result=result,
+        error=error, created_at=updated, updated_at=updated, expires_at=expires_ms / 1000,
+    )
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally in a SCAN pattern."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 class Names:
@@ -277,9 +314,7 @@ class Names:
         <prefix>:{<bb>}:c:sent           the bucket's count of sent records, by expiry (a hash)
         <prefix>:{<bb>}:h:<digest>       a reschedule's mark
         <prefix>:{00}:roster             the live workers' key-secret ids (a hash; bucket 0 only)
-        <prefix>:{<bb>}:epoch4           the bucket's epoch marker (a hash)
-        <prefix>:{<bb>}:epoch            layouts 1-3's marker (flagged lost on a layout 4 store)
-        <prefix>:{<bb>}:s:<granule>      layout 3's sent archives (moved onto the shelves by the migration)
+        <prefix>:{<bb>}:epoch            the bucket's epoch marker (a hash; see ``epochs.py``)
 
     ``bb``: the bucket, CRC32 of the intent key, two hex digits; every script touches one bucket (one hash
     slot on a cluster). ``shelves`` is the markers' once the ledger exists (set by the store).
@@ -292,7 +327,7 @@ class Names:
         self._shelves = shelves
         #: Per bucket, built once: the names' stem, and a record script's bucket keys (indexes, counter, marker).
         self.stems = [f"{prefix}:{{{b:02x}}}:" for b in range(buckets)]
-        self.tails = [[*(f"{stem}i:{s.value}" for s in _INDEXED), f"{stem}c:sent", f"{stem}epoch4"]
+        self.tails = [[*(f"{stem}i:{s.value}" for s in _INDEXED), f"{stem}c:sent", f"{stem}epoch"]
                       for stem in self.stems]
 
     @property
@@ -351,11 +386,44 @@ class Names:
         return self.tails[bucket][-2]
 
     def marker(self, bucket: int) -> str:
+        """The bucket's epoch marker (a hash; see ``epochs.py``)."""
         return self.tails[bucket][-1]
 
-    def old_marker(self, bucket: int) -> str:
-        """Where layouts 1-3 kept the bucket's epoch marker."""
-        return f"{self.stems[bucket]}epoch"
+    def written(self, bucket: int) -> list[str]:
+        """The bucket's indexes and sent counter: one of them exists once a record was written in the bucket."""
+        return self.tails[bucket][:-1]
+
+    def listed(self, bucket: int, keys: list[str], *, payloads: bool) -> list[str]:
+        """The record names of ``keys`` (all of one bucket), then with ``payloads`` their payloads' in the same
+        order: the listing script's KEYS."""
+        stem, packed = self.stems[bucket], _pack_all(keys)
+        records = [f"{stem}r:{p}" for p in packed]
+        return records + [f"{stem}p:{p}" for p in packed] if payloads else records
+
+    def everything(self) -> str:
+        """A SCAN pattern matching every name in the ledger's buckets."""
+        return _glob_escape(f"{self.prefix}:{{") + "*"
+
+    def shelves_of(self, bucket: int) -> str:
+        """A SCAN pattern matching the bucket's shelves."""
+        return _glob_escape(f"{self.stems[bucket]}d:") + "*"
+
+    def sort(self, name: str) -> tuple[int, str] | None:
+        """The bucket of a name :meth:`everything` matched, and ``"record"`` or ``"shelf"`` (None: neither)."""
+        at = len(self.prefix) + 2  # "<prefix>:{" then the bucket's two hex digits
+        try:
+            b = int(name[at:at + 2], 16)
+        except ValueError:
+            return None
+        if b >= self.buckets or not name.startswith(self.stems[b]):
+            return None
+        kind = {"r:": "record", "d:": "shelf"}.get(name[len(self.stems[b]):len(self.stems[b]) + 2])
+        return None if kind is None else (b, kind)
+
+    def key_of(self, record: str) -> str:
+        """The intent key of a record's name (one :meth:`sort` called ``"record"``)."""
+        b = int(record[len(self.prefix) + 2:len(self.prefix) + 4], 16)
+        return _unpack(record[len(self.stems[b]) + 2:])
 
     def hop(self, key: str, digest: str) -> str:
         return f"{self.stems[self.bucket(key)]}h:{digest}"

@@ -74,7 +74,7 @@ end
 local function shelved(field)
   local v = redis.call('HGET', KEYS[SHELF], field)
   if v then
-    local exp, token = string.match(v, '^([0-9a-z]+)R?[0-9a-z]*T?([0-9a-z]*)A?[0-9a-z]*C?[0-9a-z]*[.,~]')
+    local exp, token = string.match(v, '^([0-9a-z]+)R?[0-9a-z]*T?([0-9a-z]*)A?[0-9a-z]*C?[0-9a-z]*[.~]')
     return v, token == '' and 1 or tonumber(token, 36), tonumber(exp, 36) * 100
   end
 end
@@ -94,11 +94,11 @@ local function hex(raw)
   return string.format(string.rep('%02x', #raw), string.byte(raw, 1, -1))
 end
 -- A fingerprint as an entry holds it: '.' + the record's 37 characters (a 64-hex one, packed by
--- the caller), ',' + 43 (packed by layout 2), else '~' + its text in hex + ' ' ('~ ' for none).
+-- the caller), else '~' + its text in hex + ' ' ('~ ' for none).
 local function entry_fp(f)
   if not f or f == '' then return '~ ' end
   if string.byte(f) == 126 then return '~' .. hex(string.sub(f, 2)) .. ' ' end
-  return (#f == 37 and '.' or ',') .. f
+  return '.' .. f
 end
 -- part: shelve
 -- Drop a shelf's dead entries (expired by ``ms``, the server's clock); how many.
@@ -151,8 +151,7 @@ end
 -- part: body
 -- Where an entry's result and error begin (after its fingerprint).
 local function body_at(v)
-  local p = string.find(v, '[.,~]')
-  local kind = string.byte(v, p)
-  if kind == 46 then return p + 38 elseif kind == 44 then return p + 44 end
+  local p = string.find(v, '[.~]')
+  if string.byte(v, p) == 46 then return p + 38 end
   return string.find(v, ' ', p, true) + 1
 end

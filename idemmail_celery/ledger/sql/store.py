@@ -1,66 +1,28 @@
-"""SQL ledger through SQLAlchemy 2: PostgreSQL, MariaDB/MySQL and SQLite.
-
-One row per intent, keyed by the intent key. The hot path runs in autocommit
-with no multi-statement transactions, on a connection kept open between calls:
-
-* claim: ``INSERT ... ON CONFLICT DO NOTHING`` (PostgreSQL, SQLite) or a no-op
-  ``ON DUPLICATE KEY UPDATE`` (MariaDB; not ``INSERT IGNORE``, which would hide
-  data errors). A new key is claimed in that one statement. Otherwise the row
-  is read, and a released claim, an expired lease or a record past retention
-  is taken over with one conditional ``UPDATE`` that names the token it saw,
-  so two claimers can never both win.
-* complete / fail / park / release: one conditional ``UPDATE`` on key, state
-  and token.
-* mark_hop: one upsert into a small companion table (``<table>_hops``) of
-  digests of (key, hop) with an expiry, which replaces an expired mark only.
-
-Lease times use the worker's clock: keep worker clocks in sync (NTP) to well
-within the lease. The tables are created on first use; ``migrations/`` holds the
-same DDL per dialect, one numbered file per step, for teams that apply schema
-changes themselves.
-
-SQLite is the embedded default: fine for one machine and the demo, with WAL
-and a busy timeout so several worker processes can share the file (see
-:func:`_ensure_wal` for why the switch to WAL is retried).
+"""The SQL ledger's moves: claims, completions, reschedule marks, the key-secret roster and the listing,
+each one statement (or one read and one conditional ``UPDATE``) in autocommit; see the package docstring.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import secrets
-import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import event
 from sqlalchemy.dialects import mysql, postgresql, sqlite
-from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, ProgrammingError, SQLAlchemyError
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 
-from .._common import after_fork
-from ..errors import (
-    ConfigurationError,
-    IdemmailError,
-    LedgerUnavailableError,
-    RecordNotFoundError,
-    StaleTokenError,
-)
-from .base import (
+from ...errors import LedgerUnavailableError, RecordNotFoundError, StaleTokenError
+from ..base import (
     AHEAD_JSON_PREFIX,
-    DEFAULT_RETENTION_SECONDS,
-    MAX_MEMBER_LENGTH,
-    MAX_SECRET_IDS_LENGTH,
     UNKNOWN_STAGE,
     Claim,
     ClaimRequest,
     ClaimStatus,
-    Ledger,
     Record,
     RosterEntry,
     State,
@@ -72,360 +34,28 @@ from .base import (
     loads_json,
     owner_writes_ahead,
 )
-from .listing import Counts, Position, RecordQuery, Selection
+from ..listing import Counts, Position, RecordQuery, Selection
+from .connection import SQLConnections
+from .schema import LONG_TEXT, hop_digest, migration_file
 
 log = logging.getLogger("idemmail_celery")
 
-DEFAULT_TABLE = "idemmail_ledger"
-_LONG_TEXT = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
 _FINAL_EXPIRING = (State.SENT.value, State.FAILED.value)
-_HOP_DIGEST_BYTES = 16
 #: A new claim's stored owner is ``request.owner + "/" + nonce`` (see :func:`_fresh_row`).
 _OWNER_NONCE_HEX = 6
 
 
-def _hop_digest(key: str, hop: str) -> str:
-    """The name a reschedule's mark is stored under: a digest of key and hop, never either."""
-    return hashlib.blake2b(f"{key}\0{hop}".encode(), digest_size=_HOP_DIGEST_BYTES).hexdigest()
-
-
-def ledger_table(name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -> sa.Table:
-    """The ledger table definition (also used to generate ``migrations/``)."""
-    return sa.Table(
-        name,
-        metadata if metadata is not None else sa.MetaData(),
-        sa.Column("intent_key", sa.String(128), primary_key=True),
-        sa.Column("task_name", sa.String(255), nullable=False),
-        sa.Column("state", sa.String(16), nullable=False),
-        sa.Column("token", sa.BigInteger, nullable=False),
-        sa.Column("owner", sa.String(255), nullable=False),
-        sa.Column("lease_expires_at", sa.Double, nullable=True),
-        sa.Column("attempts", sa.Integer, nullable=False),
-        sa.Column("reclaims", sa.Integer, nullable=False),
-        sa.Column("payload", _LONG_TEXT, nullable=True),
-        sa.Column("fingerprint", sa.String(64), nullable=False),
-        sa.Column("result", _LONG_TEXT, nullable=True),
-        sa.Column("error", _LONG_TEXT, nullable=True),
-        sa.Column("created_at", sa.Double, nullable=False),
-        sa.Column("updated_at", sa.Double, nullable=False),
-        sa.Column("expires_at", sa.Double, nullable=True),
-        sa.Index(f"ix_{name}_state", "state"),
-        sa.Index(f"ix_{name}_expires_at", "expires_at"),
-    )
-
-
-def hops_table(ledger_name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -> sa.Table:
-    """The reschedule marks kept by :meth:`SQLLedger.mark_hop`: ``<ledger_name>_hops``.
-
-    One row per (intent key, hop): a digest of the two (never the key or the task id
-    itself), a nonce telling the caller whether its own write landed, and an expiry.
-    """
-    name = f"{ledger_name}_hops"
-    return sa.Table(
-        name,
-        metadata if metadata is not None else sa.MetaData(),
-        sa.Column("digest", sa.String(_HOP_DIGEST_BYTES * 2), primary_key=True),
-        sa.Column("marker", sa.String(16), nullable=False),
-        sa.Column("expires_at", sa.Double, nullable=False),
-        sa.Index(f"ix_{name}_expires_at", "expires_at"),
-    )
-
-
-def roster_table(ledger_name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -> sa.Table:
-    """The key-secret roster kept by :meth:`SQLLedger.announce`: ``<ledger_name>_roster``, one row per
-    live worker (its ``host:pid``, the ids of the key secrets it holds, when the row lapses)."""
-    name = f"{ledger_name}_roster"
-    return sa.Table(
-        name,
-        metadata if metadata is not None else sa.MetaData(),
-        sa.Column("member", sa.String(MAX_MEMBER_LENGTH), primary_key=True),
-        sa.Column("secret_ids", sa.String(MAX_SECRET_IDS_LENGTH), nullable=False),
-        sa.Column("expires_at", sa.Double, nullable=False),
-    )
-
-
-def listing_index(table: sa.Table) -> sa.Index:
-    """The index the review queue's pages walk (:meth:`SQLLedger.list_records`): the records of one state in
-    the order they entered it, ties by key (a keyset page is one range of it). Added to ``table``."""
-    return sa.Index(f"ix_{table.name}_listing", table.c.state, table.c.updated_at, table.c.intent_key)
-
-
-def _listing_step(name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -> sa.Index:
-    return listing_index(ledger_table(name, metadata))
-
-
-#: The schema, one step per migration file: ``migrations/00<step>_<name>.<dialect>.sql``.
-MIGRATIONS: tuple[tuple[str, str, Any], ...] = (
-    ("create_ledger", "ledger table", ledger_table),
-    ("create_hops", "reschedule marks table (step 2)", hops_table),
-    ("create_roster", "key-secret roster table (step 3)", roster_table),
-    ("create_listing_index", "review queue's listing index (step 4)", _listing_step),
-)
-
-
-def schema_sql(dialect: str, table: str = DEFAULT_TABLE, step: int = 1) -> str:
-    """The ``CREATE TABLE``/``CREATE INDEX`` script of migration ``step`` for ``dialect``.
-
-    ``dialect`` is postgresql, mysql or sqlite. Step 1 creates the ledger table, step 2
-    its reschedule marks (``<table>_hops``, used by :meth:`SQLLedger.mark_hop`), step 3 its
-    key-secret roster (``<table>_roster``, :meth:`SQLLedger.announce`), step 4 the index the
-    review queue's pages walk (:func:`listing_index`); a ledger created by an
-    earlier version needs only the steps after those it has. ``migrations/`` holds
-    the output for the default table name; a test keeps the two in step.
-    """
-    from sqlalchemy.schema import CreateIndex, CreateTable
-
-    modules: dict[str, Any] = {"postgresql": postgresql, "mysql": mysql, "sqlite": sqlite}
-    d = modules[dialect].dialect()
-    _, title, make = MIGRATIONS[step - 1]
-    t = make(table)
-    if isinstance(t, sa.Index):  # a step that adds an index to a table an earlier step made
-        parts = [str(CreateIndex(t).compile(dialect=d)).strip()]
-    else:
-        parts = [str(CreateTable(t).compile(dialect=d)).strip()]
-        parts += [str(CreateIndex(ix).compile(dialect=d)).strip()
-                  for ix in sorted(t.indexes, key=lambda i: str(i.name))]
-    header = f"-- idemmail-celery {title}, {dialect}. Generated by idemmail_celery.ledger.sql.schema_sql.\n"
-    return header + ";\n\n".join(parts) + ";\n"
-
-
-def migration_file(dialect: str, step: int) -> str:
-    """The file name of migration ``step`` for ``dialect`` in ``migrations/``."""
-    return f"{step:03d}_{MIGRATIONS[step - 1][0]}.{dialect}.sql"
-
-
-#: How long a SQLite statement waits for another process's lock before the ledger gives up.
-SQLITE_BUSY_SECONDS = 30.0
-
-
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
-    cur = dbapi_connection.cursor()
-    try:
-        # First: every step after this one waits on another process's lock instead of failing.
-        cur.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_SECONDS * 1000)}")
-        cur.execute("PRAGMA synchronous=NORMAL")
-        _ensure_wal(cur)
-    finally:
-        cur.close()
-
-
-def _ensure_wal(cur: Any) -> None:
-    """Put the file in WAL mode, once: a file already in WAL is left alone.
-
-    Switching a new file to WAL needs its exclusive lock, and SQLite refuses at once,
-    without waiting out the busy timeout, when another connection holds a write lock on
-    it (the busy handler is skipped where waiting could deadlock). Several pool children
-    opening a new file together (a prefork worker's first claims) met exactly that:
-    "database is locked" at connect, reported as an unreachable ledger. So the switch is
-    retried within the same busy window; only a file still locked after it is an error.
-    """
-    deadline = time.monotonic() + SQLITE_BUSY_SECONDS
-    pause = 0.002
-    while True:
-        row = cur.execute("PRAGMA journal_mode").fetchone()
-        if row is None or str(row[0]).lower() in ("wal", "memory"):
-            return  # already WAL (set by another connection), or an in-memory database
-        try:
-            cur.execute("PRAGMA journal_mode=WAL").fetchone()
-            return
-        except Exception as exc:  # the driver's OperationalError; anything else is not ours to retry
-            if "locked" not in str(exc).lower() or time.monotonic() > deadline:
-                raise
-        time.sleep(pause)
-        pause = min(pause * 2, 0.1)
-
-
-class SQLLedger(Ledger):
+class SQLLedger(SQLConnections):
     """Ledger in one SQL table (``postgresql+psycopg://``, ``mysql+pymysql://``, ``sqlite:///path``).
 
     Options: ``table`` (default ``"idemmail_ledger"``), ``retention_seconds``,
     ``keep_payload`` (keep the first payload after ``sent``, for audit),
     ``create_table`` (default True: create it on first use), and any
-    ``sqlalchemy.create_engine`` keyword.
+    ``sqlalchemy.create_engine`` keyword. How it connects, and checks the schema on its first connection:
+    :class:`~.connection.SQLConnections`.
     """
 
     marks_takeovers = True  # a reclaim from a holder without the write-ahead promise marks it 'unknown'
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        table: str = DEFAULT_TABLE,
-        retention_seconds: float = DEFAULT_RETENTION_SECONDS,
-        create_table: bool = True,
-        keep_payload: bool = False,
-        **engine_options: Any,
-    ) -> None:
-        super().__init__(retention_seconds=retention_seconds, keep_payload=keep_payload)
-        self.url = make_url(url)
-        self.dialect = self.url.get_backend_name()
-        if self.dialect not in ("postgresql", "mysql", "mariadb", "sqlite"):
-            raise ConfigurationError(f"unsupported SQL dialect for the ledger: {self.dialect!r}")
-        self.table = ledger_table(table)
-        self.hops = hops_table(table, self.table.metadata)
-        self.roster_table = roster_table(table, self.table.metadata)
-        #: The review queue's index (migration 004), created with the table, or added to one made before it.
-        self.listing_index = listing_index(self.table)
-        self._hops_ready = True  # False: created by hand without migration 002 (see _ensure_tables)
-        self._roster_ready = True  # False: created by hand without migration 003
-        self._columns = tuple(c.name for c in self.table.c)
-        self._create_table = create_table
-        self._ready = False
-        self._lock = threading.Lock()
-        self._engine_options = engine_options
-        self._engine: Engine | None = None
-        self._spare: Connection | None = None  # kept open between calls (see _run)
-        self._spare_lock = threading.Lock()
-        _live.add(self)
-
-    def _after_fork(self) -> None:
-        """In a forked child: never use the parent's sockets, nor a lock one of its threads held."""
-        self._lock, self._spare_lock, self._spare = threading.Lock(), threading.Lock(), None
-        if self._engine is not None:
-            self._engine.dispose(close=False)  # the pool's connections are the parent's: left alone
-            self._engine = None
-
-    # -- plumbing --
-
-    @property
-    def engine(self) -> Engine:
-        if self._engine is None:
-            with self._lock:
-                if self._engine is None:
-                    self._spare = None
-                    self._engine = self._make_engine()
-        return self._engine
-
-    def _make_engine(self) -> Engine:
-        options: dict[str, Any] = {
-            "isolation_level": "AUTOCOMMIT",
-            "pool_reset_on_return": None,  # autocommit: there is never anything to roll back
-            **self._engine_options,
-        }
-        if self.dialect == "sqlite":
-            database = self.url.database or ""
-            if database in ("", ":memory:"):
-                options.setdefault("poolclass", StaticPool)
-                options.setdefault("connect_args", {"check_same_thread": False})
-            engine = sa.create_engine(self.url, **options)
-            event.listen(engine, "connect", _sqlite_pragmas)
-            return engine
-        options.setdefault("pool_pre_ping", False)
-        if self.dialect == "postgresql":
-            options.setdefault("connect_args", {"connect_timeout": 5})
-        else:
-            options.setdefault("connect_args", {"connect_timeout": 5})
-        return sa.create_engine(self.url, **options)
-
-    def _conn(self) -> Connection:
-        try:
-            conn = self.engine.connect()
-        except SQLAlchemyError as exc:
-            # Unreachable, refused, or the pool exhausted (every connection busy past pool_timeout).
-            raise _unavailable(exc, "unreachable") from exc
-        if not self._ready:
-            try:
-                self._ensure_tables(conn)
-            except SQLAlchemyError as exc:
-                self._discard(conn, invalidate=isinstance(exc, DBAPIError) and exc.connection_invalidated)
-                raise _unavailable(exc, "refused the schema check") from exc
-        return conn
-
-    def _ensure_tables(self, conn: Connection) -> None:
-        with self._lock:
-            if self._ready:
-                return
-            for table in (self.table, self.hops, self.roster_table):
-                if self._create_table:
-                    try:
-                        table.create(conn, checkfirst=True)
-                    except (IntegrityError, ProgrammingError, OperationalError):
-                        # Another process created it between our check and our CREATE.
-                        if not sa.inspect(conn).has_table(table.name):
-                            raise
-                elif table is self.hops and not sa.inspect(conn).has_table(table.name):
-                    # A ledger created before mark_hop, its schema managed by hand: until
-                    # migration 002 is applied, no marks (callers fall back to countdowns).
-                    log.warning("idemmail: SQL ledger table %s is missing (apply migration %s): "
-                                "reschedule marks are off", table.name, migration_file(self.dialect, 2))
-                    self._hops_ready = False
-                elif table is self.roster_table and not sa.inspect(conn).has_table(table.name):
-                    log.warning("idemmail: SQL ledger table %s is missing (apply migration %s): a key-secret "
-                                "rotation takes two deploys", table.name, migration_file(self.dialect, 3))
-                    self._roster_ready = False
-            self._ensure_listing_index(conn)
-            self._ready = True
-
-    def _ensure_listing_index(self, conn: Connection) -> None:
-        """Add the listing index to a table made before it (migration 004), or say that pages scan without it."""
-        index = self.listing_index
-        if not sa.inspect(conn).has_table(self.table.name):
-            return  # a hand-managed schema not applied yet: the statements say so
-        if any(ix.get("name") == index.name for ix in sa.inspect(conn).get_indexes(self.table.name)):
-            return
-        if not self._create_table:
-            log.warning("idemmail: SQL ledger table %s has no index %s (apply migration %s): the review queue's "
-                        "pages read the whole state", self.table.name, index.name, migration_file(self.dialect, 4))
-            return
-        try:
-            index.create(conn)
-        except (IntegrityError, ProgrammingError, OperationalError):
-            # Another process added it between our look and our CREATE.
-            if not any(ix.get("name") == index.name for ix in sa.inspect(conn).get_indexes(self.table.name)):
-                raise
-
-    def _run(self, fn: Any) -> Any:
-        """Run ``fn(conn)``, on the spare connection kept open between calls when it is free.
-
-        Checking a connection out of SQLAlchemy's pool and closing it again cost
-        more client CPU than the statement (a third of a claim + complete on
-        PostgreSQL); autocommit leaves nothing open between statements, so one
-        ``Connection`` is kept for the next call. Only one: a thread that finds it
-        taken uses the pool as usual, so connections parked here can never starve
-        a thread waiting on the pool. A connection that saw a database error is
-        closed, not kept; so is one interrupted by anything but the ledger's own verdicts.
-
-        Every database, driver or pool error comes out as :class:`LedgerUnavailableError`:
-        autocommit means a refused statement changed nothing, so the caller fails closed and
-        retries, like an outage; a raw error would fail the task and ack the message.
-        """
-        with self._spare_lock:
-            conn, self._spare = self._spare, None
-        if conn is None:
-            conn = self._conn()
-        try:
-            out = fn(conn)
-        except (SQLAlchemyError, OSError) as exc:
-            disconnected = isinstance(exc, OSError) or (
-                isinstance(exc, OperationalError) and (exc.connection_invalidated or _is_disconnect(exc)))
-            self._discard(conn, invalidate=disconnected)
-            raise _unavailable(exc, "unreachable" if disconnected else "refused the statement") from exc
-        except IdemmailError:
-            self._keep(conn)  # our own verdicts (stale token, unknown key), between statements: it is fine
-            raise
-        except BaseException:
-            # Anything else (a soft time limit, a gevent timeout) may have struck mid-statement:
-            # the connection's protocol state is unknown, so it is thrown away, not reused.
-            self._discard(conn, invalidate=True)
-            raise
-        self._keep(conn)
-        return out
-
-    def _keep(self, conn: Connection) -> None:
-        with self._spare_lock:
-            if self._spare is None:
-                self._spare = conn
-                return
-        conn.close()  # back to the pool
-
-    @staticmethod
-    def _discard(conn: Connection, *, invalidate: bool) -> None:
-        try:
-            if invalidate:
-                conn.invalidate()
-            conn.close()
-        except SQLAlchemyError:
-            pass
 
     def _insert(self) -> Any:
         if self.dialect == "postgresql":
@@ -469,8 +99,8 @@ class SQLLedger(Ledger):
         finish_values = {
             "state": sa.bindparam("st"), "lease_expires_at": None, "updated_at": sa.bindparam("now"),
             "expires_at": sa.bindparam("exp", type_=sa.Double),
-            "result": sa.func.coalesce(sa.bindparam("res", type_=_LONG_TEXT), t.c.result),
-            "error": sa.func.coalesce(sa.bindparam("err", type_=_LONG_TEXT), kept_error),
+            "result": sa.func.coalesce(sa.bindparam("res", type_=LONG_TEXT), t.c.result),
+            "error": sa.func.coalesce(sa.bindparam("err", type_=LONG_TEXT), kept_error),
         }
         # Moving to sent erases the first payload in the same statement, unless kept for audit.
         sent_values = finish_values if self.keep_payload else {**finish_values, "payload": None}
@@ -620,15 +250,9 @@ class SQLLedger(Ledger):
 
     def _settle(self, conn: Connection, request: ClaimRequest, seen: Record) -> Claim | None:
         """Decide about a key that was already there; take it over if allowed. None: lost a race."""
-        t = self.table
         now = time.time()
-        lease = now + request.lease_seconds
         expired_final = seen.state.expires and (seen.expires_at or 0) <= now
-        # Resumed: this chain's earlier claim, or this very request run twice (a statement retried after
-        # its reply was lost): the owner carries a nonce, so nobody else matches.
-        resume = seen.state is State.CLAIMED and (
-            _owned_by(seen.owner, request.owner)
-            or (request.resume_owner is not None and _owned_by(seen.owner, request.resume_owner)))
+        resume = _resumes(seen, request)
         if seen.state is State.CLAIMED and (seen.lease_expires_at or 0) > now and not resume:
             return Claim(ClaimStatus.BUSY, seen)
         if seen.state.is_final and not expired_final:
@@ -636,20 +260,9 @@ class SQLLedger(Ledger):
         if expired_final:
             status, values = ClaimStatus.ACQUIRED, {**_fresh_row(request), "token": seen.token + 1}
         else:
-            if resume:
-                status = ClaimStatus.RESUMED  # this delivery's own chain held it: no takeover to count
-            elif seen.state is State.CLAIMED:
-                status = ClaimStatus.RECLAIMED
-            else:
-                status = ClaimStatus.REOPENED
-            values = {
-                "state": State.CLAIMED.value, "token": seen.token + 1, "owner": request.owner,
-                "lease_expires_at": lease, "attempts": seen.attempts + 1,
-                "reclaims": seen.reclaims + (1 if status is ClaimStatus.RECLAIMED else 0), "updated_at": now,
-            }
-            if status is ClaimStatus.RECLAIMED and not owner_writes_ahead(seen.owner) and ahead_mark(seen) is None:
-                # Taken over from a holder that made no write-ahead promise and left no mark: it may have run.
-                values["error"] = dumps_json(ahead_error(UNKNOWN_STAGE, int(now), seen.token))
+            status = _takeover_status(seen, resume=resume)
+            values = _takeover_values(seen, request, status, now)
+        t = self.table
         moved = conn.execute(
             sa.update(t)
             .where(t.c.intent_key == request.key, t.c.token == seen.token, t.c.state == seen.state.value)
@@ -798,7 +411,7 @@ class SQLLedger(Ledger):
         as_read = sa.and_(t.c.intent_key == key, t.c.token == expected_token, t.c.state == expected_state.value)
         stmt = (sa.update(t).where(as_read)
                 .values(payload=None, result=dumps_json(result),
-                        error=sa.case((marked, t.c.error), else_=sa.literal(dumps_json(error), _LONG_TEXT))))
+                        error=sa.case((marked, t.c.error), else_=sa.literal(dumps_json(error), LONG_TEXT))))
         # Rows matched, not changed (MariaDB gets CLIENT_FOUND_ROWS): erasing twice is still True.
         return self._one_row(stmt)
 
@@ -810,7 +423,7 @@ class SQLLedger(Ledger):
         """
         now = time.time()
         marker = secrets.token_hex(8)
-        params = {"d": _hop_digest(key, hop), "m": marker, "exp": now + ttl_seconds, "now": now}
+        params = {"d": hop_digest(key, hop), "m": marker, "exp": now + ttl_seconds, "now": now}
 
         def do(conn: Connection) -> bool | None:
             if not self._hops_ready:  # known once the first call has looked at the schema
@@ -824,7 +437,7 @@ class SQLLedger(Ledger):
     def hop_marked(self, key: str, hop: str) -> bool | None:
         """One ``SELECT`` of a live mark; None without the marks table (as :meth:`mark_hop`)."""
         h = self.hops
-        stmt = sa.select(h.c.digest).where(h.c.digest == _hop_digest(key, hop), h.c.expires_at > sa.bindparam("now"))
+        stmt = sa.select(h.c.digest).where(h.c.digest == hop_digest(key, hop), h.c.expires_at > sa.bindparam("now"))
 
         def do(conn: Connection) -> bool | None:
             if not self._hops_ready:
@@ -990,41 +603,6 @@ class SQLLedger(Ledger):
 
         return int(self._run(do))
 
-    def ping(self) -> None:
-        self._run(lambda conn: conn.execute(sa.text("SELECT 1")).scalar())
-
-    def prepare(self) -> None:
-        """Create the tables (and put a SQLite file in WAL mode) now, then close the connection.
-
-        A worker calls this in its main process before the pool forks: the pool children
-        then find the schema ready instead of all creating it at their first claim, and no
-        connection is carried across the fork (SQLite forbids using one in a child).
-        """
-        try:
-            self.ping()
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        with self._spare_lock:
-            spare, self._spare = self._spare, None
-        if spare is not None:
-            self._discard(spare, invalidate=False)
-        if self._engine is not None:
-            self._engine.dispose()
-            self._engine = None
-
-    def drop_table(self) -> None:
-        """Drop the ledger table and its marks table (tests and teardown)."""
-
-        def do(conn: Connection) -> None:
-            self.roster_table.drop(conn, checkfirst=True)
-            self.hops.drop(conn, checkfirst=True)
-            self.table.drop(conn, checkfirst=True)
-
-        self._run(do)
-        self._ready = False
-
 
 def _fresh_row(request: ClaimRequest) -> dict[str, Any]:
     """The row a brand-new claim inserts.
@@ -1042,20 +620,39 @@ def _fresh_row(request: ClaimRequest) -> dict[str, Any]:
     }
 
 
+def _resumes(seen: Record, request: ClaimRequest) -> bool:
+    """Does ``request`` resume the claim ``seen``: this chain's earlier claim, or this very request run twice
+    (a statement retried after its reply was lost)? The stored owner carries a nonce, so nobody else matches."""
+    return seen.state is State.CLAIMED and (
+        _owned_by(seen.owner, request.owner)
+        or (request.resume_owner is not None and _owned_by(seen.owner, request.resume_owner)))
+
+
+def _takeover_status(seen: Record, *, resume: bool) -> ClaimStatus:
+    """What taking over ``seen`` (not a final record past retention) is called."""
+    if resume:
+        return ClaimStatus.RESUMED  # this delivery's own chain held it: no takeover to count
+    return ClaimStatus.RECLAIMED if seen.state is State.CLAIMED else ClaimStatus.REOPENED
+
+
+def _takeover_values(seen: Record, request: ClaimRequest, status: ClaimStatus, now: float) -> dict[str, Any]:
+    """The columns a takeover of ``seen`` writes: a new token, owner and lease, one more attempt (and reclaim)."""
+    values: dict[str, Any] = {
+        "state": State.CLAIMED.value, "token": seen.token + 1, "owner": request.owner,
+        "lease_expires_at": now + request.lease_seconds, "attempts": seen.attempts + 1,
+        "reclaims": seen.reclaims + (1 if status is ClaimStatus.RECLAIMED else 0), "updated_at": now,
+    }
+    if status is ClaimStatus.RECLAIMED and not owner_writes_ahead(seen.owner) and ahead_mark(seen) is None:
+        # Taken over from a holder that made no write-ahead promise and left no mark: it may have run.
+        values["error"] = dumps_json(ahead_error(UNKNOWN_STAGE, int(now), seen.token))
+    return values
+
+
 def _owned_by(stored: str, owner: str) -> bool:
     """Was the record claimed under ``owner``? A new claim stores it with a nonce appended."""
     return stored == owner or (
         len(stored) == len(owner) + 1 + _OWNER_NONCE_HEX and stored.startswith(owner) and stored[len(owner)] == "/"
     )
-
-
-_live: weakref.WeakSet[SQLLedger] = weakref.WeakSet()
-
-
-@after_fork
-def _reset_after_fork() -> None:
-    for ledger in list(_live):
-        ledger._after_fork()
 
 
 def _row_of(record: Record) -> dict[str, Any]:
@@ -1067,16 +664,3 @@ def _row_of(record: Record) -> dict[str, Any]:
         "error": dumps_json(record.error), "created_at": record.created_at,
         "updated_at": record.updated_at, "expires_at": record.expires_at,
     }
-
-
-def _unavailable(exc: BaseException, what: str) -> LedgerUnavailableError:
-    """The fail-closed error for a store error, naming the driver's message (never the statement)."""
-    detail = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
-    return LedgerUnavailableError(f"SQL ledger {what}: {type(detail).__name__}: {detail}")
-
-
-def _is_disconnect(exc: OperationalError) -> bool:
-    text = str(exc.orig or exc).lower()
-    if "statement timeout" in text or "lock wait timeout" in text:
-        return False  # the server gave up on the statement, the connection is fine
-    return any(w in text for w in ("connect", "server has gone away", "lost connection", "timeout"))

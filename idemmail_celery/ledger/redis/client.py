@@ -1,0 +1,210 @@
+"""The Redis client a ledger talks through, and what its errors mean.
+
+:func:`connect` builds the client from a URL (``redis://``, ``rediss://``, ``redis+cluster://``, ``sentinel://``)
+or checks a caller's own; :class:`HotLine` runs the hot path's scripts on connections of the ledger's own; and
+:func:`ledger_error` turns a redis-py error into the ledger's (:class:`LedgerUnavailableError` when the store
+cannot be reached or refused for a passing reason, so that tasks fail closed and retry).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis as redis_lib
+from redis.cluster import ClusterNode, RedisCluster
+from redis.sentinel import Sentinel
+
+try:  # the ``redis`` extra brings it; without it, redis-py packs commands in Python
+    from hiredis import pack_command as _pack_command
+except ImportError:  # pragma: no cover - the test extras install hiredis
+    _pack_command = None  # type: ignore[assignment]
+
+from ...errors import ConfigurationError, LedgerError, LedgerUnavailableError
+
+#: Error replies meaning "not now", each refused before the script wrote anything: out of memory
+#: (maxmemory with noeviction), a replica after a failover (READONLY), too few replicas acknowledging
+#: (min-replicas-to-write), the last RDB/AOF write failed (MISCONF), a script or function running past
+#: busy-reply-threshold (BUSY), a replica cut from its primary (MASTERDOWN), a dataset still loading
+#: after a restart (LOADING), a cluster resharding or down (TRYAGAIN, CLUSTERDOWN).
+_UNAVAILABLE_REPLIES = frozenset({
+    "OOM", "READONLY", "NOREPLICAS", "MISCONF", "BUSY", "MASTERDOWN", "LOADING", "TRYAGAIN", "CLUSTERDOWN",
+})
+# ... as redis-py raises those it knows (it strips their code from the message), and the
+# unreachable (a connection refused or lost, a timeout: LOADING is a ConnectionError there too).
+_UNAVAILABLE_TYPES = (
+    redis_lib.ConnectionError, redis_lib.TimeoutError, redis_lib.exceptions.OutOfMemoryError,
+    redis_lib.exceptions.ReadOnlyError, redis_lib.exceptions.TryAgainError, redis_lib.exceptions.ClusterError,
+    redis_lib.exceptions.ClusterDownError,
+)
+# The code of an error reply: its first word, or (a Redis 6 script error) the word after a '-'.
+_REPLY_CODE = re.compile(r"^([A-Z]+)\b|\s-([A-Z]+)\s")
+
+
+def connect(url: str | None, client: Any, master_name: str | None, options: dict[str, Any]) -> tuple[Any, bool]:
+    """The ledger's client, and whether the ledger built it (then it closes it, and may bypass it: :class:`HotLine`).
+
+    ``client``: the caller's own (its pool limits and instrumentation then apply to every command), which
+    takes no client options; else one built from ``url`` with ``options`` (timeouts default to 5 s)."""
+    if client is not None:
+        if options or master_name:
+            named = ", ".join(options) or "master_name"
+            raise ConfigurationError(f"a Redis ledger given a client takes no client options ({named}): "
+                                     "set them on the client")
+        _check_client(client)
+        return client, False
+    if url is None:
+        raise ConfigurationError("a Redis ledger needs a URL or a client")
+    return _from_url(url, master_name, {"socket_timeout": 5.0, "socket_connect_timeout": 5.0, **options}), True
+
+
+def _from_url(url: str, master_name: str | None, options: dict[str, Any]) -> Any:
+    """A client for one of the URL forms; all decode responses to str."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in ("redis+cluster", "rediss+cluster"):
+        nodes, user, password, _ = _hosts(url, 6379)
+        startup = [ClusterNode(h, p) for h, p in nodes]  # type: ignore[no-untyped-call]
+        return RedisCluster(startup_nodes=startup, decode_responses=True,
+                            ssl=scheme.startswith("rediss"), username=user, password=password, **options)
+    if scheme == "sentinel":
+        if not master_name:
+            raise ConfigurationError("a sentinel:// ledger needs the master_name option (as Celery's)")
+        nodes, user, password, db = _hosts(url, 26379)
+        # Sentinels take their own options (Celery's ``sentinel_kwargs``, e.g. a password); timeouts by default.
+        sentinel_options = options.pop("sentinel_kwargs", None) or {
+            k: v for k, v in options.items() if k.startswith("socket_")}
+        sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_options, **options)  # type: ignore[no-untyped-call]
+        return sentinel.master_for(  # type: ignore[no-untyped-call]
+            master_name, decode_responses=True, db=db, username=user, password=password)
+    return redis_lib.Redis.from_url(url, decode_responses=True, **options)
+
+
+def _check_client(client: Any) -> None:
+    """A caller's client must be a redis-py client that decodes replies to str, as the ledger's own do."""
+    encoder = getattr(client, "get_encoder", None)
+    if encoder is None or not callable(getattr(client, "register_script", None)):
+        raise ConfigurationError(f"a Redis ledger's client must be a redis-py client, not {type(client).__name__}")
+    if not encoder().decode_responses:
+        raise ConfigurationError("a Redis ledger's client must decode replies: build it with decode_responses=True")
+
+
+def _hosts(url: str, default_port: int) -> tuple[list[tuple[str, int]], str | None, str | None, int]:
+    """``scheme://[user:pass@]h1:p1[,h2:p2][/db]``, or Celery's ``sentinel://h1:p1;sentinel://h2:p2``."""
+    nodes: list[tuple[str, int]] = []
+    user = password = None
+    db = 0
+    for part in url.replace(";", ",").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "://" not in part:
+            part = "x://" + part
+        u = urlsplit(part)
+        nodes.append((u.hostname or "127.0.0.1", u.port or default_port))
+        user = unquote(u.username) if u.username else user
+        password = unquote(u.password) if u.password else password
+        if u.path.strip("/"):
+            db = int(u.path.strip("/"))
+    return nodes, user, password, db
+
+
+def config_get(client: Any, name: str) -> list[str]:
+    """A setting on every server holding ledger keys (every primary of a cluster)."""
+    if isinstance(client, RedisCluster):
+        out = client.config_get(name, target_nodes=RedisCluster.PRIMARIES)
+        values = out.values() if isinstance(out, dict) and name not in out else [out]
+        return [str(v.get(name)) for v in values if isinstance(v, dict) and v.get(name)]
+    value = client.config_get(name).get(name)
+    return [value] if value else []
+
+
+class HotLine:
+    """EVALSHA on connections of the ledger's own, past redis-py's command layer: for a plain single-server
+    client the ledger built (:meth:`of` says None for any other).
+
+    redis-py's pool checkout, retry wrapper, ``Script`` object and response callbacks cost about as much
+    client CPU as the round trip itself; a claim and a completion per task pay them twice. Each connection
+    serves one call at a time (taken from a spare list, put back after), so threads and greenlets never share
+    one, and there are never more than the calls under way at once. Anything out of the ordinary goes the
+    ordinary way: NOSCRIPT (a restarted server) through ``Script``, which loads it, and a broken connection
+    (closed by the server, a restart) through the client, which retries on a fresh one.
+    """
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.spare: list[Any] = []
+
+    @classmethod
+    def of(cls, client: Any, owned: bool) -> HotLine | None:
+        pool = getattr(client, "connection_pool", None)
+        return cls(pool) if owned and type(pool) is redis_lib.ConnectionPool else None
+
+    def call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        try:
+            conn = self.spare.pop()
+        except IndexError:
+            conn = self.pool.make_connection()
+        try:
+            if _pack_command is not None:  # hiredis: one C call (redis-py's packer adds a Python pass per argument)
+                conn.send_packed_command((_pack_command(("EVALSHA", script.sha, len(keys), *keys, *args)),))
+            else:
+                conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            out = conn.read_response()
+        except redis_lib.exceptions.NoScriptError:
+            self.spare.append(conn)
+            return script(keys=keys, args=args)
+        except (redis_lib.ConnectionError, redis_lib.TimeoutError):
+            conn.disconnect()
+            return script(keys=keys, args=args)
+        except redis_lib.ResponseError:
+            self.spare.append(conn)  # an error reply (out of memory, read-only): the connection is fine
+            raise
+        except BaseException:
+            conn.disconnect()  # interrupted mid-reply (a soft time limit): its stream is unusable
+            raise
+        self.spare.append(conn)
+        return out
+
+    def close(self) -> None:
+        spare, self.spare = self.spare, []
+        for conn in spare:
+            conn.disconnect()
+
+    def after_fork(self) -> None:
+        """In a forked child the spare connections are the parent's sockets: dropped, never closed."""
+        self.spare = []
+
+
+def raw(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, a redis-py error raised as :func:`ledger_error` makes it."""
+    try:
+        return fn(*args, **kwargs)
+    except redis_lib.RedisError as exc:
+        # Never a raw redis-py error: a caller catches LedgerUnavailableError to fail closed and
+        # retry (a raw error would fail the task and ack the message), LedgerError for the rest.
+        raise ledger_error(exc) from exc
+
+
+def ledger_error(exc: Exception) -> LedgerError:
+    """A redis-py error as a ledger error: :class:`LedgerUnavailableError` (tasks fail closed and
+    retry) when the store cannot be reached or refused for a passing reason (:data:`_UNAVAILABLE_REPLIES`),
+    :class:`LedgerError` for anything else (a bug, a wrong type under a ledger key, no permission).
+    The message names the reply's code."""
+    if isinstance(exc, LedgerError):
+        return exc
+    code = getattr(exc, "status_code", None) or ""
+    if not code and isinstance(exc, redis_lib.ResponseError):
+        # A pipeline's error says "Command # 1 (HGETALL ...) of pipeline caused error: <reply>".
+        found = _REPLY_CODE.search(str(exc).rsplit("caused error: ", 1)[-1])
+        code = (found[1] or found[2]) if found else ""
+    said = f"{code} {exc}" if code and not str(exc).startswith(code) else str(exc)
+    error: LedgerError
+    if isinstance(exc, (redis_lib.ConnectionError, redis_lib.TimeoutError)) and not code:
+        error = LedgerUnavailableError(f"Redis ledger unreachable: {said}")
+    elif isinstance(exc, _UNAVAILABLE_TYPES) or code in _UNAVAILABLE_REPLIES:
+        error = LedgerUnavailableError(f"Redis ledger unavailable: {said}")
+    else:
+        error = LedgerError(f"Redis ledger error: {type(exc).__name__}: {said}")
+    error.__cause__ = exc
+    return error

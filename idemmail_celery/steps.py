@@ -1,0 +1,236 @@
+"""The handler's vocabulary: what a delivery is, what a step tells the adapter to do, and what a claim shows.
+
+:class:`Delivery` (in), :class:`Step` (out), :class:`Outcome` and :class:`Action` name them; :class:`Policy`
+holds the numbers; :class:`SideEffect` is what an adapter lends. The decisions are in ``handler.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .chain import Carry, Verdict, held_by
+from .config import DEFAULTS
+from .keys import Payload
+from .ledger import Claim, ClaimStatus
+from .ledger.base import AHEAD_FIELD, AHEAD_OWNER_FIELD, UNKNOWN_STAGE, ahead_mark, owner_writes_ahead
+
+
+class Outcome(str, enum.Enum):
+    """What one delivery of an intent came to: the one vocabulary of logs, Flower events,
+    metrics, bulk tallies, agent tools and the CLI."""
+
+    SENT = "sent"                              #: the side effect ran and its result is recorded
+    DUPLICATE = "duplicate"                    #: a final record was replayed; nothing ran
+    FAILED = "failed"                          #: failed for good (or refused as invalid); replayed to duplicates
+    REVIEW = "review"                          #: parked: the outcome cannot be known, a person decides
+    RETRY = "retry"                            #: nothing left the process (or the key travels): retried
+    IN_FLIGHT = "in_flight"                    #: another holder's claim is live: rescheduled
+    IN_FLIGHT_GAVE_UP = "in_flight_gave_up"    #: ...and the in-flight budget ran out
+    COPY_DROPPED = "copy_dropped"              #: a second copy of a reschedule already published: dropped
+    LEDGER_UNAVAILABLE = "ledger_unavailable"  #: fail closed: rescheduled until the ledger (or set-up) is back
+    LEDGER_GAVE_UP = "ledger_unavailable_gave_up"  #: the outage budget ran out: the message fails
+    SETUP_ERROR = "setup_error"                #: this worker cannot set the call up (a missing API key or driver,
+                                               #: a broken install): rescheduled on the outage budget, nothing claimed
+    RECLAIMED = "reclaimed"                    #: a dead holder's expired lease was taken over (a step)
+    KEY_REUSE = "key_reuse"                    #: refused: the key came back with other must-match values
+    FAIL_OPEN = "fail_open"                    #: the ledger was down and fail_open ran the body without a claim
+    INVALID = "invalid"                        #: refused before anything was enqueued (agent tools)
+    PENDING = "pending"                        #: not settled within the caller's wait; asking again is safe
+    ERROR = "error"                            #: the task failed in a way none of the above describes
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Action(enum.Enum):
+    """What the adapter does with a :class:`Step`."""
+
+    RETURN = "return"          #: return ``Step.value`` (the task succeeds)
+    RAISE = "raise"            #: raise ``Step.error`` (the task fails; re-raised as is)
+    RETRY = "retry"            #: retry after ``Step.countdown`` on the task's own retry budget
+    RESCHEDULE = "reschedule"  #: publish again after ``Step.countdown``, on no retry budget
+    DROP = "drop"              #: acknowledge, record no result: another copy carries on
+
+
+@dataclass(frozen=True)
+class Step:
+    """The handler's answer for one delivery."""
+
+    outcome: Outcome
+    action: Action
+    key: str
+    value: Any = None
+    error: BaseException | None = None
+    countdown: float = 0.0
+    #: What the next delivery of this chain gets (RETRY and RESCHEDULE): the owners to take back, a verdict
+    #: to record, the chain's budgets (:class:`~idemmail_celery.chain.Carry`); the adapter writes it as headers.
+    carry: Carry = field(default_factory=Carry)
+    #: RETRY only: does it spend one of the task's ``max_retries``? False for a retry on the time budget
+    #: (``Delivery.retry_from``), which the handler checked: the task's count must not refuse it.
+    counted: bool = True
+    #: RESCHEDULE only: the hop (``Delivery.hop``) this reschedule is the one publish of (see
+    #: :meth:`Handler.in_flight`). Once the adapter has published the step it calls
+    #: :meth:`Handler.published`, which says so in the ledger: later copies of that hop then drop.
+    confirms_hop: str = ""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The numbers the state machine works with (from :class:`~idemmail_celery.config.Settings`)."""
+
+    lease_seconds: float = DEFAULTS["lease_seconds"]
+    max_reclaims: int = DEFAULTS["max_reclaims"]
+    inflight_max_retries: int = DEFAULTS["inflight_max_retries"]
+    inflight_backoff: float = DEFAULTS["inflight_backoff"]
+    inflight_backoff_max: float = DEFAULTS["inflight_backoff_max"]
+    retry_backoff: float = DEFAULTS["retry_backoff"]
+    retry_backoff_max: float = DEFAULTS["retry_backoff_max"]
+    retry_jitter: bool = True
+    #: How long after the first enqueue (``Delivery.retry_from``) a failure that sent nothing is still retried.
+    retry_deadline_seconds: float = DEFAULTS["retry_deadline_seconds"]
+    outage_max_retries: int | None = DEFAULTS["outage_max_retries"]
+    fail_open: bool = DEFAULTS["fail_open"]
+    #: How long a reschedule's mark is kept (``Ledger.mark_hop``): longer than a copy of the message can
+    #: come back (the broker's visibility timeout and its restore delay), so a late copy still drops.
+    hop_ttl_seconds: float = 3600.0
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One delivery of an intent, as the adapter knows it."""
+
+    key: str
+    task_name: str
+    payload: Payload
+    #: Who is delivering (a task id): part of every claim owner, so operators can tell them apart.
+    attempt_id: str = ""
+    #: ``retry()`` calls spent on this intent so far, and how many the task allows (None: no limit).
+    retries: int = 0
+    max_retries: int | None = 3
+    #: When the intent's retry deadline started (its first enqueue, or when a worker first saw it undated):
+    #: a failure that sent nothing (:class:`TransientSendError`) is retried for ``Policy.retry_deadline_seconds``
+    #: from then, whatever ``max_retries`` says, then ends ``failed`` (``retry_deadline``). None: ``max_retries``.
+    retry_from: float | None = None
+    #: This chain's reschedules so far: because a claim was busy, and because something was unavailable.
+    inflight: int = 0
+    outage: int = 0
+    #: When the message was enqueued: the sealed ``idemmail_enqueued`` header, caller's clock. The
+    #: ledger-loss rule counts from it (a copy enqueued with it may have been sent before a loss).
+    #: None: not said.
+    enqueued_at: float | None = None
+    #: When its countdown or ETA first let it run, if later (sealed ``idemmail_due``): this message
+    #: cannot have been claimed before it, so the retention rule counts from it.
+    due_at: float | None = None
+    #: The claim owners this chain may still hold its claim under, newest first (``ClaimRequest.resume_owner``:
+    #: a claim whose reply was lost may or may not have landed, so the one before it is kept too), and the
+    #: verdict it could not record.
+    resume_owners: tuple[str, ...] = ()
+    verdict: Verdict | None = None
+    #: The id of the published message this delivery is a copy of (``Ledger.mark_hop``).
+    hop: str = ""
+    #: The owner this delivery claims under (a new one is made when empty).
+    owner: str = ""
+    #: During a key-secret rotation, the keys this intent had under the older secrets, newest first:
+    #: an intent recorded under one of them is claimed (and replayed) there, never sent again.
+    older_keys: tuple[str, ...] = ()
+    #: The intent's keys other than ``key`` once :meth:`Handler.recorded_key` has chosen the one to claim
+    #: (during a rotation only): read again after the claim, before anything runs (:meth:`Handler.cross_check`).
+    other_keys: tuple[str, ...] = ()
+
+    def held(self, owner: str | None = None) -> Carry:
+        """What this delivery, meeting an outage, hands to the next one: the owners that may hold its claim
+        (``owner``, the one it just claimed under, if any, first) and its verdict (dropped, the claim would
+        wait out its lease and be decided again)."""
+        return Carry(owners=held_by(owner, self.resume_owners), verdict=self.verdict)
+
+
+class SideEffect(Protocol):
+    """What an adapter lends the handler: the side effect and what it knows about it."""
+
+    def check(self, payload: Payload) -> None:
+        """Refuse a call before anything is stored: raise :class:`InvalidEmail`,
+        :class:`IdempotencyKeyError` or ``TypeError`` for bad input (it ends ``failed``), or
+        :class:`ConfigurationError` when the side effect cannot be set up (it waits on the
+        outage budget)."""
+
+    def perform(self, payload: Payload, key: str) -> Any:
+        """Run the side effect once under ``key``; return what to record, raise a :class:`SendError`."""
+
+    def carries_key(self) -> bool:
+        """Does the side effect pass the key to a service that de-duplicates on it?"""
+
+    def writes_ahead(self) -> bool:
+        """Does ``perform`` call :func:`~idemmail_celery.providers.base.about_to_send` before the side
+        effect can happen? Then a claim left without the mark is known not to have run it."""
+
+    def reconcile(self, key: str, payload: Payload) -> Any | None:
+        """Ask the service whether the intent already happened: its result, or None (not proof)."""
+
+    def report(self, outcome: Outcome, key: str, **fields: Any) -> None:
+        """Tell logs, events and metrics (never raises)."""
+
+
+# -- what a claim shows --
+
+def live_mark(claim: Claim, owners: tuple[str, ...] = ()) -> dict[str, Any] | None:
+    """The write-ahead mark a claim came back with, unless it is void: a mark this chain wrote itself,
+    named by its owner among ``owners`` (``Delivery.resume_owners``), or a resumed claim's mark written
+    by the very claim it resumed (its token is the one before). That holder is an owner this chain
+    carried, so its delivery ended with a step, not a kill; having marked, it would have carried a
+    verdict had it sent, or might have ("sent", "review"). It carried none: it sent nothing (a
+    transient error, a mark whose reply was lost) and only its release failed."""
+    mark = ahead_mark(claim.record)
+    if mark is None:
+        return None
+    writer = mark.get(AHEAD_OWNER_FIELD)
+    # Only a holder that promised its mark (a side effect without a key): one that carries a key is retried
+    # with it after a maybe-send, so its step says nothing about whether it sent.
+    if isinstance(writer, str) and owner_writes_ahead(writer) and owned_by(writer, owners):
+        return None
+    if claim.status is not ClaimStatus.RESUMED:
+        return mark
+    # The one before, or any earlier one while no holder was ever reclaimed: a claim that only ever
+    # passed between this chain's own deliveries (each ended with a step, several of whose replies
+    # may have been lost) was never held by a delivery that died after its mark.
+    if mark.get("token") == claim.token - 1 or claim.record.reclaims == 0:
+        return None
+    return mark
+
+
+def first_of_its_tokens(claim: Claim) -> bool:
+    """Has this claim's record been held by this delivery's chain alone (``acquired``, or ``resumed`` and never
+    reclaimed)? Only then may it be withdrawn: the next claim of its key starts its tokens again, and a holder
+    it was taken over from, paused rather than dead, could act with one of them."""
+    return claim.status is ClaimStatus.ACQUIRED or (claim.status is ClaimStatus.RESUMED and claim.record.reclaims == 0)
+
+
+def may_have_run(claim: Claim) -> bool:
+    """Does a held claim show that its side effect may have run under its key? A write-ahead mark says so
+    (but the ``unknown`` one a takeover writes for a holder that wrote none: during a rotation every holder
+    marks before it runs, see :meth:`Handler.attempt`), and so does a release (a holder ran and let go)."""
+    if claim.status is ClaimStatus.REOPENED:
+        return True
+    mark = ahead_mark(claim.record)
+    return mark is not None and mark.get(AHEAD_FIELD) != UNKNOWN_STAGE
+
+
+def owned_by(holder: str, owners: tuple[str, ...]) -> bool:
+    """Is ``holder`` (a record's owner) one of ``owners``? A store may keep an owner with a suffix of its
+    own (the SQL ledgers add a nonce to a new claim's)."""
+    return any(holder.startswith(o) for o in owners)
+
+
+def writes_ahead(effect: SideEffect) -> bool:
+    """Does ``effect`` mark the ledger before it can happen? Only a side effect without a key does (one
+    that carries it is sent again with it anyway); False when it cannot say (a provider not built yet)."""
+    try:
+        return not effect.carries_key() and effect.writes_ahead()
+    except Exception:
+        return False
+
+
+def snake(name: str) -> str:
+    """``LedgerUnavailableError`` -> ``ledger_unavailable_error`` (exception types as reason words)."""
+    return "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(name))
