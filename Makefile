@@ -62,7 +62,7 @@ clean:
 
 ## The deterministic simulator (sim/, docs/guarantee.md): the real handler and campaign code under every
 ## interleaving of copies, crashes, store and provider faults and clock steps within small bounds, 100,000
-## random schedules of larger worlds, and the planted defects it must catch (about 10 min on 2 cores). It ends
+## random schedules of larger worlds, and the planted defects it must catch (about 2.5 min on 2 cores). It ends
 ## with `sim: <S> schedules, <V> violations, planted defects caught <c>/<n>`. SIM_ARGS="--budget 60" for a look.
 sim: install
 	$(BIN)/python -m sim $(SIM_ARGS)

@@ -8,7 +8,8 @@ it as a regression test). The last line is ``sim: <S> schedules, <V> violations,
 <c>/<n>``; the exit status is 1 unless there were no violations and every defect was caught.
 
 ``--budget SECONDS`` scales everything down to about that long (``make check`` runs 30 s); ``--coverage``
-reruns it under coverage.py and prints the branches of handler.py and bulk.py the schedules reached.
+reruns it under coverage.py and prints the branches of the state machine (handler.py, rotation.py, steps.py,
+chain.py) and of the campaign code (bulk.py) the schedules reached.
 ``python -m sim replay TRACE [--shrink]`` prints a saved schedule step by step.
 """
 
@@ -32,7 +33,8 @@ TRACES = HERE / "traces"
 FOUND = TRACES / "found"
 #: Each defect must be caught within this long (issue 36).
 DEFECT_SECONDS = 60.0
-COVERED = ("idemmail_celery/handler.py", "idemmail_celery/bulk.py")
+COVERED = ("idemmail_celery/handler.py", "idemmail_celery/rotation.py", "idemmail_celery/steps.py",
+           "idemmail_celery/chain.py", "idemmail_celery/bulk.py")
 
 
 @dataclass
@@ -192,7 +194,7 @@ def explore(budget: float | None, randoms: int, processes: int) -> int:
 
 def measure(argv: list[str]) -> int:
     """Run ``python -m sim ARGV`` under coverage.py (branches; the pool's processes too) and print the
-    coverage of handler.py and bulk.py, missed lines and branches included."""
+    coverage of :data:`COVERED`, missed lines and branches included."""
     import subprocess
     import tempfile
 
@@ -217,7 +219,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--random", type=int, default=100_000, help="random schedules (default 100,000)")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--coverage", action="store_true",
-                        help="measure the branches of handler.py and bulk.py the schedules reach (slower)")
+                        help="measure the branches of the state machine and the campaign code the schedules reach (slower)")
     sub = parser.add_subparsers(dest="command")
     rep = sub.add_parser("replay", help="replay a saved trace and print its steps")
     rep.add_argument("trace", type=Path)
