@@ -139,7 +139,6 @@ class BatchResult:
                 if outcome is not Outcome.PENDING for k in (key, step.key)}
 
 
-
 def send_batch(handler: Handler, deliveries: Sequence[Delivery], *, owner: str, last: bool = False) -> BatchResult:
     """Claim a batch in one round trip and settle every recipient; never raises for one recipient.
 

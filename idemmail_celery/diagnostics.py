@@ -40,7 +40,10 @@ def setup_fix(exc: BaseException) -> str:
     return "a defect or a broken install: see the traceback, fix it and restart the worker"
 
 
+#: What this process has said once: set-up problems, and ledgers found unreachable (by ``id``).
 _said_setup: set[tuple[str, str]] = set()
+_said_unreachable: set[int] = set()
+_said_lock = threading.Lock()
 
 
 def say_setup_error_once(exc: BaseException, what: str = "tasks cannot be set up on this worker") -> None:
@@ -55,12 +58,6 @@ def say_setup_error_once(exc: BaseException, what: str = "tasks cannot be set up
               "and are sent once it is fixed", logsafe(what), type(exc).__name__, logsafe(scrub(str(exc))[:300]),
               logsafe(setup_fix(exc)),
               exc_info=not isinstance(exc, (ConfigurationError, ImportError)))
-
-
-_said_unreachable: set[int] = set()
-
-
-_said_lock = threading.Lock()
 
 
 def say_unreachable_once(ledger: Any, exc: Exception) -> None:

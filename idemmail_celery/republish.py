@@ -44,7 +44,6 @@ class Rescheduled(Retry):  # type: ignore[misc]
         return repr(self.exc) if self.exc is not None else f"Rescheduled({self.message!r})"
 
 
-
 class Republisher:
     """Publishes the message a task runs (or, with ``running``, the one a campaign runs) again."""
 
