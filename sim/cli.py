@@ -219,7 +219,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--random", type=int, default=100_000, help="random schedules (default 100,000)")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--coverage", action="store_true",
-                        help="measure the branches of the state machine and the campaign code the schedules reach (slower)")
+                        help="measure the branches of the state machine and the campaign code the schedules "
+                             "reach (slower)")
     sub = parser.add_subparsers(dest="command")
     rep = sub.add_parser("replay", help="replay a saved trace and print its steps")
     rep.add_argument("trace", type=Path)
