@@ -38,9 +38,10 @@ from celery.worker.state import task_ready
 from vine import Thenable
 
 from ._memory import drop_body, drop_payload_copies
+from .encoding import MAX_NESTING, arguments_problem
 from .errors import PermanentSendError
 from .handler import Outcome
-from .keys import MAX_NESTING, Payload, Seal, arguments_problem
+from .keys import Payload, Seal
 
 log = logging.getLogger("idemmail_celery")
 

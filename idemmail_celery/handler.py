@@ -48,14 +48,13 @@ a redundant copy. Read top to bottom, :meth:`Handler.handle` is the guarantee:
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from . import rotation
+from . import recovery, rotation
 from ._ahead import writing_ahead
 from ._common import backoff, logsafe
 from ._lease import keeper
@@ -84,6 +83,7 @@ from .keys import IntentKeyBuilder, Payload
 from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
 from .ledger.base import AHEAD_FIELD, new_owner, owner_writes_ahead
 from .ledger.sealed import PAYLOAD_KEY_UNKNOWN, is_sealed, park_unreadable
+from .recovery import OLDER_THAN_RETENTION, RETENTION_SKEW_SECONDS, UNDATED_AFTER_LOSS_SECONDS
 from .redaction import cut_leaking_chain, scrub
 from .steps import (
     Action,
@@ -92,10 +92,13 @@ from .steps import (
     Policy,
     SideEffect,
     Step,
+    error_record,
     first_of_its_tokens,
     live_mark,
     may_have_run,
+    message_id_of,
     owned_by,
+    sent_outcome,
     snake,
     writes_ahead,
 )
@@ -134,15 +137,6 @@ __all__ = [
     "writes_ahead",
 ]
 
-#: After an acknowledged ledger loss, a message that does not say when it was enqueued (sent by
-#: name, or by an older version) counts as possibly older than the loss for this long.
-UNDATED_AFTER_LOSS_SECONDS = 24 * 3600.0
-#: The review reason of a new claim for a message older than the ledger's retention (see
-#: :meth:`Handler.older_than_retention`).
-OLDER_THAN_RETENTION = "older_than_retention"
-#: What :meth:`Handler.older_than_retention` allows for the caller's clock being behind the store's,
-#: at most (and at most a tenth of the retention).
-RETENTION_SKEW_SECONDS = 60.0
 #: Attempts at recording ``sent`` before the verdict travels with the next delivery instead.
 COMPLETE_ATTEMPTS = 3
 #: The stage of the mark a holder whose side effect makes no mark of its own writes before running it during a
@@ -162,24 +156,6 @@ RETRY_DEADLINE = "retry_deadline"
 
 #: Exceptions from ``check`` that mean the call itself is wrong: ``failed``, never retried.
 INVALID_INPUT: tuple[type[BaseException], ...] = (InvalidEmail, IdempotencyKeyError, TypeError, ValueError)
-
-
-def error_record(exc: BaseException, reason: str, kind: type[SendError] | str) -> dict[str, Any]:
-    """The ``error`` a ledger stores for a failed, parked or released attempt."""
-    return {
-        "type": kind if isinstance(kind, str) else kind.__name__,
-        "reason": reason,
-        "message": scrub(str(exc))[:500],  # no address of a task's own exception reaches the ledger
-        "cause": type(exc).__name__,
-        "at": time.time(),
-    }
-
-
-def message_id_of(value: Any) -> Any:
-    """The provider's message id in a side effect's result, if it says one."""
-    if isinstance(value, dict):
-        return value.get("message_id") or value.get("id")
-    return None
 
 
 def _published(hop: str) -> str:
@@ -332,25 +308,26 @@ class Handler:
     def crash_gate(self, d: Delivery, claim: Claim) -> Step | None:
         """A claim taken over from a dead holder; or a resumed one with a dead holder behind it (this chain's
         own reclaim whose reply was lost) or a write-ahead mark (an earlier delivery of this chain that began
-        its side effect and died): :meth:`after_crash` decides."""
+        its side effect and died): :func:`~idemmail_celery.recovery.after_crash` decides."""
         resumed_after_a_crash = claim.status is ClaimStatus.RESUMED and (
             claim.record.reclaims > 0 or live_mark(claim, d.resume_owners) is not None)
         if claim.status is ClaimStatus.RECLAIMED or resumed_after_a_crash:
-            return self.after_crash(d, claim)
+            return recovery.after_crash(self, d, claim)
         return None
 
     def loss_gate(self, d: Delivery, claim: Claim) -> Step | None:
-        """The loss rule (:meth:`after_loss`): a new claim, and one taken over or back with no mark (the first
-        claim since the loss may have lost its reply, or died, before its holder applied the rule: nobody has
-        decided yet)."""
+        """The loss rule (:func:`~idemmail_celery.recovery.after_loss`): a new claim, and one taken over or
+        back with no mark (the first claim since the loss may have lost its reply, or died, before its holder
+        applied the rule: nobody has decided yet)."""
         undecided = claim.status is ClaimStatus.ACQUIRED or (
             claim.status in (ClaimStatus.RECLAIMED, ClaimStatus.RESUMED) and live_mark(claim, d.resume_owners) is None)
-        return self.after_loss(d, claim) if undecided and self.older_than_loss(d) else None
+        return recovery.after_loss(self, d, claim) if undecided and recovery.older_than_loss(self, d) else None
 
     def retention_gate(self, d: Delivery, claim: Claim) -> Step | None:
-        """A new claim for a message older than what the ledger can vouch for (:meth:`after_retention`)."""
-        if claim.status is ClaimStatus.ACQUIRED and self.older_than_retention(d):
-            return self.after_retention(d, claim)
+        """A new claim for a message older than what the ledger can vouch for
+        (:func:`~idemmail_celery.recovery.after_retention`)."""
+        if claim.status is ClaimStatus.ACQUIRED and recovery.older_than_retention(self, d):
+            return recovery.after_retention(self, d, claim)
         return None
 
     def reuse_gate(self, d: Delivery, claim: Claim) -> Step | None:
@@ -725,92 +702,6 @@ class Handler:
         self.effect.report(Outcome.FAIL_OPEN, d.key, message_id=message_id_of(value), reason=reason, recorded="false")
         return Step(Outcome.FAIL_OPEN, Action.RETURN, d.key, value=value)
 
-    def after_crash(self, d: Delivery, claim: Claim) -> Step | None:
-        """A reclaimed expired lease (or a resumed claim an earlier delivery marked): its holder died,
-        maybe mid-send. None: run again (with the key, or because it surely did not send)."""
-        record = claim.record
-        mark = live_mark(claim, d.resume_owners)
-        self.effect.report(Outcome.RECLAIMED, d.key, reclaims=record.reclaims)
-        extra: dict[str, Any] = {}
-        if record.reclaims > self.policy.max_reclaims:
-            reason = "reclaim_limit"  # a poison message that kills its worker every time
-        elif not self.effect.carries_key():
-            if mark is None and owner_writes_ahead(claim.previous_owner or "") and (
-                    claim.status is ClaimStatus.RECLAIMED or self.ledger.marks_takeovers):
-                # Its holder would have marked the ledger before sending, and did not: nothing left. A claim
-                # resumed after this chain's own reclaim: the holder it took over from left no mark, and the
-                # store marks a takeover from a holder that made no promise, so that one made it too (if this
-                # chain's reclaimer ran this release: an earlier one's owner has no ':ahead:' and wrote no mark).
-                log.warning("idemmail: %s reclaimed after an expired lease; its holder had not begun the "
-                            "send (no write-ahead mark): sending it now", logsafe(d.key))
-                return None
-            found = self.reconciled(d, record)
-            if found is not None:  # the provider has it: record the truth, do not send again
-                return self.record_sent(d, claim, found, reconciled=True)
-            reason = "lease_expired"  # it may have sent, and nothing downstream would dedupe
-            if mark is not None:
-                extra["stage"] = mark[AHEAD_FIELD]
-        else:
-            log.warning("idemmail: %s reclaimed after an expired lease; resending with the same key", logsafe(d.key))
-            return None
-        reached = f" after its write-ahead mark ({extra['stage']})" if extra else ""
-        holder = claim.previous_owner or "the previous holder"
-        return self.park_unknown(d, claim, reason, f"{holder} lost its lease{reached} "
-                                                   f"(reclaims: {record.reclaims})", **extra)
-
-    def older_than_loss(self, d: Delivery) -> bool:
-        """Was this message enqueued before an acknowledged ledger loss (``Ledger.recovered_at``)?"""
-        recovered_at = self.ledger.recovered_at
-        if recovered_at is None:
-            return False
-        if d.enqueued_at is None:  # undated: suspect while the loss is recent
-            return time.time() - recovered_at < UNDATED_AFTER_LOSS_SECONDS
-        return d.enqueued_at < recovered_at
-
-    def after_loss(self, d: Delivery, claim: Claim) -> Step | None:
-        """A new claim for a message enqueued before an acknowledged ledger loss.
-
-        The intent may have been sent and recorded in what was lost. With the key carried
-        downstream it is sent with that key (None: run); otherwise reconciled, or parked.
-        """
-        if self.effect.carries_key():
-            return None
-        found = self.reconciled(d, claim.record)
-        if found is not None:
-            return self.record_sent(d, claim, found, reconciled=True)
-        return self.park_unknown(d, claim, "ledger_lost", "enqueued before an acknowledged ledger loss: it may have "
-                                                          "been sent, and the record of it lost")
-
-    def older_than_retention(self, d: Delivery) -> bool:
-        """Is this message older than what the ledger can vouch for?
-
-        A record of its intent made by this message was made no earlier than ``d.enqueued_at`` or
-        ``d.due_at``, the later (nothing claims a message before it is enqueued, or before its
-        countdown is due), and a final one is kept
-        for the retention after that (``claimed``, ``released`` and ``review`` ones for ever). So a new
-        claim for a message enqueued longer ago than the retention may be a copy of an intent sent and
-        expired: a message captured from the broker and published again, or one that waited out a ledger
-        outage longer than the retention. An undated message (sent by name) cannot be told: it is not.
-        """
-        if d.enqueued_at is None:
-            return False
-        retention = self.ledger.retention_seconds
-        age = time.time() - max(d.enqueued_at, d.due_at or 0.0)
-        return age > retention - min(RETENTION_SKEW_SECONDS, retention / 10)
-
-    def after_retention(self, d: Delivery, claim: Claim) -> Step:
-        """A new claim for a message older than the retention: never sent again blind. Reconciled when the
-        side effect's service can say; else parked as ``review`` (reason ``older_than_retention``), its first
-        payload kept, for a person to release or fail. A key carried downstream does not make it safe: a
-        service de-duplicates for a day or so, less than the retention."""
-        found = self.reconciled(d, claim.record)
-        if found is not None:
-            return self.record_sent(d, claim, found, reconciled=True)
-        age = time.time() - max(d.enqueued_at or 0.0, d.due_at or 0.0)
-        return self.park_unknown(d, claim, OLDER_THAN_RETENTION,
-                                 f"enqueued {age:.0f} s ago, longer than the ledger keeps records "
-                                 f"({self.ledger.retention_seconds:.0f} s): a copy of it may have been sent, "
-                                 "and its record expired")
 
     def park_unknown(self, d: Delivery, claim: Claim, reason: str, message: str, **extra: Any) -> Step:
         """Park a claim whose outcome cannot be known (``extra``: more fields for its ``error``)."""
@@ -881,20 +772,5 @@ def wait_out(policy: Policy, effect: SideEffect, d: Delivery, exc: BaseException
     effect.report(outcome, key, reason=word, reschedules=d.outage + 1)
     return Step(outcome, Action.RESCHEDULE, key, countdown=countdown, error=exc,
                 carry=replace(carry, inflight=d.inflight, outage=d.outage + 1))
-
-
-def sent_outcome(status: str, key: str, stored: dict[str, Any], at: float) -> dict[str, Any]:
-    """What a task returns for a ``sent`` or ``duplicate`` outcome (and agent tools show)."""
-    return {
-        "status": status,
-        "key": key,
-        "message_id": stored.get("message_id"),
-        "sent_at": _iso(at),
-        "result": stored.get("value"),
-    }
-
-
-def _iso(ts: float | None) -> str | None:
-    return None if not ts else _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).isoformat()
 
 

@@ -48,9 +48,6 @@ in flight after an upgrade: ``tests/test_keys.py`` pins golden vectors.
 
 from __future__ import annotations
 
-import base64
-import datetime as _dt
-import decimal
 import enum
 import functools
 import hashlib
@@ -58,13 +55,13 @@ import hmac
 import inspect
 import json
 import re
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .chain import KEY_HEADER, KEY_MARK_HEADER, SEALED_HEADERS
 from .email import parse_address
+from .encoding import RoundTrip, _TypedEncoder, canonical_json, json_round_trip, typed_json_dumps, typed_json_loads
 from .errors import ConfigurationError, IdempotencyKeyError, InvalidEmail, UnserializableArgumentsError
 
 #: What a task may declare as ``idempotency_key``: nothing (all bound arguments),
@@ -82,221 +79,6 @@ MAX_EXPLICIT_KEY_LENGTH = 255
 # message header and shows in logs, so it may hold none of them.
 _BAD_IN_KEY = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _DERIVED_KEY = re.compile("[0-9a-f]{64}")
-
-
-def _json_plain(value: Any, depth: int = 0) -> bool:
-    """True if ``value`` is made only of types a JSON round trip returns unchanged."""
-    if value is None or isinstance(value, (str, bool, int)):
-        return True
-    if isinstance(value, float):
-        return value == value and value not in (float("inf"), float("-inf"))
-    if depth > 20:
-        return False
-    if type(value) is list:
-        return all(_json_plain(v, depth + 1) for v in value)
-    if type(value) is dict:
-        return all(type(k) is str and _json_plain(v, depth + 1) for k, v in value.items())
-    return False
-
-
-def is_json_plain(value: Any) -> bool:
-    """True if ``value`` is made only of types a JSON round trip returns unchanged (no copy needed)."""
-    return _json_plain(value)
-
-
-#: A message serializer's round trip: a value in, the value the worker will see out. Raises
-#: :class:`~idemmail_celery.errors.UnserializableArgumentsError` for what it cannot carry.
-RoundTrip = Callable[[Any], Any]
-
-
-# -- JSON with kombu's typed values, in the standard library --
-#
-# Celery's JSON (kombu.utils.json) writes datetimes, dates, times, decimals, UUIDs and bytes as
-# {"__type__": ..., "__value__": ...} and reads them back typed. Payloads are stored in the ledger
-# in that form, and the key of a call is made of what the worker will see, so this module writes
-# and reads the same text without importing kombu: the state machine (handler) imports it, and
-# must not need Celery. Types registered with kombu's register_type only are the adapter's
-# business (IdempotentTask passes kombu's own round trip to the builder).
-
-
-def _typed(kind: str, value: Any) -> dict[str, Any]:
-    return {"__type__": kind, "__value__": value}
-
-
-class _TypedEncoder(json.JSONEncoder):
-    """kombu's ``JSONEncoder`` for its default types: the same text, byte for byte."""
-
-    def default(self, o: Any) -> Any:
-        reducer = getattr(o, "__json__", None)
-        if reducer is not None:
-            return reducer()
-        # Order matters: a datetime is also a date.
-        if isinstance(o, _dt.datetime):
-            return _typed("datetime", o.isoformat())
-        if isinstance(o, _dt.date):
-            return _typed("date", o.isoformat())
-        if isinstance(o, _dt.time):
-            return _typed("time", o.isoformat())
-        if isinstance(o, decimal.Decimal):
-            return _typed("decimal", str(o))
-        if isinstance(o, uuid.UUID):
-            return _typed("uuid", {"hex": o.hex})
-        if isinstance(o, bytes):
-            try:
-                return _typed("bytes", o.decode("utf-8"))
-            except UnicodeDecodeError:
-                return _typed("base64", base64.b64encode(o).decode("utf-8"))
-        return super().default(o)
-
-
-_DECODERS: dict[str, Callable[[Any], Any]] = {
-    "datetime": _dt.datetime.fromisoformat,
-    "date": lambda v: _dt.datetime.fromisoformat(v).date(),
-    "time": _dt.time.fromisoformat,
-    "decimal": decimal.Decimal,
-    "uuid": lambda v: uuid.UUID(**v),
-    "bytes": lambda v: v.encode("utf-8"),
-    "base64": lambda v: base64.b64decode(v.encode("utf-8")),
-}
-
-
-def _typed_hook(o: dict[str, Any]) -> Any:
-    if o.keys() == {"__type__", "__value__"}:
-        decode = _DECODERS.get(o["__type__"])
-        if decode is not None:
-            return decode(o["__value__"])
-    return o  # an envelope of a type registered with kombu only stays a dict
-
-
-def typed_json_dumps(value: Any) -> str:
-    """``value`` as kombu's JSON writes it (typed values in ``__type__`` envelopes); ``TypeError`` otherwise."""
-    return json.dumps(value, cls=_TypedEncoder)
-
-
-def typed_json_loads(text: str | bytes) -> Any:
-    """Text written by :func:`typed_json_dumps` (or by kombu's JSON), typed values restored."""
-    return json.loads(text, object_hook=_typed_hook)
-
-
-def json_round_trip(value: Any) -> Any:
-    """What Celery's JSON serializer does to ``value`` (its default typed values included)."""
-    if _json_plain(value):
-        return value  # the round trip would be the identity: skip two encodings per delay()
-    try:
-        return typed_json_loads(typed_json_dumps(value))
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise UnserializableArgumentsError(f"task arguments cannot be serialized with 'json': {exc}") from exc
-
-
-def _json_default(value: Any) -> Any:
-    # Types kombu's JSON serializer carries natively; written in one stable textual form.
-    if isinstance(value, (_dt.datetime, _dt.date, _dt.time)):
-        return value.isoformat()
-    if isinstance(value, (decimal.Decimal, uuid.UUID)):
-        return str(value)
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).hex()
-    if isinstance(value, (set, frozenset)):
-        return sorted(value, key=canonical_json)
-    raise TypeError(f"{type(value).__name__} has no canonical JSON form")
-
-
-# Built once: json.dumps() with options builds a new encoder per call.
-_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False,
-                              default=_json_default)
-
-
-def canonical_json(value: Any) -> str:
-    """Canonical JSON text of ``value``: sorted keys, no whitespace, UTF-8, no NaN, ``1.0`` written ``1``."""
-    try:
-        return _CANONICAL.encode(_integral(value, 0))
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise UnserializableArgumentsError(f"value has no canonical JSON form: {exc}") from exc
-
-
-def _integral(value: Any, depth: int) -> Any:
-    """``value`` with every float that holds an integer (``1.0``, ``-0.0``) made that int.
-
-    JSON has one number type, and a caller's ``1`` becomes another's ``1.0`` on the way through
-    a form, a database or JavaScript: they are one intent. Returns ``value`` itself (no copy)
-    when nothing changes, which is the common case, and copies only the containers that change.
-    """
-    kind = type(value)
-    if kind is float:
-        # Every finite integral float is exactly one integer (2.0**60 is 2**60), however large: the
-        # same number in either type is one intent. (Past 2**53 a float also stands for its neighbours
-        # as a caller rounded them: 2**60 + 1 sent as a float arrives as 2**60, whatever the key does.)
-        return int(value) if value.is_integer() else value
-    if kind is not dict and kind is not list and kind is not tuple:
-        return value  # str, int, bool, None; datetimes, decimals, UUIDs...: _json_default writes them
-    if depth > MAX_NESTING:
-        raise ValueError(f"nested more than {MAX_NESTING} levels deep")
-    if kind is dict:
-        changed: Any = None
-        for k, v in value.items():
-            if type(v) in _SCALARS:
-                continue
-            new = _integral(v, depth + 1)
-            if new is not v:
-                if changed is None:
-                    changed = dict(value)
-                changed[k] = new
-        return value if changed is None else changed
-    items: Any = None
-    for n, v in enumerate(value):
-        if type(v) in _SCALARS:
-            continue
-        new = _integral(v, depth + 1)
-        if new is not v:
-            if items is None:
-                items = list(value)
-            items[n] = new
-    return value if items is None else items
-
-
-_SCALARS = frozenset({str, int, bool, type(None)})
-
-#: How deeply a task's arguments may nest, an argument that is a list or mapping being the first level
-#: (the key's canonical form refuses the same). Deeper input overflows the stack of whatever walks it
-#: recursively: pickle (a prefork worker's main process pickles each job), JSON, this module.
-MAX_NESTING = 100
-
-
-def arguments_problem(args: Any, kwargs: Any, max_size: int | None = None) -> str | None:
-    """Why a call's arguments (as the worker decodes them) may not be run, or None if they may.
-
-    They may nest at most :data:`MAX_NESTING` levels. With ``max_size``, their size is at most that:
-    each string or bytes value and each mapping key counts its length, and every other value
-    (numbers, None, each list or mapping) counts 1, so the size is never more than the length of
-    the arguments' JSON. Iterative: it walks input of any depth, and stops at the first problem.
-    No value is quoted in the answer.
-    """
-    items = list(args) if isinstance(args, (list, tuple)) else [args]
-    size = 0
-    if isinstance(kwargs, Mapping):
-        size += sum(len(k) if isinstance(k, str) else 1 for k in kwargs)
-        items.extend(kwargs.values())
-    else:
-        items.append(kwargs)
-    stack: list[tuple[Any, int]] = [(v, 1) for v in items]
-    while stack:
-        value, level = stack.pop()
-        if isinstance(value, (str, bytes, bytearray)):
-            size += len(value)
-        elif isinstance(value, (list, tuple, Mapping)):
-            if level > MAX_NESTING:
-                return f"task arguments nested more than {MAX_NESTING} levels deep"
-            size += 1
-            if isinstance(value, Mapping):
-                size += sum(len(k) if isinstance(k, str) else 1 for k in value)
-                stack.extend((v, level + 1) for v in value.values())
-            else:
-                stack.extend((v, level + 1) for v in value)
-        else:
-            size += 1
-        if max_size is not None and size > max_size:
-            return f"task arguments are larger than {max_size} (characters and values)"
-    return None
 
 
 #: Characters that never appear in a bare ``local@domain`` address: with none of them, no parsing is needed.

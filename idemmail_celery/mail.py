@@ -48,9 +48,10 @@ from ._common import after_fork
 from ._request import state_of
 from .config import Settings
 from .email import EmailMessage
+from .encoding import canonical_json
 from .errors import AmbiguousSendError, ConfigurationError, InvalidEmail, PermanentSendError, SendError
 from .keys import Payload as _Payload
-from .keys import canonical_json, normalize_addresses
+from .keys import normalize_addresses
 from .providers import Provider
 from .providers import from_url as provider_from_url
 from .redaction import scrub, scrub_error

@@ -6,15 +6,19 @@ holds the numbers; :class:`SideEffect` is what an adapter lends. The decisions a
 
 from __future__ import annotations
 
+import datetime as _dt
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .chain import Carry, Verdict, held_by
 from .config import DEFAULTS
+from .errors import SendError
 from .keys import Payload
 from .ledger import Claim, ClaimStatus
 from .ledger.base import AHEAD_FIELD, AHEAD_OWNER_FIELD, UNKNOWN_STAGE, ahead_mark, owner_writes_ahead
+from .redaction import scrub
 
 
 class Outcome(str, enum.Enum):
@@ -234,3 +238,38 @@ def writes_ahead(effect: SideEffect) -> bool:
 def snake(name: str) -> str:
     """``LedgerUnavailableError`` -> ``ledger_unavailable_error`` (exception types as reason words)."""
     return "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(name))
+
+
+# -- what a step records and returns --
+
+def error_record(exc: BaseException, reason: str, kind: type[SendError] | str) -> dict[str, Any]:
+    """The ``error`` a ledger stores for a failed, parked or released attempt."""
+    return {
+        "type": kind if isinstance(kind, str) else kind.__name__,
+        "reason": reason,
+        "message": scrub(str(exc))[:500],  # no address of a task's own exception reaches the ledger
+        "cause": type(exc).__name__,
+        "at": time.time(),
+    }
+
+
+def message_id_of(value: Any) -> Any:
+    """The provider's message id in a side effect's result, if it says one."""
+    if isinstance(value, dict):
+        return value.get("message_id") or value.get("id")
+    return None
+
+
+def sent_outcome(status: str, key: str, stored: dict[str, Any], at: float) -> dict[str, Any]:
+    """What a task returns for a ``sent`` or ``duplicate`` outcome (and agent tools show)."""
+    return {
+        "status": status,
+        "key": key,
+        "message_id": stored.get("message_id"),
+        "sent_at": _iso(at),
+        "result": stored.get("value"),
+    }
+
+
+def _iso(ts: float | None) -> str | None:
+    return None if not ts else _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).isoformat()

@@ -51,6 +51,7 @@ from .chain import (
     next_headers,
 )
 from .config import Settings
+from .encoding import RoundTrip, arguments_problem, is_json_plain
 from .errors import (
     ConfigurationError,
     IdemmailError,
@@ -69,7 +70,7 @@ from .handler import (
     say_unreachable_once,
     wait_out,
 )
-from .keys import IntentKeyBuilder, KeySpec, Payload, RoundTrip, Seal, untrusted_removed
+from .keys import IntentKeyBuilder, KeySpec, Payload, Seal, untrusted_removed
 from .ledger import Ledger, backend_for, shared
 from .ledger.base import new_owner
 from .republish import Republisher
@@ -88,7 +89,7 @@ def serializer_round_trip(serializer: str) -> RoundTrip:
     :class:`~idemmail_celery.errors.UnserializableArgumentsError` for what it cannot carry."""
 
     def through(value: Any) -> Any:
-        if serializer == "json" and keys_mod.is_json_plain(value):
+        if serializer == "json" and is_json_plain(value):
             return value  # the round trip would be the identity: skip two encodings per delay()
         try:
             content_type, encoding, data = kombu_dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
@@ -391,7 +392,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if type(self).check_call is not IdempotentTask.check_call:  # the base's accepts everything
             self.check_call(tuple(args or ()), dict(kwargs or {}))
         payload = self.key_builder.payload(args, kwargs)
-        plain = keys_mod.is_json_plain([payload.args, payload.kwargs])
+        plain = is_json_plain([payload.args, payload.kwargs])
         self._check_arguments(payload.args, payload.kwargs, plain)
         if not plain:
             payload.to_json()  # the ledger stores JSON in kombu's typed form: fail now if it cannot
@@ -418,7 +419,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         limit = self.max_argument_size()
         if limit is None and plain:
             return  # JSON-plain arguments nest at most 20 levels (keys.is_json_plain)
-        problem = keys_mod.arguments_problem(args, kwargs, limit)
+        problem = arguments_problem(args, kwargs, limit)
         if problem is not None:
             raise UnserializableArgumentsError(problem)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import idemmail_celery.bulk as bulk
 import idemmail_celery.handler as handler_mod
+import idemmail_celery.recovery as recovery
 import idemmail_celery.redrive as redrive
 from idemmail_celery.chain import Carry
 from idemmail_celery.errors import LedgerError
@@ -96,7 +97,7 @@ DEFECTS: tuple[Defect, ...] = (
                    preemptions=1, steps=60),
             Config(provider="smtp", copies=2, faults=1, crashes=0, stalls=1, ticks=1, preemptions=1, steps=60))),
     Defect("chain_marks_void", "every chain mark treated as void",
-           lambda: [(handler_mod, "live_mark", lambda claim, owners=(): None)],
+           lambda: [(m, "live_mark", lambda claim, owners=(): None) for m in (handler_mod, recovery)],
            (Config(provider="keyless", copies=1, faults=1, crashes=1, ticks=2, steps=40), SMALL)),
     Defect("no_cross_check", "no rotation cross-check",
            lambda: [(Handler, "cross_check", lambda self, d, claim: None)],
@@ -123,7 +124,8 @@ DEFECTS: tuple[Defect, ...] = (
            (Config(provider="keyless", intents=0, campaign=3, batch=2, faults=1, crashes=0, ticks=1, steps=60),)),
     Defect("own_mark_not_void", "a chain's own mark from an attempt that sent nothing parks it (history: "
            "the rule that a chain's own mark is void)",
-           lambda: [(handler_mod, "live_mark", lambda claim, owners=(): ahead_mark(claim.record))],
+           lambda: [(m, "live_mark", lambda claim, owners=(): ahead_mark(claim.record))
+                    for m in (handler_mod, recovery)],
            (Config(provider="smtp", copies=1, faults=2, crashes=0, ticks=1, preemptions=0, steps=40),
             Config(provider="keyless", copies=1, faults=3, crashes=0, ticks=2, steps=60))),
     Defect("verdict_dropped", "a verdict not carried through a reschedule (history: verdicts carried "

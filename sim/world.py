@@ -26,7 +26,9 @@ from greenlet import greenlet
 import idemmail_celery.bulk as bulk
 import idemmail_celery.handler as handler_mod
 import idemmail_celery.ledger.base as ledger_base
+import idemmail_celery.recovery as recovery
 import idemmail_celery.redrive as redrive
+import idemmail_celery.steps as steps
 from idemmail_celery._common import backoff
 from idemmail_celery.chain import (
     HOP_HEADER,
@@ -925,7 +927,8 @@ def installed(world_clock: Callable[[], World | None]) -> Iterator[None]:
     import idemmail_celery.ledger.sql.store as sql_store
 
     patches: list[tuple[Any, str, Any]] = [
-        (handler_mod, "time", fake_time), (ledger_base, "time", fake_time), (bulk, "time", fake_time),
+        (handler_mod, "time", fake_time), (recovery, "time", fake_time), (steps, "time", fake_time),
+        (ledger_base, "time", fake_time), (bulk, "time", fake_time),
         (redrive, "time", fake_time), (sql_store, "time", fake_time), (sql_connection, "time", fake_time),
         (handler_mod, "keeper", Keeper()),
         (bulk, "keeper", Keeper()), (handler_mod, "backoff", steady), (bulk, "backoff", steady),

@@ -31,8 +31,8 @@ from idemmail_celery.email import (
     PART_OVERHEAD,
     EmailMessage,
 )
+from idemmail_celery.encoding import MAX_NESTING, arguments_problem
 from idemmail_celery.errors import InvalidEmail, PermanentSendError, UnserializableArgumentsError
-from idemmail_celery.keys import MAX_NESTING, arguments_problem
 from idemmail_celery.mail import ARGUMENT_SLACK, register
 
 from .conftest import unique

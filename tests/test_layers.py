@@ -15,13 +15,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "idemmail_celery"
 LAYERS: dict[str, int] = {
     # 0: plumbing, vocabulary and settings
     "errors": 0, "_common": 0, "_ahead": 0, "_registry": 0, "config": 0, "metrics": 0, "redaction": 0,
-    "sealing": 0, "_version": 0, "_memory": 0, "chain": 0, "diagnostics": 0,
+    "sealing": 0, "_version": 0, "_memory": 0, "chain": 0, "diagnostics": 0, "encoding": 0,
     # 1: values: keys, messages
     "keys": 1, "email": 1,
     # 2: stores and providers, one module each behind one base class
     "ledger": 2, "providers": 2,
     # 3: the state machine and what it needs while a side effect runs
-    "_lease": 3, "handler": 3, "roster": 3, "steps": 3, "rotation": 3,
+    "_lease": 3, "handler": 3, "roster": 3, "steps": 3, "rotation": 3, "recovery": 3,
     # 4: the Celery adapter and its reports
     "outcomes": 4, "task": 4, "_request": 4, "republish": 4,
     # 5: what is built on the adapter

@@ -42,8 +42,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from .._common import after_fork
 from ..config import DEFAULTS
+from ..encoding import canonical_json
 from ..errors import IllegalTransitionError, RecordNotFoundError
-from ..keys import canonical_json
 from .listing import (
     Counts,
     Position,

@@ -36,8 +36,8 @@ from dataclasses import replace
 from typing import Any
 
 from .._common import logsafe
+from ..encoding import canonical_json
 from ..errors import LedgerError, PayloadKeyError
-from ..keys import canonical_json
 from ..sealing import INSTALL_HINT, PLAIN, Keyring  # noqa: F401  # re-exported: part of this module's API
 from .base import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State, loads_json
 from .listing import Counts, Position, RecordQuery, Selection
