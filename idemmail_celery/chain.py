@@ -136,8 +136,8 @@ class Verdict:
 class Carry:
     """What a step hands to the next delivery of its chain (``Step.carry``, for RETRY and RESCHEDULE).
 
-    ``None`` fields leave the chain's own value as it was; the one-shot ones (owners, verdict, hop) are
-    dropped unless carried again."""
+    A reschedule keeps the chain's budgets unless the carry sets them, and a retry starts a new chain
+    without them (:func:`next_headers`); the one-shot parts (owners, verdict, hop) go unless carried again."""
 
     #: The owners that may hold this chain's claim, newest first: the next delivery takes it back.
     owners: tuple[str, ...] = ()
@@ -150,10 +150,6 @@ class Carry:
     hop: str | None = None
     #: A first date for an undated message (a retry on the time budget counts from its first sight).
     enqueued_at: float | None = None
-
-    def held(self, owner: str | None) -> Carry:
-        """This carry with ``owner`` first among the owners (each once, at most :data:`MAX_OWNERS`)."""
-        return Carry(held_by(owner, self.owners), self.verdict, self.inflight, self.outage, self.hop, self.enqueued_at)
 
     def to_headers(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
