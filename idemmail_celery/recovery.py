@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ._common import logsafe
 from .ledger import Claim, ClaimStatus
 from .ledger.base import AHEAD_FIELD, owner_writes_ahead
-from .steps import Delivery, Outcome, Step, live_mark
-
-if TYPE_CHECKING:
-    from .handler import Handler
+from .steps import Delivery, Outcome, Settling, Step, live_mark
 
 log = logging.getLogger("idemmail_celery")
 
@@ -33,7 +30,7 @@ OLDER_THAN_RETENTION = "older_than_retention"
 RETENTION_SKEW_SECONDS = 60.0
 
 
-def after_crash(h: Handler, d: Delivery, claim: Claim) -> Step | None:
+def after_crash(h: Settling, d: Delivery, claim: Claim) -> Step | None:
     """A reclaimed expired lease (or a resumed claim an earlier delivery marked): its holder died,
     maybe mid-send. None: run again (with the key, or because it surely did not send)."""
     record = claim.record
@@ -67,7 +64,7 @@ def after_crash(h: Handler, d: Delivery, claim: Claim) -> Step | None:
                                                f"(reclaims: {record.reclaims})", **extra)
 
 
-def older_than_loss(h: Handler, d: Delivery) -> bool:
+def older_than_loss(h: Settling, d: Delivery) -> bool:
     """Was this message enqueued before an acknowledged ledger loss (``Ledger.recovered_at``)?"""
     recovered_at = h.ledger.recovered_at
     if recovered_at is None:
@@ -77,7 +74,7 @@ def older_than_loss(h: Handler, d: Delivery) -> bool:
     return d.enqueued_at < recovered_at
 
 
-def after_loss(h: Handler, d: Delivery, claim: Claim) -> Step | None:
+def after_loss(h: Settling, d: Delivery, claim: Claim) -> Step | None:
     """A new claim for a message enqueued before an acknowledged ledger loss.
 
     The intent may have been sent and recorded in what was lost. With the key carried
@@ -92,7 +89,7 @@ def after_loss(h: Handler, d: Delivery, claim: Claim) -> Step | None:
                                                       "been sent, and the record of it lost")
 
 
-def older_than_retention(h: Handler, d: Delivery) -> bool:
+def older_than_retention(h: Settling, d: Delivery) -> bool:
     """Is this message older than what the ledger can vouch for?
 
     A record of its intent made by this message was made no earlier than ``d.enqueued_at`` or
@@ -110,7 +107,7 @@ def older_than_retention(h: Handler, d: Delivery) -> bool:
     return age > retention - min(RETENTION_SKEW_SECONDS, retention / 10)
 
 
-def after_retention(h: Handler, d: Delivery, claim: Claim) -> Step:
+def after_retention(h: Settling, d: Delivery, claim: Claim) -> Step:
     """A new claim for a message older than the retention: never sent again blind. Reconciled when the
     side effect's service can say; else parked as ``review`` (reason ``older_than_retention``), its first
     payload kept, for a person to release or fail. A key carried downstream does not make it safe: a

@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from ._common import logsafe
 from .errors import LedgerError, LedgerUnavailableError, PayloadKeyError, UnsafeLedgerError
 from .ledger import Claim, Record, State
 from .ledger.base import ahead_mark, new_owner
-from .steps import Delivery, Step, first_of_its_tokens, owned_by
-
-if TYPE_CHECKING:
-    from .handler import Handler
+from .steps import Delivery, Settling, Step, first_of_its_tokens, owned_by
 
 log = logging.getLogger("idemmail_celery")
 
 
-def recorded_key(h: Handler, d: Delivery) -> Delivery:
+def recorded_key(h: Settling, d: Delivery) -> Delivery:
     """During a rotation: the delivery under the older key its intent is recorded with, if any
     (one read per older secret, only while rotating).
 
@@ -51,7 +47,7 @@ def recorded_key(h: Handler, d: Delivery) -> Delivery:
     return replace(d, other_keys=d.older_keys)
 
 
-def drop_unchecked(h: Handler, d: Delivery) -> None:
+def drop_unchecked(h: Settling, d: Delivery) -> None:
     """The intent is recorded under another key, and this chain may hold a claim under ``d.key`` that
     never ran (an earlier delivery's :func:`cross_check` could not read, nor withdraw; or its claim's
     reply was lost): withdrawn, so that nobody takes it over once its lease runs out and sends the
@@ -75,7 +71,7 @@ def drop_unchecked(h: Handler, d: Delivery) -> None:
                     type(h.ledger.backend).__name__)
 
 
-def cross_check(h: Handler, d: Delivery, claim: Claim) -> Step | None:
+def cross_check(h: Settling, d: Delivery, claim: Claim) -> Step | None:
     """During a key-secret rotation, between a new claim and anything it runs: read the intent's other
     keys (``Delivery.other_keys``) again. None: none has a record, the claim may run.
 
@@ -112,7 +108,7 @@ def cross_check(h: Handler, d: Delivery, claim: Claim) -> Step | None:
     return None
 
 
-def withdrawn(h: Handler, d: Delivery, claim: Claim, other: str, record: Record) -> Step:
+def withdrawn(h: Settling, d: Delivery, claim: Claim, other: str, record: Record) -> Step:
     """Another key of the intent has a record: withdraw this claim and come back as if it were busy. A claim
     taken over from another holder is not withdrawn but followed to the other key (:func:`follow`)."""
     if not first_of_its_tokens(claim):
@@ -127,7 +123,7 @@ def withdrawn(h: Handler, d: Delivery, claim: Claim, other: str, record: Record)
     return h.in_flight(d, record)
 
 
-def follow(h: Handler, d: Delivery, claim: Claim, other: str) -> Step:
+def follow(h: Settling, d: Delivery, claim: Claim, other: str) -> Step:
     """A claim taken over during a rotation shows no sign of having run, and another key of the intent has a
     record: the intent is settled under that key, by this delivery, as its record says (replayed, waited for,
     resent with that key, parked, or run if its holder too never ran), and this record then says the same.
@@ -147,7 +143,7 @@ def follow(h: Handler, d: Delivery, claim: Claim, other: str) -> Step:
     return step
 
 
-def copy_final_record(h: Handler, d: Delivery, claim: Claim, other: str) -> None:
+def copy_final_record(h: Settling, d: Delivery, claim: Claim, other: str) -> None:
     """Record under ``d.key``, held by ``claim`` and never run, the final record the intent has under
     ``other`` (best effort: unsettled, the claim's lease runs out and its next holder does it)."""
     try:
@@ -163,7 +159,7 @@ def copy_final_record(h: Handler, d: Delivery, claim: Claim, other: str) -> None
         h.guarded(lambda: move(d.key, claim.token, record.error or {"reason": "settled_under_another_key"}))
 
 
-def unchecked(h: Handler, d: Delivery, claim: Claim, exc: Exception) -> Step:
+def unchecked(h: Settling, d: Delivery, claim: Claim, exc: Exception) -> Step:
     """The re-read of :func:`cross_check` failed: run nothing, and wait on the outage budget.
 
     The claim is withdrawn if the store takes that (a read of another key may fail where this key's

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -16,7 +17,7 @@ from .chain import Carry, Verdict, held_by
 from .config import DEFAULTS
 from .errors import SendError
 from .keys import Payload
-from .ledger import Claim, ClaimStatus
+from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record
 from .ledger.base import AHEAD_FIELD, AHEAD_OWNER_FIELD, UNKNOWN_STAGE, ahead_mark, owner_writes_ahead
 from .redaction import scrub
 
@@ -174,6 +175,28 @@ class SideEffect(Protocol):
 
     def report(self, outcome: Outcome, key: str, **fields: Any) -> None:
         """Tell logs, events and metrics (never raises)."""
+
+
+class Settling(Protocol):
+    """What the handler's own modules (``rotation.py``, ``recovery.py``) use of the
+    :class:`~idemmail_celery.handler.Handler` whose steps they take: written down here, so that they
+    need not import the handler that calls them."""
+
+    ledger: Ledger
+    policy: Policy
+    effect: SideEffect
+
+    def writes_ahead(self) -> bool: ...
+    def request(self, d: Delivery, owner: str) -> ClaimRequest: ...
+    def take_back(self, d: Delivery, claim: Claim, owner: str) -> Claim: ...
+    def settle(self, d: Delivery, claim: Claim) -> Step: ...
+    def in_flight(self, d: Delivery, record: Record) -> Step: ...
+    def unavailable(self, d: Delivery, exc: Exception, *, carry: Carry | None = None,
+                    value: Any = None, error: BaseException | None = None) -> Step: ...
+    def record_sent(self, d: Delivery, claim: Claim, value: Any, *, reconciled: bool = False) -> Step: ...
+    def park_unknown(self, d: Delivery, claim: Claim, reason: str, message: str, **extra: Any) -> Step: ...
+    def reconciled(self, d: Delivery, record: Record) -> Any | None: ...
+    def guarded(self, move: Callable[[], Any], report: Callable[..., None] | None = None) -> None: ...
 
 
 # -- what a claim shows --
