@@ -274,12 +274,11 @@ def _send_campaign(
     except Exception as exc:  # this worker cannot send now (no provider, a missing driver): wait, as send_email does
         say_setup_error_once(exc)
         raise _again(self, policy, exc, owners, verdicts, passes, resumed, outage=True) from exc
-    last = passes >= MAX_PASSES
     deliveries, recipient_of = _unique(builder, base, recipients, tenant, self.request, owners, verdicts, passes)
     if resumed.start > len(deliveries):  # not this list's place: the whole list (the ledger skips the settled)
         resumed = _Resumed(continued=resumed.continued, outages=resumed.outages)
-    return CampaignPass(self, handler, policy, campaign_id, owner, owners, deliveries, recipient_of, resumed,
-                        passes, max(1, int(batch_size)), last, pass_seconds(self.app, sender.idem_settings),
+    return CampaignPass(self, handler, policy, campaign_id, owners, deliveries, recipient_of, resumed,
+                        passes, max(1, int(batch_size)), pass_seconds(self.app, sender.idem_settings),
                         verdicts=dict(verdicts)).run()
 
 
@@ -296,8 +295,7 @@ class CampaignPass:
     handler: Handler
     policy: Policy
     campaign_id: str
-    #: This pass's claim owner, and every owner whose claims it may hold or find held (newest first).
-    owner: str
+    #: Every owner whose claims this pass may hold or find held, newest first: its own first.
     owners: list[str]
     deliveries: list[Delivery]
     #: Each key a recipient may be recorded under -> its place in the list.
@@ -305,8 +303,6 @@ class CampaignPass:
     resumed: _Resumed
     passes: int
     size: int
-    #: The last pass MAX_PASSES allows: a recipient left pending is left to whoever holds it.
-    last: bool
     #: How long this pass may run (:func:`pass_seconds`) before it hands the rest of the list on.
     budget: float
     #: Verdicts still to record: those this pass came with, until their recipients are settled, and those it
@@ -317,6 +313,16 @@ class CampaignPass:
     early: dict[str, Outcome] = field(default_factory=dict)
     #: Recipients with a verdict before where this pass starts: the pass that handed on counted them pending.
     behind: set[str] = field(default_factory=set)
+
+    @property
+    def owner(self) -> str:
+        """This pass's claim owner."""
+        return self.owners[0]
+
+    @property
+    def last(self) -> bool:
+        """Is this the last pass MAX_PASSES allows? A recipient then left pending is left to whoever holds it."""
+        return self.passes >= MAX_PASSES
 
     def run(self) -> dict[str, Any]:
         """Go over the list (or stop early, raising the next pass) and return the campaign's counts."""
