@@ -288,3 +288,20 @@ def test_long_task_names_errors_and_results_are_read_whole(ledger: Ledger) -> No
     counted = ledger.summarize(RecordQuery(state=State.REVIEW))
     assert counted.reasons == {"zz_last_field": 1, "lease_expired": 1} and counted.tasks == {task: 1, TASKS[0]: 1}
     assert ledger.summarize(RecordQuery(state=State.FAILED)).reasons == {"zz_failed": 1}
+
+
+def test_a_reason_is_the_errors_own_never_one_inside_a_nested_object_or_a_message(ledger: Ledger) -> None:
+    """The Redis script reads a plain error's reason off its text; nesting, escapes and a reason that is no string
+    are decoded, so a ``"reason":"..."`` inside a detail or a message is never taken for the record's."""
+    errors = {"nested": {"details": {"reason": "inner"}, "reason": "outer"},
+              "quoted": {"message": 'the provider said "reason":"fake"', "reason": "real"},
+              "number": {"reason": 5, "type": "SendNeedsReview"},
+              "plain": {"at": 1.5, "message": "m", "reason": "plain_one", "type": "SendNeedsReview"}}
+    for name, error in errors.items():
+        c = ledger.claim(ClaimRequest(key=f"why-{name}", task_name=TASKS[0], payload=payload(1), fingerprint="f"))
+        ledger.park(f"why-{name}", c.token, error)
+    assert ledger.summarize(RecordQuery(state=State.REVIEW)).reasons == {"outer": 1, "real": 1, "": 1, "plain_one": 1}
+    for reason, key in (("outer", "why-nested"), ("real", "why-quoted"), ("plain_one", "why-plain")):
+        assert every_page(ledger, RecordQuery(state=State.REVIEW, reason=reason), 5) == [key]
+    for reason in ("inner", "fake", "5"):
+        assert every_page(ledger, RecordQuery(state=State.REVIEW, reason=reason), 5) == []

@@ -251,20 +251,29 @@ class Summaries:
         self._stats: dict[int, tuple[float, dict[str, int]]] = {}
         self._lock = threading.Lock()
 
+    def kept(self, ledger: Ledger, query: RecordQuery) -> Summary | None:
+        """The summary of ``query`` from the counts kept for its state and time range; None if none are."""
+        with self._lock:
+            kept = self._kept.get(self._key(ledger, query))
+        return kept[1].summary(query) if kept is not None and kept[0] > time.monotonic() else None
+
     def get(self, ledger: Ledger, query: RecordQuery) -> Summary:
         """The summary of ``query``, from the counts kept for its state and time range, else counted now."""
-        key = (id(ledger), RecordQuery(state=query.state, since=query.since, until=query.until))
+        summary = self.kept(ledger, query)
+        if summary is not None:
+            return summary
+        key = self._key(ledger, query)
         now = time.monotonic()
-        with self._lock:
-            kept = self._kept.get(key)
-        if kept is not None and kept[0] > now:
-            return kept[1].summary(query)
         counts = ledger.count(key[1])
         with self._lock:
             if len(self._kept) > 256:
                 self._kept.clear()
             self._kept[key] = (now + SUMMARY_SECONDS, counts)
         return counts.summary(query)
+
+    @staticmethod
+    def _key(ledger: Ledger, query: RecordQuery) -> tuple[int, RecordQuery]:
+        return id(ledger), RecordQuery(state=query.state, since=query.since, until=query.until)
 
     def states(self, ledger: Ledger) -> dict[str, int]:
         """The records per state (:meth:`~idemmail_celery.ledger.base.Ledger.stats`), kept as long."""

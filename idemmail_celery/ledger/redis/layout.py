@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import functools
 import json
 import re
@@ -142,11 +141,11 @@ def _pack_all(texts: list[str]) -> list[str]:
     """:func:`_pack` of many texts (a listing names thousands of records), the 64-hex ones without a regex."""
     out = []
     for text in texts:
-        raw = None
-        if len(text) == 64:
-            with contextlib.suppress(ValueError):
-                raw = bytes.fromhex(text)
-        if raw is not None and raw.hex() == text:
+        try:
+            raw = bytes.fromhex(text) if len(text) == 64 else None
+        except ValueError:
+            raw = None
+        if raw is not None and raw.hex() == text:  # lower case, no spaces: as _HEX64 reads it
             out.append(binascii.b2a_base64(raw, newline=False)[:43].translate(_URLSAFE).decode("ascii"))
         else:
             out.append(_pack(text))

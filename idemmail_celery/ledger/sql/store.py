@@ -517,14 +517,19 @@ class SQLLedger(SQLConnections):
     # -- listing: the review queue (see ``listing``) --
 
     def _reason(self) -> sa.ColumnElement[Any]:
-        """The ``reason`` of a row's error, read by the database (NULL without one)."""
+        """The ``reason`` of a row's error, read by the database: NULL without one, or where it is no string
+        (as :func:`~idemmail_celery.ledger.listing.reason_of` reads it, and the Redis ledger)."""
         error = self.table.c.error
         if self.dialect == "postgresql":
-            found: sa.ColumnElement[Any] = sa.cast(error, postgresql.JSON)["reason"].astext  # json takes any JSON text
-            return found
-        if self.dialect == "sqlite":
-            return sa.func.json_extract(error, "$.reason")
-        return self._exact(sa.func.json_value(error, "$.reason"))
+            reason = sa.cast(error, postgresql.JSON)["reason"]  # json takes any JSON text
+            kind, text = sa.func.json_typeof(reason), reason.astext
+        elif self.dialect == "sqlite":
+            kind, text = sa.func.json_type(error, "$.reason"), sa.func.json_extract(error, "$.reason")
+        else:
+            kind = sa.func.json_type(sa.func.json_extract(error, "$.reason"))
+            text = self._exact(sa.func.json_value(error, "$.reason"))
+        string = {"postgresql": "string", "sqlite": "text"}.get(self.dialect, "STRING")
+        return sa.case((kind == string, text), else_=sa.null())
 
     def _exact(self, text: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
         """``text`` compared and grouped byte for byte (MariaDB's default collation ignores case)."""
