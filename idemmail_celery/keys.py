@@ -55,11 +55,12 @@ import hmac
 import inspect
 import json
 import re
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .chain import KEY_HEADER, KEY_MARK_HEADER, SEALED_HEADERS
+from .chain import KEY_HEADER, KEY_MARK_HEADER, SEALED_HEADERS, intent_headers
 from .email import parse_address
 from .encoding import RoundTrip, _TypedEncoder, canonical_json, json_round_trip, typed_json_dumps, typed_json_loads
 from .errors import ConfigurationError, IdempotencyKeyError, InvalidEmail, UnserializableArgumentsError
@@ -567,6 +568,47 @@ class IntentKeyBuilder:
         except (UnserializableArgumentsError, TypeError, ValueError):
             return Seal.INVALID
         return Seal.VALID if hmac.compare_digest(digest, self._digest(material, mac)) else Seal.INVALID
+
+    def sealed(self, headers: dict[str, Any], payload: Payload) -> dict[str, Any]:
+        """``headers`` with their :meth:`seal` for the call ``payload`` (in place; returned): what every publish
+        point of the library does last, after each header the worker acts on is set."""
+        headers[KEY_MARK_HEADER] = self.seal(headers, payload)
+        return headers
+
+    def intent_headers(self, payload: Payload, *, explicit: str | None = None, tenant: str | None = None,
+                       due: float | None = None) -> dict[str, Any]:
+        """The sealed headers of a new intent for the call ``payload`` (validated by the caller): its key
+        (derived, or ``explicit`` namespaced and hashed), its forms under older secrets during a rotation,
+        the enqueue time and ``due`` (when a countdown or ETA lets it run), as :func:`~idemmail_celery.chain.
+        intent_headers` spells them."""
+        key = self.derive(payload, explicit=explicit, tenant=tenant)
+        older = self.older_keys(payload, explicit=explicit, tenant=tenant)  # () unless rotating
+        return self.sealed(intent_headers(key, older, enqueued_at=time.time(), due_at=due, tenant=tenant), payload)
+
+    def call_headers(self, args: Any, kwargs: Any, headers: Mapping[str, Any], *,
+                     validate: Callable[[Any, Any], Payload], explicit: str | None = None, tenant: str | None = None,
+                     due: float | None = None) -> dict[str, Any]:
+        """The headers a call is enqueued with (``apply_async``), from the ones the caller passed.
+
+        A key the library sealed for these very arguments travels as it is: it was validated when it was
+        derived. One sealed under a secret this process does not have (a rotation) travels too, but its
+        arguments are validated (``validate``, the task's check: nothing vouches for them here). Any other
+        carried key is the caller's own, like ``explicit``: the call is validated and a new intent derived
+        from it, every chain header the caller copied from another message dropped. ``validate`` raises on
+        bad input and returns the arguments as the worker will see them.
+        """
+        carried = headers.get(KEY_HEADER)
+        if explicit is None and carried is not None:
+            seal = self.check_seal(headers, self.payload(args, kwargs))
+            if seal is Seal.VALID:
+                return dict(headers)
+            if seal is Seal.UNKNOWN_SECRET:
+                validate(args, kwargs)
+                return dict(headers)
+            explicit = carried  # 64 hex digits too: checked and hashed, never trusted as it is
+        payload = validate(args, kwargs)
+        return {**untrusted_removed(headers, keep=()),
+                **self.intent_headers(payload, explicit=explicit, tenant=tenant, due=due)}
 
     def _seal_material(self, headers: Mapping[str, Any], payload: Payload, task_name: str | None) -> str:
         # Never canonical JSON alone (key and fingerprint material start with "{"): no seal is ever a key.

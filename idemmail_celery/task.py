@@ -46,7 +46,6 @@ from .chain import (
     SEALED_HEADERS,
     Carry,
     ChainState,
-    intent_headers,
     key_headers,
     next_headers,
 )
@@ -348,11 +347,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         Raises :class:`~idemmail_celery.errors.IdemmailError` subclasses (and ``TypeError`` from
         ``check_call``) on bad input.
         """
-        payload = self.validate_call(args, kwargs)
-        builder = self.key_builder
-        key = builder.derive(payload, explicit=explicit, tenant=tenant)
-        older = builder.older_keys(payload, explicit=explicit, tenant=tenant)  # () unless rotating
-        return self.sealed(intent_headers(key, older, enqueued_at=time.time(), due_at=due, tenant=tenant), payload)
+        return self.key_builder.intent_headers(self.validate_call(args, kwargs), explicit=explicit, tenant=tenant,
+                                               due=due)
 
     def key_headers(self, key: str, payload: Payload, older: Sequence[str] = ()) -> dict[str, Any]:
         """The headers that put an intent key the library derived on a message for the call ``payload``, sealed.
@@ -371,8 +367,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
         The library's publish points call it last, after every header the worker acts on is set
         (:meth:`~idemmail_celery.keys.IntentKeyBuilder.seal`)."""
-        headers[KEY_MARK_HEADER] = self.key_builder.seal(headers, payload)
-        return headers
+        return self.key_builder.sealed(headers, payload)
 
     def _received(self, args: Any = None, kwargs: Any = None) -> Payload:
         """The arguments a republished copy of this delivery carries (its own, unless given)."""
@@ -449,27 +444,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         :class:`~idemmail_celery.errors.IdempotencyKeyError` (and subclasses) or
         :class:`~idemmail_celery.errors.ConfigurationError` before enqueueing.
         """
-        explicit = options.pop("idempotency_key", None)
-        tenant = options.pop("idempotency_tenant", None)
-        headers = dict(options.get("headers") or {})
-        carried = headers.get(KEY_HEADER)
-        seal = Seal.ABSENT if explicit is not None or carried is None else self.key_builder.check_seal(
-            headers, self.key_builder.payload(args, kwargs))
-        if seal is Seal.UNKNOWN_SECRET:
-            # A seal made under a newer secret than this process has (a rotation) travels unchanged: the
-            # worker that has it decides. Nothing vouches for the arguments here, though (any text before
-            # the ':' names an unknown secret): they are validated like a new call's.
-            self.validate_call(args, kwargs)
-        elif seal is not Seal.VALID and carried is not None and explicit is None:
-            # The caller's own key, whatever it looks like (64 hex digits too): checked and hashed like
-            # idempotency_key=, never sealed as it is. Only the library's own headers (sealed for these
-            # arguments, validated when the key was derived) travel unchanged.
-            explicit = carried
-        if explicit is not None or carried is None:
-            # Chain state and older keys belong to whatever message the caller copied them from: dropped.
-            headers = untrusted_removed(headers, keep=())
-            due = first_run_time(self.app, options.get("countdown"), options.get("eta"))
-            headers.update(self.intent_headers(args, kwargs, explicit=explicit, tenant=tenant, due=due))
+        headers = self.key_builder.call_headers(
+            args, kwargs, options.get("headers") or {}, validate=self.validate_call,
+            explicit=options.pop("idempotency_key", None), tenant=options.pop("idempotency_tenant", None),
+            due=first_run_time(self.app, options.get("countdown"), options.get("eta")))
         options["headers"] = headers
         if self.idem_settings.redact_args:  # the task option, else idemmail_redact_args, parsed strictly
             options.setdefault("argsrepr", "<redacted>")
