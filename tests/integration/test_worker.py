@@ -10,7 +10,7 @@ import pytest
 from idemmail_celery import SendNeedsReview
 from idemmail_celery.ledger import State
 
-from ..conftest import RABBITMQ_URL, REDIS_URL, service_missing, wait_for
+from ..conftest import RABBITMQ_URL, REDIS_URL, service_missing, valkey_url, wait_for
 from .conftest import results
 
 
@@ -26,14 +26,18 @@ def test_same_send_enqueued_three_times_runs_once(app_module: Any, sink: Any, st
     assert len({o["key"] for o in out}) == 1
 
 
-@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+@pytest.mark.parametrize(("broker", "store"), [
+    ("redis", "redis"), ("rabbitmq", "redis"), pytest.param("redis", "valkey", marks=pytest.mark.valkey)])
 def test_sigkill_after_recording_before_ack_does_not_resend(
-    broker: str, ns: str, worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+    broker: str, store: str, ns: str, worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
     sink: Any, start_worker: Any, request: pytest.FixtureRequest,
 ) -> None:
     env = {"IDEMMAIL_TEST_BROKER": RABBITMQ_URL if broker == "rabbitmq" else REDIS_URL, "IDEMMAIL_TEST_VT": "3"}
+    if store == "valkey":  # the ledger on Valkey 9, the broker on the machine's Redis
+        env["IDEMMAIL_TEST_LEDGER"] = valkey_url()
     worker_env.update(env)
     app_module = request.getfixturevalue("app_module")
+    assert app_module.app.conf.idemmail_ledger_url == env.get("IDEMMAIL_TEST_LEDGER", REDIS_URL)
     if broker == "rabbitmq":
         try:
             app_module.app.connection_for_write().ensure_connection(max_retries=1)
@@ -67,9 +71,14 @@ def test_duplicate_while_first_is_running_is_rescheduled(app_module: Any, sink: 
     assert len(sink.deliveries()) == 1
 
 
+@pytest.mark.parametrize("store", ["redis", pytest.param("valkey", marks=pytest.mark.valkey)])
 def test_worker_killed_holding_claim_without_key_downstream_parks_review(
-    app_module: Any, sink: Any, start_worker: Any
+    store: str, worker_env: dict[str, str], sink: Any, start_worker: Any, request: pytest.FixtureRequest,
 ) -> None:
+    if store == "valkey":  # the takeover of a dead holder's claim, by the scripts, on Valkey 9
+        worker_env["IDEMMAIL_TEST_LEDGER"] = valkey_url()
+    app_module = request.getfixturevalue("app_module")
+    assert app_module.app.conf.idemmail_ledger_url == worker_env.get("IDEMMAIL_TEST_LEDGER", REDIS_URL)
     start_worker("-P", "prefork", "-c", "1", env={"IDEMMAIL_TEST_LEASE": "2"})
     sink.control("die_after_send", "1")
     ar = app_module.send.delay("dan@example.com", 9)
