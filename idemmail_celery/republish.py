@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from celery import Task
 from celery.exceptions import Retry
@@ -21,9 +21,8 @@ from ._common import logsafe, transport_visibility_timeout
 from .chain import SECRET_WAIT_ERROR_SECONDS, SECRET_WAIT_HEADER, with_hop
 from .diagnostics import say_setup_error_once
 from .errors import IdemmailError, TransientSendError
-
-if TYPE_CHECKING:
-    from .task import IdempotentTask
+from .keys import Payload
+from .steps import Policy
 
 log = logging.getLogger("idemmail_celery")
 
@@ -44,10 +43,28 @@ class Rescheduled(Retry):  # type: ignore[misc]
         return repr(self.exc) if self.exc is not None else f"Rescheduled({self.message!r})"
 
 
+class Republishing(Protocol):
+    """What the republisher uses of the task it publishes for (an :class:`~idemmail_celery.task.IdempotentTask`): its
+    app, its numbers, the seal of its headers, the delivery it runs (Celery's request) and its signature. Declared here
+    so that this module never imports the adapter that calls it."""
+
+    @property
+    def app(self) -> Any: ...
+    @property
+    def request(self) -> Any: ...
+    def signature_from_request(self, request: Any = None, args: Any = None, kwargs: Any = None, queue: Any = None,
+                               **extra_options: Any) -> Any: ...
+    @property
+    def policy(self) -> Policy: ...
+    def _policy_or_default(self) -> Policy: ...
+    def sealed(self, headers: dict[str, Any], payload: Payload) -> dict[str, Any]: ...
+    def _received(self, args: Any = None, kwargs: Any = None) -> Payload: ...
+
+
 class Republisher:
     """Publishes the message a task runs (or, with ``running``, the one a campaign runs) again."""
 
-    def __init__(self, task: IdempotentTask) -> None:
+    def __init__(self, task: Republishing) -> None:
         self.task = task
 
     def split(self, countdown: float, headers: dict[str, Any], hop: str | None = None) -> float:
