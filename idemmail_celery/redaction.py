@@ -44,15 +44,11 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from ._common import LIBRARY_TASKS, logsafe
 from .chain import KEY_HEADER
 from .errors import SendError
-
-if TYPE_CHECKING:
-    from .email import EmailMessage
-    from .providers.base import Provider, SendResult
 
 __all__ = ["ADDRESS_MARK", "ARGSREPR", "KEY_HEADER", "PERSONAL_MARK", "cut_leaking_chain", "known", "kwargsrepr",
            "on_before_publish", "redacts", "register", "scrub", "scrub_error", "scrubbed"]
@@ -273,6 +269,13 @@ def cut_leaking_chain(exc: _X, personal: Iterable[str] = ()) -> _X:
 _Send = TypeVar("_Send", bound=Callable[..., Any])
 
 
+class _Message(Protocol):
+    """What :func:`scrubbed` reads of a message (an :class:`~idemmail_celery.email.EmailMessage`): the texts that
+    name its recipients (declared here: the providers this decorates import this module, not the other way)."""
+
+    def personal_texts(self) -> tuple[str, ...]: ...
+
+
 def scrubbed(send: _Send) -> _Send:
     """Decorate a provider's ``send(self, message, *, key)``: what it raises or stores is scrubbed.
 
@@ -283,9 +286,9 @@ def scrubbed(send: _Send) -> _Send:
     """
 
     @functools.wraps(send)
-    def wrapper(self: Provider, message: EmailMessage, **kwargs: Any) -> SendResult:
+    def wrapper(self: Any, message: _Message, **kwargs: Any) -> Any:  # a Provider's send: a SendResult back
         try:
-            result: SendResult = send(self, message, **kwargs)
+            result = send(self, message, **kwargs)
         except SendError as exc:
             scrub_error(exc, message.personal_texts())
             raise

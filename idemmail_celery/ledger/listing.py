@@ -44,7 +44,7 @@ from ..keys import Payload
 from ..redaction import scrub
 
 if TYPE_CHECKING:
-    from .base import Record, State
+    from .records import Record, State
 
 #: The longest task name, reason or search a query takes (what a request may hand over).
 MAX_TEXT = 255
