@@ -3,12 +3,13 @@ on the way.
 
 Until a second release exists, the earlier release is its golden fixtures (``tests/golden/v1/``: messages and outbox
 rows exactly as 0.1.0 writes them). For each ledger (Redis, PostgreSQL), on RabbitMQ, against the fake provider
-(it de-duplicates on ``Idempotency-Key``, as the HTTP providers do, and is slowed so that kills land mid-send):
+(it de-duplicates on ``Idempotency-Key``, as the HTTP providers do, and answers after 1 s, so that kills land mid-send):
 
 1. every golden ``send_email`` message is published ``--copies`` times as it is (its sealed headers unchanged: what
    waits in a broker across an upgrade), and every golden outbox row is written to a fresh outbox table and relayed
    twice (a relay that died before its commit publishes again);
-2. workers of this code take them, and are SIGKILLed ``--kills`` times (main process and pool) and restarted;
+2. workers of this code take them, and are SIGKILLed ``--kills`` times (main process and pool), each time 0.3 s after a
+   new request reached the provider, and restarted;
 3. once the queue is empty and every intent's record is final, the check counts, per intent (its recipients and
    subject: a second key for one intent is a duplicate too): **duplicates** (delivered more than once), **lost**
    (never delivered), **stranded** (a record left ``claimed``, or under a key no fixture names).
@@ -21,8 +22,10 @@ Prints a Markdown table; exits 1 if any count is not 0. About a minute per ledge
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -34,6 +37,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from chaos.procs import WorkerProcess, install_signal_handlers, reap_all, wait_until
+from tests.conftest import drop_ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 V1 = ROOT / "tests" / "golden" / "v1"
@@ -57,15 +61,13 @@ def run(ledger_name: str, copies: int, kills: int, log_dir: Path) -> dict[str, A
 
     ns = f"upgrade_{uuid.uuid4().hex[:8]}"
     ledger_url = LEDGERS[ledger_name]
-    provider = FakeProvider(latency=0.3)
+    provider = FakeProvider(latency=1.0)
     provider.start()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UPGRADE_BROKER": BROKER, "UPGRADE_LEDGER": ledger_url,
            "UPGRADE_NS": ns, "UPGRADE_PROVIDER": provider.url, "UPGRADE_LEASE": "3"}
     os.environ.update({k: v for k, v in env.items() if k.startswith("UPGRADE_")})
-    sys.modules.pop("upgrade.workerapp", None)
-    from upgrade import workerapp
-
-    app = workerapp.app
+    sys.modules.pop("upgrade.workerapp", None)  # made again for this ledger (the module reads the environment)
+    app = importlib.import_module("upgrade.workerapp").app
     messages = [m for m in json.loads((V1 / "messages.json").read_text()) if m["task"] == SEND_EMAIL]
     rows = json.loads((V1 / "outbox_rows.json").read_text())
     intents = {intent_of(m["kwargs"]["to"], m["kwargs"]["subject"]) for m in messages}
@@ -74,6 +76,7 @@ def run(ledger_name: str, copies: int, kills: int, log_dir: Path) -> dict[str, A
     ledger = from_url(ledger_url, **({"prefix": ns} if ledger_url.startswith("redis") else {"table": ns}))
     engine = sa.create_engine(f"sqlite:///{log_dir / f'outbox-{ns}.sqlite3'}")
     started = time.monotonic()
+    killed = 0
     try:
         worker.start()
         task = app.tasks[SEND_EMAIL]
@@ -89,10 +92,13 @@ def run(ledger_name: str, copies: int, kills: int, log_dir: Path) -> dict[str, A
         with engine.begin() as conn:  # a relay that died before its commit: the rows are published again
             conn.execute(sa.update(table).values(state="pending"))
         relay(engine, app)
-        for _ in range(kills):
-            wait_until(lambda: provider.attempt_count() > 0, timeout=30)
-            time.sleep(0.4)
+        for _ in range(kills):  # each kill lands mid-send: after a new request reached the provider, before its answer
+            seen = provider.attempt_count()
+            if not wait_until(lambda seen=seen: provider.attempt_count() > seen, timeout=30):
+                break  # nothing left to send: every intent settled before this kill
+            time.sleep(0.3)
             worker.kill()
+            killed += 1
             worker.start()
 
         def settled() -> bool:
@@ -107,26 +113,16 @@ def run(ledger_name: str, copies: int, kills: int, log_dir: Path) -> dict[str, A
         worker.stop()
         provider.stop()
         engine.dispose()
+        with app.connection_for_write() as conn:  # this run's queue goes with it (copies left are duplicates)
+            conn.default_channel.queue_delete(app.conf.task_default_queue)
     stranded = [r for r in records if r.state is State.CLAIMED or r.key not in keys]
     out = {"ledger": ledger_name, "intents": len(intents), "messages": len(messages) * copies + 2 * len(rows),
-           "kills": kills, "deliveries": sum(delivered.values()),
+           "kills": killed, "deliveries": sum(delivered.values()),
            "duplicates": sum(n - 1 for n in delivered.values() if n > 1),
            "lost": sum(1 for i in intents if not delivered[i]), "stranded": len(stranded),
            "states": dict(Counter(r.state.value for r in records)), "seconds": round(time.monotonic() - started)}
-    _drop(ledger)
+    drop_ledger(ledger)
     return out
-
-
-def _drop(ledger: Any) -> None:
-    from idemmail_celery.ledger.redis import RedisLedger
-
-    if isinstance(ledger, RedisLedger):
-        names = list(ledger.client.scan_iter(f"{ledger.prefix}:*", count=1000))
-        if names:
-            ledger.client.delete(*names)
-    else:
-        ledger.drop_table()
-    ledger.close()
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -148,16 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     rows = []
     try:
-        with tempfile.TemporaryDirectory(prefix="upgrade-check-") as tmp:
-            for name in args.ledgers.split(","):
-                rows.append(run(name, args.copies, args.kills, Path(tmp)))
+        logs = Path(tempfile.mkdtemp(prefix="upgrade-check-"))  # the workers' logs, kept for a failure
+        for name in args.ledgers.split(","):
+            rows.append(run(name, args.copies, args.kills, logs))
     finally:
         reap_all()
     print(table(rows))
     bad = [r for r in rows if r["duplicates"] or r["lost"] or r["stranded"]]
     if bad:
-        print(f"upgrade-check: FAILED on {', '.join(r['ledger'] for r in bad)}", file=sys.stderr)
+        print(f"upgrade-check: FAILED on {', '.join(r['ledger'] for r in bad)}; the workers' logs: {logs}",
+              file=sys.stderr)
         return 1
+    shutil.rmtree(logs, ignore_errors=True)
     print("upgrade-check: 0 duplicates, 0 lost, 0 stranded")
     return 0
 
