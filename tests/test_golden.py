@@ -10,6 +10,7 @@ docs/upgrading.md states the rule these tests keep.
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,9 @@ FOREVER = 100 * 365 * 86400.0
 
 def golden_app(tmp_path: Path, broker: str = "memory://") -> Celery:
     app = make.app()
+    # A queue of its own: kombu's memory transport is one per process, shared with every other test in it.
     app.conf.update(broker_url=broker, idemmail_ledger_url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
-                    idemmail_retention_seconds=FOREVER)
+                    idemmail_retention_seconds=FOREVER, task_default_queue=f"golden.{uuid.uuid4().hex}")
     return app
 
 
@@ -84,7 +86,7 @@ def test_v1_outbox_rows_are_relayed_with_their_keys_and_sent_once(tmp_path: Path
                 k: sa.func.datetime(v) if k.endswith("_at") and v else v for k, v in row.items()}))
     assert relay(engine, app) == len(ROWS)
     with app.connection_for_read() as conn:
-        queue = conn.SimpleQueue("celery")
+        queue = conn.SimpleQueue(app.conf.task_default_queue)
         published = [queue.get(timeout=5) for _ in ROWS]
         queue.close()
     keys = {row["intent_key"] for row in ROWS}

@@ -18,6 +18,12 @@ from idemmail_celery.ledger.wrapper import LedgerWrapper
 from .conftest import BACKENDS, REDIS_SERVERS, STORES, drop_ledger, make_ledger, unique
 
 
+@pytest.fixture
+def ledger(store_ledger: Ledger) -> Ledger:
+    """The contract holds on every store, Valkey 9 included."""
+    return store_ledger
+
+
 def req(key: str, **kw: Any) -> ClaimRequest:
     kw.setdefault("lease_seconds", 30.0)
     return ClaimRequest(key=key, task_name="tests.send", payload='{"args":[1],"kwargs":{}}',
