@@ -67,10 +67,12 @@ class Cluster:
             if shutil.which(binary) is None:
                 service_missing(binary, FileNotFoundError(binary))
         self.dir = workdir
-        self.ports = [free_port(cluster=True) for _ in range(3)]
+        self.ports: list[int] = []
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        for port in self.ports:
-            self.start_node(port)
+        while len(self.ports) < 3:
+            port = free_port(cluster=True)
+            if self.start_node(port, first=True):
+                self.ports.append(port)
         subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
         self.wait_ok()
@@ -79,13 +81,20 @@ class Cluster:
     def url(self) -> str:
         return f"redis+cluster://127.0.0.1:{self.ports[0]}"
 
-    def start_node(self, port: int) -> None:
+    def start_node(self, port: int, *, first: bool = False) -> bool:
+        """Start the node on ``port``; False if it exited at once, its port (or its bus port) taken by another
+        process between the choice and the bind (``first``: its first start, when another port will do)."""
         self.procs[port] = subprocess.Popen(
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
              "--cluster-config-file", str(self.dir / f"nodes-{port}.conf"), "--save", "", "--appendonly", "no",
              "--dir", str(self.dir), "--daemonize", "no", "--maxmemory-policy", "noeviction"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: pings(port), timeout=20)
+        proc = self.procs[port]
+        wait_for(lambda: pings(port) or (first and proc.poll() is not None), timeout=20)
+        if proc.poll() is not None:
+            del self.procs[port]
+            return False
+        return True
 
     def restart_empty(self, port: int) -> None:
         """SIGKILL one node and start it again without its data (it keeps its slots)."""
