@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,13 +16,7 @@ from redis.retry import Retry
 from idemmail_celery.errors import UnsafeLedgerError
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, from_url
 
-from .conftest import wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .conftest import free_port, wait_for
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from celery import current_app
 from examples._stack import celery_worker
 from idemmail_celery.testing import FakeProvider
 
-from ..conftest import REDIS_URL, require_module, service_missing, unique, wait_for
+from ..conftest import REDIS_URL, free_port, require_module, service_missing, unique, wait_for
 from .conftest import ROOT, stop_group
 
 anyio = require_module("anyio")
@@ -50,12 +50,6 @@ class Stack:
 
     def notes(self) -> list[str]:
         return [n.decode() for n in self.r.lrange(f"sink.{self.ns}.notes", 0, -1)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve_command(*args: str) -> list[str]:

@@ -9,7 +9,6 @@ import ast
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,16 +23,10 @@ import pytest
 from idemmail_celery.mail import TASK_NAME
 from idemmail_celery.testing.fake_provider import DEFAULT_API_KEY, FakeProvider
 
-from ..conftest import wait_for
+from ..conftest import free_port, wait_for
 from .conftest import ROOT, results
 
 ADDRESS = "ann@example.com"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_get(url: str) -> bytes:
