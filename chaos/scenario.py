@@ -617,11 +617,13 @@ class Copies:
         return max((walk(h) for h in self.messages), default=0)
 
     def lineage(self, hop: str) -> list[Message]:
-        """The message ``hop`` and every message its deliveries, and theirs, published."""
-        out, todo = [], [hop]
+        """The message ``hop`` and every message its deliveries, and theirs, published (each once)."""
+        out, todo, seen = [], [hop], set()
         while todo:
-            m = self.messages.get(todo.pop())
-            if m is not None:
+            name = todo.pop()
+            m = self.messages.get(name)
+            if m is not None and name not in seen:  # a cycle cannot happen (see copies_by_task); guarded anyway
+                seen.add(name)
                 out.append(m)
                 todo.extend(m.children)
         return out
@@ -638,7 +640,9 @@ def copies_by_task(receipts: list[list[Any]], ends: set[tuple[str, int, float]],
         copies = out.setdefault(task_id, Copies(task_id))
         m = copies.message(hop)
         m.published, m.due = at, due
-        if parent_id == task_id and parent_hop is not None:
+        # A copy of a reschedule whose first copy has not said it published comes back as the same hop (see
+        # Handler.in_flight): the message published again, not a child of itself (no fork, and no cycle).
+        if parent_id == task_id and parent_hop is not None and parent_hop != hop:
             m.parent = parent_hop
             copies.message(parent_hop).children.append(hop)
     for task_id, at in (enqueued or {}).items():

@@ -219,6 +219,25 @@ def test_verdict_passes_a_fork_a_kill_explains() -> None:
     assert any("forked 1 times with no kill" in p for p in verdict(rec.judged(DEFAULTS)))
 
 
+def test_a_copy_that_comes_back_as_its_own_hop_is_no_fork_and_its_lineage_ends() -> None:
+    # make chaos of 2026-11-28 (redis-redis-http-vt): a copy of m1 found m1's reschedule marked, not yet published,
+    # and came back as m1 itself, twice (Handler.in_flight). The judge took m1 for a child of itself: it counted
+    # forks, and its walk of m1's lineage never ended (the orchestrator grew to 23 GB and was killed).
+    rec = Recorded()
+    rec.deliver("m0", 0.0, ended=False, pid=1)
+    rec.publish("m1", "m0", 0.1, 1.0)
+    rec.deliver("m1", 1.1, pid=2)
+    rec.publish("m1", "m1", 2.0, 1.0)
+    rec.deliver("m1", 3.1, redelivered=True, pid=3)
+    rec.publish("m1", "m1", 2.4, 1.0)
+    rec.publish("m2", "m1", 4.0, 1.0)
+    rec.deliver("m2", 5.1, pid=2)
+    copies = copies_by_task(rec.receipts, rec.ends, rec.publishes, {rec.task_id: 0.0})[rec.task_id]
+    assert [m.hop for m in copies.lineage("m0")] == ["m0", "m1", "m2"]
+    assert (copies.lineages, copies.unexplained_forks, copies.longest_chain) == (1, 0, 3)
+    assert verdict(rec.judged(DEFAULTS)) == []
+
+
 DESIGN = RecoveryDesign(lease=30.0, margin=0.5, redelivered=11.0, send=10.0, retry_backoff=2.0,
                         retry_backoff_max=300.0)
 
