@@ -81,7 +81,7 @@ from .errors import (
 )
 from .keys import IntentKeyBuilder, Payload
 from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
-from .ledger.base import AHEAD_FIELD, new_owner, owner_writes_ahead
+from .ledger.base import Mark, new_owner, owner_writes_ahead
 from .ledger.sealed import PAYLOAD_KEY_UNKNOWN, is_sealed, park_unreadable
 from .recovery import OLDER_THAN_RETENTION, RETENTION_SKEW_SECONDS, UNDATED_AFTER_LOSS_SECONDS
 from .redaction import cut_leaking_chain, scrub
@@ -420,9 +420,9 @@ class Handler:
         if retry_safe and budget_left:
             note = {**error_record(exc, reason, type(exc) if isinstance(exc, SendError) else SendError),
                     "maybe_sent": sent_maybe}
-            if sent_maybe:  # retried with its key: the note is a write-ahead mark for whoever claims it next
-                note[AHEAD_FIELD] = MAYBE_SENT_STAGE
-            self.released(d, claim, note)
+            # Retried with its key after a maybe-send: the release leaves a write-ahead mark for whoever claims it next.
+            mark = Mark(MAYBE_SENT_STAGE, time.time(), claim.token) if sent_maybe else None
+            self.released(d, claim, note, mark)
             countdown = self.retry_countdown(d.retries)
             if isinstance(exc, SendError) and exc.retry_after:
                 # Honoured up to the backoff's maximum (one asking for longer is asked again then): a claim whose
@@ -581,10 +581,10 @@ class Handler:
         return Step(Outcome.SENT, Action.RETURN, record.key,
                     value=sent_outcome("sent", record.key, stored, confirmed.updated_at))
 
-    def released(self, d: Delivery, claim: Claim, note: dict[str, Any]) -> None:
-        """Release the claim (nothing left the process); reported as a retry. A release that fails
-        needs nothing more: the retry it precedes carries the owner and takes the claim back."""
-        self.guarded(lambda: self.ledger.release(d.key, claim.token, note),
+    def released(self, d: Delivery, claim: Claim, note: dict[str, Any], mark: Mark | None = None) -> None:
+        """Release the claim (the next claim runs it; ``mark``, if the holder may have sent); reported as a retry.
+        A release that fails needs nothing more: the retry it precedes carries the owner and takes the claim back."""
+        self.guarded(lambda: self.ledger.release(d.key, claim.token, note, mark=mark),
                      report=lambda **landed: self.effect.report(Outcome.RETRY, d.key, reason=note.get("reason"),
                                                                 **landed))
 

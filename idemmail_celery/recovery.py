@@ -14,7 +14,7 @@ from typing import Any
 
 from ._common import logsafe
 from .ledger import Claim, ClaimStatus
-from .ledger.base import AHEAD_FIELD, owner_writes_ahead
+from .ledger.base import owner_writes_ahead
 from .steps import Delivery, Outcome, Settling, Step, live_mark
 
 log = logging.getLogger("idemmail_celery")
@@ -54,7 +54,7 @@ def after_crash(h: Settling, d: Delivery, claim: Claim) -> Step | None:
             return h.record_sent(d, claim, found, reconciled=True)
         reason = "lease_expired"  # it may have sent, and nothing downstream would dedupe
         if mark is not None:
-            extra["stage"] = mark[AHEAD_FIELD]
+            extra["stage"] = mark.stage
     else:
         log.warning("idemmail: %s reclaimed after an expired lease; resending with the same key", logsafe(d.key))
         return None

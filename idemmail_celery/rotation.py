@@ -16,7 +16,7 @@ from dataclasses import replace
 from ._common import logsafe
 from .errors import LedgerError, LedgerUnavailableError, PayloadKeyError, UnsafeLedgerError
 from .ledger import Claim, Record, State
-from .ledger.base import ahead_mark, new_owner
+from .ledger.base import new_owner
 from .steps import Delivery, Settling, Step, first_of_its_tokens, owned_by
 
 log = logging.getLogger("idemmail_celery")
@@ -58,7 +58,7 @@ def drop_unchecked(h: Settling, d: Delivery) -> None:
     try:
         record = h.ledger.get(d.key)
         if (record is not None and record.state is State.CLAIMED and record.reclaims == 0
-                and ahead_mark(record) is None and owned_by(record.owner, d.resume_owners)):
+                and record.mark is None and owned_by(record.owner, d.resume_owners)):
             h.ledger.withdraw(d.key, record.token)
     except PayloadKeyError:  # sealed with a key this process lacks: not this chain's claim to judge
         return

@@ -18,7 +18,7 @@ from .config import DEFAULTS
 from .errors import SendError
 from .keys import Payload
 from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record
-from .ledger.base import AHEAD_FIELD, AHEAD_OWNER_FIELD, UNKNOWN_STAGE, ahead_mark, owner_writes_ahead
+from .ledger.base import UNKNOWN_STAGE, Mark, owner_writes_ahead
 from .redaction import scrub
 
 
@@ -201,27 +201,26 @@ class Settling(Protocol):
 
 # -- what a claim shows --
 
-def live_mark(claim: Claim, owners: tuple[str, ...] = ()) -> dict[str, Any] | None:
+def live_mark(claim: Claim, owners: tuple[str, ...] = ()) -> Mark | None:
     """The write-ahead mark a claim came back with, unless it is void: a mark this chain wrote itself,
     named by its owner among ``owners`` (``Delivery.resume_owners``), or a resumed claim's mark written
     by the very claim it resumed (its token is the one before). That holder is an owner this chain
     carried, so its delivery ended with a step, not a kill; having marked, it would have carried a
     verdict had it sent, or might have ("sent", "review"). It carried none: it sent nothing (a
     transient error, a mark whose reply was lost) and only its release failed."""
-    mark = ahead_mark(claim.record)
+    mark = claim.record.mark
     if mark is None:
         return None
-    writer = mark.get(AHEAD_OWNER_FIELD)
     # Only a holder that promised its mark (a side effect without a key): one that carries a key is retried
     # with it after a maybe-send, so its step says nothing about whether it sent.
-    if isinstance(writer, str) and owner_writes_ahead(writer) and owned_by(writer, owners):
+    if owner_writes_ahead(mark.owner) and owned_by(mark.owner, owners):
         return None
     if claim.status is not ClaimStatus.RESUMED:
         return mark
     # The one before, or any earlier one while no holder was ever reclaimed: a claim that only ever
     # passed between this chain's own deliveries (each ended with a step, several of whose replies
     # may have been lost) was never held by a delivery that died after its mark.
-    if mark.get("token") == claim.token - 1 or claim.record.reclaims == 0:
+    if mark.token == claim.token - 1 or claim.record.reclaims == 0:
         return None
     return mark
 
@@ -239,8 +238,8 @@ def may_have_run(claim: Claim) -> bool:
     marks before it runs, see :meth:`Handler.attempt`), and so does a release (a holder ran and let go)."""
     if claim.status is ClaimStatus.REOPENED:
         return True
-    mark = ahead_mark(claim.record)
-    return mark is not None and mark.get(AHEAD_FIELD) != UNKNOWN_STAGE
+    mark = claim.record.mark
+    return mark is not None and mark.stage != UNKNOWN_STAGE
 
 
 def owned_by(holder: str, owners: tuple[str, ...]) -> bool:

@@ -18,7 +18,6 @@ from idemmail_celery.chain import Carry
 from idemmail_celery.errors import LedgerError
 from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Step
 from idemmail_celery.ledger import State
-from idemmail_celery.ledger.base import ahead_mark
 
 from . import ledger as sim_ledger
 from .world import Config, patched
@@ -124,7 +123,7 @@ DEFECTS: tuple[Defect, ...] = (
            (Config(provider="keyless", intents=0, campaign=3, batch=2, faults=1, crashes=0, ticks=1, steps=60),)),
     Defect("own_mark_not_void", "a chain's own mark from an attempt that sent nothing parks it (history: "
            "the rule that a chain's own mark is void)",
-           lambda: [(m, "live_mark", lambda claim, owners=(): ahead_mark(claim.record))
+           lambda: [(m, "live_mark", lambda claim, owners=(): claim.record.mark)
                     for m in (handler_mod, recovery)],
            (Config(provider="smtp", copies=1, faults=2, crashes=0, ticks=1, preemptions=0, steps=40),
             Config(provider="keyless", copies=1, faults=3, crashes=0, ticks=2, steps=60))),

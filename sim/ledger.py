@@ -12,9 +12,8 @@ from idemmail_celery.errors import LedgerLostError, LedgerUnavailableError, Reco
 from idemmail_celery.ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
 from idemmail_celery.ledger.base import (
     UNKNOWN_STAGE,
+    Mark,
     RosterEntry,
-    ahead_error,
-    ahead_mark,
     check_roster_entry,
     dumps_json,
     loads_json,
@@ -78,18 +77,18 @@ class MemLedger(Ledger):
             status = ClaimStatus.RECLAIMED
         else:
             status = ClaimStatus.REOPENED
-        error = seen.error
-        if status is ClaimStatus.RECLAIMED and not owner_writes_ahead(seen.owner) and ahead_mark(seen) is None:
-            error = ahead_error(UNKNOWN_STAGE, int(now), seen.token)
+        mark = seen.mark
+        if status is ClaimStatus.RECLAIMED and not owner_writes_ahead(seen.owner) and mark is None:
+            mark = Mark(UNKNOWN_STAGE, int(now), seen.token)
         record = replace(seen, state=State.CLAIMED, token=seen.token + 1, owner=request.owner,
                          lease_expires_at=now + request.lease_seconds, attempts=seen.attempts + 1,
-                         reclaims=seen.reclaims + (status is ClaimStatus.RECLAIMED), updated_at=now, error=error)
+                         reclaims=seen.reclaims + (status is ClaimStatus.RECLAIMED), updated_at=now, mark=mark)
         self.records[request.key] = record
         previous = seen.owner if seen.state is State.CLAIMED else None
         return Claim(status, record, previous_owner=previous)
 
     def _finish(self, key: str, token: int, state: State, *, result: dict[str, Any] | None = None,
-                error: dict[str, Any] | None = None) -> float | None:
+                error: dict[str, Any] | None = None, mark: Mark | None = None) -> float | None:
         now = self.now()
         seen = self.records.get(key)
         if seen is None:
@@ -103,12 +102,11 @@ class MemLedger(Ledger):
             raise StaleTokenError(f"token {token} no longer holds {key}: it is {seen.state.value} "
                                   f"with token {seen.token}")
         result, error = _stored(result), _stored(error)  # as a store keeps them: JSON, refused if it cannot be
-        kept = None if ahead_mark(seen) is not None else seen.error
         self.records[key] = replace(
             seen, state=state, lease_expires_at=None, updated_at=now,
             expires_at=now + self.retention_seconds if state.expires else None,
             result=result if result is not None else seen.result,
-            error=error if error is not None else kept,
+            error=error if error is not None else seen.error, mark=mark,
             payload=None if state is State.SENT and not self.keep_payload else seen.payload)
         return now
 
@@ -134,8 +132,7 @@ class MemLedger(Ledger):
         if seen is None:
             return False
         now = self.now()
-        self.records[key] = replace(seen, error=ahead_error(stage, now, token, owner),
-                                    lease_expires_at=now + lease_seconds)
+        self.records[key] = replace(seen, mark=Mark(stage, now, token, owner), lease_expires_at=now + lease_seconds)
         return True
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
@@ -165,17 +162,17 @@ class MemLedger(Ledger):
         seen = self.records.get(key)
         if seen is None or seen.token != expected_token:
             return False
-        new = replace(new, result=_stored(new.result), error=_stored(new.error))
+        new = replace(new, result=_stored(new.result), error=_stored(new.error), resolution=_stored(new.resolution))
         self.records[key] = replace(new, payload=None) if new.state is State.SENT and not self.keep_payload else new
         return True
 
     def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
-               error: dict[str, Any] | None) -> bool:
+               error: dict[str, Any] | None, resolution: dict[str, Any] | None) -> bool:
         seen = self.records.get(key)
         if seen is None or seen.token != expected_token or seen.state is not expected_state:
             return False
-        kept = seen.error if ahead_mark(seen) is not None else _stored(error)
-        self.records[key] = replace(seen, payload=None, result=_stored(result), error=kept)
+        self.records[key] = replace(seen, payload=None, result=_stored(result), error=_stored(error),
+                                    resolution=_stored(resolution))
         return True
 
     def purge_expired(self, now: float | None = None) -> int:
@@ -229,11 +226,11 @@ class FaultLedger(LedgerWrapper):
         return out
 
     def _finish(self, key: str, token: int, state: State, *, result: dict[str, Any] | None = None,
-                error: dict[str, Any] | None = None) -> float | None:
+                error: dict[str, Any] | None = None, mark: Mark | None = None) -> float | None:
         if state is State.REVIEW:
             self._world.parking(key)
         out: float | None = self._call(state.value, key, lambda: self.inner._finish(
-            key, token, state, result=result, error=error))
+            key, token, state, result=result, error=error, mark=mark))
         return out
 
     def withdraw(self, key: str, token: int) -> bool:
@@ -264,9 +261,9 @@ class FaultLedger(LedgerWrapper):
         return bool(self._call("force", key, lambda: self.inner._force(key, expected_token, new)))
 
     def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
-               error: dict[str, Any] | None) -> bool:
+               error: dict[str, Any] | None, resolution: dict[str, Any] | None) -> bool:
         return bool(self._call("erase", key, lambda: self.inner._erase(key, expected_token, expected_state, result,
-                                                                       error)))
+                                                                       error, resolution)))
 
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         return self.inner.renew(key, token, lease_seconds)  # the keeper's: a scheduler event, not a point

@@ -43,7 +43,7 @@ from idemmail_celery.errors import AmbiguousSendError, IdemmailError, PermanentS
 from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Policy, Step, owned_by
 from idemmail_celery.keys import IntentKeyBuilder, Payload
 from idemmail_celery.ledger import Ledger, Record, State
-from idemmail_celery.ledger.base import ahead_mark, new_owner
+from idemmail_celery.ledger.base import Mark, new_owner
 from idemmail_celery.mail import TASK_NAME as SEND_EMAIL
 from idemmail_celery.providers.base import about_to_send
 
@@ -68,6 +68,11 @@ PROVIDER_FAULTS = {
 }
 LEDGER_FAULTS = (BEFORE, AFTER)
 
+
+
+def _claim_mark(record: Record) -> Mark | None:
+    """The write-ahead mark of a ``claimed`` record (a released one's is for its next claimer), or None."""
+    return record.mark if record.state is State.CLAIMED else None
 
 class Killed(BaseException):
     """Thrown into a crashed actor: it unwinds, and nothing it does from here on reaches the world."""
@@ -406,7 +411,7 @@ class World:
         carry its owner and finds it once the lease runs out cannot tell it from a holder that died mid-send."""
         for key in actor.claimed:
             record = self.store.get(key)
-            if record is not None and ahead_mark(record) is not None:
+            if record is not None and _claim_mark(record) is not None:
                 self.left_owners.add(record.owner)
 
     def dropped(self, key: str, token: int) -> None:
@@ -415,18 +420,18 @@ class World:
         ones; nobody renews that claim until its next pass takes it back)."""
         record = self.store.get(key)
         if record is not None and record.state is State.CLAIMED and record.token == token \
-                and ahead_mark(record) is not None:
+                and _claim_mark(record) is not None:
             self.left_owners.add(record.owner)
 
     def parking(self, key: str) -> None:
         """A delivery parks ``key``: a mark on it from a holder that left it behind, whose owner this delivery
         did not carry, is a possible send as far as it can know."""
         record = self.store.get(key)
-        mark = ahead_mark(record) if record is not None else None
+        mark = _claim_mark(record) if record is not None else None
         actor = self.current
         if mark is None or actor is None or actor.msg is None:
             return
-        writer = self.mark_owner.get((key, mark.get("token")))
+        writer = self.mark_owner.get((key, mark.token))
         carried = owners_of(actor.msg.headers.get(OWNER_HEADER))
         if writer in self.left_owners and not owned_by(writer, carried):
             self.unknowable.add(self.intent_of.get(key, -1))
@@ -437,7 +442,7 @@ class World:
         self.orphaned |= actor.marked
         for key in actor.claimed:
             record = self.store.get(key)
-            if record is not None and ahead_mark(record) is not None:
+            if record is not None and _claim_mark(record) is not None:
                 self.orphaned.add(self.intent_of.get(key, -1))
 
     def refused_before(self, intent: int) -> None:

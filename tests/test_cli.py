@@ -119,7 +119,7 @@ def test_resolve_sent_and_illegal_moves(cli_ledger: Ledger) -> None:
     assert out.exit_code == 0, out.output
     record = cli_ledger.get("k2")
     assert record is not None and record.state is State.SENT and record.result["message_id"] == "pm-77"
-    assert record.error["resolution"]["by"] == "ana" and record.error["resolution"]["note"] == "in provider log"
+    assert record.resolution["by"] == "ana" and record.resolution["note"] == "in provider log"
     again = run(cli_ledger, "ledger", "resolve", "k2", "--failed", "--note", "oops")
     assert again.exit_code == EXIT_ILLEGAL and "cannot be resolved" in again.output
     missing = run(cli_ledger, "ledger", "resolve", "nope", "--sent", "--note", "x")
@@ -274,7 +274,7 @@ def test_celery_subcommand_release_reenqueues_first_payload(
 
     record = send.ledger.get(key)
     assert record is not None and record.state is State.RELEASED and record.payload
-    resolution = record.error["resolution"]
+    resolution = record.resolution
     assert resolution["by"] == f"{getpass.getuser()}@{socket.gethostname()}"
     assert resolution["note"] == "provider: not delivered"
     assert (resolution["from"], resolution["to"]) == ("review", "released")
@@ -285,7 +285,7 @@ def test_celery_subcommand_release_reenqueues_first_payload(
     shown = run(send.ledger, "ledger", "show", key)
     assert shown.exit_code == 0, shown.output
     as_shown = json.loads(shown.output)
-    assert as_shown["state"] == "released" and as_shown["error"]["resolution"] == resolution
+    assert as_shown["state"] == "released" and as_shown["resolution"] == resolution
     assert as_shown["has_payload"] is True and "payload" not in as_shown
 
 
@@ -309,7 +309,7 @@ def test_release_of_a_forgotten_payload_refuses_and_changes_nothing(
     assert queued(release_app) == []
     after = led.get(key)
     assert after == before  # still review, same token, no resolution recorded
-    assert after is not None and "resolution" not in (after.error or {})
+    assert after is not None and after.resolution is None
     # Still decidable the other ways.
     failed = run(led, "ledger", "resolve", key, "--failed", "--note", "cannot resend", "--actor", "ana")
     assert failed.exit_code == 0, failed.output

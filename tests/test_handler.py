@@ -29,7 +29,7 @@ from idemmail_celery.errors import (
 from idemmail_celery.handler import Action, Delivery, Handler, Outcome, Policy, Step
 from idemmail_celery.keys import IntentKeyBuilder, Payload
 from idemmail_celery.ledger import ClaimRequest, Ledger, State
-from idemmail_celery.ledger.base import ahead_mark, new_owner
+from idemmail_celery.ledger.base import new_owner
 from idemmail_celery.ledger.wrapper import LedgerWrapper
 from idemmail_celery.providers.base import about_to_send
 
@@ -392,7 +392,7 @@ def test_a_chain_takes_back_its_older_owners_expired_claim_and_does_not_park_it(
     refusing.down.add("released")
     d = delivery("h-own")
     first = handler.handle(d)
-    assert first.action is Action.RETRY and ahead_mark(ledger.get("h-own")) is not None  # type: ignore[arg-type]
+    assert first.action is Action.RETRY and ledger.get("h-own").mark is not None  # type: ignore[arg-type]
     box.fail_with = None
     refusing.down = {"claim"}
     time.sleep(0.35)  # the first owner's lease runs out
@@ -728,14 +728,14 @@ def test_each_send_is_marked_in_the_ledger_before_it_happens(ledger: Ledger) -> 
 
     class Watching(Mailbox):
         def perform(self, payload: Payload, key: str) -> Any:
-            before = ahead_mark(ledger.get(key))  # type: ignore[arg-type]
+            before = ledger.get(key).mark  # type: ignore[union-attr]
             out = super().perform(payload, key)
-            seen.extend([before, ahead_mark(ledger.get(key))])  # type: ignore[arg-type]
+            seen.extend([before, ledger.get(key).mark])  # type: ignore[arg-type]
             return out
 
     handler, _box = build(ledger, Watching(ahead=True))
     assert handler.handle(delivery("wa-h3")).outcome is Outcome.SENT
-    assert seen[0] is None and seen[1] is not None and seen[1]["ahead"] == "message"
+    assert seen[0] is None and seen[1] is not None and seen[1].stage == "message"
     record = ledger.get("wa-h3")
     assert record is not None and record.state is State.SENT and record.error is None  # sent replaces nothing
 
@@ -816,7 +816,7 @@ def test_a_chains_own_mark_from_an_attempt_that_sent_nothing_does_not_park_it(le
     step = handler.handle(d)
     assert step.action is Action.RETRY and box.sent == []
     held = ledger.get("wa-h6")
-    assert held is not None and held.state is State.CLAIMED and ahead_mark(held) is not None
+    assert held is not None and held.state is State.CLAIMED and held.mark is not None
     store.down.clear()
     box.fail_with = None
     done = handler.handle(next_of(d, step, retries=1))
@@ -1092,7 +1092,7 @@ def test_a_chains_own_mark_behind_a_reclaim_and_a_lost_claim_reply_is_void(ledge
     first = handler.handle(d)  # reclaimed, marked, nothing sent, the release refused
     assert first.action is Action.RETRY
     marked = ledger.get("h-own2")
-    assert marked is not None and marked.reclaims == 1 and ahead_mark(marked) is not None
+    assert marked is not None and marked.reclaims == 1 and marked.mark is not None
     box.fail_with = None
     refusing.down = {"claim_lost_reply"}
     second = handler.handle(next_of(d, first))  # takes the claim back; the reply is lost

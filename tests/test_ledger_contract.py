@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from idemmail_celery.errors import IllegalTransitionError, RecordNotFoundError, StaleTokenError
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger, State, from_url
-from idemmail_celery.ledger.base import ahead_mark, new_owner, owner_writes_ahead
+from idemmail_celery.ledger.base import new_owner, owner_writes_ahead
 from idemmail_celery.ledger.wrapper import LedgerWrapper
 
 from .conftest import BACKENDS, REDIS_SERVERS, STORES, drop_ledger, make_ledger, unique
@@ -155,7 +155,7 @@ def test_resolve_review_to_sent_and_refuse_illegal(ledger: Ledger) -> None:
     record = ledger.get("k8")
     assert record is not None and record.state is State.SENT
     assert record.result == {"message_id": "found"}
-    assert record.error is not None and record.error["resolution"]["by"] == "ops"
+    assert record.resolution is not None and record.resolution["by"] == "ops"
     with pytest.raises(IllegalTransitionError):
         ledger.resolve("k8", "released")  # sent is final
     with pytest.raises(RecordNotFoundError):
@@ -534,8 +534,9 @@ def test_forget_erases_payload_and_free_text_but_keeps_the_guarantee(ledger: Led
     assert failed is not None and sent is not None
     assert failed.payload is None and failed.state is State.FAILED
     assert failed.error is not None and "message" not in failed.error and failed.error["reason"] == "timeout"
-    assert failed.error["resolution"] == {"from": "review", "to": "failed", "at": failed.error["resolution"]["at"],
-                                          "by": "ops@example.com"}
+    assert failed.resolution is not None
+    assert failed.resolution == {"from": "review", "to": "failed", "at": failed.resolution["at"],
+                                 "by": "ops@example.com", "forgotten": True}  # the note is free text: gone
     assert sent.result == {"message_id": "m-fg2", "forgotten": True}
     assert "ann@example.com" not in repr(failed) + repr(sent)
     # The key still protects: a duplicate replays, it does not send again.
@@ -565,8 +566,8 @@ def test_forget_keeps_a_dead_holders_write_ahead_mark(ledger: Ledger) -> None:
     time.sleep(0.35)
     taken = ledger.claim(req("fg4", owner=new_owner("u", ahead=True)))
     assert taken.status is ClaimStatus.RECLAIMED
-    mark = ahead_mark(taken.record)
-    assert mark is not None and mark["ahead"] == "message" and mark["token"] == c.token
+    mark = taken.record.mark
+    assert mark is not None and mark.stage == "message" and mark.token == c.token
 
 
 class MovesWhileForgetting(LedgerWrapper):
@@ -595,8 +596,8 @@ def test_forget_racing_a_write_ahead_mark_keeps_the_mark(ledger: Ledger) -> None
     time.sleep(0.35)
     taken = ledger.claim(req("fg5", owner=new_owner("u", ahead=True)))
     assert taken.status is ClaimStatus.RECLAIMED and taken.record.payload is None
-    mark = ahead_mark(taken.record)
-    assert mark is not None and mark["ahead"] == "message" and mark["token"] == c.token
+    mark = taken.record.mark
+    assert mark is not None and mark.stage == "message" and mark.token == c.token
 
 
 def test_forget_racing_a_completion_keeps_what_it_recorded(ledger: Ledger) -> None:
@@ -624,26 +625,26 @@ def test_a_write_ahead_mark_is_fenced_kept_by_a_reclaim_and_replaced_by_a_releas
     c = store.claim(req("wa1", lease_seconds=0.2, owner=new_owner("t", ahead=True)))
     assert c.status is ClaimStatus.ACQUIRED and c.previous_owner is None
     assert store.write_ahead("wa1", c.token + 1, 30, "message") is False  # not the holder's token
-    assert ahead_mark(store.get("wa1")) is None  # type: ignore[arg-type]
+    assert store.get("wa1").mark is None  # type: ignore[arg-type]
     before = time.time()
     assert store.write_ahead("wa1", c.token, 0.2, "message") is True
     marked = store.get("wa1")
     assert marked is not None and marked.state is State.CLAIMED and marked.lease_expires_at is not None
     assert marked.lease_expires_at >= before + 0.15  # the mark renews the lease too
-    mark = ahead_mark(marked)
-    assert mark is not None and mark["ahead"] == "message" and mark["at"] >= before - 1
+    mark = marked.mark
+    assert mark is not None and mark.stage == "message" and mark.at >= before - 1
     time.sleep(0.35)
     r = store.claim(req("wa1", lease_seconds=30))
     assert r.status is ClaimStatus.RECLAIMED
     assert r.previous_owner is not None and owner_writes_ahead(r.previous_owner)
     assert r.record.owner != r.previous_owner
-    assert ahead_mark(r.record) == mark  # the next claimer sees what the dead holder had begun
+    assert r.record.mark == mark  # the next claimer sees what the dead holder had begun
     assert store.write_ahead("wa1", c.token, 30, "message") is False  # the dead holder's token is stale
     store.release("wa1", r.token, {"reason": "tempfail"})
     assert store.write_ahead("wa1", r.token, 30, "message") is False  # released: not held
     again = store.claim(req("wa1"))
     assert again.status is ClaimStatus.REOPENED and again.previous_owner is None
-    assert ahead_mark(again.record) is None and again.record.error == {"reason": "tempfail"}
+    assert again.record.mark is None and again.record.error == {"reason": "tempfail"}
 
 
 @pytest.mark.parametrize("own", [False, True], ids=["backend", "base-default"])
@@ -653,8 +654,8 @@ def test_a_write_ahead_mark_names_the_owner_that_wrote_it(ledger: Ledger, own: b
     assert store.write_ahead("wa4", c.token, 0.2, "message", owner=c.record.owner) is True
     time.sleep(0.35)
     r = store.claim(req("wa4"))
-    mark = ahead_mark(r.record)  # kept by the reclaim, with the owner as the claim returned it
-    assert mark is not None and mark["owner"] == c.record.owner and mark["token"] == c.token
+    mark = r.record.mark  # kept by the reclaim, with the owner as the claim returned it
+    assert mark is not None and mark.owner == c.record.owner and mark.token == c.token
 
 
 def test_a_reclaim_names_the_holder_it_took_over_from(ledger: Ledger) -> None:
@@ -666,10 +667,10 @@ def test_a_reclaim_names_the_holder_it_took_over_from(ledger: Ledger) -> None:
     assert c.token < r.token
     # That holder made no write-ahead promise and left no mark: the takeover says it may have run.
     assert ledger.marks_takeovers is True
-    mark = ahead_mark(r.record)
-    assert mark is not None and mark["ahead"] == "unknown" and mark["token"] == c.token
+    mark = r.record.mark
+    assert mark is not None and mark.stage == "unknown" and mark.token == c.token
     resumed = ledger.claim(req("wa2", owner="next:1:ef01", resume_owner=r.record.owner))
-    assert resumed.status is ClaimStatus.RESUMED and ahead_mark(resumed.record) == mark  # kept for the chain
+    assert resumed.status is ClaimStatus.RESUMED and resumed.record.mark == mark  # kept for the chain
 
 
 def test_a_move_out_of_claimed_drops_the_write_ahead_mark_it_does_not_replace(ledger: Ledger) -> None:
@@ -774,3 +775,24 @@ def test_reading_the_roster_writes_nothing_and_an_announcement_prunes_lapsed_ent
     ledger.announce("live-2:20", ["aaaaaaaaaaaa"], 30.0)  # the next heartbeat prunes
     assert stored_roster_members(ledger) == {"live-2:20"}
     assert [e.member for e in ledger.roster()] == ["live-2:20"]
+
+
+def test_a_released_resolution_stays_with_the_record_once_the_next_claim_sends_it(ledger: Ledger) -> None:
+    """An operator releases a parked intent (the resolution says who and why); the next claim reopens it and
+    sends. The record keeps the decision beside the result (the Redis ledger keeps such a sent record as a hash
+    of its own, not on a shelf, whose entries have no room for it), and forget still erases its note."""
+    c = ledger.claim(req("rs1"))
+    ledger.park("rs1", c.token, {"reason": "lease_expired"})
+    released = ledger.resolve("rs1", State.RELEASED, note="provider says not delivered", actor="ops")
+    assert released.resolution is not None and released.error == {"reason": "lease_expired"}
+    again = ledger.claim(req("rs1"))
+    assert again.status is ClaimStatus.REOPENED and again.record.resolution == released.resolution
+    ledger.complete("rs1", again.token, {"message_id": "m-rs1"})
+    sent = ledger.get("rs1")
+    assert sent is not None and sent.state is State.SENT and sent.result == {"message_id": "m-rs1"}
+    assert sent.resolution == released.resolution and sent.error == {"reason": "lease_expired"}
+    assert ledger.stats()["sent"] == 1
+    assert ledger.forget("rs1") is True
+    forgot = ledger.get("rs1")
+    assert forgot is not None and forgot.resolution is not None and "note" not in forgot.resolution
+    assert forgot.resolution["by"] == "ops" and forgot.result == {"message_id": "m-rs1", "forgotten": True}

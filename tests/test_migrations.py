@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
+from idemmail_celery.errors import ConfigurationError, LedgerUnavailableError
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State, from_url
 from idemmail_celery.ledger.listing import RecordQuery
 from idemmail_celery.ledger.sql import MIGRATIONS, SQLLedger, migration_file, schema_sql
@@ -30,7 +32,7 @@ def test_every_shipped_file_is_a_known_step() -> None:
     assert shipped == sorted(migration_file(d, s) for d in ("postgresql", "mysql", "sqlite") for s in STEPS)
 
 
-def _apply(url: str, dialect: str, table: str, steps: range) -> sa.Engine:
+def _apply(url: str, dialect: str, table: str, steps: Iterable[int]) -> sa.Engine:
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
@@ -72,7 +74,7 @@ def test_a_ledger_without_step_2_still_claims_and_keeps_no_marks_until_applied(
     """A hand-managed schema from before mark_hop: claims work, marks are off (None), with a warning."""
     url = url or f"sqlite:///{tmp_path / 'm.sqlite3'}"
     table = _table_name(tmp_path)
-    engine = _apply(url, dialect, table, range(1, 2))
+    engine = _apply(url, dialect, table, (1, 5))
     ledger = SQLLedger(url, table=table, create_table=False)
     try:
         with caplog.at_level(logging.WARNING, logger="idemmail_celery"):
@@ -120,11 +122,11 @@ def _indexes(engine: sa.Engine, table: str) -> set[str]:
 def test_a_ledger_from_before_the_listing_index_gains_it_or_says_to_apply_step_4(
     dialect: str, url: str | None, tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Steps 1-3 only: a hand-managed schema lists (slowly) with a warning naming migration 004; an auto-created
+    """Steps 1-3 and 5 only: a hand-managed schema lists (slowly) with a warning naming migration 004; an auto-created
     one gains the index at the next start; the review queue reads the same records either way."""
     url = url or f"sqlite:///{tmp_path / 'm.sqlite3'}"
     table = _table_name(tmp_path)
-    engine = _apply(url, dialect, table, range(1, 4))
+    engine = _apply(url, dialect, table, (1, 2, 3, 5))
     by_hand = SQLLedger(url, table=table, create_table=False)
     auto = SQLLedger(url, table=table)
     try:
@@ -136,6 +138,44 @@ def test_a_ledger_from_before_the_listing_index_gains_it_or_says_to_apply_step_4
         assert f"ix_{table}_listing" not in _indexes(engine, table)
         assert [r.key for r in auto.list_records(RecordQuery(state=State.REVIEW)).records] == ["k"]
         assert f"ix_{table}_listing" in _indexes(engine, table)
+    finally:
+        auto.drop_table()
+        auto.close()
+        by_hand.close()
+        engine.dispose()
+
+
+def _columns(engine: sa.Engine, table: str) -> set[str]:
+    return {str(c["name"]) for c in sa.inspect(engine).get_columns(table)}
+
+
+@pytest.mark.parametrize("dialect,url", DIALECTS)
+def test_a_ledger_from_before_step_5_gains_its_record_fields_or_is_refused_naming_the_migration(
+    dialect: str, url: str | None, tmp_path: Path,
+) -> None:
+    """Steps 1-4 only (no ``mark`` and ``resolution`` columns): a hand-managed schema is refused at first use with
+    the migration to apply, nothing written; an auto-created one gains both columns at the next start, and a
+    write-ahead mark and a resolution are then read back from them."""
+    url = url or f"sqlite:///{tmp_path / 'm.sqlite3'}"
+    table = _table_name(tmp_path)
+    engine = _apply(url, dialect, table, range(1, 5))
+    by_hand = SQLLedger(url, table=table, create_table=False)
+    auto = SQLLedger(url, table=table)
+    try:
+        with pytest.raises((ConfigurationError, LedgerUnavailableError), match=migration_file(dialect, 5)):
+            by_hand.claim(ClaimRequest(key="k", task_name="t", payload="{}", fingerprint="f"))
+        assert {"mark", "resolution"} & _columns(engine, table) == set()
+        c = auto.claim(ClaimRequest(key="k", task_name="t", payload="{}", fingerprint="f"))
+        assert {"mark", "resolution"} <= _columns(engine, table)
+        assert auto.write_ahead("k", c.token, 30, "message", owner=c.record.owner)
+        record = auto.get("k")
+        assert record is not None and record.mark is not None and record.error is None
+        assert (record.mark.stage, record.mark.token, record.mark.owner) == ("message", c.token, c.record.owner)
+        auto.park("k", c.token, {"reason": "lease_expired"})
+        resolved = auto.resolve("k", State.FAILED, note="not sent", actor="ops")
+        again = auto.get("k")
+        assert again is not None and again.mark is None and again.error == {"reason": "lease_expired"}
+        assert again.resolution == resolved.resolution and (again.resolution or {})["by"] == "ops"
     finally:
         auto.drop_table()
         auto.close()

@@ -228,7 +228,7 @@ def test_long_and_non_ascii_results_and_errors_round_trip_in_chunks(led: RedisLe
     forgotten = led.get("chunks")
     assert forgotten is not None and forgotten.result == {"message_id": "m", "forgotten": True}
     assert forgotten.error is not None and "message" not in forgotten.error
-    assert forgotten.error["resolution"]["from"] == "review"  # read back whole: no stale chunk joined in
+    assert forgotten.resolution["from"] == "review"  # read back whole: no stale chunk joined in
     assert led.client.pttl(led.names.record("chunks")) > 0  # forget left the TTL alone
 
 

@@ -60,7 +60,7 @@ def writes(led: RedisLedger, tokens: dict[str, int]) -> dict[str, Callable[[], o
         "renew": lambda: led.renew("n", tokens["n"], 30),
         "withdraw": lambda: led.withdraw("w", tokens["w"]),
         "mark_hop": lambda: led.mark_hop("c", "task:1", 60),
-        "_erase": lambda: led._erase("e", tokens["e"], State.CLAIMED, None, None),
+        "_erase": lambda: led._erase("e", tokens["e"], State.CLAIMED, None, None, None),
     }
 
 

@@ -37,7 +37,7 @@ OPERATIONS: dict[str, Callable[[SQLLedger], object]] = {
     "withdraw": lambda led: led.withdraw("held", 1),
     "mark_hop": lambda led: led.mark_hop("held", "task:1", 60),
     "hop_marked": lambda led: led.hop_marked("held", "task:1"),
-    "erase": lambda led: led._erase("held", 1, State.CLAIMED, None, None),
+    "erase": lambda led: led._erase("held", 1, State.CLAIMED, None, None, None),
 }
 #: Those that write the "held" row (a lock on it makes them wait).
 ROW_WRITERS = ["complete", "fail", "park", "release", "renew", "withdraw", "erase"]

@@ -222,7 +222,7 @@ def test_a_plain_task_that_names_its_point_of_no_return_is_marked_resent_or_park
     next claimer; one that died after it is parked with the stage it reached. Without a key downstream
     (``carries_key`` False, the default), a plain task's dead holder would otherwise always be parked."""
     from idemmail_celery.ledger import ClaimRequest, State
-    from idemmail_celery.ledger.base import ahead_mark, new_owner, owner_writes_ahead
+    from idemmail_celery.ledger.base import new_owner, owner_writes_ahead
     from idemmail_celery.providers.base import about_to_send
 
     app = Celery("adapter", broker="memory://", set_as_current=False)
@@ -238,7 +238,7 @@ def test_a_plain_task_that_names_its_point_of_no_return_is_marked_resent_or_park
         key = self.request.idempotency_key
         about_to_send("charge")  # the point after which the card may have been charged
         record = self.ledger.get(key)
-        ran.append((order_id, ahead_mark(record), owner_writes_ahead(record.owner)))
+        ran.append((order_id, record.mark, owner_writes_ahead(record.owner)))
         return {"id": f"ch-{order_id}"}
 
     def dead_holder(order_id: int, *, marked: bool) -> str:
@@ -253,7 +253,7 @@ def test_a_plain_task_that_names_its_point_of_no_return_is_marked_resent_or_park
 
     assert charge.apply((1,)).get()["status"] == "sent"
     [(_, mark, promised)] = ran
-    assert mark is not None and mark["ahead"] == "charge" and promised  # marked before the side effect
+    assert mark is not None and mark.stage == "charge" and promised  # marked before the side effect
 
     unmarked = dead_holder(2, marked=False)
     assert charge.apply((2,)).get()["status"] == "sent" and [r[0] for r in ran] == [1, 2]

@@ -139,8 +139,8 @@ def test_signed_delivery_event_moves_review_to_sent_with_the_providers_id(ledger
     stored = ledger.get(key)
     assert stored == record and stored.state is State.SENT
     assert stored.result == {"message_id": message_id, "provider": provider, "via": "webhook"}
-    assert stored.error is not None and stored.error["resolution"]["from"] == "review"
-    assert stored.error["resolution"]["by"] == f"webhook:{provider}"
+    assert stored.resolution is not None and stored.resolution["from"] == "review"
+    assert stored.resolution["by"] == f"webhook:{provider}"
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -154,8 +154,8 @@ def test_delivery_event_confirms_a_live_claim_and_the_holder_finds_its_token_sta
     handle_webhook(provider, signed(provider, body), body, secret=secret_for(provider), ledger=ledger)
 
     record = ledger.get(key)
-    assert record is not None and record.state is State.SENT and record.error is not None
-    assert record.error["resolution"]["from"] == "claimed"
+    assert record is not None and record.state is State.SENT and record.resolution is not None
+    assert record.resolution["from"] == "claimed"
     with pytest.raises(StaleTokenError):
         ledger.complete(key, token, {"message_id": "from-the-holder"})
     after = ledger.get(key)

@@ -57,8 +57,10 @@ from .listing import (
 )
 
 # The values a ledger holds and answers live in records.py; every ledger module has always imported them from here.
+from .records import UNKNOWN_STAGE as UNKNOWN_STAGE
 from .records import Claim as Claim
 from .records import ClaimStatus as ClaimStatus
+from .records import Mark as Mark
 from .records import Record as Record
 from .records import State as State
 
@@ -109,13 +111,6 @@ def _forget_owner() -> None:
 
 #: The part of an owner string that says its holder writes ahead (see :meth:`Ledger.write_ahead`).
 WRITES_AHEAD = "ahead"
-#: The field of a write-ahead mark naming the stage its holder was about to begin.
-AHEAD_FIELD = "ahead"
-#: The field of a write-ahead mark naming the owner of the claim that wrote it (``Ledger.write_ahead``).
-AHEAD_OWNER_FIELD = "owner"
-#: The stage of the mark a ledger writes when a claim is taken over from a holder that made no
-#: write-ahead promise and left no mark (``Ledger.marks_takeovers``): it may have run.
-UNKNOWN_STAGE = "unknown"
 
 
 def new_owner(detail: str = "", *, ahead: bool = False) -> str:
@@ -137,31 +132,9 @@ def owner_writes_ahead(owner: str) -> bool:
     return f":{WRITES_AHEAD}:" in owner
 
 
-def ahead_mark(record: Record) -> dict[str, Any] | None:
-    """The write-ahead mark a ``claimed`` record carries (see :meth:`Ledger.write_ahead`), or None."""
-    error = record.error
-    if record.state is State.CLAIMED and isinstance(error, dict) and isinstance(error.get(AHEAD_FIELD), str):
-        return error
-    return None
-
-
 def _check_unique(requests: Sequence[ClaimRequest]) -> None:
     if len({r.key for r in requests}) != len(requests):
         raise ValueError("claim_many needs distinct keys")
-
-
-#: How a stored write-ahead mark's JSON begins (canonical JSON: sorted keys, no spaces). A transition
-#: out of ``claimed`` drops a mark it does not replace: it is not an error, and it is no longer true.
-AHEAD_JSON_PREFIX = f'{{"{AHEAD_FIELD}":'
-
-
-def ahead_error(stage: str, at: float, token: int, owner: str = "") -> dict[str, Any]:
-    """The ``error`` field a write-ahead mark writes (see :meth:`Ledger.write_ahead`): the stage, when,
-    and the token and (when given) the owner of the claim that wrote it."""
-    mark: dict[str, Any] = {AHEAD_FIELD: stage, "at": at, "token": token}
-    if owner:
-        mark[AHEAD_OWNER_FIELD] = owner
-    return mark
 
 
 def dumps_json(value: dict[str, Any] | None) -> str | None:
@@ -172,32 +145,32 @@ def dumps_json(value: dict[str, Any] | None) -> str | None:
     return None if value is None else canonical_json(value)
 
 
-#: What :meth:`Ledger.forget` keeps of an error: machine-readable words and times, never free text. A
-#: write-ahead mark's stage and token too: without them a dead holder's claim reads as one that never ran.
-FORGET_KEEPS_ERROR = ("type", "reason", "cause", "at", "maybe_sent", AHEAD_FIELD, "token")
+#: What :meth:`Ledger.forget` keeps of an error: machine-readable words and times, never free text. (A
+#: write-ahead mark is no error: it lives in a field of its own, which forget leaves as it is.)
+FORGET_KEEPS_ERROR = ("type", "reason", "cause", "at", "maybe_sent")
 #: ... and of a resolution (who decided, when): its note is free text.
 FORGET_KEEPS_RESOLUTION = ("from", "to", "at", "by")
 
 
-def forgotten(result: dict[str, Any] | None,
-              error: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """A record's result and error with every free text erased (see :meth:`Ledger.forget`).
+Texts = tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None]
+
+
+def forgotten(record: Record) -> Texts:
+    """A record's result, error and resolution with every free text erased (see :meth:`Ledger.forget`).
 
     The result keeps its ``message_id`` (what a duplicate is told), the error its
-    :data:`FORGET_KEEPS_ERROR` fields and its resolution's :data:`FORGET_KEEPS_RESOLUTION`.
-    Both are marked ``"forgotten": True``.
+    :data:`FORGET_KEEPS_ERROR` fields, the resolution its :data:`FORGET_KEEPS_RESOLUTION`.
+    Each is marked ``"forgotten": True``.
     """
-    kept_result = None
-    if result is not None:
-        kept_result = {"message_id": result.get("message_id"), "forgotten": True}
+    result, error, resolution = record.result, record.error, record.resolution
+    kept_result = None if result is None else {"message_id": result.get("message_id"), "forgotten": True}
     kept_error = None
     if error is not None:
-        kept_error = {k: error[k] for k in FORGET_KEEPS_ERROR if k in error}
-        resolution = error.get("resolution")
-        if isinstance(resolution, dict):
-            kept_error["resolution"] = {k: resolution[k] for k in FORGET_KEEPS_RESOLUTION if k in resolution}
-        kept_error["forgotten"] = True
-    return kept_result, kept_error
+        kept_error = {**{k: error[k] for k in FORGET_KEEPS_ERROR if k in error}, "forgotten": True}
+    kept_resolution = None
+    if resolution is not None:
+        kept_resolution = {**{k: resolution[k] for k in FORGET_KEEPS_RESOLUTION if k in resolution}, "forgotten": True}
+    return kept_result, kept_error, kept_resolution
 
 
 def loads_json(text: str | bytes | None) -> dict[str, Any] | None:
@@ -297,11 +270,14 @@ class Ledger(ABC):
         *,
         result: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
+        mark: Mark | None = None,
     ) -> float | None:
         """Move the claim held with ``token`` to ``state`` (sent/failed/review/released).
 
-        Moving to ``sent`` also erases the stored payload unless ``self.keep_payload``; a
-        write-ahead mark (:meth:`write_ahead`) in the record's ``error`` goes with any move.
+        Moving to ``sent`` also erases the stored payload unless ``self.keep_payload``. The record's
+        write-ahead mark (:attr:`Record.mark`) goes with any move; a release may leave ``mark`` in its
+        place, for the next claimer (a holder that may have sent, retried with its key). ``result`` and
+        ``error`` of None keep what the record has.
         Returns the time written as the record's ``updated_at``, exactly as :meth:`get` will read
         it back (a store keeping milliseconds says milliseconds), or None when it cannot say (a
         move that had already landed).
@@ -332,23 +308,23 @@ class Ledger(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot withdraw a claim")
 
     #: Does a reclaim from a holder that made no write-ahead promise (:func:`owner_writes_ahead`) and
-    #: left no mark write the mark ``{"ahead": "unknown", ...}`` with that holder's token? The built-in
+    #: left no mark write the mark ``Mark(UNKNOWN_STAGE, ...)`` with that holder's token? The built-in
     #: backends do; then a claim resumed after this chain's own reclaim, carrying no mark, is known
     #: not to have been sent by the holder it took over from. Without it such a claim is parked.
     marks_takeovers: bool = False
 
     def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         """Record, before a side effect that carries no key can happen, that the holder is about to
-        begin it: the claim held with ``token`` gets the mark ``{"ahead": stage, "at": time, "token": token}`` in its
-        ``error`` field and a fresh lease. False (nothing written) if ``token`` no longer holds it.
+        begin it: the claim held with ``token`` gets the mark ``Mark(stage, time, token, owner)`` (its
+        :attr:`Record.mark`) and a fresh lease. False (nothing written) if ``token`` no longer holds it.
         ``owner``, the holder's (as its claim returned it), goes in the mark too: a later delivery of the
         holder's own chain, which carries it, knows the mark for its own (see
         :func:`~idemmail_celery.handler.live_mark`).
 
         A claim whose holder promised marks (:func:`owner_writes_ahead`) and died without one is known
         not to have run its side effect: the next claimer runs it instead of parking it for
-        review. The mark stays until the claim moves on (a release or a final state replaces the
-        ``error``); a reclaim keeps it, so the next claimer sees it (:func:`ahead_mark`).
+        review. The mark stays until the claim moves on (any move drops it; a release may leave another);
+        a reclaim keeps it, so the next claimer sees it.
 
         This default reads the record, replaces it under its token and renews the lease (a
         backend's ``_force`` need not keep leases): three round trips. The built-in backends
@@ -358,7 +334,7 @@ class Ledger(ABC):
         if record is None or record.state is not State.CLAIMED or record.token != token:
             return False
         now = time.time()
-        marked = replace(record, error=ahead_error(stage, now, token, owner), lease_expires_at=now + lease_seconds)
+        marked = replace(record, mark=Mark(stage, now, token, owner), lease_expires_at=now + lease_seconds)
         return self._force(key, token, marked) and self.renew(key, token, lease_seconds)
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
@@ -422,21 +398,20 @@ class Ledger(ABC):
 
         Erases the stored first payload and every free text the record holds: the result is
         cut down to its message id, the error to its machine-readable fields (type, reason,
-        cause, times; see :func:`forgotten`). The record, its state and fingerprint stay, so
-        the key keeps protecting against a resend; an operator can no longer re-enqueue the
-        first payload. Idempotent.
+        cause, times), the resolution to who and when (see :func:`forgotten`). The record, its
+        state and fingerprint stay, so the key keeps protecting against a resend; an operator
+        can no longer re-enqueue the first payload. Idempotent.
 
         The erase is made of what was read, so it lands only on the record as read (its token and
-        state); a holder's write-ahead mark written in between (its token unchanged) stays, as the
-        mark a dead holder left would: it holds no free text, and without it the next claimer would
-        take a claim that may have sent for one that never ran.
+        state). A write-ahead mark is left as it is (one written in between too): it holds no free
+        text, and without it the next claimer would take a claim that may have sent for one that
+        never ran.
         """
         for _ in range(5):
             record = self._readable(key)
             if record is None:
                 return False
-            result, error = forgotten(record.result, record.error)
-            if self._erase(key, record.token, record.state, result, error):
+            if self._erase(key, record.token, record.state, *forgotten(record)):
                 return True
         raise IllegalTransitionError(f"record {key} kept changing while forgetting; try again")
 
@@ -447,13 +422,12 @@ class Ledger(ABC):
 
     @abstractmethod
     def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
-               error: dict[str, Any] | None) -> bool:
-        """Drop the stored payload and set ``result`` and ``error``, atomically, if the record's
+               error: dict[str, Any] | None, resolution: dict[str, Any] | None) -> bool:
+        """Drop the stored payload and set ``result``, ``error`` and ``resolution``, atomically, if the record's
         token and state are still ``expected_token`` and ``expected_state``; False (nothing written)
-        otherwise or without a record. A ``claimed`` record's write-ahead mark is kept in place of
-        ``error`` (see :meth:`forget`).
+        otherwise or without a record.
 
-        Never creates a record and changes nothing else (state, lease, token, expiry).
+        Never creates a record and changes nothing else (state, lease, token, expiry, write-ahead mark).
         """
 
     def stats(self) -> dict[str, int]:
@@ -508,9 +482,10 @@ class Ledger(ABC):
         """``claimed`` -> ``review``: the outcome cannot be known; a person decides."""
         self._finish(key, token, State.REVIEW, error=error)
 
-    def release(self, key: str, token: int, error: dict[str, Any] | None = None) -> None:
-        """``claimed`` -> ``released``: nothing left the process; the next claim runs the stored payload."""
-        self._finish(key, token, State.RELEASED, error=error)
+    def release(self, key: str, token: int, error: dict[str, Any] | None = None, *, mark: Mark | None = None) -> None:
+        """``claimed`` -> ``released``: the next claim runs the stored payload. ``mark``: the write-ahead mark the
+        next claimer finds (the holder may have sent, and is retried with its key); none by default."""
+        self._finish(key, token, State.RELEASED, error=error, mark=mark)
 
     def confirm_sent(self, key: str, result: dict[str, Any], *, note: str = "", actor: str = "",
                      expect: Record | None = None) -> Record:
@@ -534,10 +509,9 @@ class Ledger(ABC):
             now = time.time()
             new = replace(
                 record, state=State.SENT, token=record.token + 1, lease_expires_at=None, result=result,
-                payload=record.payload if self.keep_payload else None,
-                error={**(record.error or {}), "resolution": {
-                    "from": record.state.value, "to": "sent", "at": now,
-                    "by": actor or default_owner(), "note": note}},
+                payload=record.payload if self.keep_payload else None, mark=None,
+                resolution={"from": record.state.value, "to": "sent", "at": now, "by": actor or default_owner(),
+                            "note": note},
                 updated_at=now, expires_at=now + self.retention_seconds,
             )
             if self._force(key, record.token, new):
@@ -557,8 +531,8 @@ class Ledger(ABC):
 
         ``state`` is ``sent`` (it did go out; ``result`` may carry the message id),
         ``failed`` (it did not and must not), or ``released`` (it did not; let the
-        next claim send the stored payload). Who, when and why are kept in
-        ``error["resolution"]``. A live claim or a ``sent`` record cannot be changed.
+        next claim send the stored payload). Who, when and why are kept in the record's
+        :attr:`~Record.resolution`. A live claim or a ``sent`` record cannot be changed.
         """
         target = State(state)
         if target not in (State.SENT, State.FAILED, State.RELEASED):
@@ -582,7 +556,8 @@ class Ledger(ABC):
             lease_expires_at=None,
             payload=None if target is State.SENT and not self.keep_payload else record.payload,
             result=result if target is State.SENT else record.result,
-            error={**(record.error or {}), "resolution": resolution},
+            mark=None,
+            resolution=resolution,
             updated_at=now,
             expires_at=now + self.retention_seconds if target.expires else None,
         )

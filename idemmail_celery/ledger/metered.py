@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from .. import metrics
-from .base import Claim, ClaimRequest, Ledger, Record, State
+from .base import Claim, ClaimRequest, Ledger, Mark, Record, State
 from .wrapper import LedgerWrapper
 
 T = TypeVar("T")
@@ -47,10 +47,10 @@ class MeteredLedger(LedgerWrapper):
         return self._timed("claim_many", lambda: self.inner.claim_many(requests))
 
     def _finish(self, key: str, token: int, state: State, *, result: dict[str, Any] | None = None,
-                error: dict[str, Any] | None = None) -> float | None:
+                error: dict[str, Any] | None = None, mark: Mark | None = None) -> float | None:
         op = _FINISH_OPS[state]
         written: float | None = self._timed(op, lambda: self.inner._finish(key, token, state, result=result,
-                                                                           error=error))
+                                                                           error=error, mark=mark))
         return written
 
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:

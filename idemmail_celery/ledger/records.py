@@ -1,6 +1,7 @@
-"""What a ledger holds and answers: the states of an intent (:class:`State`), a record (:class:`Record`), and what a
-claim found (:class:`ClaimStatus`, :class:`Claim`). Plain values, importing nothing of the ledger: the base class
-(``base.py``), the listing (``listing.py``) and every backend build on them."""
+"""What a ledger holds and answers: the states of an intent (:class:`State`), a record (:class:`Record`) and its
+write-ahead mark (:class:`Mark`), and what a claim found (:class:`ClaimStatus`, :class:`Claim`). Plain values,
+importing nothing of the ledger: the base class (``base.py``), the listing (``listing.py``) and every backend build
+on them."""
 
 from __future__ import annotations
 
@@ -45,6 +46,46 @@ class ClaimStatus(str, enum.Enum):
         return self in (ClaimStatus.ACQUIRED, ClaimStatus.REOPENED, ClaimStatus.RECLAIMED, ClaimStatus.RESUMED)
 
 
+#: The stage of the mark a ledger writes when a claim is taken over from a holder that made no
+#: write-ahead promise and left no mark (``Ledger.marks_takeovers``): it may have run.
+UNKNOWN_STAGE = "unknown"
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A write-ahead mark: the holder of a claim said, before a side effect that carries no key could begin,
+    that it was about to begin it (see :meth:`Ledger.write_ahead <idemmail_celery.ledger.base.Ledger.write_ahead>`).
+
+    Kept in a field of its own on a ``claimed`` record (never in its ``error``) until the claim moves on; a
+    reclaim keeps it, so that the next claimer sees how far the holder it took over from had got. It holds no
+    free text: a stage name, a time, and the token and owner of the claim that wrote it.
+    """
+
+    #: What the holder was about to begin (``"sending"``, ...), or :data:`UNKNOWN_STAGE`.
+    stage: str
+    #: When it was written (Unix seconds).
+    at: float
+    #: The token of the claim that wrote it.
+    token: int
+    #: The owner of the claim that wrote it ("" when the writer did not say: a takeover's ``unknown`` mark).
+    owner: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mark as a store keeps it (JSON)."""
+        out: dict[str, Any] = {"stage": self.stage, "at": self.at, "token": self.token}
+        if self.owner:
+            out["owner"] = self.owner
+        return out
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any] | None) -> Mark | None:
+        """The mark a store read back (:meth:`to_dict`), or None for none."""
+        if not value:
+            return None
+        return cls(stage=str(value["stage"]), at=value.get("at", 0), token=int(value.get("token", 0)),
+                   owner=str(value.get("owner") or ""))
+
+
 @dataclass(frozen=True)
 class Record:
     """One intent's ledger entry. Times are Unix epoch seconds (floats)."""
@@ -64,6 +105,12 @@ class Record:
     created_at: float = 0.0
     updated_at: float = 0.0
     expires_at: float | None = None
+    #: The write-ahead mark of a ``claimed`` record (:class:`Mark`), or None; any move out of ``claimed``
+    #: drops it, and only a release may carry one on to the next claimer.
+    mark: Mark | None = None
+    #: An operator's decision on the record (:meth:`Ledger.resolve <idemmail_celery.ledger.base.Ledger.resolve>`,
+    #: ``confirm_sent``): ``{"from", "to", "at", "by", "note"}``, or None. Kept apart from the error it decided on.
+    resolution: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly view (for the CLI and logs); ``payload`` is left out."""
@@ -73,6 +120,7 @@ class Record:
             "attempts": self.attempts, "reclaims": self.reclaims, "fingerprint": self.fingerprint,
             "result": self.result, "error": self.error, "created_at": self.created_at,
             "updated_at": self.updated_at, "expires_at": self.expires_at,
+            "mark": None if self.mark is None else self.mark.to_dict(), "resolution": self.resolution,
         }
 
 

@@ -39,7 +39,7 @@ from .._common import logsafe
 from ..encoding import canonical_json
 from ..errors import LedgerError, PayloadKeyError
 from ..sealing import INSTALL_HINT, PLAIN, Keyring  # noqa: F401  # re-exported: part of this module's API
-from .base import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State, loads_json
+from .base import Claim, ClaimRequest, ClaimStatus, Ledger, Mark, Record, State, loads_json
 from .listing import Counts, Position, RecordQuery, Selection
 from .wrapper import LedgerWrapper
 
@@ -105,6 +105,7 @@ class PayloadCodec(Keyring):
         return replace(
             record, payload=self.open_payload(record.payload),
             result=self.open_dict(record.result), error=self.open_dict(record.error),
+            resolution=self.open_dict(record.resolution),
         )
 
     def open_readable(self, record: Record) -> tuple[Record, bool]:
@@ -112,7 +113,8 @@ class PayloadCodec(Keyring):
         and whether all of them opened."""
         fields: dict[str, Any] = {}
         ok = True
-        for name, opener in (("payload", self.open_payload), ("result", self.open_dict), ("error", self.open_dict)):
+        for name, opener in (("payload", self.open_payload), ("result", self.open_dict), ("error", self.open_dict),
+                             ("resolution", self.open_dict)):
             try:
                 fields[name] = opener(getattr(record, name))
             except PayloadKeyError:
@@ -165,15 +167,17 @@ class SealedLedger(LedgerWrapper):
         *,
         result: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
+        mark: Mark | None = None,
     ) -> float | None:
+        # The mark holds no free text (a stage, a time, a token, an owner): kept plain, for the store to read.
         return self.inner._finish(key, token, state, result=self.codec.seal_dict(result),
-                                  error=self.codec.seal_dict(error))
+                                  error=self.codec.seal_dict(error), mark=mark)
 
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
         c = self.codec
         payload = None if new.payload is None else c.seal_payload(new.payload)
         sealed = replace(new, payload=payload, result=c.seal_dict(new.result),
-                         error=c.seal_dict(new.error))
+                         error=c.seal_dict(new.error), resolution=c.seal_dict(new.resolution))
         return self.inner._force(key, expected_token, sealed)
 
     # -- out: open --
@@ -228,6 +232,7 @@ class SealedLedger(LedgerWrapper):
     # -- the backend's own, but what it stores is sealed --
 
     def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
-               error: dict[str, Any] | None) -> bool:
+               error: dict[str, Any] | None, resolution: dict[str, Any] | None) -> bool:
         c = self.codec
-        return self.inner._erase(key, expected_token, expected_state, c.seal_dict(result), c.seal_dict(error))
+        return self.inner._erase(key, expected_token, expected_state, c.seal_dict(result), c.seal_dict(error),
+                                 c.seal_dict(resolution))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .base import Claim, ClaimRequest, Ledger, Record, RosterEntry, State
+from .base import Claim, ClaimRequest, Ledger, Mark, Record, RosterEntry, State
 from .listing import Counts, Position, RecordQuery, Selection
 
 
@@ -48,8 +48,8 @@ class LedgerWrapper(Ledger):
         return self.inner.claim_many(requests)
 
     def _finish(self, key: str, token: int, state: State, *, result: dict[str, Any] | None = None,
-                error: dict[str, Any] | None = None) -> float | None:
-        return self.inner._finish(key, token, state, result=result, error=error)
+                error: dict[str, Any] | None = None, mark: Mark | None = None) -> float | None:
+        return self.inner._finish(key, token, state, result=result, error=error, mark=mark)
 
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         return self.inner.renew(key, token, lease_seconds)
@@ -82,8 +82,8 @@ class LedgerWrapper(Ledger):
         return self.inner._force(key, expected_token, new)
 
     def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
-               error: dict[str, Any] | None) -> bool:
-        return self.inner._erase(key, expected_token, expected_state, result, error)
+               error: dict[str, Any] | None, resolution: dict[str, Any] | None) -> bool:
+        return self.inner._erase(key, expected_token, expected_state, result, error, resolution)
 
     def stats(self) -> dict[str, int]:
         return self.inner.stats()

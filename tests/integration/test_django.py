@@ -437,7 +437,7 @@ def test_the_admin_lists_a_parked_intent_and_a_staff_user_releases_it_once(
     assert shop.fake.delivery_count(key) == 1
     record = shop.ledger.get(key)
     assert record is not None and record.error is not None
-    assert record.error["resolution"]["by"] == "operator (django admin)"
+    assert record.resolution["by"] == "operator (django admin)"
 
     again = operator.post("/admin/idemmail/reviewrecord/record/release/", {"key": key, "note": "again"}, follow=True)
     assert "it was sent; left unchanged" in again.content.decode()  # the CLI's rule, the CLI's words
@@ -596,7 +596,7 @@ def test_a_staff_user_marks_a_parked_intent_failed_in_headless_chromium(
             print(f"\nscreenshot of the admin's review queue: {shot}")
     record = shop.ledger.get(key)
     assert record is not None and record.state is State.FAILED
-    assert record.error is not None and record.error["resolution"]["by"] == "browser (django admin)"
+    assert record.resolution is not None and record.resolution["by"] == "browser (django admin)"
     assert shop.fake.delivery_count(key) == 0
 
 
@@ -795,8 +795,8 @@ def test_a_bulk_action_resolves_the_ticked_records_with_one_note(queue: Queue,
     for k in keys[:3]:
         record = queue.ledger.get(k)
         assert record is not None and record.state is State.FAILED and record.error is not None
-        assert record.error["resolution"]["note"] == "incident 42: cancelled"
-        assert record.error["resolution"]["by"] == f"{name} (django admin)"
+        assert record.resolution["note"] == "incident 42: cancelled"
+        assert record.resolution["by"] == f"{name} (django admin)"
     assert [r.getMessage() for r in caplog.records if r.name == "idemmail_celery.audit"] == [
         f"idemmail admin: failed on {k} by {name} (django admin): failed (bulk)" for k in keys[:3]]
     assert all(queue.state(k) is State.REVIEW for k in keys[3:])

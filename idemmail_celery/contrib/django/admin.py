@@ -20,7 +20,7 @@ again before the record changes), mark failed, forget (erase the personal data).
   ``idemmail.view_reviewrecord`` (a user with that alone sees no checkboxes and no actions).
 * Each action, done or refused, is one line per record on the ``idemmail_celery.audit`` logger (who, what,
   which key, the outcome; the note is kept in the record, not in the log). The record itself keeps
-  who, when and why in ``error["resolution"]``, as from the CLI.
+  who, when and why in the record's ``resolution``, as from the CLI.
 * A ``key`` that is not shaped like a ledger key (64 lower-case hex digits) is answered 400 before
   anything else, the permission checks and their audit lines included: no text of a request's
   choosing reaches the log (a user name that is not plain printable text is quoted and escaped).

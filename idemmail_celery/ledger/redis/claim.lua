@@ -51,20 +51,18 @@ if state == 'released' then redis.call('ZREM', KEYS[3], id) end
 redis.call('HINCRBY', rec, 't', '1')
 redis.call('HINCRBY', rec, 'a', '1')
 -- Taken over from a holder that made no write-ahead promise (no ':ahead:' in its owner) and left no
--- mark: it may have run, so the record gets a mark saying so ('unknown'), with that holder's token.
--- A later look (this chain's own delivery resuming the claim) then knows what this one knew.
-local unknown = status == 'reclaimed' and not string.find(holder, ':ahead:', 1, true) and
-  not (f.e and string.sub(f.e, 1, 9) == '{"ahead":')
-local old = {}  -- the owner's chunks: the new owner's may be fewer (and the error's, for the mark)
+-- mark (field w): it may have run, so the record gets a mark saying so ('unknown'), with that holder's
+-- token. A later look (this chain's own delivery resuming the claim) then knows what this one knew.
+local unknown = status == 'reclaimed' and not string.find(holder, ':ahead:', 1, true) and not f.w
+local old = {}  -- the owner's chunks: the new owner's may be fewer
 for name in pairs(f) do
-  local first = string.byte(name)
-  if first == O or (unknown and first == E) then old[#old + 1] = name end
+  if string.byte(name) == O then old[#old + 1] = name end
 end
 if #old > 0 then redis.call('HDEL', rec, unpack(old)) end
 local fields = {'s', 'claimed', 'l', string.format('%d', lease), 'u', at}
-if unknown then
-  fields[#fields + 1] = 'e'
-  fields[#fields + 1] = string.format('{"ahead":"unknown","at":%d,"token":%d}', math.floor(n / 1000000), tonumber(f.t))
+if unknown then  -- canonical JSON (sorted keys), as Mark.to_dict writes it: at most 64 bytes, one chunk
+  fields[#fields + 1] = 'w'
+  fields[#fields + 1] = string.format('{"at":%d,"stage":"unknown","token":%d}', math.floor(n / 1000000), tonumber(f.t))
 end
 chunks(fields, 'o', 8 + tonumber(ARGV[7]))
 redis.call('HSET', rec, unpack(fields))

@@ -1,13 +1,14 @@
 -- Runs after prelude.lua: base, index, fields, shelved, entry, shelve, write.
 -- ARGV: epoch, id, token, target, retention (ms), drop_payload ('1' erases it on sent), counter
 -- granule (us), then the result's chunks (their count first, 0 for none; to sent, one piece: a sent
--- record's hash goes, its result and error are only read whole), then the error's, then
+-- record's hash goes, its result and error are only read whole), then the error's, then the
+-- write-ahead mark's the move leaves (a release only; any other move drops the record's), then
 -- the packed key (the shelf's field), the ledger's retention (ms: an entry with another says so), the
 -- shelf's sweep step (ms), and the entry's result and error as the caller encoded them.
 if lost() then return {'lost'} end
 local rec, id, token, target = KEYS[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local field, retention = ARGV[#ARGV - 3], tonumber(ARGV[#ARGV - 2])
-local cur = redis.call('HMGET', rec, 's', 't', 'r', 'e', 'f', 'a', 'c')
+local cur = redis.call('HMGET', rec, 's', 't', 'r', 'e', 'f', 'a', 'c', 'w', 'd')
 local state = cur[1]
 if not state then
   -- Shelved (sent): this very call run twice (a lost reply) is ok, anything else is stale.
@@ -16,9 +17,6 @@ if not state then
   if target == 'sent' and held == token then return {'ok'} end
   return {'stale', 'sent', tostring(held)}
 end
--- A write-ahead mark (see Ledger.write_ahead) is no error and no longer true: it goes with the move.
-local mark = cur[4] and string.sub(cur[4], 1, 9) == '{"ahead":'
-if mark then cur[4] = false end
 local held = tonumber(cur[2])
 if state == target and held == token then return {'ok'} end  -- this very call, run twice (a lost reply)
 local mine = state == 'claimed' and held == token
@@ -32,7 +30,10 @@ local new_result, new_error = at > 9, tonumber(ARGV[at]) > 0
 local final = target == 'sent' or target == 'failed'
 local drop_payload = target == 'sent' and ARGV[6] == '1'
 local ms = math.floor(n / 1000)
-if target == 'sent' then
+-- A record an operator decided on (d: a release, say, then sent by the next claim) stays a hash of its own, as
+-- force.lua writes one: an entry has no room for the decision. (Its result and error come in one piece each,
+-- so such a hash may outgrow the compact encoding: a rare record, kept whole.)
+if target == 'sent' and not cur[9] then
   -- Shelved: the record's hash goes; the entry keeps what a duplicate and an operator need.
   local body = ARGV[#ARGV]
   if not ((new_result or not cur[3]) and (new_error or not cur[4])) then
@@ -63,11 +64,14 @@ if target == 'sent' then
   return {'ok', (expires * 100 - ttl) * 1000}
 end
 move(id, state, target, string.format('%d', final and n + ttl * 1000 or n))
+if target == 'sent' then count_sent(n + ttl * 1000, tonumber(ARGV[7])) end
 local fields = {'s', target, 'u', string.format('%d', n)}  -- a record written in place: its result's and error's chunks too
-chunks(fields, 'e', chunks(fields, 'r', 8))
-local clear = nil  -- a new result or error replaces the chunks of one the record has
-if (cur[3] and new_result) or (cur[4] and new_error) or mark then
-  clear = {[R] = new_result, [E] = new_error or mark}
+chunks(fields, 'w', chunks(fields, 'e', chunks(fields, 'r', 8)))
+-- A new result or error replaces the chunks of one the record has; its write-ahead mark is no longer true
+-- and goes with the move (a release may leave one of its own).
+local clear = nil
+if (cur[3] and new_result) or (cur[4] and new_error) or cur[8] then
+  clear = {[R] = new_result, [E] = new_error, [W] = cur[8] and true}
 end
 write(rec, fields, {'l'}, clear)
 if drop_payload then redis.call('DEL', KEYS[8]) end

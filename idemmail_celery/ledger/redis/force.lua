@@ -5,8 +5,8 @@
 -- ARGV: id, expected_token, state, token, updated (seconds), ttl (ms, '' = never expires),
 -- drop_payload, counter granule (us), the packed key (the shelf's field), (unused),
 -- then what the hash needs when the record comes off its shelf: fingerprint (packed), created
--- (seconds), attempts, reclaims; then the owner's chunks (count first), the result's, the error's and
--- the task name's.
+-- (seconds), attempts, reclaims; then the owner's chunks (count first), the result's, the error's, the
+-- write-ahead mark's, the decision's and the task name's.
 local rec, id, field = KEYS[1], ARGV[1], ARGV[9]
 local cur = redis.call('HMGET', rec, 's', 't')
 local old, held, from = cur[1], cur[2], nil
@@ -16,7 +16,7 @@ if not old then
 end
 if not old or tonumber(held) ~= tonumber(ARGV[2]) then return 0 end
 local fields = {'s', ARGV[3], 't', ARGV[4], 'u', ARGV[5]}
-local task_at = chunks(fields, 'e', chunks(fields, 'r', chunks(fields, 'o', 15)))
+local task_at = chunks(fields, 'd', chunks(fields, 'w', chunks(fields, 'e', chunks(fields, 'r', chunks(fields, 'o', 15)))))
 if from then  -- off the shelf: a hash of its own again, whole
   for _, kv in ipairs({{'f', ARGV[11]}, {'k', ARGV[12]}, {'a', ARGV[13]}, {'c', ARGV[14]}}) do
     fields[#fields + 1] = kv[1]
@@ -32,7 +32,7 @@ if from then
   redis.call('HSET', rec, unpack(fields))  -- the first write (out of memory refuses it): before the HDEL
   redis.call('HDEL', KEYS[from], field)
 else
-  write(rec, fields, {'l'}, {[O] = true, [R] = true, [E] = true})
+  write(rec, fields, {'l'}, {[O] = true, [R] = true, [E] = true, [W] = true, [D] = true})
 end
 if ARGV[7] == '1' then redis.call('DEL', KEYS[8]) end
 expire(ttl, ARGV[7] ~= '1')

@@ -18,7 +18,7 @@ import zlib
 from typing import Any
 
 from ...errors import LedgerError
-from ..base import Record, State, dumps_json, loads_json
+from ..base import Mark, Record, State, dumps_json, loads_json
 
 DEFAULT_BUCKETS = 16
 #: States with an index (a sorted set per bucket): those an operator acts on, and ``failed`` for purge.
@@ -215,6 +215,11 @@ def _chunked(value: dict[str, Any] | None) -> list[Any]:
     return _counted(dumps_json(value) or "")
 
 
+def _marked(mark: Mark | None) -> list[Any]:
+    """A write-ahead mark as script arguments (:func:`_chunked`): 0 for none."""
+    return _chunked(None if mark is None else mark.to_dict())
+
+
 def _counted(text: str) -> list[Any]:
     """``text`` as script arguments: how many chunks, then the chunks."""
     parts = _chunks(text)
@@ -269,6 +274,7 @@ def _read_record(key: str, fields: list[str] | dict[str, str], payload: str | No
         payload=payload or None, fingerprint=_unpack_fp(h.get("f", "")), result=loads_json(_joined(h, "r")),
         error=loads_json(_joined(h, "e")), created_at=_seconds(h.get("k")) or 0.0, updated_at=updated,
         expires_at=updated + retention_seconds if state.expires else None,
+        mark=Mark.from_dict(loads_json(_joined(h, "w"))), resolution=loads_json(_joined(h, "d")),
     )
 
 

@@ -2,7 +2,8 @@
 -- bytes so that Redis keeps it compact (listpack):
 --   s state, t token, l lease end, a attempts, c reclaims, f fingerprint, k created, u updated,
 --   and in chunks of at most 64 bytes (base, base2, ...; the only names starting with that letter):
---   o owner, n task name, r result and e error (JSON).
+--   o owner, n task name, r result, e error, w write-ahead mark (claimed records only) and d an
+--   operator's decision (JSON).
 -- The first payload, longer, is a string of its own beside it, gone with it (or on sent).
 -- KEYS: record, the bucket's index of claimed, released, failed and review records (sorted sets),
 -- the bucket's sent counter (a hash: expiry granule -> records), the bucket's epoch marker, payload,
@@ -53,7 +54,7 @@ local function chunks(fields, base, at)
   end
   return at + count + 1
 end
-local R, E, O = string.byte('r'), string.byte('e'), string.byte('o')
+local R, E, O, W, D = string.byte('r'), string.byte('e'), string.byte('o'), string.byte('w'), string.byte('d')
 -- A hash's HGETALL as a table, and a chunked field of it read back whole.
 local function fields_of(h)
   local f = {}
@@ -135,7 +136,7 @@ local function write(rec, fields, drop, clear)
     end
   end
   if #drop > 0 then redis.call('HDEL', rec, unpack(drop)) end
-  redis.call('HSET', rec, unpack(fields))
+  if #fields > 0 then redis.call('HSET', rec, unpack(fields)) end
 end
 -- The record's expiry, and its payload's (false: the payload is gone).
 local function expire(ttl, payload)

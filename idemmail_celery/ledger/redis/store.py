@@ -23,11 +23,11 @@ from ..base import (
     Claim,
     ClaimRequest,
     ClaimStatus,
+    Mark,
     Record,
     RosterEntry,
     State,
     _check_unique,
-    ahead_error,
     check_roster_entry,
     dumps_json,
 )
@@ -44,6 +44,7 @@ from .layout import (
     _counted,
     _counted_name,
     _field,
+    _marked,
     _pack_fp,
     _seconds,
 )
@@ -260,8 +261,10 @@ class RedisLedger(Listing, Epochs, StoreChecks):
         *,
         result: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
+        mark: Mark | None = None,
     ) -> float | None:
-        out = self._eval(self.scripts["finish"], self._keys(key), self._finish_args(key, token, state, result, error))
+        out = self._eval(self.scripts["finish"], self._keys(key),
+                         self._finish_args(key, token, state, result, error, mark))
         if out[0] == "missing":
             raise RecordNotFoundError(f"no ledger record for key {key}")
         if out[0] == "stale":
@@ -271,14 +274,14 @@ class RedisLedger(Listing, Epochs, StoreChecks):
         return _seconds(str(out[1])) if len(out) > 1 else None  # the time written, as a read gives it back
 
     def _finish_args(self, key: str, token: int, state: State, result: dict[str, Any] | None,
-                     error: dict[str, Any] | None) -> list[Any]:
+                     error: dict[str, Any] | None, mark: Mark | None = None) -> list[Any]:
         if state is State.SENT:
             # Gone with the record's hash, a sent record's result and error are never written in chunks:
             # the script only reads them whole (into the entry, beside one the record keeps), so each
             # goes as one "chunk" (every argument costs the call).
-            texts = [*_whole(dumps_json(result)), *_whole(dumps_json(error))]
+            texts = [*_whole(dumps_json(result)), *_whole(dumps_json(error)), 0]
         else:
-            texts = [*_chunked(result), *_chunked(error)]
+            texts = [*_chunked(result), *_chunked(error), *_marked(mark)]
         return [key, token, state.value, int(self.retention_seconds * 1000), "0" if self.keep_payload else "1",
                 self._granule_ms(), *texts, _field(key), self._retention_ms,
                 self._sweep_ms(), _body(result, error) if state is State.SENT else ""]
@@ -292,8 +295,7 @@ class RedisLedger(Listing, Epochs, StoreChecks):
 
     def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
         """The lease's renewal with the mark written in the same script (see :meth:`Ledger.write_ahead`)."""
-        mark = _chunked(ahead_error(stage, time.time(), token, owner))
-        args = [token, int(lease_seconds * 1000), *mark]
+        args = [token, int(lease_seconds * 1000), *_marked(Mark(stage, time.time(), token, owner))]
         return bool(self._eval(self.scripts["renew"], self._keys(key), args)[0] == "ok")
 
     def get(self, key: str) -> Record | None:
@@ -311,13 +313,13 @@ class RedisLedger(Listing, Epochs, StoreChecks):
         args = [key, expected_token, new.state.value, new.token, repr(float(new.updated_at)), ttl,
                 "1" if drop else "0", self._granule_ms(), _field(key), "", _pack_fp(new.fingerprint),
                 repr(float(new.created_at)), new.attempts, new.reclaims, *_counted(new.owner), *_chunked(new.result),
-                *_chunked(new.error), *_counted(new.task_name)]
+                *_chunked(new.error), *_marked(new.mark), *_chunked(new.resolution), *_counted(new.task_name)]
         return bool(self._call(self.scripts["force"], keys=self._keys(key), args=args))
 
     def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
-               error: dict[str, Any] | None) -> bool:
-        args = [expected_token, expected_state.value, *_chunked(result), *_chunked(error), _field(key),
-                _body(result, error)]
+               error: dict[str, Any] | None, resolution: dict[str, Any] | None) -> bool:
+        args = [expected_token, expected_state.value, *_chunked(result), *_chunked(error), *_chunked(resolution),
+                _field(key), _body(result, error)]
         return bool(self._call(self.scripts["erase"], keys=self._keys(key), args=args))
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool:

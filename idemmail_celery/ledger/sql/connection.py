@@ -23,7 +23,16 @@ from sqlalchemy.pool import StaticPool
 from ..._common import after_fork
 from ...errors import ConfigurationError, IdemmailError, LedgerUnavailableError
 from ..base import DEFAULT_RETENTION_SECONDS, Ledger
-from .schema import DEFAULT_TABLE, hops_table, ledger_table, listing_index, migration_file, roster_table
+from .schema import (
+    DEFAULT_TABLE,
+    add_column_sql,
+    hops_table,
+    ledger_table,
+    listing_index,
+    migration_file,
+    record_fields,
+    roster_table,
+)
 
 log = logging.getLogger("idemmail_celery")
 
@@ -181,6 +190,7 @@ class SQLConnections(Ledger):
                                 "rotation takes two deploys", table.name, migration_file(self.dialect, 3))
                     self._roster_ready = False
             self._ensure_listing_index(conn)
+            self._ensure_record_fields(conn)
             self._ready = True
 
     def _ensure_listing_index(self, conn: Connection) -> None:
@@ -200,6 +210,27 @@ class SQLConnections(Ledger):
             # Another process added it between our look and our CREATE.
             if not any(ix.get("name") == index.name for ix in sa.inspect(conn).get_indexes(self.table.name)):
                 raise
+
+    def _ensure_record_fields(self, conn: Connection) -> None:
+        """Add the ``mark`` and ``resolution`` columns to a table made before them (migration 005); a schema
+        managed by hand without them is refused, with the migration to apply (every move writes them)."""
+        if not sa.inspect(conn).has_table(self.table.name):
+            return  # a hand-managed schema not applied yet: the statements say so
+        have = {c["name"] for c in sa.inspect(conn).get_columns(self.table.name)}
+        missing = [c.name for c in record_fields() if c.name not in have]
+        if not missing:
+            return
+        if not self._create_table:
+            raise ConfigurationError(
+                f"SQL ledger table {self.table.name} has no column {', '.join(missing)}: apply migration "
+                f"{migration_file(self.dialect, 5)} (ledger/migrations/), or let the ledger create its tables")
+        for name in missing:
+            try:
+                conn.execute(sa.text(add_column_sql(self.table, self.table.c[name], conn.dialect)))
+            except (IntegrityError, ProgrammingError, OperationalError):
+                # Another process added it between our look and our ALTER.
+                if name not in {c["name"] for c in sa.inspect(conn).get_columns(self.table.name)}:
+                    raise
 
     def _run(self, fn: Any) -> Any:
         """Run ``fn(conn)``, on the spare connection kept open between calls when it is free.

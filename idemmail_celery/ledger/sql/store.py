@@ -18,17 +18,15 @@ from sqlalchemy.exc import DBAPIError
 
 from ...errors import LedgerUnavailableError, RecordNotFoundError, StaleTokenError
 from ..base import (
-    AHEAD_JSON_PREFIX,
     UNKNOWN_STAGE,
     Claim,
     ClaimRequest,
     ClaimStatus,
+    Mark,
     Record,
     RosterEntry,
     State,
     _check_unique,
-    ahead_error,
-    ahead_mark,
     check_roster_entry,
     dumps_json,
     loads_json,
@@ -94,13 +92,13 @@ class SQLLedger(SQLConnections):
             out["insert"] = ins.on_conflict_do_nothing(index_elements=["intent_key"]).returning(t.c.token)
         else:
             out["insert"] = ins.on_duplicate_key_update(intent_key=ins.inserted.intent_key).returning(*t.c)
-        # A transition: NULL result/error parameters keep what the row has, but for a write-ahead mark.
-        kept_error = sa.case((t.c.error.startswith(AHEAD_JSON_PREFIX, autoescape=True), sa.null()), else_=t.c.error)
+        # A transition: NULL result/error parameters keep what the row has; the mark is the move's own (NULL: none).
         finish_values = {
             "state": sa.bindparam("st"), "lease_expires_at": None, "updated_at": sa.bindparam("now"),
             "expires_at": sa.bindparam("exp", type_=sa.Double),
             "result": sa.func.coalesce(sa.bindparam("res", type_=LONG_TEXT), t.c.result),
-            "error": sa.func.coalesce(sa.bindparam("err", type_=LONG_TEXT), kept_error),
+            "error": sa.func.coalesce(sa.bindparam("err", type_=LONG_TEXT), t.c.error),
+            "mark": sa.bindparam("mark", type_=sa.Text),
         }
         # Moving to sent erases the first payload in the same statement, unless kept for audit.
         sent_values = finish_values if self.keep_payload else {**finish_values, "payload": None}
@@ -304,6 +302,7 @@ class SQLLedger(SQLConnections):
             fingerprint=values["fingerprint"], result=loads_json(values["result"]),
             error=loads_json(values["error"]), created_at=values["created_at"],
             updated_at=values["updated_at"], expires_at=values["expires_at"],
+            mark=Mark.from_dict(loads_json(values["mark"])), resolution=loads_json(values["resolution"]),
         )
 
     def _finish(
@@ -314,6 +313,7 @@ class SQLLedger(SQLConnections):
         *,
         result: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
+        mark: Mark | None = None,
     ) -> float | None:
         def do(conn: Connection) -> float | None:
             now = time.time()
@@ -321,6 +321,7 @@ class SQLLedger(SQLConnections):
                 "k": key, "tok": token, "st": state.value, "now": now,
                 "exp": now + self.retention_seconds if state.expires else None,
                 "res": dumps_json(result), "err": dumps_json(error),
+                "mark": None if mark is None else dumps_json(mark.to_dict()),
             }
             if self._execute(conn, "finish_sent" if state is State.SENT else "finish_mine", params,
                              returns_rows=False)[1] == 1:
@@ -361,7 +362,7 @@ class SQLLedger(SQLConnections):
         """One ``UPDATE`` fenced by state and token (see :meth:`Ledger.write_ahead`)."""
         now = time.time()
         return self._one_row(sa.update(self.table).where(self._held(key, token)).values(
-            error=dumps_json(ahead_error(stage, now, token, owner)), lease_expires_at=now + lease_seconds))
+            mark=dumps_json(Mark(stage, now, token, owner).to_dict()), lease_expires_at=now + lease_seconds))
 
     def get(self, key: str) -> Record | None:
         record: Record | None = self._run(lambda conn: self._select(conn, key))
@@ -399,19 +400,20 @@ class SQLLedger(SQLConnections):
             "state": new.state.value, "token": new.token, "owner": new.owner,
             "lease_expires_at": new.lease_expires_at, "result": dumps_json(new.result),
             "error": dumps_json(new.error), "updated_at": new.updated_at, "expires_at": new.expires_at,
+            "mark": None if new.mark is None else dumps_json(new.mark.to_dict()),
+            "resolution": dumps_json(new.resolution),
         }
         if new.state is State.SENT and not self.keep_payload:
             values["payload"] = None
         return self._one_row(sa.update(t).where(t.c.intent_key == key, t.c.token == expected_token).values(values))
 
     def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
-               error: dict[str, Any] | None) -> bool:
+               error: dict[str, Any] | None, resolution: dict[str, Any] | None) -> bool:
         t = self.table
-        marked = sa.and_(t.c.state == State.CLAIMED.value, t.c.error.startswith(AHEAD_JSON_PREFIX, autoescape=True))
         as_read = sa.and_(t.c.intent_key == key, t.c.token == expected_token, t.c.state == expected_state.value)
         stmt = (sa.update(t).where(as_read)
-                .values(payload=None, result=dumps_json(result),
-                        error=sa.case((marked, t.c.error), else_=sa.literal(dumps_json(error), LONG_TEXT))))
+                .values(payload=None, result=dumps_json(result), error=dumps_json(error),
+                        resolution=dumps_json(resolution)))
         # Rows matched, not changed (MariaDB gets CLIENT_FOUND_ROWS): erasing twice is still True.
         return self._one_row(stmt)
 
@@ -622,6 +624,7 @@ def _fresh_row(request: ClaimRequest) -> dict[str, Any]:
         "lease_expires_at": now + request.lease_seconds,
         "attempts": 1, "reclaims": 0, "payload": request.payload, "fingerprint": request.fingerprint,
         "result": None, "error": None, "created_at": now, "updated_at": now, "expires_at": None,
+        "mark": None, "resolution": None,
     }
 
 
@@ -647,9 +650,9 @@ def _takeover_values(seen: Record, request: ClaimRequest, status: ClaimStatus, n
         "lease_expires_at": now + request.lease_seconds, "attempts": seen.attempts + 1,
         "reclaims": seen.reclaims + (1 if status is ClaimStatus.RECLAIMED else 0), "updated_at": now,
     }
-    if status is ClaimStatus.RECLAIMED and not owner_writes_ahead(seen.owner) and ahead_mark(seen) is None:
+    if status is ClaimStatus.RECLAIMED and not owner_writes_ahead(seen.owner) and seen.mark is None:
         # Taken over from a holder that made no write-ahead promise and left no mark: it may have run.
-        values["error"] = dumps_json(ahead_error(UNKNOWN_STAGE, int(now), seen.token))
+        values["mark"] = dumps_json(Mark(UNKNOWN_STAGE, int(now), seen.token).to_dict())
     return values
 
 
@@ -668,4 +671,6 @@ def _row_of(record: Record) -> dict[str, Any]:
         "fingerprint": record.fingerprint, "result": dumps_json(record.result),
         "error": dumps_json(record.error), "created_at": record.created_at,
         "updated_at": record.updated_at, "expires_at": record.expires_at,
+        "mark": None if record.mark is None else dumps_json(record.mark.to_dict()),
+        "resolution": dumps_json(record.resolution),
     }
