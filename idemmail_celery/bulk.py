@@ -59,7 +59,6 @@ from .handler import (
     Step,
     error_record,
     say_setup_error_once,
-    writes_ahead,
 )
 from .keys import Payload, Seal, untrusted_removed
 from .ledger import Claim
@@ -248,9 +247,10 @@ def _send_campaign(
     base = {"subject": subject, "text": text, "html": html, "from_": from_, "event_id": campaign_id,
             "template": template, "tenant": tenant, "headers": headers, "tags": tags}
     base = {k: v for k, v in base.items() if v is not None}
-    # A provider without a key marks the ledger before each recipient's send: a pass that dies leaves
-    # the recipients it had not reached unmarked, and the next pass sends them instead of parking them.
-    owner = new_owner(self.request.id or "campaign", ahead=writes_ahead(sender))
+    # A provider without a key marks the ledger before each recipient's send (each claim promises it, see
+    # Handler.request): a pass that dies leaves the recipients it had not reached unmarked, and the next pass
+    # sends them instead of parking them.
+    owner = new_owner(self.request.id or "campaign")
     # The owners whose claims this pass may hold or find held (a batch claim whose reply was lost may or may
     # not have landed): every pass it hands on to takes back whichever of them holds a recipient's claim.
     chain = ChainState.from_headers(request_headers)

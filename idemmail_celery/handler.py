@@ -81,7 +81,7 @@ from .errors import (
 )
 from .keys import IntentKeyBuilder, Payload
 from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record, State
-from .ledger.base import Mark, new_owner, owner_writes_ahead
+from .ledger.base import Mark, new_owner
 from .ledger.sealed import PAYLOAD_KEY_UNKNOWN, is_sealed, park_unreadable
 from .recovery import OLDER_THAN_RETENTION, RETENTION_SKEW_SECONDS, UNDATED_AFTER_LOSS_SECONDS
 from .redaction import cut_leaking_chain, scrub
@@ -206,7 +206,7 @@ class Handler:
         recorded, never run, whoever takes it."""
         if d.verdict is not None and d.resume_owners:
             return d.resume_owners[0]
-        return d.owner or new_owner(d.attempt_id, ahead=self.writes_ahead())
+        return d.owner or new_owner(d.attempt_id)
 
     def writes_ahead(self) -> bool:
         """Will this handler's attempts mark the ledger before their side effect (:meth:`Ledger.write_ahead`)?"""
@@ -256,7 +256,7 @@ class Handler:
         payload = d.payload
         return ClaimRequest(key=d.key, task_name=d.task_name, payload=payload.to_json(),
                             fingerprint=self.builder.fingerprint(payload), owner=owner,
-                            lease_seconds=self.policy.lease_seconds,
+                            lease_seconds=self.policy.lease_seconds, writes_ahead=self.writes_ahead(),
                             resume_owner=d.resume_owners[0] if d.resume_owners else None)
 
     def settle(self, d: Delivery, claim: Claim) -> Step:
@@ -361,7 +361,7 @@ class Handler:
         """Run the side effect once and record what came of it (see :meth:`run`)."""
         key = d.key
         # Marked whenever the claim's owner promised it: decided once, when the owner was made (claimant()).
-        hook = self.ahead_hook(d, claim) if owner_writes_ahead(claim.record.owner) else None
+        hook = self.ahead_hook(d, claim) if claim.record.writes_ahead else None
         if hook is None and d.other_keys:
             # During a key-secret rotation a claim that may run is marked even if its side effect makes no mark
             # of its own (it carries a key): a claim without one never ran (cross_check, may_have_run).

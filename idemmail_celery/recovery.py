@@ -14,7 +14,6 @@ from typing import Any
 
 from ._common import logsafe
 from .ledger import Claim, ClaimStatus
-from .ledger.base import owner_writes_ahead
 from .steps import Delivery, Outcome, Settling, Step, live_mark
 
 log = logging.getLogger("idemmail_celery")
@@ -40,7 +39,7 @@ def after_crash(h: Settling, d: Delivery, claim: Claim) -> Step | None:
     if record.reclaims > h.policy.max_reclaims:
         reason = "reclaim_limit"  # a poison message that kills its worker every time
     elif not h.effect.carries_key():
-        if mark is None and owner_writes_ahead(claim.previous_owner or "") and (
+        if mark is None and claim.previous_writes_ahead and (
                 claim.status is ClaimStatus.RECLAIMED or h.ledger.marks_takeovers):
             # Its holder would have marked the ledger before sending, and did not: nothing left. A claim
             # resumed after this chain's own reclaim: the holder it took over from left no mark, and the

@@ -133,7 +133,7 @@ def follow(h: Settling, d: Delivery, claim: Claim, other: str) -> Step:
     left out of the other key's check; unsettled, its lease runs out and whoever takes it comes here again.
     """
     there = replace(d, key=other, older_keys=(), other_keys=tuple(k for k in d.other_keys if k != other))
-    owner = d.owner or new_owner(d.attempt_id, ahead=h.writes_ahead())
+    owner = d.owner or new_owner(d.attempt_id)
     try:
         found = h.take_back(there, h.ledger.claim(h.request(there, owner)), owner)
     except Exception as exc:  # nothing claimed there, or its reply lost: the next delivery comes here again

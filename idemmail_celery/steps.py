@@ -18,7 +18,7 @@ from .config import DEFAULTS
 from .errors import SendError
 from .keys import Payload
 from .ledger import Claim, ClaimRequest, ClaimStatus, Ledger, Record
-from .ledger.base import UNKNOWN_STAGE, Mark, owner_writes_ahead
+from .ledger.base import UNKNOWN_STAGE, Mark
 from .redaction import scrub
 
 
@@ -211,9 +211,9 @@ def live_mark(claim: Claim, owners: tuple[str, ...] = ()) -> Mark | None:
     mark = claim.record.mark
     if mark is None:
         return None
-    # Only a holder that promised its mark (a side effect without a key): one that carries a key is retried
-    # with it after a maybe-send, so its step says nothing about whether it sent.
-    if owner_writes_ahead(mark.owner) and owned_by(mark.owner, owners):
+    # Only a holder that promised its mark (a side effect without a key; only such a holder's mark names it): one
+    # that carries a key is retried with it after a maybe-send, so its step says nothing about whether it sent.
+    if mark.owner and owned_by(mark.owner, owners):
         return None
     if claim.status is not ClaimStatus.RESUMED:
         return mark

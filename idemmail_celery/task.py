@@ -509,7 +509,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 verdict=waiting.verdict), exc)
             return self._carry_out(step, headers)
         request.idempotency_key = key
-        state.owner = owner = new_owner(request.id or "", ahead=handler.writes_ahead())
+        state.owner = owner = new_owner(request.id or "")
         dated = chain.retry_from
         step = handler.handle(Delivery(
             key=key, task_name=self.name, payload=payload, attempt_id=request.id or "", older_keys=older,

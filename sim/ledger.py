@@ -17,7 +17,6 @@ from idemmail_celery.ledger.base import (
     check_roster_entry,
     dumps_json,
     loads_json,
-    owner_writes_ahead,
 )
 from idemmail_celery.ledger.wrapper import LedgerWrapper
 
@@ -63,7 +62,8 @@ class MemLedger(Ledger):
             record = Record(key=request.key, task_name=request.task_name, state=State.CLAIMED,
                             token=old.token + 1 if old else 1, owner=request.owner,
                             lease_expires_at=now + request.lease_seconds, attempts=1, reclaims=0,
-                            payload=request.payload, fingerprint=request.fingerprint, created_at=now, updated_at=now)
+                            payload=request.payload, fingerprint=request.fingerprint, created_at=now, updated_at=now,
+                            writes_ahead=request.writes_ahead)
             self.records[request.key] = record
             return Claim(ClaimStatus.ACQUIRED, record)
         resume = seen.state is State.CLAIMED and seen.owner in (request.owner, request.resume_owner)
@@ -78,14 +78,16 @@ class MemLedger(Ledger):
         else:
             status = ClaimStatus.REOPENED
         mark = seen.mark
-        if status is ClaimStatus.RECLAIMED and not owner_writes_ahead(seen.owner) and mark is None:
+        if status is ClaimStatus.RECLAIMED and not seen.writes_ahead and mark is None:
             mark = Mark(UNKNOWN_STAGE, int(now), seen.token)
         record = replace(seen, state=State.CLAIMED, token=seen.token + 1, owner=request.owner,
                          lease_expires_at=now + request.lease_seconds, attempts=seen.attempts + 1,
-                         reclaims=seen.reclaims + (status is ClaimStatus.RECLAIMED), updated_at=now, mark=mark)
+                         reclaims=seen.reclaims + (status is ClaimStatus.RECLAIMED), updated_at=now, mark=mark,
+                         writes_ahead=request.writes_ahead)
         self.records[request.key] = record
-        previous = seen.owner if seen.state is State.CLAIMED else None
-        return Claim(status, record, previous_owner=previous)
+        if seen.state is not State.CLAIMED:
+            return Claim(status, record)
+        return Claim(status, record, previous_owner=seen.owner, previous_writes_ahead=seen.writes_ahead)
 
     def _finish(self, key: str, token: int, state: State, *, result: dict[str, Any] | None = None,
                 error: dict[str, Any] | None = None, mark: Mark | None = None) -> float | None:

@@ -514,7 +514,7 @@ class World:
         else:
             key, older = _keys(actor.builder, handler.builder, payload)
         chain = ChainState.from_headers(h)
-        owner = new_owner(msg.task_id, ahead=handler.writes_ahead())
+        owner = new_owner(msg.task_id)
         d = Delivery(key=key, task_name=SEND_EMAIL, payload=payload, attempt_id=msg.task_id,
                      inflight=chain.inflight, outage=chain.outage, resume_owners=chain.owners, verdict=chain.verdict,
                      older_keys=tuple(older), retries=msg.retries, max_retries=3, enqueued_at=msg.enqueued_at,

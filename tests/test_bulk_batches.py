@@ -111,13 +111,14 @@ def test_a_dead_passs_batch_parks_only_the_recipient_whose_send_had_begun(ledger
     # A pass claimed five recipients, marked the first (its send began: SMTP had accepted DATA) and died.
     # Before the write-ahead mark all five were parked lease_expired, four of them never sent.
     ds = recipients(5, "b6")
-    dead = new_owner("camp-dead", ahead=True)
+    dead = new_owner("camp-dead")
     claims = ledger.claim_many([ClaimRequest(key=d.key, task_name="tests.mail", payload=d.payload.to_json(),
-                                             fingerprint="", owner=dead, lease_seconds=0.2) for d in ds])
+                                             fingerprint="", owner=dead, lease_seconds=0.2, writes_ahead=True)
+                                for d in ds])
     assert ledger.write_ahead(ds[0].key, claims[0].token, 0.2, "message") is True
     time.sleep(0.35)
     handler, box = build(ledger, Mailbox(ahead=True))
-    batch = send_batch(handler, ds, owner=new_owner("camp-next", ahead=True))
+    batch = send_batch(handler, ds, owner=new_owner("camp-next"))
     assert [s.outcome for s in batch.steps] == [Outcome.REVIEW] + [Outcome.SENT] * 4
     assert [k for k, _ in box.sent] == [d.key for d in ds[1:]]
     parked = ledger.get(ds[0].key)
@@ -720,7 +721,7 @@ def test_a_verdict_whose_recipient_another_holder_took_over_stays_to_record(ledg
     refusing = Refusing(ledger)
     handler, box = build(refusing, Mailbox(ahead=True), lease_seconds=0.2)
     ds = recipients(1, "b9")
-    first = new_owner("camp-first", ahead=True)
+    first = new_owner("camp-first")
     box.fail_with = AmbiguousSendError("the reply never came", reason="timeout")
     refusing.down.add("review")
     sent = send_batch(handler, ds, owner=first)
@@ -728,11 +729,12 @@ def test_a_verdict_whose_recipient_another_holder_took_over_stays_to_record(ledg
     refusing.down.clear()
     time.sleep(0.35)
     taken = ledger.claim(ClaimRequest(key=ds[0].key, task_name="tests.mail", payload=ds[0].payload.to_json(),
-                                      fingerprint="", owner=new_owner("other-copy", ahead=True), lease_seconds=30))
+                                      fingerprint="", owner=new_owner("other-copy"), writes_ahead=True,
+                                      lease_seconds=30))
     assert taken.status is ClaimStatus.RECLAIMED  # the other copy holds it (and will die)
     verdict = sent.verdicts()[ds[0].key]
     again = [replace(ds[0], resume_owners=tuple(verdict["owner"]), verdict=Verdict.from_header(verdict), retries=1)]
-    busy = send_batch(handler, again, owner=new_owner("camp-next", ahead=True))
+    busy = send_batch(handler, again, owner=new_owner("camp-next"))
     assert busy.outcomes() == [Outcome.PENDING]
     assert ds[0].key not in busy.settled_keys()  # its verdict is carried on, not dropped
 

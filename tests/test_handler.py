@@ -695,7 +695,7 @@ def test_a_rotation_lookup_that_fails_claims_nothing_and_sends_nothing(ledger: L
 def dead_holder(ledger: Ledger, key: str, *, ahead: bool, marked: bool) -> None:
     """A holder that claimed ``key`` (promising write-ahead marks or not), maybe marked it, and died."""
     c = ledger.claim(ClaimRequest(key=key, task_name="tests.mail", payload=delivery(key).payload.to_json(),
-                                  fingerprint="", owner=new_owner("dead", ahead=ahead), lease_seconds=0.2))
+                                  fingerprint="", owner=new_owner("dead"), writes_ahead=ahead, lease_seconds=0.2))
     if marked:
         assert ledger.write_ahead(key, c.token, 0.2, "message") is True
     time.sleep(0.35)
@@ -1084,7 +1084,7 @@ def test_a_chains_own_mark_behind_a_reclaim_and_a_lost_claim_reply_is_void(ledge
     refusing = Refusing(ledger)
     handler, box = build(refusing, Mailbox(ahead=True), lease_seconds=0.2)
     ledger.claim(ClaimRequest(key="h-own2", task_name="tests.mail", payload=delivery("h-own2").payload.to_json(),
-                              fingerprint="", owner=new_owner("dead", ahead=True), lease_seconds=0.2))
+                              fingerprint="", owner=new_owner("dead"), writes_ahead=True, lease_seconds=0.2))
     time.sleep(0.35)  # a holder that promised its mark died before it: the next claimer runs the intent
     box.fail_with = TransientSendError("connection dropped before the message", reason="smtp_dropped")
     refusing.down.add("released")
@@ -1130,7 +1130,7 @@ def test_a_rotation_claim_whose_holder_died_before_its_check_is_not_taken_over_a
     with pytest.raises(DiesAfterSending.Killed):  # claims the new key, checks the old one (nothing), sends, dies
         handler.handle(on_new)
     ledger.claim(ClaimRequest(key="rr6-old", task_name="tests.mail", payload=on_old.payload.to_json(),
-                              fingerprint="", owner=new_owner("dies-before-its-check", ahead=not carries_key),
+                              fingerprint="", owner=new_owner("dies-before-its-check"), writes_ahead=not carries_key,
                               lease_seconds=0.2))
     time.sleep(0.35)
     after = Mailbox(carries_key=carries_key, ahead=not carries_key)
@@ -1160,7 +1160,7 @@ def test_a_rotation_claim_taken_over_from_a_paused_holder_keeps_its_tokens(ledge
     if other == "sent":
         assert handler.handle(delivery("rr7-new")).outcome is Outcome.SENT  # the intent, under the new key
     paused = ledger.claim(ClaimRequest(key="rr7-old", task_name="tests.mail", payload=on_old.payload.to_json(),
-                                       fingerprint="", owner=new_owner("paused", ahead=True), lease_seconds=0.2))
+                                       fingerprint="", owner=new_owner("paused"), writes_ahead=True, lease_seconds=0.2))
     time.sleep(0.35)
     if other == "unreadable":
         handler.ledger = RereadFails(ledger, "rr7-new", down=False)

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from idemmail_celery.errors import IllegalTransitionError, RecordNotFoundError, StaleTokenError
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, Ledger, State, from_url
-from idemmail_celery.ledger.base import new_owner, owner_writes_ahead
+from idemmail_celery.ledger.base import new_owner
 from idemmail_celery.ledger.wrapper import LedgerWrapper
 
 from .conftest import BACKENDS, REDIS_SERVERS, STORES, drop_ledger, make_ledger, unique
@@ -558,13 +558,13 @@ def test_forget_keeps_a_dead_holders_write_ahead_mark(ledger: Ledger) -> None:
     """Found by the simulator (sim/traces/forget_erases_write_ahead_mark.json): a data-subject request
     for a claim whose holder marked, sent and died erased the mark with the free text, so the next
     claimer took it for a claim that never ran and sent the intent again."""
-    c = ledger.claim(req("fg4", lease_seconds=0.2, owner=new_owner("t", ahead=True)))
+    c = ledger.claim(req("fg4", lease_seconds=0.2, owner=new_owner("t"), writes_ahead=True))
     assert ledger.write_ahead("fg4", c.token, 0.2, "message") is True
     assert ledger.forget("fg4") is True
     forgot = ledger.get("fg4")
     assert forgot is not None and forgot.payload is None
     time.sleep(0.35)
-    taken = ledger.claim(req("fg4", owner=new_owner("u", ahead=True)))
+    taken = ledger.claim(req("fg4", owner=new_owner("u"), writes_ahead=True))
     assert taken.status is ClaimStatus.RECLAIMED
     mark = taken.record.mark
     assert mark is not None and mark.stage == "message" and mark.token == c.token
@@ -590,11 +590,11 @@ def test_forget_racing_a_write_ahead_mark_keeps_the_mark(ledger: Ledger) -> None
     """Found by the simulator (sim/traces/forget_races_a_write_ahead_mark.json): forget read a claim without a
     mark, its holder marked and sent, forget erased under the same token and wiped the mark with the free
     text; the holder died, and the next claimer, finding no mark, sent the intent again."""
-    c = ledger.claim(req("fg5", lease_seconds=0.2, owner=new_owner("t", ahead=True)))
+    c = ledger.claim(req("fg5", lease_seconds=0.2, owner=new_owner("t"), writes_ahead=True))
     store = MovesWhileForgetting(ledger, lambda: ledger.write_ahead("fg5", c.token, 0.2, "message"))
     assert store.forget("fg5") is True
     time.sleep(0.35)
-    taken = ledger.claim(req("fg5", owner=new_owner("u", ahead=True)))
+    taken = ledger.claim(req("fg5", owner=new_owner("u"), writes_ahead=True))
     assert taken.status is ClaimStatus.RECLAIMED and taken.record.payload is None
     mark = taken.record.mark
     assert mark is not None and mark.stage == "message" and mark.token == c.token
@@ -622,7 +622,7 @@ class DefaultWriteAhead(LedgerWrapper):
 @pytest.mark.parametrize("own", [False, True], ids=["backend", "base-default"])
 def test_a_write_ahead_mark_is_fenced_kept_by_a_reclaim_and_replaced_by_a_release(ledger: Ledger, own: bool) -> None:
     store: Ledger = DefaultWriteAhead(ledger) if own else ledger
-    c = store.claim(req("wa1", lease_seconds=0.2, owner=new_owner("t", ahead=True)))
+    c = store.claim(req("wa1", lease_seconds=0.2, owner=new_owner("t"), writes_ahead=True))
     assert c.status is ClaimStatus.ACQUIRED and c.previous_owner is None
     assert store.write_ahead("wa1", c.token + 1, 30, "message") is False  # not the holder's token
     assert store.get("wa1").mark is None  # type: ignore[arg-type]
@@ -636,7 +636,7 @@ def test_a_write_ahead_mark_is_fenced_kept_by_a_reclaim_and_replaced_by_a_releas
     time.sleep(0.35)
     r = store.claim(req("wa1", lease_seconds=30))
     assert r.status is ClaimStatus.RECLAIMED
-    assert r.previous_owner is not None and owner_writes_ahead(r.previous_owner)
+    assert r.previous_owner is not None and r.previous_writes_ahead
     assert r.record.owner != r.previous_owner
     assert r.record.mark == mark  # the next claimer sees what the dead holder had begun
     assert store.write_ahead("wa1", c.token, 30, "message") is False  # the dead holder's token is stale
@@ -650,7 +650,7 @@ def test_a_write_ahead_mark_is_fenced_kept_by_a_reclaim_and_replaced_by_a_releas
 @pytest.mark.parametrize("own", [False, True], ids=["backend", "base-default"])
 def test_a_write_ahead_mark_names_the_owner_that_wrote_it(ledger: Ledger, own: bool) -> None:
     store: Ledger = DefaultWriteAhead(ledger) if own else ledger
-    c = store.claim(req("wa4", lease_seconds=0.2, owner=new_owner("t", ahead=True)))
+    c = store.claim(req("wa4", lease_seconds=0.2, owner=new_owner("t"), writes_ahead=True))
     assert store.write_ahead("wa4", c.token, 0.2, "message", owner=c.record.owner) is True
     time.sleep(0.35)
     r = store.claim(req("wa4"))
@@ -663,7 +663,7 @@ def test_a_reclaim_names_the_holder_it_took_over_from(ledger: Ledger) -> None:
     time.sleep(0.35)
     r = ledger.claim(req("wa2"))
     assert r.status is ClaimStatus.RECLAIMED and r.previous_owner is not None
-    assert r.previous_owner.startswith("old-worker:1:abcd") and not owner_writes_ahead(r.previous_owner)
+    assert r.previous_owner.startswith("old-worker:1:abcd") and not r.previous_writes_ahead
     assert c.token < r.token
     # That holder made no write-ahead promise and left no mark: the takeover says it may have run.
     assert ledger.marks_takeovers is True
@@ -721,9 +721,24 @@ def test_only_a_held_claim_can_be_withdrawn(ledger: Ledger, state: State) -> Non
     assert ledger.claim(req("wd2")).status is (ClaimStatus.REOPENED if state is State.RELEASED else ClaimStatus.DONE)
 
 
-def test_a_task_id_cannot_spell_the_write_ahead_promise() -> None:
-    assert not owner_writes_ahead(new_owner("x:ahead:y"))  # a caller's task id: no promise made
-    assert owner_writes_ahead(new_owner("x:ahead:y", ahead=True))
+def test_the_write_ahead_promise_is_the_claims_field_not_a_word_in_its_owner(ledger: Ledger) -> None:
+    """The promise is ``ClaimRequest.writes_ahead``, kept as the record's field: an owner that spells ':ahead:'
+    (a caller's task id) promises nothing, and a takeover judges the holder by the field alone."""
+    spelled = ledger.claim(req("pr1", lease_seconds=0.2, owner=new_owner("x:ahead:y")))
+    promised = ledger.claim(req("pr2", lease_seconds=0.2, owner=new_owner("plain"), writes_ahead=True))
+    assert not spelled.record.writes_ahead and promised.record.writes_ahead
+    stored = ledger.get("pr2")
+    assert stored is not None and stored.writes_ahead
+    time.sleep(0.35)
+    after_spelled, after_promised = ledger.claim(req("pr1")), ledger.claim(req("pr2"))
+    assert (after_spelled.status, after_promised.status) == (ClaimStatus.RECLAIMED, ClaimStatus.RECLAIMED)
+    assert not after_spelled.previous_writes_ahead and after_promised.previous_writes_ahead
+    # No promise, no mark: it may have run (unknown). A promise kept and no mark: it never began.
+    assert after_spelled.record.mark is not None and after_spelled.record.mark.stage == "unknown"
+    assert after_promised.record.mark is None
+    assert not after_promised.record.writes_ahead  # the new holder made no promise: the record says so
+    again = ledger.get("pr2")
+    assert again is not None and not again.writes_ahead
 
 
 def test_the_key_secret_roster_lists_live_workers_until_they_lapse_or_leave(ledger: Ledger) -> None:

@@ -126,9 +126,18 @@ def test_an_operator_can_take_a_record_off_its_shelf_and_forget_one_on_it(led: R
     again = led.claim(req(key))
     assert again.status is ClaimStatus.REOPENED and again.token == released.token + 1
     led.complete(key, again.token, {"message_id": "m2"})
-    archived = led.get(key)  # its token (3) kept in the entry
-    assert sum(shelf(led, key).values()) == 1 and archived is not None and archived.token == again.token > 1
+    archived = led.get(key)  # an operator's decision has no room in an entry: a hash of its own, with its token
+    assert sum(shelf(led, key).values()) == 0 and archived is not None and archived.token == again.token > 1
     assert archived.result == {"message_id": "m2"} and led.claim(req(key)).record.token == again.token
+    assert archived.resolution is not None and archived.resolution["note"] == "resend"
+    assert led.client.pttl(led.names.record(key)) > 0  # it expires, as a shelved one would
+    other = hexkey()  # without a decision, a sent record goes on its shelf, its token (2) kept in the entry
+    first = led.claim(replace(req(other), lease_seconds=0.2))
+    time.sleep(0.35)
+    taken = led.claim(req(other))
+    led.complete(other, taken.token, {"message_id": "m3"})
+    shelved = led.get(other)
+    assert sum(shelf(led, other).values()) == 1 and shelved is not None and shelved.token == first.token + 1
 
 
 def test_a_record_near_the_end_of_its_retention_replays_until_then_and_not_after(led: RedisLedger) -> None:

@@ -222,7 +222,7 @@ def test_a_plain_task_that_names_its_point_of_no_return_is_marked_resent_or_park
     next claimer; one that died after it is parked with the stage it reached. Without a key downstream
     (``carries_key`` False, the default), a plain task's dead holder would otherwise always be parked."""
     from idemmail_celery.ledger import ClaimRequest, State
-    from idemmail_celery.ledger.base import new_owner, owner_writes_ahead
+    from idemmail_celery.ledger.base import new_owner
     from idemmail_celery.providers.base import about_to_send
 
     app = Celery("adapter", broker="memory://", set_as_current=False)
@@ -238,14 +238,14 @@ def test_a_plain_task_that_names_its_point_of_no_return_is_marked_resent_or_park
         key = self.request.idempotency_key
         about_to_send("charge")  # the point after which the card may have been charged
         record = self.ledger.get(key)
-        ran.append((order_id, record.mark, owner_writes_ahead(record.owner)))
+        ran.append((order_id, record.mark, record.writes_ahead))
         return {"id": f"ch-{order_id}"}
 
     def dead_holder(order_id: int, *, marked: bool) -> str:
         key: str = charge.intent_key(order_id)
         c = charge.ledger.claim(ClaimRequest(key=key, task_name=charge.name, fingerprint="", lease_seconds=0.2,
                                              payload=charge.key_builder.payload((order_id,), {}).to_json(),
-                                             owner=new_owner("dead", ahead=True)))
+                                             owner=new_owner("dead"), writes_ahead=True))
         if marked:
             assert charge.ledger.write_ahead(key, c.token, 0.2, "charge") is True
         time.sleep(0.35)

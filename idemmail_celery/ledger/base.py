@@ -81,6 +81,9 @@ class ClaimRequest:
     fingerprint: str
     owner: str = field(default_factory=lambda: new_owner())
     lease_seconds: float = DEFAULT_LEASE_SECONDS
+    #: The claimer promises a write-ahead mark (:meth:`Ledger.write_ahead`) before its side effect can happen,
+    #: so that a claim it leaves without one is known not to have run it (:attr:`Record.writes_ahead`).
+    writes_ahead: bool = False
     #: The owner this delivery's own chain claimed under before (carried in the message's headers),
     #: when it may hold a claim it could not settle: the claim's reply was lost, or its release
     #: failed. A ``claimed`` record whose owner is this, live or expired, is taken back as
@@ -109,27 +112,18 @@ def _forget_owner() -> None:
     _owner = ""  # a forked child has a pid of its own
 
 
-#: The part of an owner string that says its holder writes ahead (see :meth:`Ledger.write_ahead`).
-WRITES_AHEAD = "ahead"
 
 
-def new_owner(detail: str = "", *, ahead: bool = False) -> str:
-    """A unique owner string for one claim: ``host:pid[:detail][:ahead]:nonce``.
+def new_owner(detail: str = "") -> str:
+    """A unique owner string for one claim: ``host:pid[:detail]:nonce``.
 
     The nonce makes every claim's owner distinct, even two deliveries of the
     same task id in one process, so a store can tell "my row" from "a row".
-    ``ahead``: the holder promises a write-ahead mark before its side effect can
-    happen, so a claim it left without one is known not to have run it
-    (:func:`owner_writes_ahead`).
+    It names a holder and says nothing else (a promise of write-ahead marks is
+    :attr:`ClaimRequest.writes_ahead`).
     """
-    # A ':' in the detail (a task id is the caller's choice) could spell ':ahead:' without the promise.
-    parts = [default_owner(), detail.replace(":", "_"), WRITES_AHEAD if ahead else "", secrets.token_hex(4)]
+    parts = [default_owner(), detail, secrets.token_hex(4)]
     return ":".join(p for p in parts if p)
-
-
-def owner_writes_ahead(owner: str) -> bool:
-    """Did the holder ``owner`` promise a write-ahead mark before its side effect (``new_owner(ahead=True)``)?"""
-    return f":{WRITES_AHEAD}:" in owner
 
 
 def _check_unique(requests: Sequence[ClaimRequest]) -> None:
@@ -307,7 +301,7 @@ class Ledger(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot withdraw a claim")
 
-    #: Does a reclaim from a holder that made no write-ahead promise (:func:`owner_writes_ahead`) and
+    #: Does a reclaim from a holder that made no write-ahead promise (:attr:`Record.writes_ahead`) and
     #: left no mark write the mark ``Mark(UNKNOWN_STAGE, ...)`` with that holder's token? The built-in
     #: backends do; then a claim resumed after this chain's own reclaim, carrying no mark, is known
     #: not to have been sent by the holder it took over from. Without it such a claim is parked.
@@ -321,7 +315,7 @@ class Ledger(ABC):
         holder's own chain, which carries it, knows the mark for its own (see
         :func:`~idemmail_celery.handler.live_mark`).
 
-        A claim whose holder promised marks (:func:`owner_writes_ahead`) and died without one is known
+        A claim whose holder promised marks (:attr:`Record.writes_ahead`) and died without one is known
         not to have run its side effect: the next claimer runs it instead of parking it for
         review. The mark stays until the claim moves on (any move drops it; a release may leave another);
         a reclaim keeps it, so the next claimer sees it.

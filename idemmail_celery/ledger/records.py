@@ -67,7 +67,9 @@ class Mark:
     at: float
     #: The token of the claim that wrote it.
     token: int
-    #: The owner of the claim that wrote it ("" when the writer did not say: a takeover's ``unknown`` mark).
+    #: The owner of the claim that wrote it, when that holder promised marks (:attr:`Record.writes_ahead`) and wrote
+    #: it before its side effect (``Ledger.write_ahead``); "" for the marks a ledger or a release leaves (a takeover's
+    #: ``unknown``, a maybe-send's ``maybe_sent``).
     owner: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -108,6 +110,10 @@ class Record:
     #: The write-ahead mark of a ``claimed`` record (:class:`Mark`), or None; any move out of ``claimed``
     #: drops it, and only a release may carry one on to the next claimer.
     mark: Mark | None = None
+    #: Did the holder of the record's latest claim promise a write-ahead mark before its side effect
+    #: (:attr:`ClaimRequest.writes_ahead <idemmail_celery.ledger.base.ClaimRequest.writes_ahead>`)? A claim it left
+    #: without a mark is then known not to have run it. Redis field ``p``, SQL column ``writes_ahead``.
+    writes_ahead: bool = False
     #: An operator's decision on the record (:meth:`Ledger.resolve <idemmail_celery.ledger.base.Ledger.resolve>`,
     #: ``confirm_sent``): ``{"from", "to", "at", "by", "note"}``, or None. Kept apart from the error it decided on.
     resolution: dict[str, Any] | None = None
@@ -121,6 +127,7 @@ class Record:
             "result": self.result, "error": self.error, "created_at": self.created_at,
             "updated_at": self.updated_at, "expires_at": self.expires_at,
             "mark": None if self.mark is None else self.mark.to_dict(), "resolution": self.resolution,
+            "writes_ahead": self.writes_ahead,
         }
 
 
@@ -132,10 +139,11 @@ class Claim:
     status: ClaimStatus
     record: Record
     #: Who held the claim just before this one took it (``reclaimed`` and ``resumed`` claims; None
-    #: otherwise, or when the store cannot say): whether that holder promised a write-ahead mark
-    #: (:func:`~idemmail_celery.ledger.base.owner_writes_ahead`) tells a claim it left unmarked from one that may
-    #: have run.
+    #: otherwise, or when the store cannot say).
     previous_owner: str | None = None
+    #: Did that holder promise a write-ahead mark (:attr:`Record.writes_ahead`)? Tells a claim it left unmarked
+    #: (it never began its side effect) from one that may have run. False without a previous holder.
+    previous_writes_ahead: bool = False
 
     @property
     def token(self) -> int:

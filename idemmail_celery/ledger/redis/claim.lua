@@ -2,7 +2,8 @@
 -- KEYS (fewer than the other record scripts': each costs the call): record, the bucket's index of
 -- claimed and of released records, epoch marker, payload, shelf.
 -- ARGV: epoch, id, payload, fingerprint, lease (ms), resume_owner ('' for none), then the task
--- name's chunks (their count first), then the owner's, then the packed key (the shelf's field).
+-- name's chunks (their count first), then the owner's, then '1' if the claimer promises write-ahead
+-- marks ('' if not: field p), then the packed key (the shelf's field).
 if lost(KEYS[4]) then return {'lost'} end
 local rec, id = KEYS[1], ARGV[2]
 local n = now()
@@ -20,6 +21,10 @@ if #h == 0 then
   local fields = {'s', 'claimed', 't', '1', 'l', string.format('%d', lease), 'a', '1', 'c', '0', 'f', ARGV[4],
     'k', at, 'u', at}
   chunks(fields, 'o', chunks(fields, 'n', 7))
+  if ARGV[#ARGV - 1] == '1' then
+    fields[#fields + 1] = 'p'
+    fields[#fields + 1] = '1'
+  end
   redis.call('HSET', rec, unpack(fields))
   redis.call('SET', KEYS[5], ARGV[3])
   return {'acquired', n, lease}
@@ -27,9 +32,9 @@ end
 local f = fields_of(h)
 local state = f.s
 local status = 'reopened'
-local holder = ''  -- who held it before (a reclaimed or resumed claim): the reply says
+local holder, promised = '', ''  -- who held it before (a reclaimed or resumed claim), and its promise: the reply says
 if state == 'claimed' then
-  holder = joined(f, 'o')
+  holder, promised = joined(f, 'o'), f.p or ''
   local at = 8 + tonumber(ARGV[7])
   local own = table.concat({unpack(ARGV, at + 1, at + tonumber(ARGV[at]))})
   -- Resumed: this chain's earlier claim (resume_owner), or this very request run twice (a client
@@ -50,20 +55,24 @@ redis.call('ZADD', KEYS[2], at, id)
 if state == 'released' then redis.call('ZREM', KEYS[3], id) end
 redis.call('HINCRBY', rec, 't', '1')
 redis.call('HINCRBY', rec, 'a', '1')
--- Taken over from a holder that made no write-ahead promise (no ':ahead:' in its owner) and left no
--- mark (field w): it may have run, so the record gets a mark saying so ('unknown'), with that holder's
--- token. A later look (this chain's own delivery resuming the claim) then knows what this one knew.
-local unknown = status == 'reclaimed' and not string.find(holder, ':ahead:', 1, true) and not f.w
-local old = {}  -- the owner's chunks: the new owner's may be fewer
+-- Taken over from a holder that made no write-ahead promise (no field p) and left no mark (field w): it
+-- may have run, so the record gets a mark saying so ('unknown'), with that holder's token. A later look
+-- (this chain's own delivery resuming the claim) then knows what this one knew.
+local unknown = status == 'reclaimed' and not f.p and not f.w
+local old = {}  -- the owner's chunks: the new owner's may be fewer (and the promise, if this one makes none)
 for name in pairs(f) do
-  if string.byte(name) == O then old[#old + 1] = name end
+  if string.byte(name) == O or (name == 'p' and ARGV[#ARGV - 1] ~= '1') then old[#old + 1] = name end
 end
 if #old > 0 then redis.call('HDEL', rec, unpack(old)) end
 local fields = {'s', 'claimed', 'l', string.format('%d', lease), 'u', at}
+if ARGV[#ARGV - 1] == '1' then
+  fields[#fields + 1] = 'p'
+  fields[#fields + 1] = '1'
+end
 if unknown then  -- canonical JSON (sorted keys), as Mark.to_dict writes it: at most 64 bytes, one chunk
   fields[#fields + 1] = 'w'
   fields[#fields + 1] = string.format('{"at":%d,"stage":"unknown","token":%d}', math.floor(n / 1000000), tonumber(f.t))
 end
 chunks(fields, 'o', 8 + tonumber(ARGV[7]))
 redis.call('HSET', rec, unpack(fields))
-return {status, redis.call('HGETALL', rec), redis.call('GET', KEYS[5]), holder}
+return {status, redis.call('HGETALL', rec), redis.call('GET', KEYS[5]), holder, promised}

@@ -275,6 +275,7 @@ def _read_record(key: str, fields: list[str] | dict[str, str], payload: str | No
         error=loads_json(_joined(h, "e")), created_at=_seconds(h.get("k")) or 0.0, updated_at=updated,
         expires_at=updated + retention_seconds if state.expires else None,
         mark=Mark.from_dict(loads_json(_joined(h, "w"))), resolution=loads_json(_joined(h, "d")),
+        writes_ahead=h.get("p") == "1",
     )
 
 

@@ -1,6 +1,7 @@
 -- The record scripts' shared start. A record is a hash of short fields, every value within 64
 -- bytes so that Redis keeps it compact (listpack):
 --   s state, t token, l lease end, a attempts, c reclaims, f fingerprint, k created, u updated,
+--   p '1' if the latest claim's holder promised write-ahead marks (absent if not),
 --   and in chunks of at most 64 bytes (base, base2, ...; the only names starting with that letter):
 --   o owner, n task name, r result, e error, w write-ahead mark (claimed records only) and d an
 --   operator's decision (JSON).

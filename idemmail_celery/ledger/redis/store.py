@@ -233,7 +233,7 @@ class RedisLedger(Listing, Epochs, StoreChecks):
     def _claim_args(self, request: ClaimRequest) -> list[Any]:
         return [request.key, request.payload, _pack_fp(request.fingerprint), int(request.lease_seconds * 1000),
                 request.resume_owner or "", *_counted_name(request.task_name), *_counted(request.owner),
-                _field(request.key)]
+                "1" if request.writes_ahead else "", _field(request.key)]
 
     def _claim_result(self, request: ClaimRequest, out: list[Any]) -> Claim:
         status = _CLAIM_STATUS[out[0]]
@@ -243,7 +243,7 @@ class RedisLedger(Listing, Epochs, StoreChecks):
                 key=request.key, task_name=request.task_name, state=State.CLAIMED, token=1,
                 owner=request.owner, lease_expires_at=lease, attempts=1, reclaims=0,
                 payload=request.payload, fingerprint=request.fingerprint,
-                created_at=now, updated_at=now,
+                created_at=now, updated_at=now, writes_ahead=request.writes_ahead,
             )
             return Claim(status, record)
         if status is ClaimStatus.DONE:
@@ -251,7 +251,8 @@ class RedisLedger(Listing, Epochs, StoreChecks):
                 return Claim(status, self._entry_record(request.key, out[3], out[2]))
             return Claim(status, self._record(request.key, out[1], out[2]))
         previous = str(out[3]) if len(out) > 3 and out[3] else None  # who held it before (taken over)
-        return Claim(status, self._record(request.key, out[1], out[2]), previous_owner=previous)
+        return Claim(status, self._record(request.key, out[1], out[2]), previous_owner=previous,
+                     previous_writes_ahead=previous is not None and len(out) > 4 and out[4] == "1")
 
     def _finish(
         self,
@@ -311,7 +312,8 @@ class RedisLedger(Listing, Epochs, StoreChecks):
         ttl = "" if new.expires_at is None else int((new.expires_at - new.updated_at) * 1000)
         drop = new.payload is None or (new.state is State.SENT and not self.keep_payload)
         args = [key, expected_token, new.state.value, new.token, repr(float(new.updated_at)), ttl,
-                "1" if drop else "0", self._granule_ms(), _field(key), "", _pack_fp(new.fingerprint),
+                "1" if drop else "0", self._granule_ms(), _field(key), "1" if new.writes_ahead else "",
+                _pack_fp(new.fingerprint),
                 repr(float(new.created_at)), new.attempts, new.reclaims, *_counted(new.owner), *_chunked(new.result),
                 *_chunked(new.error), *_marked(new.mark), *_chunked(new.resolution), *_counted(new.task_name)]
         return bool(self._call(self.scripts["force"], keys=self._keys(key), args=args))

@@ -212,8 +212,8 @@ class SQLConnections(Ledger):
                 raise
 
     def _ensure_record_fields(self, conn: Connection) -> None:
-        """Add the ``mark`` and ``resolution`` columns to a table made before them (migration 005); a schema
-        managed by hand without them is refused, with the migration to apply (every move writes them)."""
+        """Add the ``mark``, ``resolution`` and ``writes_ahead`` columns to a table made before them (migration 005);
+        a schema managed by hand without them is refused, with the migration to apply (every move writes them)."""
         if not sa.inspect(conn).has_table(self.table.name):
             return  # a hand-managed schema not applied yet: the statements say so
         have = {c["name"] for c in sa.inspect(conn).get_columns(self.table.name)}

@@ -54,9 +54,11 @@ def ledger_table(name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None,
 
 
 def record_fields() -> tuple[sa.Column[Any], ...]:
-    """The columns migration 005 adds: the write-ahead mark (``Record.mark``) and the operator's decision
-    (``Record.resolution``), each a field of its own (JSON), where they once shared ``error``."""
-    return (sa.Column("mark", sa.Text, nullable=True), sa.Column("resolution", LONG_TEXT, nullable=True))
+    """The columns migration 005 adds, each a field of its own: the write-ahead mark (``Record.mark``, JSON) and the
+    operator's decision (``Record.resolution``, JSON), which once shared ``error``, and the holder's promise of
+    marks (``Record.writes_ahead``; NULL reads as false), which was a flag inside the owner string."""
+    return (sa.Column("mark", sa.Text, nullable=True), sa.Column("resolution", LONG_TEXT, nullable=True),
+            sa.Column("writes_ahead", sa.Boolean, nullable=True))
 
 
 def _record_fields_step(name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -> tuple[sa.Table, list[str]]:
@@ -110,7 +112,7 @@ MIGRATIONS: tuple[tuple[str, str, Any], ...] = (
     ("create_hops", "reschedule marks table (step 2)", hops_table),
     ("create_roster", "key-secret roster table (step 3)", roster_table),
     ("create_listing_index", "review queue's listing index (step 4)", _listing_step),
-    ("add_record_fields", "write-ahead mark and resolution columns (step 5)", _record_fields_step),
+    ("add_record_fields", "write-ahead mark, resolution and promise columns (step 5)", _record_fields_step),
 )
 
 
@@ -120,8 +122,8 @@ def schema_sql(dialect: str, table: str = DEFAULT_TABLE, step: int = 1) -> str:
     ``dialect`` is postgresql, mysql or sqlite. Step 1 creates the ledger table, step 2
     its reschedule marks (``<table>_hops``, used by :meth:`SQLLedger.mark_hop`), step 3 its
     key-secret roster (``<table>_roster``, :meth:`SQLLedger.announce`), step 4 the index the
-    review queue's pages walk (:func:`listing_index`), step 5 the record's ``mark`` and
-    ``resolution`` columns (:func:`record_fields`); a ledger created by an
+    review queue's pages walk (:func:`listing_index`), step 5 the record's ``mark``,
+    ``resolution`` and ``writes_ahead`` columns (:func:`record_fields`); a ledger created by an
     earlier version needs only the steps after those it has. ``ledger/migrations/`` holds
     the output for the default table name; a test keeps the two in step.
     """

@@ -30,7 +30,6 @@ from ..base import (
     check_roster_entry,
     dumps_json,
     loads_json,
-    owner_writes_ahead,
 )
 from ..listing import Counts, Position, RecordQuery, Selection
 from .connection import SQLConnections
@@ -270,8 +269,10 @@ class SQLLedger(SQLConnections):
             return None
         if status is ClaimStatus.ACQUIRED:
             return Claim(status, self._from_row(values))
-        previous = seen.owner if seen.state is State.CLAIMED else None
-        return Claim(status, self._from_row({**_row_of(seen), **values}), previous_owner=previous)
+        if seen.state is not State.CLAIMED:
+            return Claim(status, self._from_row({**_row_of(seen), **values}))
+        return Claim(status, self._from_row({**_row_of(seen), **values}), previous_owner=seen.owner,
+                     previous_writes_ahead=seen.writes_ahead)
 
     def _insert_new(self, conn: Connection, values: dict[str, Any]) -> tuple[bool, Record | None]:
         """Insert a new claim. Returns (inserted, the existing record when the store told us)."""
@@ -303,6 +304,7 @@ class SQLLedger(SQLConnections):
             error=loads_json(values["error"]), created_at=values["created_at"],
             updated_at=values["updated_at"], expires_at=values["expires_at"],
             mark=Mark.from_dict(loads_json(values["mark"])), resolution=loads_json(values["resolution"]),
+            writes_ahead=bool(values["writes_ahead"]),
         )
 
     def _finish(
@@ -401,7 +403,7 @@ class SQLLedger(SQLConnections):
             "lease_expires_at": new.lease_expires_at, "result": dumps_json(new.result),
             "error": dumps_json(new.error), "updated_at": new.updated_at, "expires_at": new.expires_at,
             "mark": None if new.mark is None else dumps_json(new.mark.to_dict()),
-            "resolution": dumps_json(new.resolution),
+            "resolution": dumps_json(new.resolution), "writes_ahead": new.writes_ahead,
         }
         if new.state is State.SENT and not self.keep_payload:
             values["payload"] = None
@@ -624,7 +626,7 @@ def _fresh_row(request: ClaimRequest) -> dict[str, Any]:
         "lease_expires_at": now + request.lease_seconds,
         "attempts": 1, "reclaims": 0, "payload": request.payload, "fingerprint": request.fingerprint,
         "result": None, "error": None, "created_at": now, "updated_at": now, "expires_at": None,
-        "mark": None, "resolution": None,
+        "mark": None, "resolution": None, "writes_ahead": request.writes_ahead,
     }
 
 
@@ -649,8 +651,9 @@ def _takeover_values(seen: Record, request: ClaimRequest, status: ClaimStatus, n
         "state": State.CLAIMED.value, "token": seen.token + 1, "owner": request.owner,
         "lease_expires_at": now + request.lease_seconds, "attempts": seen.attempts + 1,
         "reclaims": seen.reclaims + (1 if status is ClaimStatus.RECLAIMED else 0), "updated_at": now,
+        "writes_ahead": request.writes_ahead,
     }
-    if status is ClaimStatus.RECLAIMED and not owner_writes_ahead(seen.owner) and seen.mark is None:
+    if status is ClaimStatus.RECLAIMED and not seen.writes_ahead and seen.mark is None:
         # Taken over from a holder that made no write-ahead promise and left no mark: it may have run.
         values["mark"] = dumps_json(Mark(UNKNOWN_STAGE, int(now), seen.token).to_dict())
     return values
@@ -672,5 +675,5 @@ def _row_of(record: Record) -> dict[str, Any]:
         "error": dumps_json(record.error), "created_at": record.created_at,
         "updated_at": record.updated_at, "expires_at": record.expires_at,
         "mark": None if record.mark is None else dumps_json(record.mark.to_dict()),
-        "resolution": dumps_json(record.resolution),
+        "resolution": dumps_json(record.resolution), "writes_ahead": record.writes_ahead,
     }
