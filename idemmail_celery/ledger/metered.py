@@ -9,14 +9,19 @@ A metrics failure never replaces an operation's result or exception.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import metrics
-from .base import Claim, ClaimRequest, Ledger, Mark, Record, State
-from .wrapper import LedgerWrapper
+from .base import Ledger, Mark, State
+from .wrapper import LedgerWrapper, forwarded
 
 T = TypeVar("T")
+
+
+def _timed_call(wrapper: MeteredLedger, name: str, call: Callable[[], T]) -> T:
+    """Run a forwarded call timed, labelled by the operation's name (``_force`` as ``force``)."""
+    return wrapper._timed(name.lstrip("_"), call)
 
 
 class MeteredLedger(LedgerWrapper):
@@ -40,11 +45,16 @@ class MeteredLedger(LedgerWrapper):
         active.ledger_call(op, self.label, time.perf_counter() - start, None)
         return out
 
-    def claim(self, request: ClaimRequest) -> Claim:
-        return self._timed("claim", lambda: self.inner.claim(request))
-
-    def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        return self._timed("claim_many", lambda: self.inner.claim_many(requests))
+    # Timed forwards (see _timed_call); ``_finish`` is labelled by the move it makes.
+    claim = forwarded("claim", _timed_call)
+    claim_many = forwarded("claim_many", _timed_call)
+    renew = forwarded("renew", _timed_call)
+    withdraw = forwarded("withdraw", _timed_call)
+    write_ahead = forwarded("write_ahead", _timed_call)
+    mark_hop = forwarded("mark_hop", _timed_call)
+    hop_marked = forwarded("hop_marked", _timed_call)
+    get = forwarded("get", _timed_call)
+    _force = forwarded("_force", _timed_call)
 
     def _finish(self, key: str, token: int, state: State, *, result: dict[str, Any] | None = None,
                 error: dict[str, Any] | None = None, mark: Mark | None = None) -> float | None:
@@ -52,27 +62,6 @@ class MeteredLedger(LedgerWrapper):
         written: float | None = self._timed(op, lambda: self.inner._finish(key, token, state, result=result,
                                                                            error=error, mark=mark))
         return written
-
-    def renew(self, key: str, token: int, lease_seconds: float) -> bool:
-        return self._timed("renew", lambda: self.inner.renew(key, token, lease_seconds))
-
-    def withdraw(self, key: str, token: int) -> bool:
-        return self._timed("withdraw", lambda: self.inner.withdraw(key, token))
-
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
-        return self._timed("write_ahead", lambda: self.inner.write_ahead(key, token, lease_seconds, stage, owner=owner))
-
-    def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
-        return self._timed("mark_hop", lambda: self.inner.mark_hop(key, hop, ttl_seconds))
-
-    def hop_marked(self, key: str, hop: str) -> bool | None:
-        return self._timed("hop_marked", lambda: self.inner.hop_marked(key, hop))
-
-    def get(self, key: str) -> Record | None:
-        return self._timed("get", lambda: self.inner.get(key))
-
-    def _force(self, key: str, expected_token: int, new: Record) -> bool:
-        return self._timed("force", lambda: self.inner._force(key, expected_token, new))
 
 
 #: The operation label of each transition (what ``complete``, ``fail``, ``park`` and ``release`` call).

@@ -8,15 +8,28 @@ backend's own, read through, so wrapper and backend can never disagree. Wrappers
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from .base import Claim, ClaimRequest, Ledger, Mark, Record, RosterEntry, State
-from .listing import Counts, Position, RecordQuery, Selection
+from .base import Ledger
+
+
+def forwarded(name: str, around: Callable[[Any, str, Callable[[], Any]], Any] | None = None) -> Any:
+    """A method of a wrapper that calls the same method of ``inner`` with the same arguments (its documentation
+    is the contract's). ``around(wrapper, name, call)``, if given, runs the call (a meter times it)."""
+    def forward(self: LedgerWrapper, *args: Any, **kwargs: Any) -> Any:
+        method = getattr(self.inner, name)
+        if around is None:
+            return method(*args, **kwargs)
+        return around(self, name, lambda: method(*args, **kwargs))
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = getattr(Ledger, name).__doc__
+    return forward
 
 
 class LedgerWrapper(Ledger):
-    """Forwards every :class:`Ledger` operation to ``inner``."""
+    """Forwards every :class:`Ledger` operation to ``inner`` (:func:`forwarded`), and any other attribute."""
 
     # No Ledger.__init__: retention_seconds, keep_payload, recovered_at and the rest are the
     # backend's, read through __getattr__.
@@ -41,67 +54,27 @@ class LedgerWrapper(Ledger):
         inner = self.inner
         return inner.backend if isinstance(inner, LedgerWrapper) else inner
 
-    def claim(self, request: ClaimRequest) -> Claim:
-        return self.inner.claim(request)
-
-    def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        return self.inner.claim_many(requests)
-
-    def _finish(self, key: str, token: int, state: State, *, result: dict[str, Any] | None = None,
-                error: dict[str, Any] | None = None, mark: Mark | None = None) -> float | None:
-        return self.inner._finish(key, token, state, result=result, error=error, mark=mark)
-
-    def renew(self, key: str, token: int, lease_seconds: float) -> bool:
-        return self.inner.renew(key, token, lease_seconds)
-
-    def withdraw(self, key: str, token: int) -> bool:
-        return self.inner.withdraw(key, token)
-
-    def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
-        return self.inner.write_ahead(key, token, lease_seconds, stage, owner=owner)
-
-    def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
-        return self.inner.mark_hop(key, hop, ttl_seconds)
-
-    def hop_marked(self, key: str, hop: str) -> bool | None:
-        return self.inner.hop_marked(key, hop)
-
-    def announce(self, member: str, secret_ids: Sequence[str], ttl_seconds: float) -> None:
-        self.inner.announce(member, secret_ids, ttl_seconds)
-
-    def roster(self) -> list[RosterEntry]:
-        return self.inner.roster()
-
-    def get(self, key: str) -> Record | None:
-        return self.inner.get(key)
-
-    def iter_records(self, state: State | None = None) -> Iterator[Record]:
-        return self.inner.iter_records(state)
-
-    def _force(self, key: str, expected_token: int, new: Record) -> bool:
-        return self.inner._force(key, expected_token, new)
-
-    def _erase(self, key: str, expected_token: int, expected_state: State, result: dict[str, Any] | None,
-               error: dict[str, Any] | None, resolution: dict[str, Any] | None) -> bool:
-        return self.inner._erase(key, expected_token, expected_state, result, error, resolution)
-
-    def stats(self) -> dict[str, int]:
-        return self.inner.stats()
-
-    def purge_expired(self, now: float | None = None) -> int:
-        return self.inner.purge_expired(now)
-
-    def ping(self) -> None:
-        self.inner.ping()
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def prepare(self) -> None:
-        self.inner.prepare()
-
-    def count(self, query: RecordQuery | None = None) -> Counts:
-        return self.inner.count(query)
-
-    def _listing_window(self, query: RecordQuery, position: Position | None, want: int, skip: int) -> Selection:
-        return self.inner._listing_window(query, position, want, skip)
+    # The store's own moves and reads: forwarded as they are (a subclass overrides those it changes). The
+    # contract's derived operations (complete, fail, park, release, confirm_sent, resolve, forget, list_records)
+    # are Ledger's own, inherited: they run through these, and so through a subclass's overrides of them.
+    claim = forwarded("claim")
+    claim_many = forwarded("claim_many")
+    _finish = forwarded("_finish")
+    renew = forwarded("renew")
+    withdraw = forwarded("withdraw")
+    write_ahead = forwarded("write_ahead")
+    mark_hop = forwarded("mark_hop")
+    hop_marked = forwarded("hop_marked")
+    announce = forwarded("announce")
+    roster = forwarded("roster")
+    get = forwarded("get")
+    iter_records = forwarded("iter_records")
+    _force = forwarded("_force")
+    _erase = forwarded("_erase")
+    stats = forwarded("stats")
+    purge_expired = forwarded("purge_expired")
+    ping = forwarded("ping")
+    close = forwarded("close")
+    prepare = forwarded("prepare")
+    count = forwarded("count")
+    _listing_window = forwarded("_listing_window")
