@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import click
+from sqlalchemy.exc import SQLAlchemyError
 
 from ._common import transport_visibility_timeout
 from .config import Settings
@@ -539,6 +540,41 @@ def init(obj: _Ctx, actor: str | None) -> None:
         click.echo("this ledger is a durable SQL store: no epoch marker to create")
         return
     click.echo(_epoch_line(_marker_op(lambda: markers.init_store(actor=actor or _actor()))))
+
+
+@ledger.command("migrate")
+@click.option("--to", "revision", default="head", show_default=True, help="The revision to upgrade to.")
+@click.option("--down-to", "down_to", default=None, metavar="REVISION",
+              help="Take the schema back to REVISION instead ('base': drop the ledger's tables and their records).")
+@click.pass_obj
+def migrate(obj: _Ctx, revision: str, down_to: str | None) -> None:
+    """Bring a SQL ledger's tables to a revision through Alembic (needs the migrations extra).
+
+    A ledger made before Alembic kept its history is adopted at the revision its schema shows. Prints the
+    revision before and after; exits 2 for a Redis ledger (its layout needs no migration) or an unknown
+    revision, 4 when the database cannot be reached.
+    """
+    from .ledger.sql import SQLLedger
+    from .ledger.sql import migrate as schema
+
+    store = obj.ledger.backend
+    if not isinstance(store, SQLLedger):
+        _fail(EXIT_USAGE, "this ledger is not a SQL ledger: nothing to migrate")
+    try:
+        before = schema.current(store.engine, table=store.table.name)
+        if down_to is not None:
+            after = schema.downgrade(store.engine, down_to, table=store.table.name)
+        else:
+            after = schema.upgrade(store.engine, revision, table=store.table.name)
+    except ConfigurationError as exc:
+        _fail(EXIT_USAGE, str(exc))
+    except Exception as exc:  # Alembic's own: an unknown revision, a refused statement
+        if type(exc).__module__.startswith("alembic"):
+            _fail(EXIT_USAGE, f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, SQLAlchemyError):
+            _fail(EXIT_UNREACHABLE, f"{type(exc).__name__}: {exc}")
+        raise
+    click.echo(f"ledger table {store.table.name}: {before or 'no recorded revision'} -> {after}")
 
 
 def _marker_op(op: Callable[[], dict[str, Any]]) -> dict[str, Any]:

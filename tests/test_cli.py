@@ -211,6 +211,36 @@ def test_init_and_ack_loss_on_an_sql_ledger(backend: str, tmp_path_factory: pyte
         drop_ledger(led)
 
 
+def test_ledger_migrate_adopts_upgrades_and_takes_back_an_sql_ledger(cli_ledger: Ledger) -> None:
+    """``ledger migrate``: a ledger its workers created is recorded at the newest revision; ``--down-to`` takes a
+    step back (the step 5 columns go) and the next ``migrate`` brings them back; a Redis ledger has nothing to
+    migrate (exit 2)."""
+    from idemmail_celery.ledger.sql import migrate
+
+    parked(cli_ledger, "m1")
+    out = run(cli_ledger, "ledger", "migrate")
+    if isinstance(cli_ledger.backend, RedisLedger):
+        assert out.exit_code == 2 and "not a SQL ledger" in out.output
+        return
+    table = cli_ledger.table.name  # type: ignore[attr-defined]
+    try:
+        assert out.exit_code == 0, out.output
+        assert out.output.strip() == f"ledger table {table}: no recorded revision -> {migrate.HEAD}"
+        back = run(cli_ledger, "ledger", "migrate", "--down-to", "0004")
+        assert back.exit_code == 0 and back.output.strip().endswith(f"{migrate.HEAD} -> 0004"), back.output
+        engine = cli_ledger.engine  # type: ignore[attr-defined]
+        assert "mark" not in {c["name"] for c in sa.inspect(engine).get_columns(table)}
+        unknown = run(cli_ledger, "ledger", "migrate", "--to", "9999")
+        assert unknown.exit_code == 2 and "9999" in unknown.output
+        again = run(cli_ledger, "ledger", "migrate")
+        assert again.exit_code == 0 and again.output.strip().endswith(f"0004 -> {migrate.HEAD}"), again.output
+        record = cli_ledger.get("m1")
+        assert record is not None and record.state is State.REVIEW
+    finally:
+        with cli_ledger.engine.begin() as conn:  # type: ignore[attr-defined]
+            conn.execute(sa.text(f"DROP TABLE IF EXISTS {migrate.version_table(table)}"))
+
+
 @dataclass
 class ReleaseApp:
     workerapp: Any  # tests.integration.workerapp, configured for this test's namespace

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from idemmail_celery.errors import ConfigurationError, LedgerUnavailableError
 from idemmail_celery.ledger import ClaimRequest, ClaimStatus, State, from_url
 from idemmail_celery.ledger.listing import RecordQuery
-from idemmail_celery.ledger.sql import MIGRATIONS, SQLLedger, migration_file, schema_sql
+from idemmail_celery.ledger.sql import MIGRATIONS, SQLLedger, migrate, migration_file, schema_sql
 
 from .conftest import MARIADB_URL, POSTGRES_URL, service_missing
 
@@ -180,4 +180,106 @@ def test_a_ledger_from_before_step_5_gains_its_record_fields_or_is_refused_namin
         auto.drop_table()
         auto.close()
         by_hand.close()
+        engine.dispose()
+
+
+# -- the same steps through Alembic (idemmail_celery.ledger.sql.migrate) --
+
+REVISIONS_DIR = Path(__file__).resolve().parents[1] / "idemmail_celery" / "ledger" / "sql" / "revisions" / "versions"
+
+
+def test_every_step_is_one_alembic_revision_in_order() -> None:
+    shipped = sorted(p.name for p in REVISIONS_DIR.glob("*.py"))
+    assert shipped == [f"{n:04d}_step_{n}.py" for n in STEPS]
+    for n in STEPS:
+        text = (REVISIONS_DIR / f"{n:04d}_step_{n}.py").read_text()
+        down = f'"{n - 1:04d}"' if n > 1 else "None"
+        assert f'= "{n:04d}", {down}, None, None' in text and f"upgrade, downgrade = step({n})" in text
+    assert f"{len(MIGRATIONS):04d}" == migrate.HEAD
+
+
+def _engine(dialect: str, url: str | None, tmp_path: Path) -> sa.Engine:
+    engine = sa.create_engine(url or f"sqlite:///{tmp_path / 'a.sqlite3'}")
+    try:
+        with engine.connect():
+            pass
+    except sa.exc.OperationalError as exc:
+        service_missing(dialect, exc)
+    return engine
+
+
+@pytest.mark.parametrize("dialect,url", DIALECTS)
+def test_alembic_upgrades_and_downgrades_every_step_keeping_the_records(
+    dialect: str, url: str | None, tmp_path: Path,
+) -> None:
+    """From nothing to the newest revision, then each step down and up again: after each, the schema shows exactly
+    the steps the revision names, and a record claimed at the top is still read at every step from 1 up (its
+    ``mark``/``resolution`` columns come back empty after step 5 went and came back)."""
+    engine = _engine(dialect, url, tmp_path)
+    table = _table_name(tmp_path)
+    try:
+        assert migrate.current(engine, table=table) is None
+        assert migrate.upgrade(engine, table=table) == migrate.HEAD
+        ledger = SQLLedger(engine.url.render_as_string(hide_password=False), table=table, create_table=False)
+        c = ledger.claim(ClaimRequest(key="k", task_name="t", payload="{}", fingerprint="f", writes_ahead=True))
+        assert ledger.write_ahead("k", c.token, 30, "message", owner=c.record.owner)
+        marked = ledger.get("k")
+        assert marked is not None and marked.mark is not None and marked.writes_ahead
+        ledger.close()
+        for step in reversed(STEPS):
+            target = migrate.revision_of(step - 1) if step > 1 else "base"
+            assert migrate.downgrade(engine, target, table=table) == target
+            with engine.connect() as conn:
+                assert migrate.applied_steps(conn, table) == step - 1
+            if step > 1:
+                with engine.connect() as conn:
+                    assert conn.execute(sa.text(f"SELECT token FROM {table} WHERE intent_key = 'k'")).scalar() == 1
+            assert migrate.upgrade(engine, table=table) == migrate.HEAD
+            with engine.connect() as conn:
+                assert migrate.applied_steps(conn, table) == len(MIGRATIONS)
+            if step == 1:
+                break  # base dropped the table and the record with it
+            again = SQLLedger(engine.url.render_as_string(hide_password=False), table=table, create_table=False)
+            record = again.get("k")
+            assert record is not None and record.state is State.CLAIMED
+            assert record.mark is None and not record.writes_ahead  # step 5 went first: its columns came back empty
+            again.close()
+    finally:
+        migrate.downgrade(engine, "base", table=table)
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"DROP TABLE IF EXISTS {migrate.version_table(table)}"))
+        engine.dispose()
+
+
+@pytest.mark.parametrize("dialect,url", DIALECTS)
+def test_alembic_adopts_a_ledger_made_without_it(dialect: str, url: str | None, tmp_path: Path) -> None:
+    """A ledger its first worker created (every step) is recorded at the newest revision and left as it is; one made
+    from the SQL files of steps 1-3 is recorded at 0003 and brought up by steps 4 and 5, its records kept."""
+    engine = _engine(dialect, url, tmp_path)
+    auto_table, by_hand = _table_name(tmp_path), _table_name(tmp_path) + "_h"
+    auto = SQLLedger(engine.url.render_as_string(hide_password=False), table=auto_table)
+    try:
+        auto.claim(ClaimRequest(key="a", task_name="t", payload="{}", fingerprint="f"))
+        assert migrate.current(engine, table=auto_table) is None
+        assert migrate.upgrade(engine, table=auto_table) == migrate.HEAD
+        assert migrate.current(engine, table=auto_table) == migrate.HEAD
+        assert auto.get("a") is not None
+        _apply(engine.url.render_as_string(hide_password=False), dialect, by_hand, range(1, 4)).dispose()
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"INSERT INTO {by_hand} (intent_key, task_name, state, token, owner, attempts, "
+                                 "reclaims, fingerprint, created_at, updated_at) VALUES ('b', 't', 'review', 3, "
+                                 "'o', 1, 0, 'f', 1.0, 2.0)"))
+        assert migrate.upgrade(engine, table=by_hand) == migrate.HEAD
+        with engine.connect() as conn:
+            assert migrate.applied_steps(conn, by_hand) == len(MIGRATIONS)
+        hand = SQLLedger(engine.url.render_as_string(hide_password=False), table=by_hand, create_table=False)
+        record = hand.get("b")
+        assert record is not None and (record.state, record.token, record.writes_ahead) == (State.REVIEW, 3, False)
+        hand.close()
+    finally:
+        auto.close()
+        for table in (auto_table, by_hand):
+            migrate.downgrade(engine, "base", table=table)
+            with engine.begin() as conn:
+                conn.execute(sa.text(f"DROP TABLE IF EXISTS {migrate.version_table(table)}"))
         engine.dispose()

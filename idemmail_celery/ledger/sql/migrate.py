@@ -1,0 +1,178 @@
+"""The SQL ledger's schema through Alembic: upgrade, downgrade, and the revision a database is at.
+
+Each revision in ``revisions/versions/`` is one step of :data:`~.schema.MIGRATIONS` (the numbered
+files in ``ledger/migrations/`` are the same steps as plain SQL), applied with the table definitions
+of :mod:`.schema`, so the three can never drift apart. The ledger's table name is the caller's
+(``SQLLedger(table=...)``); the revision a database is at is kept in ``<table>_alembic``, one
+history per ledger table.
+
+A ledger made before Alembic kept its history (created on first use, or from the SQL files) is
+adopted: its revision is read off the schema it has (tables, index, columns), written down, and
+the upgrade goes on from there. Needs the ``migrations`` extra (``pip install
+'idemmail-celery[migrations]'``)::
+
+    from idemmail_celery.ledger.sql import migrate
+    migrate.upgrade("postgresql+psycopg://.../app")            # to the newest revision
+    migrate.downgrade("postgresql+psycopg://.../app", "0004")  # one step back: drops the step 5 columns
+    migrate.current("postgresql+psycopg://.../app")            # "0005"
+
+or ``celery -A proj idemmail ledger migrate [--to REVISION]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from ...errors import ConfigurationError
+from .schema import DEFAULT_TABLE, MIGRATIONS, hops_table, ledger_table, listing_index, record_fields, roster_table
+
+#: Revision ids: ``"0001"`` ... one per step of :data:`~.schema.MIGRATIONS`.
+REVISIONS = tuple(f"{n:04d}" for n in range(1, len(MIGRATIONS) + 1))
+HEAD = REVISIONS[-1]
+
+
+def revision_of(step: int) -> str:
+    """The Alembic revision id of migration ``step`` (1-based)."""
+    return REVISIONS[step - 1]
+
+
+def _alembic() -> Any:
+    try:
+        import alembic.command
+        import alembic.config
+    except ImportError as exc:  # pragma: no cover - the extra is part of the test install
+        raise ConfigurationError("migrations need Alembic: pip install 'idemmail-celery[migrations]'") from exc
+    return alembic
+
+
+def _config(conn: Connection, table: str) -> Any:
+    alembic = _alembic()
+    cfg = alembic.config.Config()
+    cfg.set_main_option("script_location", "idemmail_celery.ledger.sql:revisions")
+    cfg.attributes["connection"] = conn
+    cfg.attributes["idemmail_table"] = table
+    return cfg
+
+
+@contextmanager
+def _connected(url: str | sa.Engine) -> Iterator[Connection]:
+    engine = sa.create_engine(url) if isinstance(url, str) else url
+    try:
+        with engine.begin() as conn:
+            yield conn
+    finally:
+        if isinstance(url, str):
+            engine.dispose()
+
+
+def version_table(table: str = DEFAULT_TABLE) -> str:
+    """Where the revision of the ledger ``table`` is kept."""
+    return f"{table}_alembic"
+
+
+def upgrade(url: str | sa.Engine, revision: str = "head", *, table: str = DEFAULT_TABLE) -> str:
+    """Bring the ledger ``table`` at ``url`` up to ``revision`` (the newest by default); returns the revision it is
+    at. A ledger made before Alembic kept its history is adopted first (see the module's docstring)."""
+    alembic = _alembic()
+    with _connected(url) as conn:
+        _adopt(conn, table)
+        alembic.command.upgrade(_config(conn, table), revision)
+        return _current(conn, table) or "base"
+
+
+def downgrade(url: str | sa.Engine, revision: str, *, table: str = DEFAULT_TABLE) -> str:
+    """Take the ledger ``table`` back to ``revision`` (``"base"``: nothing left, its records with it); returns the
+    revision it is at. A step back drops what its step added, and what that held."""
+    alembic = _alembic()
+    with _connected(url) as conn:
+        _adopt(conn, table)
+        alembic.command.downgrade(_config(conn, table), revision)
+        return _current(conn, table) or "base"
+
+
+def current(url: str | sa.Engine, *, table: str = DEFAULT_TABLE) -> str | None:
+    """The revision the ledger ``table`` is at as Alembic recorded it; None when it has recorded none."""
+    with _connected(url) as conn:
+        return _current(conn, table)
+
+
+def _current(conn: Connection, table: str) -> str | None:
+    if not sa.inspect(conn).has_table(version_table(table)):
+        return None
+    row = conn.execute(sa.text(f"SELECT version_num FROM {version_table(table)}")).first()
+    return None if row is None else str(row[0])
+
+
+def applied_steps(conn: Connection, table: str = DEFAULT_TABLE) -> int:
+    """How many steps of :data:`~.schema.MIGRATIONS` the schema at ``conn`` shows, counted from the first: a
+    step is there when what it makes is (the table, the companion tables, the index, the columns)."""
+    inspector = sa.inspect(conn)
+    checks: tuple[Callable[[], bool], ...] = (
+        lambda: inspector.has_table(table),
+        lambda: inspector.has_table(hops_table(table).name),
+        lambda: inspector.has_table(roster_table(table).name),
+        lambda: any(ix.get("name") == listing_index(ledger_table(table)).name for ix in inspector.get_indexes(table)),
+        lambda: {c.name for c in record_fields()} <= {c["name"] for c in inspector.get_columns(table)},
+    )
+    steps = 0
+    for there in checks:
+        if not there():
+            break
+        steps += 1
+    return steps
+
+
+def step(n: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The ``upgrade`` and ``downgrade`` of the Alembic revision of migration ``n``."""
+    return (lambda: apply_step(n)), (lambda: revert_step(n))
+
+
+def apply_step(step: int) -> None:
+    """Run migration ``step`` inside an Alembic revision (``revisions/versions/``), on the ledger's table."""
+    from alembic import context, op
+
+    table, conn = context.config.attributes["idemmail_table"], op.get_bind()
+    if step == 1:
+        ledger_table(table, step=1).create(conn)
+    elif step == 2:
+        hops_table(table).create(conn)
+    elif step == 3:
+        roster_table(table).create(conn)
+    elif step == 4:
+        listing_index(ledger_table(table)).create(conn)
+    else:
+        for column in record_fields():
+            op.add_column(table, column)
+
+
+def revert_step(step: int) -> None:
+    """Undo migration ``step`` inside an Alembic revision: drop what it made (and what that held)."""
+    from alembic import context, op
+
+    table = context.config.attributes["idemmail_table"]
+    if step == 1:
+        op.drop_table(table)
+    elif step == 2:
+        op.drop_table(hops_table(table).name)
+    elif step == 3:
+        op.drop_table(roster_table(table).name)
+    elif step == 4:
+        op.drop_index(str(listing_index(ledger_table(table)).name), table_name=table)
+    else:
+        with op.batch_alter_table(table) as batch:  # SQLite: the table is rebuilt without the columns
+            for column in record_fields():
+                batch.drop_column(column.name)
+
+
+def _adopt(conn: Connection, table: str) -> None:
+    """Write down the revision of a ledger whose schema came without Alembic (first use, or the SQL files)."""
+    if _current(conn, table) is not None:
+        return
+    steps = applied_steps(conn, table)
+    if steps:
+        _alembic().command.stamp(_config(conn, table), revision_of(steps))
