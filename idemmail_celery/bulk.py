@@ -260,7 +260,7 @@ def _send_campaign(
     resumed = _Resumed.of(chain.campaign, len(recipients))
     # Neither running out of time nor waiting on an outage is a retry of the campaign.
     passes = max(0, (self.request.retries or 0) - resumed.continued - resumed.outages)
-    policy = sender._policy_or_default()
+    policy = sender.policy_or_default()
     try:
         sender.check_call((), {**base, "to": recipients[0]} if recipients else base)  # fail the whole run early
         handler = Handler(sender.ledger, builder, policy, CampaignEffect(sender, self))

@@ -503,7 +503,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if isinstance(exc, LedgerError):  # the roster's check before the claim: said once, as a claim says it
                 say_unreachable_once(self.ledger, exc)
             waiting = ChainState.from_headers(headers)  # what the message carried, kept for its next delivery
-            step = wait_out(self._policy_or_default(), self, Delivery(
+            step = wait_out(self.policy_or_default(), self, Delivery(
                 key=waiting.key, task_name=self.name, payload=payload, attempt_id=request.id or "",
                 inflight=waiting.inflight, outage=waiting.outage, resume_owners=waiting.owners,
                 verdict=waiting.verdict), exc)
@@ -528,8 +528,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if found is not None:
             found.ensure(self.ledger)
 
-    def _policy_or_default(self) -> Policy:
-        """This task's policy, or the defaults when its settings cannot be read either."""
+    def policy_or_default(self) -> Policy:
+        """This task's policy (:attr:`policy`), or the defaults when its settings cannot be read: what a path that
+        must go on without settings (waiting out a set-up error, a campaign's hand-on) paces itself by."""
         try:
             return self.policy
         except Exception:

@@ -214,7 +214,7 @@ class Sender:
     def reconcile(self, key: str, payload: Payload) -> Any | None:
         return None
 
-    def _policy_or_default(self) -> Policy:
+    def policy_or_default(self) -> Policy:
         return self.world.policy
 
     def ensure_announced(self) -> None:
