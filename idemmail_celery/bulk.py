@@ -35,11 +35,9 @@ from celery import Task, shared_task
 
 from . import outcomes, redaction
 from ._common import backoff, logsafe, transport_visibility_timeout
-from ._lease import keeper
 from .chain import (
     KEY_MARK_HEADER,
     SEALED_HEADERS,
-    Carry,
     ChainState,
     Verdict,
     campaign_pass_headers,
@@ -48,20 +46,17 @@ from .chain import (
     owners_of,
 )
 from .config import Settings
-from .errors import ConfigurationError, IdemmailError, LedgerError, SendNeedsReview
+from .errors import ConfigurationError, IdemmailError, LedgerError
 from .handler import (
     INVALID_INPUT,
-    Action,
     Delivery,
     Handler,
     Outcome,
     Policy,
     Step,
-    error_record,
     say_setup_error_once,
 )
 from .keys import Payload, Seal, untrusted_removed
-from .ledger import Claim
 from .ledger.base import new_owner
 from .mail import TASK_NAME as SEND_EMAIL
 from .mail import SendEmailTask
@@ -139,72 +134,9 @@ class BatchResult:
 
 
 def send_batch(handler: Handler, deliveries: Sequence[Delivery], *, owner: str, last: bool = False) -> BatchResult:
-    """Claim a batch in one round trip and settle every recipient; never raises for one recipient.
-
-    ``deliveries`` have distinct keys. Raises :class:`LedgerError` only when the batch claim
-    itself fails, or a key-secret rotation's lookup of older keys does (nothing was sent; the
-    claims may have landed: the next pass takes them back, ``owner`` among its ``resume_owners``). On the
-    ``last`` pass nothing is left held for a next one: a recipient whose settling failed
-    unexpectedly is parked for review.
-
-    During a key-secret rotation each recipient's new claim is checked before it is sent
-    (:meth:`~idemmail_celery.handler.Handler.cross_check`, in ``settle``): a copy of the campaign on a
-    worker of the other phase may have claimed it under its other key since the look-up. Such a
-    recipient's claim is withdrawn and the recipient left pending for the next pass, as a busy one is.
-    """
-    steps: dict[int, Step] = {}
-    claimable = []
-    keys = [d.key for d in deliveries]
-    deliveries = list(deliveries)
-    for i, d in enumerate(deliveries):
-        refused = handler.check(d)
-        if refused is not None:
-            steps[i] = refused
-            continue
-        if d.older_keys:  # during a key-secret rotation: a recipient recorded under an older key stays there
-            deliveries[i] = handler.recorded_key(d)
-        claimable.append(i)
-    claims = handler.ledger.claim_many([handler.request(deliveries[i], owner) for i in claimable])
-    for n, (i, c) in enumerate(zip(claimable, claims, strict=True)):
-        try:  # held under an older owner of this campaign's (a batch claim whose reply was lost): taken back
-            claims[n] = handler.take_back(deliveries[i], c, owner)
-        except LedgerError as exc:  # left busy: the next pass tries again, with this pass's owners
-            log.warning("idemmail: taking a campaign recipient's claim back failed (%s)", type(exc).__name__)
-    held = [(i, c) for i, c in zip(claimable, claims, strict=True) if c.status.holds]
-    lease = handler.policy.lease_seconds
-    for _, c in held:  # renewed while the batch runs, not only while each one is sent
-        keeper.hold(handler.ledger, c.record.key, c.token, lease)
-    try:
-        for i, claim in zip(claimable, claims, strict=True):
-            steps[i] = _settle_one(handler, deliveries[i], claim, last=last)
-            if claim.status.holds:
-                keeper.drop(handler.ledger, claim.record.key, claim.token)
-    finally:
-        for _, c in held:
-            keeper.drop(handler.ledger, c.record.key, c.token)
-    return BatchResult([steps[i] for i in range(len(deliveries))], keys)
-
-
-def _settle_one(handler: Handler, d: Delivery, claim: Claim, *, last: bool) -> Step:
-    """One recipient, exactly as a single send (a busy one is left to its holder for the next pass)."""
-    try:
-        return handler.settle(d, claim)
-    except Exception as exc:  # a defect must not cancel the campaign
-        log.exception("idemmail: settling a campaign recipient failed (%s)", type(exc).__name__)
-        if not claim.status.holds or (handler.effect.carries_key() and not last):
-            # Not ours, or running it again sends under the same key, which the provider de-duplicates:
-            # the next pass takes the claim back (or meets the holder's record).
-            return Step(Outcome.ERROR, Action.RESCHEDULE, d.key, error=exc)
-        # It may have been sent, and nothing downstream would de-duplicate a second try: never run
-        # it again. Parked now; if even that fails, the next pass records the verdict instead.
-        error = error_record(exc, "unexpected_error", SendNeedsReview)
-        try:
-            return handler.park_unknown(d, claim, "unexpected_error",
-                                        f"settling failed ({type(exc).__name__}); it may have been sent")
-        except Exception:
-            log.exception("idemmail: parking a campaign recipient failed; the next pass records it")
-            return Step(Outcome.ERROR, Action.RESCHEDULE, d.key, error=exc,
-                        carry=Carry(verdict=Verdict("review", error=error)))
+    """One batch of a campaign's recipients through :meth:`Handler.handle_many`, with the counts a pass keeps;
+    never raises for one recipient (the batch's claim failing raises :class:`LedgerError`: nothing was sent)."""
+    return BatchResult(handler.handle_many(deliveries, owner=owner, last=last), [d.key for d in deliveries])
 
 
 def _send_campaign(

@@ -50,11 +50,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from . import recovery, rotation
+from . import batch, recovery, rotation
 from ._ahead import writing_ahead
 from ._common import backoff, logsafe
 from ._lease import keeper
@@ -199,6 +199,11 @@ class Handler:
             return self.unavailable(d, exc, carry=d.held(owner))
         heard_from(self.ledger)
         return self.settle(d, claim)
+
+    def handle_many(self, deliveries: Sequence[Delivery], *, owner: str, last: bool = False) -> list[Step]:
+        """:meth:`handle` for a batch: claimed in one round trip, then settled one by one; a step per delivery, in
+        order. A failure of the batch's claim is raised, not made a step per delivery (see :mod:`.batch`)."""
+        return batch.handle_many(self, deliveries, owner=owner, last=last)
 
     def claimant(self, d: Delivery) -> str:
         """The owner a delivery claims under. A verdict is claimed as the owner holding its claim, so

@@ -23,6 +23,7 @@ from typing import Any
 
 from greenlet import greenlet
 
+import idemmail_celery.batch as batch
 import idemmail_celery.bulk as bulk
 import idemmail_celery.handler as handler_mod
 import idemmail_celery.ledger.base as ledger_base
@@ -936,7 +937,7 @@ def installed(world_clock: Callable[[], World | None]) -> Iterator[None]:
         (ledger_base, "time", fake_time), (bulk, "time", fake_time),
         (redrive, "time", fake_time), (sql_store, "time", fake_time), (sql_connection, "time", fake_time),
         (handler_mod, "keeper", Keeper()),
-        (bulk, "keeper", Keeper()), (handler_mod, "backoff", steady), (bulk, "backoff", steady),
+        (batch, "keeper", Keeper()), (handler_mod, "backoff", steady), (bulk, "backoff", steady),
         (bulk, "outcomes", Silent), (bulk, "transport_visibility_timeout", lambda app: VISIBILITY),
     ]
     with patched(patches):

@@ -21,7 +21,7 @@ LAYERS: dict[str, int] = {
     # 2: stores and providers, one module each behind one base class
     "ledger": 2, "providers": 2,
     # 3: the state machine and what it needs while a side effect runs
-    "_lease": 3, "handler": 3, "roster": 3, "steps": 3, "rotation": 3, "recovery": 3,
+    "_lease": 3, "handler": 3, "roster": 3, "steps": 3, "rotation": 3, "recovery": 3, "batch": 3,
     # 4: the Celery adapter and its reports
     "outcomes": 4, "task": 4, "_request": 4, "republish": 4,
     # 5: what is built on the adapter
