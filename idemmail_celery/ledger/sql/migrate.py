@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ...errors import ConfigurationError
-from .schema import DEFAULT_TABLE, MIGRATIONS, hops_table, ledger_table, listing_index, record_fields, roster_table
+from .schema import DEFAULT_TABLE, MIGRATIONS, record_fields
 
 #: Revision ids: ``"0001"`` ... one per step of :data:`~.schema.MIGRATIONS`.
 REVISIONS = tuple(f"{n:04d}" for n in range(1, len(MIGRATIONS) + 1))
@@ -108,22 +108,32 @@ def _current(conn: Connection, table: str) -> str | None:
     return None if row is None else str(row[0])
 
 
+def _made(step: int, table: str) -> Any:
+    """What migration ``step`` makes for the ledger ``table`` (:data:`~.schema.MIGRATIONS`): a table, an index, or
+    a table and the names of the columns it adds."""
+    return MIGRATIONS[step - 1][2](table)
+
+
+def _added_columns(names: list[str]) -> list[sa.Column[Any]]:
+    return [column for column in record_fields() if column.name in names]
+
+
 def applied_steps(conn: Connection, table: str = DEFAULT_TABLE) -> int:
     """How many steps of :data:`~.schema.MIGRATIONS` the schema at ``conn`` shows, counted from the first: a
-    step is there when what it makes is (the table, the companion tables, the index, the columns)."""
+    step is there when what it makes is (a table, an index, columns)."""
     inspector = sa.inspect(conn)
-    checks: tuple[Callable[[], bool], ...] = (
-        lambda: inspector.has_table(table),
-        lambda: inspector.has_table(hops_table(table).name),
-        lambda: inspector.has_table(roster_table(table).name),
-        lambda: any(ix.get("name") == listing_index(ledger_table(table)).name for ix in inspector.get_indexes(table)),
-        lambda: {c.name for c in record_fields()} <= {c["name"] for c in inspector.get_columns(table)},
-    )
     steps = 0
-    for there in checks:
-        if not there():
+    for n in range(1, len(MIGRATIONS) + 1):
+        made = _made(n, table)
+        if isinstance(made, tuple):
+            there = set(made[1]) <= {c["name"] for c in inspector.get_columns(table)}
+        elif isinstance(made, sa.Index):
+            there = any(ix.get("name") == made.name for ix in inspector.get_indexes(table))
+        else:
+            there = inspector.has_table(made.name)
+        if not there:
             break
-        steps += 1
+        steps = n
     return steps
 
 
@@ -136,18 +146,13 @@ def apply_step(step: int) -> None:
     """Run migration ``step`` inside an Alembic revision (``revisions/versions/``), on the ledger's table."""
     from alembic import context, op
 
-    table, conn = context.config.attributes["idemmail_table"], op.get_bind()
-    if step == 1:
-        ledger_table(table, step=1).create(conn)
-    elif step == 2:
-        hops_table(table).create(conn)
-    elif step == 3:
-        roster_table(table).create(conn)
-    elif step == 4:
-        listing_index(ledger_table(table)).create(conn)
-    else:
-        for column in record_fields():
+    table = context.config.attributes["idemmail_table"]
+    made = _made(step, table)
+    if isinstance(made, tuple):
+        for column in _added_columns(made[1]):
             op.add_column(table, column)
+    else:
+        made.create(op.get_bind())
 
 
 def revert_step(step: int) -> None:
@@ -155,18 +160,15 @@ def revert_step(step: int) -> None:
     from alembic import context, op
 
     table = context.config.attributes["idemmail_table"]
-    if step == 1:
-        op.drop_table(table)
-    elif step == 2:
-        op.drop_table(hops_table(table).name)
-    elif step == 3:
-        op.drop_table(roster_table(table).name)
-    elif step == 4:
-        op.drop_index(str(listing_index(ledger_table(table)).name), table_name=table)
-    else:
+    made = _made(step, table)
+    if isinstance(made, tuple):
         with op.batch_alter_table(table) as batch:  # SQLite: the table is rebuilt without the columns
-            for column in record_fields():
+            for column in _added_columns(made[1]):
                 batch.drop_column(column.name)
+    elif isinstance(made, sa.Index):
+        op.drop_index(str(made.name), table_name=table)
+    else:
+        op.drop_table(made.name)
 
 
 def _adopt(conn: Connection, table: str) -> None:

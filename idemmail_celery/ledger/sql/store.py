@@ -269,10 +269,10 @@ class SQLLedger(SQLConnections):
             return None
         if status is ClaimStatus.ACQUIRED:
             return Claim(status, self._from_row(values))
+        record = self._from_row({**_row_of(seen), **values})
         if seen.state is not State.CLAIMED:
-            return Claim(status, self._from_row({**_row_of(seen), **values}))
-        return Claim(status, self._from_row({**_row_of(seen), **values}), previous_owner=seen.owner,
-                     previous_writes_ahead=seen.writes_ahead)
+            return Claim(status, record)
+        return Claim(status, record, previous_owner=seen.owner, previous_writes_ahead=seen.writes_ahead)
 
     def _insert_new(self, conn: Connection, values: dict[str, Any]) -> tuple[bool, Record | None]:
         """Insert a new claim. Returns (inserted, the existing record when the store told us)."""
@@ -323,7 +323,7 @@ class SQLLedger(SQLConnections):
                 "k": key, "tok": token, "st": state.value, "now": now,
                 "exp": now + self.retention_seconds if state.expires else None,
                 "res": dumps_json(result), "err": dumps_json(error),
-                "mark": None if mark is None else dumps_json(mark.to_dict()),
+                "mark": _mark_json(mark),
             }
             if self._execute(conn, "finish_sent" if state is State.SENT else "finish_mine", params,
                              returns_rows=False)[1] == 1:
@@ -364,7 +364,7 @@ class SQLLedger(SQLConnections):
         """One ``UPDATE`` fenced by state and token (see :meth:`Ledger.write_ahead`)."""
         now = time.time()
         return self._one_row(sa.update(self.table).where(self._held(key, token)).values(
-            mark=dumps_json(Mark(stage, now, token, owner).to_dict()), lease_expires_at=now + lease_seconds))
+            mark=_mark_json(Mark(stage, now, token, owner)), lease_expires_at=now + lease_seconds))
 
     def get(self, key: str) -> Record | None:
         record: Record | None = self._run(lambda conn: self._select(conn, key))
@@ -402,7 +402,7 @@ class SQLLedger(SQLConnections):
             "state": new.state.value, "token": new.token, "owner": new.owner,
             "lease_expires_at": new.lease_expires_at, "result": dumps_json(new.result),
             "error": dumps_json(new.error), "updated_at": new.updated_at, "expires_at": new.expires_at,
-            "mark": None if new.mark is None else dumps_json(new.mark.to_dict()),
+            "mark": _mark_json(new.mark),
             "resolution": dumps_json(new.resolution), "writes_ahead": new.writes_ahead,
         }
         if new.state is State.SENT and not self.keep_payload:
@@ -655,7 +655,7 @@ def _takeover_values(seen: Record, request: ClaimRequest, status: ClaimStatus, n
     }
     if status is ClaimStatus.RECLAIMED and not seen.writes_ahead and seen.mark is None:
         # Taken over from a holder that made no write-ahead promise and left no mark: it may have run.
-        values["mark"] = dumps_json(Mark(UNKNOWN_STAGE, int(now), seen.token).to_dict())
+        values["mark"] = _mark_json(Mark(UNKNOWN_STAGE, int(now), seen.token))
     return values
 
 
@@ -666,6 +666,11 @@ def _owned_by(stored: str, owner: str) -> bool:
     )
 
 
+def _mark_json(mark: Mark | None) -> str | None:
+    """A write-ahead mark as its column holds it (NULL for none)."""
+    return None if mark is None else dumps_json(mark.to_dict())
+
+
 def _row_of(record: Record) -> dict[str, Any]:
     return {
         "intent_key": record.key, "task_name": record.task_name, "state": record.state.value,
@@ -674,6 +679,6 @@ def _row_of(record: Record) -> dict[str, Any]:
         "fingerprint": record.fingerprint, "result": dumps_json(record.result),
         "error": dumps_json(record.error), "created_at": record.created_at,
         "updated_at": record.updated_at, "expires_at": record.expires_at,
-        "mark": None if record.mark is None else dumps_json(record.mark.to_dict()),
+        "mark": _mark_json(record.mark),
         "resolution": dumps_json(record.resolution), "writes_ahead": record.writes_ahead,
     }
