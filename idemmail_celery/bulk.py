@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task, shared_task
 
@@ -60,6 +60,7 @@ from .keys import Payload, Seal, untrusted_removed
 from .ledger.base import new_owner
 from .mail import TASK_NAME as SEND_EMAIL
 from .mail import SendEmailTask
+from .republish import Republisher
 
 log = logging.getLogger("idemmail_celery")
 
@@ -267,8 +268,8 @@ class CampaignPass:
         started = time.monotonic()
         for at, claimant, chunk in self.batches():
             if at is not None and at > self.resumed.start and time.monotonic() - started >= self.budget:
-                raise _yield_pass(self.task, self.policy, self.owners, self.verdicts, self.passes, at, self.tally,
-                                  self.resumed)
+                _yield_pass(self.task, self.policy, self.owners, self.verdicts, self.passes, at, self.tally,
+                            self.resumed)
             chunk = self.not_counted_yet(at, chunk)
             if chunk:
                 self.send(at, claimant, chunk)
@@ -409,15 +410,14 @@ class _Resumed:
 
 
 def _yield_pass(task: Task, policy: Policy, owners: list[str], verdicts: dict[str, Any], passes: int, start: int,
-                tally: Counter[Outcome], resumed: _Resumed) -> BaseException:
+                tally: Counter[Outcome], resumed: _Resumed) -> NoReturn:
     """End this pass before the broker hands its message out again: the next pass, published now,
     starts at ``start`` with this pass's counts, claim owner and unrecorded verdicts (it records
     those first). With none of those it starts at once; with some, within a third of the lease.
     """
-    headers = _pass_headers(task, owners, verdicts, resumed.header(start, tally, continued=1))
     log.info("idemmail: campaign pass ran for its time; the next one starts at recipient %d", start)
     countdown = _countdown(task, policy, passes, verdicts) if verdicts else 0
-    return task.retry(countdown=countdown, headers=headers)  # type: ignore[no-any-return]
+    _next_pass(task, countdown, owners, verdicts, resumed.header(start, tally, continued=1), None)
 
 
 def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: str | None, request: Any,
@@ -460,7 +460,8 @@ def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: s
 
 def _again(task: Task, policy: Policy, exc: BaseException | None, owners: list[str],
            verdicts: dict[str, Any], passes: int, resumed: _Resumed, *, outage: bool = False) -> BaseException:
-    """Retry the campaign; the next pass takes this pass's claims back and records its verdicts.
+    """Publish the next pass (it takes this pass's claims back and records its verdicts); past the budget,
+    return ``exc`` for the campaign to fail with.
 
     A pass cut short by the ledger, or by a set-up error (``outage``, or :func:`waits_on_outage`), waits on the
     outage budget (``idemmail_outage_max_retries``, unlimited by default) and does not count towards
@@ -474,9 +475,7 @@ def _again(task: Task, policy: Policy, exc: BaseException | None, owners: list[s
             log.error("idemmail: campaign gives up after %d passes: %s", spent, type(exc).__name__)
             return exc
     countdown = _countdown(task, policy, resumed.outages if outage else passes, verdicts)
-    # The next pass goes over the whole list.
-    headers = _pass_headers(task, owners, verdicts, resumed.header(outages=int(outage)))
-    return task.retry(exc=exc, countdown=countdown, headers=headers)  # type: ignore[no-any-return]
+    _next_pass(task, countdown, owners, verdicts, resumed.header(outages=int(outage)), exc)  # over the whole list
 
 
 def waits_on_outage(exc: BaseException) -> bool:
@@ -485,16 +484,20 @@ def waits_on_outage(exc: BaseException) -> bool:
     return isinstance(exc, (LedgerError, ConfigurationError, ImportError))
 
 
-def _pass_headers(task: Task, owners: list[str], verdicts: dict[str, Any],
-                  resume: dict[str, Any] | None) -> dict[str, Any]:
-    """The next pass's headers: this message's, with the claim owners it may hold, its unrecorded verdicts
-    and where the next pass starts (none: the whole list) in place of the ones it came with."""
+def _next_pass(task: Task, countdown: float, owners: list[str], verdicts: dict[str, Any],
+               resume: dict[str, Any] | None, reason: BaseException | None) -> NoReturn:
+    """Publish the next pass through ``send_email``'s republisher: this message's headers, with the claim owners
+    it may hold, its unrecorded verdicts and where the next pass starts (none: the whole list) in place of the
+    ones it came with."""
     # What this pass did not write goes; then, last, the seal: the next pass acts on these only if this
     # library wrote them for this campaign (see _trusted).
+    sender: SendEmailTask = task.app.tasks[SEND_EMAIL]
     headers = campaign_pass_headers(untrusted_removed(task.request.headers or {}, keep=()), owners, verdicts, resume)
-    headers[KEY_MARK_HEADER] = task.app.tasks[SEND_EMAIL].key_builder.seal(headers, _campaign_call(task),
-                                                                          task_name=CAMPAIGN_TASK)
-    return headers
+
+    def seal(headers: dict[str, Any]) -> None:
+        headers[KEY_MARK_HEADER] = sender.key_builder.seal(headers, _campaign_call(task), task_name=CAMPAIGN_TASK)
+
+    Republisher(sender).next_pass(task, countdown, headers, "next campaign pass", reason, seal)
 
 
 def _campaign_call(task: Task) -> Payload:

@@ -128,23 +128,38 @@ class Republisher:
         self.publish_again(countdown, dict(running.request.headers or {}), "set-up error", exc, as_received=True,
                             running=running)
 
-    def publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: Exception, *,
+    def next_pass(self, running: Task, countdown: float, headers: dict[str, Any], why: str,
+                  reason: BaseException | None, seal: Callable[[dict[str, Any]], None]) -> NoReturn:
+        """A campaign's next pass: the message ``running`` runs, again, with ``headers`` (its pass state, sealed
+        in place by ``seal``), counted one retry more as Celery's ``retry`` counts it. ``countdown`` is already
+        below the visibility timeout (a pass is not a hop). Under ``Task.apply`` it runs in line, as Celery's
+        ``retry`` does: a campaign's passes are bounded (``MAX_PASSES``, the outage budget)."""
+        self.publish_again(countdown, headers, why, reason, running=running,
+                           retries=(running.request.retries or 0) + 1, seal=seal)
+
+    def publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: BaseException | None, *,
                        as_received: bool = False, running: Task | None = None,
                        retries: int | None = None, hop: str | None = None,
-                       published: Callable[[], None] | None = None) -> NoReturn:
+                       published: Callable[[], None] | None = None,
+                       seal: Callable[[dict[str, Any]], None] | None = None) -> NoReturn:
         """Requeue this message (or the one ``running`` runs) like ``retry()``, without spending ``max_retries``.
 
         ``reason`` is what monitors show for the retry (Flower: state RETRY, its repr as the exception).
         ``as_received``: the headers go out exactly as they came (a seal this worker cannot make or check).
         ``retries``: the count the next delivery sees (default: this one's; a retry on the time budget adds one).
         ``hop``: the hop it goes out as (default: a new one); ``published``: called once it is out as that hop.
+        ``seal``: seals ``headers`` in place for ``running`` (a campaign pass, see :meth:`next_pass`), which
+        then goes out as it is, not as a hop, and runs in line under ``Task.apply``.
         """
         running = self.task if running is None else running
         request = running.request
         if not as_received:
-            countdown = self.split(countdown, headers, hop)
             try:
-                self.task.sealed(headers, self.task._received())
+                if seal is not None:
+                    seal(headers)
+                else:
+                    countdown = self.split(countdown, headers, hop)
+                    self.task.sealed(headers, self.task._received())
             except IdemmailError:
                 # This worker cannot seal (no key secret, settings that do not parse): the message goes on
                 # exactly as it came, its own seal and chain state intact, for a worker that can. Ending it
@@ -152,8 +167,8 @@ class Republisher:
                 headers, as_received = dict(request.headers or {}), True
         sig = running.signature_from_request(request, countdown=countdown, headers=headers,
                                              retries=request.retries if retries is None else retries)
-        if request.is_eager:  # ``Task.apply``: nothing is published (Celery would re-apply ``sig`` in-line, for ever)
-            raise Rescheduled(why, exc=reason, when=countdown)
+        if request.is_eager:  # ``Task.apply`` re-applies a Retry's ``sig`` in line: only a campaign's, whose passes end
+            raise Rescheduled(why, exc=reason, when=countdown, sig=sig if seal is not None else None)
         sig.apply_async()
         if published is not None and not as_received:  # sent as it came, it is the same hop again: not out
             published()

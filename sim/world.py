@@ -80,7 +80,7 @@ class Killed(BaseException):
 
 
 class PassAgain(Exception):
-    """A campaign pass asked to be retried (what ``Task.retry`` raises in Celery)."""
+    """A campaign pass publishes its next pass (the republisher's ``apply_async``; the world publishes it)."""
 
     def __init__(self, countdown: float, headers: dict[str, Any]) -> None:
         super().__init__("campaign pass again")
@@ -228,20 +228,32 @@ class Sender:
 
 
 class CampaignTask:
-    """The campaign task as ``_send_campaign`` sees it (``self``): its request, ``retry`` and app."""
+    """The campaign task as ``_send_campaign`` and the republisher see it (``self``): its request, app and
+    ``signature_from_request``, whose ``apply_async`` hands the next pass to the world."""
 
     name = bulk.CAMPAIGN_TASK
 
     def __init__(self, msg: Message, sender: Sender) -> None:
         self.app = types.SimpleNamespace(tasks={SEND_EMAIL: sender})
         self.request = types.SimpleNamespace(id=msg.task_id, retries=msg.retries, headers=dict(msg.headers),
-                                             args=[], kwargs=msg.kwargs)
+                                             args=[], kwargs=msg.kwargs, is_eager=False)
 
-    def retry(self, exc: Any = None, countdown: float = 0.0, headers: Any = None, **_: Any) -> PassAgain:
-        return PassAgain(countdown, headers or {})
+    def signature_from_request(self, request: Any, *, countdown: float = 0.0, headers: Any = None,
+                               **_: Any) -> NextPass:
+        return NextPass(PassAgain(countdown, headers or {}))
 
     def update_state(self, **_: Any) -> None:
         return None
+
+
+@dataclass(frozen=True)
+class NextPass:
+    """The next pass's message as the republisher signs it: publishing it is the world's."""
+
+    again: PassAgain
+
+    def apply_async(self) -> None:
+        raise self.again
 
 
 class SweepTarget:

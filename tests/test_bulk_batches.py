@@ -585,7 +585,9 @@ def test_a_key_secret_rotation_between_passes_records_each_verdict_under_its_cla
     people = [f"r{i}@example.com" for i in range(6)]
     unrecorded = {sender.intent_key(to=to, subject="Hi", text="x", event_id="c-rot2"): 4 for to in people[::2]}
     sender._idem_ledger = RecordsLate(real, unrecorded)
-    retried = campaign.retry
+    from idemmail_celery import bulk
+
+    retried = bulk._next_pass  # where a pass hands on to the next
     passes = [0]
 
     def rotate_then_retry(*args: Any, **kwargs: Any) -> Any:
@@ -595,7 +597,7 @@ def test_a_key_secret_rotation_between_passes_records_each_verdict_under_its_cla
         sender._idem_settings = sender._idem_builder = None
         return retried(*args, **kwargs)
 
-    monkeypatch.setattr(campaign, "retry", rotate_then_retry)
+    monkeypatch.setattr(bulk, "_next_pass", rotate_then_retry)
     out = campaign.apply(kwargs={"campaign_id": "c-rot2", "subject": "Hi", "text": "x", "recipients": people}).get()
     assert len(list((tmp_path / "out").iterdir())) == 6  # one email per recipient: none sent twice
     assert out["sent"] + out["duplicate"] == 6 and out["pending"] == 0, out
@@ -632,7 +634,9 @@ def test_a_stale_copy_of_a_pass_parks_its_sends_and_the_pass_with_their_verdicts
         return deliver(kwargs, key)
 
     monkeypatch.setattr(sender, "deliver", counted)
-    retried = campaign.retry
+    from idemmail_celery import bulk
+
+    retried = bulk._next_pass  # where a pass hands on to the next
     stale: list[Any] = []
 
     def redelivered_then_retry(*args: Any, **kwargs: Any) -> Any:
@@ -642,7 +646,7 @@ def test_a_stale_copy_of_a_pass_parks_its_sends_and_the_pass_with_their_verdicts
             stale.append(campaign.apply(kwargs=call).get())
         return retried(*args, **kwargs)
 
-    monkeypatch.setattr(campaign, "retry", redelivered_then_retry)
+    monkeypatch.setattr(bulk, "_next_pass", redelivered_then_retry)
     out = campaign.apply(kwargs=call).get()
     assert sorted(sends) == sorted(people)  # everyone once: the stale copy sent nobody again
     assert stale[0]["review"] == 4 and stale[0]["duplicate"] == 1  # it could not know
