@@ -51,3 +51,13 @@ def test_constraints_pin_each_package_once_on_each_python() -> None:
         names = Counter(canonicalize_name(pin.name) for pin in pins
                         if pin.marker is None or pin.marker.evaluate(environment))
         assert [name for name, n in names.items() if n > 1] == [], version
+
+
+def test_the_django_classifiers_name_exactly_the_series_the_django_tests_run_on() -> None:
+    """5.2 from constraints.txt (``make test``), and the series ``.ci/run`` installs beside it for a second run."""
+    claimed_django = {c.rsplit(" ", 1)[1] for c in pyproject()["project"]["classifiers"]
+                      if c.startswith("Framework :: Django :: ")}
+    [pin] = [line for line in (ROOT / "constraints.txt").read_text().splitlines() if line.startswith("Django==")]
+    pinned = ".".join(pin.split("==")[1].split(".")[:2])
+    second = re.findall(r"'Django>=(\d+\.\d+),<", (ROOT / ".ci" / "run").read_text())
+    assert claimed_django == {pinned, *second} and len(second) == 1, (claimed_django, pinned, second)

@@ -177,6 +177,38 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
                  *(f"celery-task-meta-{t}" for t in shop.published))
 
 
+def test_the_apps_migrations_go_down_and_up_on_postgresql_sqlite_and_mariadb(shop: Shop) -> None:
+    """``migrate idemmail zero`` drops the relay's table, ``migrate idemmail`` makes it again, column for column,
+    with its unique key (what ``ON CONFLICT`` targets), on each database; the model reads and writes it after."""
+    from django.core.management import call_command
+    from django.db.migrations.recorder import MigrationRecorder
+
+    from idemmail_celery.contrib.django.models import OutboxRow
+    from idemmail_celery.outbox import outbox_table
+
+    expected = {c.name for c in outbox_table().columns}
+    for alias in ALIASES:
+        engine = sa.create_engine(shop.relay_url(alias))
+        try:
+            call_command("migrate", "idemmail", "zero", database=alias, verbosity=0)
+            assert not sa.inspect(engine).has_table("idemmail_outbox"), alias
+            assert not MigrationRecorder(connections_of(alias)).migration_qs.filter(app="idemmail").exists(), alias
+            call_command("migrate", "idemmail", database=alias, verbosity=0)
+            inspector = sa.inspect(engine)
+            assert {c["name"] for c in inspector.get_columns("idemmail_outbox")} == expected, alias
+            applied = MigrationRecorder(connections_of(alias)).applied_migrations()
+            assert ("idemmail", "0001_initial") in applied, alias
+            assert OutboxRow.objects.using(alias).count() == 0, alias  # the model reads the table made again
+        finally:
+            engine.dispose()
+
+
+def connections_of(alias: str) -> Any:
+    from django.db import connections
+
+    return connections[alias]
+
+
 def outbox_rows(alias: str, key: str) -> list[str]:
     from idemmail_celery.contrib.django.models import OutboxRow
 
