@@ -8,26 +8,19 @@
     def send_confirmation(to, order_id):
         ...
 
-The public surface is what this module exports: the task base class, the ready-made
-``send_email`` and ``send_campaign`` tasks, the ledger and provider factories, and the
-errors a caller catches. Everything else is importable from its own module
-(``idemmail_celery.ledger``, ``idemmail_celery.handler``, ``idemmail_celery.config``, ...).
+The public surface is what this module exports: the task base class, the ready-made ``send_email`` and
+``send_campaign`` tasks, the ledger and provider factories, and the errors a caller catches.
 
-``send_email`` and ``send_campaign`` are Celery shared tasks: they register themselves on
-every app when first imported from here (``from idemmail_celery import send_email`` in the
-module that defines your app), and not before: importing anything else, the errors
-included, registers nothing. A worker whose app has an idempotent task re-drives what its
-broker forgot (:mod:`idemmail_celery.redrive`) unless told not to.
+``send_email`` and ``send_campaign`` register themselves on every app when first imported from here, not before.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-# The worker's re-drive (a green pool's unacked messages, the stranded-claim sweep): on by default, so its
-# worker signals are connected with the package, and act only in workers whose app has an idempotent task.
+# The worker signals (re-drive, start-up checks, roster heartbeat) act only where an app has an idempotent task.
 from . import redrive as _redrive  # noqa: F401
-from . import worker as _worker  # noqa: F401  (the worker signals: start-up checks, roster heartbeat)
+from . import worker as _worker  # noqa: F401
 from .errors import (
     AmbiguousSendError,
     ConfigurationError,
@@ -58,25 +51,10 @@ if TYPE_CHECKING:
 from ._version import __version__
 
 __all__ = [
-    "AmbiguousSendError",
-    "ConfigurationError",
-    "IdemmailError",
-    "IdempotencyInFlightError",
-    "IdempotencyKeyError",
-    "IdempotencyKeyReuseError",
-    "IdempotentTask",
-    "InvalidEmail",
-    "LedgerError",
-    "LedgerUnavailableError",
-    "PermanentSendError",
-    "SendError",
-    "SendNeedsReview",
-    "TransientSendError",
-    "__version__",
-    "ledger_from_url",
-    "provider_from_url",
-    "send_campaign",
-    "send_email",
+    "AmbiguousSendError", "ConfigurationError", "IdemmailError", "IdempotencyInFlightError", "IdempotencyKeyError",
+    "IdempotencyKeyReuseError", "IdempotentTask", "InvalidEmail", "LedgerError", "LedgerUnavailableError",
+    "PermanentSendError", "SendError", "SendNeedsReview", "TransientSendError", "__version__", "ledger_from_url",
+    "provider_from_url", "send_campaign", "send_email",
 ]
 
 

@@ -1,8 +1,6 @@
 """Plumbing shared by the adapters: backoff, one after-fork registry, the broker's visibility timeout, log-safe text.
 
-The message headers and the chain state they carry are in ``chain.py``.
-
-Nothing here knows about ledgers or tasks; every other module may import it.
+Nothing here knows about ledgers or tasks (headers are in ``chain.py``); every other module may import it.
 """
 
 from __future__ import annotations
@@ -16,16 +14,13 @@ from typing import Any
 
 log = logging.getLogger("idemmail_celery")
 
-#: The library's own tasks, by name: a process may publish them by name (``send_task``) without ever importing
-#: the modules that define them, and their arguments are addresses, subjects and bodies (always redacted).
+#: The library's own tasks, always redacted: a process may publish them by name without importing their modules.
 LIBRARY_TASKS = ("idemmail_celery.send_email", "idemmail_celery.send_campaign")
 
 def backoff(attempt: int, base: float, cap: float, *, jitter: bool = True) -> float:
     """Exponential backoff: ``min(cap, base * 2**attempt)``, with jitter between half and all of it.
 
-    The curve of Celery's ``retry_backoff`` (``factor * 2**retries`` up to a maximum), in fractions
-    of a second as well as whole seconds. Celery's jitter draws anywhere from nothing to the whole
-    step; this one never waits less than half of it, so a retry is never immediate.
+    Celery's ``retry_backoff`` curve; unlike Celery's jitter, which may draw nothing, a retry is never immediate.
     """
     ceiling = min(cap, base * (2 ** min(max(attempt, 0), 30)))
     return float(ceiling * random.uniform(0.5, 1.0)) if jitter else float(ceiling)
@@ -38,11 +33,8 @@ _after_fork_lock = threading.Lock()
 
 
 def after_fork(callback: Callable[[], None]) -> Callable[[], None]:
-    """Run ``callback`` in every child right after ``fork()`` (usable as a decorator).
+    """Run ``callback`` in every child right after ``fork()``, to reset sockets, threads and locks (a decorator too).
 
-    Modules that hold sockets, threads or locks reset them here instead of comparing
-    pids on every call: a pool child must never write on its parent's connections, and a
-    lock held by a parent thread at the fork would never be released in the child.
     A callback that raises is logged and the others still run.
     """
     with _after_fork_lock:
@@ -65,12 +57,8 @@ if hasattr(os, "register_at_fork"):  # POSIX
 
 
 def transport_visibility_timeout(app: Any) -> float | None:
-    """The broker's visibility timeout in seconds, for transports that redeliver unacknowledged
-    messages after it (Redis, SQS); None for those that do not (AMQP) or when it cannot be told.
-
-    A message the worker holds longer than this (waiting for its countdown, say) is handed out
-    again while still held: every countdown the library sets stays below it.
-    """
+    """The broker's visibility timeout in seconds, after which Redis and SQS hand out an unacknowledged message
+    again; None for transports that do not (AMQP) or when it cannot be told."""
     try:
         url = str(app.conf.broker_url or "")
         scheme = url.split("://", 1)[0].split("+", 1)[0].lower() if "://" in url else url.lower()
@@ -96,12 +84,8 @@ def quoted(text: str) -> str:
 
 
 def logsafe(value: object) -> str:
-    """``value`` as a log or audit line may show it: as it is when it is printable text without quotes or
-    backslashes, else :func:`quoted` (so it spans one line and cannot pass for a line of its own).
-
-    Every value a log call takes from outside the library's own code (keys, task names and ids, message
-    ids, event types, user names, texts quoted from a webhook or a store) goes through it: a newline in
-    one would otherwise write a second, well-formed line saying whatever its author chose.
+    """``value`` as a log line may show it: as it is when printable without quotes or backslashes, else
+    :func:`quoted`, so that an outsider's newline cannot forge a line of its own. Use it for every outside value.
     """
     text = str(value)
     if text.isprintable() and '"' not in text and "\\" not in text:

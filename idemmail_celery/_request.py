@@ -1,28 +1,9 @@
 """The worker's request for idempotent tasks: a message that may not run is refused before the pool.
 
-Celery builds one :class:`celery.worker.request.Request` per message in the worker's main process
-(``Task.Request`` names the class) and decodes the body there; ``execute_using_pool`` then hands
-the job to the pool. A prefork pool pickles it first, in the main process, before any task code
-runs: arguments nested some hundreds of levels deep (about 1 KB of JSON) overflow the pickler's
-stack there, and Celery takes that for an unrecoverable error and stops the worker, leaving the
-message for the next one. :class:`CheckedRequest` looks at the decoded arguments before that
-(:func:`~idemmail_celery.keys.arguments_problem`: the depth ``delay()`` accepts and the task's own
-:meth:`~idemmail_celery.IdempotentTask.max_argument_size`) and ends a message that fails as
-``FAILURE`` with :class:`~idemmail_celery.errors.PermanentSendError` (reason ``invalid_arguments``):
-acknowledged, nothing claimed in the ledger, nothing run. The same on every pool.
-
-The size bound is the task's setting, and applies where a call is accepted: at ``delay()`` for what the
-library seals, here for everything else. A message over it whose seal is valid (queued before a deploy
-lowered the bound, or a retry, a reschedule, a sweep's republish of such a call) passes, so that no
-accepted intent, nor the verdict its chain carries, is lost; the depth bound holds for every message.
-
-The check hooks :meth:`CheckedRequest.revoked`: every ``execute_using_pool`` asks it first (the one
-Celery generates per task for its strategy too), and a request it answers True for never reaches
-the pool; the worker releases the pool slot it held (``TaskRevokedError``, as for a revoked task).
-
-The request also lets its message go of the copies it holds (:mod:`idemmail_celery._memory`): the raw
-payload and kombu's decoding as soon as the request is made, the body once the acknowledgement (or
-rejection) has been carried out, which a worker with an event loop does a moment after asking for it.
+Arguments nested too deep would overflow a prefork pool's pickler and stop the worker: :class:`CheckedRequest`
+checks them (and the task's ``max_argument_size``) first and ends such a message ``FAILURE`` with
+``PermanentSendError`` (``invalid_arguments``), nothing claimed or run (see docs/security.md). It also drops its
+message's copies early (:mod:`idemmail_celery._memory`).
 """
 
 from __future__ import annotations
@@ -60,7 +41,7 @@ class CheckedRequest(Request):  # type: ignore[misc]
         self._on_reject = _then_drop_body(self._on_reject, message)
 
     def revoked(self) -> bool:
-        """True for a revoked or expired task (Celery's answer), and for one refused here (see the module doc)."""
+        """True for a revoked or expired task, and for one refused here (every ``execute_using_pool`` asks first)."""
         if self._idemmail_refused is None:
             try:
                 problem = self._problem()
@@ -93,10 +74,7 @@ class CheckedRequest(Request):  # type: ignore[misc]
         return None if self._accepted() else problem
 
     def _accepted(self) -> bool:
-        """Was this message accepted already, under the size bound in force then? True for a valid seal: the
-        library made it, at ``delay()`` (which checked the bound), for a retry, a reschedule, an outbox row or a
-        sweep's republish. A bound lowered since must not drop such an intent, nor the verdict its chain carries.
-        Only this worker's secrets vouch: no seal, a forged one, or one under a secret it lacks is checked."""
+        """Was this message accepted already, under the size bound in force then (a valid seal)?"""
         payload = Payload(list(self.args or ()), dict(self.kwargs or {}))
         return self.task.seal_checker.check_seal(self._request_dict, payload) is Seal.VALID
 
@@ -122,8 +100,7 @@ class CheckedRequest(Request):  # type: ignore[misc]
 
 
 def _then_drop_body(settle: Callable[..., Any], message: Any) -> Callable[..., Any]:
-    """``settle`` (the consumer's ack or reject callback), then :func:`~idemmail_celery._memory.drop_body` once the
-    message is settled: at once, or when the event loop (kombu's hub) has run the callback it was scheduled as."""
+    """``settle`` (the consumer's ack or reject), then :func:`~idemmail_celery._memory.drop_body` once it is done."""
 
     def settle_then_drop(*args: Any) -> Any:
         scheduled = settle(*args)
@@ -138,8 +115,7 @@ def _then_drop_body(settle: Callable[..., Any], message: Any) -> Callable[..., A
 
 @dataclass
 class RequestState:
-    """What an idempotent task keeps on Celery's request while one delivery runs, declared in one place
-    (Celery's ``Context`` takes any attribute; the library sets only ``request.idemmail``, this value)."""
+    """What an idempotent task keeps on Celery's request (as ``request.idemmail``) while one delivery runs."""
 
     #: The headers this delivery may act on (all under a valid seal, else none the seal vouches for).
     trusted: dict[str, Any] | None = None
@@ -156,8 +132,6 @@ class RequestState:
 def state_of(request: Any, *, create: bool = True) -> RequestState | None:
     """The :class:`RequestState` of ``request`` (made on first use unless ``create`` is False)."""
     state = getattr(request, "idemmail", None)
-    if isinstance(state, RequestState) or not create:
-        return state if isinstance(state, RequestState) else None
-    state = RequestState()
-    request.idemmail = state
-    return state
+    if create and not isinstance(state, RequestState):
+        state = request.idemmail = RequestState()
+    return state if isinstance(state, RequestState) else None

@@ -1,39 +1,18 @@
 """Scheduled digests keyed by their schedule slot, not by the clock of whoever runs them.
 
-A daily digest's intent is "the digest for user X for day D". Beat can fire an
-entry twice (two beat processes, a restart with an old schedule file), late (a
-stalled beat wakes up in the next window) or a person re-triggers it; the key
-must name the slot the schedule was *due* for, so every one of those runs gets
-the same key and the next slot a new one. Celery 5.7 puts no scheduled time in
-the message (only a ``celery_beat_task`` header), and ``BeatLazyFunc`` is
-evaluated at send time, which is beat's ``now()``: a late beat would push it
-into the next window.
-
-* :class:`SlotScheduler` (``celery beat -S idemmail_celery.beat:SlotScheduler``)
-  is Celery's default scheduler plus one header, ``idemmail_slot``: the time the
-  entry was due, in the app's timezone, as an ISO timestamp. :class:`SlotMixin`
-  adds the same to any other scheduler class (django-celery-beat, RedBeat).
-* :func:`slot_of` turns the header into a slot name (``"2026-11-21"``,
-  ``"2026-W47"``, ...) inside the task, or takes an explicit ``slot=`` for a
-  manual run. It never falls back to the wall clock.
-* :class:`aligned` is an interval schedule whose due times are multiples of its
-  period since the epoch, so two beat processes agree on the slots (Celery's
-  plain interval counts from each beat's own last run).
-* :func:`send_digest` fans a digest out, one ``send_email`` per recipient under
-  ``event_id=f"{template}:{slot}"``: one key per (recipient, slot), so a retried
-  or doubled fan-out resends to nobody who already got theirs.
-
-::
+A digest's intent is "the digest for user X for day D": a beat entry fired twice, late, or
+re-triggered by hand must get the same key, and only the next slot a new one, so the key names
+the slot the entry was *due* for (docs/outbox-and-digests.md, "Scheduled digests").
+:class:`SlotScheduler` (or :class:`SlotMixin` on any scheduler) sends that due time as the
+``idemmail_slot`` header, :func:`slot_of` names the slot inside the task (never from the wall
+clock), :class:`aligned` is an interval schedule every beat agrees on, and :func:`send_digest`
+fans the digest out with one key per (recipient, slot)::
 
     @app.task(bind=True)
     def daily_digest(self, slot=None):
         day = slot_of(self.request, "day", slot=slot)     # "2026-11-21"
         send_digest(app, slot=day, recipients=subscribers(), subject=f"Your digest for {day}",
                     build_body=lambda to, day: {"html": render_digest(to, day)})
-
-    app.conf.beat_schedule = {"daily-digest": {"task": "shop.daily_digest", "schedule": crontab(hour=7, minute=0)}}
-    # celery -A shop beat -S idemmail_celery.beat:SlotScheduler
-    # a manual re-run names its slot:  daily_digest.delay(slot="2026-11-21")
 """
 
 from __future__ import annotations
@@ -58,16 +37,8 @@ from .task import first_run_time
 log = logging.getLogger("idemmail_celery")
 
 __all__ = [
-    "PERIODS",
-    "SLOT_HEADER",
-    "SlotMissingError",
-    "SlotMixin",
-    "SlotScheduler",
-    "aligned",
-    "due_time",
-    "format_slot",
-    "send_digest",
-    "slot_of",
+    "PERIODS", "SLOT_HEADER", "SlotMissingError", "SlotMixin", "SlotScheduler", "aligned", "due_time", "format_slot",
+    "send_digest", "slot_of",
 ]
 
 
@@ -88,19 +59,12 @@ PERIODS: Mapping[str, str] = {
 class aligned(schedule):  # type: ignore[misc]  # lower case, like celery.schedules.schedule
     """An interval schedule due at whole multiples of ``seconds`` since the Unix epoch (plus ``offset``).
 
-    ``aligned(seconds=300)`` is due at :00, :05, :10, ... of every hour on every
-    beat process, whenever each started, so two beats agree on the slot. Slots
-    longer than an hour are aligned to UTC, not to local midnight: use
-    ``crontab`` for calendar slots (days, weeks), and ``aligned`` for intervals.
+    Every beat process agrees on the slots, whenever each started. Aligned to UTC: use ``crontab``
+    for calendar slots (days, weeks).
     """
 
-    def __init__(
-        self,
-        seconds: float | dt.timedelta = 60.0,
-        offset: float = 0.0,
-        nowfun: Callable[[], dt.datetime] | None = None,
-        app: Celery | None = None,
-    ) -> None:
+    def __init__(self, seconds: float | dt.timedelta = 60.0, offset: float = 0.0,
+                 nowfun: Callable[[], dt.datetime] | None = None, app: Celery | None = None) -> None:
         period = seconds.total_seconds() if isinstance(seconds, dt.timedelta) else float(seconds)
         if not period > 0:
             raise ValueError("aligned(seconds=...) must be > 0")
@@ -144,13 +108,8 @@ class aligned(schedule):  # type: ignore[misc]  # lower case, like celery.schedu
 def due_time(entry: Any, tz: dt.tzinfo | None = None) -> dt.datetime:
     """When ``entry`` was (or will next be) due, from its schedule and ``last_run_at``: aware, in ``tz``.
 
-    For a due or late entry this is at or before now. Schedules that know their
-    exact due time (:class:`aligned`) are asked for it; for the others it is
-    ``now + schedule.remaining_estimate(last_run_at)``, with ``now`` read *after*
-    the estimate so the microseconds between the two reads can only move the
-    result later, never into the previous slot. After an outage longer than one
-    period this is the first slot that was missed: Celery runs the entry once,
-    not once per missed slot.
+    For a due or late entry this is at or before now; after an outage longer than one period, the
+    first slot that was missed (Celery runs the entry once, not once per missed slot).
     """
     sched = entry.schedule
     # An entry that never ran (RedBeat stores no last run for a new one) is due for the next slot.
@@ -159,28 +118,21 @@ def due_time(entry: Any, tz: dt.tzinfo | None = None) -> dt.datetime:
         due: dt.datetime = sched.due_after(last_run_at)
     else:
         remaining = sched.remaining_estimate(last_run_at)
+        # Read after the estimate: the time between the two reads can only move the slot later, never earlier.
         now = sched.maybe_make_aware(sched.now())
         due = now + remaining
     return due.astimezone(tz) if tz is not None else due
 
 
 class SlotMixin:
-    """Adds the ``idemmail_slot`` header to every task a beat scheduler sends.
-
-    Put it first in the bases of any ``celery.beat.Scheduler`` subclass::
-
-        class SlotDatabaseScheduler(SlotMixin, DatabaseScheduler): ...   # django-celery-beat
-        class SlotRedBeatScheduler(SlotMixin, RedBeatScheduler): ...     # celery-redbeat
-
-    The header is the entry's due time (:func:`due_time`) in the app's timezone,
-    as an ISO timestamp with its UTC offset. Tasks read it with :func:`slot_of`.
+    """Adds the ``idemmail_slot`` header (the entry's :func:`due_time` in the app's timezone, ISO) to every
+    task a beat scheduler sends: put it first in the bases of any ``celery.beat.Scheduler`` subclass.
     """
 
     app: Celery
 
     def apply_async(self, entry: Any, producer: Any = None, advance: bool = True, **kwargs: Any) -> Any:
-        # The due time comes from the entry as it stood before this run: reserving it
-        # moves last_run_at to now, and the slot with it.
+        # Before reserving the entry, which moves last_run_at to now, and the slot with it.
         try:
             slot: str | None = due_time(entry, self.app.timezone).isoformat(timespec="milliseconds")
         except Exception:
@@ -191,9 +143,8 @@ class SlotMixin:
             slot = None
         if advance:
             self.reserve(entry)  # type: ignore[attr-defined]
-        # Send with a copy of the options: the header must not be stored with the
-        # entry (the schedule file, the database row), and the entry's own headers
-        # dict must not change (Scheduler.apply_async adds to it in place).
+        # A copy of the options: the header must not be stored with the entry, and its headers dict must not
+        # change (Scheduler.apply_async adds to it in place).
         stored = entry.options
         options = dict(stored or {})
         options["headers"] = {**(options.get("headers") or {}), **({SLOT_HEADER: slot} if slot else {})}
@@ -205,11 +156,7 @@ class SlotMixin:
 
 
 class SlotScheduler(SlotMixin, PersistentScheduler):  # type: ignore[misc]
-    """Celery's default scheduler (schedule kept in a shelve file) with the ``idemmail_slot`` header.
-
-    ``celery -A proj beat -S idemmail_celery.beat:SlotScheduler``, or
-    ``app.conf.beat_scheduler = "idemmail_celery.beat:SlotScheduler"``.
-    """
+    """Celery's default scheduler with the ``idemmail_slot`` header: ``beat -S idemmail_celery.beat:SlotScheduler``."""
 
 
 # -- the task's side --
@@ -219,11 +166,14 @@ def format_slot(when: dt.datetime | dt.date, period: str = "day") -> str:
     """Name the ``period`` containing ``when``: ``"2026-11-21"`` (day), ``"2026-W47"`` (ISO week),
     ``"2026-11-21T08"`` (hour), ``"2026-11-21T08:05"`` (minute), ``"2026-11-21T08:05:03"`` (second),
     ``"2026-11"`` (month). An aware ``when`` is named in its own offset: pass it in your timezone."""
+    return when.strftime(_format_of(period))
+
+
+def _format_of(period: str) -> str:
     try:
-        fmt = PERIODS[period]
+        return PERIODS[period]
     except KeyError:
         raise ValueError(f"unknown slot period {period!r}; known: {', '.join(PERIODS)}") from None
-    return when.strftime(fmt)
 
 
 def _parse_slot(text: str, period: str) -> str:
@@ -241,22 +191,15 @@ def _parse_slot(text: str, period: str) -> str:
     return text
 
 
-def slot_of(
-    request: Any, period: str = "day", *, slot: str | dt.datetime | dt.date | None = None
-) -> str:
+def slot_of(request: Any, period: str = "day", *, slot: str | dt.datetime | dt.date | None = None) -> str:
     """The slot this run is for: from the ``idemmail_slot`` header beat sent, else the explicit ``slot``.
 
-    Inside a task: ``slot_of(self.request, "day", slot=slot)``. A run beat sent
-    (with :class:`SlotScheduler` or :class:`SlotMixin`) is named by the time its
-    entry was due, so a late or doubled tick gets the same slot. A manual run
-    must name the slot (``task.delay(slot="2026-11-21")``): a string must be
-    written exactly as this function writes the period (anything else would make
-    another key, and a second digest), a datetime or date is formatted. A run
-    with both, disagreeing, raises ``ValueError``; with neither,
+    Inside a task: ``slot_of(self.request, "day", slot=slot)``. A manual run must name the slot: a
+    string written exactly as :func:`format_slot` writes the period (else ``ValueError``: it would make
+    another key), or a datetime or date. Both, disagreeing: ``ValueError``; neither:
     :class:`SlotMissingError`. It never falls back to the wall clock.
     """
-    if period not in PERIODS:
-        raise ValueError(f"unknown slot period {period!r}; known: {', '.join(PERIODS)}")
+    _format_of(period)  # an unknown period raises whatever the run carries
     explicit: str | None = None
     if isinstance(slot, str):
         explicit = _parse_slot(slot, period)
@@ -269,43 +212,23 @@ def slot_of(
             raise ValueError(f"slot={explicit!r} disagrees with the slot beat sent ({from_beat!r})")
         return from_beat
     if explicit is None:
-        raise SlotMissingError(
-            "no schedule slot: this run was not sent by a slot-aware beat scheduler "
-            "(idemmail_celery.beat:SlotScheduler or SlotMixin); a manual run must pass slot=..."
-        )
+        raise SlotMissingError("no schedule slot: this run was not sent by a slot-aware beat scheduler "
+                               "(idemmail_celery.beat:SlotScheduler or SlotMixin); a manual run must pass slot=...")
     return explicit
 
 
-def send_digest(
-    app: Celery,
-    *,
-    slot: str,
-    recipients: Iterable[str],
-    subject: str | Callable[[str, str], str],
-    build_body: Callable[[str, str], Mapping[str, Any]],
-    template: str = "digest",
-    options: Mapping[str, Any] | None = None,
-    **email: Any,
-) -> dict[str, Any]:
+def send_digest(app: Celery, *, slot: str, recipients: Iterable[str], subject: str | Callable[[str, str], str],
+                build_body: Callable[[str, str], Mapping[str, Any]], template: str = "digest",
+                options: Mapping[str, Any] | None = None, **email: Any) -> dict[str, Any]:
     """Enqueue one ``send_email`` per recipient for ``slot``: the fan-out of a scheduled digest.
 
-    ``build_body(recipient, slot)`` returns the message's content keywords
-    (``{"html": ...}``, ``{"text": ..., "attachments": [...]}``); ``subject`` is a
-    string or ``subject(recipient, slot)``. Every message has
-    ``event_id=f"{template}:{slot}"`` and ``template=template``, so its key is one
-    per (tenant, recipient, slot): run the fan-out again (a retry, a second beat,
-    a manual re-run of the same slot) and every recipient who has theirs gets a
-    ``duplicate``, nobody a second email. ``email`` holds the other ``send_email``
-    keywords, the same for everyone (``from_``, ``tenant``, ``tags``, ...);
-    ``options`` goes to ``apply_async`` (``{"queue": "digests"}``).
-
-    A recipient whose message is invalid (:class:`~idemmail_celery.errors.InvalidEmail`)
-    is skipped and reported, so one bad address does not hold back everyone
-    else's digest. Returns ``{"slot", "event_id", "enqueued": [key, ...], "invalid":
-    [{"position": i, "reason": text}, ...]}``: the intent key of each message enqueued, in
-    the order of ``recipients``, and each skipped recipient by its position in
-    ``recipients``. No address is in the result or the log (the result is stored by the
-    result backend and shown by Flower): find a recipient by its position in your own list.
+    ``build_body(recipient, slot)`` returns the message's content keywords (``{"html": ...}``);
+    ``subject`` is a string or ``subject(recipient, slot)``. Every message has
+    ``event_id=f"{template}:{slot}"``, so a fan-out run again resends to nobody who has theirs.
+    ``email`` holds the other ``send_email`` keywords, the same for everyone; ``options`` goes to
+    ``apply_async``. A recipient whose message is invalid is skipped and reported. Returns ``{"slot",
+    "event_id", "enqueued": [key, ...], "invalid": [{"position": i, "reason": text}, ...]}``, each
+    skipped recipient by its position in ``recipients``, never by address.
     """
     from .mail import TASK_NAME
 
@@ -329,14 +252,13 @@ def send_digest(
             due = first_run_time(task.app, (options or {}).get("countdown"), (options or {}).get("eta"))
             headers = task.intent_headers((), kwargs, due=due)
         except InvalidEmail as exc:
-            # InvalidEmail never quotes the address; scrubbed all the same, as every text that reaches a log.
+            # InvalidEmail never quotes the address; scrubbed all the same, as every text reaching a log.
             reason = scrub(str(exc), (str(recipient), *str(recipient).rpartition("@")[::2]))
             log.error("idemmail: digest %s: skipping recipient #%d: %s", logsafe(event_id), position, logsafe(reason))
             invalid.append({"position": position, "reason": reason})
             continue
         publish = dict(options or {})
-        # A header only the library writes (chain state copied from another message) would break the key's
-        # seal, and apply_async would hash the key again: the recipient's intent under another key than returned.
+        # A header only the library writes would break the key's seal: the intent under another key than returned.
         publish["headers"] = {**untrusted_removed(publish.get("headers") or {}, keep=()), **headers}
         task.apply_async((), kwargs, **publish)
         enqueued.append(headers[KEY_HEADER])

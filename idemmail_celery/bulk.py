@@ -1,25 +1,8 @@
 """Bulk sends: one campaign to many recipients, claimed in batches, settled by the one state machine.
 
-``send_campaign`` sends one email per recipient, each under the same intent key
-``send_email(to=recipient, event_id=campaign_id, template=...)`` would have, so a
-campaign and a single send never double up. Recipients are de-duplicated by that key
-(two spellings of one mailbox are one recipient) and claimed in batches (a Redis
-pipeline, a multi-row SQL insert), each batch just before it is sent: claiming
-everything up front would let leases run out mid-campaign. Every held claim of a batch is
-renewed until it is settled.
-
-Each recipient is settled by :class:`~idemmail_celery.handler.Handler`, exactly as a
-single ``send_email`` is: a ledger or provider error settles that recipient (failed,
-review, or pending for the next pass) and the campaign carries on. The campaign task can
-be retried, redelivered or run twice as a whole: a recipient already final is counted
-``duplicate``, one another copy holds is left to it and looked at again on the next pass,
-and a crashed copy's batch is recovered by the usual lease rules (resent with the same key
-when the provider de-duplicates, reconciled or parked for review otherwise). A pass that
-leaves recipients pending (released after a transient error, held by another copy, or
-sent with the record not yet written) retries the campaign, carrying its claim owner and
-those verdicts, so the next pass takes its own claims back and records what it knows (even over
-a ``review`` a stale copy of an earlier pass parked it in after the lease ran out).
-Progress is reported as the Celery task state ``PROGRESS`` with counts, visible in Flower.
+Each recipient gets one email under the key ``send_email(to=recipient, event_id=campaign_id, template=...)``
+would have, claimed in batches just before it is sent and settled by :class:`~idemmail_celery.handler.Handler`
+as a single send is. A pass that leaves recipients pending publishes another (see docs/bulk.md).
 """
 
 from __future__ import annotations
@@ -47,15 +30,7 @@ from .chain import (
 )
 from .config import Settings
 from .errors import ConfigurationError, IdemmailError, LedgerError
-from .handler import (
-    INVALID_INPUT,
-    Delivery,
-    Handler,
-    Outcome,
-    Policy,
-    Step,
-    say_setup_error_once,
-)
+from .handler import INVALID_INPUT, Delivery, Handler, Outcome, Policy, Step, say_setup_error_once
 from .keys import Payload, Seal, untrusted_removed
 from .ledger.base import new_owner
 from .mail import TASK_NAME as SEND_EMAIL
@@ -101,11 +76,7 @@ class CampaignEffect:
 
 @dataclass
 class BatchResult:
-    """What one batch came to: a step per recipient, in order.
-
-    ``keys`` are the deliveries' own keys, in the same order: a step's key differs from its
-    delivery's during a key-secret rotation (the recipient was found under an older key).
-    """
+    """What one batch came to: a step per recipient, in order, and the deliveries' own keys (not always the steps')."""
 
     steps: list[Step]
     keys: list[str]
@@ -119,57 +90,30 @@ class BatchResult:
         return Counter(self.outcomes())
 
     def verdicts(self) -> dict[str, dict[str, Any]]:
-        """Verdicts this batch reached and could not record yet, by the key their claim was made with
-        (during a key-secret rotation an older key, which the next pass's secrets may not derive), each
-        with the ``owner`` (a list, newest first) its claim is held by: the pass that records it takes
-        the claim back as that owner, under that key."""
+        """Verdicts reached and not recorded yet, by their claim's key, each with the owners its claim is held by."""
         return {s.key: {**s.carry.verdict.to_header(), "owner": list(s.carry.owners) or None}
                 for s in self.steps if s.carry.verdict is not None}
 
     def settled_keys(self) -> set[str]:
-        """Every key this batch settled a recipient under: the deliveries' and their claims'. A recipient left
-        pending is not settled: a verdict it came with stays to record (dropped while the pass still carries
-        the owner that reached it, it would make that owner's write-ahead mark look void: nothing sent)."""
+        """Every key (the deliveries' and their claims') this batch settled a recipient under: not a pending one."""
         return {k for key, step, outcome in zip(self.keys, self.steps, self.outcomes(), strict=True)
                 if outcome is not Outcome.PENDING for k in (key, step.key)}
 
 
 def send_batch(handler: Handler, deliveries: Sequence[Delivery], *, owner: str, last: bool = False) -> BatchResult:
-    """One batch of a campaign's recipients through :meth:`Handler.handle_many`, with the counts a pass keeps;
-    never raises for one recipient (the batch's claim failing raises :class:`LedgerError`: nothing was sent)."""
+    """One batch through :meth:`Handler.handle_many`; raises (:class:`LedgerError`) only for the batch's claim."""
     return BatchResult(handler.handle_many(deliveries, owner=owner, last=last), [d.key for d in deliveries])
 
 
-def _send_campaign(
-    self: Task,
-    *,
-    campaign_id: str,
-    recipients: list[str],
-    subject: str,
-    text: str | None = None,
-    html: str | None = None,
-    from_: str | None = None,
-    template: str | None = None,
-    tenant: str | None = None,
-    headers: dict[str, str] | None = None,
-    tags: dict[str, str] | None = None,
-    batch_size: int = DEFAULT_BATCH,
-) -> dict[str, Any]:
+def _send_campaign(self: Task, *, campaign_id: str, recipients: list[str], subject: str, text: str | None = None,
+                   html: str | None = None, from_: str | None = None, template: str | None = None,
+                   tenant: str | None = None, headers: dict[str, str] | None = None,
+                   tags: dict[str, str] | None = None, batch_size: int = DEFAULT_BATCH) -> dict[str, Any]:
     """Send one email per recipient, once each, however often this task runs.
 
-    Returns counts by outcome: ``sent`` (this run), ``duplicate`` (already final), ``failed``,
-    ``review``, ``pending``, and ``total`` recipients. While it runs the task state is
-    ``PROGRESS`` with the same counts. Pending recipients (held by another copy, released for
-    a transient error, or waiting for the ledger) are retried by rescheduling this task (at
-    most ``MAX_PASSES`` passes; a verdict of this campaign's own that the ledger has not taken
-    yet is carried until it has, within the outage budget).
-
-    A pass runs for at most :func:`pass_seconds`, then publishes the next one, which starts where
-    it stopped and carries its counts on: a message is never held past the broker's visibility
-    timeout, so the broker never hands the campaign to a second worker while it runs. Such
-    passes do not count towards ``MAX_PASSES``. A pass that still has a verdict to record when
-    its time is up retries instead, over the whole list (sends of earlier passes then count as
-    ``duplicate``).
+    Returns counts by outcome: ``sent`` (this run), ``duplicate`` (already final), ``failed``, ``review``,
+    ``pending``, and ``total`` recipients (while it runs, as the task state ``PROGRESS``). Pending recipients are
+    retried by further passes (at most ``MAX_PASSES``; see docs/bulk.md).
     """
     sender: SendEmailTask = self.app.tasks[SEND_EMAIL]
     try:
@@ -180,16 +124,11 @@ def _send_campaign(
     base = {"subject": subject, "text": text, "html": html, "from_": from_, "event_id": campaign_id,
             "template": template, "tenant": tenant, "headers": headers, "tags": tags}
     base = {k: v for k, v in base.items() if v is not None}
-    # A provider without a key marks the ledger before each recipient's send (each claim promises it, see
-    # Handler.request): a pass that dies leaves the recipients it had not reached unmarked, and the next pass
-    # sends them instead of parking them.
     owner = new_owner(self.request.id or "campaign")
-    # The owners whose claims this pass may hold or find held (a batch claim whose reply was lost may or may
-    # not have landed): every pass it hands on to takes back whichever of them holds a recipient's claim.
+    # Earlier passes' owners travel on: a batch claim whose reply was lost may or may not have landed.
     chain = ChainState.from_headers(request_headers)
     owners = list(held_by(owner, chain.owners))
     verdicts = campaign_verdicts(request_headers)
-    # A pass that ran out of time handed the rest of the list to this one (see _yield_pass).
     resumed = _Resumed.of(chain.campaign, len(recipients))
     # Neither running out of time nor waiting on an outage is a retry of the campaign.
     passes = max(0, (self.request.retries or 0) - resumed.continued - resumed.outages)
@@ -200,12 +139,9 @@ def _send_campaign(
         sender.ensure_announced()  # no claim before this worker is in the ledger's key-secret roster
     except INVALID_INPUT:
         raise
-    except LedgerError as exc:  # the ledger does not answer: wait on the outage budget, as a batch claim would
-        if isinstance(exc, ConfigurationError):  # a store set up unsafely: its fix, once
+    except Exception as exc:  # the ledger does not answer, or this worker cannot send now: wait on the outage budget
+        if not isinstance(exc, LedgerError) or isinstance(exc, ConfigurationError):  # a set-up error: its fix, once
             say_setup_error_once(exc)
-        raise _again(self, policy, exc, owners, verdicts, passes, resumed, outage=True) from exc
-    except Exception as exc:  # this worker cannot send now (no provider, a missing driver): wait, as send_email does
-        say_setup_error_once(exc)
         raise _again(self, policy, exc, owners, verdicts, passes, resumed, outage=True) from exc
     deliveries, recipient_of = _unique(builder, base, recipients, tenant, self.request, owners, verdicts, passes)
     if resumed.start > len(deliveries):  # not this list's place: the whole list (the ledger skips the settled)
@@ -217,12 +153,8 @@ def _send_campaign(
 
 @dataclass
 class CampaignPass:
-    """One pass of a campaign over its list (the task's run, from where the last pass handed on).
-
-    It claims in batches, recipients with a verdict to record first, and counts what each came to. It
-    stops early (another pass published) when its time is up, when the ledger fails, or when the list
-    meets a set-up error; at the end, with verdicts it could not record or recipients still pending,
-    it hands the whole list to another pass."""
+    """One pass of a campaign over its list, from where the last pass handed on: claims in batches (recipients
+    with a verdict to record first) and counts what each came to; it may publish another pass (:meth:`again`)."""
 
     task: Task
     handler: Handler
@@ -238,8 +170,7 @@ class CampaignPass:
     size: int
     #: How long this pass may run (:func:`pass_seconds`) before it hands the rest of the list on.
     budget: float
-    #: Verdicts still to record: those this pass came with, until their recipients are settled, and those it
-    #: reaches and cannot record. A pass that stops early carries both on.
+    #: Verdicts still to record: those this pass came with (until settled), and those it reaches and cannot record.
     verdicts: dict[str, dict[str, Any]] = field(default_factory=dict)
     tally: Counter[Outcome] = field(default_factory=Counter)
     #: Recipients with a verdict, settled ahead of their place in the list: counted when the list reaches them.
@@ -261,9 +192,7 @@ class CampaignPass:
         """Go over the list (or stop early, raising the next pass) and return the campaign's counts."""
         self.tally.update(dict(self.resumed.tally))
         self.behind = {d.key for d in self.deliveries[:self.resumed.start] if d.verdict is not None}
-        # Those before where this pass starts were counted (pending) by the pass that handed them on: they
-        # are counted again now. Those after it are counted when the list reaches them: by this pass with
-        # the outcome they come to now, or (if it runs out of time first) by a later one.
+        # Those before where this pass starts were counted pending by the pass that handed on: counted again now.
         self.tally[Outcome.PENDING] = max(0, self.tally[Outcome.PENDING] - len(self.behind))
         started = time.monotonic()
         for at, claimant, chunk in self.batches():
@@ -277,15 +206,11 @@ class CampaignPass:
 
     def again(self, exc: BaseException | None, *, outage: bool = False) -> BaseException:
         """The next pass over the whole list (see :func:`_again`)."""
-        return _again(self.task, self.policy, exc, self.owners, self.verdicts, self.passes, self.resumed,
-                      outage=outage)
+        return _again(self.task, self.policy, exc, self.owners, self.verdicts, self.passes, self.resumed, outage=outage)
 
     def batches(self) -> list[tuple[int | None, str, list[Delivery]]]:
-        """The batches in the order they are claimed, each with its place in the list (None: ahead of it)
-        and the owner it claims as. Recipients with a verdict to record go first, wherever they are in the
-        list, and all of them: their claims are the last pass's (whose owner this one resumes) only until
-        their leases run out. Each is claimed as the owner that holds it (the pass that reached the verdict),
-        so that it stays that owner's whether or not this claim lands: a verdict is recorded, never sent."""
+        """The batches in claim order, each with its place in the list (None: ahead of it) and the owner it claims
+        as: recipients with a verdict to record first, as the owner that holds them (a verdict is never sent)."""
         holders: dict[str, list[Delivery]] = {}
         for d in self.deliveries:
             if d.verdict is not None:
@@ -293,9 +218,8 @@ class CampaignPass:
         size = self.size
         out: list[tuple[int | None, str, list[Delivery]]] = [
             (None, holder, held[i:i + size]) for holder, held in holders.items() for i in range(0, len(held), size)]
-        out += [(i, self.owner, self.deliveries[i:i + size]) for i in range(self.resumed.start, len(self.deliveries),
-                                                                             size)]
-        return out
+        return out + [(i, self.owner, self.deliveries[i:i + size])
+                      for i in range(self.resumed.start, len(self.deliveries), size)]
 
     def not_counted_yet(self, at: int | None, chunk: list[Delivery]) -> list[Delivery]:
         """``chunk`` less the recipients recorded first in this pass: counted here, not sent for again."""
@@ -339,14 +263,12 @@ class CampaignPass:
         try:
             self.task.update_state(state="PROGRESS", meta=meta)
         except Exception as exc:  # progress is best effort: a result backend blip must not stop the campaign
-            log.warning("idemmail: campaign %s progress not stored: %s", logsafe(self.campaign_id),
-                        type(exc).__name__)
+            log.warning("idemmail: campaign %s progress not stored: %s", logsafe(self.campaign_id), type(exc).__name__)
 
     def result(self) -> dict[str, Any]:
         tally = self.tally
         if self.verdicts or (tally[Outcome.PENDING] and not self.last):
-            # Verdicts of this campaign's own sends are never given up on (the outage budget aside):
-            # the claims they hold would otherwise be left to nobody. The next pass goes over the whole list.
+            # Verdicts of this campaign's own sends are never given up on: their claims would be left to nobody.
             raise self.again(None)
         if tally[Outcome.PENDING]:  # held by other deliveries after MAX_PASSES: theirs to settle
             log.warning("idemmail: campaign %s leaves %d recipients to the deliveries holding them after %d passes",
@@ -357,13 +279,7 @@ class CampaignPass:
 
 
 def pass_seconds(app: Any, settings: Settings) -> float:
-    """How long one pass of a campaign may run: ``idemmail_campaign_pass_seconds``, else half the
-    broker's visibility timeout (Redis, SQS), else half RabbitMQ's default ``consumer_timeout`` (30 min).
-
-    A message held longer than the visibility timeout is handed out again while its first copy
-    still runs: a second copy of the campaign would then go over the same list beside it (no
-    recipient is sent twice, the ledger sees to that, but the copies hold each other up).
-    """
+    """How long one pass may run: ``idemmail_campaign_pass_seconds``, else half the visibility timeout, else 900 s."""
     if settings.campaign_pass_seconds is not None:
         return float(settings.campaign_pass_seconds)
     vt = transport_visibility_timeout(app)
@@ -372,10 +288,8 @@ def pass_seconds(app: Any, settings: Settings) -> float:
 
 @dataclass(frozen=True)
 class _Resumed:
-    """What a pass handed on (the ``idemmail_campaign`` header): where the next pass starts in the
-    de-duplicated list, what the passes so far came to, how many passes only ran out of time
-    (``continued``), and how many waited on an outage or a set-up error (``outages``): neither counts
-    towards ``MAX_PASSES``; the outages count towards ``idemmail_outage_max_retries``."""
+    """What a pass handed on (the ``idemmail_campaign`` header): where the next pass starts, the counts so far,
+    and how many passes only ran out of time (``continued``) or waited on an outage (``outages``)."""
 
     start: int = 0
     tally: tuple[tuple[Outcome, int], ...] = ()
@@ -384,8 +298,7 @@ class _Resumed:
 
     @classmethod
     def of(cls, header: Any, total: int) -> _Resumed:
-        """The header read back; anything malformed starts over from the first recipient (nothing is
-        sent twice: the ledger answers for recipients already settled)."""
+        """The header read back; anything malformed starts over (the ledger answers for recipients settled)."""
         if not isinstance(header, dict):
             return cls()
         start, continued, counts = header.get("from"), header.get("continued"), header.get("tally")
@@ -401,8 +314,7 @@ class _Resumed:
 
     def header(self, start: int = 0, tally: Counter[Outcome] | None = None, *, continued: int = 0,
                outages: int = 0) -> dict[str, Any] | None:
-        """The header the next pass gets: this one's counts of passes plus ``continued`` and ``outages``
-        (none when there is nothing to hand on)."""
+        """The header the next pass gets (None when there is nothing to hand on)."""
         counts = {o.value: c for o, c in (tally or Counter()).items()}
         head = {"from": start, "tally": counts, "continued": self.continued + continued,
                 "outages": self.outages + outages}
@@ -411,10 +323,7 @@ class _Resumed:
 
 def _yield_pass(task: Task, policy: Policy, owners: list[str], verdicts: dict[str, Any], passes: int, start: int,
                 tally: Counter[Outcome], resumed: _Resumed) -> NoReturn:
-    """End this pass before the broker hands its message out again: the next pass, published now,
-    starts at ``start`` with this pass's counts, claim owner and unrecorded verdicts (it records
-    those first). With none of those it starts at once; with some, within a third of the lease.
-    """
+    """End this pass before the broker hands its message out again: the next one starts at ``start``."""
     log.info("idemmail: campaign pass ran for its time; the next one starts at recipient %d", start)
     countdown = _countdown(task, policy, passes, verdicts) if verdicts else 0
     _next_pass(task, countdown, owners, verdicts, resumed.header(start, tally, continued=1), None)
@@ -422,14 +331,8 @@ def _yield_pass(task: Task, policy: Policy, owners: list[str], verdicts: dict[st
 
 def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: str | None, request: Any,
             owners: list[str], verdicts: dict[str, Any], passes: int) -> tuple[list[Delivery], dict[str, int]]:
-    """One delivery per intent: recipients whose keys agree (two spellings of one mailbox) are one.
-    Each claims as ``owners[0]`` (this pass) and takes back a claim held by any of the others.
-
-    A recipient with a verdict to record is claimed under the key the verdict was reached under, found
-    by that key (or one of the recipient's older keys) or, after a key-secret rotation this pass's secrets
-    cannot derive it from, by the recipient's place in the list. Also returns each key a recipient may be
-    recorded under (its own, its older ones, its verdict's) -> its place in ``recipients``.
-    """
+    """One delivery per intent (a recipient with a verdict claims under the verdict's key), and each key a
+    recipient may be recorded under -> its place in ``recipients``."""
     out: dict[str, Delivery] = {}
     recipient_of: dict[str, int] = {}
     owner, resume = owners[0], tuple(owners[1:])
@@ -460,14 +363,8 @@ def _unique(builder: Any, base: dict[str, Any], recipients: list[str], tenant: s
 
 def _again(task: Task, policy: Policy, exc: BaseException | None, owners: list[str],
            verdicts: dict[str, Any], passes: int, resumed: _Resumed, *, outage: bool = False) -> BaseException:
-    """Publish the next pass (it takes this pass's claims back and records its verdicts); past the budget,
-    return ``exc`` for the campaign to fail with.
-
-    A pass cut short by the ledger, or by a set-up error (``outage``, or :func:`waits_on_outage`), waits on the
-    outage budget (``idemmail_outage_max_retries``, unlimited by default) and does not count towards
-    ``MAX_PASSES``, as ``send_email`` waits; any other pass counts towards ``MAX_PASSES``. Past its
-    budget the campaign fails with the error. Campaigns never fail open.
-    """
+    """Publish the next pass over the whole list; past the budget (``idemmail_outage_max_retries`` for an outage,
+    else ``MAX_PASSES``), return ``exc`` for the campaign to fail with. Campaigns never fail open."""
     outage = outage or (exc is not None and waits_on_outage(exc))
     if exc is not None:
         budget, spent = (policy.outage_max_retries, resumed.outages) if outage else (MAX_PASSES, passes)
@@ -475,22 +372,17 @@ def _again(task: Task, policy: Policy, exc: BaseException | None, owners: list[s
             log.error("idemmail: campaign gives up after %d passes: %s", spent, type(exc).__name__)
             return exc
     countdown = _countdown(task, policy, resumed.outages if outage else passes, verdicts)
-    _next_pass(task, countdown, owners, verdicts, resumed.header(outages=int(outage)), exc)  # over the whole list
+    _next_pass(task, countdown, owners, verdicts, resumed.header(outages=int(outage)), exc)
 
 
 def waits_on_outage(exc: BaseException) -> bool:
-    """Does a pass that met ``exc`` wait on the outage budget? The ledger could not answer, or the
-    call cannot be set up on this worker (no API key, a missing driver): nothing was sent for it."""
+    """Does a pass that met ``exc`` wait on the outage budget (the ledger, or a set-up error: nothing sent)?"""
     return isinstance(exc, (LedgerError, ConfigurationError, ImportError))
 
 
 def _next_pass(task: Task, countdown: float, owners: list[str], verdicts: dict[str, Any],
                resume: dict[str, Any] | None, reason: BaseException | None) -> NoReturn:
-    """Publish the next pass through ``send_email``'s republisher: this message's headers, with the claim owners
-    it may hold, its unrecorded verdicts and where the next pass starts (none: the whole list) in place of the
-    ones it came with."""
-    # What this pass did not write goes; then, last, the seal: the next pass acts on these only if this
-    # library wrote them for this campaign (see _trusted).
+    """Publish the next pass with this pass's state in place of the one it came with, sealed last."""
     sender: SendEmailTask = task.app.tasks[SEND_EMAIL]
     headers = campaign_pass_headers(untrusted_removed(task.request.headers or {}, keep=()), owners, verdicts, resume)
 
@@ -505,15 +397,9 @@ def _campaign_call(task: Task) -> Payload:
 
 
 def _trusted(task: Task, sender: SendEmailTask) -> dict[str, Any]:
-    """This pass's headers, less the pass state (owner, verdicts, where to start) unless the last pass of this
-    campaign sealed it (a forged verdict would record a send that never happened); one WARNING if so.
-
-    Sealed with ``send_email``'s key secret, bound to this task and its arguments. A seal under a secret this
-    worker does not have (a rotation under way) is neither: the pass waits for a worker that has it, as
-    ``send_email`` does. Dropping its state would drop the verdicts of sends already made (their recipients
-    sent again once the leases run out) and the count of time-sliced passes (the pass would take itself for
-    the last one and leave the pending recipients unsent).
-    """
+    """This pass's headers, less the pass state unless the last pass of this campaign sealed it (a forged verdict
+    would record a send that never happened), with one WARNING. A seal under a key secret this worker lacks waits
+    for a worker that has it, as ``send_email`` does: dropping its state could send recipients twice."""
     headers = dict(task.request.headers or {})
     check = sender.key_builder.check_seal(headers, _campaign_call(task), task_name=CAMPAIGN_TASK)
     if check is Seal.VALID:
@@ -528,8 +414,7 @@ def _trusted(task: Task, sender: SendEmailTask) -> dict[str, Any]:
 
 
 def _countdown(task: Task, policy: Policy, passes: int, verdicts: dict[str, Any]) -> float:
-    """The wait before the next pass: backoff, kept below the visibility timeout, and with verdicts to
-    record, below a third of the lease (back before the claims can run out: no other delivery may take them)."""
+    """The wait before the next pass: backoff, below the visibility timeout and (with verdicts) a third of the lease."""
     countdown = backoff(passes, policy.inflight_backoff, policy.inflight_backoff_max)
     if verdicts:
         countdown = min(countdown, policy.lease_seconds / 3)

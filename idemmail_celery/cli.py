@@ -1,50 +1,23 @@
 """The operator CLI: look at the ledger and resolve what a person must decide.
 
-As a Celery subcommand (the ``celery.commands`` entry point), with the app's settings::
+As a Celery subcommand (the ``celery.commands`` entry point), with the app's settings (every command:
+docs/operations.md, "Resolving ambiguous sends")::
 
     celery -A proj idemmail ledger list --state review
-    celery -A proj idemmail ledger list --state review --reason after_data --search order-4821 --newest-first
-    celery -A proj idemmail ledger show KEY
-    celery -A proj idemmail ledger resolve KEY --sent --message-id MSG --note "seen in provider log"
     celery -A proj idemmail ledger resolve KEY --release --note "provider says not delivered"
-    celery -A proj idemmail ledger purge --expired
-    celery -A proj idemmail ledger forget KEY
-    celery -A proj idemmail ledger stats
-    celery -A proj idemmail ledger init
-    celery -A proj idemmail ledger ack-loss --note "Redis restarted without AOF at 02:10; checked"
-    celery idemmail docs           # where the documentation's pages are on this machine
-
-Agent tools over MCP (the ``[mcp]`` extra; see ``idemmail_celery.contrib.mcp``)::
-
-    celery -A proj idemmail mcp                          # stdio
-    celery -A proj idemmail mcp --http --port 8000       # streamable HTTP on 127.0.0.1
+    celery -A proj idemmail mcp [--http --port 8000]   # agent tools over MCP (the [mcp] extra)
+    celery idemmail docs                               # where the documentation's pages are on this machine
 
 or without Celery's loader, with the same commands and help:
-``python -m idemmail_celery [-A proj] --ledger-url redis://... ledger stats``
-(``--release`` needs ``-A``/``--app``, to re-enqueue).
+``python -m idemmail_celery [-A proj] --ledger-url redis://... ledger stats``.
 
-``resolve --release`` checks the stored first payload as ``apply_async`` checks a new call
-(a payload the task refuses today, stored before a rule was tightened, exits 3 with nothing
-changed), then publishes it **before** it changes the record: the copy is queued with a
-countdown (:func:`release_countdown`: :data:`RELEASE_COUNTDOWN` seconds, less below a short
-broker visibility timeout) so that it cannot arrive before the record is released, then the
-record goes ``review`` -> ``released``.
-With the broker down nothing is queued and the record stays as it was (exit 8); with the
-ledger failing after the publish, the record stays as it was and the queued copy finds
-it so and sends nothing (exit 4, rerun later). Should releasing take so long that the copy
-may already have come and gone, a second copy is queued at once: a copy too many finds the
-intent taken or sent and sends nothing, while none at all would leave it released with
-nothing queued. A record already ``released`` has a copy queued (a retry, or an earlier
-``--release``): a second ``--release`` refuses (exit 3) rather than queue another.
+``resolve --release`` publishes the stored first payload **before** it releases the record (why,
+and what each failure leaves: docs/security.md, "Operator commands"). Payloads (personal data) are
+printed only with ``show --payload``. Only ``init`` and ``ack-loss`` write the Redis ledger's epoch
+markers (docs/operations.md, "Ledger loss"): the other commands build the ledger ``passive``, so
+looking at an emptied store never starts a new epoch on it nor flags it lost.
 
-Keys are hashes; payloads (personal data) are printed only with ``show --payload``.
-``init`` and ``ack-loss`` concern the Redis ledger's epoch markers (loss detection, see the
-docs/operations.md, "Ledger loss"); SQL ledgers are durable stores and keep none. They are the only
-commands that write markers: the others build the ledger ``passive``, so that looking at an
-emptied store never starts a new epoch on it (``auto_init``) nor flags it lost.
-
-Exit codes: :data:`EXIT_CODES`, the one table of them (``--help`` prints it, and the
-documentation's docs/operations.md, "Exit codes", is rendered from it).
+Exit codes: :data:`EXIT_CODES`, the one table of them (``--help`` and docs/operations.md are made from it).
 """
 
 from __future__ import annotations
@@ -102,16 +75,13 @@ EXIT_CODES: dict[int, str] = {
 }
 
 #: Seconds a copy re-enqueued by ``resolve --release`` waits before a worker may run it: time for the
-#: record to be released after the publish (one ledger write). Less when the broker's visibility timeout
-#: is short (see :func:`release_countdown`). If releasing takes half of it, a second copy is queued (see
-#: the module docstring).
+#: record to be released after the publish (see :func:`release_countdown`).
 RELEASE_COUNTDOWN = 5.0
 
 
 def release_countdown(app: Any) -> float:
-    """The countdown of a released copy: :data:`RELEASE_COUNTDOWN`, capped like every countdown the
-    library sets at a share of the broker's visibility timeout (Redis, SQS), so the copy is never handed
-    out again while a worker holds it waiting."""
+    """The countdown of a released copy: :data:`RELEASE_COUNTDOWN`, capped at a share of the broker's
+    visibility timeout (Redis, SQS), so the copy is never handed out again while a worker holds it waiting."""
     vt = transport_visibility_timeout(app)
     return RELEASE_COUNTDOWN if vt is None else min(RELEASE_COUNTDOWN, vt * VISIBILITY_SHARE)
 
@@ -157,11 +127,7 @@ def _fail(code: int, message: str) -> NoReturn:
 
 
 class OperatorError(Exception):
-    """An operator action refused or cut short: :attr:`code` is its exit code (:data:`EXIT_CODES`).
-
-    Raised by :func:`decide` and :func:`erase`, the moves the CLI and the Django admin share; the
-    CLI turns it into ``error: <message>`` and the exit code, the admin into a message on the page.
-    """
+    """An operator action refused or cut short (by :func:`decide`, :func:`erase`): :attr:`code` is its exit code."""
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
@@ -212,7 +178,6 @@ class _LedgerCommands(click.Group):
             _fail(EXIT_PAYLOAD_KEY, f"{exc} (add the key it was sealed with to idemmail_payload_keys)")
         except LedgerUnavailableError as exc:
             _fail(EXIT_UNREACHABLE, str(exc))
-        return None
 
 
 @idemmail.group(cls=_LedgerCommands, epilog=_EXIT_HELP)
@@ -248,9 +213,6 @@ def list_records(obj: _Ctx, state: str | None, task: str, reason: str, search: s
         page = obj.ledger.list_records(query, cursor=cursor, limit=limit)
     except ValueError as exc:  # a query or cursor that does not parse
         raise click.UsageError(str(exc)) from exc
-    except LedgerUnavailableError as exc:
-        _fail(EXIT_UNREACHABLE, str(exc))
-        return
     for record in page.records:
         click.echo(json.dumps({**record.to_dict(), "label": str(label_of(record))}, sort_keys=True) if as_json
                    else _line(record))
@@ -275,14 +237,9 @@ def _utc(text: str | None, option: str) -> float | None:
 @click.pass_obj
 def show(obj: _Ctx, key: str, with_payload: bool) -> None:
     """Show one record as JSON."""
-    try:
-        record = obj.ledger.get(key)
-    except LedgerUnavailableError as exc:
-        _fail(EXIT_UNREACHABLE, str(exc))
-        return
+    record = obj.ledger.get(key)
     if record is None:
         _fail(EXIT_UNKNOWN_KEY, f"no ledger record for key {key}")
-        return
     out = record.to_dict()
     out["has_payload"] = bool(record.payload)
     if with_payload and is_sealed(record.payload):
@@ -318,7 +275,7 @@ def resolve(obj: _Ctx, key: str, outcome: str | None, message_id: str | None, no
 
 def decide(obj: _Ctx, key: str, outcome: str, *, note: str, actor: str, message_id: str | None = None) -> Record:
     """``resolve``: ``outcome`` is ``sent`` (with the provider's ``message_id``), ``failed`` or ``released``
-    (the stored first payload queued again, see the module docstring); :class:`OperatorError` when refused."""
+    (the stored first payload queued again); :class:`OperatorError` when refused."""
     try:
         if outcome == "released":
             return _release(obj, key, note, actor)
@@ -333,7 +290,7 @@ def decide(obj: _Ctx, key: str, outcome: str, *, note: str, actor: str, message_
 
 
 def _release(obj: _Ctx, key: str, note: str, actor: str) -> Record:
-    """Queue the stored first payload, then release the record; see the module docstring for why in that order."""
+    """Queue the stored first payload, then release the record (docs/security.md, "Operator commands")."""
     current = obj.ledger.get(key)
     if current is None:
         raise RecordNotFoundError(f"no ledger record for key {key}")
@@ -376,9 +333,8 @@ def _requeue_problem(obj: _Ctx, record: Record) -> str | None:
                               "left unchanged")
     payload = Payload.from_json(record.payload)
     try:
-        # What apply_async checks of a new call, and the worker before its claim: a payload stored
-        # before a rule was tightened would be refused by the worker after the record is released,
-        # leaving it released with nothing queued.
+        # What apply_async and the worker check: a payload stored before a rule was tightened would be
+        # refused after the release, leaving the record released with nothing queued.
         task.key_builder.bound(task.validate_call(payload.args, payload.kwargs))
     except (IdemmailError, TypeError) as exc:
         return f"the task refuses its stored payload ({type(exc).__name__}: {scrub(str(exc))}), nothing to re-enqueue"
@@ -386,12 +342,8 @@ def _requeue_problem(obj: _Ctx, record: Record) -> str | None:
 
 
 def _requeue(obj: _Ctx, record: Record, countdown: float | None, *, released: bool = False) -> None:
-    """Publish the stored first payload under the same key, to run ``countdown`` seconds from now.
-
-    Exits 8 when the broker does not take it, and 3 when the task refuses the stored payload (it
-    no longer passes the task's checks): nothing queued, and (unless ``released``) the record
-    unchanged.
-    """
+    """Publish the stored first payload under the same key, to run ``countdown`` seconds from now;
+    :class:`OperatorError` (exit 8 or 3) when the broker does not take it or the task refuses it."""
     task = obj.app.tasks[record.task_name]
     payload = Payload.from_json(record.payload or "")
     state = ("released: it may have nothing queued; check `ledger show` and send it again yourself" if released
@@ -418,10 +370,7 @@ def purge(obj: _Ctx, expired: bool) -> None:
     """Delete records past their retention: run it as `purge --expired`."""
     if not expired:
         raise click.UsageError("say what to purge: --expired (the only records purge deletes)")
-    try:
-        click.echo(f"purged {obj.ledger.purge_expired()} expired records")
-    except LedgerUnavailableError as exc:
-        _fail(EXIT_UNREACHABLE, str(exc))
+    click.echo(f"purged {obj.ledger.purge_expired()} expired records")
 
 
 @ledger.command("forget")
@@ -464,7 +413,6 @@ def stats(obj: _Ctx, as_json: bool) -> None:
         status = markers.loss_status() if markers is not None else None
     except (LedgerUnavailableError, ConfigurationError) as exc:
         _fail(EXIT_UNREACHABLE, str(exc))
-        return
     if as_json:
         click.echo(json.dumps({**counts, "epoch": status}, sort_keys=True))
     else:
@@ -487,10 +435,8 @@ def key_secrets(obj: _Ctx, as_json: bool) -> None:
         entries = sorted(obj.ledger.roster(), key=lambda e: e.member)
     except NotImplementedError as exc:
         _fail(EXIT_ILLEGAL, f"{exc}: a key-secret rotation takes two deploys here")
-        return
     except (LedgerUnavailableError, ConfigurationError) as exc:
         _fail(EXIT_UNREACHABLE, str(exc))
-        return
     mine: tuple[str, ...] = ()
     if obj.app is not None:
         try:
@@ -514,7 +460,7 @@ def key_secrets(obj: _Ctx, as_json: bool) -> None:
 
 def _markers(led: Ledger) -> DetectsLoss | None:
     """The store if it keeps epoch markers (Redis), else None (SQL: a durable store keeps none)."""
-    store = led.backend  # past any wrapper: the markers are the store's, and isinstance must see it
+    store = led.backend  # past any wrapper: isinstance must see the store
     return store if isinstance(store, DetectsLoss) else None
 
 
@@ -585,7 +531,6 @@ def _marker_op(op: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         _fail(EXIT_ILLEGAL, str(exc))
     except (LedgerUnavailableError, ConfigurationError) as exc:
         _fail(EXIT_UNREACHABLE, str(exc))
-    raise AssertionError("unreachable: _fail exits")
 
 
 @ledger.command("ack-loss")
@@ -602,7 +547,6 @@ def ack_loss(obj: _Ctx, note: str, actor: str | None) -> None:
     markers = _markers(obj.ledger)
     if markers is None:
         _fail(EXIT_ILLEGAL, "this ledger is a durable SQL store: it keeps no epoch marker, no loss to acknowledge")
-        return
     click.echo(_epoch_line(_marker_op(lambda: markers.acknowledge_loss(note=note, actor=actor or _actor()))))
     click.echo("workers adopt the new epoch at their next claim; intents recorded before the loss are forgotten: "
                "keyless copies enqueued before now go to review (ledger_lost), keyed ones send with their key")
@@ -662,7 +606,6 @@ def docs(path_only: bool) -> None:
     if where is None:
         _fail(EXIT_UNEXPECTED, "the documentation's pages are not installed here; they are in the source "
                                "distribution (pip download --no-deps --no-binary :all: idemmail-celery), in docs/")
-        return
     if path_only:
         click.echo(str(where))
         return
@@ -700,11 +643,8 @@ def installed_docs(dist: Any) -> Path | None:
 
 
 def standalone() -> click.Group:
-    """The commands as ``python -m idemmail_celery`` runs them: ``idemmail``'s, plus ``-A/--app``.
-
-    The same group options, subcommands and help as ``celery -A proj idemmail``; ``-A`` loads
-    the Celery app for its settings (ledger URL, payload keys) and for ``resolve --release``.
-    """
+    """The commands as ``python -m idemmail_celery`` runs them: ``idemmail``'s, plus ``-A/--app`` (the Celery
+    app, for its settings and for ``resolve --release``)."""
 
     @click.pass_context
     def load_app(ctx: click.Context, /, app_path: str | None, **options: Any) -> None:

@@ -1,10 +1,7 @@
 """Settings: one table, read from ``app.conf`` in Celery's style, with per-task overrides.
 
-Every setting the library reads is a row of :data:`SETTINGS`: its ``app.conf`` name, the
-task option that overrides it (``@app.task(idempotency_lease_seconds=60)``), the
-environment variable read when ``app.conf`` does not set it, its default, how its value
-is parsed, and what it does. The documentation's configuration reference is generated
-from this table; nothing else reads ``app.conf`` for an ``idemmail_*`` key.
+Every setting is a row of :data:`SETTINGS` (name, overriding task option, environment variable, default,
+parser, doc); the configuration reference is generated from it, and nothing else reads ``idemmail_*`` keys.
 
 Values are parsed strictly, so a loader that yields strings (environment variables, INI
 or YAML files) cannot turn an unsafe value on by accident: a boolean is ``True``/
@@ -58,10 +55,8 @@ def parse_bool(name: str, value: Any) -> bool:
         if text in _FALSE:
             return False
     # The value itself is never echoed: a misplaced secret must not reach a log.
-    raise ConfigurationError(
-        f"{name} must be a boolean: true/false, 1/0, yes/no or on/off (got a {type(value).__name__} "
-        "that is none of these)"
-    )
+    raise ConfigurationError(f"{name} must be a boolean: true/false, 1/0, yes/no or on/off (got a "
+                             f"{type(value).__name__} that is none of these)")
 
 
 def parse_int(name: str, value: Any) -> int:
@@ -111,11 +106,7 @@ def parse_text_list(name: str, value: Any) -> tuple[str, ...]:
 
 
 def parse_secret_list(name: str, value: Any) -> tuple[bytes | None, ...]:
-    """Secrets, newest first: one string, or a list of them (never split on commas: a secret may hold one).
-
-    After the first, ``None`` stands for the plain SHA-256 keys made without a secret (moving from
-    no secret to one is a rotation too).
-    """
+    """Secrets, newest first: a string or a list (never split on commas); after the first, ``None`` is no secret."""
     if isinstance(value, str) and name.isupper() and value.lstrip().startswith("["):
         # An environment variable holds one string: a rotation there is a JSON array, newest first.
         try:
@@ -171,9 +162,8 @@ def parse_ledger_options(name: str, options: Any) -> dict[str, Any]:
                 raise TypeError
             options = dict(options)
         except (TypeError, ValueError):
-            raise ConfigurationError(
-                f"{name} must be a mapping of backend keywords (got a {type(options).__name__})"
-            ) from None
+            kind = type(options).__name__
+            raise ConfigurationError(f"{name} must be a mapping of backend keywords (got a {kind})") from None
     out = dict(options)
     for key, parse in _LEDGER_OPTION_PARSERS.items():
         if key in out and out[key] is not None:
@@ -341,28 +331,21 @@ SETTINGS: tuple[Setting, ...] = (
             "bodies and attachments (and no `Idempotency-Key` header) is the same intent: one window, one email."),
 )
 
-
-
-#: Each setting's default, by :class:`Settings` attribute (the table is the one place they are written).
-#: Every setting's default, by field name: the one place a default is written (``Settings``, the handler's
-#: ``Policy`` and the ledgers' own defaults read it from here).
+#: Every setting's default, by :class:`Settings` attribute: ``Settings``, the handler's ``Policy`` and the
+#: ledgers read it from here.
 DEFAULTS: dict[str, Any] = {s.field: s.default for s in SETTINGS}
 _D = DEFAULTS
-
-
 _KNOWN = frozenset(s.conf for s in SETTINGS)
 
 
 def _refuse_unknown(conf: Any) -> None:
-    """An ``idemmail_*`` key this table does not know is a typo until proven otherwise: a misspelt
-    ``idemmail_payload_keys`` would store payloads in the clear, a misspelt ``idemmail_key_secret``
-    would leave keys unkeyed. Refused by name, with the setting it most likely meant."""
+    """Refuse an unknown ``idemmail_*`` key, naming the setting it most likely meant: a typo until proven
+    otherwise (a misspelt ``idemmail_key_secret`` would leave keys unkeyed)."""
     try:
         names = [str(k) for k in conf]
     except Exception:  # a conf object that cannot be listed: nothing to look through
         return
-    # Lower case only: Celery's conf also lists a Django project's own settings (config_from_object with a
-    # namespace), where IDEMMAIL_KEY_SECRET = env(...) is the project's variable, not a setting of ours.
+    # Lower case only: in a Django project's conf, IDEMMAIL_KEY_SECRET = env(...) is the project's own variable.
     unknown = sorted(n for n in names if n.startswith("idemmail_") and n not in _KNOWN)
     if unknown:
         import difflib
@@ -438,11 +421,7 @@ class Settings:
         return self.key_secret
 
     def ledger_kwargs(self) -> dict[str, Any]:
-        """Keywords for :func:`~idemmail_celery.ledger.from_url`; ``ledger_options`` win.
-
-        Booleans and numbers are already parsed (see the module docstring): a backend never
-        receives ``"false"`` for ``keep_payload`` or ``allow_eviction``.
-        """
+        """Keywords for :func:`~idemmail_celery.ledger.from_url`, already parsed; ``ledger_options`` win."""
         out: dict[str, Any] = {"retention_seconds": self.retention_seconds, "keep_payload": self.keep_payload}
         if self.payload_keys:
             out["payload_keys"] = list(self.payload_keys)
@@ -471,7 +450,7 @@ class Settings:
 
     @classmethod
     def _parsed(cls, values: dict[str, Any]) -> Settings:
-        """Build without parsing again (``resolve`` parsed every value, under its own name)."""
+        """Build without parsing again (``resolve`` parsed every value under its own name)."""
         out = cls.__new__(cls)
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

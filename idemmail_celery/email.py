@@ -1,62 +1,9 @@
 """The email message: a typed value, checked before anything is enqueued.
 
-:class:`EmailMessage` is what ``send_email`` carries and every provider sends.
-:meth:`EmailMessage.build` validates and raises :class:`~idemmail_celery.errors.InvalidEmail`
-naming the field (``.field``) and the problem, never quoting an address:
-
-* **Addresses.** A string in ``to``/``cc``/``bcc``/``reply_to`` (and ``from``) is exactly one
-  address, ``local@domain`` or ``Display Name <local@domain>``; several recipients only as a
-  list. Parsed by :func:`parse_address`, which is this module's own and gives the same answer
-  on every Python (``email.utils.getaddresses`` does not: CVE-2023-27043 changed it in patch
-  releases); the addr-spec itself is checked by ``email-validator`` (syntax only, no DNS).
-  Groups, comments, quoted local parts and domain literals are refused. An empty string in
-  cc/bcc/reply_to means none.
-* **Recipients per message:** to, cc and bcc together at most ``max_recipients`` (default
-  :data:`DEFAULT_MAX_RECIPIENTS`, the big providers' limit; ``idemmail_max_recipients``).
-* **Header fields** (subject, display names, ``headers=`` names and values, ``tags``,
-  attachment names and types): no control character of any kind (C0, DEL, C1 with NEL
-  U+0085, VT, FF), no Unicode line or paragraph separator (U+2028, U+2029), no lone
-  surrogate; TAB only inside the subject and header values, where RFC 5322 allows it.
-  ``headers=`` names are RFC 5322 field names (printable ASCII but ``:``), and the names the
-  library or provider sets (:data:`RESERVED_HEADERS`, any ``Content-*``/``Resent-*``) are refused.
-* **RFC 2047 encoded words** (``=?charset?q?...?=``) are refused in every header field: the
-  stdlib decodes them wherever it meets them, and a decoded CR LF would start a header of the
-  sender's choosing (CVE-2024-6923: Pythons before 3.11.10, 3.12.5 and 3.13 write it out raw).
-  A field holding ``=?`` and, later, ``?=`` is refused; an address (display name included) may
-  not hold ``=?`` at all, because the stdlib reads a whole list of addresses as one text, and
-  one address's ``=?`` could pair with the next one's ``?=``. Non-ASCII needs no encoding by
-  the caller: :meth:`EmailMessage.to_mime` does it.
-* **Invisible and direction-changing characters** (bidi controls U+202A-202E, U+2066-2069,
-  U+200E, U+200F, U+061C; zero-width U+200B-200D, U+2060, U+FEFF; tag characters
-  U+E0000-E007F) are refused in every header field: they make ``invoice\u202efdp.exe`` read as
-  ``invoiceexe.pdf`` and two different addresses look the same. The exceptions are spelling and
-  emoji: a joiner where IDNA 2008 allows one (RFC 5892 CONTEXTJ: Persian words, Indic letter forms),
-  a ZERO WIDTH JOINER between two pictographs (a family), the tags of a flag (Scotland).
-* **Lengths** follow RFC 5322's line limit of 998 octets: a subject at most
-  :data:`MAX_SUBJECT_OCTETS` (UTF-8), a display name at most :data:`MAX_DISPLAY_NAME_OCTETS`;
-  a local part at most 64 octets (RFC 5321).
-* **Domains** are IDNA 2008 / UTS 46 (``email-validator`` with the ``idna`` package); a label
-  mixing scripts (``ex\u0430mple.com``: a Cyrillic ``a`` among Latin letters) is refused unless
-  ``allow_mixed_scripts`` (``idemmail_allow_mixed_script_domains``). Latin with Han and kana, with
-  Han and Bopomofo, or with Han and Hangul (how Japanese, Chinese and Korean names are written) is
-  not mixing.
-* **Attachments:** at most :data:`MAX_ATTACHMENTS`, each named in at most :data:`MAX_FILENAME_CHARS`
-  characters; a file type, never a composite one (``multipart/*``, ``message/*``: the stdlib would
-  send them base64-encoded without a boundary).
-* **Headers and tags:** at most :data:`MAX_HEADERS` ``headers=``, each value at most
-  :data:`MAX_HEADER_VALUE_CHARS` characters; at most :data:`MAX_TAGS` tags, names and values at most
-  :data:`MAX_TAG_CHARS` each. Counts are checked before anything is looked at, so an oversized
-  mapping costs nothing.
-* **Bodies:** no NUL, no lone surrogate; at least one of text and html.
-* **Size:** the whole message at most ``max_bytes``, counting every byte that is stored or
-  sent (:meth:`EmailMessage.size`): addresses, subject, bodies, header and tag names and values,
-  attachment names, types and contents (base64), and :data:`PART_OVERHEAD` per attachment.
-
-The JSON form (:meth:`to_payload`/:meth:`from_payload`) is what travels in the task message
-and is stored as the first payload; :meth:`from_payload` runs every check again (the worker
-does, so a message published by name cannot skip them). :meth:`to_mime` builds the RFC 5322
-message with the stdlib ``email`` package, deterministically: the same message and key give
-the same bytes, so a retry is byte-identical.
+:class:`EmailMessage` is what ``send_email`` carries and every provider sends. :meth:`EmailMessage.build`
+checks every field and raises :class:`~idemmail_celery.errors.InvalidEmail` naming it (``.field``), never
+quoting an address; what is refused, and why, is in docs/security.md ("What is refused, and where").
+:meth:`EmailMessage.to_mime` builds the RFC 5322 message deterministically: a retry is byte-identical.
 """
 
 from __future__ import annotations
@@ -72,7 +19,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from email.headerregistry import Address
 from email.message import EmailMessage as MIMEMessage
-from email.message import MIMEPart
 from typing import Any
 
 import idna
@@ -84,63 +30,51 @@ from .redaction import scrub
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
 #: Recipients (to, cc and bcc together) one message may have: Resend, Postmark and SES take 50.
 DEFAULT_MAX_RECIPIENTS = 50
-#: Attachments one message may have. No provider publishes a count; building each MIME part costs
-#: about half a millisecond, and a transactional message carries a few.
+#: Attachments one message may have (no provider publishes a count; each MIME part takes ~0.5 ms to build).
 MAX_ATTACHMENTS = 100
-#: Characters in an attachment's file name: what most file systems take (255).
+#: Characters in an attachment's file name: what most file systems take.
 MAX_FILENAME_CHARS = 255
-#: Custom headers (``headers=``) one message may have. Providers publish no count; a message needs a few
-#: (``List-Unsubscribe``, an ``X-Entity-Ref-ID``), and every one is written into each copy sent.
+#: Custom headers (``headers=``) one message may have: every one is written into each copy sent.
 MAX_HEADERS = 50
-#: Characters in a ``headers=`` value: SES's limit (its API's ``MessageHeader``), which a folded header fits.
+#: Characters in a ``headers=`` value: SES's limit, which a folded header fits.
 MAX_HEADER_VALUE_CHARS = 870
-#: Tags one message may have: Resend takes 75, and the providers without an idempotency key carry one of
-#: the library's own beside them (:mod:`idemmail_celery.providers.postmark`).
+#: Tags one message may have (Resend takes 75; keyless providers add one of the library's own).
 MAX_TAGS = 50
 #: Characters in a tag's name and in its value: the limit of Resend and SES.
 MAX_TAG_CHARS = 256
-#: What each attachment adds to the message besides its name, type and content: its MIME part's
-#: boundary line and headers (about 190 bytes for an empty file), counted by :meth:`EmailMessage.size`.
+#: What :meth:`EmailMessage.size` counts per attachment for its MIME part's boundary and headers.
 PART_OVERHEAD = 256
 #: RFC 5322 lines are at most 998 octets: a subject fits on one after ``Subject: ``.
 MAX_SUBJECT_OCTETS = 998 - len("Subject: ")
 #: A display name fits on one line with the longest address and the longest field name it goes in.
 MAX_DISPLAY_NAME_OCTETS = 998 - len("Reply-To: ") - len(' "" <>') - 254
-#: RFC 5321 section 4.5.3.1.1: a local part is at most 64 octets.
+#: RFC 5321 section 4.5.3.1.1.
 MAX_LOCAL_PART_OCTETS = 64
 
-#: Header names a caller may not set through ``headers=``: the library or the provider writes them
-#: (``Content-*`` and ``Resent-*`` are refused as prefixes, ``X-Idemmail-Key`` carries the intent key).
+#: Header names the library or the provider writes (``Content-*`` and ``Resent-*`` are refused as prefixes).
 RESERVED_HEADERS = frozenset({
     "from", "sender", "to", "cc", "bcc", "reply-to", "subject", "date", "message-id", "mime-version",
     "return-path", "received", "dkim-signature", "x-idemmail-key",
 })
 _RESERVED_PREFIXES = ("content-", "resent-")
 
-# C0 controls, DEL, C1 controls (NEL U+0085 among them), the Unicode line and paragraph
-# separators, lone surrogates (no encoding can write them: the send would crash at the worker).
+# C0 and C1 controls, DEL, line and paragraph separators, lone surrogates (no encoding can write them).
 _BAD_IN_FIELD = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
-# The same with TAB allowed: white space inside an unstructured value (subject, header values).
+# The same with TAB allowed, for unstructured values (subject, header values).
 _BAD_IN_TEXT = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _BAD_IN_BODY = re.compile("[\x00\ud800-\udfff]")
-# Characters that change how a text reads without showing: bidi embeddings, overrides, isolates
-# and marks, zero-width spaces and joiners, word joiner, BOM, tag characters.
-_INVISIBLE = re.compile("[\u202a-\u202e\u2066-\u2069\u200e\u200f\u061c\u200b-\u200d\u2060\ufeff"
-                        "\U000e0000-\U000e007f]")
+# Bidi controls and marks, zero-width characters, word joiner, BOM, tag characters.
+_INVISIBLE = re.compile("[\u202a-\u202e\u2066-\u2069\u200e\u200f\u061c\u200b-\u200d\u2060\ufeff\U000e0000-\U000e007f]")
 _ZWJ = "\u200d"
-# An emoji tag sequence (UTS 51): a black flag, tag characters, CANCEL TAG. The flags of England,
-# Scotland and Wales are written so; tag characters anywhere else are hidden text.
+# A flag's emoji tag sequence (UTS 51: England, Scotland, Wales); tag characters elsewhere are hidden text.
 _EMOJI_TAG_SEQUENCE = re.compile("\U0001f3f4[\U000e0020-\U000e007e]+\U000e007f")
-# The scripts whose letters may share a label: how Japanese, Chinese and Korean names are written
-# (UTS 39's "highly restrictive" sets); any other pair of scripts in one label is a look-alike risk.
+# Scripts that may share a label (UTS 39 "highly restrictive": Japanese, Chinese, Korean names).
 _SCRIPT_SETS = (frozenset({"LATIN", "HAN", "HIRAGANA", "KATAKANA"}), frozenset({"LATIN", "HAN", "BOPOMOFO"}),
                 frozenset({"LATIN", "HAN", "HANGUL"}))
-# Anything the stdlib could take for an RFC 2047 encoded word: it decodes one inside an unstructured
-# value, a display name, a quoted string or a local part, even in the middle of a word, with white
-# space inside it, and writes a CR LF it decoded as a raw line break before CVE-2024-6923 was fixed.
-# Broader than its own pattern on purpose: what it counts as one has changed between versions.
+
+
 def _has_encoded_word(value: str) -> bool:
-    """``=?`` and, somewhere after it, ``?=`` (two scans: a regex would backtrack over a long value)."""
+    """``=?`` then ``?=`` (two scans, no regex backtracking): broader than the stdlib's pattern, which has changed."""
     start = value.find("=?")
     return start >= 0 and value.find("?=", start + 2) >= 0
 
@@ -148,9 +82,10 @@ def _has_encoded_word(value: str) -> bool:
 #: RFC 5322 field-name: printable US-ASCII except ":", no longer than fits on a line.
 _FIELD_NAME = re.compile(r"[!-9;-~]{1,76}")
 _MIME_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]{1,64}/[A-Za-z0-9!#$&^_.+-]{1,64}")
-# Outside double quotes, a display name is words of anything but these (RFC 5322 specials; "."
-# stays allowed, as obs-phrase does: "Ann B. Smith").
-_SPECIALS = frozenset('()<>[]:;@\\,"')
+# A display name's tokens: white space, a quoted string, a word (anything but RFC 5322 specials; "." stays
+# allowed, as obs-phrase does: "Ann B. Smith"), or one special, which is refused.
+_PHRASE_TOKEN = re.compile(r'[ \t]+|"((?:\\.|[^"\\])*)"|([^()<>\[\]:;@\\," \t]+)|(.)', re.DOTALL)
+_QUOTED_PAIR = re.compile(r"\\(.)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -176,11 +111,7 @@ class Attachment:
 
 @dataclass(frozen=True)
 class EmailMessage:
-    """One email. Build it with :meth:`build`, which validates; the fields are then trusted.
-
-    Addresses are stored formatted (``addr`` or ``Name <addr>``, the addr-spec normalised by
-    ``email-validator``); :func:`split_address` takes one apart again.
-    """
+    """One email. Build it with :meth:`build`, which validates; addresses are stored as ``addr`` or ``Name <addr>``."""
 
     sender: str
     to: tuple[str, ...]
@@ -196,28 +127,16 @@ class EmailMessage:
 
     @classmethod
     def build(
-        cls,
-        *,
-        sender: str,
-        to: str | Iterable[str],
-        subject: str,
-        text: str | None = None,
-        html: str | None = None,
-        cc: str | Iterable[str] | None = None,
-        bcc: str | Iterable[str] | None = None,
-        reply_to: str | Iterable[str] | None = None,
-        headers: Mapping[str, str] | None = None,
-        tags: Mapping[str, str] | None = None,
-        attachments: Iterable[Attachment | Mapping[str, Any]] | None = None,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        max_recipients: int = DEFAULT_MAX_RECIPIENTS,
+        cls, *, sender: str, to: str | Iterable[str], subject: str, text: str | None = None, html: str | None = None,
+        cc: str | Iterable[str] | None = None, bcc: str | Iterable[str] | None = None,
+        reply_to: str | Iterable[str] | None = None, headers: Mapping[str, str] | None = None,
+        tags: Mapping[str, str] | None = None, attachments: Iterable[Attachment | Mapping[str, Any]] | None = None,
+        max_bytes: int = DEFAULT_MAX_BYTES, max_recipients: int = DEFAULT_MAX_RECIPIENTS,
         allow_mixed_scripts: bool = False,
     ) -> EmailMessage:
         """A validated message, or :class:`InvalidEmail` saying which field is wrong and why.
 
-        The recipient and attachment counts are checked before anything is parsed, so an
-        oversized list costs nothing. ``allow_mixed_scripts`` accepts domain labels that mix
-        scripts (refused by default: look-alikes).
+        ``allow_mixed_scripts`` accepts domain labels that mix scripts (refused by default: look-alikes).
         """
         attached = _attachments(attachments)
         listed = {"to": _listed(to, "to", max_recipients), "cc": _listed(cc, "cc", max_recipients),
@@ -234,15 +153,11 @@ class EmailMessage:
             raise InvalidEmail(f"more than {max_recipients} reply_to addresses", field="reply_to")
         message = cls(
             sender=_formatted([sender], "from", allow_mixed_scripts)[0],
-            to=_formatted(listed["to"], "to", allow_mixed_scripts),
-            subject=_subject(subject),
-            text=_body(text, "text"),
-            html=_body(html, "html"),
+            to=_formatted(listed["to"], "to", allow_mixed_scripts), subject=_subject(subject),
+            text=_body(text, "text"), html=_body(html, "html"),
             cc=_formatted(listed["cc"], "cc", allow_mixed_scripts),
             bcc=_formatted(listed["bcc"], "bcc", allow_mixed_scripts),
-            reply_to=_formatted(replies, "reply_to", allow_mixed_scripts),
-            headers=_headers(headers),
-            tags=_tags(tags),
+            reply_to=_formatted(replies, "reply_to", allow_mixed_scripts), headers=_headers(headers), tags=_tags(tags),
             attachments=tuple(a if isinstance(a, Attachment) else Attachment.from_payload(a) for a in attached),
         )
         if not (message.to or message.cc or message.bcc):
@@ -269,8 +184,6 @@ class EmailMessage:
             raise InvalidEmail(f"the message is {size} bytes, over the limit of {max_bytes}", field="size")
         return message
 
-    # -- wire forms --
-
     def to_payload(self) -> dict[str, Any]:
         """The JSON form that travels in the task message and is stored as the first payload."""
         return {
@@ -285,7 +198,7 @@ class EmailMessage:
         cls, data: Mapping[str, Any], *, max_bytes: int = DEFAULT_MAX_BYTES,
         max_recipients: int = DEFAULT_MAX_RECIPIENTS, allow_mixed_scripts: bool = False,
     ) -> EmailMessage:
-        """Rebuild (and re-validate) a message from :meth:`to_payload` output."""
+        """Rebuild a message from :meth:`to_payload` output, running every check again (as the worker does)."""
         return cls.build(
             sender=data.get("from", ""), to=data.get("to") or (), subject=data.get("subject", ""),
             text=data.get("text"), html=data.get("html"), cc=data.get("cc"), bcc=data.get("bcc"),
@@ -299,11 +212,7 @@ class EmailMessage:
         return tuple(split_address(a)[1] for a in (*self.to, *self.cc, *self.bcc))
 
     def personal_texts(self) -> tuple[str, ...]:
-        """What of this message must never appear in an error text: addresses, display names, subject.
-
-        For :func:`idemmail_celery.redaction.scrub`; short words (under 4 characters) are left
-        out, so that scrubbing them would not garble an error beyond reading.
-        """
+        """Addresses, display names and subject, for :func:`~idemmail_celery.redaction.scrub` (4 characters up)."""
         found: list[str] = []
         for formatted in (self.sender, *self.to, *self.cc, *self.bcc, *self.reply_to):
             name, addr = split_address(formatted)
@@ -312,9 +221,7 @@ class EmailMessage:
         return tuple(dict.fromkeys(t for t in (s.strip() for s in found) if len(t) >= 4))
 
     def size(self) -> int:
-        """Every byte the message stores or sends, in UTF-8: addresses, subject, bodies, header and
-        tag names and values, and each attachment's name, type and content (base64, as it travels
-        and is sent) plus :data:`PART_OVERHEAD` for its MIME part."""
+        """Every byte the message stores or sends, in UTF-8 (attachments in base64, plus :data:`PART_OVERHEAD` each)."""
         texts = itertools.chain(
             (self.sender, self.subject, self.text or "", self.html or ""), self.to, self.cc, self.bcc,
             self.reply_to, self.headers.keys(), self.headers.values(), self.tags.keys(), self.tags.values(),
@@ -327,13 +234,8 @@ class EmailMessage:
 
         ``message_id`` (e.g. from :func:`message_id_for`) and ``date`` are set when given.
         Bcc is never written into the headers; pass :meth:`recipients` as the envelope.
-
-        The stdlib parses every header value it is given, addresses too (it formats each
-        ``Address`` and reads the text back), and decodes any RFC 2047 encoded word it finds:
-        :meth:`build` refuses them for that reason. As a last line, a header that would fold
-        into a line of its own (not a continuation), or whose folded text decodes to a line
-        break when read back, raises :class:`InvalidEmail` here, on every Python, so a message
-        made without :meth:`build` cannot add a header line either.
+        A header that would fold into a line of its own, or decode to a line break when read back,
+        raises :class:`InvalidEmail`, so a message made without :meth:`build` cannot add a header line either.
         """
         msg = MIMEMessage(policy=email.policy.SMTP)
         msg["From"] = _mime_address(self.sender)
@@ -360,9 +262,12 @@ class EmailMessage:
             maintype, _, subtype = a.content_type.partition("/")
             msg.add_attachment(a.content, maintype=maintype or "application",
                                subtype=subtype or "octet-stream", filename=a.filename)
-        for part in msg.iter_parts() if msg.is_multipart() else ():
-            _drop_inner_mime_version(part)
-        _fix_boundaries(msg, seed=hashlib.sha256(repr(self.to_payload()).encode()).hexdigest()[:24])
+        seed = hashlib.sha256(repr(self.to_payload()).encode()).hexdigest()[:24]
+        for n, part in enumerate(msg.walk()):
+            if part is not msg:  # add_alternative and add_attachment give each part a MIME-Version: RFC 2045 does not
+                del part["MIME-Version"]
+            if part.is_multipart():  # boundaries from the content, not random ones
+                part.set_boundary(f"=_idemmail_{seed}_{n}")
         _refuse_injected_lines(msg)
         return msg
 
@@ -372,17 +277,15 @@ def message_id_for(key: str, domain: str) -> str:
     return f"<{key}@{domain}>"
 
 
-#: The field of :class:`EmailMessage` a MIME header comes from, for :func:`_refuse_injected_lines`.
+#: The :class:`EmailMessage` field a MIME header comes from.
 _FIELD_OF_HEADER = {"from": "from", "to": "to", "cc": "cc", "reply-to": "reply_to", "subject": "subject",
                     "content-disposition": "attachments.filename"}
 
 
 def _refuse_injected_lines(msg: MIMEMessage) -> None:
-    # Belt and braces behind build()'s checks: fold each header as the generator will, look for a
-    # line that is not a continuation, and read the folded text back as a mail program would. The
-    # stdlib decodes encoded words while it folds: before the CVE-2024-6923 fix it writes a CR LF it
-    # decoded as a raw line break, since the fix (3.13) it encodes it again, for the reader to decode;
-    # and a decoded word holding non-ASCII is encoded again on every version. Each check alone misses one.
+    # Behind build()'s checks: fold each header as the generator will and read it back as a mail program
+    # would. Before CVE-2024-6923's fix a decoded CR LF is written raw, after it (and for non-ASCII on every
+    # version) encoded again for the reader to decode: each check alone misses one.
     policy = msg.policy
     for part in msg.walk():
         for name, value in part.items():
@@ -398,42 +301,21 @@ def _refuse_injected_lines(msg: MIMEMessage) -> None:
 
 
 def _reads_back_a_line_break(policy: email.policy.Policy, folded: str) -> bool:
-    # A reader decodes nothing but RFC 2047 encoded words and RFC 2231 parameters (name*=utf-8''%0D%0A):
-    # without them, nothing to parse (which costs about a millisecond a message).
+    # A reader decodes only RFC 2047 words and RFC 2231 parameters: without them, skip the ~1 ms parse.
     if "=?" not in folded and "*=" not in folded:
         return False
-    try:  # the stdlib's own parser, as it reads a received message's header
+    try:
         value = str(policy.header_fetch_parse(*policy.header_source_parse([folded])))
     except ValueError:  # an address part that decodes to CR or LF: the stdlib refuses to make the Address
         return True
     return "\r" in value or "\n" in value
 
 
-def _drop_inner_mime_version(part: MIMEPart) -> None:
-    # add_alternative and add_attachment build each new part as an EmailMessage, whose set_content
-    # gives it a MIME-Version of its own; RFC 2045 puts that header on the message only.
-    del part["MIME-Version"]
-    for inner in part.iter_parts() if part.is_multipart() else ():
-        _drop_inner_mime_version(inner)
-
-
-def _fix_boundaries(msg: MIMEMessage, seed: str) -> None:
-    # The stdlib picks random MIME boundaries; derive them from the content instead.
-    for n, part in enumerate(msg.walk()):
-        if part.is_multipart():
-            part.set_boundary(f"=_idemmail_{seed}_{n}")
-
-
 def parse_address(value: Any, where: str = "address") -> tuple[str, str]:
     """Exactly one address: ``(display name, addr-spec)``, or :class:`InvalidEmail` (``field=where``).
 
-    Takes ``local@domain`` or ``Display Name <local@domain>`` (the name as plain words, or
-    double-quoted with backslash escapes; non-ASCII is fine). Refuses several addresses, groups,
-    comments, control characters and line separators, and any addr-spec ``email-validator``
-    refuses (syntax only, no DNS; no quoted local part, no domain literal). The addr-spec comes
-    back normalised: domain lower-case and in Unicode (punycode decoded), local part NFC.
-    This module's own parser: the answer is the same on every Python version. Error messages
-    never quote the address.
+    Takes ``local@domain`` or ``Display Name <local@domain>``; the addr-spec comes back normalised (domain
+    lower-case and in Unicode, local part NFC). Our own parser: the same on every Python, unlike the stdlib's.
     """
     text = _header_text(value, where).strip(" \t")
     if not text:
@@ -468,25 +350,18 @@ def parse_address(value: Any, where: str = "address") -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=4096)
 def _normalized_spec(spec: str) -> str:
-    """email-validator's normalised form of an addr-spec (raises ``EmailNotValidError``).
-
-    Cached: the sender, and each recipient, come back at ``delay()``, at the worker's check and in
-    the body (about 80 us a validation, most of a message's build).
-    """
+    """email-validator's normalised addr-spec (cached: ~80 us each, and every address is checked several times)."""
     return str(validate_email(spec, check_deliverability=False).normalized)
 
 
 def format_address(value: Any, where: str = "address") -> str:
     """One address checked by :func:`parse_address` and written back: ``addr`` or ``Name <addr>``."""
     name, addr = parse_address(value, where)
-    return _display(name, addr) if name else addr
+    return str(_address(name, addr)) if name else addr
 
 
 def split_address(formatted: str) -> tuple[str, str]:
-    """``(display name, addr-spec)`` of an address :func:`format_address` wrote (an :class:`EmailMessage` field).
-
-    Cheap, and exact for those; for anything else use :func:`parse_address`, which validates.
-    """
+    """``(display name, addr-spec)`` of an :class:`EmailMessage` address; anything else needs :func:`parse_address`."""
     if not formatted.endswith(">"):
         return "", formatted
     start = formatted.rfind("<")
@@ -496,51 +371,28 @@ def split_address(formatted: str) -> tuple[str, str]:
 def _phrase(text: str, where: str) -> str:
     """The display name before ``<``: words and quoted strings, joined by single spaces."""
     words: list[str] = []
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if c in " \t":
-            i += 1
-        elif c == '"':
-            out: list[str] = []
-            i += 1
-            while True:
-                if i >= n:
-                    raise InvalidEmail(f"{where} has an unterminated quoted display name", field=where)
-                c = text[i]
-                if c == "\\" and i + 1 < n:
-                    out.append(text[i + 1])
-                    i += 2
-                elif c == '"':
-                    i += 1
-                    break
-                else:
-                    out.append(c)
-                    i += 1
-            words.append("".join(out))
-        elif c in _SPECIALS:
-            if c in ",;<@":
-                raise InvalidEmail(f"{where} holds more than one address: pass several recipients as a list",
-                                   field=where)
-            raise InvalidEmail(f"{where} has {c!r} in its display name outside double quotes", field=where)
-        else:
-            j = i
-            while j < n and text[j] not in _SPECIALS and text[j] not in " \t":
-                j += 1
-            words.append(text[i:j])
-            i = j
+    for token in _PHRASE_TOKEN.finditer(text):
+        quoted, word, special = token.groups()
+        if quoted is not None:
+            words.append(_QUOTED_PAIR.sub(r"\1", quoted))
+        elif word is not None:
+            words.append(word)
+        elif special == '"':
+            raise InvalidEmail(f"{where} has an unterminated quoted display name", field=where)
+        elif special is not None and special in ",;<@":
+            raise InvalidEmail(f"{where} holds more than one address: pass several recipients as a list", field=where)
+        elif special is not None:
+            raise InvalidEmail(f"{where} has {special!r} in its display name outside double quotes", field=where)
     return " ".join(words)
 
 
-def _display(name: str, addr: str) -> str:
+def _address(name: str, addr: str) -> Address:
     local, _, domain = addr.rpartition("@")
-    return str(Address(display_name=name, username=local, domain=domain))
+    return Address(display_name=name, username=local, domain=domain)
 
 
 def _mime_address(formatted: str) -> Address:
-    name, addr = split_address(formatted)
-    local, _, domain = addr.rpartition("@")
-    return Address(display_name=name, username=local, domain=domain)
+    return _address(*split_address(formatted))
 
 
 def _header_text(value: Any, where: str, *, tab: bool = False) -> str:
@@ -564,10 +416,7 @@ def _refuse_invisible(value: str, where: str) -> None:
         if c == _ZWJ and 0 < i < len(value) - 1 and _pictographic(value[i - 1]) and _pictographic(value[i + 1]):
             continue  # an emoji sequence (a family, a profession): rendered as one picture, nothing hidden
         if c in "\u200c\u200d" and idna.valid_contextj(value, i):
-            # Where IDNA 2008 allows a joiner (RFC 5892 CONTEXTJ: after a virama, or a ZWNJ between joining
-            # Arabic-script letters), it is spelling: Persian writes words with a ZWNJ, Hindi and Malayalam
-            # choose a letter's form with one.
-            continue
+            continue  # spelling where IDNA 2008 allows a joiner (RFC 5892 CONTEXTJ: Persian, Indic letter forms)
         if c >= "\U000e0000":
             if flags is None:
                 flags = {j for m in _EMOJI_TAG_SEQUENCE.finditer(value) for j in range(m.start() + 1, m.end())}
@@ -578,30 +427,20 @@ def _refuse_invisible(value: str, where: str) -> None:
 
 
 def _pictographic(c: str) -> bool:
-    # Emoji are "So"; a skin tone modifier is "Sk"; U+FE0F (emoji presentation) may stand before the joiner.
+    # Emoji are "So", skin tones "Sk"; U+FE0F (emoji presentation) may stand before the joiner.
     return c == "\ufe0f" or unicodedata.category(c) in ("So", "Sk")
 
 
 def _scripts(label: str) -> set[str]:
-    """The scripts of a domain label's letters, by the first word of their Unicode names.
-
-    The standard library has no Script property; a letter's name starts with its script's name
-    (``LATIN SMALL LETTER A``, ``CYRILLIC SMALL LETTER A``, ``CJK UNIFIED IDEOGRAPH-4E00``). Marks,
-    digits, the hyphen and modifier letters belong to no script here.
-    """
-    found: set[str] = set()
-    for c in label:
-        if unicodedata.category(c) not in ("Lu", "Ll", "Lt", "Lo"):
-            continue
-        word = unicodedata.name(c, "UNKNOWN").split(" ", 1)[0]
-        if word == "KATAKANA-HIRAGANA":
-            continue  # the prolonged sound mark: both kana
-        found.add("HAN" if word == "CJK" else word)
-    return found
+    """The scripts of a label's letters, by the first word of their Unicode names (the stdlib has no Script)."""
+    letters = ("Lu", "Ll", "Lt", "Lo")
+    words = {unicodedata.name(c, "UNKNOWN").split(" ", 1)[0] for c in label if unicodedata.category(c) in letters}
+    words.discard("KATAKANA-HIRAGANA")  # the prolonged sound mark: both kana
+    return {"HAN" if word == "CJK" else word for word in words}
 
 
 def _check_domain(addr: str, where: str) -> None:
-    """Refuse a domain label that mixes scripts (see the module docstring)."""
+    """Refuse a domain label that mixes scripts."""
     domain = addr.rpartition("@")[2]
     if domain.isascii():
         return
@@ -625,7 +464,7 @@ def _body(value: Any, where: str) -> str | None:
 
 
 def _attachments(value: Any) -> list[Any]:
-    """The attachments given, at most :data:`MAX_ATTACHMENTS` (one more is looked at, to refuse it)."""
+    """The attachments given, at most :data:`MAX_ATTACHMENTS`."""
     if value is None:
         return []
     if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
@@ -644,7 +483,7 @@ def _subject(value: Any) -> str:
 
 
 def _listed(value: Any, where: str, limit: int) -> list[str]:
-    """The addresses given for one field, each string one address; at most ``limit + 1`` looked at."""
+    """The addresses given for one field, each string one address; at most ``limit + 1`` taken."""
     if value is None:
         return []
     if isinstance(value, str):
@@ -669,7 +508,7 @@ def _formatted(items: list[str], where: str, mixed_scripts: bool) -> tuple[str, 
                 _check_domain(addr, entry)
         except InvalidEmail as exc:  # the message says which entry; the field stays "to"
             raise InvalidEmail(str(exc), field=where) from None
-        out.append(_display(name, addr) if name else addr)
+        out.append(str(_address(name, addr)) if name else addr)
     return tuple(out)
 
 
@@ -710,8 +549,7 @@ def _tags(value: Any) -> dict[str, str]:
 
 
 def _named(where: str, name: str) -> str:
-    """``where[name]``, for an error's text and ``.field``: a name shaped like an address is not quoted
-    (errors reach the result backend and logs)."""
+    """``where[name]`` for an error, the name scrubbed (errors reach the result backend and logs)."""
     return f"{where}[{scrub(name)}]"
 
 

@@ -1,9 +1,7 @@
-"""How a call's arguments are written: canonical JSON (what a key and a fingerprint are made of), kombu's typed
-JSON values without kombu, and the bounds a message's arguments must keep before any worker runs them.
+"""How a call's arguments are written: canonical JSON (what keys and fingerprints are made of), kombu's typed
+JSON without kombu (how the ledgers store payloads), and the bounds arguments must keep before a worker runs them.
 
-Nothing here knows about keys, ledgers or Celery: ``keys.py`` makes intent keys of the canonical form,
-the ledgers store payloads in the typed form, and the worker's request (``_request.py``) checks the bounds
-before the pool gets a job.
+Nothing here knows about keys, ledgers or Celery.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from .errors import UnserializableArgumentsError
 
 
 def _json_plain(value: Any, depth: int = 0) -> bool:
-    """True if ``value`` is made only of types a JSON round trip returns unchanged."""
+    """:func:`is_json_plain`, recursively."""
     if value is None or isinstance(value, (str, bool, int)):
         return True
     if isinstance(value, float):
@@ -39,19 +37,14 @@ def is_json_plain(value: Any) -> bool:
     return _json_plain(value)
 
 
-#: A message serializer's round trip: a value in, the value the worker will see out. Raises
-#: :class:`~idemmail_celery.errors.UnserializableArgumentsError` for what it cannot carry.
+#: A message serializer's round trip: a value in, the value the worker will see out
+#: (:class:`~idemmail_celery.errors.UnserializableArgumentsError` for what it cannot carry).
 RoundTrip = Callable[[Any], Any]
 
 
-# -- JSON with kombu's typed values, in the standard library --
-#
-# Celery's JSON (kombu.utils.json) writes datetimes, dates, times, decimals, UUIDs and bytes as
-# {"__type__": ..., "__value__": ...} and reads them back typed. Payloads are stored in the ledger
-# in that form, and the key of a call is made of what the worker will see, so this module writes
-# and reads the same text without importing kombu: the state machine (handler) imports it, and
-# must not need Celery. Types registered with kombu's register_type only are the adapter's
-# business (IdempotentTask passes kombu's own round trip to the builder).
+# kombu's JSON writes datetimes, dates, times, decimals, UUIDs and bytes as {"__type__": ..., "__value__": ...};
+# the same text is written here without kombu, as the Celery-free handler must. Types registered with kombu
+# only are the adapter's business (it passes kombu's own round trip to the key builder).
 
 
 def _typed(kind: str, value: Any) -> dict[str, Any]:
@@ -65,7 +58,7 @@ class _TypedEncoder(json.JSONEncoder):
         reducer = getattr(o, "__json__", None)
         if reducer is not None:
             return reducer()
-        # Order matters: a datetime is also a date.
+        # A datetime is also a date: it goes first.
         if isinstance(o, _dt.datetime):
             return _typed("datetime", o.isoformat())
         if isinstance(o, _dt.date):
@@ -150,62 +143,37 @@ def canonical_json(value: Any) -> str:
 
 
 def _integral(value: Any, depth: int) -> Any:
-    """``value`` with every float that holds an integer (``1.0``, ``-0.0``) made that int.
-
-    JSON has one number type, and a caller's ``1`` becomes another's ``1.0`` on the way through
-    a form, a database or JavaScript: they are one intent. Returns ``value`` itself (no copy)
-    when nothing changes, which is the common case, and copies only the containers that change.
-    """
+    """``value`` with every integral float made an int (``1.0`` from a form or JavaScript is the intent of ``1``);
+    only the containers that change are copied."""
     kind = type(value)
-    if kind is float:
-        # Every finite integral float is exactly one integer (2.0**60 is 2**60), however large: the
-        # same number in either type is one intent. (Past 2**53 a float also stands for its neighbours
-        # as a caller rounded them: 2**60 + 1 sent as a float arrives as 2**60, whatever the key does.)
+    if kind is float:  # a finite integral float is exactly one integer, however large (2.0**60 is 2**60)
         return int(value) if value.is_integer() else value
     if kind is not dict and kind is not list and kind is not tuple:
         return value  # str, int, bool, None; datetimes, decimals, UUIDs...: _json_default writes them
     if depth > MAX_NESTING:
         raise ValueError(f"nested more than {MAX_NESTING} levels deep")
-    if kind is dict:
-        changed: Any = None
-        for k, v in value.items():
-            if type(v) in _SCALARS:
-                continue
-            new = _integral(v, depth + 1)
-            if new is not v:
-                if changed is None:
-                    changed = dict(value)
-                changed[k] = new
-        return value if changed is None else changed
-    items: Any = None
-    for n, v in enumerate(value):
+    changed: Any = None
+    for k, v in value.items() if kind is dict else enumerate(value):
         if type(v) in _SCALARS:
             continue
         new = _integral(v, depth + 1)
         if new is not v:
-            if items is None:
-                items = list(value)
-            items[n] = new
-    return value if items is None else items
+            if changed is None:
+                changed = dict(value) if kind is dict else list(value)
+            changed[k] = new
+    return value if changed is None else changed
 
 
 _SCALARS = frozenset({str, int, bool, type(None)})
 
-#: How deeply a task's arguments may nest, an argument that is a list or mapping being the first level
-#: (the key's canonical form refuses the same). Deeper input overflows the stack of whatever walks it
-#: recursively: pickle (a prefork worker's main process pickles each job), JSON, this module.
+#: How deeply a task's arguments may nest (a list or mapping argument is level 1): deeper input overflows the
+#: stack of whatever walks it recursively (pickle in a prefork worker's main process, JSON, this module).
 MAX_NESTING = 100
 
 
 def arguments_problem(args: Any, kwargs: Any, max_size: int | None = None) -> str | None:
-    """Why a call's arguments (as the worker decodes them) may not be run, or None if they may.
-
-    They may nest at most :data:`MAX_NESTING` levels. With ``max_size``, their size is at most that:
-    each string or bytes value and each mapping key counts its length, and every other value
-    (numbers, None, each list or mapping) counts 1, so the size is never more than the length of
-    the arguments' JSON. Iterative: it walks input of any depth, and stops at the first problem.
-    No value is quoted in the answer.
-    """
+    """Why a call's arguments may not be run (nested past :data:`MAX_NESTING`, or larger than ``max_size``,
+    where a text or mapping key counts its length and any other value 1), or None. Quotes no value."""
     items = list(args) if isinstance(args, (list, tuple)) else [args]
     size = 0
     if isinstance(kwargs, Mapping):

@@ -1,49 +1,12 @@
-"""Intent keys and must-match fingerprints.
+"""Intent keys, must-match fingerprints and the seal on the library's own chain headers.
 
-An *intent* is what a task call means ("send the confirmation for order 4821 to
-ann@example.com"), as opposed to a message or a task id, of which one intent may
-have many. The intent key is a digest of that meaning:
-
-1. the arguments are bound to the task's signature (so positional and keyword
-   calls, and defaults, agree) and passed through the task serializer's round
-   trip (so tuples become lists in the caller exactly as they do in the worker);
-2. the declared fields are picked (all bound arguments when none are declared),
-   email addresses are normalised by :func:`normalize_address` (display names
-   dropped, domain lower-cased and in Unicode, local part NFC; recipient lists
-   de-duplicated and sorted);
-3. the values are written as canonical JSON (sorted keys, no whitespace, a float
-   with an integral value written as the integer: ``1.0`` is ``1``) inside a
-   namespace of task name, tenant and version;
-4. that text is digested with HMAC-SHA256 under ``idemmail_key_secret``, or
-   plain SHA-256 when no secret is set (then a key can be brute-forced back to
-   a guessable address and order id: set a secret in production).
-
-A caller's own key (``apply_async(idempotency_key=...)``, or a raw
-``idempotency_key`` message header) is checked by :func:`check_explicit_key` and
-goes through steps 3 and 4 the same way (:meth:`IntentKeyBuilder.explicit_key`).
-A key the library itself puts on a message travels with a *seal*
-(:meth:`IntentKeyBuilder.seal`: a keyed digest of the task name, the arguments and
-every header the worker acts on), which is how ``apply_async`` and the worker tell
-it from a caller's header, and how the worker tells its own chain headers (owner,
-verdict, counters) from forged or copied ones.
-
-**Secret rotation.** The builder takes several secrets, newest first: keys are
-derived under the first, and :meth:`IntentKeyBuilder.older_keys` gives what the
-same call's key was under each older one (``None`` among them: plain SHA-256,
-for moving off "no secret"), so a claim can find records made before the
-rotation; :meth:`IntentKeyBuilder.fingerprint_matches` does the same for
-must-match fingerprints. With one secret they cost nothing.
-
-Arguments pass through the task serializer's round trip (step 1). For JSON this module
-does it itself, in kombu's form (datetimes, dates, times, decimals, UUIDs and bytes stay
-typed; :func:`json_round_trip`), and stores payloads in the ledger in the same form
-(:meth:`Payload.to_json`), so the state machine never needs Celery; the Celery adapter
-passes kombu's own round trip (``round_trip=``), which also covers other serializers and
-types registered with kombu.
-
-The key is 64 lower-case hex characters and carries no raw argument values.
-Changing anything in this module changes keys, which would re-send everything
-in flight after an upgrade: ``tests/test_keys.py`` pins golden vectors.
+An *intent* is what a task call means ("send the confirmation for order 4821 to ann@example.com"),
+whatever the messages and task ids that carry it. Its key is a digest of the call's chosen arguments,
+bound to the signature, after the serializer's round trip, addresses normalised, written as canonical
+JSON inside a namespace (task, tenant, version): HMAC-SHA256 under ``idemmail_key_secret``, plain
+SHA-256 without one. See docs/guarantee.md ("Intent keys") and, for rotation and seals,
+docs/security.md. Changing anything here changes keys, and would re-send everything in flight after an
+upgrade: ``tests/test_keys.py`` pins golden vectors.
 """
 
 from __future__ import annotations
@@ -65,8 +28,8 @@ from .email import parse_address
 from .encoding import RoundTrip, _TypedEncoder, canonical_json, json_round_trip, typed_json_dumps, typed_json_loads
 from .errors import ConfigurationError, IdempotencyKeyError, InvalidEmail, UnserializableArgumentsError
 
-#: What a task may declare as ``idempotency_key``: nothing (all bound arguments),
-#: argument names, or a function of ``(args, kwargs)`` returning a string.
+#: What a task may declare as ``idempotency_key``: nothing (all bound arguments), argument names, or a
+#: function of ``(args, kwargs)`` returning a string.
 KeySpec = Sequence[str] | Callable[[tuple[Any, ...], dict[str, Any]], str] | None
 
 #: Names of arguments treated as email addresses when a task declares none.
@@ -76,12 +39,9 @@ _NAMESPACE = "idemmail/1"
 
 #: Longest key a caller may choose (``idempotency_key=`` or the raw header).
 MAX_EXPLICIT_KEY_LENGTH = 255
-# Control characters, Unicode line/paragraph separators, lone surrogates: a key travels as a
-# message header and shows in logs, so it may hold none of them.
+# A key travels as a message header and shows in logs: no control characters, line breaks, lone surrogates.
 _BAD_IN_KEY = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _DERIVED_KEY = re.compile("[0-9a-f]{64}")
-
-
 #: Characters that never appear in a bare ``local@domain`` address: with none of them, no parsing is needed.
 _BARE_ADDRESS = frozenset('<>",;:()[] \\\t')
 
@@ -89,20 +49,12 @@ _BARE_ADDRESS = frozenset('<>",;:()[] \\\t')
 def normalize_address(text: str) -> str:
     """The one form of an address keys and de-duplication compare: ``"Ann <Ann@Example.COM>"`` -> ``"Ann@example.com"``.
 
-    Two spellings of one mailbox give the same string: the display name is dropped, the
-    domain lower-cased and written in Unicode (``xn--`` labels decoded), the local part put
-    in Unicode NFC and otherwise kept as it is (RFC 5321: it may be case-sensitive). Parsed
-    by :func:`idemmail_celery.email.parse_address`, the same on every Python version. Text
-    that is not one valid address is read leniently (what is inside ``<...>``, the part
-    after the last ``@`` lower-cased), so its spellings still agree; it never equals a valid
-    address's form. Use it to de-duplicate recipients (two entries with the same form would
-    claim the same intent key).
+    The local part keeps its case (RFC 5321); text that is not one valid address is read leniently.
     """
     if text.isascii() and text.count("@") == 1 and _BARE_ADDRESS.isdisjoint(text) and "xn--" not in text.lower():
         local, _, domain = text.partition("@")  # a bare ASCII address: nothing to parse or decode
         return f"{local}@{domain.lower()}"
-    # Cached: the caller, the worker and every retry normalise the same display forms, and
-    # email-validator takes ~30 us. Only address-sized texts, so the cache stays small.
+    # Cached (email-validator takes ~30 us, and every retry repeats it); address-sized texts only.
     return _parsed(text) if len(text) <= 512 else _parsed.__wrapped__(text)
 
 
@@ -119,12 +71,8 @@ def _parsed(text: str) -> str:
 
 
 def normalize_addresses(value: Any) -> Any:
-    """Normalise one address or a list of them into a de-duplicated, sorted list.
-
-    A string with commas outside quotes and angle brackets counts as several addresses
-    (``send_email`` refuses such strings; other tasks' keys keep reading them so). Empty
-    entries are dropped. Values that are not strings or lists of strings are returned unchanged.
-    """
+    """One address or a list of them (a string may hold several, comma-separated) as a sorted list of distinct
+    :func:`normalize_address` forms; values that are not strings or lists of strings are returned unchanged."""
     if isinstance(value, str):
         items: list[str] = [value]
     elif isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -160,21 +108,15 @@ def _split_commas(text: str) -> list[str]:
 
 
 def check_explicit_key(value: Any) -> str:
-    """A caller's own intent key (``idempotency_key=``, or a raw ``idempotency_key`` header), checked.
-
-    It must be a ``str`` of 1 to :data:`MAX_EXPLICIT_KEY_LENGTH` characters without control
-    characters, line separators or lone surrogates; :class:`IdempotencyKeyError` says which rule
-    it breaks (never quoting it). It is then namespaced and hashed like a derived key
-    (:meth:`IntentKeyBuilder.explicit_key`): whatever the caller chose never reaches the ledger,
-    a log or a metric as given.
-    """
+    """A caller's own intent key, returned as given if it is a ``str`` of 1 to :data:`MAX_EXPLICIT_KEY_LENGTH`
+    characters without control characters, line separators or lone surrogates; else :class:`IdempotencyKeyError`
+    saying which rule it breaks (never quoting it)."""
     if not isinstance(value, str):
         raise IdempotencyKeyError(f"idempotency_key must be a str, not {type(value).__name__}")
     if not value.strip():
         raise IdempotencyKeyError("idempotency_key is empty")
     if len(value) > MAX_EXPLICIT_KEY_LENGTH:
-        raise IdempotencyKeyError(
-            f"idempotency_key is {len(value)} characters long, over {MAX_EXPLICIT_KEY_LENGTH}")
+        raise IdempotencyKeyError(f"idempotency_key is {len(value)} characters long, over {MAX_EXPLICIT_KEY_LENGTH}")
     bad = _BAD_IN_KEY.search(value)
     if bad:
         raise IdempotencyKeyError(f"idempotency_key contains U+{ord(bad.group()):04X}, a control character "
@@ -183,11 +125,7 @@ def check_explicit_key(value: Any) -> str:
 
 
 def is_derived_key(value: Any) -> bool:
-    """Is ``value`` shaped like a key this module made (64 lower-case hex digits)?
-
-    The shape alone does not say who put it on a message (a caller may choose such a key, or copy
-    one from a Message-ID): only a valid seal (:meth:`IntentKeyBuilder.check_seal`) does.
-    """
+    """Is ``value`` shaped like a key this module made (64 lower-case hex digits)? Only a seal says who made it."""
     return isinstance(value, str) and _DERIVED_KEY.fullmatch(value) is not None
 
 
@@ -215,16 +153,12 @@ def _secret_list(secret: Any) -> tuple[bytes | None, ...]:
 
 
 def secret_ids(secret: Any) -> tuple[str, ...]:
-    """The public ids of the key secrets ``secret`` names (the builder's ``secret`` option), newest first:
-    what a seal names its secret by, and what a worker puts in its ledger's key-secret roster."""
+    """The public ids of the key secrets ``secret`` names, newest first (in seals and the key-secret roster)."""
     return tuple(_secret_id(s) for s in _secret_list(secret))
 
 
 def _secret_id(secret: bytes | None) -> str:
-    """A short public name of a key secret, so that a seal says which secret made it (``plain``: none).
-
-    A digest of the secret: it reveals no more than any keyed digest the secret makes (a weak secret can
-    be guessed from a known key either way; see docs/security.md)."""
+    """A short public name of a key secret (``plain``: none): a digest, revealing no more than any key does."""
     if secret is None:
         return "plain"
     return hashlib.sha256(b"idemmail/secret-id\n" + secret).hexdigest()[:12]
@@ -254,8 +188,7 @@ def args_digest(payload: Payload) -> str:
 
 
 def untrusted_removed(headers: Mapping[str, Any], *, keep: tuple[str, ...] = (KEY_HEADER,)) -> dict[str, Any]:
-    """``headers`` without what only a valid seal vouches for (:data:`~idemmail_celery._common.SEALED_HEADERS`
-    and the seal), but for ``keep`` (by default the key: a caller's own, to be checked and hashed)."""
+    """``headers`` without the sealed headers and the seal, but for ``keep`` (by default a caller's own key)."""
     return {k: v for k, v in headers.items() if k in keep or (k not in SEALED_HEADERS and k != KEY_MARK_HEADER)}
 
 
@@ -271,9 +204,7 @@ class Payload:
         try:
             return typed_json_dumps({"args": self.args, "kwargs": self.kwargs})
         except (TypeError, ValueError, RecursionError) as exc:
-            raise UnserializableArgumentsError(
-                f"task arguments cannot be stored as JSON in the ledger: {exc}"
-            ) from exc
+            raise UnserializableArgumentsError(f"task arguments cannot be stored as JSON in the ledger: {exc}") from exc
 
     @classmethod
     def from_json(cls, text: str) -> Payload:
@@ -286,12 +217,7 @@ _CURRENT: Any = object()  # "the builder's first secret", for _digest
 
 @dataclass(frozen=True)
 class IntentKeyBuilder:
-    """Derives intent keys and fingerprints for one task.
-
-    Built once per task from its options (see :class:`~idemmail_celery.IdempotentTask`);
-    ``derive()`` is what ``apply_async`` calls in the caller and the worker calls
-    when a message arrives without a key.
-    """
+    """Derives intent keys, fingerprints and seals for one task, built once from its options."""
 
     task_name: str
     signature: inspect.Signature
@@ -301,13 +227,11 @@ class IntentKeyBuilder:
     address_fields: frozenset[str] = field(default_factory=frozenset)
     must_match: tuple[str, ...] = ()
     serializer: str = "json"
-    #: One secret, or several newest first (rotation): keys are made under the first; ``None``
-    #: (alone or among the older ones) is plain SHA-256, no secret.
+    #: One secret, or several newest first (rotation): keys are made under the first; ``None`` is plain SHA-256.
     secret: bytes | str | Sequence[bytes | str | None] | None = None
-    #: The task serializer's round trip (:data:`RoundTrip`); the Celery adapter passes kombu's.
-    #: None: :func:`json_round_trip`, which only a ``"json"`` serializer may use.
+    #: The task serializer's round trip (the Celery adapter passes kombu's); None: :func:`json_round_trip`.
     round_trip: RoundTrip | None = field(default=None, repr=False, compare=False)
-    # Worked out once in __post_init__ for the hot path; not options.
+    # Worked out once in __post_init__, for the hot path.
     _plain: tuple[tuple[str, ...], tuple[str, ...], frozenset[str], dict[str, Any]] | None = field(
         init=False, repr=False, compare=False, default=None)
     _untenanted: str = field(init=False, repr=False, compare=False, default="")
@@ -331,22 +255,18 @@ class IntentKeyBuilder:
             declared.append(self.tenant_field)
         if self.spec is not None and not callable(self.spec):
             if isinstance(self.spec, str):
-                raise IdempotencyKeyError(
-                    f"{self.task_name}: idempotency_key must be a tuple of argument names, "
-                    f"not the string {self.spec!r} (did you mean ({self.spec!r},)?)"
-                )
+                raise IdempotencyKeyError(f"{self.task_name}: idempotency_key must be a tuple of argument names, "
+                                          f"not the string {self.spec!r} (did you mean ({self.spec!r},)?)")
             if not self.spec:
                 raise IdempotencyKeyError(f"{self.task_name}: idempotency_key names no argument")
             declared.extend(self.spec)
         for name in declared:
             if name not in params and not has_var_kw:
-                raise IdempotencyKeyError(
-                    f"{self.task_name}: idempotency option names {name!r}, which is not an "
-                    f"argument of the task (arguments: {', '.join(params) or 'none'})"
-                )
+                raise IdempotencyKeyError(f"{self.task_name}: idempotency option names {name!r}, which is not an "
+                                          f"argument of the task (arguments: {', '.join(params) or 'none'})")
         object.__setattr__(self, "_plain", self._plain_signature())
         object.__setattr__(self, "_untenanted", self._namespace(None))
-        # The keyed hash with the secret already absorbed: a copy per key costs less than a new HMAC.
+        # The secret already absorbed: a copy per key costs less than a new HMAC.
         secrets = _secret_list(self.secret)
         macs = tuple(None if s is None else hmac.new(s, digestmod=hashlib.sha256) for s in secrets)
         object.__setattr__(self, "_mac", macs[0])
@@ -354,12 +274,8 @@ class IntentKeyBuilder:
         object.__setattr__(self, "_all_macs", macs)
         object.__setattr__(self, "_kids", tuple(_secret_id(s) for s in secrets))
 
-    def _through(self, value: Any) -> Any:
-        """``value`` as the worker will see it, after the task serializer's round trip."""
-        return self._round(value)
-
     def _digest(self, material: str, mac: Any = _CURRENT) -> str:
-        """HMAC-SHA256 of ``material`` under this builder's (first) secret; plain SHA-256 when there is none."""
+        """HMAC-SHA256 of ``material`` under ``mac`` (default: the first secret); plain SHA-256 for None."""
         if mac is _CURRENT:
             mac = self._mac
         if mac is None:
@@ -369,20 +285,15 @@ class IntentKeyBuilder:
         return str(mac.hexdigest())
 
     def _plain_signature(self) -> tuple[tuple[str, ...], tuple[str, ...], frozenset[str], dict[str, Any]] | None:
-        """For a signature of plain parameters (positional-or-keyword, then keyword-only; no ``*args``
-        or ``**kw``): the names a positional argument can take, all names, and the defaults after the
-        serializer round trip, so that :meth:`bound` can skip ``Signature.bind`` for a call that fits.
-        None otherwise, or if a default cannot be serialized (``bind`` says so then, for a call that
-        uses it)."""
+        """For plain parameters (no ``*args``, ``**kw``): positional names, all names, set of names and
+        round-tripped defaults, so that :meth:`bound` can skip ``Signature.bind``; else None."""
         params = list(self.signature.parameters.values())
-        kinds = [p.kind for p in params]
-        keyword_only = inspect.Parameter.KEYWORD_ONLY
         positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
-        if kinds != [inspect.Parameter.POSITIONAL_OR_KEYWORD] * len(positional) + [keyword_only] * (
-                len(params) - len(positional)):
+        keyword_only = [inspect.Parameter.KEYWORD_ONLY] * (len(params) - len(positional))
+        if [p.kind for p in params] != [inspect.Parameter.POSITIONAL_OR_KEYWORD] * len(positional) + keyword_only:
             return None
         try:
-            defaults = self._through({p.name: p.default for p in params if p.default is not p.empty})
+            defaults = self._round({p.name: p.default for p in params if p.default is not p.empty})
         except UnserializableArgumentsError:
             return None
         names = tuple(p.name for p in params)
@@ -392,7 +303,7 @@ class IntentKeyBuilder:
         """The call's arguments as the worker will receive them."""
         arg_list, kwarg_dict = list(args or ()), dict(kwargs or {})
         call = [arg_list, kwarg_dict]
-        rt = self._through(call)
+        rt = self._round(call)
         if rt is call:  # plain JSON: the copies just made are what the worker will see
             return Payload(arg_list, kwarg_dict)
         return Payload(list(rt[0]), dict(rt[1]))
@@ -406,23 +317,19 @@ class IntentKeyBuilder:
             if len(payload.args) <= len(positional) and all(k in known and k not in values for k in payload.kwargs):
                 values.update(payload.kwargs)
                 if len(values) < len(names):
-                    for name in names:
-                        if name not in values and name in defaults:
-                            values[name] = defaults[name]
+                    values.update({name: defaults[name] for name in names if name not in values and name in defaults})
                 if len(values) == len(names):  # else a missing or unknown argument: bind() names it
                     return values
         try:
             ba = self.signature.bind(*payload.args, **payload.kwargs)
         except TypeError as exc:
-            raise IdempotencyKeyError(
-                f"{self.task_name}: arguments do not match the task signature: {exc}"
-            ) from exc
+            raise IdempotencyKeyError(f"{self.task_name}: arguments do not match the task signature: {exc}") from exc
         given = set(ba.arguments)
         ba.apply_defaults()
         values = dict(ba.arguments)
         defaults = {name: v for name, v in values.items() if name not in given}
         if defaults:  # defaults never went through the serializer: send them through too
-            values.update(self._through(defaults))
+            values.update(self._round(defaults))
         for p in self.signature.parameters.values():
             if p.kind is p.VAR_KEYWORD:  # **extra: flatten, so f(a=1) and f(**{"a": 1}) agree
                 values.update(values.pop(p.name, {}))
@@ -438,60 +345,32 @@ class IntentKeyBuilder:
         else:
             missing = [n for n in self.spec if n not in values]  # type: ignore[union-attr]
             if missing:
-                raise IdempotencyKeyError(
-                    f"{self.task_name}: key field(s) {', '.join(missing)} missing from the call"
-                )
+                raise IdempotencyKeyError(f"{self.task_name}: key field(s) {', '.join(missing)} missing from the call")
             chosen = {n: values[n] for n in self.spec}  # type: ignore[union-attr]
         return self._normalised(chosen)
 
-    def derive(
-        self,
-        payload: Payload,
-        *,
-        explicit: str | None = None,
-        tenant: str | None = None,
-    ) -> str:
-        """The intent key for one call, under the first secret.
+    def derive(self, payload: Payload, *, explicit: str | None = None, tenant: str | None = None) -> str:
+        """The intent key for one call, under the first secret: of ``explicit`` (a caller's own key) if given.
 
-        ``explicit`` is a caller-chosen key (``apply_async(idempotency_key=...)``), checked by
-        :func:`check_explicit_key`, namespaced and digested like a derived one. ``tenant``
-        overrides the task's tenant argument (the ``idempotency_tenant`` option/header).
+        ``tenant`` overrides the task's tenant argument (the ``idempotency_tenant`` option or header).
         """
         return self._digest(self._material(payload, explicit, tenant))
 
-    def older_keys(
-        self,
-        payload: Payload,
-        *,
-        explicit: str | None = None,
-        tenant: str | None = None,
-    ) -> tuple[str, ...]:
-        """The keys :meth:`derive` gave the same call under each older secret, newest first.
-
-        Empty, without any work, when the builder has one secret: a claim looks these up
-        only during a rotation, so that an intent recorded before it is not sent again.
-        """
+    def older_keys(self, payload: Payload, *, explicit: str | None = None,
+                   tenant: str | None = None) -> tuple[str, ...]:
+        """The keys :meth:`derive` gave the call under each older secret, newest first (one secret: none)."""
         if not self._older_macs:
             return ()
         material = self._material(payload, explicit, tenant)
         return tuple(self._digest(material, mac) for mac in self._older_macs)
 
     def explicit_key(self, raw: Any, *, tenant: str | None = None) -> str:
-        """A caller's own key (``idempotency_key=``, a raw ``idempotency_key`` header) as the ledger key.
-
-        Checked by :func:`check_explicit_key` (:class:`IdempotencyKeyError`), then namespaced
-        (task, ``tenant`` as given, version) and digested like :meth:`derive` with ``explicit=``.
-        Unlike :meth:`derive`, a task's tenant argument is not read (a worker hashing a raw
-        header has only the header's tenant): for a task with ``idempotency_tenant`` the two
-        agree when ``tenant`` is given. :meth:`older_explicit_keys` gives its forms under older secrets.
-        """
+        """A caller's own key as the ledger key: :meth:`derive` with ``explicit=``, but the task's tenant argument
+        is not read (a raw header has only the header's tenant)."""
         return self._digest(self._explicit_head(raw) + self._tail(None if tenant is None else str(tenant)))
 
     def older_explicit_keys(self, raw: Any, *, tenant: str | None = None) -> tuple[str, ...]:
-        """The keys :meth:`explicit_key` gave ``raw`` under each older secret, newest first.
-
-        Empty, without any work, with one secret (see :meth:`older_keys`).
-        """
+        """The keys :meth:`explicit_key` gave ``raw`` under each older secret, newest first (one secret: none)."""
         if not self._older_macs:
             return ()
         material = self._explicit_head(raw) + self._tail(None if tenant is None else str(tenant))
@@ -514,17 +393,15 @@ class IntentKeyBuilder:
             values = self.bound(payload)
             found = values.get(self.tenant_field)
             tenant = None if found is None else str(found)
-        # The material is canonical_json({"explicit" or "intent": ..., **namespace}); the namespace's
-        # keys sort after both, so its text is encoded once per tenant and appended.
+        # canonical_json({"explicit" or "intent": ..., **namespace}): the namespace's keys sort last, so its
+        # text is encoded once per tenant and appended.
         if explicit is not None:
             head = self._explicit_head(explicit)
         elif callable(self.spec):
             made = self.spec(tuple(payload.args), dict(payload.kwargs))
             if not isinstance(made, str) or not made:
-                raise IdempotencyKeyError(
-                    f"{self.task_name}: the idempotency_key function returned {type(made).__name__}, "
-                    "expected a non-empty str"
-                )
+                raise IdempotencyKeyError(f"{self.task_name}: the idempotency_key function returned "
+                                          f"{type(made).__name__}, expected a non-empty str")
             head = '{"explicit":' + canonical_json(made)
         else:
             head = '{"intent":' + canonical_json(self._intent(self.bound(payload) if values is None else values))
@@ -535,25 +412,13 @@ class IntentKeyBuilder:
         return "," + canonical_json({"ns": _NAMESPACE, "task": self.task_name, "tenant": tenant, "v": self.version})[1:]
 
     def seal(self, headers: Mapping[str, Any], payload: Payload, *, task_name: str | None = None) -> str:
-        """The seal of a message's chain headers: what says this library wrote them, for this call.
-
-        A keyed digest, under the first secret, of the task name (``task_name``, else the builder's),
-        a digest of the arguments (:func:`args_digest`) and the canonical JSON of every header in
-        :data:`~idemmail_celery._common.SEALED_HEADERS` the message carries (the intent key, the older
-        keys, the counters, the enqueue time, the owner, the verdict, the campaign's pass state: all of
-        them as one text, whatever fields their values hold). It travels as ``idemmail_key_mark``,
-        prefixed with the secret's id (:meth:`check_seal` tells a secret it does not have from a forgery).
-        Only the library's own publish points seal (``apply_async`` for a key it derived, the worker's
-        retries and reschedules, a campaign's next pass); what a caller passes is never sealed as it is.
-        Without a secret the seal is plain SHA-256: it tells the library's messages from a caller's
-        mistakes, not from forgeries.
-        """
+        """The seal of a message's chain headers: a keyed digest of the task name, the arguments and every sealed
+        header, prefixed with the secret's id (without a secret it stops mistakes, not forgeries)."""
         return f"{self._kids[0]}:{self._digest(self._seal_material(headers, payload, task_name))}"
 
     def check_seal(self, headers: Mapping[str, Any], payload: Payload, *, task_name: str | None = None) -> Seal:
-        """Did :meth:`seal` (under the current secret or an older one) make the message's seal for these
-        headers and arguments? :attr:`Seal.UNKNOWN_SECRET`: made under a secret this builder does not have
-        (a newer one, during a rotation deployed web processes first)."""
+        """Did :meth:`seal`, under any of the builder's secrets, make the message's seal for these headers and
+        arguments? :attr:`Seal.UNKNOWN_SECRET`: under a secret this builder does not have (a newer one)."""
         mark = headers.get(KEY_MARK_HEADER)
         if mark is None:
             return Seal.ABSENT
@@ -570,17 +435,14 @@ class IntentKeyBuilder:
         return Seal.VALID if hmac.compare_digest(digest, self._digest(material, mac)) else Seal.INVALID
 
     def sealed(self, headers: dict[str, Any], payload: Payload) -> dict[str, Any]:
-        """``headers`` with their :meth:`seal` for the call ``payload`` (in place; returned): what every publish
-        point of the library does last, after each header the worker acts on is set."""
+        """``headers`` with their :meth:`seal` for the call ``payload`` (in place; returned), set last."""
         headers[KEY_MARK_HEADER] = self.seal(headers, payload)
         return headers
 
     def intent_headers(self, payload: Payload, *, explicit: str | None = None, tenant: str | None = None,
                        due: float | None = None) -> dict[str, Any]:
-        """The sealed headers of a new intent for the call ``payload`` (validated by the caller): its key
-        (derived, or ``explicit`` namespaced and hashed), its forms under older secrets during a rotation,
-        the enqueue time and ``due`` (when a countdown or ETA lets it run), as :func:`~idemmail_celery.chain.
-        intent_headers` spells them."""
+        """The sealed headers of a new intent for the (validated) call ``payload``: its key, its older keys
+        during a rotation, the enqueue time and ``due`` (when a countdown or ETA lets it run)."""
         key = self.derive(payload, explicit=explicit, tenant=tenant)
         older = self.older_keys(payload, explicit=explicit, tenant=tenant)  # () unless rotating
         return self.sealed(intent_headers(key, older, enqueued_at=time.time(), due_at=due, tenant=tenant), payload)
@@ -590,12 +452,8 @@ class IntentKeyBuilder:
                      due: float | None = None) -> dict[str, Any]:
         """The headers a call is enqueued with (``apply_async``), from the ones the caller passed.
 
-        A key the library sealed for these very arguments travels as it is: it was validated when it was
-        derived. One sealed under a secret this process does not have (a rotation) travels too, but its
-        arguments are validated (``validate``, the task's check: nothing vouches for them here). Any other
-        carried key is the caller's own, like ``explicit``: the call is validated and a new intent derived
-        from it, every chain header the caller copied from another message dropped. ``validate`` raises on
-        bad input and returns the arguments as the worker will see them.
+        A key the library sealed travels as it is; any other is the caller's own, like ``explicit``, and copied
+        chain headers are dropped. ``validate`` raises on bad input, else returns the worker's arguments.
         """
         carried = headers.get(KEY_HEADER)
         if explicit is None and carried is not None:
@@ -611,36 +469,25 @@ class IntentKeyBuilder:
                 **self.intent_headers(payload, explicit=explicit, tenant=tenant, due=due)}
 
     def _seal_material(self, headers: Mapping[str, Any], payload: Payload, task_name: str | None) -> str:
-        # Never canonical JSON alone (key and fingerprint material start with "{"): no seal is ever a key.
+        # Never starts with "{" as key and fingerprint material do: no seal is ever a key.
         sealed = {name: headers[name] for name in SEALED_HEADERS if headers.get(name) is not None}
         return f"idemmail/seal\n{task_name or self.task_name}\n{args_digest(payload)}\n{canonical_json(sealed)}"
 
-    def _made_from(self, digest: str, material: str) -> bool:
-        """Is ``digest`` the digest of ``material`` under the current secret or an older one?"""
-        if hmac.compare_digest(digest, self._digest(material)):
-            return True
-        return any(hmac.compare_digest(digest, self._digest(material, mac)) for mac in self._older_macs)
-
     def fingerprint(self, payload: Payload) -> str:
-        """Digest of the must-match fields' normalised values, which a later call must repeat.
-
-        It covers those values only, so a duplicate is still checked after the ledger erased
-        the first payload (on ``sent``), and a rewritten body or another spelling of the same
-        address still replays. Empty for a task without must-match fields: nothing compares it.
-        """
+        """Digest of the must-match fields' normalised values ("" without any); it outlives the stored payload."""
         if not self.must_match:
             return ""
         return self._digest(self._fingerprint_material(payload))
 
     def fingerprint_matches(self, stored: str, payload: Payload) -> bool:
-        """Does a record's ``stored`` fingerprint match this call's, under the current or an older secret?
+        """Does a record's ``stored`` fingerprint match this call's under any of the builder's secrets?
 
-        What a must-match check compares during a rotation: a record made under an older
-        secret holds that secret's fingerprint. True for a task without must-match fields.
+        True for a task without must-match fields.
         """
         if not self.must_match:
             return True
-        return self._made_from(stored, self._fingerprint_material(payload))
+        material = self._fingerprint_material(payload)
+        return any(hmac.compare_digest(stored, self._digest(material, mac)) for mac in self._all_macs)
 
     def _fingerprint_material(self, payload: Payload) -> str:
         values = self._normalised(self.bound(payload))
@@ -651,15 +498,10 @@ class IntentKeyBuilder:
         if not self.must_match:
             return ()
         a, b = self._normalised(self.bound(first)), self._normalised(self.bound(later))
-        return tuple(
-            n for n in self.must_match if canonical_json(a.get(n)) != canonical_json(b.get(n))
-        )
+        return tuple(n for n in self.must_match if canonical_json(a.get(n)) != canonical_json(b.get(n)))
 
     def _normalised(self, values: dict[str, Any]) -> dict[str, Any]:
-        return {
-            name: normalize_addresses(v) if name in self.address_fields else v
-            for name, v in values.items()
-        }
+        return {name: normalize_addresses(v) if name in self.address_fields else v for name, v in values.items()}
 
 
 def address_fields_for(signature: inspect.Signature, declared: Iterable[str] | None) -> frozenset[str]:

@@ -1,38 +1,9 @@
-"""The ready-made ``send_email`` task.
+"""The ready-made ``send_email`` task: ``send_email.delay(to=..., subject=..., html=..., event_id=...)`` with
+``idemmail_provider_url`` set (see docs/providers.md).
 
-::
-
-    from idemmail_celery import send_email
-
-    app.conf.idemmail_provider_url = "resend://"          # or https://..., smtp://..., file:///...
-    app.conf.idemmail_provider_api_key = os.environ["RESEND_API_KEY"]
-    app.conf.idemmail_default_from = "Shop <shop@example.com>"
-
-    send_email.delay(to="ann@example.com", subject="Your receipt", html="<p>Thanks</p>",
-                     event_id="order_4821", template="receipt")
-
-**The intent** is who gets which event's email: ``tenant``, ``event_id`` (the
-business event that caused the send), ``template``, the recipients (to, cc,
-bcc, normalised) and the task's version, never the body text. A retry whose
-body was regenerated (an agent rewrote it) is the same intent, and the body
-of the *first* attempt is the one that ships. Without an ``event_id`` the
-whole content is the intent: two calls are the same intent only if every
-field matches. Spellings of one call agree: ``cc`` omitted, ``None``, ``""`` or
-``[]``; ``event_id=4821`` or ``"4821"``; an address's domain in Unicode or
-punycode, its local part NFC or NFD (see :func:`email_intent`).
-
-The message is validated at ``delay()`` (:class:`~idemmail_celery.errors.InvalidEmail`,
-nothing enqueued; the rules are in :mod:`idemmail_celery.email`, the recipient cap
-is ``idemmail_max_recipients``, default 50). One that reaches a worker anyway
-(``send_task`` by name) is checked again by the same code and ends as ``failed``
-with reason ``invalid_email``, never retried.
-
-Provider errors reach logs, Flower, the result backend and the ledger without the
-message's addresses, display names or subject (:func:`idemmail_celery.redaction.scrub`).
-
-``send_email`` is a Celery shared task: it registers itself on every app once
-``idemmail_celery`` is imported (import it in the module that defines your app),
-or call :func:`register` explicitly.
+The intent (:func:`email_intent`) is who gets which event's email, never the body: the first attempt's body
+ships. The message is validated at ``delay()`` (:class:`~idemmail_celery.errors.InvalidEmail`) and again at the
+worker; provider errors leave without the message's addresses or subject.
 """
 
 from __future__ import annotations
@@ -81,16 +52,10 @@ def provider_url(settings: Settings) -> str:
 
 
 def build_provider(settings: Settings) -> Provider:
-    """The provider ``settings`` name (``idemmail_provider_url`` with ``idemmail_provider_api_key`` and
-    ``idemmail_provider_timeout``), built once per process and credentials.
-
-    What ``send_email`` sends through, and what the worker's start-up check and Django's system checks
-    build, so a provider that cannot be built fails there. Raises :class:`ConfigurationError` naming the
-    setting and the scheme, never the key (nor the URL, which a mistaken one may hold it in).
-    """
+    """The provider ``settings`` name (``idemmail_provider_url``, ``_api_key``, ``_timeout``), built once per process
+    and credentials. Raises :class:`ConfigurationError` naming the setting and the scheme, never the key nor the URL."""
     url = provider_url(settings)
     api_key = settings.provider_api_key or None
-    # The cache key holds a digest of the API key, never the key itself.
     cache_key = (url, hashlib.sha256((api_key or "").encode()).hexdigest()[:12])
     with _providers_lock:
         provider = _providers.get(cache_key)
@@ -111,16 +76,11 @@ _EMPTY_MEANS_NONE = frozenset({"subject", "reply_to", "headers", "tags", "attach
 
 
 def email_intent(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """The intent of a ``send_email`` call (namespaced and hashed by the caller).
-
-    With an ``event_id``: event, template and recipients. Without: all content.
-    One call, one key, however it is spelled: recipients are normalised
-    (:func:`~idemmail_celery.keys.normalize_address`) and an empty recipient field
-    (``None``, ``""``, ``[]``) is no field; an integer ``event_id`` is its decimal
-    string; an empty subject, reply_to, headers, tags or attachments is left out; a
-    float holding an integer is that integer. Raises :class:`InvalidEmail` for an
-    ``event_id`` or ``template`` of the wrong type.
-    """
+    """The intent of a ``send_email`` call (hashed by the caller): with an ``event_id``, event, template and
+    recipients; without, all content. One call, one key, however it is spelled: recipients are normalised, an
+    empty recipient field (``None``, ``""``, ``[]``) is no field, an integer ``event_id`` is its decimal string, an
+    empty subject, reply_to, headers, tags or attachments is left out, a float holding an integer is that integer.
+    Raises :class:`InvalidEmail` for an ``event_id`` or ``template`` of the wrong type."""
     fields: dict[str, Any] = {name: _recipient_field(kwargs.get(name)) for name in _RECIPIENTS}
     event_id = _event_id(kwargs.get("event_id"))
     if event_id is not None:
@@ -160,9 +120,8 @@ def _template(value: Any) -> str | None:
 _MESSAGE_FIELDS = ("from_", "to", "subject", "text", "html", "cc", "bcc", "reply_to", "headers", "tags", "attachments")
 #: The arguments stored with the message that are not part of it (they count towards its size budget).
 _STORED_BESIDE = ("event_id", "template", "tenant")
-#: What a call's arguments may hold beyond the message's size budget (argument names, the keys of each
-#: attachment's mapping, one per value, addresses longer as given than as stored: punycode, white
-#: space): 64 KiB covers the most every bound allows, about 45 KB.
+#: What a call's arguments may hold beyond the message's size budget (argument names, attachment keys, addresses
+#: longer as given than as stored): 64 KiB covers the most every bound allows, about 45 KB.
 ARGUMENT_SLACK = 64 * 1024
 
 
@@ -176,9 +135,7 @@ class SendEmailTask(IdempotentTask):
     def message_from(self, kwargs: dict[str, Any]) -> EmailMessage:
         """Build and validate the message a call describes (raises :class:`InvalidEmail`)."""
         settings = self.idem_settings
-        # At the worker the message is built twice from the same arguments: by the check before the
-        # claim and by the body. The run's request keeps the last one built (its arguments and
-        # settings with it), so the body reuses what the check built (validating addresses is the costly part).
+        # The body reuses what the check before the claim built (validating addresses is the costly part).
         fields = tuple(kwargs.get(name) for name in _MESSAGE_FIELDS)
         request = self.request
         state = state_of(request, create=False)
@@ -188,17 +145,14 @@ class SendEmailTask(IdempotentTask):
         sender = kwargs.get("from_") or settings.default_from
         if not sender:
             raise InvalidEmail("no sender: pass from_= or set idemmail_default_from", field="from")
-        # A message the library sealed was held to the budget in force when it was accepted (delay(), the outbox):
-        # a budget lowered since must not drop it, nor a retry of it, so the worker does not hold it to today's.
+        # A sealed message was held to the budget in force when accepted: a budget lowered since must not drop it.
         budget = sys.maxsize if self.accepted_delivery() else int(settings.max_message_bytes)
         message = EmailMessage.build(
-            sender=sender, to=kwargs.get("to") or (), subject=kwargs.get("subject", ""),
-            text=kwargs.get("text"), html=kwargs.get("html"), cc=kwargs.get("cc"), bcc=kwargs.get("bcc"),
-            reply_to=kwargs.get("reply_to"), headers=kwargs.get("headers"), tags=kwargs.get("tags"),
-            attachments=kwargs.get("attachments"),
+            sender=sender, to=kwargs.get("to") or (), subject=kwargs.get("subject", ""), text=kwargs.get("text"),
+            html=kwargs.get("html"), cc=kwargs.get("cc"), bcc=kwargs.get("bcc"), reply_to=kwargs.get("reply_to"),
+            headers=kwargs.get("headers"), tags=kwargs.get("tags"), attachments=kwargs.get("attachments"),
             max_bytes=budget, max_recipients=settings.max_recipients,
-            allow_mixed_scripts=settings.allow_mixed_script_domains,
-        )
+            allow_mixed_scripts=settings.allow_mixed_script_domains)
         # The budget counts every byte stored or sent: the call's other texts are stored with the message.
         size = message.size() + sum(len(v.encode("utf-8", "surrogatepass")) for v in (
             kwargs.get(name) for name in _STORED_BESIDE) if isinstance(v, str))
@@ -210,8 +164,7 @@ class SendEmailTask(IdempotentTask):
         return message
 
     def max_argument_size(self) -> int:
-        """The message size budget (``idemmail_max_message_bytes``) and :data:`ARGUMENT_SLACK`: a call
-        :meth:`message_from` accepts always fits (see :meth:`IdempotentTask.max_argument_size`)."""
+        """The message size budget and :data:`ARGUMENT_SLACK`: a call :meth:`message_from` accepts always fits."""
         return int(self.idem_settings.max_message_bytes) + ARGUMENT_SLACK
 
     def check_call(self, args: Any, kwargs: dict[str, Any]) -> None:
@@ -224,9 +177,8 @@ class SendEmailTask(IdempotentTask):
         self.provider_url()
 
     def check(self, payload: _Payload) -> None:
-        """At the worker, before the claim: the message must be valid (:class:`InvalidEmail`, also for
-        arguments of the wrong type) and the provider must build (:class:`ConfigurationError`: the
-        message waits on the outage budget, nothing claimed)."""
+        """At the worker, before the claim: the message must be valid (:class:`InvalidEmail`) and the provider must
+        build (:class:`ConfigurationError`: the message waits on the outage budget, nothing claimed)."""
         try:
             super().check(payload)
         except TypeError as exc:
@@ -241,24 +193,17 @@ class SendEmailTask(IdempotentTask):
 
     @property
     def provider(self) -> Provider:
-        """This process's provider for ``idemmail_provider_url`` (the API key from settings or env).
-
-        Looked up once per task and settings (it is asked for at the worker's check, in the body and
-        by ``carries_key``); providers reset their connections after a fork themselves.
-        """
+        """This process's provider for ``idemmail_provider_url``, looked up once per task and settings."""
         settings = self.idem_settings
         held = self._idem_provider
         if held is not None and held[0] is settings:
             return held[1]
-        provider = build_provider(settings)
-        self._idem_provider = (settings, provider)
-        return provider
+        self._idem_provider = (settings, build_provider(settings))
+        return self._idem_provider[1]
 
     def deliver(self, kwargs: dict[str, Any], key: str) -> dict[str, Any]:
-        """Build the message ``kwargs`` describe and send it once under ``key``: the side effect of
-        ``send_email`` and of each recipient of ``send_campaign``. Raises :class:`PermanentSendError`
-        (``invalid_email``) for a message that cannot be built, else what the provider raises, with
-        the message's own addresses and subject scrubbed out."""
+        """Build the message ``kwargs`` describe and send it once under ``key``. Raises :class:`PermanentSendError`
+        (``invalid_email``) if it cannot be built, else what the provider raises, addresses and subject scrubbed."""
         try:
             message = self.message_from(kwargs)
         except InvalidEmail as exc:
@@ -267,13 +212,11 @@ class SendEmailTask(IdempotentTask):
         try:
             result = self.provider.send(message, key=key)
         except SendError as exc:
-            # The built-in providers scrub their own texts; this covers one that does not (a custom
-            # provider), before the error reaches the ledger, the logs, Flower and the result backend.
+            # The built-in providers scrub their own texts; a custom one may not.
             scrub_error(exc, message.personal_texts())
             raise
         except Exception as exc:
-            # Anything else from a provider (a custom one's own exception) may have sent, and its text
-            # may quote the message: it leaves as "maybe sent", scrubbed, with the original cut off.
+            # Anything else may have sent, and its text may quote the message: "maybe sent", scrubbed, cut off.
             text = scrub(f"{type(exc).__name__}: {exc}", message.personal_texts())
             raise AmbiguousSendError(text, reason="unexpected_error") from None
         return result.to_dict()
@@ -290,24 +233,11 @@ class SendEmailTask(IdempotentTask):
         return None if found is None else {**found.to_dict(), "reconciled": True}
 
 
-def _send_email(
-    self: SendEmailTask,
-    *,
-    to: Any = None,
-    subject: str = "",
-    text: str | None = None,
-    html: str | None = None,
-    from_: str | None = None,
-    cc: Any = None,
-    bcc: Any = None,
-    reply_to: Any = None,
-    headers: dict[str, str] | None = None,
-    tags: dict[str, str] | None = None,
-    attachments: list[dict[str, str]] | None = None,
-    event_id: str | None = None,
-    template: str | None = None,
-    tenant: str | None = None,
-) -> dict[str, Any]:
+def _send_email(self: SendEmailTask, *, to: Any = None, subject: str = "", text: str | None = None,
+                html: str | None = None, from_: str | None = None, cc: Any = None, bcc: Any = None,
+                reply_to: Any = None, headers: dict[str, str] | None = None, tags: dict[str, str] | None = None,
+                attachments: list[dict[str, str]] | None = None, event_id: str | None = None,
+                template: str | None = None, tenant: str | None = None) -> dict[str, Any]:
     """Send one email, once per intent. Returns the provider's message id and name."""
     return self.deliver({
         "to": to, "subject": subject, "text": text, "html": html, "from_": from_, "cc": cc, "bcc": bcc,

@@ -1,40 +1,12 @@
 """Prometheus metrics for idempotent sends (optional: ``pip install idemmail-celery[metrics]``).
 
-Off by default, and then free: nothing imports ``prometheus_client`` and a task
-pays one attribute lookup. Turn them on with the app settings
-
-``idemmail_metrics = True``
-    count into ``prometheus_client``'s default registry; expose it yourself.
-``idemmail_metrics_port = 9808``
-    count, and serve ``/metrics`` from the worker's main process on this port
-    (``idemmail_metrics_addr``, default ``0.0.0.0``), started on ``worker_init``.
-
-or call :func:`enable` (and :func:`serve`) yourself. A prefork worker runs tasks
-in child processes: set ``PROMETHEUS_MULTIPROC_DIR`` to an empty directory
-before the worker starts, and the endpoint sums every child's counters
-(``MultiProcessCollector``). A dead child's files stay (its counts must), so
-``max_tasks_per_child`` and autoscaling grow the directory: empty it at each start.
-
-Metrics never change an outcome: every Prometheus call on the task path is
-guarded; the first failure turns metrics off in that process with one ERROR
-line, and a bad multiprocess dir at worker start leaves them off for the worker.
-
-==============================================  =========  ==========================================
-metric                                          type       labels
-==============================================  =========  ==========================================
-``idemmail_outcomes_total``                     counter    ``task``, ``outcome`` (see ``outcomes``)
-``idemmail_unrecorded_total``                   counter    ``task``, ``outcome``, ``reason``
-``idemmail_failed_total``                       counter    ``task``, ``reason`` (``retry_deadline``, ...)
-``idemmail_inflight_collisions_total``          counter    ``task``
-``idemmail_reclaims_total``                     counter    ``task``
-``idemmail_ledger_operation_seconds``           histogram  ``op``, ``backend``
-``idemmail_ledger_errors_total``                counter    ``op``, ``backend``, ``error``
-``idemmail_ledger_records``                     gauge      ``state`` (claimed/released/review)
-``idemmail_ledger_up``                          gauge      -
-==============================================  =========  ==========================================
-
-The two gauges come from the process that serves ``/metrics``, which counts
-the ledger's non-expiring records at most every ``RECORDS_TTL`` seconds.
+Off by default, and then free: nothing imports ``prometheus_client``. Turned on by the settings
+``idemmail_metrics = True`` (count into the default registry; expose it yourself) or
+``idemmail_metrics_port`` (also serve ``/metrics`` from the worker's main process), or by
+:func:`enable` (and :func:`serve`). A prefork worker needs ``PROMETHEUS_MULTIPROC_DIR``: an
+empty directory before the worker starts. Metrics never change an outcome: the first failing
+Prometheus call turns them off in that process with one ERROR line. The metrics, and how to
+run them: docs/operations.md, "Metrics".
 """
 
 from __future__ import annotations
@@ -46,6 +18,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from celery.signals import worker_process_shutdown
 
 from ._common import logsafe
 
@@ -76,11 +50,10 @@ class Metrics:
         self.inflight = Counter("idemmail_inflight_collisions_total",
                                 "Runs that found a live claim of another worker and were rescheduled",
                                 ["task"], registry=registry)
-        self.unrecorded_runs = Counter(
-            "idemmail_unrecorded_total",
-            "Outcomes the ledger does not hold: sent after the lease was lost (maybe twice) or while the "
-            "ledger was down, fail_open runs, failed/review verdicts it refused",
-            ["task", "outcome", "reason"], registry=registry)
+        self.unrecorded_runs = Counter("idemmail_unrecorded_total", "Outcomes the ledger does not hold: sent after the "
+                                       "lease was lost (maybe twice) or while the ledger was down, fail_open runs, "
+                                       "failed/review verdicts it refused", ["task", "outcome", "reason"],
+                                       registry=registry)
         self.failed_runs = Counter("idemmail_failed_total", "Runs that ended failed, by reason (retry_deadline: "
                                    "the provider refused every attempt until the intent's retry deadline)",
                                    ["task", "reason"], registry=registry)
@@ -93,8 +66,10 @@ class Metrics:
         self._children: dict[tuple[str, str], Any] = {}
         self._observers: dict[tuple[str, str], Any] = {}
 
+    # Every count below never raises: a failing Prometheus call turns metrics off (see broken).
+
     def outcome(self, task: str, status: str) -> None:
-        """Count one report of :mod:`idemmail_celery.outcomes` (never raises)."""
+        """Count one report of :mod:`idemmail_celery.outcomes`."""
         try:
             child = self._children.get((task, status))
             if child is None:
@@ -107,30 +82,18 @@ class Metrics:
 
     def unrecorded(self, task: str, status: str, reason: str) -> None:
         """Count an outcome the ledger does not hold (``recorded=false`` in the report)."""
-        try:
-            self.unrecorded_runs.labels(task, status, reason).inc()
-        except Exception as exc:
-            broken(exc)
+        _count(self.unrecorded_runs, task, status, reason)
 
     def failed(self, task: str, reason: str) -> None:
         """Count an outcome ``failed`` by its reason word."""
-        try:
-            self.failed_runs.labels(task, reason).inc()
-        except Exception as exc:
-            broken(exc)
+        _count(self.failed_runs, task, reason)
 
     def reclaimed(self, task: str) -> None:
         """Count a dead holder's claim taken over (not an outcome: the run goes on to one)."""
-        try:
-            self.reclaims.labels(task).inc()
-        except Exception as exc:
-            broken(exc)
+        _count(self.reclaims, task)
 
     def ledger_call(self, op: str, backend: str, seconds: float, error: str | None) -> None:
-        """Time one ledger operation (and count it if it raised ``error``); never raises.
-
-        Called by :class:`~idemmail_celery.ledger.metered.MeteredLedger`.
-        """
+        """Time one ledger operation (and count it if it raised ``error``), for ``MeteredLedger``."""
         try:
             observe = self._observers.get((op, backend))
             if observe is None:
@@ -140,6 +103,13 @@ class Metrics:
                 self.ledger_errors.labels(op, backend, error).inc()
         except Exception as exc:
             broken(exc)
+
+
+def _count(counter: Any, *labels: str) -> None:
+    try:
+        counter.labels(*labels).inc()
+    except Exception as exc:
+        broken(exc)
 
 
 def available() -> bool:
@@ -154,9 +124,7 @@ def available() -> bool:
 def enable() -> Metrics:
     """Turn metrics on in this process (idempotent): every ledger opened through
     :func:`idemmail_celery.ledger.shared`, before or after, is timed from now on.
-
-    Raises :class:`~idemmail_celery.errors.ConfigurationError` without ``prometheus_client``.
-    """
+    :class:`~idemmail_celery.errors.ConfigurationError` without ``prometheus_client``."""
     global active
     with _lock:
         if active is None:
@@ -181,13 +149,10 @@ def broken(exc: BaseException) -> None:
 
 
 def check_multiprocess_dir(path: str) -> str | None:
-    """Why ``path`` cannot hold the multiprocess files (missing, not a directory, not writable), or None.
-
-    Writability is tried by creating a file: ``os.access`` says yes to root on a read-only mount.
-    """
+    """Why ``path`` cannot hold the multiprocess files (missing, not a directory, not writable), or None."""
     if not os.path.isdir(path):
         return f"PROMETHEUS_MULTIPROC_DIR={path} does not exist or is not a directory"
-    try:
+    try:  # a file, not os.access: that says yes to root on a read-only mount
         fd, probe = tempfile.mkstemp(prefix=".idemmail-probe-", dir=path)
         os.close(fd)
         os.unlink(probe)
@@ -242,8 +207,7 @@ def multiprocess_dir() -> str | None:
 def serve(port: int, addr: str = "0.0.0.0", ledger: Callable[[], Any] | None = None) -> Any:
     """Serve ``/metrics`` on ``addr:port`` from this process, in a daemon thread (idempotent).
 
-    With ``PROMETHEUS_MULTIPROC_DIR`` the page sums every process's files; with ``ledger``
-    (a function returning the app's ledger), it also carries the record gauges.
+    With ``ledger`` (a function returning the app's ledger), the page also carries the record gauges.
     """
     from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
@@ -269,8 +233,7 @@ def serve(port: int, addr: str = "0.0.0.0", ledger: Callable[[], Any] | None = N
 def prepare_worker(*, port: int, pool: str) -> bool:
     """On ``worker_init`` (main process, before the pool starts): turn metrics on; False if they stay off.
 
-    Never raises (Celery would swallow it, and half-enabled metrics could fail tasks): a
-    multiprocess dir that is missing or not writable leaves metrics off with an ERROR line.
+    Never raises (Celery would swallow it, and half-enabled metrics could fail tasks).
     """
     path = multiprocess_dir()
     if path:
@@ -306,10 +269,4 @@ def _on_process_shutdown(pid: int | None = None, **_: Any) -> None:
             log.warning("idemmail metrics: mark_process_dead failed: %s", logsafe(exc))
 
 
-def _connect() -> None:
-    from celery.signals import worker_process_shutdown
-
-    worker_process_shutdown.connect(_on_process_shutdown, weak=False)
-
-
-_connect()
+worker_process_shutdown.connect(_on_process_shutdown, weak=False)

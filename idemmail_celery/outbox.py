@@ -1,49 +1,19 @@
 """Transactional outbox: a task call written inside your own database transaction.
 
-``send_email.delay()`` inside a web request has two holes: the request's transaction
-rolls back after the task was enqueued (an email about an order that does not
-exist), or it commits and the process dies before ``delay()`` (an order with no
-email). The outbox closes both: the intent is a row written in the same
-transaction as the order, and a relay moves committed rows to the broker.
-
-::
-
-    from idemmail_celery.outbox import enqueue_email, outbox_table
+The intent is a row written in the same transaction as your data (rolled back with it, never lost
+after a commit), and a relay moves committed rows to the broker; see docs/outbox-and-digests.md::
 
     outbox_table(Base.metadata)                  # add the table to your metadata / migrations
-
     with Session(engine) as session, session.begin():
         session.add(order)
         enqueue_email(session, app=app, to=order.email, subject="Your receipt",
                       html=render(order), event_id=f"order-{order.id}", template="receipt")
-    # committed: the row exists and the relay sends it; rolled back: neither exists
 
-The call is validated and its intent key derived exactly as ``apply_async`` would
-(bad input raises before anything is written), and the row is inserted with
-``ON CONFLICT DO NOTHING`` (PostgreSQL, SQLite) or a no-op ``ON DUPLICATE KEY
-UPDATE`` (MariaDB/MySQL): the same intent enqueued ten times is one row.
-
-**The relay** (:func:`relay`, :func:`drain`, or the Celery task from
-:func:`register_relay` run by beat every few seconds) claims a batch of pending
-rows with ``SELECT ... FOR UPDATE SKIP LOCKED`` in a short transaction, publishes
-each to its task with the stored ``idempotency_key`` header (and the time of the
-publish, from which the task's retry deadline counts), marks them
-dispatched and commits. Several relays drain one table in parallel without
-sharing rows. A relay that dies after publishing but before its commit leaves
-the rows pending, and the next relay publishes them again: harmless, because the
-task claims the same key in the ledger and the second copy replays the first
-outcome. A row whose publish fails stays pending with ``attempts``,
-``last_error`` and a ``next_attempt_at`` pushed back exponentially.
-
-SQLite has no ``SKIP LOCKED``: the relay takes the write lock up front
-(``BEGIN IMMEDIATE``), so relays on one SQLite file run one after another, each
-holding the lock for one batch (web requests writing the same file wait for it,
-up to the driver's busy timeout). Run one relay for SQLite.
-
-Django writes through its own connection: :func:`enqueue_sql` gives the
-statement and parameters to run on ``django.db.connection.cursor()`` inside
-``transaction.atomic()``, which :mod:`idemmail_celery.contrib.django` wraps (its model and
-migration create this table); the relay reads the same table through SQLAlchemy.
+The same intent enqueued ten times is one row. The relay (:func:`relay`, :func:`drain`, or the task
+from :func:`register_relay` run by beat) claims rows with ``SELECT ... FOR UPDATE SKIP LOCKED``
+(SQLite: ``BEGIN IMMEDIATE``, so run one relay), publishes each under its stored key and marks it
+dispatched; a relay that dies before its commit leaves rows that the next one publishes again, which
+the task's ledger claim absorbs. Django writes through its own cursor: :func:`enqueue_sql`.
 """
 
 from __future__ import annotations
@@ -74,24 +44,9 @@ from .task import IdempotentTask, first_run_time
 log = logging.getLogger("idemmail_celery")
 
 __all__ = [
-    "ALLOWED_OPTIONS",
-    "DEFAULT_TABLE",
-    "DISPATCHED",
-    "PENDING",
-    "RELAY_TASK",
-    "Bind",
-    "OutboxSQL",
-    "create_outbox_table",
-    "drain",
-    "enqueue",
-    "enqueue_email",
-    "enqueue_sql",
-    "outbox_table",
-    "purge_dispatched",
-    "register_relay",
-    "relay",
-    "run_relay",
-    "schema_sql",
+    "ALLOWED_OPTIONS", "DEFAULT_TABLE", "DISPATCHED", "PENDING", "RELAY_TASK", "Bind", "OutboxSQL",
+    "create_outbox_table", "drain", "enqueue", "enqueue_email", "enqueue_sql", "outbox_table", "purge_dispatched",
+    "register_relay", "relay", "run_relay", "schema_sql",
 ]
 
 DEFAULT_TABLE = "idemmail_outbox"
@@ -99,12 +54,9 @@ PENDING = "pending"
 DISPATCHED = "dispatched"
 RELAY_TASK = "idemmail_celery.outbox_relay"
 
-#: ``apply_async`` options a row may carry. Anything tied to one process or one
-#: connection (``producer``, ``link`` callbacks, ``connection``) cannot be stored.
-ALLOWED_OPTIONS = frozenset({
-    "queue", "routing_key", "exchange", "priority", "countdown", "eta", "expires",
-    "time_limit", "soft_time_limit", "headers",
-})
+#: ``apply_async`` options a row may carry (not what is tied to one process: ``producer``, ``link``, ...).
+ALLOWED_OPTIONS = frozenset({"queue", "routing_key", "exchange", "priority", "countdown", "eta", "expires",
+                             "time_limit", "soft_time_limit", "headers"})
 
 _LONG_TEXT = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
 # Fractional seconds: MariaDB's DATETIME would otherwise drop them, and a backoff of 0.5 s with them.
@@ -125,29 +77,18 @@ _tables_lock = threading.Lock()
 
 
 def outbox_table(metadata: sa.MetaData | None = None, name: str = DEFAULT_TABLE) -> sa.Table:
-    """The outbox table, added to ``metadata`` (yours, so your migrations create it) or to a private one.
-
-    Columns: ``id`` (autoincrement), ``intent_key`` (unique), ``task_name``,
-    ``args``/``kwargs``/``headers``/``options`` (JSON text, kombu's encoder),
-    ``state`` (``pending``/``dispatched``), ``attempts``, ``next_attempt_at``,
-    ``created_at``, ``dispatched_at`` (naive UTC timestamps) and ``last_error``.
-    Calling it again with the same metadata and name returns the same table.
-    """
-    if metadata is not None and name in metadata.tables:
-        return metadata.tables[name]
-    if metadata is None:
-        with _tables_lock:
-            table = _tables.get(name)
-            if table is None:
-                table = _tables[name] = _define(sa.MetaData(), name)
-            return table
-    return _define(metadata, name)
+    """The outbox table, added to ``metadata`` (yours, so your migrations create it) or to a private one (once)."""
+    if metadata is not None:
+        return metadata.tables[name] if name in metadata.tables else _define(metadata, name)
+    with _tables_lock:
+        if name not in _tables:
+            _tables[name] = _define(sa.MetaData(), name)
+        return _tables[name]
 
 
 def _define(metadata: sa.MetaData, name: str) -> sa.Table:
     return sa.Table(
-        name,
-        metadata,
+        name, metadata,
         sa.Column("id", _ID, primary_key=True, autoincrement=True),
         sa.Column("intent_key", sa.String(128), nullable=False),
         sa.Column("task_name", sa.String(255), nullable=False),
@@ -162,24 +103,17 @@ def _define(metadata: sa.MetaData, name: str) -> sa.Table:
         sa.Column("dispatched_at", _TIMESTAMP, nullable=True),
         sa.Column("last_error", sa.Text, nullable=True),
         sa.UniqueConstraint("intent_key", name=f"uq_{name}_intent_key"),
-        # The relay's scan: pending rows by due time. (InnoDB appends the primary key, so
-        # the ORDER BY next_attempt_at, id below is served by this index without a sort.)
+        # The relay's scan (InnoDB appends the primary key: ORDER BY next_attempt_at, id needs no sort).
         sa.Index(f"ix_{name}_pending", "state", "next_attempt_at"),
     )
 
 
 def _table(table: sa.Table | str | None) -> sa.Table:
-    if isinstance(table, sa.Table):
-        return table
-    return outbox_table(name=table or DEFAULT_TABLE)
+    return table if isinstance(table, sa.Table) else outbox_table(name=table or DEFAULT_TABLE)
 
 
 def create_outbox_table(engine: Engine | Connection, table: sa.Table | str | None = None) -> sa.Table:
-    """Create the outbox table (and its indexes) if it does not exist; returns it.
-
-    For migrations you manage yourself, use :func:`outbox_table` with your metadata
-    (Alembic) or :func:`schema_sql` (plain SQL, Django ``RunSQL``).
-    """
+    """Create the outbox table (and its indexes) if it does not exist; returns it."""
     t = _table(table)
     t.create(engine, checkfirst=True)
     return t
@@ -224,26 +158,17 @@ def _loads(text: str) -> Any:
     return _kombu_loads(text)  # type: ignore[no-untyped-call]
 
 
-def _row(
-    task: Task,
-    args: Sequence[Any] | None,
-    kwargs: Mapping[str, Any] | None,
-    idempotency_key: str | None,
-    idempotency_tenant: str | None,
-    options: dict[str, Any],
-) -> dict[str, Any]:
+def _row(task: Task, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, idempotency_key: str | None,
+         idempotency_tenant: str | None, options: dict[str, Any]) -> dict[str, Any]:
     """Validate a call the way ``apply_async`` would and return the row that stands for it."""
     if not isinstance(task, IdempotentTask):
-        raise TypeError(
-            f"{getattr(task, 'name', task)!r} is not an IdempotentTask: the outbox relays at least once, "
-            "and only a task that claims its key in the ledger turns that into exactly once"
-        )
+        raise TypeError(f"{getattr(task, 'name', task)!r} is not an IdempotentTask: the outbox relays at least once, "
+                        "and only a task that claims its key in the ledger turns that into exactly once")
     unknown = sorted(set(options) - ALLOWED_OPTIONS)
     if unknown:
         raise TypeError(f"options the outbox cannot store: {', '.join(unknown)} (allowed: {sorted(ALLOWED_OPTIONS)})")
-    # The caller's own headers stay; any the seal covers (chain state copied from another message) would break
-    # the seal of the row's key, and the relay's apply_async would hash that key again: the intent under a key
-    # other than the one returned here. Dropped, as apply_async drops them.
+    # Headers the seal covers (chain state copied from another message) would break the row key's seal, and the
+    # relay would publish the intent under another key than the one returned here: dropped, as apply_async does.
     headers: dict[str, Any] = untrusted_removed(options.pop("headers", None) or {}, keep=())
     now = _utcnow()
     # Relative times become absolute now: a row relayed late (or twice) still means what the caller meant.
@@ -259,17 +184,9 @@ def _row(
     if isinstance(options.get("expires"), (int, float)):
         options["expires"] = aware_now + dt.timedelta(seconds=float(options["expires"]))
     return {
-        "intent_key": headers[KEY_HEADER],
-        "task_name": task.name,
-        "args": _dumps(list(args or ())),
-        "kwargs": _dumps(dict(kwargs or {})),
-        "headers": _dumps(headers),
-        "options": _dumps(options),
-        "state": PENDING,
-        "attempts": 0,
-        "next_attempt_at": now,
-        "created_at": now,
-        "dispatched_at": None,
+        "intent_key": headers[KEY_HEADER], "task_name": task.name, "args": _dumps(list(args or ())),
+        "kwargs": _dumps(dict(kwargs or {})), "headers": _dumps(headers), "options": _dumps(options),
+        "state": PENDING, "attempts": 0, "next_attempt_at": now, "created_at": now, "dispatched_at": None,
         "last_error": None,
     }
 
@@ -288,37 +205,21 @@ def _insert(dialect: str, table: sa.TableClause, row: dict[str, Any]) -> Any:
 
 
 def _dialect_name(bind: Bind) -> str:
-    if isinstance(bind, Connection):
-        return str(bind.dialect.name)
-    return str(bind.get_bind().dialect.name)  # a session: the engine (or connection) it writes to
+    written_to = bind if isinstance(bind, Connection) else bind.get_bind()  # a session: what it writes to
+    return str(written_to.dialect.name)
 
 
-def enqueue(
-    session_or_connection: Bind,
-    task: Task,
-    args: Sequence[Any] | None = None,
-    kwargs: Mapping[str, Any] | None = None,
-    *,
-    idempotency_key: str | None = None,
-    idempotency_tenant: str | None = None,
-    table: sa.Table | str | None = None,
-    **options: Any,
-) -> str:
+def enqueue(session_or_connection: Bind, task: Task, args: Sequence[Any] | None = None,
+            kwargs: Mapping[str, Any] | None = None, *, idempotency_key: str | None = None,
+            idempotency_tenant: str | None = None, table: sa.Table | str | None = None, **options: Any) -> str:
     """Write ``task.apply_async(args, kwargs, **options)`` into the outbox, in the caller's transaction.
 
-    ``session_or_connection`` is a SQLAlchemy ORM ``Session`` or a Core
-    ``Connection``; nothing is committed here: the row becomes visible to the
-    relay when your transaction commits, and vanishes with it on rollback.
-    ``task`` must be an :class:`~idemmail_celery.IdempotentTask`. The call is
-    validated and its key derived as ``apply_async`` would, so bad input raises
-    (:class:`~idemmail_celery.IdemmailError` subclasses, ``TypeError``) before
-    anything is written. The same intent enqueued again is not a second row.
-
-    ``options``: ``queue``, ``routing_key``, ``exchange``, ``priority``,
-    ``countdown`` and ``expires`` in seconds (counted from now, not from when the
-    relay publishes: stored as absolute times), ``eta``, ``time_limit``,
-    ``soft_time_limit``, ``headers`` (yours; the intent's are added).
-    Returns the intent key.
+    ``session_or_connection`` is an ORM ``Session`` or a Core ``Connection``; nothing is committed here.
+    ``task`` must be an :class:`~idemmail_celery.IdempotentTask`. The call is validated and its key
+    derived as ``apply_async`` would, so bad input raises (:class:`~idemmail_celery.IdemmailError`
+    subclasses, ``TypeError``) before anything is written. The same intent enqueued again is not a
+    second row. ``options``: those in :data:`ALLOWED_OPTIONS`; ``countdown`` and ``expires`` count from
+    now, not from the relay's publish. Returns the intent key.
     """
     t = _table(table)
     row = _row(task, args, kwargs, idempotency_key, idempotency_tenant, options)
@@ -337,31 +238,19 @@ def _email_task(app: Celery | None, task: Task | None) -> Task:
     try:
         found: Task = chosen.tasks[TASK_NAME]
     except KeyError:
-        raise ConfigurationError(
-            f"{TASK_NAME} is not registered on {chosen.main!r}: import idemmail_celery where the app is "
-            "defined, or call idemmail_celery.mail.register(app)"
-        ) from None
+        raise ConfigurationError(f"{TASK_NAME} is not registered on {chosen.main!r}: import idemmail_celery where "
+                                 "the app is defined, or call idemmail_celery.mail.register(app)") from None
     return found
 
 
-def enqueue_email(
-    session_or_connection: Bind,
-    *,
-    app: Celery | None = None,
-    task: Task | None = None,
-    options: Mapping[str, Any] | None = None,
-    table: sa.Table | str | None = None,
-    **email: Any,
-) -> str:
+def enqueue_email(session_or_connection: Bind, *, app: Celery | None = None, task: Task | None = None,
+                  options: Mapping[str, Any] | None = None, table: sa.Table | str | None = None, **email: Any) -> str:
     """:func:`enqueue` a ``send_email`` call: ``enqueue_email(session, app=app, to=..., subject=..., ...)``.
 
-    ``email`` takes ``send_email``'s keywords (``to``, ``subject``, ``text``,
-    ``html``, ``event_id``, ``template``, ``tenant``, ...); invalid mail raises
-    :class:`~idemmail_celery.errors.InvalidEmail` before anything is written.
-    The task is ``task``, else ``send_email`` as registered on ``app`` (default:
-    ``celery.current_app``). Publishing options go in ``options``
-    (``{"queue": "mail"}``), apart from the email's own ``headers``.
-    Returns the intent key.
+    ``email`` takes ``send_email``'s keywords; invalid mail raises
+    :class:`~idemmail_celery.errors.InvalidEmail` before anything is written. The task is ``task``, else
+    ``send_email`` on ``app`` (default: ``celery.current_app``). Publishing options go in ``options``
+    (``{"queue": "mail"}``), apart from the email's own ``headers``. Returns the intent key.
     """
     return enqueue(session_or_connection, _email_task(app, task), (), email, table=table, **dict(options or {}))
 
@@ -374,29 +263,15 @@ class OutboxSQL(NamedTuple):
     key: str
 
 
-def enqueue_sql(
-    vendor: str,
-    task: Task,
-    args: Sequence[Any] | None = None,
-    kwargs: Mapping[str, Any] | None = None,
-    *,
-    idempotency_key: str | None = None,
-    idempotency_tenant: str | None = None,
-    table: str = DEFAULT_TABLE,
-    **options: Any,
-) -> OutboxSQL:
-    """:func:`enqueue` for code that writes through its own DB-API connection (Django).
-
-    ``vendor`` is ``postgresql``, ``mysql`` (MariaDB too) or ``sqlite``, as in
-    Django's ``connection.vendor``. The SQL uses ``%s`` placeholders, which
-    Django's cursors take on every backend (and psycopg, PyMySQL natively).
-    Validation is the same as :func:`enqueue`'s, before any SQL exists.
-    """
+def enqueue_sql(vendor: str, task: Task, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, *,
+                idempotency_key: str | None = None, idempotency_tenant: str | None = None, table: str = DEFAULT_TABLE,
+                **options: Any) -> OutboxSQL:
+    """:func:`enqueue` for code that writes through its own DB-API connection (Django): ``vendor`` is
+    ``postgresql``, ``mysql`` (MariaDB too) or ``sqlite``, as Django's ``connection.vendor``; ``%s`` placeholders."""
     row = _row(task, args, kwargs, idempotency_key, idempotency_tenant, options)
     d = _dialect(vendor, paramstyle="format")
-    # A lightweight table without the id column: no RETURNING id that the caller's cursor would not read;
-    # its columns typed as the outbox's, so each value goes through the dialect's own bind processing
-    # (SQLite's timestamps as SQLAlchemy writes them, not through sqlite3's adapter, deprecated in 3.12).
+    # No id column: no RETURNING id the caller's cursor would not read. Typed as the outbox's columns, so each
+    # value goes through the dialect's bind processing (not sqlite3's timestamp adapter, deprecated in 3.12).
     typed = outbox_table().c
     t = sa.table(table, *(sa.column(name, typed[name].type) for name in row))
     compiled = _insert(d.name, t, row).compile(dialect=d)
@@ -414,12 +289,8 @@ def _bound(type_: sa.types.TypeEngine[Any], dialect: sa.Dialect, value: Any) -> 
 
 
 def _claim_sql(conn: Connection, t: sa.Table, batch_size: int, now: dt.datetime) -> Any:
-    query = (
-        sa.select(t)
-        .where(t.c.state == PENDING, t.c.next_attempt_at <= now)
-        .order_by(t.c.next_attempt_at, t.c.id)
-        .limit(batch_size)
-    )
+    query = (sa.select(t).where(t.c.state == PENDING, t.c.next_attempt_at <= now)
+             .order_by(t.c.next_attempt_at, t.c.id).limit(batch_size))
     if conn.dialect.name == "sqlite":
         return query  # the write lock taken by BEGIN IMMEDIATE already excludes other relays
     return query.with_for_update(skip_locked=True)
@@ -428,8 +299,7 @@ def _claim_sql(conn: Connection, t: sa.Table, batch_size: int, now: dt.datetime)
 def _begin(conn: Connection, t: sa.Table) -> None:
     """Open the batch's transaction; on SQLite, with the database's write lock taken up front."""
     if conn.dialect.name != "sqlite":
-        # READ COMMITTED: InnoDB takes no gap locks, so web requests inserting new rows
-        # never wait for a relay's batch (PostgreSQL's default already).
+        # READ COMMITTED: InnoDB takes no gap locks, so inserting web requests never wait for a relay.
         conn.execution_options(isolation_level="READ COMMITTED")
         conn.begin()
         _check_skip_locked(conn)
@@ -439,8 +309,7 @@ def _begin(conn: Connection, t: sa.Table) -> None:
     if not getattr(driver, "in_transaction", False):
         conn.exec_driver_sql("BEGIN IMMEDIATE")
     else:
-        # The engine already opened a deferred transaction (SQLAlchemy's pysqlite recipe does):
-        # a write that matches nothing takes the same RESERVED lock BEGIN IMMEDIATE would.
+        # A deferred transaction is open (SQLAlchemy's pysqlite recipe): a write matching nothing takes the lock.
         conn.execute(sa.update(t).where(sa.false()).values(state=t.c.state))
 
 
@@ -448,38 +317,19 @@ def _check_skip_locked(conn: Connection) -> None:
     dialect = conn.dialect
     version = dialect.server_version_info or ()
     if getattr(dialect, "is_mariadb", False) and tuple(version[:2]) < (10, 6):
-        raise ConfigurationError(
-            f"the outbox relay needs SKIP LOCKED: MariaDB 10.6 or later (this server is {version}); "
-            "or run a single relay"
-        )
+        raise ConfigurationError(f"the outbox relay needs SKIP LOCKED: MariaDB 10.6 or later (this server is "
+                                 f"{version}); or run a single relay")
 
 
-def relay(
-    engine: Engine,
-    app: Celery,
-    *,
-    batch_size: int = 100,
-    table: sa.Table | str | None = None,
-    retry_backoff: float = 1.0,
-    retry_backoff_max: float = 300.0,
-    before_commit: Callable[[Sequence[int]], None] | None = None,
-) -> int:
+def relay(engine: Engine, app: Celery, *, batch_size: int = 100, table: sa.Table | str | None = None,
+          retry_backoff: float = 1.0, retry_backoff_max: float = 300.0,
+          before_commit: Callable[[Sequence[int]], None] | None = None) -> int:
     """Publish one batch of due pending rows and mark them dispatched; returns how many were published.
 
-    One short transaction: ``SELECT ... FOR UPDATE SKIP LOCKED`` (PostgreSQL,
-    MariaDB 10.6+; on SQLite ``BEGIN IMMEDIATE`` instead), publish each row with
-    ``task.apply_async(args, kwargs, headers=<its stored headers>, **options)``
-    (``app.send_task`` by name if this process does not know the task: the key
-    travels in the headers either way), mark the published rows, commit. Safe to
-    run in several processes at once; a relay that dies before its commit leaves
-    its rows to be published again, which the idempotent task absorbs.
-
-    A row that cannot be published gets ``attempts + 1``, ``last_error`` and a
-    ``next_attempt_at`` after an exponential backoff (``retry_backoff`` doubling
-    up to ``retry_backoff_max`` seconds, with jitter) and stays pending. A broker
-    error ends the batch early: the other rows would only fail the same way.
-    ``before_commit`` is called with the published row ids just before the commit
-    (a seam for tests and metrics).
+    Safe to run in several processes at once. A row that cannot be published stays pending with
+    ``attempts + 1``, ``last_error`` and a ``next_attempt_at`` after a backoff (``retry_backoff`` doubling
+    up to ``retry_backoff_max`` seconds, with jitter); a broker error ends the batch. ``before_commit``
+    is called with the published row ids just before the commit (a seam for tests and metrics).
     """
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
@@ -499,26 +349,20 @@ def relay(
                     _publish(app, row, producer)
                 except Exception as exc:
                     failed.append((row, exc))
-                    if _is_broker_error(exc):
-                        break
+                    if isinstance(exc, (KombuOperationalError, ConnectionError, OSError)):
+                        break  # a broker error: the other rows would only fail the same way
                 else:
                     done.append(row.id)
         if done:
-            conn.execute(
-                sa.update(t).where(t.c.id.in_(done))
-                .values(state=DISPATCHED, dispatched_at=_utcnow(), attempts=t.c.attempts + 1, last_error=None)
-            )
+            conn.execute(sa.update(t).where(t.c.id.in_(done)).values(
+                state=DISPATCHED, dispatched_at=_utcnow(), attempts=t.c.attempts + 1, last_error=None))
         for row, error in failed:
             delay = backoff(row.attempts, retry_backoff, retry_backoff_max)
             log.warning("idemmail outbox: publishing row %s (%s) failed, next try in %.1fs: %s",
                         row.id, logsafe(row.task_name), delay, logsafe(error))
-            conn.execute(
-                sa.update(t).where(t.c.id == row.id).values(
-                    attempts=t.c.attempts + 1,
-                    next_attempt_at=_utcnow() + dt.timedelta(seconds=delay),
-                    last_error=f"{type(error).__name__}: {error}"[:_MAX_ERROR],
-                )
-            )
+            conn.execute(sa.update(t).where(t.c.id == row.id).values(
+                attempts=t.c.attempts + 1, next_attempt_at=_utcnow() + dt.timedelta(seconds=delay),
+                last_error=f"{type(error).__name__}: {error}"[:_MAX_ERROR]))
         if before_commit is not None:
             before_commit(list(done))
         conn.commit()
@@ -538,10 +382,8 @@ def _publish(app: Celery, row: Any, producer: Any) -> None:
 
 
 def _relayed(task: IdempotentTask, args: Any, kwargs: Any, headers: dict[str, Any]) -> dict[str, Any]:
-    """A row's stored headers with the time of this publish sealed in (``idemmail_relayed``): the retry deadline
-    counts from it, not from the row's write, so a row relayed hours late still has its whole budget. The enqueue
-    and due times stay the row's own. Headers whose seal this process cannot check (a key secret it lacks) go as
-    they were stored, the deadline then counting from the write."""
+    """A row's stored headers with the time of this publish sealed in (``idemmail_relayed``), from which the retry
+    deadline counts; as stored if this process cannot check their seal (a key secret it lacks)."""
     builder = task.key_builder
     payload = builder.payload(args, kwargs)
     if builder.check_seal(headers, payload) is not Seal.VALID:
@@ -549,23 +391,9 @@ def _relayed(task: IdempotentTask, args: Any, kwargs: Any, headers: dict[str, An
     return task.sealed({**headers, RELAYED_HEADER: f"{time.time():.3f}"}, payload)
 
 
-def _is_broker_error(exc: BaseException) -> bool:
-    return isinstance(exc, (KombuOperationalError, ConnectionError, OSError))
-
-
-def drain(
-    engine: Engine,
-    app: Celery,
-    *,
-    batch_size: int = 100,
-    table: sa.Table | str | None = None,
-    max_seconds: float = 10.0,
-    **relay_options: Any,
-) -> int:
-    """Run :func:`relay` batch after batch until a batch comes back short or ``max_seconds`` have passed.
-
-    Returns the number of rows published. What the beat-driven relay task runs.
-    """
+def drain(engine: Engine, app: Celery, *, batch_size: int = 100, table: sa.Table | str | None = None,
+          max_seconds: float = 10.0, **relay_options: Any) -> int:
+    """Run :func:`relay` until a batch comes back short or ``max_seconds`` have passed; rows published."""
     deadline = time.monotonic() + max_seconds
     total = 0
     while True:
@@ -576,12 +404,8 @@ def drain(
 
 
 def purge_dispatched(engine: Engine, *, older_than: float, table: sa.Table | str | None = None) -> int:
-    """Delete rows dispatched more than ``older_than`` seconds ago; returns how many.
-
-    Keep them at least as long as a re-enqueue of the same intent could arrive:
-    a purged key enqueued again is a new row and a new publish (which the ledger
-    still answers as a duplicate while it remembers the key).
-    """
+    """Delete rows dispatched more than ``older_than`` seconds ago; returns how many. A purged key enqueued
+    again is a new row and a new publish (a duplicate while the ledger remembers it)."""
     t = _table(table)
     cutoff = _utcnow() - dt.timedelta(seconds=older_than)
     with engine.begin() as conn:
@@ -597,30 +421,21 @@ _engines_lock = threading.Lock()
 
 @after_fork
 def _forget_engines() -> None:
-    """A forked pool child must not share its parent's sockets: it builds its own engines."""
+    """A forked pool child builds its own engines (dropped, not disposed: the connections are the parent's)."""
     global _engines_lock
-    _engines.clear()  # dropped, not disposed: the connections are the parent's
+    _engines.clear()
     _engines_lock = threading.Lock()
 
 
 def _engine_for(url: str) -> Engine:
-    """One engine per URL and process."""
     with _engines_lock:
-        engine = _engines.get(url)
-        if engine is None:
-            engine = _engines[url] = sa.create_engine(url, pool_pre_ping=True)
-        return engine
+        if url not in _engines:
+            _engines[url] = sa.create_engine(url, pool_pre_ping=True)
+        return _engines[url]
 
 
-def register_relay(
-    app: Celery,
-    url: str | None = None,
-    *,
-    name: str = RELAY_TASK,
-    table: str | None = None,
-    batch_size: int | None = None,
-    max_seconds: float | None = None,
-) -> Task:
+def register_relay(app: Celery, url: str | None = None, *, name: str = RELAY_TASK, table: str | None = None,
+                   batch_size: int | None = None, max_seconds: float | None = None) -> Task:
     """Register the relay task on ``app`` and return it; schedule it on beat every few seconds::
 
         register_relay(app, "postgresql+psycopg://app@db/shop")
@@ -628,12 +443,9 @@ def register_relay(
             "task": "idemmail_celery.outbox_relay", "schedule": 2.0, "options": {"expires": 10},
         }
 
-    Settings read at run time when not given here: ``idemmail_outbox_url`` (the
-    database holding the outbox), ``idemmail_outbox_table``,
-    ``idemmail_outbox_batch_size`` (100), ``idemmail_outbox_max_seconds`` (10:
-    one run drains for at most this long). Runs on several workers at once are
-    safe (``SKIP LOCKED``); on SQLite they take turns. The task returns the number
-    of rows it published.
+    Settings read at run time when not given here: ``idemmail_outbox_url`` (the database holding the
+    outbox), ``idemmail_outbox_table``, ``idemmail_outbox_batch_size`` (100), ``idemmail_outbox_max_seconds``
+    (10: one run drains for at most this long). The task returns the number of rows it published.
     """
 
     def outbox_relay() -> int:
@@ -644,23 +456,12 @@ def register_relay(
     return task
 
 
-def run_relay(
-    app: Celery,
-    url: str | None = None,
-    *,
-    table: str | None = None,
-    batch_size: int | None = None,
-    max_seconds: float | None = None,
-) -> int:
-    """What the relay task runs: :func:`drain` with the app's settings for what is not given (see
-    :func:`register_relay`), on one engine per database URL and process."""
+def run_relay(app: Celery, url: str | None = None, *, table: str | None = None, batch_size: int | None = None,
+              max_seconds: float | None = None) -> int:
+    """What the relay task runs: :func:`drain` with the app's settings for what is not given."""
     settings = Settings.resolve(app.conf)
     db_url = url or settings.outbox_url
     if not db_url:
         raise ConfigurationError("set idemmail_outbox_url (or pass url= to register_relay)")
-    return drain(
-        _engine_for(str(db_url)), app,
-        batch_size=batch_size or settings.outbox_batch_size,
-        table=table or settings.outbox_table,
-        max_seconds=max_seconds or settings.outbox_max_seconds,
-    )
+    return drain(_engine_for(str(db_url)), app, batch_size=batch_size or settings.outbox_batch_size,
+                 table=table or settings.outbox_table, max_seconds=max_seconds or settings.outbox_max_seconds)

@@ -1,32 +1,8 @@
 """What each run of an idempotent task came to, told to the log, to Flower and to metrics.
 
-:class:`~idemmail_celery.IdempotentTask` calls :func:`report` once per outcome.
-Each report is
-
-* one log line on the ``idemmail_celery.outcome`` logger (``logfmt`` pairs, escaped
-  so no value spans lines; the same fields in ``extra=`` for JSON formatters): DEBUG
-  for a routine success (``sent`` as the body returned it, ``duplicate`` replaying a
-  ``sent`` record), whose status, key and message id Celery's own "succeeded" line
-  already shows (the task's result is the outcome); INFO otherwise (a campaign's
-  recipients, a reconciled send, a replayed failure, a retry, ...), WARNING for
-  ``review``, ``failed``, ``in_flight_gave_up``, ``key_reuse``, ``fail_open``,
-  ``setup_error`` and any ``recorded=false``, ERROR for ``ledger_unavailable_gave_up``, a ``failed``
-  whose retry deadline passed (``retry_deadline``: the provider refused it for hours) and a ``sent``
-  the ledger did not record;
-* a ``task-idemmail`` Celery event, when the worker sends task events (``-E`` or
-  ``worker_send_task_events``), only for outcomes whose task ends in FAILURE or
-  RETRY (a task that succeeds carries its outcome as its result): Flower shows
-  the custom state ``IDEMMAIL`` until the task's own ``task-failed``/``task-retried``
-  event arrives, and keeps the event's ``result`` (the outcome). One dispatcher per
-  process sends them;
-* a count in :mod:`idemmail_celery.metrics`, when metrics are on: one per run in
-  ``idemmail_outcomes_total`` (a reclaim is a step, counted in
-  ``idemmail_reclaims_total`` only), ``idemmail_unrecorded_total`` for
-  ``recorded=false``, and ``idemmail_failed_total`` for ``failed``, by reason.
-
-Reports carry the intent key (a keyed hash), the task name and id, the status,
-the provider's message id, a reason word and attempt counts: never an
-address, a subject or a payload.
+:func:`report` writes a ``logfmt`` line on the ``idemmail_celery.outcome`` logger, sends a ``task-idemmail`` event
+for outcomes whose task does not succeed, and counts it in :mod:`idemmail_celery.metrics` (see docs/operations.md).
+Reports never carry an address, a subject or a payload.
 """
 
 from __future__ import annotations
@@ -53,8 +29,7 @@ EVENT = "task-idemmail"
 _WARN = {Outcome.REVIEW, Outcome.FAILED, Outcome.IN_FLIGHT_GAVE_UP, Outcome.KEY_REUSE, Outcome.FAIL_OPEN,
          Outcome.SETUP_ERROR}
 _ERROR = {Outcome.LEDGER_GAVE_UP}
-#: Outcomes whose task ends in FAILURE or RETRY: only they need a ``task-idemmail`` event, since a
-#: task that succeeds carries its outcome as its result (``task-succeeded``).
+#: Outcomes whose task ends in FAILURE or RETRY: a task that succeeds carries its outcome as its result.
 _EVENTFUL = {Outcome.REVIEW, Outcome.FAILED, Outcome.RETRY, Outcome.IN_FLIGHT, Outcome.IN_FLIGHT_GAVE_UP,
              Outcome.LEDGER_UNAVAILABLE, Outcome.LEDGER_GAVE_UP, Outcome.KEY_REUSE, Outcome.SETUP_ERROR}
 #: Outcomes whose task ends in SUCCESS (a fail_open run is never recorded: it has its event already).
@@ -69,14 +44,10 @@ class _Worker:
 
 def report(task: Any, status: Outcome | str, key: str, *, message_id: Any = None, reason: str | None = None,
            event: bool = True, **extra: Any) -> None:
-    """Tell the log, Flower and metrics what this run of ``task`` came to.
+    """Tell the log, Flower and metrics what this run of ``task`` came to. Never raises.
 
-    ``extra`` holds further short, non-personal fields (``recorded``, ``reschedules``,
-    ``action``). ``recorded`` is the state of the record a duplicate replays (``"sent"``,
-    ``"failed"``, ``"review"``), or ``False`` (a boolean in the event and the ``extra=`` of the log
-    record; ``"false"`` is taken for it) when the ledger does not hold the outcome.
-    ``event=False``: no ``task-idemmail`` event (a campaign's recipients, whose task id is the
-    campaign's). Never raises: reporting must not change an outcome.
+    ``extra``: further short, non-personal fields; ``recorded`` is the state of the record a duplicate replays, or
+    ``False`` (or ``"false"``) when the ledger does not hold the outcome. ``event=False``: no ``task-idemmail`` event.
     """
     status = Outcome(status)
     if extra.get("recorded") in (False, "false"):
@@ -129,16 +100,13 @@ def _maybe_event(task: Any, status: Outcome, key: str, message_id: str | None, r
     if status in _EVENTFUL or recorded is False or replayed_failure:
         _event(task, status, key, message_id, reason, attempts, extra)
     elif status in _SUCCESS and (state_of(task.request, create=False) or RequestState()).rescheduled:
-        # Flower keeps the exception of an earlier task-retried event after the task succeeds (its
-        # task-succeeded names none): this event clears it, and leaves the result to task-succeeded.
+        # Flower keeps an earlier task-retried event's exception after the task succeeds: this event clears it.
         _event(task, status, key, message_id, reason, attempts, extra, clear_exception=True)
 
 
 def clean_reason(reason: Any) -> str:
-    """A reason word as reports carry it: ``[a-z0-9_]{1,40}`` (comma-joined field names allowed), else ``other``.
-
-    Reasons come from providers and task code: free text could carry an address or forge a log line.
-    """
+    """A reason word as reports carry it: ``[a-z0-9_]{1,40}`` (comma-joined allowed), else ``other`` (free text
+    from providers and task code could carry an address or forge a log line)."""
     text = str(reason)
     return text if _REASON.fullmatch(text) else "other"
 
@@ -161,7 +129,6 @@ def _log(level: int, status: Outcome, name: str, key: str, task_id: str | None, 
     if reason:
         fields["reason"] = reason
     fields.update(extra)
-    # ``recorded=false``, as the docs and log queries know it (the field holds the boolean False).
     line = " ".join(f"{k}={'false' if k == 'recorded' and v is False else _logfmt(v)}" for k, v in fields.items())
     log.log(level, "idemmail outcome %s", line, extra={"idemmail": fields})
 
@@ -186,18 +153,12 @@ def _event(task: Any, status: Outcome, key: str, message_id: str | None, reason:
         if reason:
             shown["reason"] = reason
         shown.update(extra)
-        # Flower lists only Celery's own task fields: ``result`` is the one an event may fill.
-        fields["result"] = repr(shown)
+        fields["result"] = repr(shown)  # the one field of Celery's own that Flower lists and an event may fill
     _Events.send(task.app, request.hostname, request.id, fields)
 
 
 class _Events:
-    """One event dispatcher per process (``Task.send_event`` builds one per event: ~60 us more each).
-
-    Shared by the process's threads (or greenlets) under a lock: a per-thread one would leak a
-    connection per greenlet. A forked pool child never writes on its parent's connection: it
-    drops (never closes: the socket is the parent's too) what it inherited, right after the fork.
-    """
+    """One event dispatcher per process, shared under a lock; a forked child drops (never closes) its parent's."""
 
     lock = threading.Lock()
     dispatcher: Any = None
@@ -251,9 +212,7 @@ def configure_metrics(app: Any, worker: Any) -> None:
 
 
 def app_ledger(app: Any) -> Callable[[], Any]:
-    """The app's ledger as the metrics endpoint reads it: the tasks' own options (payload keys,
-    keep_payload, backend options), opened passive (a scrape reads the loss markers and never
-    writes them: no new epoch on an emptied store)."""
+    """The app's ledger as the metrics endpoint reads it: opened passive (a scrape never writes the loss markers)."""
     def ledger() -> Any:
         s = Settings.resolve(app.conf, None)
         return shared(s.ledger_url, {**s.ledger_kwargs(), **passive_options(s.ledger_url)})

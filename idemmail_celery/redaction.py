@@ -1,38 +1,9 @@
 """Keep personal data (addresses, subjects, bodies) out of what Celery and the library show.
 
-**Error texts.** :func:`scrub` takes addresses (anything shaped ``local@domain``) and the
-message's own addresses, display names and subject out of a text; :func:`scrub_error` does
-it to a :class:`~idemmail_celery.errors.SendError` in place, and :func:`scrubbed` wraps a
-provider's ``send`` so that every error it raises, and a stored response text, is scrubbed
-before it reaches a log line, an exception, a Flower event, the result backend or the
-ledger's ``error`` field. Every built-in provider's ``send`` is wrapped, and ``send_email``
-scrubs again whatever a custom provider raises.
-
-**Task arguments.** Celery copies a message's ``argsrepr``/``kwargsrepr`` headers into its task events
-(Flower) and worker logs, and builds them from the real arguments unless the sender
-gave its own. ``IdempotentTask.apply_async`` gives its own, but a message can be
-published by other paths: ``app.send_task(name, ...)``, the outbox relay for a task
-it does not know, canvas primitives, a retry. :func:`on_before_publish`, Celery's
-``before_task_publish`` handler, therefore redacts every message, whatever the path, of
-
-* a task registered here as redacting: every ``IdempotentTask`` whose
-  ``redact_args`` setting is on (the default), and ``send_email`` and ``send_campaign``
-  from import on (a process may publish them by name without importing them);
-* a task still pending in an app not finalized (the adapter recognises it:
-  ``IdempotentTask`` registers tasks when their app binds them);
-* a task this process does not know that carries an intent key header
-  (``idempotency_key``): it was derived by an idempotent task somewhere.
-
-The redacted headers read ``<redacted>`` and ``<redacted: idempotency key …>``.
-Not covered: ``task_send_sent_event`` builds its ``task-sent`` event before the
-signal, from what the sender gave (``apply_async`` gives the redacted text; a bare
-``send_task`` does not), and a result backend with ``result_extended`` stores the
-real arguments.
-
-This module imports nothing from Celery: the Celery-free state machine
-(:mod:`idemmail_celery.handler`) scrubs with it. The adapter, :mod:`idemmail_celery.task`,
-connects :func:`on_before_publish` to the signal when it is imported, which importing
-anything from the package does.
+Error texts: :func:`scrub`, :func:`scrub_error` and the provider decorator :func:`scrubbed`. Task arguments:
+:func:`on_before_publish`, Celery's ``before_task_publish`` handler, redacts ``argsrepr``/``kwargsrepr`` of
+every message of a redacting task (:func:`redacts`), whatever path publishes it. What is and is not covered:
+docs/security.md. No Celery import here: the Celery-free handler scrubs with it.
 """
 
 from __future__ import annotations
@@ -59,18 +30,16 @@ log = logging.getLogger("idemmail_celery")
 ADDRESS_MARK = "<address>"
 #: What a personal text of the message (a display name, the subject) becomes.
 PERSONAL_MARK = "<redacted>"
-#: Anything shaped like an address ("550 5.1.1 <bob@example.com>: unknown", JSON, prose).
-#: Each side bounded (an address is at most 254 characters): unbounded, a long run without "@" (a
-#: base64 blob a provider echoes) costs quadratic time, and scrubbing runs while the claim is held.
+#: Anything shaped like an address. Each side bounded (an address is at most 254 characters): unbounded, a
+#: long run without "@" (a base64 blob a provider echoes) costs quadratic time while the claim is held.
 _ADDRESS = re.compile(r"<?[^\s<>()\[\],;:\"'`]{1,254}@[^\s<>()\[\],;:\"'`]{1,254}>?")
-#: An address as a URL writes it ("?to=ann%40example.com&", "%3Cann%40example.com%3E"): the local
-#: part stops at "=", "&", "/", "?" and an encoded space; the domain takes escapes of non-ASCII only.
+#: An address as a URL writes it ("?to=ann%40example.com&"): the local part stops at "=", "&", "/", "?" and an
+#: encoded space; the domain takes escapes of non-ASCII only.
 _URL_ADDRESS = re.compile(r"(?<!%)(?<!%[0-9A-F])(?:[\w.!$'*+~-]|%(?!20|40)[0-9A-F]{2}){1,254}%40"
                           r"(?:[\w-]|%[89A-F][0-9A-F]){1,254}(?:\.(?:[\w-]|%[89A-F][0-9A-F]){1,254}){0,127}(?:%3E)?",
                           re.IGNORECASE)
-# What a provider may put between the words of a text it quotes: any run of white space, also as
-# JSON (\t, \n) or a URL (%20, +) writes it. Providers collapse, re-wrap and escape the white space of
-# what they quote, so a subject with two spaces or a TAB must not escape its match by it.
+# Any run of white space, also as JSON (\t, \n) or a URL (%20, +) writes it: providers collapse, re-wrap and
+# escape the white space of what they quote.
 _CANON = re.compile(r"(?P<gap>(?:\s|\\[tnrf]|\\u00[aA]0|%20|%09|%0[aAdD]|\+)+)|[^\s\\%+]+|.", re.DOTALL)
 _JSON_TOKEN = re.compile(r'\\u([0-9a-fA-F]{4})(?:\\u([dD][c-fC-F][0-9a-fA-F]{2}))?|\\(["\\/bfnrt])|[^\\]+|\\')
 _JSON_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
@@ -88,20 +57,14 @@ def _lower(chunk: str) -> str:
 def _canonical(view: _View) -> _View:
     """``view`` lower-cased, every run of white space (as text, JSON or a URL writes it) one space."""
     text, starts, ends = view
-    out: list[str] = []
-    out_starts: list[int] = []
-    out_ends: list[int] = []
+    read = _Reading()
     for m in _CANON.finditer(text):
         a, b = m.span()
         if m.lastgroup == "gap":
-            out.append(" ")
-            out_starts.append(starts[a])
-            out_ends.append(ends[b - 1])
+            read.char(" ", starts[a], ends[b - 1])
         else:
-            out.append(_lower(m.group()))
-            out_starts.extend(starts[a:b])
-            out_ends.extend(ends[a:b])
-    return "".join(out), out_starts, out_ends
+            read.copy(_lower(m.group()), starts[a:b], ends[a:b])
+    return read.view()
 
 
 class _Reading:
@@ -118,11 +81,11 @@ class _Reading:
         self.starts.append(start)
         self.ends.append(end)
 
-    def copy(self, text: str, start: int) -> None:
-        """``text``, found as it is at ``start`` in the original."""
+    def copy(self, text: str, starts: Iterable[int], ends: Iterable[int]) -> None:
+        """``text``, each of its characters from ``original[start:end]``."""
         self.out.append(text)
-        self.starts.extend(range(start, start + len(text)))
-        self.ends.extend(range(start + 1, start + len(text) + 1))
+        self.starts.extend(starts)
+        self.ends.extend(ends)
 
     def view(self) -> _View:
         return "".join(self.out), self.starts, self.ends
@@ -145,7 +108,7 @@ def _json_decoded(text: str) -> _View:
         elif short is not None:
             read.char(_JSON_ESCAPES[short], a, b)
         else:
-            read.copy(m.group(), a)
+            read.copy(m.group(), range(a, b), range(a + 1, b + 1))
     return read.view()
 
 
@@ -169,23 +132,15 @@ def _url_decoded(text: str) -> _View:
             for c in decoder.decode(b"", final=True):
                 read.char(c, first, b)
         else:
-            read.copy(token, a)
+            read.copy(token, range(a, b), range(a + 1, b + 1))
     return read.view()
 
 
 def scrub(text: str, personal: Iterable[str] = ()) -> str:
-    """``text`` without addresses, and without any of ``personal`` (the message's names, subject).
+    """``text`` without addresses (:data:`ADDRESS_MARK`, also URL-encoded) and without any of ``personal``.
 
-    ``personal`` texts are matched ignoring case, also as JSON or a URL writes them (escaped
-    quotes, ``\\uXXXX``, ``%20``), whatever white space stands between their words (a provider
-    may collapse two spaces or a TAB into one space); texts under 4 characters are left alone
-    (replacing "Hi" everywhere would garble the error and protect nothing). Addresses, also
-    URL-encoded (``ann%40example.com``), are replaced by :data:`ADDRESS_MARK` wherever they appear.
-
-    Linear in the lengths of ``text`` and ``personal``: the text is read once as written, once
-    with JSON escapes read and once with URL escapes read (each lower-cased, white space
-    collapsed), and each personal text is looked for in those readings with ``str.find``
-    (scrubbing runs while a claim is held, on texts a provider may make long).
+    ``personal`` texts of 4 characters or more become :data:`PERSONAL_MARK`, matched ignoring case and white
+    space, also as JSON or a URL writes them. Linear in the lengths (it runs while a claim is held).
     """
     items = {t for t in (item.strip() for item in personal) if len(t) >= 4}
     if items:
@@ -198,6 +153,8 @@ def scrub(text: str, personal: Iterable[str] = ()) -> str:
         spans: list[tuple[int, int]] = []
         for item in items:
             wanted = _canonical((item, list(range(len(item))), list(range(1, len(item) + 1))))[0].strip()
+            if not wanted:  # white space alone as a URL or JSON writes it ("++++", "%20%20"): nothing to find
+                continue
             for view, starts, ends in views:
                 at = view.find(wanted)
                 while at >= 0:
@@ -213,17 +170,14 @@ def scrub(text: str, personal: Iterable[str] = ()) -> str:
 
 def _replaced(text: str, spans: list[tuple[int, int]]) -> str:
     """``text`` with each of ``spans`` (overlapping ones merged) replaced by :data:`PERSONAL_MARK`."""
-    merged: list[list[int]] = []
-    for a, b in sorted(spans):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
     out: list[str] = []
     done = 0
-    for a, b in merged:
-        out += (text[done:a], PERSONAL_MARK)
-        done = b
+    for a, b in sorted(spans):
+        if out and a <= done:  # overlaps or touches the span before: one mark for both
+            done = max(done, b)
+        else:
+            out += (text[done:a], PERSONAL_MARK)
+            done = b
     out.append(text[done:])
     return "".join(out)
 
@@ -232,11 +186,7 @@ _E = TypeVar("_E", bound=SendError)
 
 
 def scrub_error(exc: _E, personal: Iterable[str] = ()) -> _E:
-    """Scrub ``exc``'s message in place (its ``args`` too, which Celery serializes); returns it.
-
-    An exception chained to it (``__cause__``/``__context__``) whose text would leak is cut
-    off: tracebacks print every link of the chain.
-    """
+    """Scrub ``exc``'s message in place (its ``args`` too, which Celery serializes) and cut a leaking chain."""
     personal = tuple(personal)
     clean = scrub(exc.message, personal)
     if clean != exc.message:
@@ -249,12 +199,7 @@ _X = TypeVar("_X", bound=BaseException)
 
 
 def cut_leaking_chain(exc: _X, personal: Iterable[str] = ()) -> _X:
-    """Cut ``exc`` off from the exceptions chained to it (``__cause__``/``__context__``) when any of
-    them would leak an address or one of ``personal``; returns ``exc``.
-
-    A traceback prints every link of the chain, wherever it goes: the result backend, the
-    ``task-failed`` event, the worker's ERROR log. ``exc``'s own text is the caller's to scrub.
-    """
+    """Cut ``exc`` (returned) off from its chained exceptions when any would leak: a traceback prints them all."""
     personal = tuple(personal)
     link, seen = exc.__cause__ or exc.__context__, 0
     while link is not None and seen < 100:
@@ -270,20 +215,14 @@ _Send = TypeVar("_Send", bound=Callable[..., Any])
 
 
 class _Message(Protocol):
-    """What :func:`scrubbed` reads of a message (an :class:`~idemmail_celery.email.EmailMessage`): the texts that
-    name its recipients (declared here: the providers this decorates import this module, not the other way)."""
+    """What :func:`scrubbed` reads of an :class:`~idemmail_celery.email.EmailMessage` (which imports this module)."""
 
     def personal_texts(self) -> tuple[str, ...]: ...
 
 
 def scrubbed(send: _Send) -> _Send:
-    """Decorate a provider's ``send(self, message, *, key)``: what it raises or stores is scrubbed.
-
-    A :class:`~idemmail_celery.errors.SendError` leaves with :func:`scrub_error` applied
-    (the message's addresses, display names and subject); every text in a result's ``extra``
-    (an answer's raw text, an SMTP server's reply) is scrubbed the same way: the result is
-    stored in the ledger and replayed to every duplicate.
-    """
+    """Decorate a provider's ``send(self, message, *, key)``: a :class:`~idemmail_celery.errors.SendError` it
+    raises, and every text in its result's ``extra`` (stored and replayed), are scrubbed of the message's texts."""
 
     @functools.wraps(send)
     def wrapper(self: Any, message: _Message, **kwargs: Any) -> Any:  # a Provider's send: a SendResult back
@@ -357,10 +296,7 @@ def on_before_publish(sender: str | None = None, headers: dict[str, Any] | None 
                       **_: Any) -> None:
     """Celery's ``before_task_publish`` handler: redact ``headers`` (``argsrepr``/``kwargsrepr``) in place.
 
-    ``sender`` is the task name. A message :func:`redacts` says yes to shows :data:`ARGSREPR` and
-    :func:`kwargsrepr` of its intent key; one ``apply_async`` already redacted is left alone.
-    ``unsure``: the task is not :func:`known` yet and may be an idempotent one (an app not finalized
-    has not registered its tasks): redacted too.
+    ``sender`` is the task name; ``unsure``: not :func:`known` yet (an app not finalized), redacted too.
     """
     if not headers:
         return

@@ -1,30 +1,16 @@
 """Re-drive what the broker forgot: claims nobody will come back for, and a green pool's unacked messages.
 
-A claim is held by the delivery that made it; if that worker dies, the broker hands the message
-out again (RabbitMQ at once, the Redis transport after its visibility timeout) and the next
-delivery takes the claim over. Two things break that promise:
+* :func:`sweep_stranded` republishes each claim whose lease ran out long ago with no sign of life
+  since (the broker lost its message, or a defect acknowledged the chain's only copy), from its
+  stored first payload and under its own key; the message meets the claim as any late copy would.
+  A live lease is never touched.
+* :func:`restore_unacked_on_a_timer` runs the Redis transport's ``restore_visible`` in workers that
+  run no kombu event loop (``-P gevent``, ``-P eventlet``: celery/celery#4968), which never do.
 
-* a broker that lost the message (a Redis broker restarted without persistence, a queue purged,
-  a message stuck in the Redis transport's ``unacked`` set), or the chain's only copy acknowledged
-  by a defect. The ledger still has the claim and its first payload. :func:`sweep_stranded`
-  republishes each claim whose lease ran out more than the sweep's age ago with no sign of life
-  since (no renewal, no move), from its stored first payload and under its own key. The
-  republished message meets the claim as any late copy would: it takes it over (sent again with
-  the key where the provider de-duplicates on it; reconciled, or parked for review, where it does
-  not), or finds it settled. A claim whose lease is live is never touched.
-* a worker that runs no kombu event loop (``-P gevent``, ``-P eventlet``) on a Redis broker never
-  runs the transport's ``restore_visible`` (celery/celery#4968, #4976): messages of a killed
-  worker stay unacked while only such workers run. :func:`restore_unacked_on_a_timer` runs it
-  from a daemon thread (a greenlet under gevent), every ``unacked_restore_interval``.
-
-Both run by default in every worker whose app has an idempotent task: the package connects the
-worker signals below when it is imported, so there is nothing to include and no beat entry to
-add. In the worker, the sweep runs on a timer, one worker at a time per ledger: each round is
-taken by one worker through a mark in the ledger (``Ledger.mark_hop``, live for the round's
-period), and the sweep itself holds a lease in the ledger (a claim under :data:`LOCK_KEY`,
-withdrawn when it ends), so two sweeps never overlap and twenty workers make one sweep per
-period. ``idemmail_sweep_in_workers`` and ``idemmail_restore_unacked`` turn each off; a beat entry
-for :data:`SWEEP_TASK` (registered in such workers) still runs the same sweep.
+Both run by default in every worker whose app has an idempotent task (the package connects the
+worker signals below); the sweep one worker at a time per ledger. ``idemmail_sweep_in_workers`` and
+``idemmail_restore_unacked`` turn each off; a beat entry for :data:`SWEEP_TASK` still runs the sweep.
+See docs/deployment.md, "Re-drive, on by default".
 """
 
 from __future__ import annotations
@@ -56,12 +42,10 @@ SWEEP_TASK = "idemmail_celery.sweep_stranded"
 LOCK_KEY = hashlib.sha256(b"idemmail_celery:sweep-lock").hexdigest()
 #: Most claims one sweep republishes (the rest wait for the next sweep).
 SWEEP_LIMIT = 1000
-#: The sweep's lease: renewed every third of it while a sweep runs, so a sweeper killed mid-sweep
-#: holds the ledger's sweeps up for no longer than this.
+#: The sweep's lease, renewed every third of it: a sweeper killed mid-sweep holds the sweeps up no longer.
 LOCK_LEASE_SECONDS = 60.0
-#: The least age a derived ``idemmail_sweep_after_seconds`` takes: a claim is re-driven only when
-#: nothing else will, so a few minutes' wait costs nothing, and a short broker timeout cannot make
-#: the sweep race the broker's own redelivery.
+#: The least age a derived ``idemmail_sweep_after_seconds`` takes, so the sweep never races the broker's
+#: own redelivery.
 MIN_SWEEP_AFTER = 300.0
 #: The longest period between two sweeps of one ledger by the workers.
 MAX_SWEEP_EVERY = 900.0
@@ -107,16 +91,13 @@ def _redis_broker(app: Any) -> bool:
 
 
 def _transport_option(app: Any, name: str, default: float) -> float:
-    options = app.conf.broker_transport_options or {}
-    return float(options.get(name) or default)
+    return float((app.conf.broker_transport_options or {}).get(name) or default)
 
 
 def stranded_after(app: Any, tasks: Iterable[IdempotentTask]) -> float:
     """How long a claim of ``tasks`` must have been quiet past its lease before the sweep re-drives it:
     ``idemmail_sweep_after_seconds`` when set, else twice the longest a live chain can leave its claim
-    alone (the broker's visibility timeout with the Redis transport's restore delay, and the tasks'
-    longest backoffs, a provider's ``Retry-After`` being honoured up to the retry backoff's maximum),
-    :data:`MIN_SWEEP_AFTER` at least."""
+    alone (:func:`redelivered_after`, the tasks' longest backoffs), :data:`MIN_SWEEP_AFTER` at least."""
     settings = Settings.resolve(app.conf)
     if settings.sweep_after_seconds is not None:
         return settings.sweep_after_seconds
@@ -132,12 +113,10 @@ def stranded_after(app: Any, tasks: Iterable[IdempotentTask]) -> float:
 
 def redelivered_after(app: Any, *, event_loop: bool = True) -> float:
     """How long after a worker dies, at the most, the broker hands the messages it held out again: the
-    visibility timeout (Redis, SQS), and on Redis the period of the scan that restores them after it
-    (kombu's event loop scans every ``unacked_restore_interval`` x ``unacked_restore_throttle`` seconds;
-    ``event_loop=False``, a green pool: the library's timer, every ``unacked_restore_interval``). 0 for a
-    broker that requeues them when the worker's connection drops (AMQP)."""
+    visibility timeout (Redis, SQS), plus on Redis the :func:`restore_period`. 0 for a broker that requeues
+    them when the worker's connection drops (AMQP)."""
     longest = transport_visibility_timeout(app) or 0.0
-    if longest and _redis_broker(app):  # restored only on the transport's next scan after it
+    if longest and _redis_broker(app):
         longest += restore_period(app, event_loop=event_loop)
     return longest
 
@@ -156,11 +135,9 @@ def sweep_stranded(app: Any, *, after_seconds: float | None = None, now: float |
                    limit: int = SWEEP_LIMIT) -> list[str]:
     """Republish every stranded claim of ``app``'s idempotent tasks; returns their keys.
 
-    A claim is stranded when its lease ran out, and it was last moved, more than ``after_seconds``
-    ago (None: each ledger's :func:`stranded_after`): longer than any reschedule of a live chain
-    waits. A claim with no stored payload (erased, or sealed with keys this process lacks) is logged
-    and left. Each claim is republished at most once per ``after_seconds`` (``Ledger.mark_hop``),
-    whoever sweeps; a ledger another sweeper holds is left to it.
+    A claim is stranded when its lease ran out, and it was last moved, more than ``after_seconds`` ago
+    (None: each ledger's :func:`stranded_after`). A claim with no payload this process can read is logged
+    and left; each is republished at most once per ``after_seconds``, whoever sweeps.
     """
     now = time.time() if now is None else now
     republished: list[str] = []
@@ -223,8 +200,7 @@ def _sweep_ledger(ledger: Ledger, tasks: dict[str, IdempotentTask], after_second
 
 def _stranded(record: Record, after_seconds: float, now: float) -> bool:
     """Is ``record`` a claim whose lease ran out, and that nothing moved, more than ``after_seconds`` before
-    ``now``? Never one whose lease is live, whatever ``after_seconds`` (its holder renews it, or a copy of its
-    message takes it over once it runs out)."""
+    ``now``? Never one whose lease is live, whatever ``after_seconds``."""
     if record.state is not State.CLAIMED:
         return False
     expires = record.lease_expires_at or 0.0
@@ -232,8 +208,7 @@ def _stranded(record: Record, after_seconds: float, now: float) -> bool:
 
 
 def _unlock(ledger: Ledger, token: int) -> None:
-    """End the sweep's lease leaving no record behind (operators and ``ledger stats`` count records);
-    a backend that cannot withdraw releases it instead."""
+    """End the sweep's lease leaving no record behind (``ledger stats`` counts records), else release it."""
     try:
         ledger.withdraw(LOCK_KEY, token)  # False: taken over meanwhile, and the new holder ends it
     except NotImplementedError:
@@ -266,15 +241,9 @@ def _repeat(name: str, wait: Callable[[], float], tick: Callable[[], None],
 
 def restore_unacked(app: Any, connection: Any, lock_seconds: float) -> None:
     """One pass of the Redis transport's ``restore_visible`` over ``connection``: every unacked message older
-    than the visibility timeout goes back to its queue, as kombu's own event loop does (its
-    ``unacked_restore_limit`` unset: no limit), or at most ``unacked_restore_limit`` of them when it is set.
-
-    A whole worker killed holds as many messages as its pool has slots (50 under ``-P gevent -c 50``) plus
-    its countdowns: ten a pass, one pass a restore interval, would hand the last of them back minutes late.
-    kombu's lock over the pass is held ``lock_seconds`` at most unless ``unacked_mutex_expire`` is set: with
-    kombu's 300 s, a worker killed mid-pass (a green pool is killed whole) stopped every restore for five
-    minutes. Two passes that overlap restore each message once (each restore is a transaction watching the
-    unacked set), so a short lock costs at most some work done twice.
+    than the visibility timeout goes back to its queue (at most ``unacked_restore_limit`` when set), as
+    kombu's own event loop does. kombu's lock over the pass is held ``lock_seconds`` at most unless
+    ``unacked_mutex_expire`` is set (why: :func:`bound_restore_lock`).
     """
     options = app.conf.broker_transport_options or {}
     qos = connection.default_channel.qos
@@ -303,8 +272,7 @@ def restore_unacked_on_a_timer(app: Any, interval: float) -> threading.Event:
 
 
 def _sweep_on_a_timer(groups: list[_Swept]) -> threading.Event:
-    """Sweep each of ``groups``' ledgers about once per its period, whichever worker takes the round
-    (:func:`_sweep_round`); set the returned event to stop."""
+    """Sweep each of ``groups``' ledgers about once per its period (:func:`_sweep_round`); set the event to stop."""
     shortest = min(group.every for group in groups)
     # Each worker waits half to all of the period: twenty workers started together do not all ask at once.
     return _repeat("idemmail-sweep-stranded", lambda: shortest * random.uniform(0.5, 1.0),
@@ -331,8 +299,7 @@ def _idempotent(app: Any) -> bool:
 
 
 def _on_init(sender: Any = None, **_: Any) -> None:
-    """``worker_init``: a worker of an app with idempotent tasks can run :data:`SWEEP_TASK` (a beat entry), and
-    holds the Redis transport's restore lock for a bounded time (:func:`bound_restore_lock`)."""
+    """``worker_init``: register :data:`SWEEP_TASK` and :func:`bound_restore_lock` in a worker of idempotent tasks."""
     app = getattr(sender, "app", None)
     if app is None or not _idempotent(app):
         return
@@ -346,11 +313,9 @@ def bound_restore_lock(app: Any, *, event_loop: bool) -> None:
     """Unless ``unacked_mutex_expire`` is set (or ``idemmail_restore_unacked`` is off), set it to one restore
     period (:func:`restore_period`, 1 s at least) in ``app``'s transport options on a Redis broker.
 
-    kombu holds the lock over its restore scan for 300 s by default. A worker killed whole in the middle of a
-    scan (a few milliseconds a message, every second with a quick ``unacked_restore_interval``) leaves it
-    held, and no worker of that database restores anything until it expires: every message of every worker
-    killed meanwhile stays unacked five minutes. Two scans that overlap restore each message once (each
-    restore is a transaction watching the unacked set), so a short lock costs at most some work done twice.
+    kombu holds the lock over its restore scan for 300 s by default: a worker killed mid-scan stops every
+    restore of that database until it expires. Two scans that overlap restore each message once, so a short
+    lock costs at most some work done twice.
     """
     try:
         settings = Settings.resolve(app.conf)

@@ -1,9 +1,7 @@
 """Publishing a message of an intent again: one republisher for ``send_email``, every idempotent task and campaigns.
 
-A retry, a reschedule, the next hop of a wait longer than the broker keeps a countdown, a message sealed
-under a key secret this worker lacks: each is the message published again, sealed last (or exactly as it
-came, when this worker cannot seal), with a countdown below the broker's visibility timeout, and ends the
-delivery with :class:`Rescheduled` (Celery's ``Retry``: the worker acknowledges the old message).
+A retry, a reschedule, the next hop of a long wait: the message published again, sealed last (or as it came), with a
+countdown below the broker's visibility timeout, ending the delivery with :class:`Rescheduled`.
 """
 
 from __future__ import annotations
@@ -26,32 +24,22 @@ from .steps import Policy
 
 log = logging.getLogger("idemmail_celery")
 
-#: Of the broker's visibility timeout, the most a countdown may take (the rest is margin for the
-#: time a message waits in the worker before its countdown starts).
+#: Of the broker's visibility timeout, the most a countdown may take (the rest: margin for a wait in the worker).
 VISIBILITY_SHARE = 0.5
 
 
 class Rescheduled(Retry):  # type: ignore[misc]
-    """The :class:`~celery.exceptions.Retry` of a reschedule, shown as its reason.
-
-    Celery's own reads ``Retry(Retry(...), IdempotencyInFlightError(...), 0.58)``, and a prefork
-    worker's ``task-retried`` event carries that repr, which Flower keeps as the task's exception
-    even after the rescheduled copy succeeds; the reason alone says what happened.
-    """
+    """The :class:`~celery.exceptions.Retry` of a reschedule, shown (in Flower) as its reason alone."""
 
     def __repr__(self) -> str:
         return repr(self.exc) if self.exc is not None else f"Rescheduled({self.message!r})"
 
 
 class Republishing(Protocol):
-    """What the republisher uses of the task it publishes for (an :class:`~idemmail_celery.task.IdempotentTask`): its
-    app, its numbers, the seal of its headers, the delivery it runs (Celery's request) and its signature. Declared here
-    so that this module never imports the adapter that calls it."""
+    """What the republisher uses of an :class:`~idemmail_celery.task.IdempotentTask` (this module never imports it)."""
 
-    @property
-    def app(self) -> Any: ...
-    @property
-    def request(self) -> Any: ...
+    app: Any
+    request: Any
     def signature_from_request(self, request: Any = None, args: Any = None, kwargs: Any = None, queue: Any = None,
                                **extra_options: Any) -> Any: ...
     @property
@@ -68,9 +56,8 @@ class Republisher:
         self.task = task
 
     def split(self, countdown: float, headers: dict[str, Any], hop: str | None = None) -> float:
-        """The countdown to publish with: at most the cap below the visibility timeout; a longer
-        wait travels as ``idemmail_not_before`` and the message hops until then. The message is a
-        new hop (``hop``: the same one again, see ``Handler.in_flight``)."""
+        """The countdown to publish with, at most the cap below the visibility timeout (a longer wait travels as
+        ``idemmail_not_before``), with the message marked a new hop (or ``hop`` again)."""
         cap = self.countdown_cap()
         waits = cap is not None and countdown > cap
         with_hop(headers, hop or uuid.uuid4().hex, time.time() + countdown if waits else None)
@@ -81,28 +68,14 @@ class Republisher:
         return None if vt is None else max(vt * VISIBILITY_SHARE, 0.1)
 
     def wait_until_due(self, headers: dict[str, Any], due: float | None) -> None:
-        """A hop of a long wait that is early: publish the next hop and stop here (nothing claimed).
-
-        A second copy of the same hop (the broker handed it out again after its visibility timeout)
-        publishes a next hop too: unlike a copy waiting on a live claim, a waiting message is the
-        only thing carrying its intent, and a mark set before a publish that never happened (a
-        worker killed in between) would drop it for good. Two waits meet at the claim.
-        """
-        if due is None:
-            return
-        left = due - time.time()
-        if left <= 0.05:
-            return
-        self.publish_again(left, headers, "waiting", TransientSendError("waiting", reason="waiting"))
+        """A hop of a long wait that is early: publish the next hop (every copy does) and stop here, nothing claimed."""
+        left = None if due is None else due - time.time()
+        if left is not None and left > 0.05:
+            self.publish_again(left, headers, "waiting", TransientSendError("waiting", reason="waiting"))
 
     def wait_for_key_secret(self, headers: dict[str, Any], running: Task) -> NoReturn:
-        """Requeue the message ``running`` (this task, else one sealing with its key builder: a campaign) is
-        running exactly as it came, for a worker that has the key secret its seal was made under.
-
-        Such a seal is neither trusted nor dropped: trusting it is impossible, and dropping the state it
-        carries (a key, a verdict, a campaign's passes) could send an intent twice (see docs/security.md).
-        """
-        running = self.task if running is None else running
+        """Requeue the message ``running`` runs exactly as it came, for a worker that has the key secret its seal was
+        made under: such a seal can be neither trusted nor dropped (see docs/security.md)."""
         now = time.time()
         try:
             since = min(float(headers.get(SECRET_WAIT_HEADER) or now), now)
@@ -110,8 +83,7 @@ class Republisher:
             since = now
         headers = {**headers, SECRET_WAIT_HEADER: since}  # not sealed: the seal stays as it came
         waited = now - since
-        # A short wait is a rolling deploy (web processes first); a long one a secret removed while messages
-        # sealed under it were queued: never dropped, never guessed, but said at ERROR until it is put back.
+        # A short wait is a rolling deploy; a long one a secret removed too early: said at ERROR until put back.
         log.log(logging.ERROR if waited > SECRET_WAIT_ERROR_SECONDS else logging.WARNING,
                 "idemmail: task %s[%s] is sealed under a key secret this worker does not have (a newer "
                 "idemmail_key_secret, or one removed too early: put it back in the list); it has waited %.0f s "
@@ -121,8 +93,7 @@ class Republisher:
             "sealed under an unknown key secret", reason="unknown_key_secret"), as_received=True, running=running)
 
     def wait_as_received(self, exc: Exception, running: Task) -> NoReturn:
-        """``running`` (a campaign) cannot even read its headers here (``exc``: no key secret, bad settings):
-        one ERROR with the fix, and the message is requeued exactly as it came, for a worker that can."""
+        """``running`` cannot read its headers here (``exc``): one ERROR with the fix, and it is requeued as it came."""
         say_setup_error_once(exc)
         countdown = min(self.task.policy_or_default().inflight_backoff_max, self.countdown_cap() or 60.0)
         self.publish_again(countdown, dict(running.request.headers or {}), "set-up error", exc, as_received=True,
@@ -130,26 +101,20 @@ class Republisher:
 
     def next_pass(self, running: Task, countdown: float, headers: dict[str, Any], why: str,
                   reason: BaseException | None, seal: Callable[[dict[str, Any]], None]) -> NoReturn:
-        """A campaign's next pass: the message ``running`` runs, again, with ``headers`` (its pass state, sealed
-        in place by ``seal``), counted one retry more as Celery's ``retry`` counts it. ``countdown`` is already
-        below the visibility timeout (a pass is not a hop). Under ``Task.apply`` it runs in line, as Celery's
-        ``retry`` does: a campaign's passes are bounded (``MAX_PASSES``, the outage budget)."""
+        """A campaign's next pass: the message ``running`` runs, again, with ``headers`` sealed in place by ``seal``,
+        one retry more. ``countdown`` is already below the visibility timeout. Runs in line under ``Task.apply``."""
         self.publish_again(countdown, headers, why, reason, running=running,
                            retries=(running.request.retries or 0) + 1, seal=seal)
 
     def publish_again(self, countdown: float, headers: dict[str, Any], why: str, reason: BaseException | None, *,
-                       as_received: bool = False, running: Task | None = None,
-                       retries: int | None = None, hop: str | None = None,
-                       published: Callable[[], None] | None = None,
-                       seal: Callable[[dict[str, Any]], None] | None = None) -> NoReturn:
+                      as_received: bool = False, running: Task | None = None, retries: int | None = None,
+                      hop: str | None = None, published: Callable[[], None] | None = None,
+                      seal: Callable[[dict[str, Any]], None] | None = None) -> NoReturn:
         """Requeue this message (or the one ``running`` runs) like ``retry()``, without spending ``max_retries``.
 
-        ``reason`` is what monitors show for the retry (Flower: state RETRY, its repr as the exception).
-        ``as_received``: the headers go out exactly as they came (a seal this worker cannot make or check).
-        ``retries``: the count the next delivery sees (default: this one's; a retry on the time budget adds one).
-        ``hop``: the hop it goes out as (default: a new one); ``published``: called once it is out as that hop.
-        ``seal``: seals ``headers`` in place for ``running`` (a campaign pass, see :meth:`next_pass`), which
-        then goes out as it is, not as a hop, and runs in line under ``Task.apply``.
+        ``reason``: what monitors show. ``as_received``: the headers go out exactly as they came. ``retries``: the
+        count the next delivery sees (default: this one's). ``hop``: the hop it goes out as (default: new);
+        ``published``: called once it is out. ``seal``: seals ``headers`` in place for a campaign pass (no hop).
         """
         running = self.task if running is None else running
         request = running.request
@@ -161,9 +126,7 @@ class Republisher:
                     countdown = self.split(countdown, headers, hop)
                     self.task.sealed(headers, self.task._received())
             except IdemmailError:
-                # This worker cannot seal (no key secret, settings that do not parse): the message goes on
-                # exactly as it came, its own seal and chain state intact, for a worker that can. Ending it
-                # here would acknowledge an intent nobody recorded.
+                # This worker cannot seal: the message goes on as it came (ending it would drop an unrecorded intent).
                 headers, as_received = dict(request.headers or {}), True
         sig = running.signature_from_request(request, countdown=countdown, headers=headers,
                                              retries=request.retries if retries is None else retries)

@@ -1,8 +1,5 @@
-"""Fernet keys as the library uses them: the first seals, every one opens.
-
-The primitive behind ``idemmail_payload_keys`` (see :mod:`idemmail_celery.ledger.sealed`, which
-seals ledger records with it). Kept apart from the ledger so that settings can check the keys
-the moment they are read, in the caller, before anything is enqueued.
+"""Fernet keys as ``idemmail_payload_keys`` uses them (:mod:`idemmail_celery.ledger.sealed`): the first seals,
+every one opens. Apart from the ledger, so that settings can check the keys in the caller, as they are read.
 """
 
 from __future__ import annotations
@@ -17,22 +14,17 @@ PLAIN = "plain"
 
 
 class Keyring:
-    """Seals and opens text with a list of Fernet keys: the first seals, all open.
+    """Seals and opens text with a list of Fernet keys: the first seals (a first ``"plain"``: none), all open.
 
-    A first entry ``"plain"`` seals nothing and opens with the keys after it: the step
-    that lets every process read sealed records before any writes one (turning
-    encryption on), or writes plaintext again while old records still open (turning it off).
-    Raises :class:`ConfigurationError` without ``cryptography`` or for a key that is not a
-    Fernet key (never echoing it).
+    Raises :class:`ConfigurationError` without ``cryptography`` or for a bad key (never echoed).
     """
 
     def __init__(self, keys: Sequence[str | bytes]) -> None:
         try:
             from cryptography.fernet import Fernet, InvalidToken, MultiFernet
         except ImportError as exc:
-            raise ConfigurationError(
-                f"idemmail_payload_keys is set but the cryptography package is missing: {INSTALL_HINT}"
-            ) from exc
+            raise ConfigurationError(f"idemmail_payload_keys is set but the cryptography package is missing: "
+                                     f"{INSTALL_HINT}") from exc
         first = keys[0] if keys else ""
         self.sealing = (first.decode("ascii", "replace") if isinstance(first, bytes) else first) != PLAIN
         keys = list(keys if self.sealing else keys[1:])
@@ -42,8 +34,7 @@ class Keyring:
         for n, key in enumerate(keys, start=1):
             try:
                 fernets.append(Fernet(key))
-            except (ValueError, TypeError):
-                # Never echo the key itself: it would end up in logs.
+            except (ValueError, TypeError):  # never echo the key: it would end up in logs
                 raise ConfigurationError(
                     f"idemmail_payload_keys: key {n} of {len(keys)} is not a Fernet key "
                     "(32 url-safe base64-encoded bytes; make one with "

@@ -1,18 +1,8 @@
 """``IdempotentTask``: the Celery adapter of the state machine in :mod:`idemmail_celery.handler`.
 
-* ``apply_async`` (caller's process) validates the call and derives the intent key before
-  anything is enqueued, and sends it as the ``idempotency_key`` header under a seal
-  (``idemmail_key_mark``, :meth:`IdempotentTask.sealed`) that also covers every other header the
-  worker acts on; bad input fails here. A header the caller set is the caller's own key, checked
-  and hashed whatever it looks like; only a sealed one (what the library republishes: retries,
-  reschedules, released copies) is kept. The worker acts on no header its seal does not cover.
-* ``__call__`` (worker) describes the delivery to the :class:`~idemmail_celery.handler.Handler`
-  and carries out its answer: return, raise, ``retry()`` (the task's own budget), reschedule
-  (no budget spent), or drop a redundant copy. Every countdown it sets stays below the
-  broker's visibility timeout (Redis, SQS): a longer wait is split into hops the broker
-  keeps, so a message is never handed out again while a worker still holds it.
-
-The decisions themselves (claim, replay, reclaim, record, park) live in the handler.
+``apply_async`` validates the call and sends its intent key in a sealed header (see docs/security.md);
+``__call__`` (worker) hands the delivery to the :class:`~idemmail_celery.handler.Handler` and carries out its
+answer, every countdown below the broker's visibility timeout (see docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -59,16 +49,7 @@ from .errors import (
     TransientSendError,
     UnserializableArgumentsError,
 )
-from .handler import (
-    Action,
-    Delivery,
-    Handler,
-    Outcome,
-    Policy,
-    Step,
-    say_unreachable_once,
-    wait_out,
-)
+from .handler import Action, Delivery, Handler, Outcome, Policy, Step, say_unreachable_once, wait_out
 from .keys import IntentKeyBuilder, KeySpec, Payload, Seal, untrusted_removed
 from .ledger import Ledger, backend_for, shared
 from .ledger.base import new_owner
@@ -82,10 +63,8 @@ _warned_lock = threading.Lock()
 
 
 def serializer_round_trip(serializer: str) -> RoundTrip:
-    """What Celery's ``serializer`` (kombu's registry: ``json``, ``pickle``, ``msgpack``, ``yaml``) does
-    to a value between the caller and the worker, for :class:`~idemmail_celery.keys.IntentKeyBuilder`:
-    a key is made of what the worker will see. Raises
-    :class:`~idemmail_celery.errors.UnserializableArgumentsError` for what it cannot carry."""
+    """What Celery's ``serializer`` does to a value between caller and worker (a key is made of what the worker
+    sees). Raises :class:`~idemmail_celery.errors.UnserializableArgumentsError` for what it cannot carry."""
 
     def through(value: Any) -> Any:
         if serializer == "json" and is_json_plain(value):
@@ -94,9 +73,8 @@ def serializer_round_trip(serializer: str) -> RoundTrip:
             content_type, encoding, data = kombu_dumps(value, serializer=serializer)  # type: ignore[no-untyped-call]
             return kombu_loads(data, content_type, encoding, accept={content_type})  # type: ignore[no-untyped-call]
         except (KombuError, TypeError, ValueError) as exc:
-            raise UnserializableArgumentsError(
-                f"task arguments cannot be serialized with {serializer!r}: {exc}"
-            ) from exc
+            message = f"task arguments cannot be serialized with {serializer!r}: {exc}"
+            raise UnserializableArgumentsError(message) from exc
 
     return through
 
@@ -115,57 +93,40 @@ class _ToldOf(type):
 
 
 class Reported(metaclass=_ToldOf):
-    """Matches (``isinstance``) an error ending a delivery whose outcome the library has logged already: a
-    parked, failed, refused or replayed intent (its ``idemmail outcome`` line, at WARNING for ``review``).
-
-    In every ``IdempotentTask``'s ``throws``, so Celery logs such an error at INFO ("raised expected",
-    no traceback) instead of at ERROR with one: a parked send is one WARNING line, not an error. Any
-    other error, of whatever class, is still "raised unexpected", as is an intent given up on
-    (``ledger_unavailable_gave_up``, whose outcome line is an ERROR of its own).
-    """
+    """Matches (``isinstance``) an error whose outcome the library has logged already, other than
+    ``ledger_unavailable_gave_up``: in every task's ``throws``, so Celery logs it without a traceback."""
 
 
 _told: weakref.WeakSet[BaseException] = weakref.WeakSet()
 
 
 class IdempotentTask(Task):  # type: ignore[misc]
-    """Base class for tasks whose side effect must happen once per intent.
-
-    Use it as ``@app.task(base=IdempotentTask, idempotency_key=("to", "order_id"))``.
-
-    Task options (all optional):
+    """Base class for tasks whose side effect must happen once per intent: ``@app.task(base=IdempotentTask,
+    idempotency_key=("to", "order_id"))``. Task options (all optional):
 
     ``idempotency_key``
-        Argument names that make up the intent, or a function
-        ``(args, kwargs) -> str``. Default: every bound argument.
+        Argument names that make up the intent, or a function ``(args, kwargs) -> str``. Default: every bound argument.
     ``idempotency_tenant``
-        Argument whose value namespaces the key (or pass ``idempotency_tenant=``
-        to ``apply_async``).
+        Argument whose value namespaces the key (or pass ``idempotency_tenant=`` to ``apply_async``).
     ``idempotency_version``
         Bump it (default 1) to deliberately send every intent again.
     ``idempotency_must_match``
-        Arguments a duplicate must repeat exactly; a differing duplicate raises
-        :class:`IdempotencyKeyReuseError` instead of replaying.
+        Arguments a duplicate must repeat exactly, else it raises :class:`IdempotencyKeyReuseError`.
     ``idempotency_address_fields``
-        Arguments normalised as email addresses (default: ``to``, ``cc``,
-        ``bcc``, ``reply_to``, ``from_``, ``sender`` where present).
+        Arguments normalised as email addresses (default: ``to``, ``cc``, ``bcc``, ``reply_to``, ``from_``,
+        ``sender`` where present).
     ``idempotency_carries_key``
-        True if the body passes ``self.request.idempotency_key`` downstream to a
-        service that de-duplicates on it: then a crashed or ambiguous attempt
-        is safely retried instead of parked for review.
+        True if the body passes ``self.request.idempotency_key`` downstream to a service that de-duplicates on
+        it: then a crashed or ambiguous attempt is safely retried instead of parked for review.
     ``idempotency_redact_args``
-        True (the default) shows the intent key instead of the arguments (addresses,
-        bodies) wherever Celery shows them: task events, Flower, worker logs.
+        True (the default) shows the intent key instead of the arguments in task events, Flower and worker logs.
 
-    plus the per-task settings in :data:`idemmail_celery.config.SETTINGS` (a transient failure is
-    retried until ``idempotency_retry_deadline_seconds`` after the first enqueue, not for a count of
-    ``max_retries``), and Celery's own ``retry_backoff``, ``retry_backoff_max`` and ``retry_jitter``
-    for the waits between those retries.
+    plus the per-task settings in :data:`idemmail_celery.config.SETTINGS` (a transient failure is retried until
+    ``idempotency_retry_deadline_seconds`` after the first enqueue, not for ``max_retries``), and Celery's own
+    ``retry_backoff``, ``retry_backoff_max`` and ``retry_jitter`` for the waits between those retries.
 
-    The body reads its key as ``self.request.idempotency_key``. Callers pass an
-    explicit key with ``apply_async(..., idempotency_key="order-4821:confirm")``.
-    Calling the task function directly (``task(...)``) runs the body without
-    the ledger, as Celery does for any task.
+    The body reads its key as ``self.request.idempotency_key``; callers may pass their own with ``apply_async(...,
+    idempotency_key="order-4821:confirm")``. Calling the task directly (``task(...)``) runs it without the ledger.
     """
 
     abstract = True
@@ -205,12 +166,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @property
     def key_builder(self) -> IntentKeyBuilder:
-        """The :class:`~idemmail_celery.keys.IntentKeyBuilder` for this task.
-
-        During a key-secret rotation its first secret (the one keys and seals are made under) is the
-        newest every live worker of the ledger holds (:mod:`idemmail_celery.roster`): the builder is
-        made again when that changes. With one secret it is made once.
-        """
+        """The :class:`~idemmail_celery.keys.IntentKeyBuilder` for this task. During a key-secret rotation its
+        first secret is the newest every live worker holds (:mod:`idemmail_celery.roster`): remade when that moves."""
         builder = self._idem_builder
         secrets = self.idem_settings.key_secrets
         if len(secrets) > 1:
@@ -223,9 +180,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @property
     def seal_checker(self) -> IntentKeyBuilder:
-        """A builder that checks seals (:meth:`~idemmail_celery.keys.IntentKeyBuilder.check_seal`) as
-        :attr:`key_builder` does, under every configured secret, without reading the roster: what the worker's
-        main process uses, which must never wait on the ledger. Not for making keys or seals."""
+        """A builder that checks seals under every configured secret, never reading the roster (for the main
+        process). Not for making keys or seals."""
         builder = self._idem_builder
         if builder is None:
             builder = self._idem_builder = self._new_builder(self.idem_settings.key_secrets)
@@ -239,47 +195,35 @@ class IdempotentTask(Task):  # type: ignore[misc]
             spec = tuple(spec)
         serializer = self.serializer or self.app.conf.task_serializer or "json"
         return IntentKeyBuilder(
-            task_name=self.name,
-            signature=signature,
-            spec=spec,
-            tenant_field=self.idempotency_tenant,
+            task_name=self.name, signature=signature, spec=spec, tenant_field=self.idempotency_tenant,
             version=self.idempotency_version,
             address_fields=keys_mod.address_fields_for(signature, self.idempotency_address_fields),
-            must_match=tuple(self.idempotency_must_match or ()),
-            serializer=serializer,
+            must_match=tuple(self.idempotency_must_match or ()), serializer=serializer,
             secret=tuple(secrets) or None,  # keys are made with the first, found under all
-            round_trip=serializer_round_trip(serializer),
-        )
+            round_trip=serializer_round_trip(serializer))
 
     def _check_options(self) -> None:
         global _warned_no_secret
         settings = self.idem_settings
         backend_for(settings.ledger_url)  # unknown scheme: raise now, in the caller
-        unsafe = [
-            exc for exc in (getattr(self, "autoretry_for", None) or ())
-            if not (isinstance(exc, type) and issubclass(exc, TransientSendError))
-        ]
+        unsafe = [exc for exc in (getattr(self, "autoretry_for", None) or ())
+                  if not (isinstance(exc, type) and issubclass(exc, TransientSendError))]
         if unsafe:
-            raise ConfigurationError(
-                f"{self.name}: autoretry_for={unsafe!r} would retry sends that may have gone out; "
-                "raise TransientSendError (retried) or AmbiguousSendError (made safe) instead"
-            )
+            raise ConfigurationError(f"{self.name}: autoretry_for={unsafe!r} would retry sends that may have gone out; "
+                                     "raise TransientSendError (retried) or AmbiguousSendError (made safe) instead")
         if settings.key_secrets:
             return
         if not (settings.allow_plain_keys or settings.ledger_url.startswith("sqlite")):
             raise ConfigurationError(
                 f"{self.name}: idemmail_key_secret is not set. Without it intent keys are plain SHA-256, which can "
                 "be brute-forced back to guessable arguments (addresses, order ids). Set idemmail_key_secret "
-                "(or IDEMMAIL_KEY_SECRET); idemmail_allow_plain_keys=True accepts plain keys on purpose"
-            )
+                "(or IDEMMAIL_KEY_SECRET); idemmail_allow_plain_keys=True accepts plain keys on purpose")
         with _warned_lock:
             if not _warned_no_secret:
                 _warned_no_secret = True
-                log.warning(
-                    "idemmail: no idemmail_key_secret set; intent keys are plain SHA-256 and can be "
-                    "brute-forced back to guessable arguments. Fine for development (the embedded SQLite "
-                    "ledger); set idemmail_key_secret in production."
-                )
+                log.warning("idemmail: no idemmail_key_secret set; intent keys are plain SHA-256 and can be "
+                            "brute-forced back to guessable arguments. Fine for development (the embedded SQLite "
+                            "ledger); set idemmail_key_secret in production.")
 
     @property
     def ledger(self) -> Ledger:
@@ -299,17 +243,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
             maximum = float(getattr(self, "retry_backoff_max", 600) or 600)
         else:
             factor, maximum = s.retry_backoff, s.retry_backoff_max
-        return Policy(lease_seconds=s.lease_seconds, max_reclaims=s.max_reclaims,
+        return Policy(lease_seconds=s.lease_seconds, max_reclaims=s.max_reclaims, fail_open=s.fail_open,
                       inflight_max_retries=s.inflight_max_retries, inflight_backoff=s.inflight_backoff,
                       inflight_backoff_max=s.inflight_backoff_max, retry_backoff=factor, retry_backoff_max=maximum,
-                      retry_jitter=bool(getattr(self, "retry_jitter", True)),
-                      retry_deadline_seconds=s.retry_deadline_seconds,
-                      outage_max_retries=s.outage_max_retries, fail_open=s.fail_open,
-                      hop_ttl_seconds=self._hop_ttl())
+                      retry_jitter=bool(getattr(self, "retry_jitter", True)), outage_max_retries=s.outage_max_retries,
+                      retry_deadline_seconds=s.retry_deadline_seconds, hop_ttl_seconds=self._hop_ttl())
 
     def _hop_ttl(self) -> float:
-        """How long a reschedule's mark must last: past the moment a copy of the message can come back
-        (the visibility timeout, then the transport's restore delay), an hour at least."""
+        """How long a reschedule's mark must last: until a copy of the message can no longer come back; 1 h at least."""
         vt = transport_visibility_timeout(self.app)
         return 3600.0 if vt is None else max(3600.0, 2 * vt + 600.0)
 
@@ -328,45 +269,23 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return self.key_builder.derive(self.key_builder.payload(args, kwargs))
 
     def check_call(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        """Validate a call before it is accepted (a hook: ``send_email`` checks the message here).
+        """Validate a call before it is accepted, raising a typed error (a hook: ``send_email`` checks the message
+        here). Runs before anything is enqueued, and again at the worker before the claim."""
 
-        Raise a typed error; nothing has been enqueued or written yet. Also run by the worker
-        before the claim, for messages that did not come through ``apply_async``.
-        """
-
-    def intent_headers(
-        self, args: Any = None, kwargs: Any = None, *, explicit: str | None = None, tenant: str | None = None,
-        due: float | None = None,
-    ) -> dict[str, Any]:
-        """Validate a call and derive its intent: the message headers it will travel with.
-
-        What ``apply_async`` does before enqueueing, and what the transactional
-        outbox stores with a row. ``due``: when a countdown or ETA lets the message run (epoch
-        seconds); sealed beside the enqueue time when later, since this message cannot be claimed
-        before it (the worker parks a message due longer ago than the ledger's retention).
-        Raises :class:`~idemmail_celery.errors.IdemmailError` subclasses (and ``TypeError`` from
-        ``check_call``) on bad input.
-        """
-        return self.key_builder.intent_headers(self.validate_call(args, kwargs), explicit=explicit, tenant=tenant,
-                                               due=due)
+    def intent_headers(self, args: Any = None, kwargs: Any = None, *, explicit: str | None = None,
+                       tenant: str | None = None, due: float | None = None) -> dict[str, Any]:
+        """Validate a call and derive the headers ``apply_async`` sends it with (the outbox stores them with a row);
+        ``due``: when a countdown or ETA lets it run (epoch seconds). Raises as :meth:`validate_call` does."""
+        payload = self.validate_call(args, kwargs)
+        return self.key_builder.intent_headers(payload, explicit=explicit, tenant=tenant, due=due)
 
     def key_headers(self, key: str, payload: Payload, older: Sequence[str] = ()) -> dict[str, Any]:
-        """The headers that put an intent key the library derived on a message for the call ``payload``, sealed.
-
-        ``apply_async`` sends a message carrying them as it is (no new key, no validation: it
-        was validated when the key was derived) and the worker claims under ``key`` itself:
-        what retries, reschedules and ``ledger resolve --release`` publish. ``older`` are its
-        forms under older key secrets, during a rotation. A key without a valid seal (other
-        arguments, other headers, another task) is a caller's own, checked and hashed (see
-        :meth:`apply_async`).
-        """
+        """The sealed headers that put a key the library derived (``older``: its forms under older key secrets) on a
+        message for the call ``payload``, sent and claimed under ``key`` as it is (retries, ``resolve --release``)."""
         return self.sealed(key_headers(key, older), payload)
 
     def sealed(self, headers: dict[str, Any], payload: Payload) -> dict[str, Any]:
-        """``headers`` with the seal of what they hold for the call ``payload`` (in place; returned).
-
-        The library's publish points call it last, after every header the worker acts on is set
-        (:meth:`~idemmail_celery.keys.IntentKeyBuilder.seal`)."""
+        """``headers`` sealed for the call ``payload`` (in place; returned): publish points call it last."""
         return self.key_builder.sealed(headers, payload)
 
     def _received(self, args: Any = None, kwargs: Any = None) -> Payload:
@@ -376,14 +295,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
                        dict(request.kwargs or {} if kwargs is None else kwargs))
 
     def validate_call(self, args: Any, kwargs: Any) -> Payload:
-        """Validate a call as ``apply_async`` does before anything is enqueued, and return its arguments as
-        the worker will see them.
-
-        Runs :meth:`check_call` and proves the arguments can be serialized and stored; raises
-        :class:`~idemmail_celery.errors.IdemmailError` subclasses (and ``TypeError`` from ``check_call``).
-        The worker runs the same check (with the signature's) before its claim, for messages that did not
-        come through ``apply_async``; ``ledger resolve --release`` runs it on the stored first payload.
-        """
+        """Validate a call as ``apply_async`` does and return its arguments as the worker will see them. Raises
+        :class:`~idemmail_celery.errors.IdemmailError` subclasses (and ``TypeError`` from ``check_call``)."""
         if type(self).check_call is not IdempotentTask.check_call:  # the base's accepts everything
             self.check_call(tuple(args or ()), dict(kwargs or {}))
         payload = self.key_builder.payload(args, kwargs)
@@ -394,23 +307,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return payload
 
     def max_argument_size(self) -> int | None:
-        """The most a call's arguments may hold, as :func:`~idemmail_celery.keys.arguments_problem` counts
-        (about their length as JSON), or None for no bound (the default). Checked at ``delay()`` and
-        in the worker's main process before the pool (``send_email``: its message size budget)."""
+        """The most a call's arguments may hold (about their length as JSON), or None for no bound (the default).
+        Checked at ``delay()`` and in the worker's main process before the pool."""
         return None
 
     def accepted_delivery(self) -> bool:
-        """Is this worker running a message the library sealed (a valid seal, checked before the claim)? Such a
-        call was held to the bounds in force when it was accepted (``delay()``, the outbox), and a bound lowered
-        since applies to new calls only: a size budget checked again at the worker would drop an accepted intent
-        (see :mod:`idemmail_celery._request`). False in the caller and for a message sent by name."""
+        """Is this worker running a message the library sealed (held to the bounds in force when it was accepted)?"""
         request = self.request
         state = state_of(request, create=False)
         return not request.called_directly and state is not None and KEY_MARK_HEADER in (state.trusted or {})
 
     def _check_arguments(self, args: Any, kwargs: Any, plain: bool) -> None:
-        """Raise :class:`~idemmail_celery.errors.UnserializableArgumentsError` for arguments the worker's main
-        process would refuse before the pool: nested too deep, or over :meth:`max_argument_size`."""
+        """Raise :class:`UnserializableArgumentsError` for arguments the worker's main process would refuse."""
         limit = self.max_argument_size()
         if limit is None and plain:
             return  # JSON-plain arguments nest at most 20 levels (keys.is_json_plain)
@@ -420,13 +328,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Register the task for redaction on every publish path (:mod:`idemmail_celery.redaction`), and keep
-        :class:`Reported` in its ``throws``."""
+        """Register the task for redaction on every publish path, and keep :class:`Reported` in its ``throws``."""
         super().on_bound(app)
         if Reported not in cls.throws:  # a task's own throws=(...) adds to the library's
             cls.throws = (*cls.throws, Reported)
-        name = cls.name
-        if name:
+        if name := cls.name:
             def redacts() -> bool:
                 task = app.tasks.get(name)
                 return True if task is None else bool(task.idem_settings.redact_args)
@@ -436,13 +342,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         """Enqueue like Celery, with the call validated and its intent key derived first, sent as a header.
 
-        Extra options: ``idempotency_key`` (an explicit key, namespaced and hashed
-        like a derived one) and ``idempotency_tenant``. A raw ``idempotency_key`` header
-        (``headers={"idempotency_key": ...}``) is the same as ``idempotency_key=``, whatever
-        it looks like; only a key the library sealed (:meth:`key_headers`: a retry, a
-        reschedule, a released copy, an outbox row) travels unchanged. Raises
-        :class:`~idemmail_celery.errors.IdempotencyKeyError` (and subclasses) or
-        :class:`~idemmail_celery.errors.ConfigurationError` before enqueueing.
+        Extra options: ``idempotency_key`` (an explicit key, hashed like a derived one; a raw ``idempotency_key``
+        header is the same) and ``idempotency_tenant``. Raises :class:`~idemmail_celery.errors.IdempotencyKeyError`
+        (and subclasses) or :class:`~idemmail_celery.errors.ConfigurationError` before enqueueing.
         """
         headers = self.key_builder.call_headers(
             args, kwargs, options.get("headers") or {}, validate=self.validate_call,
@@ -463,8 +365,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             return self._deliver(request, args, kwargs)
         except BaseException as exc:
-            # Whatever leaves here is printed with its chain (result backend, task-failed event, the worker's
-            # ERROR log): a link quoting an address is cut off; the error's own text is scrubbed where it is made.
+            # Printed with its chain wherever it goes: a link quoting an address is cut off.
             redaction.cut_leaking_chain(exc)
             raise
 
@@ -481,13 +382,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 Republisher(self).wait_as_received(ConfigurationError(
                     f"message header format {chain.format!r} is newer than this worker reads "
                     f"({', '.join(READ_FORMATS)}): upgrade this worker"), self)
-            # A delivery after a retry or a reschedule: its success clears the retry's exception in Flower.
             state.rescheduled = chain.rescheduled or bool(request.retries)
             key, older = self._claim_key(payload, headers.get(KEY_HEADER), chain)
-            # Whatever this delivery publishes next (a retry, a reschedule, the next hop of a wait)
-            # carries the key it claims under. Not sealed here: every publish point seals last, after
-            # its own headers (see sealed()), so a seal made now would be thrown away, at the cost of
-            # a digest of the arguments and an HMAC on every delivery.
+            # Whatever it publishes next carries this key; not sealed here: every publish point seals last.
             state.key_headers = key_headers(key, older)
             headers.update(state.key_headers)
             Republisher(self).wait_until_due(headers, chain.not_before)
@@ -496,13 +393,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except (PermanentSendError, Retry, Ignore):
             raise  # a key that cannot be made of the call (refused by name), or the next hop of a wait
         except Exception as exc:
-            # Nothing claimed, nothing sent: a missing driver, a broken install or a defect must not end the
-            # message FAILURE (acknowledged, gone). It waits on the outage budget, its chain state kept.
+            # Nothing claimed, nothing sent: a set-up error waits on the outage budget rather than end in FAILURE.
             if headers is None:
                 headers = untrusted_removed(received)
             if isinstance(exc, LedgerError):  # the roster's check before the claim: said once, as a claim says it
                 say_unreachable_once(self.ledger, exc)
-            waiting = ChainState.from_headers(headers)  # what the message carried, kept for its next delivery
+            waiting = ChainState.from_headers(headers)
             step = wait_out(self.policy_or_default(), self, Delivery(
                 key=waiting.key, task_name=self.name, payload=payload, attempt_id=request.id or "",
                 inflight=waiting.inflight, outage=waiting.outage, resume_owners=waiting.owners,
@@ -516,34 +412,25 @@ class IdempotentTask(Task):  # type: ignore[misc]
             inflight=chain.inflight, outage=chain.outage, resume_owners=chain.owners, verdict=chain.verdict,
             retries=request.retries or 0, max_retries=self.max_retries, enqueued_at=chain.enqueued_at,
             due_at=chain.due_at, retry_from=time.time() if dated is None else dated,
-            hop=chain.hop or str(request.id or ""), owner=owner,
-        ))
+            hop=chain.hop or str(request.id or ""), owner=owner))
         return self._carry_out(step, headers)
 
     def ensure_announced(self) -> None:
-        """In a worker: return once the key-secret roster of this task's ledger holds the worker, announcing it
-        now if its heartbeat has not landed there yet (:meth:`roster.Announcer.ensure`). Every claim comes after
-        it; nothing to do outside a worker, or once it has landed. Raises :class:`LedgerError` like the claim."""
+        """In a worker: return once the ledger's key-secret roster holds this worker (raises :class:`LedgerError`)."""
         found = roster.running.get(id(self.app))
         if found is not None:
             found.ensure(self.ledger)
 
     def policy_or_default(self) -> Policy:
-        """This task's policy (:attr:`policy`), or the defaults when its settings cannot be read: what a path that
-        must go on without settings (waiting out a set-up error, a campaign's hand-on) paces itself by."""
+        """:attr:`policy`, or the defaults when the settings cannot be read (for paths that must go on anyway)."""
         try:
             return self.policy
         except Exception:
             return Policy()
 
     def _trusted(self, headers: dict[str, Any], payload: Payload) -> dict[str, Any]:
-        """The headers this delivery may act on: all of them under a valid seal; else none of those the seal
-        vouches for (the key header stays, as a caller's own key: hashed), with one WARNING.
-
-        A seal made under a key secret this worker does not have (a newer one: web processes were
-        deployed first in a rotation) is neither: the message waits for a worker that has it
-        (republished as it came), because any key this worker chose could differ from the caller's.
-        """
+        """The headers this delivery may act on: all under a valid seal, else none the seal vouches for (the key
+        stays, as a caller's own), with one WARNING. A seal under an unknown key secret waits for a worker with it."""
         check = self.key_builder.check_seal(headers, payload)
         if check is Seal.VALID:
             return headers
@@ -556,16 +443,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return untrusted_removed(headers)
 
     def _claim_key(self, payload: Payload, carried: Any, chain: ChainState) -> tuple[str, tuple[str, ...]]:
-        """The key this delivery claims under, and the older keys to look for first (a rotation).
-
-        * a key the library sealed (:meth:`key_headers`; :meth:`_trusted` dropped any other seal): as it is;
-        * any other key, 64 hex digits or not: the caller's own (``send_task(headers=...)``): checked,
-          namespaced and hashed (:meth:`_raw_key`). A key another intent's message shows (every
-          Message-ID does) therefore never reaches that intent's record;
-        * none (sent by name without one): derived from the arguments, as ``apply_async`` would.
-        """
+        """The key to claim under and older keys to look for first: a sealed key as is, else hashed, else derived."""
         carried = carried or getattr(self.request, KEY_HEADER, None)
-        # Only headers under a valid seal are left (see _trusted) when the mark is there.
         if carried and chain.sealed:
             return self._rotated(str(carried), payload, chain)
         if carried:
@@ -577,18 +456,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return self._rotated(key, payload, chain)
 
     def _rotated(self, key: str, payload: Payload, chain: ChainState) -> tuple[str, tuple[str, ...]]:
-        """During a key-secret rotation: the key to claim under, and the older keys to look for first.
-
-        The caller sends the older keys (it knows an explicit key). A message without them (sent by
-        name, by an older release, or enqueued before the rotation under an older secret) has them
-        worked out here, for a key derived from the arguments only: an explicit key's other forms
-        cannot be, and a derived key must not stand in for one. Either way a new record goes under
-        the newest key, and one made under any secret is found. Nothing to do with one secret.
-        """
+        """During a key-secret rotation: the key to claim under and the older keys to look for first."""
         if chain.older_keys is not None:  # sealed; at most one per older secret a rotation can have
             return key, tuple(k for k in chain.older_keys if keys_mod.is_derived_key(k))
-        builder = self.key_builder
-        tenant = chain.tenant
+        builder, tenant = self.key_builder, chain.tenant
         older = builder.older_keys(payload, tenant=tenant)  # () without a rotation: no work
         if not older:
             return key, ()
@@ -598,13 +469,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return key, ()
 
     def _raw_key(self, raw: Any, tenant: str | None) -> tuple[str, tuple[str, ...]]:
-        """A raw ``idempotency_key`` header's ledger key, namespaced and hashed (an invalid one is refused),
-        and its forms under older key secrets (during a rotation: a record made before it is found).
-
-        The tenant is the header's (:meth:`~idemmail_celery.keys.IntentKeyBuilder.explicit_key`), as
-        workers have always hashed a raw header. A record under the raw text itself is never looked
-        up: whoever can read a key (a Message-ID shows it) could otherwise send under it.
-        """
+        """A raw ``idempotency_key`` header's ledger key (hashed: never the raw text) and its older forms."""
         builder = self.key_builder
         try:
             key = builder.explicit_key(raw, tenant=tenant)
@@ -639,12 +504,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def retry(self, args: Any = None, kwargs: Any = None, exc: Any = None, throw: bool = True,
               eta: Any = None, countdown: Any = None, max_retries: Any = None, **options: Any) -> Any:
-        """Celery's ``retry()``, for a body's own call too: a new reschedule chain (its budgets start
-        again), and a countdown past the broker's visibility timeout split into hops (see module doc)."""
+        """Celery's ``retry()``, for a body's own call too: a new reschedule chain, a long countdown split into hops."""
         headers = options.pop("headers", None)
         if headers is None:
-            # A body asking to retry: its claim is released after this returns; should the release
-            # fail, the retry takes the claim back (its owner travels) instead of waiting on it.
+            # A body asking to retry: should its claim's release fail, the retry takes it back (its owner travels).
             state = state_of(self.request, create=False) or RequestState()
             owner, trusted = state.owner, state.trusted  # trusted: never what the message carried unsealed
             if trusted is None:
@@ -660,13 +523,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers, **options)
 
     def wait_for_key_secret(self, headers: dict[str, Any], running: Task | None = None) -> NoReturn:
-        """Requeue the message ``running`` runs (this task, else a campaign sealing with its key builder) exactly
-        as it came, for a worker that has its key secret (:meth:`Republisher.wait_for_key_secret`)."""
+        """:meth:`Republisher.wait_for_key_secret` for the message ``running`` (default: this task) runs."""
         Republisher(self).wait_for_key_secret(headers, self if running is None else running)
 
     def wait_as_received(self, exc: Exception, running: Task) -> NoReturn:
-        """``running`` (a campaign) cannot even read its headers here: requeued exactly as it came, for a worker
-        that can (:meth:`Republisher.wait_as_received`)."""
+        """:meth:`Republisher.wait_as_received` for the message ``running`` (a campaign) runs."""
         Republisher(self).wait_as_received(exc, running)
 
     # -- what the task lends the handler (handler.SideEffect) --
@@ -683,29 +544,18 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return self.run(*payload.args, **payload.kwargs)
 
     def carries_key(self) -> bool:
-        """Does the side effect pass the key to a service that de-duplicates on it?
-
-        Decides whether a crashed or ambiguous attempt is retried with the same key
-        (True) or parked for review (False). Subclasses whose downstream is chosen
-        at run time (``send_email`` asks its provider) override this.
-        """
+        """Does the side effect pass the key to a service that de-duplicates on it? True: a crashed or ambiguous
+        attempt is retried with the same key; False: parked for review. ``send_email`` asks its provider."""
         return self.idem_settings.carries_key
 
     def writes_ahead(self) -> bool:
-        """Does the body call :func:`~idemmail_celery.providers.base.about_to_send` before its side
-        effect? A plain task's body does not (a crashed holder's claim is parked, or resent with the
-        key); ``send_email`` asks its provider. Return True from a subclass whose bodies call it: a
-        holder that died before its mark is then run again by the next claimer (the guarantee page)."""
+        """Does the body call :func:`~idemmail_celery.providers.base.about_to_send` before its side effect? Then a
+        holder that died before its mark is run again by the next claimer (see docs/guarantee.md)."""
         return False
 
     def reconcile(self, key: str, payload: Payload) -> Any | None:
-        """Ask the side effect's service whether this intent already happened.
-
-        Called before an intent is parked for review (a crashed holder, an ambiguous
-        failure). Return the result to record as ``sent`` (what the body would have
-        returned), or None when it cannot be found (not proof that it did not happen).
-        The default asks nobody.
-        """
+        """Ask the side effect's service whether this intent already happened, before it is parked for review: the
+        result to record as ``sent``, or None when it cannot be found (not proof it did not happen). Asks nobody."""
         return None
 
     def report(self, outcome: Outcome, key: str, **fields: Any) -> None:
@@ -714,14 +564,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
 
 def first_run_time(app: Any, countdown: Any = None, eta: Any = None) -> float | None:
-    """When a message with Celery's ``countdown`` or ``eta`` option may run (epoch seconds); None without
-    either, or for one Celery itself would refuse. A naive ``eta`` is in the app's timezone, as the
-    worker reads it."""
+    """When a message with Celery's ``countdown`` or ``eta`` may run (epoch seconds; a naive ``eta`` is in the
+    app's timezone); None without either, or for one Celery itself would refuse."""
     try:
         if countdown is not None:
             return time.time() + float(countdown)
-        if eta is None:
-            return None
         if isinstance(eta, str):
             eta = datetime.datetime.fromisoformat(eta)
         if isinstance(eta, datetime.datetime):
@@ -732,22 +579,13 @@ def first_run_time(app: Any, countdown: Any = None, eta: Any = None) -> float | 
 
 
 def _redact_on_publish(sender: str | None = None, headers: dict[str, Any] | None = None, **rest: Any) -> None:
-    """Redact every message of an idempotent task (:func:`idemmail_celery.redaction.on_before_publish`).
-
-    Tasks register for redaction when their app binds them, at finalization: before it, ``send_task`` by
-    name would not know an idempotent task from another. A task of that name still pending in an app
-    not finalized (``@app.task(base=IdempotentTask)`` not yet evaluated) is redacted too.
-    """
+    """Redact every message of an idempotent task, one still pending in an app not finalized included."""
     unsure = bool(headers) and not redaction.known(sender) and _pending_idempotent(sender)
     redaction.on_before_publish(sender=sender, headers=headers, unsure=unsure, **rest)
 
 
 def _pending_idempotent(name: str | None) -> bool:
-    """Is an idempotent task called ``name`` defined in an app of this process that is not finalized yet?
-
-    Reads Celery's pending task promises (``app._pending``: the function and options of each
-    ``@app.task`` not yet evaluated); should their form ever change, every unknown task is redacted.
-    """
+    """Is an idempotent task ``name`` pending in an app not finalized yet? Reads Celery's private ``app._pending``."""
     try:
         for app in list(_celery_state._get_active_apps()):
             if app.finalized:
@@ -766,6 +604,5 @@ def _pending_idempotent(name: str | None) -> bool:
         return True
 
 
-# Every publish path (apply_async, send_task by name, the outbox relay, canvas, retries) passes this signal. The
-# rules are in redaction, which stays Celery-free for the handler; the hook belongs to the adapter.
+# Every publish path passes this signal; redaction's rules stay Celery-free, the hook belongs to the adapter.
 before_task_publish.connect(_redact_on_publish, weak=False)

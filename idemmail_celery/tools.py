@@ -1,56 +1,19 @@
 """Agent tools whose side effects happen once per intent, however often the agent loop calls them.
 
-An agent loop calls a tool, gives up waiting, and calls it again; a model asks for the
-same action again two turns later, worded differently. Each call here becomes an
-:class:`~idemmail_celery.task.IdempotentTask` message with an intent key, so a
-repeated call replays the first outcome (``"status": "duplicate"``) instead of
-repeating the side effect::
-
-    from idemmail_celery.tools import email_tool, idempotent_tool
+Each call becomes an :class:`~idemmail_celery.task.IdempotentTask` message with an intent key, so a
+repeated call replays the first outcome (``"status": "duplicate"``) instead of repeating the side
+effect. Which key to choose, what the model may pass and what it sees: docs/agent-tools.md::
 
     @idempotent_tool(app, key="call_id")            # the agent loop's tool-call id is the intent
-    def update_deal(deal_id: str, stage: str) -> dict:
-        \"\"\"Move a CRM deal to another stage.\"\"\"
-        return crm.post(f"/deals/{deal_id}", json={"stage": stage}).json()
+    def update_deal(deal_id: str, stage: str) -> dict: ...
 
-    @idempotent_tool(app, key=("channel", "incident_id"))    # one post per incident, however reworded
-    def post_status(channel: str, incident_id: str, text: str) -> dict: ...
-
-    reply = email_tool(app).bind(event_id=f"ticket-{ticket.id}-reply")   # fixed by the app, not the model
-
-    tools = [update_deal.spec(), post_status.spec(), reply.spec()]   # what the model is shown
+    tools = [update_deal.spec(), email_tool(app).bind(event_id=f"ticket-{ticket.id}-reply").spec()]
     outcome = update_deal({"deal_id": "D-7", "stage": "won"}, call_id="toolu_01A", timeout=5)
 
-**Which key.** ``key="call_id"``: the tool-call id the loop passes (protects a call the
-loop retries, not the same request made again in a later turn, which gets a new id;
-without a ``call_id`` all arguments are the intent). ``key=("field", ...)``: the
-declared arguments, so a later turn asking for the same thing with reworded free text
-is the same intent, and the first wording is the one that runs. ``key=None``: all
-arguments. ``email_tool`` uses ``send_email``'s intent (``event_id``, ``template``,
-recipients): bind ``event_id`` to what the email is about.
-
-**What the model may pass.** Only the names in the schema :meth:`~IdempotentTool.spec`
-shows it (``additionalProperties: false``): anything else, a bound name included, is
-refused as ``invalid`` with ``error.field`` naming it, and nothing is enqueued. A model
-steered by a prompt injection cannot add arguments the application did not offer.
-``email_tool`` offers ``to``, ``subject``, ``text``, ``html`` and ``reply_to``; the sender,
-``cc``, ``bcc``, ``tenant``, ``event_id`` and ``template`` are the application's to bind.
-
-**What the agent sees** (a JSON-able dict): ``status`` is an
-:class:`~idemmail_celery.handler.Outcome` value: ``sent`` (this call ran the
-side effect), ``duplicate`` (an earlier call did; its result is replayed), ``pending``
-(not finished within ``timeout``; calling again is safe), ``invalid`` (refused before
-anything was enqueued: an unknown, bound or missing argument, an invalid address), ``failed`` (a permanent
-error, replayed to every later call), ``review`` (the outcome is unknown and waits for
-a person), ``key_reuse`` (a ``call_id`` tool's call id came back with other arguments: refused,
-nothing ran), or ``error``; with ``key``, ``result``, ``message_id`` and ``error``
-(``{"type", "message"}``) where they apply. Waiting needs a result backend on the app.
-
-**Serving them.** :func:`app_tools` is what an adapter serves by default: ``email_tool(app)``
-and every ``idempotent_tool`` registered on the app; :class:`IntentStateTool` answers, by
-key, where an intent stands (the follow-up to a ``pending``). The adapters are optional
-extras above this module: ``idemmail_celery.contrib.mcp`` (an MCP server, ``celery -A proj
-idemmail mcp``) and ``idemmail_celery.contrib.langchain`` (LangChain / LangGraph tools).
+A call may carry only the names in the schema :meth:`~IdempotentTool.spec` shows
+(``additionalProperties: false``): anything else is refused as ``invalid``, nothing enqueued.
+The adapters (``idemmail_celery.contrib.mcp``, ``idemmail_celery.contrib.langchain``) serve
+:func:`app_tools` by default; :class:`IntentStateTool` answers where an intent stands.
 """
 
 from __future__ import annotations
@@ -81,7 +44,7 @@ from .errors import (
     ToolArgumentError,
 )
 from .handler import Outcome
-from .ledger import Ledger, State, from_url, passive_options
+from .ledger import Ledger, Record, State, from_url, passive_options
 from .mail import TASK_NAME, _send_email
 from .task import IdempotentTask
 
@@ -101,34 +64,23 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 _JSON_TYPES: Mapping[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
                                   list: "array", tuple: "array", dict: "object"}
 
-#: What a model may set on an email: who gets it, and its words. Everything else ``send_email`` takes
-#: (``from_``, ``cc``, ``bcc``, ``headers``, ``tags``, ``attachments``, ``event_id``, ``template``,
-#: ``tenant``) only the application may set, with :meth:`IdempotentTool.bind`: a model that could
-#: set them could spoof the sender, copy the mail elsewhere, or change the intent key and get a
-#: second email for a bound ``event_id``.
-_EMAIL_PARAMETERS: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "to": {"type": ["string", "array"], "items": {"type": "string"}, "description": "recipient address(es)"},
-        "subject": {"type": "string"},
-        "text": {"type": "string", "description": "plain-text body"},
-        "html": {"type": "string", "description": "HTML body"},
-        "reply_to": {"type": "string"},
-    },
-    "required": ["to", "subject"],
-    "additionalProperties": False,
-}
+#: What a model may set on an email: who gets it, and its words. The rest (sender, copies, intent) only the
+#: application may set, with :meth:`IdempotentTool.bind`: else a model could spoof the sender, copy the mail
+#: elsewhere, or change the intent key and get a second email for a bound ``event_id``.
+_EMAIL_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {
+    "to": {"type": ["string", "array"], "items": {"type": "string"}, "description": "recipient address(es)"},
+    "subject": {"type": "string"}, "text": {"type": "string", "description": "plain-text body"},
+    "html": {"type": "string", "description": "HTML body"}, "reply_to": {"type": "string"},
+}, "required": ["to", "subject"], "additionalProperties": False}
 
 
 @dataclasses.dataclass(frozen=True)
 class IdempotentTool:
-    """An agent tool backed by an :class:`IdempotentTask`; call it with the model's arguments.
+    """An agent tool backed by an :class:`IdempotentTask`, made by :func:`idempotent_tool` or :func:`email_tool`.
 
-    Made by :func:`idempotent_tool` or :func:`email_tool`. ``fixed`` arguments (see
-    :meth:`bind`) are set by the application and are not shown to the model. A call may
-    carry only the schema's ``properties`` that are not fixed: any other name (a bound one
-    included) is refused as ``invalid`` before anything is enqueued, as is a missing
-    ``required`` one.
+    ``fixed`` arguments (see :meth:`bind`) are the application's, not shown to the model. A call
+    carrying any other name than the schema's unfixed ``properties``, or missing a ``required`` one, is
+    refused as ``invalid`` before anything is enqueued.
     """
 
     task: IdempotentTask
@@ -149,10 +101,8 @@ class IdempotentTool:
         return dataclasses.replace(self, fixed={**self.fixed, **fixed})
 
     def spec(self) -> dict[str, Any]:
-        """The tool as a model is shown it: ``{"name", "description", "input_schema"}`` (JSON Schema).
-
-        OpenAI-style APIs call the schema ``parameters``: ``{**spec, "parameters": spec["input_schema"]}``.
-        """
+        """The tool as a model is shown it: ``{"name", "description", "input_schema"}`` (JSON Schema; OpenAI-style
+        APIs call it ``parameters``)."""
         schema = dict(self.parameters)
         schema["properties"] = {k: v for k, v in dict(schema.get("properties", {})).items() if k not in self.fixed}
         schema["required"] = [k for k in schema.get("required", []) if k not in self.fixed]
@@ -160,11 +110,7 @@ class IdempotentTool:
         return {"name": self.name, "description": self.description, "input_schema": schema}
 
     def output_schema(self) -> dict[str, Any]:
-        """The JSON Schema of what a call returns (the outcome dict), its ``result`` typed by :attr:`returns`.
-
-        MCP lists it as the tool's ``outputSchema``. ``result`` may also be null: an outcome
-        without one, or a result the ledger could not store.
-        """
+        """The JSON Schema of what a call returns (MCP's ``outputSchema``), ``result`` typed by :attr:`returns`."""
         return {"type": "object", "properties": {
             "status": {"type": "string", "enum": [outcome.value for outcome in Outcome]},
             "key": {"type": ["string", "null"], "description": "the intent key (null when refused before one)"},
@@ -178,16 +124,13 @@ class IdempotentTool:
         return self._headers(arguments, call_id)[1][KEY_HEADER]
 
     def submit(self, arguments: Mapping[str, Any], *, call_id: str | None = None) -> tuple[str, Any]:
-        """Enqueue one call; returns ``(key, AsyncResult)``.
-
-        Raises :class:`~idemmail_celery.errors.IdemmailError` (or ``TypeError``) before
-        enqueueing when the arguments are refused.
-        """
+        """Enqueue one call; ``(key, AsyncResult)``. :class:`~idemmail_celery.errors.IdemmailError` (or
+        ``TypeError``) before enqueueing when the arguments are refused."""
         kwargs, headers = self._headers(arguments, call_id)
         return headers[KEY_HEADER], self.task.apply_async(kwargs=kwargs, headers=headers)
 
     def _checked(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
-        """The model's arguments, refused unless every name is one the model is shown and none required is missing."""
+        """The model's arguments, unless a name is not one the model is shown or a required one is missing."""
         if not isinstance(arguments, Mapping):
             raise ToolArgumentError(f"tool {self.name}: arguments must be an object, not {type(arguments).__name__}")
         allowed = set(self.parameters.get("properties") or {}) - set(self.fixed)
@@ -205,13 +148,12 @@ class IdempotentTool:
         explicit = call_id if self.key == "call_id" and call_id else None
         return kwargs, self.task.intent_headers((), kwargs, explicit=explicit)
 
-    def __call__(
-        self, arguments: Mapping[str, Any], *, call_id: str | None = None, timeout: float | None = None
-    ) -> dict[str, Any]:
+    def __call__(self, arguments: Mapping[str, Any], *, call_id: str | None = None,
+                 timeout: float | None = None) -> dict[str, Any]:
         """Run one tool call and wait up to ``timeout`` seconds (default :attr:`timeout`) for its outcome.
 
-        Never raises for what the agent should see (bad arguments, a failed or pending
-        call): the outcome is in the returned dict (see the module docstring).
+        Never raises for what the agent should see (bad arguments, a failed or pending call): the outcome
+        is in the returned dict, its ``status`` an :class:`~idemmail_celery.handler.Outcome` value.
         """
         if isinstance(self.task.backend, DisabledBackend):
             raise ConfigurationError(f"tool {self.name}: the Celery app needs a result backend to wait for outcomes")
@@ -224,17 +166,17 @@ class IdempotentTool:
         except CeleryTimeoutError:
             return {"status": Outcome.PENDING.value, "key": key, "task_id": async_result.id,
                     "note": "still running; calling again with the same arguments (and call_id) will not repeat it"}
-        if isinstance(value, SendNeedsReview):
-            return {"status": Outcome.REVIEW.value, "key": key, "error": _error(value)}
-        if isinstance(value, PermanentSendError):
-            return {"status": Outcome.FAILED.value, "key": key, "error": _error(value)}
-        if isinstance(value, IdempotencyKeyReuseError):
-            return {"status": Outcome.KEY_REUSE.value, "key": key, "error": _error(value)}
+        for error_type, outcome in _ERROR_OUTCOMES:
+            if isinstance(value, error_type):
+                return {"status": outcome.value, "key": key, "error": _error(value)}
         if isinstance(value, BaseException) or not isinstance(value, dict):
             return {"status": Outcome.ERROR.value, "key": key, "error": _error(value)}
         return dict(value)
 
 
+#: The outcome of a call whose task ended in one of these errors (in this order).
+_ERROR_OUTCOMES = ((SendNeedsReview, Outcome.REVIEW), (PermanentSendError, Outcome.FAILED),
+                   (IdempotencyKeyReuseError, Outcome.KEY_REUSE))
 _ERROR_SCHEMA: Mapping[str, Any] = {"type": "object", "properties": {"type": {"type": "string"},
                                                                     "message": {"type": "string"}}}
 
@@ -271,22 +213,23 @@ def _json_type(hint: Any) -> dict[str, Any]:
     return {"type": kind} if kind else {}
 
 
+def _hints(func: Callable[..., Any]) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(func)
+    except (NameError, TypeError):  # a hint that does not resolve: as if there were none
+        return {}
+
+
 def _returns_of(func: Callable[..., Any]) -> dict[str, Any]:
     """A JSON Schema for what ``func`` returns, from its return type hint (``{}``: any JSON)."""
-    try:
-        hint = typing.get_type_hints(func).get("return")
-    except (NameError, TypeError):
-        return {}
+    hint = _hints(func).get("return")
     return {"type": "null"} if hint is type(None) else _json_type(hint)
 
 
 def parameters_of(func: Callable[..., Any], *, bound: bool = False) -> dict[str, Any]:
     """A JSON Schema for ``func``'s arguments from its signature and type hints (``self`` skipped if ``bound``)."""
     params = list(inspect.signature(func).parameters.values())[1 if bound else 0:]
-    try:
-        hints = typing.get_type_hints(func)
-    except (NameError, TypeError):
-        hints = {}
+    hints = _hints(func)
     properties: dict[str, Any] = {}
     required: list[str] = []
     for p in params:
@@ -298,29 +241,17 @@ def parameters_of(func: Callable[..., Any], *, bound: bool = False) -> dict[str,
     return {"type": "object", "properties": properties, "required": required}
 
 
-def idempotent_tool(
-    app: Celery,
-    *,
-    key: KeySource = "call_id",
-    name: str | None = None,
-    description: str | None = None,
-    parameters: Mapping[str, Any] | None = None,
-    timeout: float = 10.0,
-    **task_options: Any,
-) -> Callable[[Callable[..., Any]], IdempotentTool]:
-    """Decorator: register ``func`` as an :class:`IdempotentTask` on ``app`` and return it as a tool.
+def idempotent_tool(app: Celery, *, key: KeySource = "call_id", name: str | None = None,
+                    description: str | None = None, parameters: Mapping[str, Any] | None = None, timeout: float = 10.0,
+                    **task_options: Any) -> Callable[[Callable[..., Any]], IdempotentTool]:
+    """Decorator: register ``func`` as an :class:`IdempotentTask` on ``app`` (only) and return it as a tool.
 
-    ``key`` is where the intent comes from (see the module docstring). ``name`` is the
-    tool's name, the one the model is shown and the adapters list and call it by, and the
-    Celery task's name (give one when the module may also run as ``__main__``); without it
-    the tool is named after the function and the task as Celery names it. A name holds
-    1 to 128 letters, digits, ``_``, ``-`` or ``.``, and one name is one tool on an app: a
-    second function declared under it raises :class:`~idemmail_celery.errors.ConfigurationError`.
-    ``description`` defaults to the docstring's first paragraph, ``parameters`` (a JSON
-    Schema) to one built from the type hints, the schema of ``result`` to the return type.
-    ``task_options`` go to ``app.task``: ``queue=``, ``bind=True`` to receive the task and
-    read ``self.request.idempotency_key``, the ``idempotency_*`` options. The task is ``app``'s
-    alone (``shared=False``): a tool is not added to other apps of the process.
+    ``key`` is where the intent comes from: ``"call_id"``, argument names, or None for all arguments
+    (docs/agent-tools.md). ``name`` (default: the function's) is the tool's and the Celery task's: 1 to
+    128 letters, digits, ``_``, ``-`` or ``.``; a second function declared under it raises
+    :class:`~idemmail_celery.errors.ConfigurationError`. ``description`` defaults to the docstring's
+    first paragraph, ``parameters`` (a JSON Schema) to one built from the type hints.
+    ``task_options`` go to ``app.task`` (``queue=``, ``bind=True``, the ``idempotency_*`` options).
     """
     if isinstance(key, str) and key != "call_id":
         raise ConfigurationError(f"key must be 'call_id', a sequence of argument names or None, not {key!r}")
@@ -336,9 +267,8 @@ def idempotent_tool(
         if name is not None:
             options["name"] = name
         if key == "call_id":
-            # A call id is the client's number, not the call: one that comes back with other arguments
-            # (two sessions both numbering from call_1) is refused as a key reuse, never answered
-            # with the first call's outcome as if it were this one's.
+            # A call id is the client's number, not the call: one that comes back with other arguments (two
+            # sessions both numbering from call_1) is refused as a key reuse, never given the first outcome.
             options.setdefault("idempotency_must_match", tuple(schema.get("properties") or ()))
         with _registry_lock:
             made = _registered.setdefault(app, {})
@@ -366,13 +296,8 @@ _registry_lock = threading.Lock()
 
 
 def app_tools(app: Celery) -> list[IdempotentTool]:
-    """What an adapter serves by default: ``email_tool(app)``, then every :func:`idempotent_tool` made
-    on ``app``, in the order they were made.
-
-    The email tool comes unbound: without an ``event_id`` the whole message is its intent (a
-    retried call is one email, a reworded one another). To serve bound tools, hand an adapter
-    your own list.
-    """
+    """What an adapter serves by default: ``email_tool(app)`` (unbound), then every :func:`idempotent_tool`
+    made on ``app``, in the order they were made. To serve bound tools, hand an adapter your own list."""
     with _registry_lock:
         made = [tool for _, tool in _registered.get(app, {}).values()]
     email = email_tool(app)
@@ -386,11 +311,9 @@ def email_tool(app: Celery, *, name: str = "send_email", description: str | None
                timeout: float = 10.0) -> IdempotentTool:
     """``send_email`` on ``app`` as a tool: one email per ``event_id`` and recipients, however often called.
 
-    The model sets ``to``, ``subject``, ``text``, ``html`` and ``reply_to``, nothing else.
-    Bind ``event_id`` (and ``template``, ``tenant``, ``from_``, ``cc``, ``bcc``, ...) with
-    :meth:`IdempotentTool.bind`: the application knows what the email is about, so the model
-    cannot turn one reply into two. Without a bound ``event_id`` the whole message is the
-    intent: a retried call is one email, a reworded one is another.
+    The model sets ``to``, ``subject``, ``text``, ``html`` and ``reply_to``; bind ``event_id`` (and the
+    sender, ``tenant``, ...) with :meth:`IdempotentTool.bind`. Without a bound ``event_id`` the whole
+    message is the intent: a retried call is one email, a reworded one is another.
     """
     return IdempotentTool(
         task=app.tasks[TASK_NAME], name=name, parameters=_EMAIL_PARAMETERS, key=None, timeout=timeout,
@@ -400,23 +323,18 @@ def email_tool(app: Celery, *, name: str = "send_email", description: str | None
     )
 
 
-#: The longest ``key`` the state tool looks up: keys are hashes (about 70 characters); anything far
-#: longer is not one of ours and is refused before it reaches the ledger.
+#: The longest ``key`` the state tool looks up (keys are hashes of about 70 characters).
 _MAX_KEY = 256
 
 
 @dataclasses.dataclass(frozen=True)
 class IntentStateTool:
-    """A read-only tool: where one intent stands in the ledger, by its ``key``.
+    """A read-only tool: where one intent stands in the ledgers of ``tools``, by the ``key`` an outcome gave.
 
-    The follow-up to a ``pending`` outcome, whose ``key`` it takes. It looks the key up in the
-    ledgers of ``tools`` (read only: it never claims, never writes, never starts a Redis epoch)
-    and answers ``{"key", "state", ...}``: ``state`` is a ledger state (``claimed`` while a worker
-    runs it, ``released``, ``sent``, ``failed``, ``review``) or ``unknown`` (not claimed yet, never
-    enqueued, or past its retention); ``sent`` adds ``message_id``, ``sent_at`` and ``result``,
-    the others the recorded ``error``. Never the stored payload (personal data). A malformed call
-    is ``{"status": "invalid", "error": ...}`` as for :class:`IdempotentTool`; a ledger that does
-    not answer, ``{"status": "error", "error": ...}`` (never ``unknown``).
+    Answers ``{"key", "state", ...}``: ``state`` is a ledger state or ``unknown`` (not claimed yet,
+    never enqueued, or past its retention); ``sent`` adds ``message_id``, ``sent_at`` and ``result``,
+    the others the recorded ``error``; never the stored payload. A malformed call is ``{"status":
+    "invalid", ...}``, a ledger that does not answer ``{"status": "error", ...}`` (never ``unknown``).
     """
 
     tools: Sequence[IdempotentTool]
@@ -440,10 +358,8 @@ class IntentStateTool:
             "key": {"type": ["string", "null"]},
             "state": {"type": "string", "enum": [*(state.value for state in State), "unknown"]},
             "status": {"type": "string", "enum": [Outcome.INVALID.value, Outcome.ERROR.value]},
-            "attempts": {"type": "integer"},
-            "updated_at": {"type": ["string", "null"]},
-            "sent_at": {"type": ["string", "null"]},
-            "error": _ERROR_SCHEMA,
+            "attempts": {"type": "integer"}, "updated_at": {"type": ["string", "null"]},
+            "sent_at": {"type": ["string", "null"]}, "error": _ERROR_SCHEMA,
         }, "required": ["key"]}
 
     @functools.cached_property
@@ -458,9 +374,8 @@ class IntentStateTool:
                 seen[ident] = from_url(settings.ledger_url, **options)
         return list(seen.values())
 
-    def __call__(
-        self, arguments: Mapping[str, Any], *, call_id: str | None = None, timeout: float | None = None
-    ) -> dict[str, Any]:
+    def __call__(self, arguments: Mapping[str, Any], *, call_id: str | None = None,
+                 timeout: float | None = None) -> dict[str, Any]:
         """Look one key up; ``call_id`` and ``timeout`` are accepted and unused (a read)."""
         key = arguments.get("key") if isinstance(arguments, Mapping) else None
         extra = sorted(set(arguments) - {"key"}) if isinstance(arguments, Mapping) else []
@@ -473,19 +388,18 @@ class IntentStateTool:
             for ledger in self._ledgers:
                 record = ledger.get(key)
                 if record is not None:
-                    return _state_of(key, record.state, record.attempts, record.updated_at, record.result,
-                                     record.error)
+                    return _state_of(key, record)
         except IdemmailError as exc:  # the ledger is down (or lost): say so, never guess "unknown"
             return {"status": Outcome.ERROR.value, "key": key, "error": _error(exc)}
         return {"key": key, "state": "unknown"}
 
 
-def _state_of(key: str, state: State, attempts: int, at: float, result: dict[str, Any] | None,
-              error: dict[str, Any] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"key": key, "state": state.value, "attempts": attempts,
+def _state_of(key: str, record: Record) -> dict[str, Any]:
+    at, error = record.updated_at, record.error
+    out: dict[str, Any] = {"key": key, "state": record.state.value, "attempts": record.attempts,
                            "updated_at": dt.datetime.fromtimestamp(at, dt.timezone.utc).isoformat() if at else None}
-    if state is State.SENT:
-        stored = result or {}
+    if record.state is State.SENT:
+        stored = record.result or {}
         out.update(message_id=stored.get("message_id"), sent_at=out["updated_at"], result=stored.get("value"))
     elif error:
         out["error"] = {k: error[k] for k in ("type", "reason", "message") if k in error}

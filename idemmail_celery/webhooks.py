@@ -1,13 +1,10 @@
 """Provider webhooks: evidence from outside that an intent went out, recorded in the ledger.
 
-Postmark, SendGrid and SES de-duplicate nothing, so an ambiguous send is parked
-in ``review`` (see :mod:`idemmail_celery.providers.postmark`). Their delivery
-events settle it: every message is tagged with its intent key, the provider
-echoes the tag in its events, and :func:`reconcile` calls
-:meth:`Ledger.confirm_sent <idemmail_celery.ledger.base.Ledger.confirm_sent>`,
-which moves ``review`` (or ``claimed``, ``released``, ``failed``) to ``sent``
-with the provider's message id. A ``sent`` record stays as it is, so a
-redelivered event is harmless.
+Postmark, SendGrid and SES de-duplicate nothing, so an ambiguous send is parked in ``review``.
+Their delivery events settle it: every message is tagged with its intent key, the provider echoes
+the tag, and :func:`reconcile` moves the record to ``sent`` with the provider's message id
+(:meth:`Ledger.confirm_sent <idemmail_celery.ledger.base.Ledger.confirm_sent>`); a redelivered
+event is harmless.
 
 =========  ========================================================  ==========================================
 provider   events that confirm a send                                where the key and the message id are
@@ -21,46 +18,14 @@ ses        ``eventType`` (or ``notificationType``) ``"Send"`` or     ``mail.tags
 
 Other events (bounces, opens, ...) and events without the key return None.
 
-**Who may post.** :func:`handle_webhook`, :func:`webhook_app` (WSGI) and
-:func:`webhook_asgi_app` (ASGI: Starlette, FastAPI, any asyncio server) refuse anything not
-authenticated by one of the schemes configured for the provider, raising
-:class:`WebhookSignatureError` (HTTP 401); nothing is read from the body first except, for
-SNS, the signed envelope itself. What each provider offers, and what to configure
-(:class:`WebhookAuth`, or ``secret=`` alone for the shared-secret schemes):
-
-* **Postmark** signs nothing. Its webhooks can carry HTTP basic auth (credentials in the
-  webhook URL, ``https://user:password@host/path``, or the webhook's ``HttpAuth``) and
-  custom headers (``HttpHeaders``). Accepted: ``Authorization: Basic`` matching
-  ``secret="user:password"``, or the header ``X-Idemmail-Webhook-Secret: <secret>``. Both
-  are a shared secret sent with every request: use HTTPS; no body integrity beyond TLS and
-  no replay window (a replayed delivery event only re-confirms the truth).
-* **SendGrid** signs its Event Webhook with ECDSA (P-256, SHA-256 over timestamp + raw body;
-  headers ``X-Twilio-Email-Event-Webhook-Signature``/``-Timestamp``). Verified with the
-  ``cryptography`` package (the ``crypto`` extra) against ``sendgrid_public_key``, the
-  verification key SendGrid shows for the webhook (base64 DER, or PEM), with the timestamp
-  within ``tolerance``. Also accepted: the HMAC scheme below, from a relay.
-* **SES** publishes events through SNS, which signs every message with RSA (``SignatureVersion``
-  1: SHA1, 2: SHA256) and a certificate at ``SigningCertURL``. Verified with ``cryptography``
-  when ``sns_topic_arns`` lists the topics you subscribed: the message's ``TopicArn`` must be
-  one of them (any AWS account can get a message signed by SNS for a topic of its own), and
-  the certificate URL must be ``https://sns.<region>.amazonaws.com/...pem`` in the topic's
-  region; the certificate is fetched once per URL and process (``sns_certificates`` replaces
-  the fetch, for tests or an offline cache) and must be within its validity dates. Also
-  accepted: ``Authorization: Basic`` matching ``secret="user:password"`` (SNS HTTPS endpoints
-  take basic auth in the URL; SNS first expects a 401 challenge, which the apps send), and
-  the HMAC scheme. Subscription confirmations are logged with their ``SubscribeURL`` for an
-  operator to confirm; nothing is fetched.
-
-**The HMAC scheme** (``hmac-sha256-v1``), for a relay (an API gateway, a function) that
-verified the provider and forwards the body unchanged: headers ``X-Idemmail-Timestamp:
-<unix seconds>`` and ``X-Idemmail-Signature: v1=<hex HMAC-SHA256(secret, timestamp + "." +
-raw body)>``, with the timestamp within ``tolerance`` (300 s) of now. :func:`hmac_headers`
-makes them. ``secret`` may be a list, to rotate secrets.
-
-**Bad requests are 4xx, never a 500.** A timestamp that is not 1 to 12 ASCII digits, a
-``Content-Length`` that is not a number, a body over ``max_body``, JSON that does not parse
-(huge numbers included) or nests deeper than :data:`MAX_DEPTH`, a key that is not an intent
-key's shape: 401, 411, 413 or 400, with a one-line reason and no traceback.
+:func:`handle_webhook`, :func:`webhook_app` (WSGI) and :func:`webhook_asgi_app` (ASGI) refuse
+any request not authenticated by a scheme configured for the provider (:class:`WebhookAuth`,
+or ``secret=`` alone for the shared-secret ones) with :class:`WebhookSignatureError` (HTTP 401),
+before reading the body; a bad request is a 4xx with a one-line reason, never a 500. The schemes
+each provider offers, and what to configure, are in docs/security.md, "Webhooks". The HMAC
+scheme, for a relay that verified the provider: ``X-Idemmail-Timestamp: <unix seconds>`` and
+``X-Idemmail-Signature: v1=<hex HMAC-SHA256(secret, timestamp + "." + raw body)>``
+(:func:`hmac_headers` makes them).
 """
 
 from __future__ import annotations
@@ -82,13 +47,7 @@ from urllib.parse import urlsplit
 
 from ._common import logsafe
 from .chain import KEY_TAG
-from .errors import (
-    ConfigurationError,
-    LedgerError,
-    RecordNotFoundError,
-    WebhookPayloadError,
-    WebhookSignatureError,
-)
+from .errors import ConfigurationError, LedgerError, RecordNotFoundError, WebhookPayloadError, WebhookSignatureError
 from .ledger.base import Ledger, Record
 
 if TYPE_CHECKING:
@@ -114,15 +73,12 @@ DEFAULT_MAX_BODY = 1024 * 1024
 #: Deepest nesting of a webhook body (objects and arrays) that is read; providers send 4 or 5 levels.
 MAX_DEPTH = 32
 
-#: How each provider may authenticate its requests (see the module docstring).
-SCHEMES: Mapping[str, tuple[str, ...]] = {
-    "postmark": ("basic", "header"),
-    "sendgrid": ("ecdsa", "hmac"),
-    "ses": ("basic", "hmac", "sns"),
-}
+#: How each provider may authenticate its requests (docs/security.md, "Webhooks").
+SCHEMES: Mapping[str, tuple[str, ...]] = {"postmark": ("basic", "header"), "sendgrid": ("ecdsa", "hmac"),
+                                          "ses": ("basic", "hmac", "sns")}
 _CONFIRMING = {"postmark": ("Delivery",), "sendgrid": ("processed", "delivered"), "ses": ("Send", "Delivery")}
-_STAMP = re.compile(r"[0-9]{1,12}")
-_LENGTH = re.compile(r"[0-9]{1,12}")
+#: A timestamp or a Content-Length: 1 to 12 ASCII digits.
+_DIGITS = re.compile(r"[0-9]{1,12}")
 _SNS_HOST = re.compile(r"sns\.([a-z0-9-]{1,32})\.amazonaws\.com")
 _TOPIC_ARN = re.compile(r"arn:aws:sns:([a-z0-9-]{1,32}):[0-9]{12}:[A-Za-z0-9_.-]{1,256}")
 _MAX_MESSAGE_ID = 998
@@ -226,19 +182,12 @@ def _ses_fields(event: Mapping[str, Any]) -> _Fields | None:
 
 #: Each provider's reader of (kind, key, message id), by the name :func:`_provider_of` gives.
 _READERS: Mapping[str, Callable[[Mapping[str, Any]], _Fields | None]] = {
-    "postmark": _postmark_fields,
-    "sendgrid": _sendgrid_fields,
-    "ses": _ses_fields,
-}
+    "postmark": _postmark_fields, "sendgrid": _sendgrid_fields, "ses": _ses_fields}
 
 
 def evidence(event: Mapping[str, Any], *, provider: str | None = None) -> DeliveryEvidence | None:
-    """What a parsed, verified provider event proves, or None (not a confirming event, or no key).
-
-    The provider is recognised from the event's shape; ``provider`` insists on one
-    (:class:`WebhookPayloadError` if the event is another's). A message id longer than
-    998 characters or with control characters proves nothing.
-    """
+    """What a parsed, verified provider event proves, or None (not a confirming event, no key, a bad message id);
+    :class:`WebhookPayloadError` for an event of another provider than ``provider``."""
     found = _provider_of(event)
     if provider is not None and found is not None and found != provider:
         raise WebhookPayloadError(f"a {found} event posted to the {provider} webhook")
@@ -254,19 +203,16 @@ def evidence(event: Mapping[str, Any], *, provider: str | None = None) -> Delive
 
 
 def _plausible_key(key: str) -> bool:
-    """Could a ledger hold ``key``? (Derived keys are 64 hex digits; the SQL column takes 128 characters.)"""
+    """Could a ledger hold ``key``? (The SQL column takes 128 characters.)"""
     return len(key) <= 128 and key.isascii() and key.isprintable() and " " not in key
 
 
 def reconcile(event: Mapping[str, Any], *, ledger: Ledger, provider: str | None = None) -> Record | None:
     """Record a parsed, **already verified** provider event in ``ledger``; the record, or None if it proves nothing.
 
-    A confirming event moves the intent's record to ``sent`` with
-    ``{"message_id", "provider", "via": "webhook"}`` (a ``sent`` record is returned
-    unchanged). Raises :class:`RecordNotFoundError` when the ledger has no record
-    for the key (expired past retention, another ledger, never claimed, or a key no
-    ledger can hold: the ledger is not asked then), and :class:`WebhookPayloadError`
-    for an event of another provider than ``provider``.
+    A confirming event moves the record to ``sent`` with ``{"message_id", "provider", "via": "webhook"}``
+    (a ``sent`` record is returned unchanged). Raises :class:`RecordNotFoundError` when the ledger has
+    no record for the key, :class:`WebhookPayloadError` for an event of another provider than ``provider``.
     """
     found = evidence(event, provider=provider)
     if found is None:
@@ -279,10 +225,9 @@ def reconcile(event: Mapping[str, Any], *, ledger: Ledger, provider: str | None 
         record = ledger.confirm_sent(found.key, result, note=f"{found.provider} {found.event} webhook",
                                      actor=f"webhook:{found.provider}")
     except RecordNotFoundError:
-        raise RecordNotFoundError(
-            f"{found.provider} reports {found.event} of message {found.message_id} for key {found.key}, "
-            "but the ledger has no record of it (expired past retention, another ledger, or never claimed)"
-        ) from None
+        raise RecordNotFoundError(f"{found.provider} reports {found.event} of message {found.message_id} for key "
+                                  f"{found.key}, but the ledger has no record of it (expired past retention, another "
+                                  "ledger, or never claimed)") from None
     logger.info("idemmail: %s confirmed by %s %s webhook (message %s)", logsafe(found.key), logsafe(found.provider),
                 logsafe(found.event), logsafe(found.message_id))
     return record
@@ -352,7 +297,7 @@ _WANTED = {"basic": "Authorization: Basic", **_SCHEME_HEADER, "sns": "an SNS sig
 
 @dataclass(frozen=True)
 class _Request:
-    """One webhook request as the scheme checks read it: ``headers`` keyed by lower-case name, ``now`` the clock."""
+    """One webhook request as the scheme checks read it (``headers`` keyed by lower-case name)."""
 
     headers: Mapping[str, str]
     body: bytes
@@ -371,9 +316,9 @@ class _Request:
         return _SCHEME_HEADER[scheme].lower() in self.headers
 
     def fresh_timestamp(self, name: str, what: str) -> str:
-        """The timestamp in header ``name``, or :class:`WebhookSignatureError` if it is not within the tolerance."""
+        """The timestamp in header ``name``; :class:`WebhookSignatureError` unless within the tolerance."""
         stamp = self.header(name)
-        if not _STAMP.fullmatch(stamp):
+        if not _DIGITS.fullmatch(stamp):
             raise WebhookSignatureError(f"the {what} needs a timestamp in unix seconds (1 to 12 digits)")
         if abs(self.now - int(stamp)) > self.tolerance:
             raise WebhookSignatureError(f"the {what}'s timestamp is more than {self.tolerance:.0f} s from now")
@@ -382,14 +327,13 @@ class _Request:
 
 @dataclass(frozen=True)
 class WebhookAuth:
-    """What a webhook endpoint accepts as proof of origin; see the module docstring for each provider.
+    """What a webhook endpoint accepts as proof of origin (docs/security.md, "Webhooks").
 
-    ``secret`` (one, or a list to rotate) for basic auth, the secret header and the HMAC
-    scheme; ``sendgrid_public_key`` (base64 DER or PEM) for SendGrid's own ECDSA signature;
-    ``sns_topic_arns`` (the topics you subscribed the endpoint to) for SNS's RSA signature,
-    ``sns_certificates`` to replace the certificate fetch (a function of the pinned URL
-    returning PEM bytes). :class:`ConfigurationError` for a value that cannot work, or
-    when ``cryptography`` is missing for a signature scheme.
+    ``secret`` (one, or a list to rotate) for basic auth, the secret header and the HMAC scheme;
+    ``sendgrid_public_key`` (base64 DER or PEM) for SendGrid's ECDSA signature; ``sns_topic_arns``
+    (the topics you subscribed) for SNS's RSA signature, ``sns_certificates`` to replace the
+    certificate fetch (pinned URL -> PEM bytes). :class:`ConfigurationError` for a value that cannot
+    work, or when ``cryptography`` is missing for a signature scheme.
     """
 
     secret: str | Sequence[str] | None = field(default=None, repr=False)
@@ -418,15 +362,18 @@ class WebhookAuth:
                 "ecdsa": self._ecdsa_key is not None, "sns": bool(self.sns_topic_arns)}
         return tuple(s for s in SCHEMES[provider] if have[s])
 
-    def verify(self, provider: str, headers: Mapping[str, str], body: bytes, *, now: float | None = None,
-               tolerance: float = DEFAULT_TOLERANCE) -> str:
-        """The scheme that authenticated the request, or :class:`WebhookSignatureError`. See :func:`verify`."""
-        if provider not in SCHEMES:
-            raise ConfigurationError(f"no webhook support for {provider!r} (known: {', '.join(PROVIDERS)})")
+    def _usable_schemes(self, provider: str) -> tuple[str, ...]:
+        _check_provider(provider)
         schemes = self.schemes(provider)
         if not schemes:
             raise ConfigurationError(f"nothing configured that authenticates {provider} webhooks "
                                      f"(it can use: {', '.join(SCHEMES[provider])})")
+        return schemes
+
+    def verify(self, provider: str, headers: Mapping[str, str], body: bytes, *, now: float | None = None,
+               tolerance: float = DEFAULT_TOLERANCE) -> str:
+        """The scheme that authenticated the request, or :class:`WebhookSignatureError`. See :func:`verify`."""
+        schemes = self._usable_schemes(provider)
         request = _Request({name.lower(): value for name, value in headers.items()}, body,
                            time.time() if now is None else now, tolerance)
         # Looked for in this order, whatever the provider's: a request carrying two schemes is judged by the first.
@@ -569,29 +516,24 @@ def _sns_string_to_sign(message: Mapping[str, Any]) -> str:
     return "".join(out)
 
 
+def _check_provider(provider: str) -> None:
+    if provider not in SCHEMES:
+        raise ConfigurationError(f"no webhook support for {provider!r} (known: {', '.join(PROVIDERS)})")
+
+
 def _auth(auth: WebhookAuth | None, secret: str | Sequence[str] | None) -> WebhookAuth:
     if auth is not None and secret is not None:
         raise ConfigurationError("pass secret= or auth=, not both")
     return auth if auth is not None else WebhookAuth(secret=secret)
 
 
-def verify(
-    provider: str,
-    headers: Mapping[str, str],
-    body: bytes,
-    *,
-    secret: str | Sequence[str] | None = None,
-    auth: WebhookAuth | None = None,
-    now: float | None = None,
-    tolerance: float = DEFAULT_TOLERANCE,
-) -> str:
+def verify(provider: str, headers: Mapping[str, str], body: bytes, *, secret: str | Sequence[str] | None = None,
+           auth: WebhookAuth | None = None, now: float | None = None, tolerance: float = DEFAULT_TOLERANCE) -> str:
     """Check where a webhook request comes from; the scheme that matched (``basic``, ``header``, ``hmac``...).
 
-    ``headers`` are the request's (any case), ``body`` its raw bytes. ``secret`` is
-    shorthand for ``auth=WebhookAuth(secret=...)``. The schemes ``provider`` may use are
-    in :data:`SCHEMES`. Raises :class:`WebhookSignatureError` when none is presented, or
-    the one presented does not match; :class:`ConfigurationError` when nothing configured
-    can authenticate ``provider``.
+    ``headers`` in any case, ``body`` raw; ``secret`` is shorthand for ``auth=WebhookAuth(secret=...)``.
+    Raises :class:`WebhookSignatureError` when no scheme of :data:`SCHEMES` is presented or it does not
+    match; :class:`ConfigurationError` when nothing configured can authenticate ``provider``.
     """
     return _auth(auth, secret).verify(provider, headers, body, now=now, tolerance=tolerance)
 
@@ -606,24 +548,15 @@ def _events(provider: str, data: Any) -> list[Mapping[str, Any]]:
     return items
 
 
-def handle_webhook(
-    provider: str,
-    headers: Mapping[str, str],
-    body: bytes,
-    *,
-    ledger: Ledger,
-    secret: str | Sequence[str] | None = None,
-    auth: WebhookAuth | None = None,
-    now: float | None = None,
-    tolerance: float = DEFAULT_TOLERANCE,
-) -> WebhookOutcome:
+def handle_webhook(provider: str, headers: Mapping[str, str], body: bytes, *, ledger: Ledger,
+                   secret: str | Sequence[str] | None = None, auth: WebhookAuth | None = None, now: float | None = None,
+                   tolerance: float = DEFAULT_TOLERANCE) -> WebhookOutcome:
     """Verify, parse and reconcile one webhook request (one event, or SendGrid's list of them).
 
-    Raises :class:`WebhookSignatureError` before reading the body when the request
-    is not authenticated, :class:`WebhookPayloadError` for a body that is not the
-    provider's JSON, and lets ledger errors through (answer 5xx: the provider
-    retries). Keys the ledger does not know are reported, not raised, so one stale
-    event does not make the provider retry a whole batch.
+    Raises :class:`WebhookSignatureError` before reading the body when the request is not
+    authenticated, :class:`WebhookPayloadError` for a body that is not the provider's JSON, and lets
+    ledger errors through (answer 5xx: the provider retries). Unknown keys are reported, not raised,
+    so one stale event does not make the provider retry a whole batch.
     """
     verify(provider, headers, body, secret=secret, auth=auth, now=now, tolerance=tolerance)
     data = loads(body, f"{provider} webhook body")
@@ -657,7 +590,7 @@ def _check_request(method: str, length: str | None, max_body: int, *, length_req
         return "405 Method Not Allowed", {"error": "POST only"}, [("Allow", "POST")]
     if length is None or length == "":
         return ("411 Length Required", {"error": "send a Content-Length"}, []) if length_required else None
-    if not _LENGTH.fullmatch(length):
+    if not _DIGITS.fullmatch(length):
         return "400 Bad Request", {"error": "the Content-Length is not a number"}, []
     if int(length) > max_body:
         return "413 Content Too Large", {"error": f"body over {max_body} bytes"}, []
@@ -686,31 +619,21 @@ def _answer(provider: str, headers: Mapping[str, str], body: bytes, ledger: Ledg
 
 
 def _configured(provider: str, auth: WebhookAuth | None, secret: str | Sequence[str] | None) -> WebhookAuth:
-    if provider not in SCHEMES:
-        raise ConfigurationError(f"no webhook support for {provider!r} (known: {', '.join(PROVIDERS)})")
+    _check_provider(provider)  # before the secrets are checked
     checked = _auth(auth, secret)
-    if not checked.schemes(provider):
-        raise ConfigurationError(f"nothing configured that authenticates {provider} webhooks "
-                                 f"(it can use: {', '.join(SCHEMES[provider])})")
+    checked._usable_schemes(provider)
     return checked
 
 
-def webhook_app(
-    ledger: Ledger,
-    provider: str = "postmark",
-    *,
-    secret: str | Sequence[str] | None = None,
-    auth: WebhookAuth | None = None,
-    tolerance: float = DEFAULT_TOLERANCE,
-    max_body: int = DEFAULT_MAX_BODY,
-) -> Callable[[WSGIEnvironment, StartResponse], Iterable[bytes]]:
-    """A WSGI application receiving ``provider``'s webhook at any path (mount it where you like).
+def webhook_app(ledger: Ledger, provider: str = "postmark", *, secret: str | Sequence[str] | None = None,
+                auth: WebhookAuth | None = None, tolerance: float = DEFAULT_TOLERANCE,
+                max_body: int = DEFAULT_MAX_BODY) -> Callable[[WSGIEnvironment, StartResponse], Iterable[bytes]]:
+    """A WSGI application receiving ``provider``'s webhook at any path.
 
-    Answers ``200 {"confirmed": n, "unknown": m, "ignored": k}``; 401 when the
-    request is not authenticated (with a basic auth challenge where the provider
-    uses basic auth); 400 for a body that is not the provider's JSON or a bad
-    ``Content-Length``; 405, 411, 413 for a wrong method, no length, a body over
-    ``max_body``; 503 when the ledger fails, so the provider retries later.
+    Answers ``200 {"confirmed": n, "unknown": m, "ignored": k}``; 401 unauthenticated (with a basic
+    auth challenge where the provider uses basic auth); 400 for a body that is not the provider's JSON
+    or a bad ``Content-Length``; 405, 411, 413 for a wrong method, no length, a body over ``max_body``;
+    503 when the ledger fails, so the provider retries later.
     """
     checked = _configured(provider, auth, secret)
 
@@ -734,25 +657,14 @@ def webhook_app(
 
 _ASGIReceive = Callable[[], Awaitable[dict[str, Any]]]
 _ASGISend = Callable[[dict[str, Any]], Awaitable[None]]
+_ASGIApp = Callable[[dict[str, Any], _ASGIReceive, _ASGISend], Awaitable[None]]
 
 
-def webhook_asgi_app(
-    ledger: Ledger,
-    provider: str = "postmark",
-    *,
-    secret: str | Sequence[str] | None = None,
-    auth: WebhookAuth | None = None,
-    tolerance: float = DEFAULT_TOLERANCE,
-    max_body: int = DEFAULT_MAX_BODY,
-) -> Callable[[dict[str, Any], _ASGIReceive, _ASGISend], Awaitable[None]]:
-    """The same endpoint as :func:`webhook_app`, as an ASGI 3 application (no framework needed).
-
-    Mount it in Starlette/FastAPI (``app.mount("/hooks/ses", webhook_asgi_app(ledger, "ses",
-    auth=...))``) or serve it alone (it answers the ``lifespan`` protocol). The body is read
-    up to ``max_body`` (a chunked request needs no ``Content-Length``); verifying and the
-    ledger call run in a worker thread (``asyncio.to_thread``), so the event loop never
-    blocks on the ledger. Same answers as the WSGI app.
-    """
+def webhook_asgi_app(ledger: Ledger, provider: str = "postmark", *, secret: str | Sequence[str] | None = None,
+                     auth: WebhookAuth | None = None, tolerance: float = DEFAULT_TOLERANCE,
+                     max_body: int = DEFAULT_MAX_BODY) -> _ASGIApp:
+    """The same endpoint as :func:`webhook_app`, as an ASGI 3 application (mount it in Starlette/FastAPI or
+    serve it alone). A chunked request needs no ``Content-Length``; the ledger call runs in a worker thread."""
     checked = _configured(provider, auth, secret)
 
     async def reply(send: _ASGISend, answer: _Reply) -> None:

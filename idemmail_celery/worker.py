@@ -1,10 +1,5 @@
-"""What a worker does for idempotent tasks at start and at shutdown (Celery's worker signals).
-
-At ``worker_init`` (main process, before the pool forks): every idempotent task's settings, key secret,
-ledger and provider are checked once (:func:`start_up_problems`), the key-secret roster heartbeat starts in
-the background (:func:`announcer`), and glibc's malloc is told not to keep freed message bodies. At
-``celeryd_after_setup`` each problem found is logged at ERROR once, with its fix (or the worker refuses to
-start, ``idemmail_refuse_to_start``). At ``worker_shutdown`` the worker leaves the rosters at once.
+"""What a worker does for idempotent tasks at start and at shutdown (Celery's worker signals): the start-up
+checks (:func:`start_up_problems`, see docs/deployment.md) and the key-secret roster heartbeat (:func:`announcer`).
 """
 
 from __future__ import annotations
@@ -29,18 +24,11 @@ log = logging.getLogger("idemmail_celery")
 
 
 def start_up_problems(app: Any) -> list[tuple[str, BaseException]]:
-    """What would keep this worker's idempotent tasks from running, checked once at start: each task's
-    settings, its key secret, its ledger (its driver imports, it opens and answers) and, for tasks with
-    a provider (``send_email``), that the provider builds. A list of (task name, error); empty when all pass.
-
-    Opening the ledgers here also reads what pool children must inherit (the Redis ledger's epoch):
-    a child that first met the store after it was emptied would take it for a new ledger and send again.
-    """
+    """What would keep this worker's idempotent tasks from running, as (task name, error). Opening the ledgers here
+    also reads what pool children must inherit (the Redis ledger's epoch)."""
     problems: list[tuple[str, BaseException]] = []
     seen: set[int] = set()
-    for task in list(app.tasks.values()):
-        if not isinstance(task, IdempotentTask):
-            continue
+    for task in [t for t in list(app.tasks.values()) if isinstance(t, IdempotentTask)]:
         try:
             settings = task.idem_settings
             if not (settings.key_secrets or settings.allow_plain_keys or settings.ledger_url.startswith("sqlite")):
@@ -61,23 +49,18 @@ _found_at_start: dict[int, list[tuple[str, BaseException]]] = {}
 
 
 def _check_at_start(sender: Any = None, **_: Any) -> None:
-    """On ``worker_init`` (main process, before the pool forks): :func:`start_up_problems`, kept for
-    :func:`_report_at_start` (Celery's logging is not set up yet). Never raises."""
+    """On ``worker_init`` (before the pool forks): :func:`start_up_problems`, kept for :func:`_report_at_start`."""
     app = getattr(sender, "app", None)
     if app is not None:
         _found_at_start[id(app)] = start_up_problems(app)
-        # In the background: a ledger down or slow must not hold the start-up. Claims wait for it instead
-        # (IdempotentTask.ensure_announced), in every process of the worker.
+        # In the background: a ledger down must not hold the start-up (claims wait: ensure_announced).
         roster.running[id(app)] = announcer(app).start()
 
 
 def announcer(app: Any) -> roster.Announcer:
-    """This worker's heartbeat into the key-secret roster of each ledger its idempotent tasks use, with the
-    ids of the secrets all of that ledger's tasks hold (:mod:`idemmail_celery.roster`)."""
+    """This worker's heartbeat into the key-secret roster of each ledger, with the secrets all its tasks hold."""
     held: dict[int, tuple[Ledger, list[str]]] = {}
-    for task in list(app.tasks.values()):
-        if not isinstance(task, IdempotentTask):
-            continue
+    for task in [t for t in list(app.tasks.values()) if isinstance(t, IdempotentTask)]:
         try:
             ledger, ids = task.ledger, keys_mod.secret_ids(task.idem_settings.key_secrets or None)
         except Exception:  # settings that do not parse: reported by start_up_problems
@@ -96,13 +79,10 @@ def _leave_at_shutdown(sender: Any = None, **_: Any) -> None:
 
 
 def _report_at_start(sender: Any = None, instance: Any = None, **_: Any) -> None:
-    """On ``celeryd_after_setup`` (``celery worker``: logging set up, the pool not started, before ``ready``):
-    one ERROR line with its fix per start-up problem. Messages then wait on the outage budget until it is
-    fixed; with ``idemmail_refuse_to_start`` the worker exits instead."""
+    """On ``celeryd_after_setup``: one ERROR per start-up problem, with its fix (``idemmail_refuse_to_start``: exit)."""
     app = getattr(instance, "app", None)
     problems = _found_at_start.pop(id(app), []) if app is not None else []
     for name, exc in problems:
-        # The store is down now (not set up unsafely: that is a fix to make): the first claim finds out again.
         if isinstance(exc, LedgerError) and not isinstance(exc, ConfigurationError):
             log.error("idemmail: start-up check of %s failed (%s: %s): start the ledger's store or correct "
                       "idemmail_ledger_url; messages wait until it answers", logsafe(name), type(exc).__name__,
@@ -120,7 +100,7 @@ def _report_at_start(sender: Any = None, instance: Any = None, **_: Any) -> None
 
 
 def _fix_mmap_threshold(**_: Any) -> None:
-    """On ``worker_init`` (main process, before the pool forks): :func:`idemmail_celery._memory.fix_mmap_threshold`."""
+    """On ``worker_init``: :func:`idemmail_celery._memory.fix_mmap_threshold`."""
     from ._memory import fix_mmap_threshold
 
     fix_mmap_threshold()

@@ -6,6 +6,8 @@ Real publishes to the Redis broker; the raw message is read back from its queue.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -162,6 +164,18 @@ def test_scrub_matches_a_personal_text_whatever_white_space_stands_between_its_w
 
     subject = "Your  test\tresults are ready"
     assert scrub(f"422: subject {quoted} refused", [subject]) == "422: subject <redacted> refused"
+
+
+@pytest.mark.parametrize("subject", ["++++", "%20%20", "+ + +", "\\t\\t", "%09%0A+"])
+def test_scrub_returns_when_a_personal_text_is_white_space_as_a_url_or_json_writes_it(subject: str) -> None:
+    # It looked for the empty string for ever, at one place, its list of spans growing: a subject of
+    # "++++" hung the worker that scrubbed the provider's error, claim held and renewed, never settled.
+    # In a process of its own, so that a regression fails on the timeout and leaves nothing spinning here.
+    code = ("import sys; from idemmail_celery.redaction import scrub; "
+            "print(scrub(sys.argv[1] + ' from ann@example.com at 10:00', [sys.argv[1]]))")
+    out = subprocess.run([sys.executable, "-c", code, subject], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    assert out == f"{subject} from <address> at 10:00\n"  # white space is nothing personal: left as it is
 
 
 def test_scrub_takes_out_url_encoded_addresses() -> None:

@@ -4,13 +4,9 @@ Pick a backend by URL, as kombu picks a transport::
 
     from idemmail_celery.ledger import from_url
     ledger = from_url("redis://127.0.0.1:6379/0")
-    ledger = from_url("redis+cluster://10.0.0.1:7000,10.0.0.2:7000")
-    ledger = from_url("sentinel://10.0.0.1:26379;sentinel://10.0.0.2:26379", master_name="mymaster")
     ledger = from_url("postgresql+psycopg://app@db/app", table="idemmail_ledger")
-    ledger = from_url("sqlite:///idemmail.sqlite3")
 
-A new backend subclasses :class:`Ledger` in its own module and registers its
-schemes with :func:`register_backend`.
+A new backend subclasses :class:`Ledger` in its own module and registers its schemes with :func:`register_backend`.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ _BACKENDS: dict[str, str] = {
     "mysql": "idemmail_celery.ledger.sql:SQLLedger",
     "mariadb": "idemmail_celery.ledger.sql:SQLLedger",
 }
-#: URL forms a scheme serves besides ``scheme://`` and ``scheme+driver://``, named where an unknown
-#: scheme is refused (the docs use them: a list without them reads as if they were not served).
+#: URL forms a scheme serves besides ``scheme://`` and ``scheme+driver://``, named when refusing an unknown one.
 _FORMS: dict[str, tuple[str, ...]] = {"redis": ("redis+cluster",), "rediss": ("rediss+cluster",)}
 
 
@@ -68,12 +63,8 @@ def backend_for(url: str) -> type[Ledger]:
 
 
 def from_url(url: str, **options: Any) -> Ledger:
-    """Build the ledger for ``url``. Connects lazily, on first use.
-
-    ``payload_keys`` (a list of Fernet keys; the first seals, all open) seals stored
-    payloads, results and errors: see :mod:`idemmail_celery.ledger.sealed`. Without
-    it the backend is returned as is, with no extra work per operation.
-    """
+    """Build the ledger for ``url``; it connects on first use. ``payload_keys`` (Fernet keys; the first seals, all
+    open) seals stored payloads, results and errors (:mod:`idemmail_celery.ledger.sealed`)."""
     if url.startswith("postgres://"):
         url = "postgresql" + url[len("postgres"):]
     keys = options.pop("payload_keys", None)
@@ -92,11 +83,7 @@ _shared_lock = threading.Lock()
 
 
 def shared(url: str, options: dict[str, Any] | None = None) -> Ledger:
-    """The process-wide ledger for ``url`` and ``options``: one connection pool each, timed by
-    :mod:`idemmail_celery.metrics` whenever metrics are on (:class:`~.metered.MeteredLedger`).
-
-    What tasks, bulk sends and the metrics endpoint use. Backends reconnect after a fork.
-    """
+    """The process-wide ledger for ``url`` and ``options``, timed whenever metrics are on (``MeteredLedger``)."""
     # A digest, not the options: they hold the payload keys, which must not sit in a dict key.
     cache_key = (url, hashlib.sha256(repr(sorted((options or {}).items())).encode()).hexdigest())
     with _shared_lock:
@@ -109,6 +96,5 @@ def shared(url: str, options: dict[str, Any] | None = None) -> Ledger:
 
 
 def passive_options(url: str) -> dict[str, Any]:
-    """Keywords that open ``url``'s ledger for reading only (operators, metrics scrapes): a ledger
-    that detects store loss then reads its markers and never writes them."""
+    """Keywords that open ``url``'s ledger for reading only (operators, metrics scrapes)."""
     return {"passive": True} if issubclass(backend_for(url), DetectsLoss) else {}

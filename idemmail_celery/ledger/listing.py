@@ -1,34 +1,15 @@
 """Listing records a page at a time: what an operator's review queue asks a ledger.
 
-A :class:`RecordQuery` says which records (a state, a time range, a task, a reason, words to look for)
-and in which order: by the time each record entered its state (``updated_at``), oldest first unless
-``newest_first``, ties by key. :meth:`Ledger.list_records <idemmail_celery.ledger.base.Ledger.list_records>`
-answers one :class:`RecordPage` and a cursor to the next; :meth:`Ledger.summarize
-<idemmail_celery.ledger.base.Ledger.summarize>` answers how many records match and how they divide by
-reason, task and day (the admin's sidebar and date hierarchy). The Django admin and ``idemmail ledger
-list`` both list this way.
+A :class:`RecordQuery` says which records and in which order: by the time each entered its state
+(``updated_at``), ties by key. ``Ledger.list_records`` answers a :class:`RecordPage` and a cursor to the next;
+``Ledger.summarize`` how many match and how they divide by reason, task and day.
 
-**What a search matches.** Every word (case-insensitive) must be found in one of: the start of the key,
-the task name, the result's message id, or the record's :class:`Label` (its template, event id, tags and
-recipients' domains, read from the stored first payload). Never in a subject, a body or an address's
-local part: a search is no way to find who was written to.
+A search word must be found in the key's start, the task name, the message id or the record's :class:`Label`;
+never in a subject, a body or an address's local part.
 
-**How backends answer.** A backend lists through two hooks, each with a default that reads every record
-with :meth:`~idemmail_celery.ledger.base.Ledger.iter_records` (fine for small stores):
-
-* ``_listing_window(query, after, want, skip)``: a :class:`Selection` of the records after a :class:`Position`, in
-  the query's order. It may hand back records the query does not match (the caller checks each with
-  :meth:`RecordQuery.matches`), never leave out one that does. The Redis ledger walks its per-state
-  indexes (sorted sets by the time a record entered the state, kept by the transitions' scripts) with a
-  read-only script that checks state, task and reason in the store, and the words roughly (a superset);
-  the SQL ledger runs keyset pages on an index of (state, updated_at, key).
-* ``count(query)``: the :class:`Counts` of the state's records in the time range by reason, task and day,
-  counted in the store (a script over the indexes, one ``GROUP BY``); ``summarize`` reads a query's total
-  and its sidebar's counts from it.
-
-A ledger that seals payloads, results and errors (:class:`~idemmail_celery.ledger.sealed.SealedLedger`)
-hands its backend the query without what only the opened fields can answer (reason, words) and checks
-those here, after opening each record; it counts no reasons (its store cannot read one).
+A backend answers through two hooks, each with a default that reads every record: ``_listing_window`` (a
+:class:`Selection` after a :class:`Position`, which may hold non-matching records, never miss a matching one)
+and ``count`` (the :class:`Counts` of a state and time range).
 """
 
 from __future__ import annotations
@@ -36,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -68,7 +50,7 @@ class RecordQuery:
     since: float | None = None
     #: ... and before this one.
     until: float | None = None
-    #: Words, each to be found in the key's start, task, message id or label (see the module docstring).
+    #: Words, each to be found in the key's start, task, message id or label.
     search: str = ""
     #: The newest first (by default the oldest: a queue is worked from its front).
     newest_first: bool = False
@@ -87,9 +69,8 @@ class RecordQuery:
 
     @property
     def plain_words(self) -> tuple[str, ...]:
-        """What a store may look for in the raw text it holds (JSON, a key) to narrow a search down: each word's
-        parts between ``=`` (a tag written ``name=value`` is stored as a JSON pair), where they are printable
-        ASCII without quotes or backslashes, which JSON writes as they are and every store lower-cases alike."""
+        """What a store may look for in its raw text to narrow a search: each word's parts between ``=`` (a tag
+        is stored as a JSON pair) that JSON writes as they are (printable ASCII, no quotes or backslashes)."""
         parts = (p for w in self.words for p in w.split("=") if p)
         return tuple(dict.fromkeys(p for p in parts if p.isascii() and p.isprintable() and not {'"', "\\"} & set(p)))
 
@@ -129,9 +110,8 @@ def message_id_of(record: Record) -> str:
 
 @dataclass(frozen=True)
 class Label:
-    """What tells an operator which send a record is, without personal data: read from the stored first
-    payload's keyword arguments as ``send_email`` takes them (template, event id, tags) and the domains of
-    its recipients, never an address. Addresses written into any of them are scrubbed."""
+    """Which send a record is, without personal data: the first payload's template, event id, tags (scrubbed)
+    and recipients' domains."""
 
     template: str = ""
     event_id: str = ""
@@ -152,8 +132,7 @@ class Label:
 
 
 def label_of(record: Record) -> Label:
-    """The :class:`Label` of a record's stored first payload; empty without one (erased when sent, forgotten,
-    or sealed with a key this process does not hold) or for a payload not shaped like ``send_email``'s."""
+    """The :class:`Label` of a record's stored first payload; empty without one, or for another shape."""
     if not record.payload or record.payload.startswith("fernet:"):
         return Label()
     try:
@@ -197,8 +176,7 @@ def searched(record: Record, words: Iterable[str]) -> bool:
 
 
 class Position(NamedTuple):
-    """Where a record stands in a listing's order: the store's time for it, then its key (a tuple: compared
-    as one, quickly, when a listing merges many)."""
+    """Where a record stands in a listing's order: the store's time for it, then its key."""
 
     at: float
     key: str
@@ -211,8 +189,7 @@ def encode_cursor(position: Position, query: RecordQuery) -> str:
 
 
 def decode_cursor(cursor: str, query: RecordQuery) -> Position:
-    """The position a cursor holds; :class:`ValueError` for anything :func:`encode_cursor` did not make for
-    ``query``'s order."""
+    """The position a cursor holds; :class:`ValueError` unless :func:`encode_cursor` made it for ``query``'s order."""
     try:
         newest, at, key = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
     except (binascii.Error, ValueError, TypeError, UnicodeDecodeError) as exc:
@@ -254,8 +231,7 @@ class Summary:
 
     #: How many records match the query; None with search words (each record is checked apart).
     total: int | None
-    #: Reason -> records, over the records matching the query but for its reason and search; None when
-    #: the store cannot read reasons (a sealed ledger).
+    #: Reason -> records matching the query but for its reason and search; None for a sealed ledger.
     reasons: dict[str, int] | None = None
     #: Task name -> records, over the records matching the query but for its task and search.
     tasks: dict[str, int] | None = None
@@ -269,9 +245,8 @@ Cell = tuple[str, str, int]
 
 @dataclass(frozen=True)
 class Counts:
-    """The records of one state and time range (a query's ``state``, ``since`` and ``until``), counted by
-    reason, task and day: every :class:`Summary` of those records, whatever the task and reason asked for,
-    follows from it (:meth:`summary`), so a sidebar counts once per state and reads many filters from it."""
+    """The records of one state and time range counted by reason, task and day: every :class:`Summary` of them,
+    whatever task and reason it asks for, follows from it (:meth:`summary`)."""
 
     cells: dict[Cell, int]
     #: False when the store cannot read reasons (a sealed ledger counts every record under ``""``).
@@ -305,18 +280,12 @@ def cell_of(record: Record) -> Cell:
 def count_in_memory(records: Iterable[Record], query: RecordQuery, now: float) -> Counts:
     """The default count: ``records`` in the query's state and time range, counted here."""
     plain = RecordQuery(state=query.state, since=query.since, until=query.until)
-    cells: dict[Cell, int] = {}
-    for record in records:
-        if plain.matches(record, now):
-            cell = cell_of(record)
-            cells[cell] = cells.get(cell, 0) + 1
-    return Counts(cells)
+    return Counts(dict(Counter(cell_of(record) for record in records if plain.matches(record, now))))
 
 
 def select_in_memory(records: Iterable[Record], query: RecordQuery, position: Position | None, skip: int,
                      now: float) -> Selection:
-    """The default ``_listing_window``: ``records`` (every one the store holds, or of the query's state) filtered,
-    ordered, and cut after ``position``; all of the rest in one selection."""
+    """The default ``_listing_window``: ``records`` filtered, ordered and cut after ``position``, all in one."""
     found = sorted(((Position(r.updated_at, r.key), r) for r in records if query.matches(r, now)),
                    key=lambda item: item[0], reverse=query.newest_first)
     rest = [item for item in found if after(item[0], position, query.newest_first)]

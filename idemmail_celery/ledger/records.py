@@ -1,7 +1,5 @@
-"""What a ledger holds and answers: the states of an intent (:class:`State`), a record (:class:`Record`) and its
-write-ahead mark (:class:`Mark`), and what a claim found (:class:`ClaimStatus`, :class:`Claim`). Plain values,
-importing nothing of the ledger: the base class (``base.py``), the listing (``listing.py``) and every backend build
-on them."""
+"""What a ledger holds and answers: :class:`State`, :class:`Record`, :class:`Mark`, :class:`ClaimStatus` and
+:class:`Claim`. Plain values, importing nothing of the ledger."""
 
 from __future__ import annotations
 
@@ -46,20 +44,14 @@ class ClaimStatus(str, enum.Enum):
         return self in (ClaimStatus.ACQUIRED, ClaimStatus.REOPENED, ClaimStatus.RECLAIMED, ClaimStatus.RESUMED)
 
 
-#: The stage of the mark a ledger writes when a claim is taken over from a holder that made no
-#: write-ahead promise and left no mark (``Ledger.marks_takeovers``): it may have run.
+#: The stage of the mark a takeover writes for a holder without promise or mark (``Ledger.marks_takeovers``).
 UNKNOWN_STAGE = "unknown"
 
 
 @dataclass(frozen=True)
 class Mark:
-    """A write-ahead mark: the holder of a claim said, before a side effect that carries no key could begin,
-    that it was about to begin it (see :meth:`Ledger.write_ahead <idemmail_celery.ledger.base.Ledger.write_ahead>`).
-
-    Kept in a field of its own on a ``claimed`` record (never in its ``error``) until the claim moves on; a
-    reclaim keeps it, so that the next claimer sees how far the holder it took over from had got. It holds no
-    free text: a stage name, a time, and the token and owner of the claim that wrote it.
-    """
+    """A write-ahead mark: the holder of a claim was about to begin a side effect that carries no key (see
+    :meth:`Ledger.write_ahead <idemmail_celery.ledger.base.Ledger.write_ahead>`). No free text."""
 
     #: What the holder was about to begin (``"sending"``, ...), or :data:`UNKNOWN_STAGE`.
     stage: str
@@ -67,9 +59,7 @@ class Mark:
     at: float
     #: The token of the claim that wrote it.
     token: int
-    #: The owner of the claim that wrote it, when that holder promised marks (:attr:`Record.writes_ahead`) and wrote
-    #: it before its side effect (``Ledger.write_ahead``); "" for the marks a ledger or a release leaves (a takeover's
-    #: ``unknown``, a maybe-send's ``maybe_sent``).
+    #: The owner of the claim that wrote it with ``Ledger.write_ahead``; "" for marks a ledger or a release leaves.
     owner: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,15 +97,12 @@ class Record:
     created_at: float = 0.0
     updated_at: float = 0.0
     expires_at: float | None = None
-    #: The write-ahead mark of a ``claimed`` record (:class:`Mark`), or None; any move out of ``claimed``
-    #: drops it, and only a release may carry one on to the next claimer.
+    #: The write-ahead mark of a ``claimed`` record, or None; only a release may carry one past ``claimed``.
     mark: Mark | None = None
-    #: Did the holder of the record's latest claim promise a write-ahead mark before its side effect
-    #: (:attr:`ClaimRequest.writes_ahead <idemmail_celery.ledger.base.ClaimRequest.writes_ahead>`)? A claim it left
-    #: without a mark is then known not to have run it. Redis field ``p``, SQL column ``writes_ahead``.
+    #: Did the latest claim's holder promise a write-ahead mark (``ClaimRequest.writes_ahead``)? Then a claim it
+    #: left without one never ran its side effect.
     writes_ahead: bool = False
-    #: An operator's decision on the record (:meth:`Ledger.resolve <idemmail_celery.ledger.base.Ledger.resolve>`,
-    #: ``confirm_sent``): ``{"from", "to", "at", "by", "note"}``, or None. Kept apart from the error it decided on.
+    #: An operator's decision (``Ledger.resolve``, ``confirm_sent``): ``{"from", "to", "at", "by", "note"}``, or None.
     resolution: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,16 +120,13 @@ class Record:
 
 @dataclass(frozen=True)
 class Claim:
-    """The answer to :meth:`Ledger.claim <idemmail_celery.ledger.base.Ledger.claim>`: what happened, and the record as
-    it now is."""
+    """The answer to ``Ledger.claim``: what happened, and the record as it now is."""
 
     status: ClaimStatus
     record: Record
-    #: Who held the claim just before this one took it (``reclaimed`` and ``resumed`` claims; None
-    #: otherwise, or when the store cannot say).
+    #: Who held the claim just before this one took it (``reclaimed`` and ``resumed`` claims), or None.
     previous_owner: str | None = None
-    #: Did that holder promise a write-ahead mark (:attr:`Record.writes_ahead`)? Tells a claim it left unmarked
-    #: (it never began its side effect) from one that may have run. False without a previous holder.
+    #: Did that holder promise a write-ahead mark (:attr:`Record.writes_ahead`)? False without one.
     previous_writes_ahead: bool = False
 
     @property

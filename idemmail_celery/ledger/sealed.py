@@ -1,30 +1,10 @@
 """Payloads at rest: first payloads, results and errors sealed with Fernet, in any ledger.
 
-``from_url(url, payload_keys=[...])`` (the ``idemmail_payload_keys`` setting) wraps the
-backend in a :class:`SealedLedger`. The backend stores what it is given and never sees
-plaintext; the wrapper seals on the way in and opens on the way out, so every backend,
-present and future, gets encryption without a line of its own.
-
-What is sealed, and how it looks in the store:
-
-* the first payload (task arguments: addresses, names, bodies): ``"fernet:" + token``;
-* the result and the error (return values and exception messages can hold personal
-  data too, e.g. a provider's "550 <ann@example.com> unknown"): ``{"$fernet": token}``.
-
-Left plain, because the ledger must read them to decide without any key: the intent key
-and fingerprint (keyed hashes), task name, state, token, owner (``host:pid``), counters
-and timestamps.
-
-Keys are Fernet keys (AES-128-CBC with HMAC-SHA256, ``cryptography``). The first key
-seals; every key opens, so rotation is: add the new key second, deploy, move it first,
-deploy; drop the old key only when nothing sealed with it remains (see docs/payloads.md). A first
-entry ``"plain"`` seals nothing and still opens: the step for turning encryption on or off.
-A record sealed with a key no longer configured raises :class:`PayloadKeyError`; a
-claim that finds one parks it for review instead of running garbage. So does a process
-with no payload keys at all (:func:`park_unreadable`, used by the task and bulk sends on
-a plain ledger). If parking fails, the claim is reported ``busy``: its lease runs out and
-the next delivery meets the record again, so it is never left claimed by nobody. Plaintext
-records written before encryption was turned on still read.
+``from_url(url, payload_keys=[...])`` (the ``idemmail_payload_keys`` setting) wraps the backend in a
+:class:`SealedLedger`, which seals on the way in and opens on the way out: the first payload as
+``"fernet:" + token``, the result, error and resolution as ``{"$fernet": token}``. What the ledger decides on
+stays plain. The first key seals, every key opens (rotation: see docs/payloads.md). A record sealed with a key
+no longer configured raises :class:`PayloadKeyError`, and a claim that finds one parks it for review.
 """
 
 from __future__ import annotations
@@ -57,13 +37,9 @@ def is_sealed(payload: str | None) -> bool:
 
 
 def park_unreadable(ledger: Ledger, claim: Claim) -> Claim:
-    """Settle a held claim whose first payload this process cannot open: it is never run.
-
-    Parks the record as ``review`` (reason ``payload_key_unknown``, the stored payload kept
-    for whoever holds the key) and returns it as ``done``. If the ledger refuses, returns it
-    as ``busy``: the claim's lease runs out and the next delivery meets the record again
-    (callers reschedule), rather than failing with the record left claimed by nobody.
-    ``ledger`` is the backend itself: the note is written plain, so any key holder reads it.
+    """Settle a held claim whose first payload this process cannot open, never running it: park it as ``review``
+    (reason ``payload_key_unknown``) and return it ``done``; if the ledger refuses, return it ``busy`` (its lease
+    runs out). ``ledger`` is the backend itself: the note is written plain.
     """
     record = claim.record
     error = {"type": "SendNeedsReview", "reason": PAYLOAD_KEY_UNKNOWN, "at": time.time(),
@@ -79,8 +55,7 @@ def park_unreadable(ledger: Ledger, claim: Claim) -> Claim:
 
 
 class PayloadCodec(Keyring):
-    """Seals and opens ledger fields (first payloads, results, errors) with a
-    :class:`~idemmail_celery.sealing.Keyring`."""
+    """Seals and opens ledger fields (first payloads, results, errors) with a ``Keyring``."""
 
     def seal_payload(self, payload: str) -> str:
         return SEALED_PREFIX + self.seal(payload) if self.sealing else payload
@@ -109,8 +84,7 @@ class PayloadCodec(Keyring):
         )
 
     def open_readable(self, record: Record) -> tuple[Record, bool]:
-        """``record`` with every field a configured key opens opened, the others set to None,
-        and whether all of them opened."""
+        """``record`` with the fields a configured key opens opened, the others None; and whether all opened."""
         fields: dict[str, Any] = {}
         ok = True
         for name, opener in (("payload", self.open_payload), ("result", self.open_dict), ("error", self.open_dict),
@@ -123,12 +97,8 @@ class PayloadCodec(Keyring):
 
 
 class SealedLedger(LedgerWrapper):
-    """A ledger whose payloads, results and errors are sealed before they reach ``inner``.
-
-    Everything else (renew, forget, purge, stats, ping, and any attribute of the
-    backend such as ``prefix`` or ``table``) is the backend's own. Build it with
-    ``from_url(url, payload_keys=[...])``.
-    """
+    """A ledger whose payloads, results and errors are sealed before they reach ``inner``; everything else is the
+    backend's own. Build it with ``from_url(url, payload_keys=[...])``."""
 
     def __init__(self, inner: Ledger, codec: PayloadCodec) -> None:
         super().__init__(inner)
@@ -140,9 +110,8 @@ class SealedLedger(LedgerWrapper):
         return replace(request, payload=self.codec.seal_payload(request.payload))
 
     def claim(self, request: ClaimRequest) -> Claim:
-        """As the backend's. A record sealed with an unknown key raises :class:`PayloadKeyError`,
-        after parking it as ``review`` if this claim took it: it is never run. One under a live
-        lease (another holder's, or this claim's when parking failed) comes back ``busy``."""
+        """As the backend's; a record sealed with an unknown key raises :class:`PayloadKeyError` (parked first if
+        this claim took it), unless it comes back ``busy``."""
         claim, ok = self._opened(request, self.inner.claim(self._seal_request(request)))
         if not ok and claim.status is not ClaimStatus.BUSY:  # busy: not parked yet, come back later
             raise PayloadKeyError(
@@ -153,23 +122,14 @@ class SealedLedger(LedgerWrapper):
         return claim
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        """As the backend's; one record sealed with an unknown key never fails the batch: a taken
-        one is parked and comes back ``done`` (``review``), a done or busy one with the fields
-        that cannot be opened set to None."""
+        """As the backend's; a record sealed with an unknown key never fails the batch: a taken one is parked, the
+        others come back with the unopened fields set to None."""
         claims = self.inner.claim_many([self._seal_request(r) for r in requests])
         return [self._opened(r, c)[0] for r, c in zip(requests, claims, strict=True)]
 
-    def _finish(
-        self,
-        key: str,
-        token: int,
-        state: State,
-        *,
-        result: dict[str, Any] | None = None,
-        error: dict[str, Any] | None = None,
-        mark: Mark | None = None,
-    ) -> float | None:
-        # The mark holds no free text (a stage, a time, a token, an owner): kept plain, for the store to read.
+    def _finish(self, key: str, token: int, state: State, *, result: dict[str, Any] | None = None,
+                error: dict[str, Any] | None = None, mark: Mark | None = None) -> float | None:
+        # The mark holds no free text: kept plain, for the store to read.
         return self.inner._finish(key, token, state, result=self.codec.seal_dict(result),
                                   error=self.codec.seal_dict(error), mark=mark)
 
@@ -188,9 +148,7 @@ class SealedLedger(LedgerWrapper):
         record, ok = self.codec.open_readable(claim.record)
         if ok or not claim.status.holds:
             return replace(claim, record=record), ok
-        # Held, and its first payload cannot be read: never run it; a person decides. The note holds
-        # no personal data and is left plain (inner): whoever has the right key must read it.
-        # Parked: done; not parked: busy, and the next claimer after the lease meets the same record.
+        # Held, and its first payload cannot be read: never run it; a person decides.
         return park_unreadable(self.inner, replace(claim, record=record)), False
 
     def get(self, key: str) -> Record | None:
@@ -208,24 +166,19 @@ class SealedLedger(LedgerWrapper):
                 yield record
 
     def _listing_window(self, query: RecordQuery, position: Position | None, want: int, skip: int) -> Selection:
-        """The backend's selection, opened. The backend cannot read a sealed error or payload: it is asked
-        without the query's reason and words (and to skip nothing then), which are checked here."""
+        """The backend's selection, opened; the reason and words (sealed in the store) are checked by the caller."""
         plain = query.without(reason=True, search=True)
         found = self.inner._listing_window(plain, position, want, skip if plain == query else 0)
-        items = []
-        for at, record in found.items:
-            opened, _ = self.codec.open_readable(record)  # a field sealed with a key not held: None
-            items.append((at, opened))
+        # A field sealed with a key not held is None.
+        items = [(at, self.codec.open_readable(record)[0]) for at, record in found.items]
         return Selection(items, found.resume, found.skipped)
 
     def count(self, query: RecordQuery | None = None) -> Counts:
-        """The backend's counts, its reasons unknown: it cannot read a sealed error (a summary then has no
-        reasons, and no counts for a query that names one)."""
+        """The backend's counts, its reasons unknown (it cannot read a sealed error)."""
         return replace(self.inner.count(query), reasons_known=False)
 
     def _readable(self, key: str) -> Record | None:
-        """Erasing needs no key: what this process cannot open is erased whole (a result without
-        its message id, an error without its reason) rather than kept."""
+        """Erasing needs no key: what this process cannot open is erased whole."""
         record = self.inner.get(key)
         return None if record is None else self.codec.open_readable(record)[0]
 

@@ -1,9 +1,7 @@
 """A ledger that wraps another: the base of :class:`~.sealed.SealedLedger` and :class:`~.metered.MeteredLedger`.
 
-Every operation goes to ``inner`` unchanged unless the subclass overrides it; any other
-attribute (``prefix``, ``table``, ``recovered_at``, ``loss_status``, ...) is the inner
-backend's own, read through, so wrapper and backend can never disagree. Wrappers compose:
-``MeteredLedger(SealedLedger(RedisLedger(...)))``.
+Every operation goes to ``inner`` unless the subclass overrides it; any other attribute is the inner backend's,
+read through. Wrappers compose: ``MeteredLedger(SealedLedger(RedisLedger(...)))``.
 """
 
 from __future__ import annotations
@@ -15,8 +13,7 @@ from .base import Ledger
 
 
 def forwarded(name: str, around: Callable[[Any, str, Callable[[], Any]], Any] | None = None) -> Any:
-    """A method of a wrapper that calls the same method of ``inner`` with the same arguments (its documentation
-    is the contract's). ``around(wrapper, name, call)``, if given, runs the call (a meter times it)."""
+    """A wrapper's method calling the same one of ``inner``, through ``around(wrapper, name, call)`` if given."""
     def forward(self: LedgerWrapper, *args: Any, **kwargs: Any) -> Any:
         method = getattr(self.inner, name)
         if around is None:
@@ -31,8 +28,7 @@ def forwarded(name: str, around: Callable[[Any, str, Callable[[], Any]], Any] | 
 class LedgerWrapper(Ledger):
     """Forwards every :class:`Ledger` operation to ``inner`` (:func:`forwarded`), and any other attribute."""
 
-    # No Ledger.__init__: retention_seconds, keep_payload, recovered_at and the rest are the
-    # backend's, read through __getattr__.
+    # No Ledger.__init__: retention_seconds and the rest are the backend's, read through __getattr__.
     def __init__(self, inner: Ledger) -> None:
         self.inner = inner
 
@@ -54,9 +50,8 @@ class LedgerWrapper(Ledger):
         inner = self.inner
         return inner.backend if isinstance(inner, LedgerWrapper) else inner
 
-    # The store's own moves and reads: forwarded as they are (a subclass overrides those it changes). The
-    # contract's derived operations (complete, fail, park, release, confirm_sent, resolve, forget, list_records)
-    # are Ledger's own, inherited: they run through these, and so through a subclass's overrides of them.
+    # The store's own moves and reads; the derived operations (complete, resolve, forget, ...) are Ledger's own
+    # and run through these, so through a subclass's overrides.
     claim = forwarded("claim")
     claim_many = forwarded("claim_many")
     _finish = forwarded("_finish")

@@ -1,9 +1,5 @@
-"""The Redis ledger's checks of the server it runs on: the eviction policy (refused unless ``noeviction``, at
-first use and again on the claim path), persistence (a warning without AOF or RDB save points) and the server's
-version (Redis 7.0 or later). The record layout's version is the epoch markers' (``epochs.py``).
-
-Where CONFIG or INFO is disabled or renamed (managed Redis), a check logs that it could not look, and the
-ledger carries on.
+"""The Redis ledger's checks of its server: the eviction policy (``noeviction`` only), persistence (a warning
+without AOF or RDB) and version (7.0 or later). Where CONFIG or INFO is disabled, a check warns and moves on.
 """
 
 from __future__ import annotations
@@ -20,11 +16,11 @@ from .plumbing import RedisBase, log
 
 
 class StoreChecks(RedisBase):
-    """The server checks (see the module docstring), a mixin of ``RedisLedger``."""
+    """The server checks, a mixin of ``RedisLedger``."""
 
     #: Accept an evicting ``maxmemory-policy`` (unsafe: an evicted ``sent`` record reopens its key).
     allow_eviction: bool
-    #: How often (seconds) the claim path reads ``maxmemory-policy`` again, one round trip each time.
+    #: How often (seconds) the claim path reads ``maxmemory-policy`` again.
     policy_recheck_seconds: float
     _policy_due = 0.0
     _policy_refusal = ""
@@ -37,8 +33,7 @@ class StoreChecks(RedisBase):
             self._check_version()
 
     def _settings(self, name: str, *, warn: bool) -> list[str] | None:
-        """A setting on every primary, or None when CONFIG is disabled or renamed (managed Redis: an
-        unknown command, or no permission), with a warning if ``warn``. Unreachable: raises."""
+        """A setting on every primary, or None (warned if ``warn``) when CONFIG is disabled or renamed."""
         try:
             return config_get(self.client, name)
         except redis_lib.RedisError as exc:
@@ -51,8 +46,7 @@ class StoreChecks(RedisBase):
             return None
 
     def _check_policy(self, *, warn: bool = False) -> None:
-        """Refuse an evicting ``maxmemory-policy`` (at first use, then on the claim path every
-        ``policy_recheck_seconds``: a policy changed at runtime is refused too, until set back)."""
+        """Refuse an evicting ``maxmemory-policy``."""
         self._policy_due = time.monotonic() + self.policy_recheck_seconds
         bad = sorted({p for p in self._settings("maxmemory-policy", warn=warn) or [] if p != "noeviction"})
         if bad and not self.allow_eviction:
@@ -66,8 +60,7 @@ class StoreChecks(RedisBase):
         self._policy_refusal = ""
 
     def _watch_policy(self) -> None:
-        """On the claim path: refuse while the policy is known bad; read it again when due (one
-        round trip per ``policy_recheck_seconds`` per process, nothing in between)."""
+        """On the claim path: refuse while the policy is known bad; read it again when due."""
         if time.monotonic() >= self._policy_due:
             try:
                 self._check_policy()
@@ -77,11 +70,7 @@ class StoreChecks(RedisBase):
             raise UnsafeLedgerError(self._policy_refusal)
 
     def _check_persistence(self) -> None:
-        """Warn (not refuse) when a server keeps no copy on disk: no AOF and no RDB save point.
-
-        A restart then empties the ledger; the epoch markers detect it and stop every claim until
-        an operator acknowledges the loss, but every intent recorded before it is forgotten.
-        """
+        """Warn (not refuse) when a server keeps no copy on disk: no AOF and no RDB save point."""
         aof = self._settings("appendonly", warn=False)
         saves = self._settings("save", warn=False)
         if aof is None or saves is None:
@@ -95,8 +84,7 @@ class StoreChecks(RedisBase):
                 self.prefix)
 
     def _check_version(self) -> None:
-        """Refuse a server older than Redis 7.0: a completion grows its shelf's TTL with ``PEXPIREAT ... GT``,
-        which an older server refuses (every completion would fail). Where INFO is disabled: a warning."""
+        """Refuse a server older than Redis 7.0 (no ``PEXPIREAT ... GT``); without INFO, warn."""
         try:
             info = raw(self.client.info, "server")
         except LedgerUnavailableError:

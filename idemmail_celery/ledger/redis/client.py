@@ -1,9 +1,5 @@
-"""The Redis client a ledger talks through, and what its errors mean.
-
-:func:`connect` builds the client from a URL (``redis://``, ``rediss://``, ``redis+cluster://``, ``sentinel://``)
-or checks a caller's own; :class:`HotLine` runs the hot path's scripts on connections of the ledger's own; and
-:func:`ledger_error` turns a redis-py error into the ledger's (:class:`LedgerUnavailableError` when the store
-cannot be reached or refused for a passing reason, so that tasks fail closed and retry).
+"""The Redis client a ledger talks through (:func:`connect`), the hot path's own connections (:class:`HotLine`),
+and what redis-py's errors mean to the ledger (:func:`ledger_error`).
 """
 
 from __future__ import annotations
@@ -23,16 +19,11 @@ except ImportError:  # pragma: no cover - the test extras install hiredis
 
 from ...errors import ConfigurationError, LedgerError, LedgerUnavailableError
 
-#: Error replies meaning "not now", each refused before the script wrote anything: out of memory
-#: (maxmemory with noeviction), a replica after a failover (READONLY), too few replicas acknowledging
-#: (min-replicas-to-write), the last RDB/AOF write failed (MISCONF), a script or function running past
-#: busy-reply-threshold (BUSY), a replica cut from its primary (MASTERDOWN), a dataset still loading
-#: after a restart (LOADING), a cluster resharding or down (TRYAGAIN, CLUSTERDOWN).
+#: Error replies meaning "not now", each refused before the script wrote anything.
 _UNAVAILABLE_REPLIES = frozenset({
     "OOM", "READONLY", "NOREPLICAS", "MISCONF", "BUSY", "MASTERDOWN", "LOADING", "TRYAGAIN", "CLUSTERDOWN",
 })
-# ... as redis-py raises those it knows (it strips their code from the message), and the
-# unreachable (a connection refused or lost, a timeout: LOADING is a ConnectionError there too).
+# ... as redis-py raises those it knows (without their code), and the unreachable.
 _UNAVAILABLE_TYPES = (
     redis_lib.ConnectionError, redis_lib.TimeoutError, redis_lib.exceptions.OutOfMemoryError,
     redis_lib.exceptions.ReadOnlyError, redis_lib.exceptions.TryAgainError, redis_lib.exceptions.ClusterError,
@@ -43,10 +34,8 @@ _REPLY_CODE = re.compile(r"^([A-Z]+)\b|\s-([A-Z]+)\s")
 
 
 def connect(url: str | None, client: Any, master_name: str | None, options: dict[str, Any]) -> tuple[Any, bool]:
-    """The ledger's client, and whether the ledger built it (then it closes it, and may bypass it: :class:`HotLine`).
-
-    ``client``: the caller's own (its pool limits and instrumentation then apply to every command), which
-    takes no client options; else one built from ``url`` with ``options`` (timeouts default to 5 s)."""
+    """The ledger's client: the caller's ``client`` (which takes no options), else one built from ``url`` with
+    ``options`` (timeouts default to 5 s); and whether the ledger built it (then it closes it)."""
     if client is not None:
         if options or master_name:
             named = ", ".join(options) or "master_name"
@@ -71,7 +60,7 @@ def _from_url(url: str, master_name: str | None, options: dict[str, Any]) -> Any
         if not master_name:
             raise ConfigurationError("a sentinel:// ledger needs the master_name option (as Celery's)")
         nodes, user, password, db = _hosts(url, 26379)
-        # Sentinels take their own options (Celery's ``sentinel_kwargs``, e.g. a password); timeouts by default.
+        # Sentinels take their own options (Celery's ``sentinel_kwargs``), else the timeouts.
         sentinel_options = options.pop("sentinel_kwargs", None) or {
             k: v for k, v in options.items() if k.startswith("socket_")}
         sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_options, **options)  # type: ignore[no-untyped-call]
@@ -81,7 +70,7 @@ def _from_url(url: str, master_name: str | None, options: dict[str, Any]) -> Any
 
 
 def _check_client(client: Any) -> None:
-    """A caller's client must be a redis-py client that decodes replies to str, as the ledger's own do."""
+    """A caller's client must be a redis-py client that decodes replies to str."""
     encoder = getattr(client, "get_encoder", None)
     if encoder is None or not callable(getattr(client, "register_script", None)):
         raise ConfigurationError(f"a Redis ledger's client must be a redis-py client, not {type(client).__name__}")
@@ -120,15 +109,11 @@ def config_get(client: Any, name: str) -> list[str]:
 
 
 class HotLine:
-    """EVALSHA on connections of the ledger's own, past redis-py's command layer: for a plain single-server
-    client the ledger built (:meth:`of` says None for any other).
+    """EVALSHA on connections of the ledger's own, past redis-py's command layer (which costs as much client CPU
+    as the round trip), for a plain single-server client the ledger built (:meth:`of` says None otherwise).
 
-    redis-py's pool checkout, retry wrapper, ``Script`` object and response callbacks cost about as much
-    client CPU as the round trip itself; a claim and a completion per task pay them twice. Each connection
-    serves one call at a time (taken from a spare list, put back after), so threads and greenlets never share
-    one, and there are never more than the calls under way at once. Anything out of the ordinary goes the
-    ordinary way: NOSCRIPT (a restarted server) through ``Script``, which loads it, and a broken connection
-    (closed by the server, a restart) through the client, which retries on a fresh one.
+    Each connection serves one call at a time, so threads never share one. NOSCRIPT and broken connections go
+    redis-py's way, which loads the script or reconnects.
     """
 
     def __init__(self, pool: Any) -> None:
@@ -180,17 +165,13 @@ def raw(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, a redis-py error raised as :func:`ledger_error` makes it."""
     try:
         return fn(*args, **kwargs)
-    except redis_lib.RedisError as exc:
-        # Never a raw redis-py error: a caller catches LedgerUnavailableError to fail closed and
-        # retry (a raw error would fail the task and ack the message), LedgerError for the rest.
+    except redis_lib.RedisError as exc:  # a raw error would fail the task and ack the message
         raise ledger_error(exc) from exc
 
 
 def ledger_error(exc: Exception) -> LedgerError:
-    """A redis-py error as a ledger error: :class:`LedgerUnavailableError` (tasks fail closed and
-    retry) when the store cannot be reached or refused for a passing reason (:data:`_UNAVAILABLE_REPLIES`),
-    :class:`LedgerError` for anything else (a bug, a wrong type under a ledger key, no permission).
-    The message names the reply's code."""
+    """A redis-py error as :class:`LedgerUnavailableError` (tasks fail closed and retry) when the store is
+    unreachable or refused for a passing reason, else :class:`LedgerError`; the message names the reply's code."""
     if isinstance(exc, LedgerError):
         return exc
     code = getattr(exc, "status_code", None) or ""

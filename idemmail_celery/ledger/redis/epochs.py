@@ -1,23 +1,13 @@
 """The Redis ledger's epoch markers: ledger-loss detection, and the record layout's version.
 
-A Redis without persistence can be flushed or restart empty, silently reopening every key. Each bucket holds
-an epoch marker (``<prefix>:{bb}:epoch``, a hash: ``epoch``, ``buckets``, ``layout``, ``shelves``,
-``retention_ms``, who created it and when, and after a loss ``lost``/``lost_by``/``lost_at`` or
-``acked_at``/``acked_by``/``note``). Every script is handed the epoch this process read at first use (a worker
-reads it in its main process at start, see ``RedisLedger.prepare``) and refuses, writing nothing, when the
-bucket's marker is missing, different, or flagged lost. The process then reads every marker again: an epoch an
-operator acknowledged (``ledger ack-loss``) is adopted; anything else raises :class:`LedgerLostError` (a
-:class:`LedgerUnavailableError`, so tasks fail closed and retry) and flags every marker lost, so processes that
-start later stop too. A process that has seen a loss remembers it: from then on it accepts only an epoch an
-operator acknowledged, never a "new" store (emptied again, flags and all) nor an unacknowledged fresh epoch.
-What is detected and what is not: :meth:`Epochs.loss_status` and docs/operations.md ("Ledger loss").
+Each bucket holds an epoch marker (``<prefix>:{bb}:epoch``, a hash). Every script is handed the epoch this
+process read at first use and refuses, writing nothing, when the bucket's marker is missing, different or flagged
+lost. The process then reads every marker again: an epoch an operator acknowledged (``ledger ack-loss``) is
+adopted; anything else raises :class:`LedgerLostError` and flags every marker lost. A process that has seen a
+loss accepts only an acknowledged epoch from then on. See docs/operations.md ("Ledger loss").
 
-The markers also fix what a ledger is: its bucket count, its shelves per bucket, its retention and its record
-layout's format version (:data:`~.layout.LAYOUT`). A process configured otherwise, or of a version that reads
-another layout, refuses the store (:class:`UnsafeLedgerError`) instead of looking for records where they are not.
-
-Operator tools and the metrics scrape build the ledger ``passive``: they read the markers and never write them
-(no ``auto_init``, no lost flags); only :meth:`~Epochs.init_store` and :meth:`~Epochs.acknowledge_loss` do.
+The markers also fix the bucket count, shelves, retention and layout version (:data:`~.layout.LAYOUT`); a process
+configured otherwise refuses the store (:class:`UnsafeLedgerError`). A ``passive`` ledger never writes them.
 """
 
 from __future__ import annotations
@@ -45,29 +35,20 @@ class Epochs(RedisBase):
     auto_init: bool
     #: The epoch this process holds; None before the check or while lost.
     _epoch: str | None = None
-    #: Once this process has seen the ledger lost: the epoch it held then ("" if none). From then on only an
-    #: epoch an operator acknowledged is accepted. Cleared when an acknowledged epoch is adopted.
+    #: Once this process has seen the ledger lost: the epoch it held then ("" if none).
     _dead_epoch: str | None = None
     _lost_reason = ""
 
     def loss_status(self) -> dict[str, Any]:
-        """What the markers say, read fresh: ``state`` is ``ok``, ``new`` or ``lost``.
-
-        ``ok``: every bucket carries the same epoch. ``new``: no marker and no record
-        anywhere (a new ledger, or one emptied while no process held its epoch: the two
-        look the same). ``lost``: a marker flagged lost by a process that saw its epoch
-        go, markers missing or disagreeing between buckets, or records without markers.
-        Also ``epoch``, ``reason``, ``buckets`` and, after an acknowledgement,
-        ``acked_by``/``acked_at``/``note``. Markers of another bucket count or record
-        layout raise :class:`UnsafeLedgerError`.
+        """What the markers say, read fresh: ``state`` is ``ok`` (every bucket has the same epoch), ``new`` (no
+        marker and no record: a new ledger, or one emptied while no process held its epoch) or ``lost``; also
+        ``epoch``, ``reason``, ``buckets`` and any acknowledgement. Markers of another bucket count or layout
+        raise :class:`UnsafeLedgerError`.
         """
         return self._status(None)
 
     def init_store(self, *, actor: str = "") -> dict[str, Any]:
-        """Create the epoch markers of a new (empty) ledger; a no-op on an initialised one.
-
-        Raises :class:`IllegalTransitionError` on a lost store: that takes ``acknowledge_loss``.
-        """
+        """Create the epoch markers of a new (empty) ledger; :class:`IllegalTransitionError` on a lost one."""
         status = self.loss_status()
         if status["state"] == "lost":
             raise IllegalTransitionError(f"the ledger is lost ({status['reason']}): acknowledge it with ack-loss")
@@ -76,12 +57,8 @@ class Epochs(RedisBase):
         return status
 
     def acknowledge_loss(self, *, note: str, actor: str = "") -> dict[str, Any]:
-        """An operator's decision that the loss is understood: every bucket gets a fresh, acknowledged epoch.
-
-        Workers adopt it on their next claim and proceed. Intents recorded before the
-        loss are forgotten; a copy enqueued before this acknowledgement may be one of them,
-        so :class:`~idemmail_celery.IdempotentTask` sends it only with its key carried
-        downstream, and otherwise parks it for review (see ``recovered_at``). Raises
+        """An operator accepts the loss: every bucket gets a fresh, acknowledged epoch, which workers adopt on
+        their next claim (intents recorded before are forgotten; see ``recovered_at``).
         :class:`IllegalTransitionError` when the markers show no loss.
         """
         before = self._status(None)
@@ -112,9 +89,8 @@ class Epochs(RedisBase):
         markers = self._markers()
         if all(markers):
             return self._judge(markers, expected, True)
-        # A marker is missing (first use, or trouble): are there records? If so, read the markers
-        # again: a new ledger's markers are all written before its first record, so a partial
-        # read taken while another process was writing them is not mistaken for a loss.
+        # A marker is missing: with records, read again (a new ledger's markers are all written before its
+        # first record, so another process's half-written markers are not mistaken for a loss).
         has_records = self._has_records()
         if has_records:
             markers = self._markers()
@@ -130,8 +106,7 @@ class Epochs(RedisBase):
         return {**out, "state": state, "reason": reason}
 
     def _refuse_foreign(self, markers: list[dict[str, str]]) -> None:
-        """Refuse markers of another bucket count or record layout: records would be looked for where they are
-        not, and every intent recorded there would look new and send again."""
+        """Refuse markers of another bucket count or record layout (every intent there would look new)."""
         counts = {m["buckets"] for m in markers if m.get("buckets")}
         if counts and counts != {str(self.buckets)}:
             raise UnsafeLedgerError(
@@ -148,10 +123,7 @@ class Epochs(RedisBase):
     # -- settling this process's epoch --
 
     def _look(self, expected: str | None) -> None:
-        """Read the markers and settle this process's epoch (or lost reason). Call with the lock held.
-
-        A passive ledger writes nothing here: no new epoch, no lost flag.
-        """
+        """Read the markers and settle this process's epoch (or lost reason), with the lock held."""
         dead = self._dead_epoch
         held = expected if expected is not None else dead or None
         status = self._status(held)
@@ -195,10 +167,7 @@ class Epochs(RedisBase):
         self._epoch, self._lost_reason = None, reason
 
     def _confirm_loss(self) -> None:
-        """A script said ``lost``: read the markers again; raise unless an acknowledged epoch was adopted.
-
-        While the store is lost every claim costs this one extra read (and tasks back off).
-        """
+        """A script said ``lost``: read the markers again; raise unless an acknowledged epoch was adopted."""
         with self._check_lock:
             self._look(expected=self._epoch)
         if self._epoch is None:
@@ -229,15 +198,13 @@ class Epochs(RedisBase):
         return self._judge(self._markers(), None, True)
 
     def _write_markers(self, fields: dict[str, Any], *, replace: bool, buckets: Iterable[int] | None = None) -> None:
-        """Write ``fields`` into every bucket's marker (or ``buckets``'), over it if ``replace``, else only where
-        there is none."""
+        """Write ``fields`` into every bucket's marker (or ``buckets``'): over it if ``replace``, else where none."""
         flat = ["1" if replace else "0", *(x for kv in fields.items() for x in kv)]
         chosen = range(self.buckets) if buckets is None else buckets
         self._run_scripts(self.scripts["mark"], [([self.names.marker(b)], flat) for b in chosen])
 
     def _store_settings(self, marker: dict[str, Any]) -> dict[str, int]:
-        """The markers' shelf fields (shelves per bucket, the ledger's retention in ms): kept from
-        ``marker`` when it has them, else this process's."""
+        """The shelf fields (shelves, retention in ms): ``marker``'s when it has them, else this process's."""
         if marker.get("shelves") and marker.get("retention_ms"):
             return {"shelves": int(marker["shelves"]), "retention_ms": int(marker["retention_ms"])}
         return {"shelves": self.shelves, "retention_ms": max(1, int(self.retention_seconds * 1000))}
@@ -290,9 +257,8 @@ def _being_created(markers: list[dict[str, str]], expected: str | None, has_reco
 
 
 def _remembered(status: dict[str, Any], dead: str | None) -> dict[str, Any]:
-    """``status`` as a process sees it that saw the ledger lost (``dead``: the epoch it held then, "" if none;
-    None: never): the flags may be gone with the data (emptied again), but not the memory of it. Only an epoch
-    an operator acknowledged since is accepted."""
+    """``status`` for a process that saw the ledger lost (``dead``: the epoch it held, "" if none; None: never):
+    only an epoch acknowledged since is accepted, even if the flags went with the data."""
     if dead is None or status["state"] == "lost" or (status.get("acked_at") and status["epoch"] != dead):
         return status
     said = status["reason"] or f"epoch {status['epoch']}, not acknowledged since"

@@ -1,10 +1,5 @@
-"""The Redis ledger's record layout (format version :data:`LAYOUT`): every key name and every packing, in one
-place.
-
-:class:`Names` spells each key a ledger writes; the functions below pack what goes into them and read
-it back. The Lua scripts beside this module (``*.lua``) write the same shapes (their shared helpers are
-in ``prelude.lua``); the moves themselves are in ``store.py``. What the layout is and why: the package
-docstring.
+"""The Redis ledger's record layout (format version :data:`LAYOUT`): :class:`Names` spells every key, the functions
+below pack what goes into them and read it back. The Lua scripts (``prelude.lua``) write the same shapes.
 """
 
 from __future__ import annotations
@@ -21,28 +16,22 @@ from ...errors import LedgerError
 from ..base import Mark, Record, State, dumps_json, loads_json
 
 DEFAULT_BUCKETS = 16
-#: States with an index (a sorted set per bucket): those an operator acts on, and ``failed`` for purge.
-#: ``sent`` has none: its records expire by TTL, a counter keeps their number, listing them scans.
+#: States with an index (a sorted set per bucket); ``sent`` has none (a counter keeps their number).
 _INDEXED = (State.CLAIMED, State.RELEASED, State.FAILED, State.REVIEW)
-#: The format version of this layout, written in every epoch marker (``<prefix>:{bb}:epoch``, field ``layout``).
-#: A store whose markers name another version is refused at first use: a later release that changes the format
-#: raises it and decides, on purpose, how it reads (or converts) a version 1 store.
+#: The format version of this layout, in every epoch marker; a store whose markers name another is refused.
 LAYOUT = "1"
 #: Shelves per bucket unless the markers say otherwise (fixed when the ledger is created, see ``_shelf``).
 DEFAULT_SHELVES = 64
-#: A shelf's dead entries are swept at most every retention / this (so at most this fraction of a
-#: retention's entries stays in memory past its expiry), and at least every second.
+#: A shelf's dead entries are swept at most every retention / this, and at least every second.
 _SWEEP_SPLIT = 8
-#: Longest value kept in a record field: Redis keeps a hash compact (listpack) while every value is at
-#: most ``hash-max-listpack-value`` (64 by default), so longer results and errors are stored in chunks.
+#: Longest value in a record field: within ``hash-max-listpack-value`` (64), so the hash stays a listpack.
 _CHUNK = 64
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 def _shelf(key: str, shelves: int) -> int:
-    """The shelf of ``key`` within its bucket, from the key alone: bits of a 64-hex key other than the
-    ones its bucket comes from (CRC32 of its text), else Adler-32 of its text."""
+    """The shelf of ``key`` in its bucket: bits of a 64-hex key not used by its bucket, else Adler-32 of it."""
     if len(key) == 64 and _HEX64.fullmatch(key):
         return int(key[8:16], 16) % shelves
     return zlib.adler32(key.encode()) % shelves
@@ -72,13 +61,11 @@ def _message_id_of(text: str) -> str:
 
 
 def _body(result: dict[str, Any] | None, error: dict[str, Any] | None) -> str:
-    """A sent record's result and error as its archive entry ends: the message id stored once.
+    """A sent record's result and error as its shelf entry ends, the message id stored once.
 
-    ``m<id>``: the result is the message id alone; ``v<json><id>``: the message id and a ``value``
-    repeating it (what ``send_email`` stores), the value's other fields in JSON; ``r<json><id>``: the
-    message id and other fields; ``*[result, error]``: anything else (an error, no message id);
-    ``""``: neither. ``<id>`` is ``u`` + a UUID packed in 22 characters, or ``=`` + the id itself, last
-    (it may hold any character). Whatever does not read back equal is stored the plain way.
+    ``m<id>``: the message id alone; ``v<json><id>``: it and a ``value`` repeating it (``send_email``'s);
+    ``r<json><id>``: it and other fields; ``*[result, error]``: anything else; ``""``: neither. ``<id>``
+    (:func:`_message_id`) comes last. Whatever does not read back equal is stored the plain way.
     """
     if result is None or error is not None or not isinstance(result.get("message_id"), str):
         return _plain(result, error)
@@ -91,8 +78,7 @@ def _body(result: dict[str, Any] | None, error: dict[str, Any] | None) -> str:
         text = "v" + (dumps_json({k: v for k, v in value.items() if k != "message_id"}) or "") + _message_id(mid)
     else:
         text = "r" + (dumps_json(rest) or "") + _message_id(mid)
-    # Compared with the result itself (not its JSON read back: a send's hot path): a result that JSON
-    # would change (a tuple, a non-string key) differs here too, and is stored the plain way.
+    # A result JSON would change (a tuple, a non-string key) differs here too, and is stored the plain way.
     return text if _unbody(text) == (result, None) else _plain(result, error)
 
 
@@ -105,7 +91,7 @@ _DECODER = json.JSONDecoder()
 
 
 def _unbody(text: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The result and error of an archive entry's end (see :func:`_body`)."""
+    """The result and error of a shelf entry's end (see :func:`_body`)."""
     if not text:
         return None, None
     kind = text[0]
@@ -122,23 +108,21 @@ def _unbody(text: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
 
 
 def _seconds(value: str | None) -> float | None:
-    """A stored time in seconds: the server's clock in integer microseconds, or (written by an operator's
-    change, which keeps the caller's clock exactly) seconds with a point."""
+    """A stored time in seconds: integer microseconds, or seconds with a point (an operator's change)."""
     if value is None or value == "":
         return None
     return float(value) if "." in value or "e" in value else int(value) / 1_000_000
 
 
 def _pack(text: str) -> str:
-    """A 64-hex digest (every intent key and fingerprint the library makes) as 43 base64url characters,
-    anything else as ``~`` + itself: shorter key names and fields, and never two texts packed alike."""
+    """A 64-hex digest as 43 base64url characters, anything else as ``~`` + itself (never two packed alike)."""
     if len(text) == 64 and _HEX64.fullmatch(text):
         return base64.urlsafe_b64encode(bytes.fromhex(text))[:43].decode("ascii")
     return "~" + text if text else ""
 
 
 def _pack_all(texts: list[str]) -> list[str]:
-    """:func:`_pack` of many texts (a listing names thousands of records), the 64-hex ones without a regex."""
+    """:func:`_pack` of many texts (a listing's thousands), the 64-hex ones without a regex."""
     out = []
     for text in texts:
         try:
@@ -162,8 +146,7 @@ _B126_VALUE = {ch: i for i, ch in enumerate(_B126)}
 
 
 def _pack_fp(fingerprint: str) -> str:
-    """A 64-hex fingerprint as 37 base-126 characters (a record's ``f``, copied into its archive entry
-    by the completion's script as it is), anything else as ``~`` + itself, none as ``""``."""
+    """A 64-hex fingerprint as 37 base-126 characters, anything else as ``~`` + itself, none as ``""``."""
     if len(fingerprint) == 64 and _HEX64.fullmatch(fingerprint):
         n, pairs = int(fingerprint, 16), []
         for _ in range(19):  # two digits a step (half the big-number divisions); the 38th digit is always 0
@@ -174,7 +157,7 @@ def _pack_fp(fingerprint: str) -> str:
 
 
 def _unpack_fp(packed: str) -> str:
-    """A record's ``f`` read back (see :func:`_pack_fp`): 37 base-126 characters, or ``~`` + text, or none."""
+    """A fingerprint as :func:`_pack_fp` packed it."""
     if not packed or packed[0] == "~":
         return packed[1:]
     n = 0
@@ -185,8 +168,7 @@ def _unpack_fp(packed: str) -> str:
 
 @functools.lru_cache(maxsize=256)  # a claim's, then its completion's: spelled once
 def _field(key: str) -> bytes:
-    """A key as its archive field: a 64-hex key as its 32 bytes, anything else ``~`` + itself (``!~`` +
-    itself where that would be 32 bytes long too). Scripts give a 32-byte field back in hex."""
+    """A key as its shelf field: a 64-hex key as its 32 bytes, else ``~`` + itself (``!~`` + itself at 32 bytes)."""
     if len(key) == 64 and _HEX64.fullmatch(key):
         return bytes.fromhex(key)
     text = ("~" + key).encode()
@@ -262,9 +244,7 @@ def _joined(h: dict[str, str], base: str) -> str | None:
 
 
 def _read_record(key: str, fields: list[str] | dict[str, str], payload: str | None, retention_seconds: float) -> Record:
-    """A record kept as a hash (its ``HGETALL``, flat or as a dict) read back.
-
-    Its expiry is not stored (the TTL holds it): the retention ``retention_seconds`` from its last update."""
+    """A record kept as a hash (its ``HGETALL``, flat or a dict); expiry: ``retention_seconds`` after its update."""
     h = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=True))
     state = State(h["s"])
     updated = _seconds(h.get("u")) or 0.0
@@ -280,10 +260,7 @@ def _read_record(key: str, fields: list[str] | dict[str, str], payload: str | No
 
 
 def _read_entry(key: str, value: str, payload: str | None, retention_ms: int) -> Record:
-    """A ``sent`` record kept as a shelf's entry read back: expiry, retention (``retention_ms`` unless the entry
-    says), token, attempts, reclaims, fingerprint, result and error.
-
-    Task name, owner and the time of the first claim are not kept (empty, empty, the time it was sent)."""
+    """A ``sent`` record kept as a shelf's entry (task name and owner not kept; created when it was sent)."""
     m = _ENTRY.match(value)
     if m is None:
         raise LedgerError(f"Redis ledger error: the shelved record of {key} cannot be read")
@@ -311,27 +288,16 @@ def _glob_escape(text: str) -> str:
 
 
 class Names:
-    """The key names of one ledger (its prefix, bucket count and shelves per bucket)::
-
-        <prefix>:{<bb>}:r:<packed key>   a record not yet sent (a hash)
-        <prefix>:{<bb>}:p:<packed key>   its first payload (a string)
-        <prefix>:{<bb>}:d:<shelf>        sent records whose key falls on this shelf (a hash)
-        <prefix>:{<bb>}:i:<state>        the bucket's index of claimed, released, failed or review records
-        <prefix>:{<bb>}:c:sent           the bucket's count of sent records, by expiry (a hash)
-        <prefix>:{<bb>}:h:<digest>       a reschedule's mark
-        <prefix>:{00}:roster             the live workers' key-secret ids (a hash; bucket 0 only)
-        <prefix>:{<bb>}:epoch            the bucket's epoch marker (a hash; see ``epochs.py``)
-
-    ``bb``: the bucket, CRC32 of the intent key, two hex digits; every script touches one bucket (one hash
-    slot on a cluster). ``shelves`` is the markers' once the ledger exists (set by the store).
+    """The key names of one ledger (the list is in docs/ledgers.md), plus ``<prefix>:{00}:roster``, the live
+    workers' key-secret ids. ``bb``, the bucket, is CRC32 of the intent key in two hex digits.
     """
 
     def __init__(self, prefix: str, buckets: int, shelves: int) -> None:
         self.prefix, self.buckets = prefix, buckets
-        #: The KEYS of the keys used last (a claim's, then its completion's; see ``script_keys``).
+        #: The KEYS of the keys used last (see ``script_keys``).
         self._recent: dict[str, tuple[str, ...]] = {}
         self._shelves = shelves
-        #: Per bucket, built once: the names' stem, and a record script's bucket keys (indexes, counter, marker).
+        #: Per bucket: the names' stem, and a record script's bucket keys (indexes, counter, marker).
         self.stems = [f"{prefix}:{{{b:02x}}}:" for b in range(buckets)]
         self.tails = [[*(f"{stem}i:{s.value}" for s in _INDEXED), f"{stem}c:sent", f"{stem}epoch"]
                       for stem in self.stems]
@@ -352,19 +318,16 @@ class Names:
         return f"{self.stems[self.bucket(key)]}r:{_pack(key)}"
 
     def payload(self, key: str) -> str:
-        """The string holding the record's first payload (beside it, in its bucket)."""
+        """The string holding the record's first payload."""
         return f"{self.stems[self.bucket(key)]}p:{_pack(key)}"
 
     def shelf(self, key: str) -> str:
-        """The hash holding ``key``'s record once it is sent: chosen by the key alone."""
+        """The hash holding ``key``'s record once it is sent."""
         return f"{self.stems[self.bucket(key)]}d:{_shelf(key, self.shelves):x}"
 
     def script_keys(self, key: str) -> list[str]:
-        """A record script's KEYS: record, indexes, sent counter, epoch marker, payload, shelf.
-
-        The last keys' are kept (at most 256, then forgotten all at once): a completion, a renewal or a
-        release follows its claim in the same process, and spelling the names again (a CRC32, two
-        regex matches, base64) costs as much as the rest of building the call."""
+        """A record script's KEYS: record, indexes, sent counter, epoch marker, payload, shelf. The last 256
+        keys' are kept: a completion follows its claim, and spelling the names costs as much as the call."""
         recent = self._recent  # replaced when the shelf count changes: names made before stay out of it
         keys = recent.get(key)
         if keys is None:
@@ -378,8 +341,7 @@ class Names:
         return list(keys)
 
     def claim_keys(self, key: str) -> list[str]:
-        """The claim script's KEYS: record, indexes of claimed and released records, epoch marker,
-        payload, shelf (what it touches: each key costs the call, about as much as a command)."""
+        """The claim script's KEYS: only what it touches (each key costs the call)."""
         k = self.script_keys(key)
         return [k[0], k[1], k[2], k[6], k[7], k[8]]
 
@@ -396,12 +358,11 @@ class Names:
         return self.tails[bucket][-1]
 
     def written(self, bucket: int) -> list[str]:
-        """The bucket's indexes and sent counter: one of them exists once a record was written in the bucket."""
+        """The bucket's indexes and sent counter (one exists once a record was written there)."""
         return self.tails[bucket][:-1]
 
     def listed(self, bucket: int, keys: list[str], *, payloads: bool) -> list[str]:
-        """The record names of ``keys`` (all of one bucket), then with ``payloads`` their payloads' in the same
-        order: the listing script's KEYS."""
+        """The listing script's KEYS: the record names of ``keys`` (one bucket), then with ``payloads`` theirs."""
         stem, packed = self.stems[bucket], _pack_all(keys)
         records = [f"{stem}r:{p}" for p in packed]
         return records + [f"{stem}p:{p}" for p in packed] if payloads else records
@@ -435,5 +396,5 @@ class Names:
         return f"{self.stems[self.bucket(key)]}h:{digest}"
 
     def roster(self) -> str:
-        """The key-secret roster (a hash of worker -> expiry and secret ids), in bucket 0's slot."""
+        """The key-secret roster (a hash of worker -> expiry and secret ids)."""
         return f"{self.stems[0]}roster"

@@ -1,11 +1,8 @@
-"""The Redis ledger's reads of many records: every record of a state (``iter_records``), the counts per state
-(``stats``), and the review queue's pages and tallies (``list_records``, ``count``: see ``ledger/listing.py``).
+"""The Redis ledger's reads of many records: ``iter_records``, ``stats``, and the review queue's pages and tallies.
 
-Indexed states (``claimed``, ``released``, ``failed``, ``review``) are read from their per-bucket indexes, a sorted
-set by the time each record entered the state; a page walks them in order across buckets (:class:`_Walk`), and a
-filter (task, reason, words) is checked in the store by ``listing.lua`` as each stretch is read. ``sent`` has no
-index: its records are found by one SCAN of the ledger's names and an HSCAN of each shelf, and counted by the
-per-bucket counters.
+Indexed states are read from their per-bucket indexes (sorted sets by the time a record entered the state), walked
+in order across buckets (:class:`_Walk`), a filter checked in the store by ``listing.lua``. ``sent`` records are
+found by one SCAN and an HSCAN of each shelf, and counted by the per-bucket counters.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ from ..listing import Counts, Position, RecordQuery, Selection
 from .layout import _INDEXED, _unfield
 from .plumbing import RedisBase
 
-#: Records a filtered listing first asks the listing script about, one call per bucket (Redis runs nothing
-#: else meanwhile: a few ms a call); each next stretch twice as long, up to 8 times this.
+#: The stretch of an index a listing reads per bucket and call (Redis runs nothing else meanwhile: a few ms).
 LISTING_STRETCH = 500
 
 _Scored = tuple[float, str]  # an index entry: (score, member)
@@ -34,8 +30,7 @@ class Listing(RedisBase):
     """Reads of many records (see the module docstring), a mixin of ``RedisLedger``."""
 
     def iter_records(self, state: State | None = None) -> Iterator[Record]:
-        """Indexed states from their indexes; ``sent`` (no index) and all records by SCAN of the buckets
-        (records) and HSCAN of their shelves."""
+        """Indexed states from their indexes; ``sent`` and all records by SCAN (records) and HSCAN (shelves)."""
         if not self._checked:
             self._check_store()
         scanned = None if state in _INDEXED else self._names_by_bucket()
@@ -60,8 +55,7 @@ class Listing(RedisBase):
         return list(zip(read[::2], read[1::2], strict=True))
 
     def _names_by_bucket(self) -> list[dict[str, list[str]]]:
-        """Every bucket's record and shelf names, from ONE scan of the ledger's names: a listing walks the
-        keyspace once, not twice per bucket (32 walks of a shared Redis's every key)."""
+        """Every bucket's record and shelf names, from one SCAN of the keyspace (not two per bucket)."""
         found: list[dict[str, list[str]]] = [{"record": [], "shelf": []} for _ in range(self.buckets)]
         for name in self._call(self._scan, self.names.everything()):
             sorted_ = self.names.sort(name)
@@ -70,8 +64,7 @@ class Listing(RedisBase):
         return found
 
     def _shelved(self, names: list[str]) -> Iterator[Record]:
-        """The shelved ``sent`` records on the shelves ``names``, not yet expired (by this process's clock: a
-        listing)."""
+        """The ``sent`` records on the shelves ``names``, not yet expired by this process's clock."""
         for name in names:
             cursor = "0"
             while True:
@@ -87,9 +80,8 @@ class Listing(RedisBase):
                     break
 
     def stats(self) -> dict[str, int]:
-        """Records per state, from the indexes and the sent counters (one pipeline); expired
-        ``sent``/``failed`` excluded (a ``sent`` record counts until the end of its expiry's granule,
-        at most 1% of the retention, or a minute, after it expired)."""
+        """Records per state from the indexes and sent counters (one pipeline); expired ones excluded (a ``sent``
+        record counts until its expiry's granule ends: at most 1% of the retention, or a minute, late)."""
         if not self._checked:
             self._check_store()
         now_us = time.time() * 1_000_000
@@ -112,9 +104,7 @@ class Listing(RedisBase):
     # -- the review queue (see ``ledger.listing``) --
 
     def _listing_window(self, query: RecordQuery, position: Position | None, want: int, skip: int) -> Selection:
-        """The state's indexes walked in order across buckets (:class:`_Walk`; with a task, a reason or words,
-        each bucket's stretch checked in the store by the listing script as it is read), then the records
-        read in one pipeline. ``sent`` (no index) and every state at once: the base class's scan."""
+        """The state's indexes walked across buckets (:class:`_Walk`); ``sent`` and all states: the base class's."""
         if query.state not in _INDEXED:
             return super()._listing_window(query, position, want, skip)
         if not self._checked:
@@ -129,10 +119,6 @@ class Listing(RedisBase):
                  for at, (h, payload) in zip(taken, self._read_hashes([at.key for at in taken]), strict=True) if h]
         return Selection(items, None if walk.ended else walk.last, skipped)
 
-    def _check(self, query: RecordQuery, bucket: int, keys: list[str]) -> tuple[list[str], Any]:
-        """The listing script's call on ``keys`` of one bucket: is each a match (``1``) of ``query``?"""
-        return self._listing_call("check", query, bucket, keys, query.plain_words)
-
     def _listing_call(self, mode: str, query: RecordQuery, bucket: int, keys: list[str],
                       words: tuple[str, ...]) -> tuple[list[str], list[Any]]:
         assert query.state is not None
@@ -144,9 +130,8 @@ class Listing(RedisBase):
         return names, [mode, query.state.value, query.task, query.reason, len(words), *words, starts]
 
     def count(self, query: RecordQuery | None = None) -> Counts:
-        """Counted by the listing script over every record of the state's index in the time range, bucket by
-        bucket. ``sent`` (no index) and all states: the base class's scan; so is ``failed`` in a time range
-        (its index is by expiry)."""
+        """Counted by the listing script over the state's index; ``sent``, all states and ``failed`` in a time range
+        (its index is by expiry): the base class's scan."""
         query = query or RecordQuery()
         if query.state not in _INDEXED or (query.state is State.FAILED and (query.since, query.until) != (None, None)):
             return super().count(query)
@@ -178,8 +163,7 @@ class Listing(RedisBase):
 
     def _tally(self, state: State, calls: list[tuple[list[str], list[Any]]], scores: list[list[float]],
                cells: Counter[tuple[str, str, int]]) -> None:
-        """Run the listing script's tallies (one stretch of a bucket each; ``scores``: its records' index scores)
-        and add them to ``cells``: (reason, task, day) -> records."""
+        """Run the listing script's tallies (``scores``: the records' index scores) into ``cells``."""
         # A failed record is scored by its expiry: its day is the score less the ledger's retention.
         shift = self._retention_ms * 1000 if state is State.FAILED else 0
         for (pairs, numbers), stretch in zip(self._run_scripts(self.scripts["listing"], calls), scores, strict=True):
@@ -189,14 +173,11 @@ class Listing(RedisBase):
 
 
 class _Walk:
-    """The matches of one query in one state, in the listing's order, across every bucket's index of the state
-    (a sorted set by the time each record entered it).
+    """The matches of one query in one state, in the listing's order, across every bucket's index.
 
-    Each bucket's index is read a stretch at a time (ZRANGE BYSCORE, one pipeline for the buckets that need
-    more); with a task, a reason or words, the stretch is checked by the listing script (one pipeline too) and
-    only its matches are kept. A match is handed out once every bucket still being read has been read past it
-    (the least of where they are), so no later record is ever handed out before an earlier one of another
-    bucket. Without such a filter no record is read: the index is the answer."""
+    Each index is read a stretch at a time (one pipeline), a filter checked by the listing script. A match is
+    handed out once every bucket still being read is past it, so none comes before an earlier one of another
+    bucket."""
 
     def __init__(self, ledger: Listing, query: RecordQuery, position: Position | None) -> None:
         assert query.state is not None
@@ -205,18 +186,17 @@ class _Walk:
         self.index = [ledger.names.index(b, query.state) for b in range(ledger.buckets)]
         self.lo, self.hi = self.bounds(query)
         start = None if position is None else (position.at, position.key)
-        #: Per bucket still being read: how far it has been read ((score, key); None: from the start).
+        #: Per bucket still being read: how far ((score, key); None: from the start).
         self.read: dict[int, _Scored | None] = dict.fromkeys(range(ledger.buckets), start)
         #: Per bucket: its matches read and not handed out yet, in order.
         self.pending: dict[int, list[_Scored]] = {b: [] for b in range(ledger.buckets)}
-        #: The position the walk stands at: the last handed out, or where every bucket has been read to.
+        #: Where the walk stands: the last handed out, or where every bucket has been read to.
         self.last: Position | None = position
         self._batch = 0  # entries a bucket is read by at least (grows while a filter keeps too few)
 
     @staticmethod
     def bounds(query: RecordQuery) -> tuple[str, str]:
-        """The index's score range for the query's time range (scores are microseconds). ``failed`` is scored
-        by its expiry (the time it failed plus the retention): only the live ones, times checked by the caller."""
+        """The index's score range (microseconds) for the query's times; ``failed`` is scored by its expiry."""
         us = 1_000_000
         if query.state is State.FAILED:
             return f"({time.time() * us:.17g}", "+inf"
@@ -251,11 +231,11 @@ class _Walk:
         kept = sum(len(p) for p in self.pending.values())
         self._fill(short, max(per_bucket, self._batch))
         if self.filtered and sum(len(p) for p in self.pending.values()) - kept < missing:
-            # The filter kept too few: read twice as much a bucket next time, up to LISTING_STRETCH.
+            # The filter kept too few: read twice as much next time.
             self._batch = min(max(self._batch, per_bucket) * 2, LISTING_STRETCH)
 
     def _frontier(self) -> _Scored | None:
-        """The least far any bucket still being read has been read (None: each is read to its end)."""
+        """The least far any bucket still being read has got (None: each is read to its end)."""
         live = [p for p in self.read.values() if p is not None]
         if not live:
             return None
@@ -273,8 +253,7 @@ class _Walk:
         return [Position(*p) for p in taken]
 
     def _fill(self, buckets: list[int], batch: int) -> None:
-        """Read the next ``batch`` entries of each of ``buckets``' indexes (and those tied with where it stands),
-        then, with a filter, keep only the matches."""
+        """Read the next ``batch`` entries of ``buckets``' indexes, keeping only matches."""
         replies = iter(self.ledger._pipeline([c for b in buckets for c in self._reads(b, batch)]))
         read = {b: self._advance(b, batch, replies) for b in buckets}
         if self.filtered:
@@ -283,25 +262,18 @@ class _Walk:
             self.pending[b] += found
 
     def _reads(self, b: int, batch: int) -> list[_Command]:
-        """Bucket ``b``'s next stretch of its index, then (read before) the entries tied with where it stands."""
+        """Bucket ``b``'s next stretch, then the entries tied with where it stands."""
         at = self.read[b]
-        out: list[_Command]
-        if self.newest:
-            top = self.hi if at is None else f"({at[0]:.17g}"
-            out = [("execute_command", ("ZRANGE", self.index[b], top, self.lo, "BYSCORE", "REV",
-                                        "LIMIT", 0, batch, "WITHSCORES"))]
-        else:
-            low = self.lo if at is None else f"({at[0]:.17g}"
-            out = [("execute_command", ("ZRANGE", self.index[b], low, self.hi, "BYSCORE",
-                                        "LIMIT", 0, batch, "WITHSCORES"))]
+        start = None if at is None else f"({at[0]:.17g}"
+        span = (start or self.hi, self.lo, "BYSCORE", "REV") if self.newest else (start or self.lo, self.hi, "BYSCORE")
+        out: list[_Command] = [("execute_command", ("ZRANGE", self.index[b], *span, "LIMIT", 0, batch, "WITHSCORES"))]
         if at is not None:  # the entries with the very same score that follow its key
             score = f"{at[0]:.17g}"
             out.append(("execute_command", ("ZRANGE", self.index[b], score, score, "BYSCORE", "WITHSCORES")))
         return out
 
     def _advance(self, b: int, batch: int, replies: Iterator[Any]) -> list[_Scored]:
-        """Bucket ``b``'s entries from its replies (:meth:`_reads`), in order; where it stands moves on past them,
-        or it is done when its index ended."""
+        """Bucket ``b``'s entries from its replies (:meth:`_reads`); moves where it stands past them."""
         at = self.read[b]
         found = _scored(next(replies))
         ended = len(found) < batch
@@ -315,17 +287,17 @@ class _Walk:
         return found
 
     def _keep_matches(self, read: dict[int, list[_Scored]]) -> None:
-        """Only the entries of ``read`` the listing script finds match the query (one pipeline)."""
+        """Keep the entries of ``read`` the listing script finds match (one pipeline)."""
         checked = [b for b in read if read[b]]
         verdicts = self.ledger._run_scripts(self.ledger.scripts["listing"], [
-            self.ledger._check(self.query, b, [key for _, key in read[b]]) for b in checked])
+            self.ledger._listing_call("check", self.query, b, [key for _, key in read[b]], self.query.plain_words)
+            for b in checked])
         for b, flags in zip(checked, verdicts, strict=True):
             read[b] = [p for p, flag in zip(read[b], str(flags), strict=True) if flag == "1"]
 
 
 def _scored(reply: list[Any]) -> list[_Scored]:
-    """A ZRANGE ... WITHSCORES reply as (score, member) pairs: flat as Redis sends it, or in pairs as redis-py
-    may hand it over."""
+    """A ZRANGE ... WITHSCORES reply (flat, or in pairs as redis-py may hand it) as (score, member) pairs."""
     if reply and isinstance(reply[0], (list, tuple)):
         return [(float(score), str(member)) for member, score in reply]
     return [(float(reply[i + 1]), str(reply[i])) for i in range(0, len(reply), 2)]

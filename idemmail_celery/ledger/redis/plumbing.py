@@ -1,9 +1,5 @@
-"""What every concern of the Redis ledger shares: :class:`RedisBase`, the client and the calls made through it
-(one command, a pipeline, a batch of scripts, a SCAN), the key names, the registered scripts, a record read back.
-
-The concerns are mixins over it, each in a module of its own: the store checks (``checks.py``), the epoch
-markers (``epochs.py``), listing and counting (``listing.py``); ``store.py`` joins them in
-:class:`~idemmail_celery.ledger.redis.RedisLedger` with the record moves.
+"""What the Redis ledger's mixins share (:class:`RedisBase`): the client and the calls made through it (one
+command, a pipeline, a batch of scripts, a SCAN), the key names, the registered scripts, a record read back.
 """
 
 from __future__ import annotations
@@ -26,24 +22,21 @@ log = logging.getLogger("idemmail_celery.ledger.redis")  # the package's name, w
 
 
 class RedisBase(Ledger):
-    """The Redis ledger's shared state and calls (see the module docstring); set up by ``RedisLedger``."""
+    """The Redis ledger's shared state and calls; set up by ``RedisLedger``."""
 
-    #: The redis-py client every command goes through (``Redis``, ``RedisCluster``, or a Sentinel's).
     client: Any
     prefix: str
     buckets: int
-    #: Never writes epoch markers (an operator's look, a metrics scrape): see ``epochs.py``.
+    #: Never writes epoch markers (see ``epochs.py``).
     passive: bool
-    #: Every key name (see ``layout.py``); its shelves per bucket are this process's until the markers say.
     names: Names
-    #: The registered scripts, by name (see ``scripts.py``).
     scripts: dict[str, Any]
-    #: The ledger's retention (ms): this process's until the markers say (first use).
+    #: The ledger's retention (ms): this process's until the markers say.
     _retention_ms: int
-    #: Whether the ledger built its client (then it closes it, and its hot path bypasses it: ``_line``).
+    #: Whether the ledger built its client (then it closes it).
     _own_client: bool
     _line: HotLine | None
-    #: Held while the store is checked and the markers are read (one thread at a time).
+    #: Held while the store is checked and the markers are read.
     _check_lock: threading.Lock
     _checked = False
 
@@ -53,7 +46,7 @@ class RedisBase(Ledger):
 
     @property
     def shelves(self) -> int:
-        """Shelves per bucket: the markers' once the ledger exists (fixed when it was created)."""
+        """Shelves per bucket: the markers' once the ledger exists."""
         return self.names.shelves
 
     @shelves.setter
@@ -99,12 +92,9 @@ class RedisBase(Ledger):
 
     def _run_scripts(self, script: Any, calls: Sequence[tuple[list[str], list[Any]]], *,
                      partial: bool = False) -> list[Any]:
-        """EVALSHA every call in one pipeline; calls refused with NOSCRIPT (a restarted server) are
-        run again with EVAL, which loads the script on that server, and only they: the others ran.
-        (EVAL, not SCRIPT LOAD: on a cluster that goes to every node, and fails if one is down.)
-
-        Raises the first call's error, unless ``partial``: then errors are returned in place (on a
-        cluster one node can fail while the others ran their calls)."""
+        """EVALSHA every call in one pipeline; those refused with NOSCRIPT run again with EVAL (not SCRIPT LOAD,
+        which on a cluster fails if any node is down). Raises the first error, unless ``partial``: then errors
+        are returned in place."""
         def run(batch: Sequence[tuple[list[str], list[Any]]], command: str, body: str) -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
             for keys, args in batch:  # by name: a cluster pipeline refuses .evalsha(), not the command
@@ -132,9 +122,7 @@ class RedisBase(Ledger):
             self.client.close()
 
     def _after_fork(self) -> None:
-        """In a forked child: the hot line's connections are the parent's sockets, and a lock one of its
-        threads held (a metrics scrape checking the store) would never be released. redis-py's own pool
-        notices the fork by itself."""
+        """In a forked child: drop the parent's hot-line sockets and a lock one of its threads may hold."""
         if self._line is not None:
             self._line.after_fork()
         self._check_lock = threading.Lock()

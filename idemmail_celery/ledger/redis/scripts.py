@@ -1,8 +1,5 @@
-"""The Lua scripts beside this module (``<name>.lua``), each one atomic transition or read.
-
-A script's text is read once per process, a record script's after the parts of ``prelude.lua`` its first line
-names; :func:`register` registers every script with a client once, in one dict (redis-py ``Script`` objects:
-EVALSHA, the script loaded again on NOSCRIPT). KEYS and ARGV are documented at the top of each script.
+"""The Lua scripts beside this module (``<name>.lua``), each one atomic transition or read; KEYS and ARGV are
+documented at the top of each. A record script runs after the parts of ``prelude.lua`` its first line names.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ def register(client: Any) -> dict[str, Any]:
 
 @functools.cache
 def _lua(name: str) -> str:
-    """The text of ``<name>.lua`` beside this module (read once per process), after the prelude for a
-    record script: the parts of it the script's first line names, or all of it."""
+    """The text of ``<name>.lua`` (read once), a record script's after its prelude parts (none named: all)."""
     text = (resources.files(__package__) / f"{name}.lua").read_text("utf-8")
     if name not in _RECORD_SCRIPTS:
         return text
@@ -43,10 +39,7 @@ def _lua(name: str) -> str:
 
 @functools.cache
 def _prelude(parts: tuple[str, ...]) -> str:
-    """The prelude's opening comment, then ``parts`` in the prelude's own order (later parts call earlier ones).
-
-    Each helper a script defines costs every call of it (a closure made per call; a script keeps no
-    state between calls), so a hot script carries only the parts it uses."""
+    """The prelude's opening comment and ``parts`` (a helper costs every call: a script carries only its own)."""
     pieces = _PART.split(_lua("prelude"))  # [intro, name, body, name, body, ...]
     known = dict(zip(pieces[1::2], pieces[2::2], strict=True))
     unknown = sorted(set(parts) - set(known))

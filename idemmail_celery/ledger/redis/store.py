@@ -1,10 +1,5 @@
-"""The Redis ledger's record moves: :class:`RedisLedger`, each transition one script beside this module
-(``<name>.lua``, see ``scripts.py``) run under this process's epoch.
-
-The class joins the ledger's concerns, each a mixin in a module of its own: the server checks (``checks.py``),
-the epoch markers (``epochs.py``), listing and counting (``listing.py``), over what they share
-(``plumbing.py``: the client's calls; ``client.py``: building the client). Key names and packing: ``layout.py``;
-what the layout is and why: the package docstring.
+"""The Redis ledger's record moves: :class:`RedisLedger`, each transition one script (``<name>.lua``) run under
+this process's epoch, joined with the mixins of ``checks.py``, ``epochs.py`` and ``listing.py``.
 """
 
 from __future__ import annotations
@@ -52,7 +47,7 @@ from .listing import Listing
 from .plumbing import _live, log
 from .scripts import register
 
-#: A claim script's answer as its status (a dict: calling the Enum costs as much as building the call's keys).
+#: A claim script's answer as its status (a dict: calling the Enum is slow).
 _CLAIM_STATUS = {status.value: status for status in ClaimStatus}
 
 
@@ -61,48 +56,27 @@ class RedisLedger(Listing, Epochs, StoreChecks):
     cluster (``redis+cluster://host:port[,host:port]``) or a Sentinel-managed primary
     (``sentinel://host:26379;sentinel://host2:26379`` with ``master_name``).
 
-    Options: ``prefix`` (key prefix, default ``"idemmail"``), ``buckets`` (hash-tagged
-    buckets, default 16; fixed for the life of a ledger), ``shelves`` (hashes per bucket holding
-    ``sent`` records, default 64; the markers' value wins once the ledger exists: about 100 records
-    a shelf at 100,000 sent records is the memory sweet spot), ``retention_seconds``,
-    ``auto_init`` (default True: a process that finds no markers and no records starts a
-    new ledger; False requires ``idemmail ledger init`` first, which tells a store emptied
-    while no worker ran from a new one), ``passive`` (default False: never write epoch
-    markers, neither ``auto_init`` nor lost flags; for operator reads and metrics, which
-    report what the markers say), ``allow_eviction`` (accept an evicting
-    ``maxmemory-policy``; unsafe), ``policy_recheck_seconds`` (default 30: how often the
-    claim path reads ``maxmemory-policy`` again, so that a policy changed to an evicting one
-    at runtime is refused too), ``keep_payload`` (keep the first payload after
-    ``sent``, for audit), ``master_name`` (Sentinel), and any redis-py client keyword
+    Options: ``prefix`` (default ``"idemmail"``), ``buckets`` (default 16, fixed for the life of a ledger),
+    ``shelves`` (hashes per bucket holding ``sent`` records, default 64; the markers' value wins once the ledger
+    exists), ``retention_seconds``, ``auto_init`` (default True: a process finding no markers and no records
+    starts a new ledger; False requires ``idemmail ledger init``), ``passive`` (never write epoch markers: for
+    operator reads and metrics), ``allow_eviction`` (accept an evicting ``maxmemory-policy``; unsafe),
+    ``policy_recheck_seconds`` (default 30: how often the claim path reads the policy again), ``keep_payload``
+    (keep the first payload after ``sent``), ``master_name`` (Sentinel), and any redis-py client keyword
     (timeouts default to 5 s).
 
-    ``client``: a redis-py client of your own (``Redis``, ``RedisCluster`` or a Sentinel's
-    ``master_for``, built with ``decode_responses=True``) instead of one built from the URL, so
-    that your pool limits, timeouts and instrumentation (OpenTelemetry) apply to every ledger
-    command. The URL is then optional and client keywords are refused. The ledger neither
-    closes it nor bypasses it: the hot path's connections of its own (``client.HotLine``) serve
-    only clients it built.
+    ``client``: your own redis-py client (built with ``decode_responses=True``) instead of one from the URL,
+    so your pool limits and instrumentation apply to every command; it then takes no client keywords, and the
+    ledger neither closes nor bypasses it.
     """
 
     marks_takeovers = True  # a reclaim from a holder without the write-ahead promise marks it 'unknown'
 
-    def __init__(
-        self,
-        url: str | None = None,
-        *,
-        client: Any = None,
-        prefix: str = "idemmail",
-        buckets: int = DEFAULT_BUCKETS,
-        retention_seconds: float = DEFAULT_RETENTION_SECONDS,
-        shelves: int = DEFAULT_SHELVES,
-        auto_init: bool = True,
-        passive: bool = False,
-        allow_eviction: bool = False,
-        policy_recheck_seconds: float = 30.0,
-        keep_payload: bool = False,
-        master_name: str | None = None,
-        **client_options: Any,
-    ) -> None:
+    def __init__(self, url: str | None = None, *, client: Any = None, prefix: str = "idemmail",
+                 buckets: int = DEFAULT_BUCKETS, retention_seconds: float = DEFAULT_RETENTION_SECONDS,
+                 shelves: int = DEFAULT_SHELVES, auto_init: bool = True, passive: bool = False,
+                 allow_eviction: bool = False, policy_recheck_seconds: float = 30.0, keep_payload: bool = False,
+                 master_name: str | None = None, **client_options: Any) -> None:
         super().__init__(retention_seconds=retention_seconds, keep_payload=keep_payload)
         self.names = Names(prefix, *_shape(prefix, buckets, shelves))
         self.prefix, self.buckets = prefix, self.names.buckets
@@ -118,8 +92,7 @@ class RedisLedger(Listing, Epochs, StoreChecks):
         _live.add(self)
 
     def _check_store(self) -> None:
-        """At first use: the server's checks (``checks.py``), then the markers, settling this process's epoch
-        (``epochs.py``; they refuse a store of another bucket count or record layout)."""
+        """At first use: the server's checks, then the markers, settling this process's epoch."""
         with self._check_lock:
             if self._checked:
                 return
@@ -178,8 +151,7 @@ class RedisLedger(Listing, Epochs, StoreChecks):
             calls = [(self._claim_keys(r.key), [epoch, *self._claim_args(r)]) for r in requests]
             outs = self._run_scripts(self.scripts["claim"], calls, partial=True)
             failed = next((out for out in outs if isinstance(out, Exception)), None)
-            if failed is not None:
-                # A node failed (a cluster node down mid-batch) after the others ran their claims.
+            if failed is not None:  # a cluster node failed mid-batch, after the others ran their claims
                 try:
                     self._release_held(requests, outs, epoch, "batch_met_failed_node")
                 except LedgerError as exc:  # their leases will run out
@@ -190,8 +162,7 @@ class RedisLedger(Listing, Epochs, StoreChecks):
 
         outs, epoch = run()
         if any(out[0] == "lost" for out in outs):
-            # Some buckets refused: hand back what the others gave (nothing ran), before the
-            # loss is flagged and refuses that too; then the whole batch again if an epoch is adopted.
+            # Hand back what the other buckets gave before the loss is flagged and refuses that too.
             self._release_held(requests, outs, epoch, "batch_met_lost_ledger")
             self._confirm_loss()
             outs, epoch = run()
@@ -201,14 +172,9 @@ class RedisLedger(Listing, Epochs, StoreChecks):
         return [self._claim_result(r, out) for r, out in zip(requests, outs, strict=True)]
 
     def _release_held(self, requests: Sequence[ClaimRequest], outs: list[Any], epoch: str, reason: str) -> None:
-        """Hand back the claims a batch took before it gave up; nothing was sent under them.
-
-        ``acquired`` and ``reopened`` claims are released: nothing had been sent for them. A
-        ``reclaimed`` claim took over an expired lease whose holder may have sent: it stays
-        claimed with its lease ended, so that the next claim reclaims it and the reclaim rules
-        decide, as they would have here (released, the next claim would reopen it and send). A
-        ``resumed`` claim stays as it is, held by this batch's owner: its chain may carry a verdict
-        for it (sent, not yet recorded), which the chain's next pass records when it resumes it.
+        """Hand back the claims a batch took before it gave up (nothing was sent under them): ``acquired`` and
+        ``reopened`` ones are released; a ``reclaimed`` one (its earlier holder may have sent) stays claimed with
+        its lease ended, for the reclaim rules to decide; a ``resumed`` one stays with its chain.
         """
         error = {"reason": reason, "at": time.time()}
         release: list[tuple[list[str], list[Any]]] = []
@@ -254,32 +220,20 @@ class RedisLedger(Listing, Epochs, StoreChecks):
         return Claim(status, self._record(request.key, out[1], out[2]), previous_owner=previous,
                      previous_writes_ahead=previous is not None and len(out) > 4 and out[4] == "1")
 
-    def _finish(
-        self,
-        key: str,
-        token: int,
-        state: State,
-        *,
-        result: dict[str, Any] | None = None,
-        error: dict[str, Any] | None = None,
-        mark: Mark | None = None,
-    ) -> float | None:
+    def _finish(self, key: str, token: int, state: State, *, result: dict[str, Any] | None = None,
+                error: dict[str, Any] | None = None, mark: Mark | None = None) -> float | None:
         out = self._eval(self.scripts["finish"], self._keys(key),
                          self._finish_args(key, token, state, result, error, mark))
         if out[0] == "missing":
             raise RecordNotFoundError(f"no ledger record for key {key}")
         if out[0] == "stale":
-            raise StaleTokenError(
-                f"token {token} no longer holds {key}: it is {out[1]} with token {out[2]}"
-            )
+            raise StaleTokenError(f"token {token} no longer holds {key}: it is {out[1]} with token {out[2]}")
         return _seconds(str(out[1])) if len(out) > 1 else None  # the time written, as a read gives it back
 
     def _finish_args(self, key: str, token: int, state: State, result: dict[str, Any] | None,
                      error: dict[str, Any] | None, mark: Mark | None = None) -> list[Any]:
         if state is State.SENT:
-            # Gone with the record's hash, a sent record's result and error are never written in chunks:
-            # the script only reads them whole (into the entry, beside one the record keeps), so each
-            # goes as one "chunk" (every argument costs the call).
+            # The script reads a sent record's result and error whole: one "chunk" each (every argument costs).
             texts = [*_whole(dumps_json(result)), *_whole(dumps_json(error)), 0]
         else:
             texts = [*_chunked(result), *_chunked(error), *_marked(mark)]
@@ -325,11 +279,8 @@ class RedisLedger(Listing, Epochs, StoreChecks):
         return bool(self._call(self.scripts["erase"], keys=self._keys(key), args=args))
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool:
-        """A mark in the key's bucket, named by a digest of key and hop (no raw text), set if absent.
-
-        The mark holds this call's nonce: should the client send the script again after a lost reply,
-        the call that set it still answers True (a plain SET NX would answer False to its own write).
-        """
+        """A mark named by a digest of key and hop, set if absent, holding this call's nonce: a script sent again
+        after a lost reply still answers True (a plain SET NX would not)."""
         nonce = secrets.token_hex(8)
         return bool(self._call(self.scripts["hop"], keys=[self._hop_name(key, hop)],
                                args=[nonce, max(1, int(ttl_seconds * 1000))]))
@@ -342,8 +293,7 @@ class RedisLedger(Listing, Epochs, StoreChecks):
         return self.names.hop(key, hashlib.blake2b(f"{key}\0{hop}".encode(), digest_size=16).hexdigest())
 
     def announce(self, member: str, secret_ids: Sequence[str], ttl_seconds: float) -> None:
-        """One script on the roster hash (bucket 0's slot): the entry's expiry on the server's clock, so
-        hosts whose clocks disagree still agree on who is live."""
+        """One script on the roster hash, expiring on the server's clock (hosts' clocks need not agree)."""
         ids = check_roster_entry(member, secret_ids)
         self._call(self.scripts["roster"], keys=[self.names.roster()], args=[member, ids, int(ttl_seconds * 1000)])
 
@@ -353,13 +303,9 @@ class RedisLedger(Listing, Epochs, StoreChecks):
                 for i in range(0, len(out), 3)]
 
     def purge_expired(self, now: float | None = None) -> int:
-        """Expired ``failed`` records' index entries, the sent counters' spent granules, and the shelves'
-        dead entries.
-
-        ``failed`` records go by themselves (TTL) and ``sent`` ones are swept from their shelf by the
-        next completion onto it; this keeps the ``failed`` index and the counters from growing, and
-        sweeps every shelf now. Returns how many expired records it accounted for: the
-        ``failed`` entries removed, and the ``sent`` records the spent granules counted.
+        """Remove expired ``failed`` records' index entries and the sent counters' spent granules, and sweep every
+        shelf (the records themselves go by TTL or by the next completion's sweep). Returns the ``failed``
+        entries removed plus the ``sent`` records the spent granules counted.
         """
         if not self._checked:
             self._check_store()
@@ -384,7 +330,7 @@ class RedisLedger(Listing, Epochs, StoreChecks):
 
 
 def _shape(prefix: str, buckets: int, shelves: int) -> tuple[int, int]:
-    """The bucket count and shelves per bucket, checked (with the prefix, which must hold no hash tag)."""
+    """The bucket count and shelves per bucket, checked (and the prefix: no hash tag)."""
     if "{" in prefix or "}" in prefix:
         raise ConfigurationError(f"Redis ledger prefix {prefix!r} must not contain braces (hash tags)")
     buckets, shelves = int(buckets), int(shelves)
@@ -396,5 +342,5 @@ def _shape(prefix: str, buckets: int, shelves: int) -> tuple[int, int]:
 
 
 def _whole(text: str | None) -> tuple[Any, ...]:
-    """``text`` as script arguments in the chunks' shape, in one piece: ``(1, text)``, or ``(0,)`` for none."""
+    """``text`` as script arguments in one chunk: ``(1, text)``, or ``(0,)`` for none."""
     return (0,) if text is None else (1, text)

@@ -1,9 +1,5 @@
-"""How the SQL ledger reaches its database: the engine (SQLite set up for several processes), the
-schema checked on the first connection, one connection kept between calls, and every database error
-as :class:`~idemmail_celery.errors.LedgerUnavailableError`.
-
-:class:`SQLConnections` holds that; :class:`~idemmail_celery.ledger.sql.SQLLedger` adds the ledger's
-moves on top. A forked child drops what it inherited (:func:`_reset_after_fork`).
+"""How the SQL ledger reaches its database (:class:`SQLConnections`): the engine, the schema checked on the first
+connection, one connection kept between calls, and every database error as ``LedgerUnavailableError``.
 """
 
 from __future__ import annotations
@@ -12,7 +8,8 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -36,6 +33,8 @@ from .schema import (
 
 log = logging.getLogger("idemmail_celery")
 
+T = TypeVar("T")
+
 #: How long a SQLite statement waits for another process's lock before the ledger gives up.
 SQLITE_BUSY_SECONDS = 30.0
 
@@ -52,15 +51,9 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 
 
 def _ensure_wal(cur: Any) -> None:
-    """Put the file in WAL mode, once: a file already in WAL is left alone.
-
-    Switching a new file to WAL needs its exclusive lock, and SQLite refuses at once,
-    without waiting out the busy timeout, when another connection holds a write lock on
-    it (the busy handler is skipped where waiting could deadlock). Several pool children
-    opening a new file together (a prefork worker's first claims) met exactly that:
-    "database is locked" at connect, reported as an unreachable ledger. So the switch is
-    retried within the same busy window; only a file still locked after it is an error.
-    """
+    """Put the file in WAL mode, once. The switch needs an exclusive lock and SQLite refuses it at once, without
+    the busy timeout, while another connection writes (pool children opening a new file together), so it is
+    retried within the same busy window."""
     deadline = time.monotonic() + SQLITE_BUSY_SECONDS
     pause = 0.002
     while True:
@@ -80,21 +73,12 @@ def _ensure_wal(cur: Any) -> None:
 class SQLConnections(Ledger):
     """A ledger's SQL database, as far as reaching it goes (the moves are :class:`.SQLLedger`'s).
 
-    ``url`` is SQLAlchemy's; ``table`` names the ledger table (its marks and roster tables are named after
-    it); ``create_table`` False leaves the schema to ``ledger/migrations/`` (a missing step is logged, and
-    what needs it is off); any other keyword goes to ``sqlalchemy.create_engine``.
+    ``url`` is SQLAlchemy's; ``table`` names the ledger table (and its marks and roster tables); ``create_table``
+    False leaves the schema to ``ledger/migrations/``; any other keyword goes to ``sqlalchemy.create_engine``.
     """
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        table: str = DEFAULT_TABLE,
-        retention_seconds: float = DEFAULT_RETENTION_SECONDS,
-        create_table: bool = True,
-        keep_payload: bool = False,
-        **engine_options: Any,
-    ) -> None:
+    def __init__(self, url: str, *, table: str = DEFAULT_TABLE, retention_seconds: float = DEFAULT_RETENTION_SECONDS,
+                 create_table: bool = True, keep_payload: bool = False, **engine_options: Any) -> None:
         super().__init__(retention_seconds=retention_seconds, keep_payload=keep_payload)
         self.url = make_url(url)
         self.dialect = self.url.get_backend_name()
@@ -103,7 +87,7 @@ class SQLConnections(Ledger):
         self.table = ledger_table(table)
         self.hops = hops_table(table, self.table.metadata)
         self.roster_table = roster_table(table, self.table.metadata)
-        #: The review queue's index (migration 004), created with the table, or added to one made before it.
+        #: The review queue's index (migration 004).
         self.listing_index = listing_index(self.table)
         self._hops_ready = True  # False: created by hand without migration 002 (see _ensure_tables)
         self._roster_ready = True  # False: created by hand without migration 003
@@ -180,8 +164,7 @@ class SQLConnections(Ledger):
                         if not sa.inspect(conn).has_table(table.name):
                             raise
                 elif table is self.hops and not sa.inspect(conn).has_table(table.name):
-                    # A ledger created before mark_hop, its schema managed by hand: until
-                    # migration 002 is applied, no marks (callers fall back to countdowns).
+                    # Managed by hand without migration 002: no marks (callers fall back to countdowns).
                     log.warning("idemmail: SQL ledger table %s is missing (apply migration %s): "
                                 "reschedule marks are off", table.name, migration_file(self.dialect, 2))
                     self._hops_ready = False
@@ -189,15 +172,14 @@ class SQLConnections(Ledger):
                     log.warning("idemmail: SQL ledger table %s is missing (apply migration %s): a key-secret "
                                 "rotation takes two deploys", table.name, migration_file(self.dialect, 3))
                     self._roster_ready = False
-            self._ensure_listing_index(conn)
-            self._ensure_record_fields(conn)
+            if sa.inspect(conn).has_table(self.table.name):  # else hand-managed, not applied yet: statements say so
+                self._ensure_listing_index(conn)
+                self._ensure_record_fields(conn)
             self._ready = True
 
     def _ensure_listing_index(self, conn: Connection) -> None:
         """Add the listing index to a table made before it (migration 004), or say that pages scan without it."""
         index = self.listing_index
-        if not sa.inspect(conn).has_table(self.table.name):
-            return  # a hand-managed schema not applied yet: the statements say so
         if any(ix.get("name") == index.name for ix in sa.inspect(conn).get_indexes(self.table.name)):
             return
         if not self._create_table:
@@ -212,10 +194,7 @@ class SQLConnections(Ledger):
                 raise
 
     def _ensure_record_fields(self, conn: Connection) -> None:
-        """Add the ``mark``, ``resolution`` and ``writes_ahead`` columns to a table made before them (migration 005);
-        a schema managed by hand without them is refused, with the migration to apply (every move writes them)."""
-        if not sa.inspect(conn).has_table(self.table.name):
-            return  # a hand-managed schema not applied yet: the statements say so
+        """Add migration 005's columns to an older table; refuse a hand-managed schema without them."""
         have = {c["name"] for c in sa.inspect(conn).get_columns(self.table.name)}
         missing = [c.name for c in record_fields() if c.name not in have]
         if not missing:
@@ -232,20 +211,12 @@ class SQLConnections(Ledger):
                 if name not in {c["name"] for c in sa.inspect(conn).get_columns(self.table.name)}:
                     raise
 
-    def _run(self, fn: Any) -> Any:
-        """Run ``fn(conn)``, on the spare connection kept open between calls when it is free.
+    def _run(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn(conn)`` on the one connection kept open between calls when it is free, else one from the pool
+        (a pool checkout cost more client CPU than the statement). A connection that saw an error is not kept.
 
-        Checking a connection out of SQLAlchemy's pool and closing it again cost
-        more client CPU than the statement (a third of a claim + complete on
-        PostgreSQL); autocommit leaves nothing open between statements, so one
-        ``Connection`` is kept for the next call. Only one: a thread that finds it
-        taken uses the pool as usual, so connections parked here can never starve
-        a thread waiting on the pool. A connection that saw a database error is
-        closed, not kept; so is one interrupted by anything but the ledger's own verdicts.
-
-        Every database, driver or pool error comes out as :class:`LedgerUnavailableError`:
-        autocommit means a refused statement changed nothing, so the caller fails closed and
-        retries, like an outage; a raw error would fail the task and ack the message.
+        Every database, driver or pool error comes out as :class:`LedgerUnavailableError`: in autocommit a
+        refused statement changed nothing, so the caller fails closed and retries.
         """
         with self._spare_lock:
             conn, self._spare = self._spare, None
@@ -261,9 +232,7 @@ class SQLConnections(Ledger):
         except IdemmailError:
             self._keep(conn)  # our own verdicts (stale token, unknown key), between statements: it is fine
             raise
-        except BaseException:
-            # Anything else (a soft time limit, a gevent timeout) may have struck mid-statement:
-            # the connection's protocol state is unknown, so it is thrown away, not reused.
+        except BaseException:  # a soft time limit may strike mid-statement: the connection is unusable
             self._discard(conn, invalidate=True)
             raise
         self._keep(conn)
@@ -289,12 +258,7 @@ class SQLConnections(Ledger):
         self._run(lambda conn: conn.execute(sa.text("SELECT 1")).scalar())
 
     def prepare(self) -> None:
-        """Create the tables (and put a SQLite file in WAL mode) now, then close the connection.
-
-        A worker calls this in its main process before the pool forks: the pool children
-        then find the schema ready instead of all creating it at their first claim, and no
-        connection is carried across the fork (SQLite forbids using one in a child).
-        """
+        """Create the tables (a SQLite file in WAL mode) now, then close the connection before the pool forks."""
         try:
             self.ping()
         finally:
@@ -310,7 +274,7 @@ class SQLConnections(Ledger):
             self._engine = None
 
     def drop_table(self) -> None:
-        """Drop the ledger table and its marks table (tests and teardown)."""
+        """Drop the ledger table and its companions (tests and teardown)."""
 
         def do(conn: Connection) -> None:
             self.roster_table.drop(conn, checkfirst=True)
@@ -331,7 +295,7 @@ def _reset_after_fork() -> None:
 
 
 def _unavailable(exc: BaseException, what: str) -> LedgerUnavailableError:
-    """The fail-closed error for a store error, naming the driver's message (never the statement)."""
+    """The fail-closed error for a store error, naming the driver's message, never the statement."""
     detail = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
     return LedgerUnavailableError(f"SQL ledger {what}: {type(detail).__name__}: {detail}")
 

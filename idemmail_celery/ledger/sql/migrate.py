@@ -1,15 +1,8 @@
 """The SQL ledger's schema through Alembic: upgrade, downgrade, and the revision a database is at.
 
-Each revision in ``revisions/versions/`` is one step of :data:`~.schema.MIGRATIONS` (the numbered
-files in ``ledger/migrations/`` are the same steps as plain SQL), applied with the table definitions
-of :mod:`.schema`, so the three can never drift apart. The ledger's table name is the caller's
-(``SQLLedger(table=...)``); the revision a database is at is kept in ``<table>_alembic``, one
-history per ledger table.
-
-A ledger made before Alembic kept its history (created on first use, or from the SQL files) is
-adopted: its revision is read off the schema it has (tables, index, columns), written down, and
-the upgrade goes on from there. Needs the ``migrations`` extra (``pip install
-'idemmail-celery[migrations]'``)::
+Each revision in ``revisions/versions/`` runs one step of :data:`~.schema.MIGRATIONS` with the definitions of
+:mod:`.schema`; the revision is kept in ``<table>_alembic``. A ledger made without Alembic is adopted: its
+revision is read off its schema. Needs the ``migrations`` extra::
 
     from idemmail_celery.ledger.sql import migrate
     migrate.upgrade("postgresql+psycopg://.../app")            # to the newest revision
@@ -76,8 +69,7 @@ def version_table(table: str = DEFAULT_TABLE) -> str:
 
 
 def upgrade(url: str | sa.Engine, revision: str = "head", *, table: str = DEFAULT_TABLE) -> str:
-    """Bring the ledger ``table`` at ``url`` up to ``revision`` (the newest by default); returns the revision it is
-    at. A ledger made before Alembic kept its history is adopted first (see the module's docstring)."""
+    """Bring the ledger ``table`` at ``url`` up to ``revision`` (the newest by default); returns the revision."""
     alembic = _alembic()
     with _connected(url) as conn:
         _adopt(conn, table)
@@ -86,8 +78,8 @@ def upgrade(url: str | sa.Engine, revision: str = "head", *, table: str = DEFAUL
 
 
 def downgrade(url: str | sa.Engine, revision: str, *, table: str = DEFAULT_TABLE) -> str:
-    """Take the ledger ``table`` back to ``revision`` (``"base"``: nothing left, its records with it); returns the
-    revision it is at. A step back drops what its step added, and what that held."""
+    """Take the ledger ``table`` back to ``revision``, dropping what each step added and held (``"base"``: all,
+    records too); returns the revision."""
     alembic = _alembic()
     with _connected(url) as conn:
         _adopt(conn, table)
@@ -109,8 +101,7 @@ def _current(conn: Connection, table: str) -> str | None:
 
 
 def _made(step: int, table: str) -> Any:
-    """What migration ``step`` makes for the ledger ``table`` (:data:`~.schema.MIGRATIONS`): a table, an index, or
-    a table and the names of the columns it adds."""
+    """What migration ``step`` makes for ``table``: a table, an index, or a table and the columns it adds."""
     return MIGRATIONS[step - 1][2](table)
 
 
@@ -119,8 +110,7 @@ def _added_columns(names: list[str]) -> list[sa.Column[Any]]:
 
 
 def applied_steps(conn: Connection, table: str = DEFAULT_TABLE) -> int:
-    """How many steps of :data:`~.schema.MIGRATIONS` the schema at ``conn`` shows, counted from the first: a
-    step is there when what it makes is (a table, an index, columns)."""
+    """How many steps of :data:`~.schema.MIGRATIONS` the schema at ``conn`` shows, counted from the first."""
     inspector = sa.inspect(conn)
     steps = 0
     for n in range(1, len(MIGRATIONS) + 1):
@@ -143,7 +133,7 @@ def step(n: int) -> tuple[Callable[[], None], Callable[[], None]]:
 
 
 def apply_step(step: int) -> None:
-    """Run migration ``step`` inside an Alembic revision (``revisions/versions/``), on the ledger's table."""
+    """Run migration ``step`` inside an Alembic revision, on the ledger's table."""
     from alembic import context, op
 
     table = context.config.attributes["idemmail_table"]
@@ -156,7 +146,7 @@ def apply_step(step: int) -> None:
 
 
 def revert_step(step: int) -> None:
-    """Undo migration ``step`` inside an Alembic revision: drop what it made (and what that held)."""
+    """Undo migration ``step`` inside an Alembic revision: drop what it made."""
     from alembic import context, op
 
     table = context.config.attributes["idemmail_table"]
@@ -172,7 +162,7 @@ def revert_step(step: int) -> None:
 
 
 def _adopt(conn: Connection, table: str) -> None:
-    """Write down the revision of a ledger whose schema came without Alembic (first use, or the SQL files)."""
+    """Write down the revision of a ledger whose schema came without Alembic."""
     if _current(conn, table) is not None:
         return
     steps = applied_steps(conn, table)

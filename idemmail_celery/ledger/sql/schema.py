@@ -1,8 +1,5 @@
-"""The SQL ledger's tables, as SQLAlchemy definitions and as the numbered migration scripts.
-
-:class:`~idemmail_celery.ledger.sql.SQLLedger` creates the tables on first use; ``ledger/migrations/``
-holds the same DDL per dialect, one numbered file per step (:data:`MIGRATIONS`), for teams that apply
-schema changes themselves: :func:`schema_sql` writes each, and a test keeps the files in step with it.
+"""The SQL ledger's tables, as SQLAlchemy definitions and as the numbered migration scripts in
+``ledger/migrations/`` (one per step of :data:`MIGRATIONS`, written by :func:`schema_sql`).
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ def hop_digest(key: str, hop: str) -> str:
 
 
 def ledger_table(name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None, *, step: int = 0) -> sa.Table:
-    """The ledger table definition (also used to generate ``ledger/migrations/``): as it is now, or as migration
-    ``step`` left it (step 1 made it without the columns step 5 adds)."""
+    """The ledger table as it is now, or as migration ``step`` left it (before step 5 without its columns)."""
     return sa.Table(
         name,
         metadata if metadata is not None else sa.MetaData(),
@@ -54,9 +50,7 @@ def ledger_table(name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None,
 
 
 def record_fields() -> tuple[sa.Column[Any], ...]:
-    """The columns migration 005 adds, each a field of its own: the write-ahead mark (``Record.mark``, JSON) and the
-    operator's decision (``Record.resolution``, JSON), which once shared ``error``, and the holder's promise of
-    marks (``Record.writes_ahead``; NULL reads as false), which was a flag inside the owner string."""
+    """The columns migration 005 adds: ``mark`` and ``resolution`` (JSON) and ``writes_ahead`` (NULL: false)."""
     return (sa.Column("mark", sa.Text, nullable=True), sa.Column("resolution", LONG_TEXT, nullable=True),
             sa.Column("writes_ahead", sa.Boolean, nullable=True))
 
@@ -67,11 +61,7 @@ def _record_fields_step(name: str = DEFAULT_TABLE, metadata: sa.MetaData | None 
 
 
 def hops_table(ledger_name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -> sa.Table:
-    """The reschedule marks kept by :meth:`SQLLedger.mark_hop`: ``<ledger_name>_hops``.
-
-    One row per (intent key, hop): a digest of the two (never the key or the task id
-    itself), a nonce telling the caller whether its own write landed, and an expiry.
-    """
+    """The reschedule marks of :meth:`SQLLedger.mark_hop`: ``<ledger_name>_hops``, keyed by a digest."""
     name = f"{ledger_name}_hops"
     return sa.Table(
         name,
@@ -84,8 +74,7 @@ def hops_table(ledger_name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = 
 
 
 def roster_table(ledger_name: str = DEFAULT_TABLE, metadata: sa.MetaData | None = None) -> sa.Table:
-    """The key-secret roster kept by :meth:`SQLLedger.announce`: ``<ledger_name>_roster``, one row per
-    live worker (its ``host:pid``, the ids of the key secrets it holds, when the row lapses)."""
+    """The key-secret roster of :meth:`SQLLedger.announce`: ``<ledger_name>_roster``, one row per live worker."""
     name = f"{ledger_name}_roster"
     return sa.Table(
         name,
@@ -97,8 +86,7 @@ def roster_table(ledger_name: str = DEFAULT_TABLE, metadata: sa.MetaData | None 
 
 
 def listing_index(table: sa.Table) -> sa.Index:
-    """The index the review queue's pages walk (:meth:`SQLLedger.list_records`): the records of one state in
-    the order they entered it, ties by key (a keyset page is one range of it). Added to ``table``."""
+    """The index the review queue's keyset pages walk: state, then ``updated_at``, then key. Added to ``table``."""
     return sa.Index(f"ix_{table.name}_listing", table.c.state, table.c.updated_at, table.c.intent_key)
 
 
@@ -117,16 +105,7 @@ MIGRATIONS: tuple[tuple[str, str, Any], ...] = (
 
 
 def schema_sql(dialect: str, table: str = DEFAULT_TABLE, step: int = 1) -> str:
-    """The ``CREATE TABLE``/``CREATE INDEX`` script of migration ``step`` for ``dialect``.
-
-    ``dialect`` is postgresql, mysql or sqlite. Step 1 creates the ledger table, step 2
-    its reschedule marks (``<table>_hops``, used by :meth:`SQLLedger.mark_hop`), step 3 its
-    key-secret roster (``<table>_roster``, :meth:`SQLLedger.announce`), step 4 the index the
-    review queue's pages walk (:func:`listing_index`), step 5 the record's ``mark``,
-    ``resolution`` and ``writes_ahead`` columns (:func:`record_fields`); a ledger created by an
-    earlier version needs only the steps after those it has. ``ledger/migrations/`` holds
-    the output for the default table name; a test keeps the two in step.
-    """
+    """The SQL script of migration ``step`` (:data:`MIGRATIONS`) for ``dialect`` (postgresql, mysql or sqlite)."""
     from sqlalchemy.schema import CreateIndex, CreateTable
 
     modules: dict[str, Any] = {"postgresql": postgresql, "mysql": mysql, "sqlite": sqlite}

@@ -1,6 +1,4 @@
-"""The SQL ledger's moves: claims, completions, reschedule marks, the key-secret roster and the listing,
-each one statement (or one read and one conditional ``UPDATE``) in autocommit; see the package docstring.
-"""
+"""The SQL ledger's moves, each one statement (or one read and one conditional ``UPDATE``) in autocommit."""
 
 from __future__ import annotations
 
@@ -45,41 +43,32 @@ _OWNER_NONCE_HEX = 6
 class SQLLedger(SQLConnections):
     """Ledger in one SQL table (``postgresql+psycopg://``, ``mysql+pymysql://``, ``sqlite:///path``).
 
-    Options: ``table`` (default ``"idemmail_ledger"``), ``retention_seconds``,
-    ``keep_payload`` (keep the first payload after ``sent``, for audit),
-    ``create_table`` (default True: create it on first use), and any
-    ``sqlalchemy.create_engine`` keyword. How it connects, and checks the schema on its first connection:
+    Options: ``table`` (default ``"idemmail_ledger"``), ``retention_seconds``, ``keep_payload`` (keep the first
+    payload after ``sent``), ``create_table`` (default True) and any ``sqlalchemy.create_engine`` keyword; see
     :class:`~.connection.SQLConnections`.
     """
 
     marks_takeovers = True  # a reclaim from a holder without the write-ahead promise marks it 'unknown'
 
-    def _insert(self) -> Any:
+    def _insert(self, table: sa.Table | None = None) -> Any:
+        """The dialect's ``INSERT`` into ``table`` (the ledger's by default), which has its upsert clauses."""
+        table = self.table if table is None else table
         if self.dialect == "postgresql":
-            return postgresql.insert(self.table)
-        if self.dialect == "sqlite":
-            return sqlite.insert(self.table)
-        return mysql.insert(self.table)
+            return postgresql.insert(table)
+        return sqlite.insert(table) if self.dialect == "sqlite" else mysql.insert(table)
 
     def _record(self, row: Any) -> Record:
         return self._from_row(row._mapping)
 
     @functools.cached_property
     def _stmts(self) -> dict[str, Any]:
-        """The hot-path statements, built once with bound parameters.
-
-        Building a Core statement per call (values coerced into literals, a cache key
-        computed each time) cost several times the database round trip itself; a
-        reused statement keeps its compiled form and cache key.
-        """
+        """The hot-path statements, built once (one built per call cost more than the round trip)."""
         t = self.table
         p = {c.name: sa.bindparam(f"p_{c.name}", type_=c.type) for c in t.c}
         ins = self._insert().values(p)
         out: dict[str, Any] = {"select": sa.select(t).where(t.c.intent_key == sa.bindparam("k"))}
         if self.dialect == "postgresql":
-            # One statement for both outcomes: the insert, or else the row already there.
-            # (A row committed by a concurrent claimer after this statement's snapshot
-            # shows as neither; the caller then reads it.)
+            # The insert, or else the row already there (one committed after this snapshot shows as neither).
             new = ins.on_conflict_do_nothing(index_elements=["intent_key"]).returning(*t.c).cte("new")
             out["insert"] = sa.union_all(
                 sa.select(new, sa.literal(True).label("inserted")),
@@ -114,30 +103,24 @@ class SQLLedger(SQLConnections):
         hop: dict[str, Any] = {"digest": sa.bindparam("d"), "marker": sa.bindparam("m"),
                                "expires_at": sa.bindparam("exp")}
         expired = h.c.expires_at <= sa.bindparam("now")
+        ins_hop = self._insert(h).values(hop)
         if self.dialect in ("postgresql", "sqlite"):
-            ins_hop = (postgresql.insert(h) if self.dialect == "postgresql" else sqlite.insert(h)).values(hop)
             out["mark_hop"] = ins_hop.on_conflict_do_update(
                 index_elements=["digest"], where=expired,
                 set_={"marker": ins_hop.excluded.marker, "expires_at": ins_hop.excluded.expires_at},
             ).returning(h.c.marker)
         else:
-            # MariaDB has no conditional upsert: both columns keep their value unless the mark
-            # expired. Assignments run left to right, so ``marker`` is decided first, on the old
-            # expiry. RETURNING gives the row as it now is: ours if it carries our nonce.
-            my_ins = mysql.insert(h).values(hop)
-            out["mark_hop"] = my_ins.on_duplicate_key_update([
-                ("marker", sa.func.if_(expired, my_ins.inserted.marker, h.c.marker)),
-                ("expires_at", sa.func.if_(expired, my_ins.inserted.expires_at, h.c.expires_at)),
+            # MariaDB has no conditional upsert: assignments run left to right, so ``marker`` is decided on the
+            # old expiry. RETURNING gives the row as it now is: ours if it carries our nonce.
+            out["mark_hop"] = ins_hop.on_duplicate_key_update([
+                ("marker", sa.func.if_(expired, ins_hop.inserted.marker, h.c.marker)),
+                ("expires_at", sa.func.if_(expired, ins_hop.inserted.expires_at, h.c.expires_at)),
             ]).returning(h.c.marker)
         return out
 
     @functools.cached_property
     def _driver_sql(self) -> dict[str, tuple[str, tuple[str, ...] | None, dict[str, Any]]]:
-        """The first-send statements as the driver's SQL text, compiled once by SQLAlchemy.
-
-        For each: the text, the order of its parameters for a positional paramstyle (SQLite's
-        ``?``; None for named ones), and the values of the parameters SQLAlchemy fixed itself.
-        """
+        """The first-send statements compiled once: text, positional parameter order (or None), fixed values."""
         out = {}
         for name in ("insert", "finish_mine", "finish_sent"):
             compiled = self._stmts[name].compile(dialect=self.engine.dialect)
@@ -147,15 +130,9 @@ class SQLLedger(SQLConnections):
         return out
 
     def _execute(self, conn: Connection, name: str, params: dict[str, Any], *, returns_rows: bool) -> tuple[Any, int]:
-        """Run hot statement ``name`` on the connection's DB-API cursor: (its first row or None, row count).
-
-        A claim and a completion are each one such statement per first send; through
-        SQLAlchemy's execution layer (parameter processing, result metadata) they cost
-        about twice the driver's client CPU. Same SQL, same connection; a driver error
-        comes out as SQLAlchemy's, flagged as a disconnect as ``execute()`` would. An
-        engine with statement listeners (tracing, statement counters) gets ``execute()``,
-        so that they see every statement.
-        """
+        """Run hot statement ``name`` on the DB-API cursor, past SQLAlchemy's execution layer (which doubled the
+        client CPU): (its first row or None, row count). Driver errors come out as ``execute()`` raises them; an
+        engine with statement listeners (tracing) gets ``execute()`` itself."""
         if conn._has_events or self.engine._has_events:
             result = conn.execute(self._stmts[name], params)
             return (result.first() if returns_rows else None), result.rowcount
@@ -182,8 +159,7 @@ class SQLLedger(SQLConnections):
     # -- contract --
 
     def claim(self, request: ClaimRequest) -> Claim:
-        result: Claim = self._run(lambda conn: self._claim_on(conn, request))
-        return result
+        return self._run(lambda conn: self._claim_on(conn, request))
 
     def _claim_on(self, conn: Connection, request: ClaimRequest) -> Claim:
         for _ in range(20):  # each loop means another claimer moved the row under us
@@ -201,12 +177,7 @@ class SQLLedger(SQLConnections):
         raise LedgerUnavailableError(f"claim of {request.key} kept losing races; giving up this attempt")
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        """One multi-row insert for the batch, one read for the keys already there.
-
-        Keys that need a takeover (released, expired lease, resumed) cost one conditional
-        ``UPDATE`` each; a lost race falls back to a single claim for that key, on the
-        same connection.
-        """
+        """One multi-row insert, one read of the keys already there, one ``UPDATE`` per takeover."""
         _check_unique(requests)
         if not requests:
             return []
@@ -242,8 +213,7 @@ class SQLLedger(SQLConnections):
                 claims.append(claim if claim is not None else self._claim_on(conn, r))  # None: lost a race
             return claims
 
-        result: list[Claim] = self._run(do)
-        return result
+        return self._run(do)
 
     def _settle(self, conn: Connection, request: ClaimRequest, seen: Record) -> Claim | None:
         """Decide about a key that was already there; take it over if allowed. None: lost a race."""
@@ -260,12 +230,8 @@ class SQLLedger(SQLConnections):
             status = _takeover_status(seen, resume=resume)
             values = _takeover_values(seen, request, status, now)
         t = self.table
-        moved = conn.execute(
-            sa.update(t)
-            .where(t.c.intent_key == request.key, t.c.token == seen.token, t.c.state == seen.state.value)
-            .values(**values)
-        ).rowcount
-        if moved != 1:
+        as_seen = (t.c.intent_key == request.key, t.c.token == seen.token, t.c.state == seen.state.value)
+        if conn.execute(sa.update(t).where(*as_seen).values(**values)).rowcount != 1:
             return None
         if status is ClaimStatus.ACQUIRED:
             return Claim(status, self._from_row(values))
@@ -285,10 +251,8 @@ class SQLLedger(SQLConnections):
             return inserted, None if inserted else self._from_row(dict(zip(self._columns, row[:-1], strict=True)))
         if self.dialect == "sqlite":
             return row is not None, None
-        # MariaDB: a no-op update on the duplicate key; RETURNING then gives the
-        # row that is there, ours or the existing one, in the same round trip.
-        # (Rows affected cannot tell: SQLAlchemy sets CLIENT_FOUND_ROWS.) The
-        # owner string carries a per-call nonce, so "ours" is unambiguous.
+        # MariaDB: RETURNING gives the row that is there, ours (per-call owner nonce) or not; rows affected
+        # cannot tell (SQLAlchemy sets CLIENT_FOUND_ROWS).
         if row is None:
             return False, None
         record = self._from_row(dict(zip(self._columns, row, strict=True)))
@@ -307,24 +271,13 @@ class SQLLedger(SQLConnections):
             writes_ahead=bool(values["writes_ahead"]),
         )
 
-    def _finish(
-        self,
-        key: str,
-        token: int,
-        state: State,
-        *,
-        result: dict[str, Any] | None = None,
-        error: dict[str, Any] | None = None,
-        mark: Mark | None = None,
-    ) -> float | None:
+    def _finish(self, key: str, token: int, state: State, *, result: dict[str, Any] | None = None,
+                error: dict[str, Any] | None = None, mark: Mark | None = None) -> float | None:
         def do(conn: Connection) -> float | None:
             now = time.time()
-            params = {
-                "k": key, "tok": token, "st": state.value, "now": now,
-                "exp": now + self.retention_seconds if state.expires else None,
-                "res": dumps_json(result), "err": dumps_json(error),
-                "mark": _mark_json(mark),
-            }
+            params = {"k": key, "tok": token, "st": state.value, "now": now,
+                      "exp": now + self.retention_seconds if state.expires else None,
+                      "res": dumps_json(result), "err": dumps_json(error), "mark": _mark_json(mark)}
             if self._execute(conn, "finish_sent" if state is State.SENT else "finish_mine", params,
                              returns_rows=False)[1] == 1:
                 return now
@@ -336,15 +289,13 @@ class SQLLedger(SQLConnections):
                 raise RecordNotFoundError(f"no ledger record for key {key}")
             if seen.state is state and seen.token == token:
                 return seen.updated_at  # this very move, run twice (its commit landed, its reply did not)
-            raise StaleTokenError(
-                f"token {token} no longer holds {key}: it is {seen.state.value} with token {seen.token}"
-            )
+            raise StaleTokenError(f"token {token} no longer holds {key}: it is {seen.state.value} "
+                                  f"with token {seen.token}")
 
-        written: float | None = self._run(do)
-        return written
+        return self._run(do)
 
     def _held(self, key: str, token: int) -> sa.ColumnElement[bool]:
-        """The row of a claim still held with ``token``: the fence of every move a holder makes."""
+        """The fence of every move a holder makes: the row of a claim still held with ``token``."""
         t = self.table
         return sa.and_(t.c.intent_key == key, t.c.state == State.CLAIMED.value, t.c.token == token)
 
@@ -367,7 +318,7 @@ class SQLLedger(SQLConnections):
             mark=_mark_json(Mark(stage, now, token, owner)), lease_expires_at=now + lease_seconds))
 
     def get(self, key: str) -> Record | None:
-        record: Record | None = self._run(lambda conn: self._select(conn, key))
+        record = self._run(lambda conn: self._select(conn, key))
         if record is not None and record.state.expires and (record.expires_at or 0) <= time.time():
             return None
         return record
@@ -386,11 +337,8 @@ class SQLLedger(SQLConnections):
     def stats(self) -> dict[str, int]:
         """Records per state in one ``GROUP BY``; expired ``sent``/``failed`` rows excluded."""
         t = self.table
-        stmt = (
-            sa.select(t.c.state, sa.func.count())
-            .where(sa.or_(t.c.expires_at.is_(None), t.c.expires_at > time.time()))
-            .group_by(t.c.state)
-        )
+        stmt = (sa.select(t.c.state, sa.func.count())
+                .where(sa.or_(t.c.expires_at.is_(None), t.c.expires_at > time.time())).group_by(t.c.state))
         counts = {s.value: 0 for s in State}
         for state, n in self._run(lambda conn: conn.execute(stmt).all()):
             counts[state] = int(n)
@@ -399,12 +347,10 @@ class SQLLedger(SQLConnections):
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
         t = self.table
         values: dict[str, Any] = {
-            "state": new.state.value, "token": new.token, "owner": new.owner,
-            "lease_expires_at": new.lease_expires_at, "result": dumps_json(new.result),
-            "error": dumps_json(new.error), "updated_at": new.updated_at, "expires_at": new.expires_at,
-            "mark": _mark_json(new.mark),
-            "resolution": dumps_json(new.resolution), "writes_ahead": new.writes_ahead,
-        }
+            "state": new.state.value, "token": new.token, "owner": new.owner, "lease_expires_at": new.lease_expires_at,
+            "result": dumps_json(new.result), "error": dumps_json(new.error), "updated_at": new.updated_at,
+            "expires_at": new.expires_at, "mark": _mark_json(new.mark), "resolution": dumps_json(new.resolution),
+            "writes_ahead": new.writes_ahead}
         if new.state is State.SENT and not self.keep_payload:
             values["payload"] = None
         return self._one_row(sa.update(t).where(t.c.intent_key == key, t.c.token == expected_token).values(values))
@@ -413,18 +359,12 @@ class SQLLedger(SQLConnections):
                error: dict[str, Any] | None, resolution: dict[str, Any] | None) -> bool:
         t = self.table
         as_read = sa.and_(t.c.intent_key == key, t.c.token == expected_token, t.c.state == expected_state.value)
-        stmt = (sa.update(t).where(as_read)
-                .values(payload=None, result=dumps_json(result), error=dumps_json(error),
-                        resolution=dumps_json(resolution)))
         # Rows matched, not changed (MariaDB gets CLIENT_FOUND_ROWS): erasing twice is still True.
-        return self._one_row(stmt)
+        return self._one_row(sa.update(t).where(as_read).values(
+            payload=None, result=dumps_json(result), error=dumps_json(error), resolution=dumps_json(resolution)))
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
-        """One upsert: a new mark, or an expired one replaced, is True; a live one is False.
-
-        The row stores a digest of ``key`` and ``hop``, never either. None when the marks
-        table is missing from a hand-managed schema (migration 002 not applied yet).
-        """
+        """One upsert of a digest of ``key`` and ``hop``; None without the marks table (migration 002)."""
         now = time.time()
         marker = secrets.token_hex(8)
         params = {"d": hop_digest(key, hop), "m": marker, "exp": now + ttl_seconds, "now": now}
@@ -435,8 +375,7 @@ class SQLLedger(SQLConnections):
             row = conn.execute(self._stmts["mark_hop"], params).first()
             return row is not None and row[0] == marker
 
-        marked: bool | None = self._run(do)
-        return marked
+        return self._run(do)
 
     def hop_marked(self, key: str, hop: str) -> bool | None:
         """One ``SELECT`` of a live mark; None without the marks table (as :meth:`mark_hop`)."""
@@ -448,41 +387,31 @@ class SQLLedger(SQLConnections):
                 return None
             return conn.execute(stmt, {"now": time.time()}).first() is not None
 
-        marked: bool | None = self._run(do)
-        return marked
+        return self._run(do)
 
     def announce(self, member: str, secret_ids: Sequence[str], ttl_seconds: float) -> None:
-        """One upsert (or a delete for ``ttl_seconds <= 0``) of the member's row, on this process's clock:
-        keep the hosts' clocks in step (NTP) well within the announcements' life. Then the rows that lapsed
-        are pruned (:meth:`_prune_roster`): reads never write."""
+        """One upsert (or delete) on this process's clock (keep hosts' clocks in step), then a prune."""
         ids = check_roster_entry(member, secret_ids)
         r = self.roster_table
-
         self._need_roster()
 
         def do(conn: Connection) -> None:
             if ttl_seconds <= 0:
                 conn.execute(sa.delete(r).where(r.c.member == member))
                 return
-            row = {"member": member, "secret_ids": ids, "expires_at": time.time() + ttl_seconds}
+            ins = self._insert(r).values(member=member, secret_ids=ids, expires_at=time.time() + ttl_seconds)
             if self.dialect in ("postgresql", "sqlite"):
-                ins = (postgresql.insert(r) if self.dialect == "postgresql" else sqlite.insert(r)).values(row)
-                stmt: Any = ins.on_conflict_do_update(index_elements=["member"], set_={
-                    "secret_ids": ins.excluded.secret_ids, "expires_at": ins.excluded.expires_at})
+                conn.execute(ins.on_conflict_do_update(index_elements=["member"], set_={
+                    "secret_ids": ins.excluded.secret_ids, "expires_at": ins.excluded.expires_at}))
             else:
-                my_ins = mysql.insert(r).values(row)
-                stmt = my_ins.on_duplicate_key_update(secret_ids=my_ins.inserted.secret_ids,
-                                                      expires_at=my_ins.inserted.expires_at)
-            conn.execute(stmt)
+                conn.execute(ins.on_duplicate_key_update(secret_ids=ins.inserted.secret_ids,
+                                                         expires_at=ins.inserted.expires_at))
 
         self._run(do)
         self._prune_roster()
 
     def _prune_roster(self) -> None:
-        """Delete the roster rows that lapsed, by their primary keys (a statement of its own, after the
-        announcement landed: a prune that fails costs it nothing). Rows are looked for first, without a
-        lock: most announcements find none, and the delete then locks only rows that lapsed (a scan under
-        InnoDB would lock every row and wait on other workers' upserts)."""
+        """Delete lapsed roster rows by primary key, found first without a lock (an InnoDB scan locks every row)."""
         r = self.roster_table
 
         def do(conn: Connection) -> None:
@@ -497,9 +426,8 @@ class SQLLedger(SQLConnections):
             log.debug("idemmail: lapsed roster rows not pruned yet (%s)", type(exc).__name__)
 
     def roster(self) -> list[RosterEntry]:
-        """The live rows, read only (lapsed rows are left out, and pruned by :meth:`announce`)."""
+        """The live rows (lapsed ones are pruned by :meth:`announce`)."""
         r = self.roster_table
-
         self._need_roster()
 
         def do(conn: Connection) -> list[RosterEntry]:
@@ -508,8 +436,7 @@ class SQLLedger(SQLConnections):
                                 .where(r.c.expires_at > now)).all()
             return [RosterEntry(m, tuple(str(ids).split(",")), float(exp)) for m, ids, exp in rows]
 
-        entries: list[RosterEntry] = self._run(do)
-        return entries
+        return self._run(do)
 
     def _need_roster(self) -> None:
         if not self._ready:
@@ -521,8 +448,7 @@ class SQLLedger(SQLConnections):
     # -- listing: the review queue (see ``listing``) --
 
     def _reason(self) -> sa.ColumnElement[Any]:
-        """The ``reason`` of a row's error, read by the database: NULL without one, or where it is no string
-        (as :func:`~idemmail_celery.ledger.listing.reason_of` reads it, and the Redis ledger)."""
+        """The ``reason`` of a row's error, read by the database: NULL unless a string (as ``reason_of``)."""
         error = self.table.c.error
         if self.dialect == "postgresql":
             reason = sa.cast(error, postgresql.JSON)["reason"]  # json takes any JSON text
@@ -543,8 +469,7 @@ class SQLLedger(SQLConnections):
 
     def _where(self, query: RecordQuery, now: float, *, task: bool = True, reason: bool = True,
                search: bool = True) -> list[sa.ColumnElement[bool]]:
-        """The conditions of ``query`` (those named False left out). Words are looked for in the raw text
-        (key, task, result, payload): more rows than match, which the caller checks one by one."""
+        """The conditions of ``query`` (those named False left out); words match the raw text, a superset."""
         t = self.table
         out: list[sa.ColumnElement[bool]] = [sa.or_(t.c.expires_at.is_(None), t.c.expires_at > now)]
         if query.state is not None:
@@ -596,10 +521,7 @@ class SQLLedger(SQLConnections):
         return Counts({(str(r), str(k), int(d)): int(n) for r, k, d, n in rows})
 
     def purge_expired(self, now: float | None = None) -> int:
-        """Delete ``sent``/``failed`` records past retention (and expired reschedule marks).
-
-        Returns how many records went; the marks are not counted.
-        """
+        """Delete ``sent``/``failed`` records past retention and expired reschedule marks; returns the records."""
         t, h = self.table, self.hops
         cutoff = time.time() if now is None else now
         stmt = sa.delete(t).where(t.c.state.in_(_FINAL_EXPIRING), t.c.expires_at <= cutoff)
@@ -610,29 +532,22 @@ class SQLLedger(SQLConnections):
                 conn.execute(sa.delete(h).where(h.c.expires_at <= cutoff))
             return gone
 
-        return int(self._run(do))
+        return self._run(do)
 
 
 def _fresh_row(request: ClaimRequest) -> dict[str, Any]:
-    """The row a brand-new claim inserts.
-
-    The owner gets a nonce per call, not just per request: MariaDB tells "my insert" from
-    "a row already there" by the owner it reads back, and a caller may reuse a request.
-    """
+    """The row a brand-new claim inserts; its owner gets a nonce per call (how MariaDB tells its own insert)."""
     now = time.time()
     return {
-        "intent_key": request.key, "task_name": request.task_name, "state": State.CLAIMED.value,
-        "token": 1, "owner": f"{request.owner}/{secrets.token_hex(_OWNER_NONCE_HEX // 2)}",
-        "lease_expires_at": now + request.lease_seconds,
-        "attempts": 1, "reclaims": 0, "payload": request.payload, "fingerprint": request.fingerprint,
-        "result": None, "error": None, "created_at": now, "updated_at": now, "expires_at": None,
-        "mark": None, "resolution": None, "writes_ahead": request.writes_ahead,
-    }
+        "intent_key": request.key, "task_name": request.task_name, "state": State.CLAIMED.value, "token": 1,
+        "owner": f"{request.owner}/{secrets.token_hex(_OWNER_NONCE_HEX // 2)}",
+        "lease_expires_at": now + request.lease_seconds, "attempts": 1, "reclaims": 0, "payload": request.payload,
+        "fingerprint": request.fingerprint, "result": None, "error": None, "created_at": now, "updated_at": now,
+        "expires_at": None, "mark": None, "resolution": None, "writes_ahead": request.writes_ahead}
 
 
 def _resumes(seen: Record, request: ClaimRequest) -> bool:
-    """Does ``request`` resume the claim ``seen``: this chain's earlier claim, or this very request run twice
-    (a statement retried after its reply was lost)? The stored owner carries a nonce, so nobody else matches."""
+    """Does ``request`` resume the claim ``seen``: this chain's earlier claim, or this very request run twice?"""
     return seen.state is State.CLAIMED and (
         _owned_by(seen.owner, request.owner)
         or (request.resume_owner is not None and _owned_by(seen.owner, request.resume_owner)))
@@ -646,7 +561,7 @@ def _takeover_status(seen: Record, *, resume: bool) -> ClaimStatus:
 
 
 def _takeover_values(seen: Record, request: ClaimRequest, status: ClaimStatus, now: float) -> dict[str, Any]:
-    """The columns a takeover of ``seen`` writes: a new token, owner and lease, one more attempt (and reclaim)."""
+    """The columns a takeover of ``seen`` writes."""
     values: dict[str, Any] = {
         "state": State.CLAIMED.value, "token": seen.token + 1, "owner": request.owner,
         "lease_expires_at": now + request.lease_seconds, "attempts": seen.attempts + 1,
@@ -654,7 +569,7 @@ def _takeover_values(seen: Record, request: ClaimRequest, status: ClaimStatus, n
         "writes_ahead": request.writes_ahead,
     }
     if status is ClaimStatus.RECLAIMED and not seen.writes_ahead and seen.mark is None:
-        # Taken over from a holder that made no write-ahead promise and left no mark: it may have run.
+        # No write-ahead promise and no mark: the holder may have run.
         values["mark"] = _mark_json(Mark(UNKNOWN_STAGE, int(now), seen.token))
     return values
 
@@ -673,12 +588,9 @@ def _mark_json(mark: Mark | None) -> str | None:
 
 def _row_of(record: Record) -> dict[str, Any]:
     return {
-        "intent_key": record.key, "task_name": record.task_name, "state": record.state.value,
-        "token": record.token, "owner": record.owner, "lease_expires_at": record.lease_expires_at,
-        "attempts": record.attempts, "reclaims": record.reclaims, "payload": record.payload,
-        "fingerprint": record.fingerprint, "result": dumps_json(record.result),
-        "error": dumps_json(record.error), "created_at": record.created_at,
-        "updated_at": record.updated_at, "expires_at": record.expires_at,
-        "mark": _mark_json(record.mark),
-        "resolution": dumps_json(record.resolution), "writes_ahead": record.writes_ahead,
-    }
+        "intent_key": record.key, "task_name": record.task_name, "state": record.state.value, "token": record.token,
+        "owner": record.owner, "lease_expires_at": record.lease_expires_at, "attempts": record.attempts,
+        "reclaims": record.reclaims, "payload": record.payload, "fingerprint": record.fingerprint,
+        "result": dumps_json(record.result), "error": dumps_json(record.error), "created_at": record.created_at,
+        "updated_at": record.updated_at, "expires_at": record.expires_at, "mark": _mark_json(record.mark),
+        "resolution": dumps_json(record.resolution), "writes_ahead": record.writes_ahead}

@@ -1,6 +1,5 @@
-"""Alembic's environment for the ledger's revisions: run on the connection :mod:`..migrate` hands over, with the
-ledger's table name and a version table of its own. Not for ``alembic`` run from a shell: use
-:mod:`idemmail_celery.ledger.sql.migrate` or ``celery -A proj idemmail ledger migrate``."""
+"""Alembic's environment for the ledger's revisions, on the connection :mod:`..migrate` hands over (not for a
+shell's ``alembic``)."""
 
 from __future__ import annotations
 
