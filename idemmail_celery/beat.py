@@ -1,18 +1,7 @@
-"""Scheduled digests keyed by their schedule slot, not by the clock of whoever runs them.
-
-A digest's intent is "the digest for user X for day D": a beat entry fired twice, late, or
-re-triggered by hand must get the same key, and only the next slot a new one, so the key names
-the slot the entry was *due* for (docs/outbox-and-digests.md, "Scheduled digests").
-:class:`SlotScheduler` (or :class:`SlotMixin` on any scheduler) sends that due time as the
-``idemmail_slot`` header, :func:`slot_of` names the slot inside the task (never from the wall
-clock), :class:`aligned` is an interval schedule every beat agrees on, and :func:`send_digest`
-fans the digest out with one key per (recipient, slot)::
-
-    @app.task(bind=True)
-    def daily_digest(self, slot=None):
-        day = slot_of(self.request, "day", slot=slot)     # "2026-11-21"
-        send_digest(app, slot=day, recipients=subscribers(), subject=f"Your digest for {day}",
-                    build_body=lambda to, day: {"html": render_digest(to, day)})
+"""Scheduled digests keyed by the schedule slot they were *due* for, never by the clock of whoever runs them
+(docs/outbox-and-digests.md, "Scheduled digests"): :class:`SlotScheduler` (or :class:`SlotMixin`) sends the
+due time as the ``idemmail_slot`` header, :func:`slot_of` names the slot in the task, :class:`aligned` is an
+interval schedule every beat agrees on, :func:`send_digest` fans out one key per (recipient, slot).
 """
 
 from __future__ import annotations
@@ -57,11 +46,8 @@ PERIODS: Mapping[str, str] = {
 
 
 class aligned(schedule):  # type: ignore[misc]  # lower case, like celery.schedules.schedule
-    """An interval schedule due at whole multiples of ``seconds`` since the Unix epoch (plus ``offset``).
-
-    Every beat process agrees on the slots, whenever each started. Aligned to UTC: use ``crontab``
-    for calendar slots (days, weeks).
-    """
+    """An interval schedule due at whole multiples of ``seconds`` since the Unix epoch (plus ``offset``), so
+    every beat agrees on the slots. Aligned to UTC: use ``crontab`` for calendar slots (days, weeks)."""
 
     def __init__(self, seconds: float | dt.timedelta = 60.0, offset: float = 0.0,
                  nowfun: Callable[[], dt.datetime] | None = None, app: Celery | None = None) -> None:
@@ -106,11 +92,8 @@ class aligned(schedule):  # type: ignore[misc]  # lower case, like celery.schedu
 
 
 def due_time(entry: Any, tz: dt.tzinfo | None = None) -> dt.datetime:
-    """When ``entry`` was (or will next be) due, from its schedule and ``last_run_at``: aware, in ``tz``.
-
-    For a due or late entry this is at or before now; after an outage longer than one period, the
-    first slot that was missed (Celery runs the entry once, not once per missed slot).
-    """
+    """When ``entry`` was (or will next be) due, from its schedule and ``last_run_at``: aware, in ``tz``
+    (after an outage, the first slot missed: Celery runs the entry once, not once per missed slot)."""
     sched = entry.schedule
     # An entry that never ran (RedBeat stores no last run for a new one) is due for the next slot.
     last_run_at = entry.last_run_at or sched.now()
@@ -119,15 +102,13 @@ def due_time(entry: Any, tz: dt.tzinfo | None = None) -> dt.datetime:
     else:
         remaining = sched.remaining_estimate(last_run_at)
         # Read after the estimate: the time between the two reads can only move the slot later, never earlier.
-        now = sched.maybe_make_aware(sched.now())
-        due = now + remaining
+        due = sched.maybe_make_aware(sched.now()) + remaining
     return due.astimezone(tz) if tz is not None else due
 
 
 class SlotMixin:
     """Adds the ``idemmail_slot`` header (the entry's :func:`due_time` in the app's timezone, ISO) to every
-    task a beat scheduler sends: put it first in the bases of any ``celery.beat.Scheduler`` subclass.
-    """
+    task a beat scheduler sends: put it first in the bases of any ``celery.beat.Scheduler`` subclass."""
 
     app: Celery
 
@@ -192,13 +173,9 @@ def _parse_slot(text: str, period: str) -> str:
 
 
 def slot_of(request: Any, period: str = "day", *, slot: str | dt.datetime | dt.date | None = None) -> str:
-    """The slot this run is for: from the ``idemmail_slot`` header beat sent, else the explicit ``slot``.
-
-    Inside a task: ``slot_of(self.request, "day", slot=slot)``. A manual run must name the slot: a
-    string written exactly as :func:`format_slot` writes the period (else ``ValueError``: it would make
-    another key), or a datetime or date. Both, disagreeing: ``ValueError``; neither:
-    :class:`SlotMissingError`. It never falls back to the wall clock.
-    """
+    """The slot this run is for: from the ``idemmail_slot`` header beat sent, else the explicit ``slot`` (a
+    string written as :func:`format_slot` writes it, or a datetime or date). Both, disagreeing: ``ValueError``;
+    neither: :class:`SlotMissingError`, never the wall clock."""
     _format_of(period)  # an unknown period raises whatever the run carries
     explicit: str | None = None
     if isinstance(slot, str):
@@ -220,36 +197,27 @@ def slot_of(request: Any, period: str = "day", *, slot: str | dt.datetime | dt.d
 def send_digest(app: Celery, *, slot: str, recipients: Iterable[str], subject: str | Callable[[str, str], str],
                 build_body: Callable[[str, str], Mapping[str, Any]], template: str = "digest",
                 options: Mapping[str, Any] | None = None, **email: Any) -> dict[str, Any]:
-    """Enqueue one ``send_email`` per recipient for ``slot``: the fan-out of a scheduled digest.
+    """Enqueue one ``send_email`` per recipient with ``event_id=f"{template}:{slot}"`` (docs/outbox-and-digests.md).
 
-    ``build_body(recipient, slot)`` returns the message's content keywords (``{"html": ...}``);
-    ``subject`` is a string or ``subject(recipient, slot)``. Every message has
-    ``event_id=f"{template}:{slot}"``, so a fan-out run again resends to nobody who has theirs.
-    ``email`` holds the other ``send_email`` keywords, the same for everyone; ``options`` goes to
-    ``apply_async``. A recipient whose message is invalid is skipped and reported. Returns ``{"slot",
-    "event_id", "enqueued": [key, ...], "invalid": [{"position": i, "reason": text}, ...]}``, each
-    skipped recipient by its position in ``recipients``, never by address.
-    """
+    ``subject`` is a string or ``subject(recipient, slot)``; ``email`` holds the other ``send_email`` keywords,
+    the same for everyone; ``options`` go to ``apply_async``. Returns ``{"slot", "event_id", "enqueued",
+    "invalid"}``, an invalid recipient skipped and named by its position, never by address."""
     from .mail import TASK_NAME
 
     if not slot:
         raise SlotMissingError("send_digest needs the slot (use slot_of(self.request, ...))")
     task = app.tasks[TASK_NAME]
     event_id = f"{template}:{slot}"
+    options = dict(options or {})
     enqueued: list[str] = []
     invalid: list[dict[str, Any]] = []
     for position, recipient in enumerate(recipients):
-        kwargs: dict[str, Any] = {
-            **email,
-            **build_body(recipient, slot),
-            "to": recipient,
-            "subject": subject(recipient, slot) if callable(subject) else subject,
-            "event_id": event_id,
-            "template": template,
-        }
+        kwargs: dict[str, Any] = {**email, **build_body(recipient, slot), "to": recipient,
+                                  "subject": subject(recipient, slot) if callable(subject) else subject,
+                                  "event_id": event_id, "template": template}
         try:
             # Derived once here and sent as the header, so apply_async does not derive it again.
-            due = first_run_time(task.app, (options or {}).get("countdown"), (options or {}).get("eta"))
+            due = first_run_time(task.app, options.get("countdown"), options.get("eta"))
             headers = task.intent_headers((), kwargs, due=due)
         except InvalidEmail as exc:
             # InvalidEmail never quotes the address; scrubbed all the same, as every text reaching a log.
@@ -257,9 +225,8 @@ def send_digest(app: Celery, *, slot: str, recipients: Iterable[str], subject: s
             log.error("idemmail: digest %s: skipping recipient #%d: %s", logsafe(event_id), position, logsafe(reason))
             invalid.append({"position": position, "reason": reason})
             continue
-        publish = dict(options or {})
         # A header only the library writes would break the key's seal: the intent under another key than returned.
-        publish["headers"] = {**untrusted_removed(publish.get("headers") or {}, keep=()), **headers}
-        task.apply_async((), kwargs, **publish)
+        kept = untrusted_removed(options.get("headers") or {}, keep=())
+        task.apply_async((), kwargs, **{**options, "headers": {**kept, **headers}})
         enqueued.append(headers[KEY_HEADER])
     return {"slot": slot, "event_id": event_id, "enqueued": enqueued, "invalid": invalid}

@@ -17,24 +17,19 @@ from typing import Any
 from .errors import UnserializableArgumentsError
 
 
-def _json_plain(value: Any, depth: int = 0) -> bool:
-    """:func:`is_json_plain`, recursively."""
+def is_json_plain(value: Any, _depth: int = 0) -> bool:
+    """True if ``value`` is made only of types a JSON round trip returns unchanged (no copy needed)."""
     if value is None or isinstance(value, (str, bool, int)):
         return True
     if isinstance(value, float):
         return value == value and value not in (float("inf"), float("-inf"))
-    if depth > 20:
+    if _depth > 20:
         return False
     if type(value) is list:
-        return all(_json_plain(v, depth + 1) for v in value)
+        return all(is_json_plain(v, _depth + 1) for v in value)
     if type(value) is dict:
-        return all(type(k) is str and _json_plain(v, depth + 1) for k, v in value.items())
+        return all(type(k) is str and is_json_plain(v, _depth + 1) for k, v in value.items())
     return False
-
-
-def is_json_plain(value: Any) -> bool:
-    """True if ``value`` is made only of types a JSON round trip returns unchanged (no copy needed)."""
-    return _json_plain(value)
 
 
 #: A message serializer's round trip: a value in, the value the worker will see out
@@ -42,9 +37,8 @@ def is_json_plain(value: Any) -> bool:
 RoundTrip = Callable[[Any], Any]
 
 
-# kombu's JSON writes datetimes, dates, times, decimals, UUIDs and bytes as {"__type__": ..., "__value__": ...};
-# the same text is written here without kombu, as the Celery-free handler must. Types registered with kombu
-# only are the adapter's business (it passes kombu's own round trip to the key builder).
+# kombu's JSON writes datetimes, dates, times, decimals, UUIDs and bytes as {"__type__": ..., "__value__": ...}: so
+# does this, without kombu, for the Celery-free handler (the adapter passes kombu's own round trip for the rest).
 
 
 def _typed(kind: str, value: Any) -> dict[str, Any]:
@@ -108,7 +102,7 @@ def typed_json_loads(text: str | bytes) -> Any:
 
 def json_round_trip(value: Any) -> Any:
     """What Celery's JSON serializer does to ``value`` (its default typed values included)."""
-    if _json_plain(value):
+    if is_json_plain(value):
         return value  # the round trip would be the identity: skip two encodings per delay()
     try:
         return typed_json_loads(typed_json_dumps(value))

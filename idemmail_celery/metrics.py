@@ -1,12 +1,8 @@
 """Prometheus metrics for idempotent sends (optional: ``pip install idemmail-celery[metrics]``).
 
-Off by default, and then free: nothing imports ``prometheus_client``. Turned on by the settings
-``idemmail_metrics = True`` (count into the default registry; expose it yourself) or
-``idemmail_metrics_port`` (also serve ``/metrics`` from the worker's main process), or by
-:func:`enable` (and :func:`serve`). A prefork worker needs ``PROMETHEUS_MULTIPROC_DIR``: an
-empty directory before the worker starts. Metrics never change an outcome: the first failing
-Prometheus call turns them off in that process with one ERROR line. The metrics, and how to
-run them: docs/operations.md, "Metrics".
+Off by default, and then free: nothing imports ``prometheus_client``. The settings that turn them on, the
+metrics, and ``PROMETHEUS_MULTIPROC_DIR`` for a prefork worker: docs/operations.md, "Metrics". Metrics
+never change an outcome: the first failing Prometheus call turns them off in that process (:func:`broken`).
 """
 
 from __future__ import annotations
@@ -122,9 +118,8 @@ def available() -> bool:
 
 
 def enable() -> Metrics:
-    """Turn metrics on in this process (idempotent): every ledger opened through
-    :func:`idemmail_celery.ledger.shared`, before or after, is timed from now on.
-    :class:`~idemmail_celery.errors.ConfigurationError` without ``prometheus_client``."""
+    """Turn metrics on in this process (idempotent): every ledger opened through :func:`idemmail_celery.ledger.shared`
+    is timed from now on. :class:`~idemmail_celery.errors.ConfigurationError` without ``prometheus_client``."""
     global active
     with _lock:
         if active is None:
@@ -176,8 +171,7 @@ class RecordsCollector:
             if time.monotonic() - at < self.ttl and at:
                 return counts
             try:
-                ledger = self._ledger()
-                stats = ledger.stats()  # one pipeline (Redis) or one GROUP BY (SQL)
+                stats = self._ledger().stats()  # one pipeline (Redis) or one GROUP BY (SQL)
                 counts = {s: int(stats.get(s, 0)) for s in RECORD_STATES}
             except Exception as exc:
                 log.warning("idemmail metrics: cannot count ledger records: %s", logsafe(exc))
@@ -205,10 +199,8 @@ def multiprocess_dir() -> str | None:
 
 
 def serve(port: int, addr: str = "0.0.0.0", ledger: Callable[[], Any] | None = None) -> Any:
-    """Serve ``/metrics`` on ``addr:port`` from this process, in a daemon thread (idempotent).
-
-    With ``ledger`` (a function returning the app's ledger), the page also carries the record gauges.
-    """
+    """Serve ``/metrics`` on ``addr:port`` from this process, in a daemon thread (idempotent); with ``ledger`` (a
+    function returning the app's ledger), with the record gauges too."""
     from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
     with _lock:
@@ -223,18 +215,15 @@ def serve(port: int, addr: str = "0.0.0.0", ledger: Callable[[], Any] | None = N
             registry = REGISTRY
         if ledger is not None:
             registry.register(RecordsCollector(ledger))
-        server = start_http_server(port, addr=addr, registry=registry)
-        _servers[(addr, port)] = server
+        _servers[(addr, port)] = start_http_server(port, addr=addr, registry=registry)
         log.info("idemmail metrics on http://%s:%d/metrics%s", addr, port,
                  " (multiprocess)" if multiprocess_dir() else "")
-        return server
+        return _servers[(addr, port)]
 
 
 def prepare_worker(*, port: int, pool: str) -> bool:
     """On ``worker_init`` (main process, before the pool starts): turn metrics on; False if they stay off.
-
-    Never raises (Celery would swallow it, and half-enabled metrics could fail tasks).
-    """
+    Never raises (Celery would swallow it, and half-enabled metrics could fail tasks)."""
     path = multiprocess_dir()
     if path:
         problem = check_multiprocess_dir(path)

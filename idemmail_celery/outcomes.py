@@ -44,20 +44,16 @@ class _Worker:
 
 def report(task: Any, status: Outcome | str, key: str, *, message_id: Any = None, reason: str | None = None,
            event: bool = True, **extra: Any) -> None:
-    """Tell the log, Flower and metrics what this run of ``task`` came to. Never raises.
-
-    ``extra``: further short, non-personal fields; ``recorded`` is the state of the record a duplicate replays, or
-    ``False`` (or ``"false"``) when the ledger does not hold the outcome. ``event=False``: no ``task-idemmail`` event.
-    """
+    """Tell the log, Flower and metrics what this run of ``task`` came to (never raises). ``extra``: short,
+    non-personal fields; ``recorded`` is the state a duplicate replays, or ``False`` (``"false"``) when the ledger
+    lacks the outcome. ``event=False``: no ``task-idemmail`` event."""
     status = Outcome(status)
     if extra.get("recorded") in (False, "false"):
         extra["recorded"] = False  # one type for "not recorded" wherever a report is read
     request = task.request
     attempts = (request.retries or 0) + 1
-    if message_id is not None and not isinstance(message_id, str):
-        message_id = str(message_id)
-    if reason is not None:
-        reason = clean_reason(reason)
+    message_id = None if message_id is None else str(message_id)
+    reason = None if reason is None else clean_reason(reason)
     unrecorded = extra.get("recorded") is False
     try:
         level = _level(status, unrecorded, reason, routine=event and reason is None and _routine(status, extra))
@@ -78,7 +74,6 @@ def _routine(status: Outcome, extra: dict[str, Any]) -> bool:
 
 
 def _count(name: str, status: Outcome, reason: str | None, *, unrecorded: bool) -> None:
-    """Count one report in :mod:`~idemmail_celery.metrics`, when metrics are on."""
     active = metrics.active
     if active is None:
         return
@@ -124,11 +119,9 @@ def _level(status: Outcome, unrecorded: bool, reason: str | None, *, routine: bo
 
 def _log(level: int, status: Outcome, name: str, key: str, task_id: str | None, message_id: str | None,
          reason: str | None, attempts: int, extra: dict[str, Any]) -> None:
+    reasons = {"reason": reason} if reason else {}
     fields: dict[str, Any] = {"status": status.value, "task": name, "key": key, "message_id": message_id,
-                              "task_id": task_id, "attempts": attempts}
-    if reason:
-        fields["reason"] = reason
-    fields.update(extra)
+                              "task_id": task_id, "attempts": attempts, **reasons, **extra}
     line = " ".join(f"{k}={'false' if k == 'recorded' and v is False else _logfmt(v)}" for k, v in fields.items())
     log.log(level, "idemmail outcome %s", line, extra={"idemmail": fields})
 
@@ -148,12 +141,9 @@ def _event(task: Any, status: Outcome, key: str, message_id: str | None, reason:
               **extra}
     if clear_exception:  # a success: task-succeeded brings the result; the retry's exception goes
         fields.update(exception=None, traceback=None)
-    else:
-        shown = {"status": status.value, "key": key, "message_id": message_id}
-        if reason:
-            shown["reason"] = reason
-        shown.update(extra)
-        fields["result"] = repr(shown)  # the one field of Celery's own that Flower lists and an event may fill
+    else:  # "result": the one field of Celery's own that Flower lists and an event may fill
+        reasons = {"reason": reason} if reason else {}
+        fields["result"] = repr({"status": status.value, "key": key, "message_id": message_id, **reasons, **extra})
     _Events.send(task.app, request.hostname, request.id, fields)
 
 
@@ -200,9 +190,8 @@ def configure_metrics(app: Any, worker: Any) -> None:
         log.error("idemmail metrics: settings could not be read (%s); metrics are OFF for this worker", logsafe(exc))
         return
     port = settings.metrics_port
-    if not (settings.metrics or port):
-        return
-    if not metrics.prepare_worker(port=port, pool=str(getattr(worker, "pool_cls", "") or "")):
+    pool = str(getattr(worker, "pool_cls", "") or "")
+    if not (settings.metrics or port) or not metrics.prepare_worker(port=port, pool=pool):
         return
     if port:
         try:

@@ -1,16 +1,7 @@
-"""Re-drive what the broker forgot: claims nobody will come back for, and a green pool's unacked messages.
-
-* :func:`sweep_stranded` republishes each claim whose lease ran out long ago with no sign of life
-  since (the broker lost its message, or a defect acknowledged the chain's only copy), from its
-  stored first payload and under its own key; the message meets the claim as any late copy would.
-  A live lease is never touched.
-* :func:`restore_unacked_on_a_timer` runs the Redis transport's ``restore_visible`` in workers that
-  run no kombu event loop (``-P gevent``, ``-P eventlet``: celery/celery#4968), which never do.
-
-Both run by default in every worker whose app has an idempotent task (the package connects the
-worker signals below); the sweep one worker at a time per ledger. ``idemmail_sweep_in_workers`` and
-``idemmail_restore_unacked`` turn each off; a beat entry for :data:`SWEEP_TASK` still runs the sweep.
-See docs/deployment.md, "Re-drive, on by default".
+"""Re-drive what the broker forgot, in every worker whose app has an idempotent task (docs/deployment.md,
+"Re-drive, on by default"): :func:`sweep_stranded` republishes claims nobody will come back for, from their
+stored first payload under their own key (a live lease is never touched); :func:`restore_unacked_on_a_timer`
+restores a Redis broker's unacked messages in workers with no kombu event loop (celery/celery#4968).
 """
 
 from __future__ import annotations
@@ -44,8 +35,7 @@ LOCK_KEY = hashlib.sha256(b"idemmail_celery:sweep-lock").hexdigest()
 SWEEP_LIMIT = 1000
 #: The sweep's lease, renewed every third of it: a sweeper killed mid-sweep holds the sweeps up no longer.
 LOCK_LEASE_SECONDS = 60.0
-#: The least age a derived ``idemmail_sweep_after_seconds`` takes, so the sweep never races the broker's
-#: own redelivery.
+#: The least derived ``idemmail_sweep_after_seconds``, so the sweep never races the broker's own redelivery.
 MIN_SWEEP_AFTER = 300.0
 #: The longest period between two sweeps of one ledger by the workers.
 MAX_SWEEP_EVERY = 900.0
@@ -65,7 +55,6 @@ class _Swept:
 
     @property
     def every(self) -> float:
-        """How often the workers sweep this ledger: a quarter of its age, between 1 s and 15 min."""
         return min(max(self.after / 4, 1.0), MAX_SWEEP_EVERY)
 
 
@@ -95,9 +84,8 @@ def _transport_option(app: Any, name: str, default: float) -> float:
 
 
 def stranded_after(app: Any, tasks: Iterable[IdempotentTask]) -> float:
-    """How long a claim of ``tasks`` must have been quiet past its lease before the sweep re-drives it:
-    ``idemmail_sweep_after_seconds`` when set, else twice the longest a live chain can leave its claim
-    alone (:func:`redelivered_after`, the tasks' longest backoffs), :data:`MIN_SWEEP_AFTER` at least."""
+    """How long a claim of ``tasks`` must have been quiet past its lease before the sweep re-drives it
+    (``idemmail_sweep_after_seconds``, or derived: docs/deployment.md, "Re-drive, on by default")."""
     settings = Settings.resolve(app.conf)
     if settings.sweep_after_seconds is not None:
         return settings.sweep_after_seconds
@@ -133,12 +121,8 @@ def restore_period(app: Any, *, event_loop: bool = True) -> float:
 
 def sweep_stranded(app: Any, *, after_seconds: float | None = None, now: float | None = None,
                    limit: int = SWEEP_LIMIT) -> list[str]:
-    """Republish every stranded claim of ``app``'s idempotent tasks; returns their keys.
-
-    A claim is stranded when its lease ran out, and it was last moved, more than ``after_seconds`` ago
-    (None: each ledger's :func:`stranded_after`). A claim with no payload this process can read is logged
-    and left; each is republished at most once per ``after_seconds``, whoever sweeps.
-    """
+    """Republish (at most once per ``after_seconds``) each claim of ``app``'s idempotent tasks whose lease ran out,
+    and that was last moved, over ``after_seconds`` ago (None: each ledger's :func:`stranded_after`); their keys."""
     now = time.time() if now is None else now
     republished: list[str] = []
     for group in _by_ledger(app):
@@ -240,11 +224,8 @@ def _repeat(name: str, wait: Callable[[], float], tick: Callable[[], None],
 
 
 def restore_unacked(app: Any, connection: Any, lock_seconds: float) -> None:
-    """One pass of the Redis transport's ``restore_visible`` over ``connection``: every unacked message older
-    than the visibility timeout goes back to its queue (at most ``unacked_restore_limit`` when set), as
-    kombu's own event loop does. kombu's lock over the pass is held ``lock_seconds`` at most unless
-    ``unacked_mutex_expire`` is set (why: :func:`bound_restore_lock`).
-    """
+    """One pass of the Redis transport's ``restore_visible`` over ``connection``, as kombu's event loop does it,
+    its lock held ``lock_seconds`` at most unless ``unacked_mutex_expire`` is set (:func:`bound_restore_lock`)."""
     options = app.conf.broker_transport_options or {}
     qos = connection.default_channel.qos
     if options.get("unacked_mutex_expire") is None:
@@ -311,12 +292,8 @@ def _on_init(sender: Any = None, **_: Any) -> None:
 
 def bound_restore_lock(app: Any, *, event_loop: bool) -> None:
     """Unless ``unacked_mutex_expire`` is set (or ``idemmail_restore_unacked`` is off), set it to one restore
-    period (:func:`restore_period`, 1 s at least) in ``app``'s transport options on a Redis broker.
-
-    kombu holds the lock over its restore scan for 300 s by default: a worker killed mid-scan stops every
-    restore of that database until it expires. Two scans that overlap restore each message once, so a short
-    lock costs at most some work done twice.
-    """
+    period (:func:`restore_period`, 1 s at least) on a Redis broker. kombu's default 300 s lets a worker killed
+    mid-scan stop every restore that long; overlapping scans restore each message once all the same."""
     try:
         settings = Settings.resolve(app.conf)
     except IdemmailError:  # the start-up check says what is wrong

@@ -1,19 +1,9 @@
 """Agent tools whose side effects happen once per intent, however often the agent loop calls them.
 
-Each call becomes an :class:`~idemmail_celery.task.IdempotentTask` message with an intent key, so a
-repeated call replays the first outcome (``"status": "duplicate"``) instead of repeating the side
-effect. Which key to choose, what the model may pass and what it sees: docs/agent-tools.md::
-
-    @idempotent_tool(app, key="call_id")            # the agent loop's tool-call id is the intent
-    def update_deal(deal_id: str, stage: str) -> dict: ...
-
-    tools = [update_deal.spec(), email_tool(app).bind(event_id=f"ticket-{ticket.id}-reply").spec()]
-    outcome = update_deal({"deal_id": "D-7", "stage": "won"}, call_id="toolu_01A", timeout=5)
-
-A call may carry only the names in the schema :meth:`~IdempotentTool.spec` shows
-(``additionalProperties: false``): anything else is refused as ``invalid``, nothing enqueued.
-The adapters (``idemmail_celery.contrib.mcp``, ``idemmail_celery.contrib.langchain``) serve
-:func:`app_tools` by default; :class:`IntentStateTool` answers where an intent stands.
+Each call is an :class:`~idemmail_celery.task.IdempotentTask` message with an intent key, so a repeated
+call replays the first outcome (``"status": "duplicate"``). Which key to choose, what the model may pass
+(only the schema's names: anything else is ``invalid``, nothing enqueued) and what it sees:
+docs/agent-tools.md. The MCP and LangChain adapters in ``idemmail_celery.contrib`` serve :func:`app_tools`.
 """
 
 from __future__ import annotations
@@ -54,8 +44,7 @@ __all__ = ["ERROR_STATUSES", "IdempotentTool", "IntentStateTool", "KeySource", "
 #: Where a tool call's intent key comes from: the tool-call id, declared argument names, or all arguments.
 KeySource = Literal["call_id"] | Sequence[str] | None
 
-#: The outcomes an adapter reports as errors (MCP's ``isError``, a LangChain ``ToolMessage`` with
-#: ``status="error"``): the call did not do what was asked, and the model should read why.
+#: The outcomes an adapter reports as errors (MCP's ``isError``, LangChain's ``status="error"``): the model reads why.
 ERROR_STATUSES = frozenset({Outcome.INVALID.value, Outcome.FAILED.value, Outcome.ERROR.value})
 
 #: What a tool may be named: MCP's rule (letters, digits, ``_``, ``-`` and ``.``; 1 to 128 of them).
@@ -64,9 +53,7 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 _JSON_TYPES: Mapping[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
                                   list: "array", tuple: "array", dict: "object"}
 
-#: What a model may set on an email: who gets it, and its words. The rest (sender, copies, intent) only the
-#: application may set, with :meth:`IdempotentTool.bind`: else a model could spoof the sender, copy the mail
-#: elsewhere, or change the intent key and get a second email for a bound ``event_id``.
+#: What a model may set on an email: who gets it, and its words; the rest is bound (docs/agent-tools.md).
 _EMAIL_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {
     "to": {"type": ["string", "array"], "items": {"type": "string"}, "description": "recipient address(es)"},
     "subject": {"type": "string"}, "text": {"type": "string", "description": "plain-text body"},
@@ -76,12 +63,8 @@ _EMAIL_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {
 
 @dataclasses.dataclass(frozen=True)
 class IdempotentTool:
-    """An agent tool backed by an :class:`IdempotentTask`, made by :func:`idempotent_tool` or :func:`email_tool`.
-
-    ``fixed`` arguments (see :meth:`bind`) are the application's, not shown to the model. A call
-    carrying any other name than the schema's unfixed ``properties``, or missing a ``required`` one, is
-    refused as ``invalid`` before anything is enqueued.
-    """
+    """An agent tool backed by an :class:`IdempotentTask`, made by :func:`idempotent_tool` or :func:`email_tool`;
+    ``fixed`` arguments (:meth:`bind`) are the application's, not shown to the model."""
 
     task: IdempotentTask
     name: str
@@ -150,11 +133,8 @@ class IdempotentTool:
 
     def __call__(self, arguments: Mapping[str, Any], *, call_id: str | None = None,
                  timeout: float | None = None) -> dict[str, Any]:
-        """Run one tool call and wait up to ``timeout`` seconds (default :attr:`timeout`) for its outcome.
-
-        Never raises for what the agent should see (bad arguments, a failed or pending call): the outcome
-        is in the returned dict, its ``status`` an :class:`~idemmail_celery.handler.Outcome` value.
-        """
+        """Run one tool call and wait up to ``timeout`` seconds (default :attr:`timeout`) for its outcome: a dict
+        whose ``status`` is an :class:`~idemmail_celery.handler.Outcome` value, even for bad arguments."""
         if isinstance(self.task.backend, DisabledBackend):
             raise ConfigurationError(f"tool {self.name}: the Celery app needs a result backend to wait for outcomes")
         try:
@@ -166,12 +146,10 @@ class IdempotentTool:
         except CeleryTimeoutError:
             return {"status": Outcome.PENDING.value, "key": key, "task_id": async_result.id,
                     "note": "still running; calling again with the same arguments (and call_id) will not repeat it"}
-        for error_type, outcome in _ERROR_OUTCOMES:
-            if isinstance(value, error_type):
-                return {"status": outcome.value, "key": key, "error": _error(value)}
-        if isinstance(value, BaseException) or not isinstance(value, dict):
-            return {"status": Outcome.ERROR.value, "key": key, "error": _error(value)}
-        return dict(value)
+        if isinstance(value, dict):
+            return dict(value)
+        status = next((outcome for kind, outcome in _ERROR_OUTCOMES if isinstance(value, kind)), Outcome.ERROR)
+        return {"status": status.value, "key": key, "error": _error(value)}
 
 
 #: The outcome of a call whose task ended in one of these errors (in this order).
@@ -197,12 +175,8 @@ def _nullable(schema: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _error(exc: object) -> dict[str, Any]:
-    out: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
-    for attr in ("field", "reason"):
-        value = getattr(exc, attr, None)
-        if value:
-            out[attr] = value
-    return out
+    found = {attr: getattr(exc, attr, None) for attr in ("field", "reason")}
+    return {"type": type(exc).__name__, "message": str(exc), **{k: v for k, v in found.items() if v}}
 
 
 def _json_type(hint: Any) -> dict[str, Any]:
@@ -228,31 +202,19 @@ def _returns_of(func: Callable[..., Any]) -> dict[str, Any]:
 
 def parameters_of(func: Callable[..., Any], *, bound: bool = False) -> dict[str, Any]:
     """A JSON Schema for ``func``'s arguments from its signature and type hints (``self`` skipped if ``bound``)."""
-    params = list(inspect.signature(func).parameters.values())[1 if bound else 0:]
+    params = [p for p in list(inspect.signature(func).parameters.values())[1 if bound else 0:]
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     hints = _hints(func)
-    properties: dict[str, Any] = {}
-    required: list[str] = []
-    for p in params:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        properties[p.name] = _json_type(hints.get(p.name))
-        if p.default is p.empty:
-            required.append(p.name)
-    return {"type": "object", "properties": properties, "required": required}
+    return {"type": "object", "properties": {p.name: _json_type(hints.get(p.name)) for p in params},
+            "required": [p.name for p in params if p.default is p.empty]}
 
 
 def idempotent_tool(app: Celery, *, key: KeySource = "call_id", name: str | None = None,
                     description: str | None = None, parameters: Mapping[str, Any] | None = None, timeout: float = 10.0,
                     **task_options: Any) -> Callable[[Callable[..., Any]], IdempotentTool]:
-    """Decorator: register ``func`` as an :class:`IdempotentTask` on ``app`` (only) and return it as a tool.
-
-    ``key`` is where the intent comes from: ``"call_id"``, argument names, or None for all arguments
-    (docs/agent-tools.md). ``name`` (default: the function's) is the tool's and the Celery task's: 1 to
-    128 letters, digits, ``_``, ``-`` or ``.``; a second function declared under it raises
-    :class:`~idemmail_celery.errors.ConfigurationError`. ``description`` defaults to the docstring's
-    first paragraph, ``parameters`` (a JSON Schema) to one built from the type hints.
-    ``task_options`` go to ``app.task`` (``queue=``, ``bind=True``, the ``idempotency_*`` options).
-    """
+    """Decorator: register ``func`` as an :class:`IdempotentTask` on ``app`` (only) and return it as a tool
+    (``key`` and ``name``: docs/agent-tools.md). ``description`` defaults to the docstring's first paragraph,
+    ``parameters`` (a JSON Schema) to one built from the type hints; ``task_options`` go to ``app.task``."""
     if isinstance(key, str) and key != "call_id":
         raise ConfigurationError(f"key must be 'call_id', a sequence of argument names or None, not {key!r}")
     if name is not None:
@@ -277,19 +239,16 @@ def idempotent_tool(app: Celery, *, key: KeySource = "call_id", name: str | None
                 raise ConfigurationError(f"a tool named {tool_name!r} is already declared on this app "
                                          f"({made[tool_name][0].__qualname__}): give this one another name=")
             task = app.task(base=IdempotentTask, idempotency_key=fields, **options)(func)
-            doc = inspect.getdoc(func) or ""
-            tool = IdempotentTool(
-                task=task, name=tool_name, description=description or doc.split("\n\n")[0],
-                parameters=schema, key=key, timeout=timeout, returns=_returns_of(func),
-            )
+            summary = description or (inspect.getdoc(func) or "").split("\n\n")[0]
+            tool = IdempotentTool(task=task, name=tool_name, description=summary, parameters=schema, key=key,
+                                  timeout=timeout, returns=_returns_of(func))
             made[tool_name] = (func, tool)
         return tool
 
     return wrap
 
 
-#: The tools ``idempotent_tool`` made on each app, by name, with the function each runs (weak: an app
-#: let go takes its tools along).
+#: The tools ``idempotent_tool`` made on each app, by name, with the function each runs (weak: by app).
 _registered: weakref.WeakKeyDictionary[Celery, dict[str, tuple[Callable[..., Any], IdempotentTool]]] = (
     weakref.WeakKeyDictionary())
 _registry_lock = threading.Lock()
@@ -310,11 +269,7 @@ def app_tools(app: Celery) -> list[IdempotentTool]:
 def email_tool(app: Celery, *, name: str = "send_email", description: str | None = None,
                timeout: float = 10.0) -> IdempotentTool:
     """``send_email`` on ``app`` as a tool: one email per ``event_id`` and recipients, however often called.
-
-    The model sets ``to``, ``subject``, ``text``, ``html`` and ``reply_to``; bind ``event_id`` (and the
-    sender, ``tenant``, ...) with :meth:`IdempotentTool.bind`. Without a bound ``event_id`` the whole
-    message is the intent: a retried call is one email, a reworded one is another.
-    """
+    The model sets ``to``, ``subject``, ``text``, ``html`` and ``reply_to``; bind the rest (docs/agent-tools.md)."""
     return IdempotentTool(
         task=app.tasks[TASK_NAME], name=name, parameters=_EMAIL_PARAMETERS, key=None, timeout=timeout,
         returns=_returns_of(_send_email),
@@ -329,13 +284,9 @@ _MAX_KEY = 256
 
 @dataclasses.dataclass(frozen=True)
 class IntentStateTool:
-    """A read-only tool: where one intent stands in the ledgers of ``tools``, by the ``key`` an outcome gave.
-
-    Answers ``{"key", "state", ...}``: ``state`` is a ledger state or ``unknown`` (not claimed yet,
-    never enqueued, or past its retention); ``sent`` adds ``message_id``, ``sent_at`` and ``result``,
-    the others the recorded ``error``; never the stored payload. A malformed call is ``{"status":
-    "invalid", ...}``, a ledger that does not answer ``{"status": "error", ...}`` (never ``unknown``).
-    """
+    """A read-only tool: where one intent stands in the ledgers of ``tools``, by the ``key`` an outcome gave
+    (docs/agent-tools.md): ``{"key", "state", ...}``, never the payload; ``{"status": "error"}`` when a ledger
+    does not answer, never ``unknown``."""
 
     tools: Sequence[IdempotentTool]
     name: str = "intent_state"

@@ -1,31 +1,9 @@
-"""Provider webhooks: evidence from outside that an intent went out, recorded in the ledger.
+"""Provider webhooks: a delivery event, tagged with its intent key, moves a parked record to ``sent``.
 
-Postmark, SendGrid and SES de-duplicate nothing, so an ambiguous send is parked in ``review``.
-Their delivery events settle it: every message is tagged with its intent key, the provider echoes
-the tag, and :func:`reconcile` moves the record to ``sent`` with the provider's message id
-(:meth:`Ledger.confirm_sent <idemmail_celery.ledger.base.Ledger.confirm_sent>`); a redelivered
-event is harmless.
-
-=========  ========================================================  ==========================================
-provider   events that confirm a send                                where the key and the message id are
-=========  ========================================================  ==========================================
-postmark   ``RecordType: "Delivery"``                                ``Metadata.idemmail_key``, ``MessageID``
-sendgrid   ``event: "processed"`` or ``"delivered"`` (a JSON list)   ``idemmail_key`` (custom args are top-level),
-                                                                     ``sg_message_id``
-ses        ``eventType`` (or ``notificationType``) ``"Send"`` or     ``mail.tags.idemmail_key[0]``,
-           ``"Delivery"``, bare or inside an SNS ``Notification``    ``mail.messageId``
-=========  ========================================================  ==========================================
-
-Other events (bounces, opens, ...) and events without the key return None.
-
-:func:`handle_webhook`, :func:`webhook_app` (WSGI) and :func:`webhook_asgi_app` (ASGI) refuse
-any request not authenticated by a scheme configured for the provider (:class:`WebhookAuth`,
-or ``secret=`` alone for the shared-secret ones) with :class:`WebhookSignatureError` (HTTP 401),
-before reading the body; a bad request is a 4xx with a one-line reason, never a 500. The schemes
-each provider offers, and what to configure, are in docs/security.md, "Webhooks". The HMAC
-scheme, for a relay that verified the provider: ``X-Idemmail-Timestamp: <unix seconds>`` and
-``X-Idemmail-Signature: v1=<hex HMAC-SHA256(secret, timestamp + "." + raw body)>``
-(:func:`hmac_headers` makes them).
+Which events confirm a send, and where their key is: docs/providers.md, "Delivery webhooks"; how each
+request is authenticated (:class:`WebhookAuth`, or ``secret=``) and what a bad one is answered:
+docs/security.md, "Webhooks". The HMAC scheme for a relay: ``X-Idemmail-Timestamp: <unix seconds>`` and
+``X-Idemmail-Signature: v1=<hex HMAC-SHA256(secret, timestamp + "." + raw body)>`` (:func:`hmac_headers`).
 """
 
 from __future__ import annotations
@@ -142,16 +120,6 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _unwrap_sns(event: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The SES event inside an SNS Notification envelope (or the event itself when not wrapped)."""
-    if event.get("Type") == "SubscriptionConfirmation":
-        return None
-    if event.get("Type") == "Notification":
-        inner = loads(str(event.get("Message", "")), "SNS notification's Message")
-        return inner if isinstance(inner, Mapping) else None
-    return event
-
-
 #: What a reader finds in one provider's event: (event kind, intent key, message id), each None if absent.
 _Fields = tuple[str | None, str | None, str | None]
 
@@ -169,9 +137,11 @@ def _sendgrid_fields(event: Mapping[str, Any]) -> _Fields | None:
 
 def _ses_fields(event: Mapping[str, Any]) -> _Fields | None:
     """None for an SNS subscription confirmation or an event without its ``mail`` object."""
-    inner = _unwrap_sns(event)
-    mail = inner.get("mail") if inner is not None else None
-    if inner is None or not isinstance(mail, Mapping):
+    inner: Any = event  # bare, or inside an SNS Notification envelope
+    if event.get("Type") == "Notification":
+        inner = loads(str(event.get("Message", "")), "SNS notification's Message")
+    mail = inner.get("mail") if isinstance(inner, Mapping) else None
+    if event.get("Type") == "SubscriptionConfirmation" or not isinstance(mail, Mapping):
         return None
     kind = _text(inner.get("eventType")) or _text(inner.get("notificationType"))
     tags = mail.get("tags")
@@ -180,7 +150,6 @@ def _ses_fields(event: Mapping[str, Any]) -> _Fields | None:
     return kind, key, _text(mail.get("messageId"))
 
 
-#: Each provider's reader of (kind, key, message id), by the name :func:`_provider_of` gives.
 _READERS: Mapping[str, Callable[[Mapping[str, Any]], _Fields | None]] = {
     "postmark": _postmark_fields, "sendgrid": _sendgrid_fields, "ses": _ses_fields}
 
@@ -197,27 +166,19 @@ def evidence(event: Mapping[str, Any], *, provider: str | None = None) -> Delive
     kind, key, message_id = fields
     if kind not in _CONFIRMING[found] or key is None or message_id is None:
         return None
-    if len(message_id) > _MAX_MESSAGE_ID or not message_id.isprintable():
-        return None
-    return DeliveryEvidence(found, key, message_id, kind)
-
-
-def _plausible_key(key: str) -> bool:
-    """Could a ledger hold ``key``? (The SQL column takes 128 characters.)"""
-    return len(key) <= 128 and key.isascii() and key.isprintable() and " " not in key
+    plausible = len(message_id) <= _MAX_MESSAGE_ID and message_id.isprintable()
+    return DeliveryEvidence(found, key, message_id, kind) if plausible else None
 
 
 def reconcile(event: Mapping[str, Any], *, ledger: Ledger, provider: str | None = None) -> Record | None:
-    """Record a parsed, **already verified** provider event in ``ledger``; the record, or None if it proves nothing.
-
-    A confirming event moves the record to ``sent`` with ``{"message_id", "provider", "via": "webhook"}``
-    (a ``sent`` record is returned unchanged). Raises :class:`RecordNotFoundError` when the ledger has
-    no record for the key, :class:`WebhookPayloadError` for an event of another provider than ``provider``.
-    """
+    """Move the record of a parsed, **already verified** confirming event to ``sent`` with ``{"message_id",
+    "provider", "via": "webhook"}``; the record, or None if the event proves nothing. :class:`RecordNotFoundError`
+    for a key the ledger lacks, :class:`WebhookPayloadError` for another provider's event."""
     found = evidence(event, provider=provider)
     if found is None:
         return None
-    if not _plausible_key(found.key):
+    key = found.key  # could a ledger hold it? (The SQL column takes 128 characters.)
+    if not (len(key) <= 128 and key.isascii() and key.isprintable() and " " not in key):
         raise RecordNotFoundError(f"{found.provider} reports {found.event} of message {found.message_id} for a "
                                   "key no ledger holds (more than 128 characters, or not printable ASCII)")
     result = {"message_id": found.message_id, "provider": found.provider, "via": "webhook"}
@@ -282,8 +243,8 @@ def _fetch_certificate(url: str) -> bytes:
     try:
         response = httpx.get(url, timeout=5.0, follow_redirects=False)
     except httpx.HTTPError as exc:
-        raise WebhookSignatureError(f"the SNS signing certificate could not be fetched ({type(exc).__name__})") \
-            from None
+        what = f"the SNS signing certificate could not be fetched ({type(exc).__name__})"
+        raise WebhookSignatureError(what) from None
     if response.status_code != 200 or len(response.content) > _MAX_CERTIFICATE:
         raise WebhookSignatureError(f"the SNS signing certificate could not be fetched (HTTP {response.status_code})")
     return response.content
@@ -327,14 +288,9 @@ class _Request:
 
 @dataclass(frozen=True)
 class WebhookAuth:
-    """What a webhook endpoint accepts as proof of origin (docs/security.md, "Webhooks").
-
-    ``secret`` (one, or a list to rotate) for basic auth, the secret header and the HMAC scheme;
-    ``sendgrid_public_key`` (base64 DER or PEM) for SendGrid's ECDSA signature; ``sns_topic_arns``
-    (the topics you subscribed) for SNS's RSA signature, ``sns_certificates`` to replace the
-    certificate fetch (pinned URL -> PEM bytes). :class:`ConfigurationError` for a value that cannot
-    work, or when ``cryptography`` is missing for a signature scheme.
-    """
+    """What a webhook endpoint accepts as proof of origin (docs/security.md, "Webhooks"); ``secret`` may be a
+    list (to rotate), ``sns_certificates`` replaces the certificate fetch (pinned URL -> PEM bytes).
+    :class:`ConfigurationError` for a value that cannot work, or without ``cryptography`` for a signature."""
 
     secret: str | Sequence[str] | None = field(default=None, repr=False)
     sendgrid_public_key: str | None = field(default=None, repr=False)
@@ -493,11 +449,9 @@ def _pinned_certificate_url(url: str, region: str) -> bool:
             and not parts.query and not parts.fragment)
 
 
-_SNS_SIGNED_FIELDS = {
-    "Notification": ("Message", "MessageId", "Subject", "Timestamp", "TopicArn", "Type"),
-    "SubscriptionConfirmation": ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token", "TopicArn", "Type"),
-    "UnsubscribeConfirmation": ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token", "TopicArn", "Type"),
-}
+_SUBSCRIPTION_FIELDS = ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token", "TopicArn", "Type")
+_SNS_SIGNED_FIELDS = {"Notification": ("Message", "MessageId", "Subject", "Timestamp", "TopicArn", "Type"),
+                      "SubscriptionConfirmation": _SUBSCRIPTION_FIELDS, "UnsubscribeConfirmation": _SUBSCRIPTION_FIELDS}
 
 
 def _sns_string_to_sign(message: Mapping[str, Any]) -> str:
@@ -529,41 +483,28 @@ def _auth(auth: WebhookAuth | None, secret: str | Sequence[str] | None) -> Webho
 
 def verify(provider: str, headers: Mapping[str, str], body: bytes, *, secret: str | Sequence[str] | None = None,
            auth: WebhookAuth | None = None, now: float | None = None, tolerance: float = DEFAULT_TOLERANCE) -> str:
-    """Check where a webhook request comes from; the scheme that matched (``basic``, ``header``, ``hmac``...).
-
-    ``headers`` in any case, ``body`` raw; ``secret`` is shorthand for ``auth=WebhookAuth(secret=...)``.
-    Raises :class:`WebhookSignatureError` when no scheme of :data:`SCHEMES` is presented or it does not
-    match; :class:`ConfigurationError` when nothing configured can authenticate ``provider``.
-    """
+    """The scheme (``basic``, ``header``, ``hmac``...) that authenticated a request (``headers`` in any case,
+    ``body`` raw), else :class:`WebhookSignatureError`; :class:`ConfigurationError` when nothing configured
+    can authenticate ``provider``. ``secret`` is shorthand for ``auth=WebhookAuth(secret=...)``."""
     return _auth(auth, secret).verify(provider, headers, body, now=now, tolerance=tolerance)
 
 
 # -- one request, end to end --
 
 
-def _events(provider: str, data: Any) -> list[Mapping[str, Any]]:
-    items = data if isinstance(data, list) else [data]
-    if not all(isinstance(item, Mapping) for item in items):
-        raise WebhookPayloadError(f"a {provider} webhook body must be a JSON object or a list of objects")
-    return items
-
-
 def handle_webhook(provider: str, headers: Mapping[str, str], body: bytes, *, ledger: Ledger,
                    secret: str | Sequence[str] | None = None, auth: WebhookAuth | None = None, now: float | None = None,
                    tolerance: float = DEFAULT_TOLERANCE) -> WebhookOutcome:
-    """Verify, parse and reconcile one webhook request (one event, or SendGrid's list of them).
-
-    Raises :class:`WebhookSignatureError` before reading the body when the request is not
-    authenticated, :class:`WebhookPayloadError` for a body that is not the provider's JSON, and lets
-    ledger errors through (answer 5xx: the provider retries). Unknown keys are reported, not raised,
-    so one stale event does not make the provider retry a whole batch.
-    """
+    """Verify, parse and reconcile one webhook request (one event, or SendGrid's list of them); ledger errors go
+    through (answer 5xx: the provider retries), unknown keys are reported: a stale event fails no batch."""
     verify(provider, headers, body, secret=secret, auth=auth, now=now, tolerance=tolerance)
     data = loads(body, f"{provider} webhook body")
+    events = data if isinstance(data, list) else [data]
+    if not all(isinstance(event, Mapping) for event in events):
+        raise WebhookPayloadError(f"a {provider} webhook body must be a JSON object or a list of objects")
     confirmed: list[Record] = []
     unknown: list[str] = []
-    ignored = 0
-    for event in _events(provider, data):
+    for event in events:
         if event.get("Type") == "SubscriptionConfirmation":
             logger.warning("idemmail: SNS asks to confirm a subscription to %s: visit %s",
                            logsafe(event.get("TopicArn")), logsafe(event.get("SubscribeURL")))
@@ -574,11 +515,9 @@ def handle_webhook(provider: str, headers: Mapping[str, str], body: bytes, *, le
             found = evidence(event, provider=provider)
             unknown.append(found.key[:128] if found else "")
             continue
-        if record is None:
-            ignored += 1
-        else:
+        if record is not None:
             confirmed.append(record)
-    return WebhookOutcome(confirmed, unknown, ignored)
+    return WebhookOutcome(confirmed, unknown, ignored=len(events) - len(confirmed) - len(unknown))
 
 
 _Reply = tuple[str, dict[str, Any], list[tuple[str, str]]]
@@ -603,9 +542,8 @@ def _answer(provider: str, headers: Mapping[str, str], body: bytes, ledger: Ledg
     try:
         outcome = handle_webhook(provider, headers, body, auth=auth, ledger=ledger, tolerance=tolerance)
     except WebhookSignatureError as exc:
-        basic = "basic" in auth.schemes(provider)
-        challenge = [("WWW-Authenticate", 'Basic realm="idemmail-webhooks"')] if basic else []
-        return "401 Unauthorized", {"error": str(exc)}, challenge
+        challenge = [("WWW-Authenticate", 'Basic realm="idemmail-webhooks"')]
+        return "401 Unauthorized", {"error": str(exc)}, challenge if "basic" in auth.schemes(provider) else []
     except WebhookPayloadError as exc:
         return "400 Bad Request", {"error": str(exc)}, []
     except LedgerError as exc:
@@ -628,13 +566,8 @@ def _configured(provider: str, auth: WebhookAuth | None, secret: str | Sequence[
 def webhook_app(ledger: Ledger, provider: str = "postmark", *, secret: str | Sequence[str] | None = None,
                 auth: WebhookAuth | None = None, tolerance: float = DEFAULT_TOLERANCE,
                 max_body: int = DEFAULT_MAX_BODY) -> Callable[[WSGIEnvironment, StartResponse], Iterable[bytes]]:
-    """A WSGI application receiving ``provider``'s webhook at any path.
-
-    Answers ``200 {"confirmed": n, "unknown": m, "ignored": k}``; 401 unauthenticated (with a basic
-    auth challenge where the provider uses basic auth); 400 for a body that is not the provider's JSON
-    or a bad ``Content-Length``; 405, 411, 413 for a wrong method, no length, a body over ``max_body``;
-    503 when the ledger fails, so the provider retries later.
-    """
+    """A WSGI application receiving ``provider``'s webhook at any path: ``200 {"confirmed": n, "unknown": m,
+    "ignored": k}``, 503 when the ledger fails (the provider retries), 4xx as docs/security.md, "Webhooks" says."""
     checked = _configured(provider, auth, secret)
 
     def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
@@ -677,13 +610,9 @@ def webhook_asgi_app(ledger: Ledger, provider: str = "postmark", *, secret: str 
 
     async def app(scope: dict[str, Any], receive: _ASGIReceive, send: _ASGISend) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            return await send({"type": "lifespan.shutdown.complete"})
         if scope["type"] != "http":
             raise ValueError(f"the idemmail webhook app serves HTTP, not {scope['type']}")
         headers = {bytes(name).decode("latin-1").lower(): bytes(value).decode("latin-1")
@@ -692,20 +621,17 @@ def webhook_asgi_app(ledger: Ledger, provider: str = "postmark", *, secret: str 
                                  length_required=False)
         if refused is not None:
             return await reply(send, refused)
-        chunks: list[bytes] = []
-        size = 0
-        while True:
+        body = bytearray()
+        more = True
+        while more:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return None
-            chunk = message.get("body") or b""
-            size += len(chunk)
-            if size > max_body:
+            body += message.get("body") or b""
+            if len(body) > max_body:
                 return await reply(send, ("413 Content Too Large", {"error": f"body over {max_body} bytes"}, []))
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
-        answer = await asyncio.to_thread(_answer, provider, headers, b"".join(chunks), ledger, checked, tolerance)
+            more = bool(message.get("more_body"))
+        answer = await asyncio.to_thread(_answer, provider, headers, bytes(body), ledger, checked, tolerance)
         await reply(send, answer)
 
     return app
