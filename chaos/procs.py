@@ -53,10 +53,13 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 class WorkerProcess:
-    """One ``celery worker`` subprocess in its own process group."""
+    """One ``celery worker`` subprocess in its own process group; ``python`` and ``cwd`` (this interpreter, the
+    repository by default) run it from another install, as ``make upgrade-check`` runs the previous release's."""
 
-    def __init__(self, name: str, app: str, args: list[str], env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, name: str, app: str, args: list[str], env: dict[str, str], log_dir: Path,
+                 python: str | Path | None = None, cwd: str | Path | None = None) -> None:
         self.name, self.app, self.args, self.env, self.log_dir = name, app, args, env, log_dir
+        self.python, self.cwd = str(python or sys.executable), Path(cwd or ROOT)
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -67,11 +70,11 @@ class WorkerProcess:
     def start(self, wait_ready: float = 90.0) -> WorkerProcess:
         """Start (or restart) the worker and wait for its ``ready.`` line."""
         self.starts += 1
-        cmd = [sys.executable, "-m", "celery", "-A", self.app, "worker", "--loglevel=INFO",
+        cmd = [self.python, "-m", "celery", "-A", self.app, "worker", "--loglevel=INFO",
                "--without-gossip", "--without-mingle", "--without-heartbeat",
                "-n", f"{self.name}.{self.starts}@%h", *self.args]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(cmd, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         with _alive_lock:
             ALIVE.add(self)
