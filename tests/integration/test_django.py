@@ -485,6 +485,7 @@ def test_the_admins_other_actions_follow_the_clis_rules(shop: Shop) -> None:
     clerk.force_login(staff("clerk", "view_reviewrecord", "view_payload", "mark_sent", "forget_payload"))
     record_url = "/admin/idemmail/reviewrecord/record/"
     assert "other@example.com" in clerk.get(record_url, {"key": key, "payload": "1"}).content.decode()
+    assert clerk.get(record_url + "sent/", {"key": key}).status_code == 405  # an action is a POST
 
     forgot = clerk.post(record_url + "forget/", {"key": key}, follow=True).content.decode()
     assert f"{key[1:]}: payload erased" in forgot and "(none stored)" in forgot  # the admin capitalises
@@ -765,6 +766,8 @@ def test_the_review_queue_pages_by_number_and_by_cursor(queue: Queue) -> None:
     assert rows(viewer.get(LIST + follow.group(1).replace("&amp;", "&"))) == keys[100:200]
     assert rows(viewer.get(LIST, {"o": "-updated"}))[:3] == keys[::-1][:3]
     assert rows(viewer.get(LIST, {"p": 9})) == []  # past the end: an empty page, not an error
+    past = viewer.get(LIST, {"p": 10**22})  # an offset no store's integers hold: was a 500 (Redis, SQLite)
+    assert past.status_code == 200 and rows(past) == [] and "errornote" not in past.content.decode()
     assert rows(viewer.get(LIST, {"p": "x"})) == keys[:100]
 
 
@@ -803,6 +806,8 @@ def test_the_review_queue_searches_and_filters_in_the_sidebar(queue: Queue) -> N
     assert f"updated__year={day.year}" in html  # the date hierarchy offers the years with records
     by_day = found(updated__year=day.year, updated__month=day.month, updated__day=day.day)
     assert by_day == sorted(keys[:3])
+    last = viewer.get(LIST, {"updated__year": 9999, "updated__month": 12, "updated__day": 31})  # ends past 9999
+    assert last.status_code == 200 and "the date: not a date, left out" in last.content.decode()
     for private in ("c5@shop2.test", "Private subject", "Dear customer"):
         assert private not in html
     assert "welcome · order-1 · campaign=winter · @shop1.test" in html  # a row's label: which send, no person

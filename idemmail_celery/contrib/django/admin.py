@@ -1,32 +1,5 @@
-"""The ledger's review queue in the Django admin, for every ledger backend (Redis included).
-
-Not a ``ModelAdmin`` over a table: the page lists records through the ledger's own API
-(:meth:`~idemmail_celery.ledger.base.Ledger.list_records`, as ``celery -A proj idemmail ledger list`` does),
-and its actions are the CLI's own moves (:func:`idemmail_celery.cli.decide`, :func:`idemmail_celery.cli.erase`),
-with the same rules and refusals: mark sent, release for a resend (the stored first payload is queued
-again before the record changes), mark failed, forget (erase the personal data).
-
-* The list follows Django's ChangeList conventions (:mod:`.review`): pages (``?p=2``, 100 a page, the "next"
-  link carrying a cursor), a search (``?q=``: a key's start, message id, template, tag, event id, recipient
-  domain or task), filters in the sidebar (state with its count, reason, task, age), a date hierarchy, the
-  order by time (``?o=-updated``: newest first), and bulk actions with one note (resolve as sent, as failed,
-  release) on the rows ticked, or on every record the filters match. It opens on ``review``, oldest first.
-  Rows show the full key, a label (template, event id, tags, recipients' domains), state, task, reason or
-  message id, attempts and time (ISO 8601, UTC): never a payload or an address. A record's page shows its
-  result and error with their times in ISO 8601, and its payload only to a user with
-  ``idemmail.view_payload`` who asks for it.
-* Each action needs its own permission: ``idemmail.mark_sent``, ``idemmail.release``,
-  ``idemmail.mark_failed``, ``idemmail.forget_payload`` (superusers have all); looking needs
-  ``idemmail.view_reviewrecord`` (a user with that alone sees no checkboxes and no actions).
-* Each action, done or refused, is one line per record on the ``idemmail_celery.audit`` logger (who, what,
-  which key, the outcome; the note is kept in the record, not in the log). The record itself keeps
-  who, when and why in the record's ``resolution``, as from the CLI.
-* A ``key`` that is not shaped like a ledger key (64 lower-case hex digits) is answered 400 before
-  anything else, the permission checks and their audit lines included: no text of a request's
-  choosing reaches the log (a user name that is not plain printable text is quoted and escaped).
-
-The ledger is the project's Celery app's (the app ``proj/__init__.py`` imports, see
-:func:`.conf.celery_app`), opened as the CLI opens it; releasing publishes to that app's broker.
+"""The ledger's review queue in the Django admin (docs/django.md, "The review queue in the admin"): the list reads
+the ledger's own listing (:mod:`.review`); the actions are the CLI's moves, with its rules and refusals.
 """
 
 from __future__ import annotations
@@ -42,19 +15,13 @@ from typing import Any
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.http import (
-    Http404,
-    HttpRequest,
-    HttpResponse,
-    HttpResponseBadRequest,
-    HttpResponseNotAllowed,
-    HttpResponseRedirect,
-)
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBadRequest, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 from django.utils.http import urlencode
 from django.utils.safestring import SafeString
+from django.views.decorators.http import require_POST
 
 from ..._common import logsafe
 from ...cli import EXIT_CODES, OperatorError, _Ctx, decide, erase
@@ -88,14 +55,10 @@ summaries = Summaries()
 
 
 def operator() -> _Ctx:
-    """The CLI's context for the project's Celery app: its ledger (opened passive, as the CLI
-    opens it), built once per process."""
+    """The CLI's context for the project's Celery app (its ledger opened as the CLI opens it), once per process."""
     app = celery_app()
     with _operators_lock:
-        ctx = _operators.get(id(app))
-        if ctx is None:
-            ctx = _operators[id(app)] = _Ctx(app, None, {})
-        return ctx
+        return _operators.setdefault(id(app), _Ctx(app, None, {}))  # a _Ctx opens its ledger on first use
 
 
 class ReviewQueueAdmin(admin.ModelAdmin):
@@ -115,7 +78,7 @@ class ReviewQueueAdmin(admin.ModelAdmin):
         return [
             path("", view(self.list_view), name="idemmail_reviewrecord_changelist"),
             path("record/", view(self.record_view), name="idemmail_reviewrecord_record"),
-            path("record/<str:action>/", view(self.action_view), name="idemmail_reviewrecord_action"),
+            path("record/<str:action>/", view(require_POST(self.action_view)), name="idemmail_reviewrecord_action"),
         ]
 
     def _context(self, request: HttpRequest, title: str, **extra: Any) -> dict[str, Any]:
@@ -123,6 +86,15 @@ class ReviewQueueAdmin(admin.ModelAdmin):
 
     def _refuse_unless_viewer(self, request: HttpRequest) -> None:
         if not self.has_view_permission(request):
+            raise PermissionDenied
+
+    @staticmethod
+    def _require(request: HttpRequest, action: str, target: object) -> None:
+        """PermissionDenied (and an audit line) unless the user holds ``action``'s permission."""
+        perm = ACTIONS[action][1]
+        if not request.user.has_perm(perm):
+            audit.warning("idemmail admin: %s on %s refused: %s lacks %s", action, target,
+                          logsafe(request.user.get_username()), perm)
             raise PermissionDenied
 
     # -- the list --
@@ -157,13 +129,8 @@ class ReviewQueueAdmin(admin.ModelAdmin):
         if action not in BULK_ACTIONS:
             messages.error(request, "Choose an action for the records ticked.")
             return back
-        outcome, perm, _ = ACTIONS[action]
-        actor = f"{request.user.get_username()} (django admin)"
         across = request.POST.get("select_across") == "1"
-        if not request.user.has_perm(perm):
-            audit.warning("idemmail admin: %s on %s records refused: %s lacks %s", action,
-                          "every matching" if across else len(keys), logsafe(request.user.get_username()), perm)
-            raise PermissionDenied
+        self._require(request, action, f"{'every matching' if across else len(keys)} records")
         note = request.POST.get("note", "").strip()
         if not note:
             messages.error(request, "Say why in the note: it is kept with every record the action resolves.")
@@ -172,7 +139,7 @@ class ReviewQueueAdmin(admin.ModelAdmin):
             if across:
                 keys = _every_key(operator().ledger, asked.query)
         except (LedgerUnavailableError, PayloadKeyError) as exc:
-            messages.error(request, f"{type(exc).__name__}: {exc}")
+            messages.error(request, _failure(exc))
             return back
         if not keys:
             messages.warning(request, "Tick the records to act on first (none was ticked).")
@@ -180,16 +147,10 @@ class ReviewQueueAdmin(admin.ModelAdmin):
         done, refused = 0, []
         for key in dict.fromkeys(keys):
             try:
-                record = decide(operator(), key, outcome, note=note, actor=actor)
+                _act(request, action, key, note, bulk=True)
+                done += 1
             except (OperatorError, PayloadKeyError) as exc:
-                why = EXIT_CODES[exc.code].split(":")[0] if isinstance(exc, OperatorError) else "payload key missing"
-                audit.warning("idemmail admin: %s on %s by %s refused (%s; bulk)", action, logsafe(key),
-                              logsafe(actor), why)
                 refused.append(f"Record {key}: {exc}")
-                continue
-            done += 1
-            audit.info("idemmail admin: %s on %s by %s: %s (bulk)", action, logsafe(key), logsafe(actor),
-                       record.state.value + (" (re-enqueued)" if action == "release" else ""))
         summaries.forget()
         said = f"{BULK_ACTIONS[action]}: {done} of {len(set(keys))} records, the note kept with each."
         (messages.success if done else messages.warning)(request, said)
@@ -210,7 +171,7 @@ class ReviewQueueAdmin(admin.ModelAdmin):
         try:
             record = operator().ledger.get(key)
         except (LedgerUnavailableError, PayloadKeyError) as exc:
-            messages.error(request, f"{type(exc).__name__}: {exc}")
+            messages.error(request, _failure(exc))
             return HttpResponseRedirect(reverse("admin:idemmail_reviewrecord_changelist"))
         if record is None:
             raise Http404("no ledger record for this key")
@@ -237,63 +198,70 @@ class ReviewQueueAdmin(admin.ModelAdmin):
             list_url=reverse("admin:idemmail_reviewrecord_changelist")))
 
     def action_view(self, request: HttpRequest, action: str) -> HttpResponse:
-        if request.method != "POST":
-            return HttpResponseNotAllowed(["POST"])
         key = request.POST.get("key", "")
         if not is_derived_key(key):  # first: nothing below (the refusal's audit line) sees anything else
             return _not_a_key()
         self._refuse_unless_viewer(request)
         if action not in ACTIONS:
             raise Http404("no such action")
-        outcome, perm, _ = ACTIONS[action]
-        if not request.user.has_perm(perm):
-            audit.warning("idemmail admin: %s on %s refused: %s lacks %s", action, logsafe(key),
-                          logsafe(request.user.get_username()), perm)
-            raise PermissionDenied
+        self._require(request, action, logsafe(key))
         note = request.POST.get("note", "").strip()
-        message_id = request.POST.get("message_id", "").strip() or None
         back = HttpResponseRedirect(reverse("admin:idemmail_reviewrecord_record") + "?" + urlencode({"key": key}))
-        actor = f"{request.user.get_username()} (django admin)"
         if action != "forget" and not note:
             messages.error(request, "Say why in the note: it is kept with the record.")
             return back
         try:
-            if action == "forget":
-                done = "payload erased" if erase(operator(), key) else "nothing to erase (no payload stored)"
-            else:
-                done = decide(operator(), key, outcome, note=note, actor=actor,
-                              message_id=message_id if action == "sent" else None).state.value
-                done += " (re-enqueued)" if action == "release" else ""
+            done = _act(request, action, key, note, message_id=request.POST.get("message_id", "").strip() or None)
         except (OperatorError, PayloadKeyError) as exc:
-            why = EXIT_CODES[exc.code].split(":")[0] if isinstance(exc, OperatorError) else "payload key missing"
-            audit.warning("idemmail admin: %s on %s by %s refused (%s)", action, logsafe(key), logsafe(actor), why)
             messages.error(request, f"Record {key}: {exc}")
             return back
         summaries.forget()
-        audit.info("idemmail admin: %s on %s by %s: %s", action, logsafe(key), logsafe(actor), done)
         messages.success(request, f"Record {key}: {done}")  # "Record" first: the admin capitalises a message
         return back
+
+
+def _act(request: HttpRequest, action: str, key: str, note: str, *, message_id: str | None = None,
+         bulk: bool = False) -> str:
+    """Run ``action`` on ``key`` as the CLI does, with its audit line; what was done. The CLI's refusal
+    (:class:`~idemmail_celery.cli.OperatorError`) or a missing payload key is audited, and raised."""
+    actor = f"{request.user.get_username()} (django admin)"
+    try:
+        if action == "forget":
+            done = "payload erased" if erase(operator(), key) else "nothing to erase (no payload stored)"
+        else:
+            done = decide(operator(), key, ACTIONS[action][0], note=note, actor=actor,
+                          message_id=message_id if action == "sent" else None).state.value
+            done += " (re-enqueued)" if action == "release" else ""
+    except (OperatorError, PayloadKeyError) as exc:
+        why = EXIT_CODES[exc.code].split(":")[0] if isinstance(exc, OperatorError) else "payload key missing"
+        audit.warning("idemmail admin: %s on %s by %s refused (%s%s)", action, logsafe(key), logsafe(actor), why,
+                      "; bulk" if bulk else "")
+        raise
+    audit.info("idemmail admin: %s on %s by %s: %s%s", action, logsafe(key), logsafe(actor), done,
+               " (bulk)" if bulk else "")
+    return done
+
+
+def _failure(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _row_html(r: dict[str, Any], tick: bool, record_url: str) -> SafeString:
     """One row of the list, built here (a hundred rows through template tags cost more than the ledger's calls)."""
     said = format_html('<span title="provider message id">{}</span>', r["said"]) if r["said_is_message_id"] \
         else r["said"]
+    tick_box = format_html('<td class="action-checkbox"><input type="checkbox" name="_selected_action" value="{}" '
+                           'class="action-select" aria-label="Select {}"></td>', r["key"], r["key"]) if tick else ""
     return format_html(
         '<tr class="idemmail-record">{}<th><a href="{}?{}" class="idemmail-key">{}<wbr>{}</a></th>'
         '<td class="idemmail-label">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>'
-        '<td class="idemmail-when">{}</td></tr>',
-        format_html('<td class="action-checkbox"><input type="checkbox" name="_selected_action" value="{}" '
-                    'class="action-select" aria-label="Select {}"></td>', r["key"], r["key"]) if tick else "",
-        record_url, urlencode({"key": r["key"]}), r["key"][:32], r["key"][32:], r["label"] or "-", r["state"],
-        r["task_name"] or "-",
-        said or "-", r["attempts"], r["when"])
+        '<td class="idemmail-when">{}</td></tr>', tick_box, record_url, urlencode({"key": r["key"]}), r["key"][:32],
+        r["key"][32:], r["label"] or "-", r["state"], r["task_name"] or "-", said or "-", r["attempts"], r["when"])
 
 
 @dataclass
 class _Listing:
-    """What the list page read from the ledger: counts per state, the summary of the query, the page of
-    records, or the error that stopped the reading (the page still shows, empty, with it)."""
+    """What the list page read from the ledger, or the error that stopped the reading (shown on an empty page)."""
 
     counts: dict[str, int] = field(default_factory=dict)
     summary: Summary = field(default_factory=lambda: Summary(None))
@@ -302,21 +270,16 @@ class _Listing:
 
     @classmethod
     def read(cls, asked: ListRequest) -> _Listing:
-        """Read what the page ``asked`` for shows; an unreachable ledger or a missing payload key is its error."""
         listed = cls()
         try:
             ledger = operator().ledger
             listed.counts = summaries.states(ledger)
-            kept = summaries.kept(ledger, asked.query)
-            if kept is not None:
-                listed.summary, listed.page = kept, _page(ledger, asked)
-            else:
-                listed.summary, listed.page = _counted_beside(ledger, asked)
+            listed.summary, listed.page = _summary_and_page(ledger, asked)
             if listed.counted_too_early(asked):
                 summaries.forget()  # counted before these records came: count again
                 listed.counts, listed.summary = summaries.states(ledger), summaries.get(ledger, asked.query)
         except (LedgerUnavailableError, PayloadKeyError) as exc:
-            listed.error = f"{type(exc).__name__}: {exc}"
+            listed.error = _failure(exc)
         return listed
 
     def counted_too_early(self, asked: ListRequest) -> bool:
@@ -326,10 +289,12 @@ class _Listing:
         return total is not None and (shown > total or bool(self.page.next_cursor and shown >= total))
 
 
-def _counted_beside(ledger: Ledger, asked: ListRequest) -> tuple[Summary, RecordPage]:
-    """The summary counted in a thread of its own while the page is read. On Redis each is a pass of the listing
-    script over the state's records; the web process's half of each (naming records, reading replies) runs while
-    the store works on the other, so a first render with a search costs about the longer of the two, not both."""
+def _summary_and_page(ledger: Ledger, asked: ListRequest) -> tuple[Summary, RecordPage]:
+    """The summary kept, else counted in a thread of its own while the page is read: on Redis the web process's
+    half of each pass runs while the store works on the other's, so a first render costs about the longer one."""
+    kept = summaries.kept(ledger, asked.query)
+    if kept is not None:
+        return kept, _page(ledger, asked)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="idemmail-count") as pool:
         counting = pool.submit(summaries.get, ledger, asked.query)
         page = _page(ledger, asked)
@@ -345,23 +310,19 @@ def _paging(asked: ListRequest, page: RecordPage, total: int | None) -> dict[str
         pages = [{"number": n, "link": asked.link(p=n) if isinstance(n, int) and n != asked.page else ""}
                  for n in numbers]
     before = (asked.page - 1) * PER_PAGE
-    return {
-        "page": asked.page, "pages": pages, "first": before + 1 if page.records else 0,
-        "last": before + len(page.records),
-        "next_link": asked.link(p=asked.page + 1, c=page.next_cursor) if page.next_cursor else "",
-        "previous_link": asked.link(p=asked.page - 1 if asked.page > 2 else None) if asked.page > 1 else "",
-    }
+    return {"page": asked.page, "pages": pages, "first": before + 1 if page.records else 0,
+            "last": before + len(page.records),
+            "next_link": asked.link(p=asked.page + 1, c=page.next_cursor) if page.next_cursor else "",
+            "previous_link": asked.link(p=asked.page - 1 if asked.page > 2 else None) if asked.page > 1 else ""}
 
 
 def _list_links(asked: ListRequest) -> dict[str, Any]:
     """The search box, the order toggle and the "clear all filters" link, each keeping the other parameters."""
-    return {
-        "search": asked.params.get("q", ""), "search_hidden": [(k, v) for k, v in asked.params.items() if k != "q"],
-        "clear_search_link": asked.link(q=None), "newest_first": asked.query.newest_first,
-        "order_link": asked.link(o=None if asked.query.newest_first else "-updated"),
-        "clear_link": asked.link(**{k: None for k in asked.params if k not in ("state", "o")}) if asked.filtered
-        else "",
-    }
+    unfiltered = {k: None for k in asked.params if k not in ("state", "o")}
+    return {"search": asked.params.get("q", ""), "search_hidden": [(k, v) for k, v in asked.params.items() if k != "q"],
+            "clear_search_link": asked.link(q=None), "newest_first": asked.query.newest_first,
+            "order_link": asked.link(o=None if asked.query.newest_first else "-updated"),
+            "clear_link": asked.link(**unfiltered) if asked.filtered else ""}
 
 
 def _page(ledger: Ledger, asked: ListRequest) -> RecordPage:
@@ -389,16 +350,17 @@ def _every_key(ledger: Ledger, query: RecordQuery) -> list[str]:
 
 def _sidebar(asked: ListRequest, counts: dict[str, int], summary: Summary, *, searching: bool) -> list[dict[str, Any]]:
     """The filters: each a title and its choices (a label, a link keeping the other filters, whether chosen)."""
+    def shown(label: str, n: int | None) -> str:  # a search's counts are not the filter's
+        return f"{label} ({n:,})" if n is not None and not searching else label
+
     def choice(label: str, param: str, value: str | None, n: int | None = None) -> dict[str, Any]:
-        shown = f"{label} ({n:,})" if n is not None and not searching else label
-        return {"display": shown, "link": asked.link(**{param: value}), "selected": asked.params.get(param) == value}
+        return {"display": shown(label, n), "link": asked.link(**{param: value}),
+                "selected": asked.params.get(param) == value}
 
     state = asked.params.get("state", State.REVIEW.value)
-    states = [{"display": f"all ({sum(counts.values()):,})", "link": asked.link(state="all"),
-               "selected": state == "all"}]
-    states += [{"display": f"{s.value} ({counts.get(s.value, 0):,})", "link": asked.link(state=s.value),
-                "selected": state == s.value} for s in State]
-    out = [{"title": "state", "choices": states}]
+    per_state = {"all": sum(counts.values()), **{s.value: counts.get(s.value, 0) for s in State}}
+    out = [{"title": "state", "choices": [{"display": f"{name} ({n:,})", "link": asked.link(state=name),
+                                           "selected": state == name} for name, n in per_state.items()]}]
     reasons = dict(summary.reasons or {})
     tasks = dict(summary.tasks) if summary.tasks is not None else dict.fromkeys(_app_tasks(), None)
     for param, found in (("reason", reasons), ("task", tasks)):
@@ -410,8 +372,7 @@ def _sidebar(asked: ListRequest, counts: dict[str, int], summary: Summary, *, se
             if value:
                 choices.append(choice(value, param, value, n))
             else:  # records without one: counted, not a filter of their own
-                choices.append({"display": f"(none) ({n:,})" if n is not None and not searching else "(none)",
-                                "link": "", "selected": False})
+                choices.append({"display": shown("(none)", n), "link": "", "selected": False})
         out.append({"title": param, "choices": choices})
     out.append({"title": "age", "choices": [choice("Any time", "age", None)] + [
         choice(label, "age", name) for name, (label, _, _) in AGES.items()]})
@@ -419,8 +380,7 @@ def _sidebar(asked: ListRequest, counts: dict[str, int], summary: Summary, *, se
 
 
 def _app_tasks() -> list[str]:
-    """The idempotent tasks of the project's Celery app: the task filter's choices where the ledger cannot
-    count them."""
+    """The project's idempotent tasks: the task filter's choices where the ledger cannot count them."""
     try:
         return sorted(name for name, task in celery_app().tasks.items() if isinstance(task, IdempotentTask))
     except Exception:  # an app not finalised, or none: no choices but "All"
@@ -428,8 +388,7 @@ def _app_tasks() -> list[str]:
 
 
 def _not_a_key() -> HttpResponse:
-    # Every key the library writes is 64 lower-case hex digits (idemmail_celery.keys): anything else is no
-    # record's, and is answered before it reaches the ledger, a permission check or the audit log.
+    # Answered before anything reaches the ledger, a permission check or the audit log.
     return HttpResponseBadRequest("not a ledger key: 64 lower-case hex digits", content_type="text/plain")
 
 

@@ -1,17 +1,5 @@
-"""System checks (``manage.py check``, and every ``runserver``, ``migrate`` and Celery worker start).
-
-One message per setting that is missing or wrong, each with its own id:
-
-* ``idemmail.E001`` no ``IDEMMAIL_KEY_SECRET`` with a server ledger (Redis, PostgreSQL, MySQL):
-  ``send_email`` would refuse every call (``W001`` on the embedded SQLite ledger: development);
-* ``idemmail.E002`` a setting that does not parse (named, its value never shown);
-* ``idemmail.E004`` ``IDEMMAIL_OUTBOX_TABLE`` is not the table of the outbox model;
-* ``idemmail.E005`` an ``IDEMMAIL_*`` name the library does not know (a typo, with the likely one);
-* ``idemmail.E006`` the same setting as ``IDEMMAIL_X`` and ``CELERY_IDEMMAIL_X``, with different values;
-* ``idemmail.E007`` the provider cannot be built from ``IDEMMAIL_PROVIDER_URL`` and its credentials (a
-  scheme no provider serves, a missing API key, an SMTP password without a user): built here as the
-  worker builds it, so every send would fail the same way (the message names the setting, never the key);
-* ``idemmail.W002`` no ``IDEMMAIL_DEFAULT_FROM``; ``idemmail.W003`` no ``IDEMMAIL_PROVIDER_URL``.
+"""System checks (``manage.py check``, and every ``runserver``, ``migrate`` and Celery worker start): one message
+per setting that is missing or wrong, each id (``idemmail.E001``...) in docs/django.md's table.
 """
 
 from __future__ import annotations
@@ -53,14 +41,14 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         return messages
     if not resolved.key_secrets and not resolved.allow_plain_keys:
         if resolved.ledger_url.startswith("sqlite"):
-            messages.append(Warning(
-                "IDEMMAIL_KEY_SECRET is not set: intent keys are plain SHA-256 (the embedded SQLite ledger "
-                "allows it, for development).", hint=_SECRET_HINT, id="idemmail.W001", obj="IDEMMAIL_KEY_SECRET"))
+            messages.append(Warning("IDEMMAIL_KEY_SECRET is not set: intent keys are plain SHA-256 (the embedded "
+                                    "SQLite ledger allows it, for development).", hint=_SECRET_HINT,
+                                    id="idemmail.W001", obj="IDEMMAIL_KEY_SECRET"))
         else:
-            messages.append(Error(
-                "IDEMMAIL_KEY_SECRET is not set: with a server ledger send_email refuses every call, since plain "
-                "SHA-256 intent keys can be brute-forced back to guessable addresses and order ids.",
-                hint=_SECRET_HINT, id="idemmail.E001", obj="IDEMMAIL_KEY_SECRET"))
+            messages.append(Error("IDEMMAIL_KEY_SECRET is not set: with a server ledger send_email refuses every "
+                                  "call, since plain SHA-256 intent keys can be brute-forced back to guessable "
+                                  "addresses and order ids.", hint=_SECRET_HINT, id="idemmail.E001",
+                                  obj="IDEMMAIL_KEY_SECRET"))
     if resolved.outbox_table != DEFAULT_TABLE:
         messages.append(Error(
             f"IDEMMAIL_OUTBOX_TABLE is {resolved.outbox_table!r}, but the outbox model (and its migration) is the "
@@ -75,26 +63,21 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             messages.append(Error(problem, id="idemmail.E007", obj="IDEMMAIL_PROVIDER_URL",
                                   hint="See the providers page (docs/providers.md)."))
     else:
-        messages.append(Warning(
-            "IDEMMAIL_PROVIDER_URL is not set: send_email has no provider to send through.",
-            hint="e.g. IDEMMAIL_PROVIDER_URL = 'resend://' (see docs/providers.md).", id="idemmail.W003",
-            obj="IDEMMAIL_PROVIDER_URL"))
+        messages.append(Warning("IDEMMAIL_PROVIDER_URL is not set: send_email has no provider to send through.",
+                                hint="e.g. IDEMMAIL_PROVIDER_URL = 'resend://' (see docs/providers.md).",
+                                id="idemmail.W003", obj="IDEMMAIL_PROVIDER_URL"))
     if not resolved.default_from:
-        messages.append(Warning(
-            "IDEMMAIL_DEFAULT_FROM is not set: every send_email call must pass from_.",
-            hint="e.g. IDEMMAIL_DEFAULT_FROM = 'Shop <shop@example.com>'.", id="idemmail.W002",
-            obj="IDEMMAIL_DEFAULT_FROM"))
+        messages.append(Warning("IDEMMAIL_DEFAULT_FROM is not set: every send_email call must pass from_.",
+                                hint="e.g. IDEMMAIL_DEFAULT_FROM = 'Shop <shop@example.com>'.",
+                                id="idemmail.W002", obj="IDEMMAIL_DEFAULT_FROM"))
     return messages
 
 
 def _unknown_names() -> list[CheckMessage]:
     out: list[CheckMessage] = []
     for name in django_names():
-        upper = name.removeprefix(NAMESPACE)
-        if upper in NAMES.values():
-            continue
         try:
-            _refuse_unknown([upper.lower()])
+            _refuse_unknown([name.removeprefix(NAMESPACE).lower()])
         except ConfigurationError as exc:
             out.append(Error(f"{name}: {exc}", id="idemmail.E005", obj=name))
     return out

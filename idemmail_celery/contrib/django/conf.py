@@ -1,14 +1,6 @@
-"""The library's settings, read from Django's.
-
-Two spellings, both in ``settings.py``:
-
-* ``CELERY_IDEMMAIL_KEY_SECRET = ...``: what ``app.config_from_object("django.conf:settings",
-  namespace="CELERY")`` hands Celery as ``idemmail_key_secret``, like any Celery setting;
-* ``IDEMMAIL_KEY_SECRET = ...``: copied, when Django starts, to the ``CELERY_`` name if that one
-  is not set (setting both to different values is a system check error, ``idemmail.E006``).
-
-Anything set on ``app.conf`` in ``celery.py`` wins over both, as in any Celery app; the
-environment variables of the settings table are read last.
+"""The library's settings, read from Django's: ``CELERY_IDEMMAIL_X`` (through ``config_from_object``, like any
+Celery setting) or plain ``IDEMMAIL_X``, copied to the ``CELERY_`` name when that is not set (docs/django.md).
+What ``celery.py`` sets on ``app.conf`` wins over both; the environment variables are read last.
 """
 
 from __future__ import annotations
@@ -21,8 +13,7 @@ from django.conf import settings as django_settings
 
 from ...config import SETTINGS
 
-#: The namespace of ``config_from_object`` that these settings are copied under.
-NAMESPACE = "CELERY_"
+NAMESPACE = "CELERY_"  # config_from_object's, which plain IDEMMAIL_* settings are copied under
 #: The upper-case names a Django project may set, by ``app.conf`` name.
 NAMES = {s.conf: s.conf.upper() for s in SETTINGS}
 _UNSET = object()
@@ -30,12 +21,9 @@ _project_app: list[Any] = []
 
 
 def remember_app() -> Any:
-    """Keep the Celery app current when Django starts (the one ``proj/__init__.py`` imports); returns it,
-    or None when there is none.
-
-    ``celery.current_app`` is per thread: in a threaded server's request threads it is Celery's
-    unconfigured fallback app, whose ledger and broker are not the project's.
-    """
+    """Keep (and return) the Celery app current when Django starts, the one ``proj/__init__.py`` imports; None if
+    none is. ``celery.current_app`` is per thread: in a threaded server's request threads it is Celery's
+    unconfigured fallback app, whose ledger and broker are not the project's."""
     from celery import current_app
 
     app = current_app._get_current_object()
@@ -56,8 +44,7 @@ def celery_app() -> Any:
 
 def django_names() -> list[str]:
     """Every ``IDEMMAIL_*`` and ``CELERY_IDEMMAIL_*`` name in Django's settings."""
-    return sorted(n for n in dir(django_settings)
-                  if n.startswith("IDEMMAIL_") or n.startswith(NAMESPACE + "IDEMMAIL_"))
+    return sorted(n for n in dir(django_settings) if n.startswith(("IDEMMAIL_", NAMESPACE + "IDEMMAIL_")))
 
 
 def apply_plain_settings() -> None:
@@ -69,23 +56,17 @@ def apply_plain_settings() -> None:
 
 
 class DjangoConf:
-    """A read-only ``app.conf`` look-alike over Django's settings (what the system checks resolve),
-    with a Celery app's ``conf`` (values set in ``celery.py``) consulted first."""
+    """A read-only ``app.conf`` look-alike over Django's settings (what the system checks resolve), a Celery
+    app's ``conf`` (values set in ``celery.py``) consulted first."""
 
     def __init__(self, app_conf: Any = None) -> None:
         self.app_conf = app_conf
 
     def get(self, name: str, default: Any = None) -> Any:
-        if self.app_conf is not None:
-            value = self.app_conf.get(name)
-            if value is not None:
-                return value
-        upper = name.upper()
-        for candidate in (NAMESPACE + upper, upper):
-            value = getattr(django_settings, candidate, None)
-            if value is not None:
-                return value
-        return default
+        upper = name.upper()  # CELERY_IDEMMAIL_X, then IDEMMAIL_X
+        values = (self.app_conf.get(name) if self.app_conf is not None else None,
+                  getattr(django_settings, NAMESPACE + upper, None), getattr(django_settings, upper, None))
+        return next((value for value in values if value is not None), default)
 
     def __iter__(self) -> Iterator[str]:
         return iter(NAMES)
@@ -102,11 +83,9 @@ def sqlalchemy_url(alias: str = "default") -> str:
     scheme = {"postgresql": "postgresql+psycopg", "mysql": "mysql+pymysql"}.get(engine.rsplit(".", 1)[-1])
     if scheme is None:
         raise ValueError(f"the outbox relay cannot read a {engine} database; set idemmail_outbox_url")
-    user = quote(str(db.get("USER") or ""), safe="")
-    password = quote(str(db.get("PASSWORD") or ""), safe="")
+    user, password = (quote(str(db.get(part) or ""), safe="") for part in ("USER", "PASSWORD"))
     auth = f"{user}:{password}@" if password else (f"{user}@" if user else "")
-    host = db.get("HOST") or "localhost"
     port = f":{db['PORT']}" if db.get("PORT") else ""
     options = {k: v for k, v in (db.get("OPTIONS") or {}).items() if isinstance(v, (str, int))}
     query = f"?{urlencode(options)}" if options and scheme.startswith("postgresql") else ""
-    return f"{scheme}://{auth}{host}{port}/{db['NAME']}{query}"
+    return f"{scheme}://{auth}{db.get('HOST') or 'localhost'}{port}/{db['NAME']}{query}"

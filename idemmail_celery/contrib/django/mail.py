@@ -1,11 +1,7 @@
-"""Django's email API over ``send_email``: ``EMAIL_BACKEND = "idemmail_celery.contrib.django.EmailBackend"``.
-
-One Django message is one ``send_email`` call (:func:`intent_of` maps it, refusing with
-:class:`~idemmail_celery.errors.InvalidEmail` what the task cannot carry). Its intent key is the
-``Idempotency-Key`` header when set, else a digest of the message and the slot of the clock it
-falls in (``idemmail_email_window_seconds``). In the backend's database's open transaction the
-call is an outbox row; in autocommit it is published on the connection :meth:`EmailBackend.open`
-holds. The user's guide is docs/django.md.
+"""Django's email API over ``send_email`` (``EMAIL_BACKEND = "idemmail_celery.contrib.django.EmailBackend"``,
+docs/django.md): one Django message is one ``send_email`` call, its intent the ``Idempotency-Key`` header, else
+a digest of the message and its slot of the clock. In the backend's database's open transaction the call is an
+outbox row; in autocommit it is published on the connection :meth:`EmailBackend.open` holds.
 """
 
 from __future__ import annotations
@@ -33,25 +29,19 @@ from .outbox import enqueue
 
 __all__ = ["IDEMPOTENCY_HEADER", "EmailBackend", "intent_of"]
 
-#: The header that names a message's intent itself; never sent.
-IDEMPOTENCY_HEADER = "Idempotency-Key"
-
+IDEMPOTENCY_HEADER = "Idempotency-Key"  # names a message's intent itself; never sent
 #: What a broker that does not answer raises from a publish: what ``fail_silently`` swallows.
 _SEND_ERRORS = (OSError, KombuOperationalError)
 
 
 class EmailBackend(BaseEmailBackend):
-    """Django's email backend over ``send_email`` on the project's Celery app (see the module docstring).
-
-    Options (a mailer's ``OPTIONS`` in ``MAILERS``, or ``get_connection(path, **options)``):
-    ``fail_silently``; ``using``, the database whose open transaction an email joins; ``window``,
-    seconds, for ``idemmail_email_window_seconds``.
-    """
+    """Django's email backend over ``send_email`` on the project's Celery app. Options (a mailer's ``OPTIONS``,
+    or ``get_connection(path, **options)``): ``fail_silently``; ``using``, the database whose open transaction an
+    email joins; ``window``, seconds, for ``idemmail_email_window_seconds``."""
 
     def __init__(self, fail_silently: bool = False, *, using: str | None = None, window: float | None = None,
                  **kwargs: Any) -> None:
-        # ``fail_silently`` is this backend's own attribute: Django 6.1's base class deprecates taking it
-        # (and reads it from a subclass's attribute); ``alias`` (a MAILERS entry's name) goes up as given.
+        # fail_silently is kept here: Django 6.1's base class deprecates taking it; ``alias`` (MAILERS) goes up.
         super().__init__(**kwargs)
         self.fail_silently = fail_silently
         if window is not None and (isinstance(window, bool) or not isinstance(window, (int, float)) or window <= 0):
@@ -62,30 +52,25 @@ class EmailBackend(BaseEmailBackend):
         self._lock = threading.RLock()
 
     @property
-    def task(self) -> Task:
-        """``send_email`` on the project's Celery app."""
+    def task(self) -> Task:  # send_email on the project's Celery app
         return celery_app().tasks[TASK_NAME]
 
     def open(self) -> bool:
-        """Take a broker connection for the messages sent until :meth:`close`; False if one is held."""
+        """Take a broker connection for the messages sent until :meth:`close`; False if one is held already."""
         if self._producer is not None:
             return False
         self._producer = self.task.app.producer_pool.acquire(block=True)
         return True
 
-    def close(self) -> None:
-        """Give the broker connection back to the app's pool."""
+    def close(self) -> None:  # the broker connection back to the app's pool
         producer, self._producer = self._producer, None
         if producer is not None:
             producer.release()
 
     def send_messages(self, email_messages: Sequence[EmailMessage]) -> int:
-        """Send each message once per intent; the number sent (enqueued, or written to the outbox).
-
-        Raises :class:`~idemmail_celery.errors.InvalidEmail` for a message the library refuses
-        (:class:`~idemmail_celery.errors.IdempotencyKeyError` for an empty or overlong
-        ``Idempotency-Key``), before any message of the batch is written or published.
-        """
+        """Send each message once per intent; the number sent (enqueued, or written to the outbox). A message the
+        library refuses raises :class:`~idemmail_celery.errors.InvalidEmail` (``IdempotencyKeyError`` for an empty
+        or overlong ``Idempotency-Key``) before any message of the batch is written or published."""
         if not email_messages:
             return 0
         task = self.task
@@ -95,17 +80,14 @@ class EmailBackend(BaseEmailBackend):
         calls = [intent_of(m, window) for m in email_messages if m.recipients()]
         for call, key in calls:
             task.intent_headers((), call, explicit=key)  # the message and its key, as apply_async checks them
-        sent = 0
         with self._lock:
             atomic = connections[self.using].in_atomic_block
             opened = False if atomic else self.open()
             try:
-                for call, key in calls:
-                    sent += self._send(task, call, key, atomic)
+                return sum(self._send(task, call, key, atomic) for call, key in calls)
             finally:
                 if opened:
                     self.close()
-        return sent
 
     def _send(self, task: Task, call: dict[str, Any], key: str, atomic: bool) -> int:
         if atomic:  # the row commits or rolls back with the caller's data; the relay publishes it
@@ -121,16 +103,12 @@ class EmailBackend(BaseEmailBackend):
 
 
 def intent_of(message: EmailMessage, window: float, now: float | None = None) -> tuple[dict[str, Any], str]:
-    """``message`` as ``send_email`` keywords, and its intent: the ``Idempotency-Key`` header, else
-    the message within its ``window``-second slot of the clock (``now``, default the time).
-
-    Raises :class:`~idemmail_celery.errors.InvalidEmail` for what ``send_email`` cannot carry: an
-    alternative other than one HTML part, a ``multipart/related`` message, an attachment given
-    as a MIME part or without a file name.
-    """
+    """``message`` as ``send_email`` keywords, and its intent: the ``Idempotency-Key`` header, else the message
+    within its ``window``-second slot of the clock (``now``, default the time). Raises
+    :class:`~idemmail_celery.errors.InvalidEmail` for what ``send_email`` cannot carry: an alternative other than
+    one HTML part, a ``multipart/related`` message, an attachment given as a MIME part or without a file name."""
     headers = {str(name): str(value) for name, value in message.extra_headers.items()}
-    explicit = next((headers.pop(name) for name in list(headers) if name.lower() == IDEMPOTENCY_HEADER.lower()),
-                    None)
+    explicit = next((headers.pop(n) for n in list(headers) if n.lower() == IDEMPOTENCY_HEADER.lower()), None)
     body = message.body or None  # an HTML-only EmailMultiAlternatives has an empty body
     text, html = (None, body) if message.content_subtype == "html" else (body, None)
     for content, mimetype in getattr(message, "alternatives", None) or ():
@@ -147,8 +125,7 @@ def intent_of(message: EmailMessage, window: float, now: float | None = None) ->
     call: dict[str, Any] = {
         "from_": _sender(message.from_email), "to": list(message.to), "cc": list(message.cc), "bcc": list(message.bcc),
         "reply_to": list(message.reply_to), "subject": str(message.subject), "text": text, "html": html,
-        "headers": headers, "attachments": [_attachment(a) for a in message.attachments],
-    }
+        "headers": headers, "attachments": [_attachment(a) for a in message.attachments]}
     if explicit is None:
         fields = {k: call[k] for k in ("from_", "to", "cc", "bcc", "reply_to", "subject", "text", "html")}
         # Each file by its own digest: JSON-encoding megabytes of base64 again would cost more than hashing them.
@@ -161,10 +138,9 @@ def intent_of(message: EmailMessage, window: float, now: float | None = None) ->
 
 
 def _sender(address: str) -> str | None:
-    """The message's sender; None (``idemmail_default_from``) for Django's placeholder, a project's unset
+    """The message's sender; None (``idemmail_default_from``) for Django's placeholder, an unset
     ``DEFAULT_FROM_EMAIL`` (``webmaster@localhost``, which no provider accepts)."""
-    unset = global_settings.DEFAULT_FROM_EMAIL
-    return None if address == unset == settings.DEFAULT_FROM_EMAIL else address
+    return None if address == global_settings.DEFAULT_FROM_EMAIL == settings.DEFAULT_FROM_EMAIL else address
 
 
 def _attachment(attachment: Any) -> dict[str, str]:

@@ -1,14 +1,6 @@
-"""The outbox table as a Django model, and the review queue's place in the admin.
-
-:class:`OutboxRow` is the table of :func:`idemmail_celery.outbox.outbox_table`, column for column, so
-the relay (SQLAlchemy, in the worker) reads what Django's migration created. Its timestamps are
-naive UTC, as the relay writes them (``timestamp`` without time zone on PostgreSQL, ``datetime(6)``
-on MariaDB/MySQL), read back as aware UTC datetimes. Rows are written by
-:func:`idemmail_celery.contrib.django.outbox.enqueue` and changed by the relay only: treat the model
-as read-only.
-
-:class:`ReviewRecord` has no table: it gives the ledger's review queue (which may live in Redis) a
-page in the admin and carries its permissions, one per operator action.
+"""The outbox table as a Django model (read-only: written by :func:`.outbox.enqueue`, changed by the relay), column
+for column :func:`idemmail_celery.outbox.outbox_table`, timestamps naive UTC as the relay writes them; and the review
+queue's page in the admin.
 """
 
 from __future__ import annotations
@@ -72,11 +64,11 @@ class OutboxRow(models.Model):
 
 
 class ReviewRecord(models.Model):
-    """The review queue's admin page (no table: the records are the ledger's, wherever it is)."""
+    """The review queue's admin page and its permissions (no table: the records are the ledger's)."""
 
     class Meta:
         managed = False
-        db_table = "idemmail_review_unused"  # never created: managed = False
+        db_table = "idemmail_review_unused"  # never created
         verbose_name = "ledger record"
         verbose_name_plural = "ledger records (review queue)"
         default_permissions = ("view",)

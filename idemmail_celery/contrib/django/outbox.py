@@ -1,22 +1,7 @@
-"""The outbox through Django's connection: the intent commits, or rolls back, with your data.
-
-::
-
-    from django.db import transaction
-    from idemmail_celery.contrib.django.outbox import enqueue_email
-
-    with transaction.atomic():
-        order = Order.objects.create(...)
-        enqueue_email(to=order.email, subject=f"Order {order.pk} confirmed", html=...,
-                      event_id=f"order-{order.pk}", template="order_confirmation")
-
-The row is an ``INSERT`` on ``connections[using]`` (the default database unless ``using``
-says otherwise), inside whatever transaction is open there: it is committed with the order,
-or rolled back with it. Nothing is published at commit: the relay task
-(``idemmail_celery.outbox_relay``, run by beat every few seconds) publishes committed rows, so
-a process that dies between the commit and any publish loses nothing. ``nudge=True`` also asks
-for a relay run right after the commit (``transaction.on_commit``), for a prompt email: only a
-shortcut, lost harmlessly if the process dies first or the broker is down.
+"""The outbox through Django's connection (docs/django.md, "The outbox in a view"): the row is an ``INSERT`` on
+``connections[using]`` in whatever transaction is open there, so it commits or rolls back with your data. The
+relay task (``idemmail_celery.outbox_relay``, on beat) publishes committed rows; ``nudge=True`` also asks for a
+relay run right after the commit (``transaction.on_commit``), a shortcut lost harmlessly if the process dies first.
 """
 
 from __future__ import annotations
@@ -34,22 +19,12 @@ from .conf import celery_app
 log = logging.getLogger("idemmail_celery")
 
 
-def enqueue(
-    task: Task,
-    args: Sequence[Any] | None = None,
-    kwargs: Mapping[str, Any] | None = None,
-    *,
-    using: str | None = None,
-    nudge: bool = False,
-    idempotency_key: str | None = None,
-    idempotency_tenant: str | None = None,
-    **options: Any,
-) -> str:
-    """Write ``task.apply_async(args, kwargs, **options)`` into the outbox on Django's connection ``using``.
-
-    Validated and keyed exactly as :func:`idemmail_celery.outbox.enqueue` (bad input raises before
-    any SQL); the same intent enqueued again is not a second row. Returns the intent key.
-    """
+def enqueue(task: Task, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, *,
+            using: str | None = None, nudge: bool = False, idempotency_key: str | None = None,
+            idempotency_tenant: str | None = None, **options: Any) -> str:
+    """Write ``task.apply_async(args, kwargs, **options)`` into the outbox on Django's connection ``using``;
+    returns the intent key. Validated and keyed as :func:`idemmail_celery.outbox.enqueue` (bad input raises
+    before any SQL); the same intent enqueued again is not a second row."""
     alias = using or DEFAULT_DB_ALIAS
     connection = connections[alias]
     stmt = enqueue_sql(connection.vendor, task, args, kwargs, idempotency_key=idempotency_key,
@@ -62,20 +37,11 @@ def enqueue(
     return stmt.key
 
 
-def enqueue_email(
-    *,
-    using: str | None = None,
-    nudge: bool = False,
-    task: Task | None = None,
-    options: Mapping[str, Any] | None = None,
-    **email: Any,
-) -> str:
-    """:func:`enqueue` a ``send_email`` call (``to``, ``subject``, ``html``, ``event_id``, ``template``, ...).
-
-    Invalid mail raises :class:`~idemmail_celery.errors.InvalidEmail` before anything is written.
-    The task is ``task``, else ``send_email`` on the project's Celery app; publishing options
-    (``{"queue": "mail"}``) go in ``options``. Returns the intent key.
-    """
+def enqueue_email(*, using: str | None = None, nudge: bool = False, task: Task | None = None,
+                  options: Mapping[str, Any] | None = None, **email: Any) -> str:
+    """:func:`enqueue` a ``send_email`` call (``to``, ``subject``, ``html``, ...) of ``task``, else ``send_email``
+    on the project's Celery app, with publishing ``options`` (``{"queue": "mail"}``); returns the intent key.
+    Invalid mail raises :class:`~idemmail_celery.errors.InvalidEmail` before anything is written."""
     return enqueue(_email_task(celery_app(), task), (), email, using=using, nudge=nudge, **dict(options or {}))
 
 

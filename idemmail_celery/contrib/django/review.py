@@ -1,15 +1,5 @@
-"""The review queue's list page, on Django's ChangeList conventions: a request's parameters as a ledger query,
-the links that keep them, the rows, and the sidebar's counts.
-
-The parameters are the changelist's: ``q`` (search), ``o`` (order: ``-updated`` for the newest first), ``p`` (the
-page, from 1), the filters ``state``, ``task``, ``reason`` and ``age``, the date hierarchy's ``updated__year``,
-``updated__month`` and ``updated__day`` (UTC), and ``c``, the cursor of the page the "next" link leads to (a
-page reached by its number alone is read from the start of the order). A value that does not parse is dropped
-with a note on the page, never an error.
-
-Rows show no personal data: the full key (to copy into the CLI), a label (template, event id, tags,
-recipients' domains: :func:`~idemmail_celery.ledger.listing.label_of`), state, task, reason or message id,
-attempts and the time in ISO 8601 (UTC).
+"""The review queue's list page on Django's ChangeList conventions (docs/django.md): the request as a ledger query
+(what does not parse is dropped with a note on the page, never an error), its links, rows and sidebar counts.
 """
 
 from __future__ import annotations
@@ -18,19 +8,23 @@ import datetime as dt
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlencode
 
 from ...ledger import Ledger, Record, State
 from ...ledger.listing import MAX_TEXT, Counts, RecordQuery, Summary, label_of, message_id_of, reason_of
 
-#: Records a page lists (Django's ``list_per_page``).
-PER_PAGE = 100
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+PER_PAGE = 100  # Django's list_per_page
+#: The last page number read as asked: past any queue, its offset still a number every store takes.
+MAX_PAGE = 10**9
 #: The filters a link keeps, in the order they are written.
 FILTERS = ("state", "task", "reason", "age", "updated__year", "updated__month", "updated__day", "q", "o")
-#: The date hierarchy's parameters, from the widest.
 DATE_PARTS = ("updated__year", "updated__month", "updated__day")
 #: ``age`` -> (its label, parked at most this many seconds ago, parked at least this many seconds ago).
 AGES: dict[str, tuple[str, int | None, int | None]] = {
@@ -41,8 +35,7 @@ AGES: dict[str, tuple[str, int | None, int | None]] = {
     "older-7d": ("More than 7 days ago", None, 7 * 86400),
     "older-30d": ("More than 30 days ago", None, 30 * 86400),
 }
-#: How long the sidebar's counts are kept (each is one pass over the state's records in the store).
-SUMMARY_SECONDS = 30.0
+SUMMARY_SECONDS = 30.0  # how long the sidebar's counts are kept
 
 
 @dataclass
@@ -57,10 +50,7 @@ class ListRequest:
 
     @classmethod
     def parse(cls, get: Mapping[str, str], now: float) -> ListRequest:
-        """The request's parameters (``request.GET``) as a query; ``now`` (epoch seconds) anchors ``age``.
-
-        Never raises: what does not parse is left out of ``params`` with a line in ``problems``.
-        """
+        """``request.GET`` as a query (``now``, epoch seconds, anchors ``age``); never raises."""
         problems: list[str] = []
         params = _taken(get, problems)
         state = _state(params, problems)
@@ -79,18 +69,12 @@ class ListRequest:
 
     def link(self, **changes: str | int | None) -> str:
         """This page's query string with ``changes`` (None drops a parameter); a new filter starts at page 1."""
-        params: dict[str, Any] = {k: v for k, v in self.params.items()}
-        for name, value in changes.items():
-            if value is None or value == "":
-                params.pop(name, None)
-            else:
-                params[name] = value
-        ordered = [(k, params[k]) for k in (*FILTERS, "p", "c") if k in params]
+        params: dict[str, Any] = {**self.params, **changes}
+        ordered = [(k, params[k]) for k in (*FILTERS, "p", "c") if params.get(k) not in (None, "")]
         return "?" + urlencode(ordered) if ordered else "?"
 
     @property
-    def filtered(self) -> bool:
-        """Does any filter but the state narrow the list?"""
+    def filtered(self) -> bool:  # by anything but the state
         return any(k in self.params for k in ("task", "reason", "age", *DATE_PARTS, "q"))
 
 
@@ -99,17 +83,15 @@ def _taken(get: Mapping[str, str], problems: list[str]) -> dict[str, str]:
     params: dict[str, str] = {}
     for name in FILTERS:
         value = str(get.get(name, "")).strip()
-        if not value:
-            continue
-        if len(value) > MAX_TEXT or not value.isprintable():
+        if value and (len(value) > MAX_TEXT or not value.isprintable()):
             problems.append(f"{name}: left out (not a value this page takes)")
-        else:
+        elif value:
             params[name] = value
     return params
 
 
 def _state(params: dict[str, str], problems: list[str]) -> State | None:
-    """The state chosen (``review`` by default, ``all``: None); an unknown one shows ``review``."""
+    """The state chosen (``review`` by default, ``all``: None; an unknown one: ``review``)."""
     chosen = params.get("state", State.REVIEW.value)
     if chosen == "all":
         return None
@@ -122,7 +104,7 @@ def _state(params: dict[str, str], problems: list[str]) -> State | None:
 
 def _age(params: dict[str, str], problems: list[str], now: float, since: float | None,
          until: float | None) -> tuple[float | None, float | None]:
-    """The range ``since``-``until`` narrowed by the ``age`` filter, if one of :data:`AGES` is chosen."""
+    """The range ``since``-``until`` narrowed by the ``age`` filter."""
     age = params.get("age")
     if age is None:
         return since, until
@@ -139,15 +121,14 @@ def _age(params: dict[str, str], problems: list[str], now: float, since: float |
 
 
 def _page_number(get: Mapping[str, str]) -> int:
-    """The page number, from 1 (1 when it is not a number)."""
     try:
-        return max(1, int(get.get("p", "1")))
+        return min(max(1, int(get.get("p", "1"))), MAX_PAGE)
     except ValueError:
         return 1
 
 
 def _cursor(get: Mapping[str, str]) -> str | None:
-    """The "next" link's cursor, or None (none given, or too long to be one this page wrote)."""
+    """The "next" link's cursor; None if too long to be one this page wrote."""
     cursor = str(get.get("c", ""))
     return cursor if cursor and len(cursor) < 2 * MAX_TEXT else None
 
@@ -160,34 +141,31 @@ def _dates(params: dict[str, str], problems: list[str]) -> tuple[float | None, f
         text = params.get(name)
         if text is None:
             break
-        if not text.isdigit():
+        if not text.isdecimal():  # not isdigit(): int() refuses "²"
             problems.append(f"{name} {text!r}: left out")
             break
         parts.append(int(text))
+    if parts:
+        year, month, day = (*parts, 1, 1)[:3]
+        try:
+            start = dt.datetime(year, month, day, tzinfo=dt.timezone.utc)
+            if len(parts) == 1:
+                end = start.replace(year=year + 1)
+            elif len(parts) == 2:  # a month ends where the next one starts
+                end = (start + dt.timedelta(days=32)).replace(day=1)
+            else:
+                end = start + dt.timedelta(days=1)
+        except (ValueError, OverflowError):  # no such date, or its end is past year 9999
+            problems.append("the date: not a date, left out")
+            parts = []
     for name in DATE_PARTS[len(parts):]:
         params.pop(name, None)
-    if not parts:
-        return None, None
-    year, month, day = (*parts, 1, 1)[:3]
-    try:
-        start = dt.datetime(year, month, day, tzinfo=dt.timezone.utc)
-    except (ValueError, OverflowError):
-        problems.append("the date: not a date, left out")
-        for name in DATE_PARTS:
-            params.pop(name, None)
-        return None, None
-    if len(parts) == 1:
-        end = start.replace(year=start.year + 1)
-    elif len(parts) == 2:
-        end = (start + dt.timedelta(days=32)).replace(day=1)
-    else:
-        end = start + dt.timedelta(days=1)
-    return start.timestamp(), end.timestamp()
+    return (start.timestamp(), end.timestamp()) if parts else (None, None)
 
 
 def hierarchy(request: ListRequest, days: dict[int, int] | None) -> dict[str, Any] | None:
-    """Django's date hierarchy over the days that hold records (UTC): a link back up, and the years, months
-    or days below the one chosen, each a link with its count."""
+    """Django's date hierarchy over the days holding records (UTC): a link back up, and the years, months or
+    days below the one chosen, each a link with its count."""
     if not days:
         return None
     dates = sorted((dt.date(1970, 1, 1) + dt.timedelta(days=d), n) for d, n in days.items())
@@ -199,24 +177,18 @@ def hierarchy(request: ListRequest, days: dict[int, int] | None) -> dict[str, An
     if len(chosen) == 3:
         return {"back": {"title": f"{chosen[0]}-{chosen[1]:02d}", "link": at(*chosen[:2])},
                 "choices": [{"title": f"{chosen[0]}-{chosen[1]:02d}-{chosen[2]:02d}", "link": ""}]}
-    groups: dict[tuple[int, ...], int] = {}
+    groups: Counter[tuple[int, ...]] = Counter()
     for d, n in dates:  # inside the one chosen, by the level below it: year, month or day
         if [d.year, d.month][:len(chosen)] == chosen:
-            group = (d.year, d.month, d.day)[:len(chosen) + 1]
-            groups[group] = groups.get(group, 0) + n
-    back = None
-    if chosen:
-        back = {"title": "All dates" if len(chosen) == 1 else str(chosen[0]), "link": at(*chosen[:-1])}
-    choices = [{"title": "-".join(f"{p:02d}" for p in group) + f" ({n:,})", "link": at(*group)}
-               for group, n in groups.items()]
-    return {"back": back, "choices": choices}
+            groups[(d.year, d.month, d.day)[:len(chosen) + 1]] += n
+    back = {"title": "All dates" if len(chosen) == 1 else str(chosen[0]), "link": at(*chosen[:-1])} if chosen else None
+    return {"back": back, "choices": [{"title": "-".join(f"{p:02d}" for p in group) + f" ({n:,})", "link": at(*group)}
+                                      for group, n in groups.items()]}
 
 
 def iso(ts: float | None) -> str:
     """An epoch time in ISO 8601, UTC, to the second (``2026-11-27T17:05:01Z``); ``""`` for none."""
-    if not ts:
-        return ""
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if ts else ""
 
 
 def row(record: Record) -> dict[str, Any]:
@@ -234,17 +206,16 @@ def readable(value: Any, name: str = "") -> Any:
         return {k: readable(v, str(k)) for k, v in value.items()}
     if isinstance(value, list):
         return [readable(v) for v in value]
-    if (name == "at" or name.endswith("_at")) and isinstance(value, (int, float)) and not isinstance(value, bool) \
-            and 0 < value < 1e11:
-        return dt.datetime.fromtimestamp(value, dt.timezone.utc).isoformat(timespec="milliseconds").replace(
-            "+00:00", "Z")
+    if (name == "at" or name.endswith("_at")) and type(value) in (int, float) and 0 < value < 1e11:
+        at = dt.datetime.fromtimestamp(value, dt.timezone.utc)
+        return at.isoformat(timespec="milliseconds").replace("+00:00", "Z")
     return value
 
 
 class Summaries:
-    """The sidebar's counts: the :class:`~idemmail_celery.ledger.listing.Counts` of a state and time range, kept
-    :data:`SUMMARY_SECONDS` per ledger (on Redis each is a pass over the state's records), so that choosing a
-    reason or a task, or the next page, counts nothing again; an operator's action here forgets them at once."""
+    """The sidebar's :class:`~idemmail_celery.ledger.listing.Counts` per ledger, state and time range, and the
+    records per state (:meth:`~idemmail_celery.ledger.base.Ledger.stats`), each kept :data:`SUMMARY_SECONDS` (on
+    Redis each is a pass over the state's records) or until an operator acts (:meth:`forget`)."""
 
     def __init__(self) -> None:
         self._kept: dict[tuple[int, RecordQuery], tuple[float, Counts]] = {}
@@ -252,42 +223,38 @@ class Summaries:
         self._lock = threading.Lock()
 
     def kept(self, ledger: Ledger, query: RecordQuery) -> Summary | None:
-        """The summary of ``query`` from the counts kept for its state and time range; None if none are."""
+        """The summary of ``query`` from the counts kept, or None."""
         with self._lock:
             kept = self._kept.get(self._key(ledger, query))
         return kept[1].summary(query) if kept is not None and kept[0] > time.monotonic() else None
 
     def get(self, ledger: Ledger, query: RecordQuery) -> Summary:
-        """The summary of ``query``, from the counts kept for its state and time range, else counted now."""
-        summary = self.kept(ledger, query)
-        if summary is not None:
-            return summary
+        """The summary of ``query``, from the counts kept, else counted now."""
         key = self._key(ledger, query)
-        now = time.monotonic()
-        counts = ledger.count(key[1])
-        with self._lock:
-            if len(self._kept) > 256:
-                self._kept.clear()
-            self._kept[key] = (now + SUMMARY_SECONDS, counts)
-        return counts.summary(query)
-
-    @staticmethod
-    def _key(ledger: Ledger, query: RecordQuery) -> tuple[int, RecordQuery]:
-        return id(ledger), RecordQuery(state=query.state, since=query.since, until=query.until)
+        return self._keep(self._kept, key, lambda: ledger.count(key[1])).summary(query)
 
     def states(self, ledger: Ledger) -> dict[str, int]:
-        """The records per state (:meth:`~idemmail_celery.ledger.base.Ledger.stats`), kept as long."""
-        now = time.monotonic()
-        with self._lock:
-            kept = self._stats.get(id(ledger))
-        if kept is not None and kept[0] > now:
-            return kept[1]
-        counts = ledger.stats()
-        with self._lock:
-            self._stats[id(ledger)] = (now + SUMMARY_SECONDS, counts)
-        return counts
+        return self._keep(self._stats, id(ledger), ledger.stats)
 
     def forget(self) -> None:
         with self._lock:
             self._kept.clear()
             self._stats.clear()
+
+    @staticmethod
+    def _key(ledger: Ledger, query: RecordQuery) -> tuple[int, RecordQuery]:
+        return id(ledger), RecordQuery(state=query.state, since=query.since, until=query.until)
+
+    def _keep(self, kept: dict[_K, tuple[float, _V]], key: _K, count: Callable[[], _V]) -> _V:
+        """What ``kept`` holds for ``key`` while it is fresh, else ``count()``, kept from now on."""
+        now = time.monotonic()
+        with self._lock:
+            held = kept.get(key)
+        if held is not None and held[0] > now:
+            return held[1]
+        value = count()
+        with self._lock:
+            if len(kept) > 256:
+                kept.clear()
+            kept[key] = (now + SUMMARY_SECONDS, value)
+        return value

@@ -1,11 +1,6 @@
-"""The tasks a Django project gets: imported when Django starts (and by ``app.autodiscover_tasks()``).
-
-``send_email`` and ``send_campaign`` are Celery shared tasks: importing them here registers them on
-every app, so ``from idemmail_celery import send_email`` in a view and
-``app.tasks["idemmail_celery.send_email"]`` both find them. The outbox relay is registered on the
-project's app only (:func:`register_relay_task`, called when Django starts): schedule
-``idemmail_celery.outbox_relay`` on beat; it drains ``idemmail_outbox_url``, else the database
-Django writes the outbox model to.
+"""The tasks a Django project gets, registered when Django starts (and by ``app.autodiscover_tasks()``): the shared
+tasks ``send_email`` and ``send_campaign``, and the outbox relay on the project's app only (docs/django.md, "The
+Celery app and its tasks").
 """
 
 from __future__ import annotations
@@ -29,12 +24,12 @@ def outbox_url(conf: object) -> str:
 
 
 def register_relay_task(app: Celery) -> Task:
-    """The relay task on ``app`` alone, not a shared task: another app in the process (one that calls
-    :func:`idemmail_celery.outbox.register_relay` for its own database) keeps its own relay."""
+    """The relay task on ``app`` alone, not shared: another app in the process keeps its own relay
+    (:func:`idemmail_celery.outbox.register_relay`, for its own database)."""
 
     def outbox_relay() -> int:
+        """Publish committed outbox rows to the broker (idemmail_celery.outbox.drain)."""
         return run_relay(app, outbox_url(app.conf))
 
-    outbox_relay.__doc__ = "Publish committed outbox rows to the broker (idemmail_celery.outbox.drain)."
     task: Task = app.task(name=RELAY_TASK, shared=False, ignore_result=True)(outbox_relay)
     return task
