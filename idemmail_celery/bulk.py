@@ -1,9 +1,6 @@
-"""Bulk sends: one campaign to many recipients, claimed in batches, settled by the one state machine.
-
-Each recipient gets one email under the key ``send_email(to=recipient, event_id=campaign_id, template=...)``
-would have, claimed in batches just before it is sent and settled by :class:`~idemmail_celery.handler.Handler`
-as a single send is. A pass that leaves recipients pending publishes another (see docs/bulk.md).
-"""
+"""Bulk sends: one campaign to many recipients, each under the key ``send_email(to=recipient, event_id=campaign_id,
+template=...)`` would have, claimed in batches just before sending and settled by the one state machine
+(:class:`~idemmail_celery.handler.Handler`); a pass leaving recipients pending publishes another (docs/bulk.md)."""
 
 from __future__ import annotations
 
@@ -109,12 +106,8 @@ def _send_campaign(self: Task, *, campaign_id: str, recipients: list[str], subje
                    html: str | None = None, from_: str | None = None, template: str | None = None,
                    tenant: str | None = None, headers: dict[str, str] | None = None,
                    tags: dict[str, str] | None = None, batch_size: int = DEFAULT_BATCH) -> dict[str, Any]:
-    """Send one email per recipient, once each, however often this task runs.
-
-    Returns counts by outcome: ``sent`` (this run), ``duplicate`` (already final), ``failed``, ``review``,
-    ``pending``, and ``total`` recipients (while it runs, as the task state ``PROGRESS``). Pending recipients are
-    retried by further passes (at most ``MAX_PASSES``; see docs/bulk.md).
-    """
+    """Send one email per recipient, once each, however often this task runs; returns (and while it runs, reports
+    as the state ``PROGRESS``) counts by outcome and ``total``; pending ones get more passes (``MAX_PASSES``)."""
     sender: SendEmailTask = self.app.tasks[SEND_EMAIL]
     try:
         builder = sender.key_builder
@@ -288,8 +281,8 @@ def pass_seconds(app: Any, settings: Settings) -> float:
 
 @dataclass(frozen=True)
 class _Resumed:
-    """What a pass handed on (the ``idemmail_campaign`` header): where the next pass starts, the counts so far,
-    and how many passes only ran out of time (``continued``) or waited on an outage (``outages``)."""
+    """The ``idemmail_campaign`` header: where the next pass starts, counts so far, passes that only ran out of time
+    (``continued``) or waited on an outage (``outages``)."""
 
     start: int = 0
     tally: tuple[tuple[Outcome, int], ...] = ()
@@ -397,9 +390,8 @@ def _campaign_call(task: Task) -> Payload:
 
 
 def _trusted(task: Task, sender: SendEmailTask) -> dict[str, Any]:
-    """This pass's headers, less the pass state unless the last pass of this campaign sealed it (a forged verdict
-    would record a send that never happened), with one WARNING. A seal under a key secret this worker lacks waits
-    for a worker that has it, as ``send_email`` does: dropping its state could send recipients twice."""
+    """This pass's headers, less the pass state unless this campaign sealed it (a forged verdict would record a send
+    that never happened; one WARNING). A seal under a secret this worker lacks waits for a worker that has it."""
     headers = dict(task.request.headers or {})
     check = sender.key_builder.check_seal(headers, _campaign_call(task), task_name=CAMPAIGN_TASK)
     if check is Seal.VALID:

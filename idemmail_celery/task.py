@@ -2,8 +2,7 @@
 
 ``apply_async`` validates the call and sends its intent key in a sealed header (see docs/security.md);
 ``__call__`` (worker) hands the delivery to the :class:`~idemmail_celery.handler.Handler` and carries out its
-answer, every countdown below the broker's visibility timeout (see docs/deployment.md).
-"""
+answer, every countdown below the broker's visibility timeout (see docs/deployment.md)."""
 
 from __future__ import annotations
 
@@ -63,8 +62,7 @@ _warned_lock = threading.Lock()
 
 
 def serializer_round_trip(serializer: str) -> RoundTrip:
-    """What Celery's ``serializer`` does to a value between caller and worker (a key is made of what the worker
-    sees). Raises :class:`~idemmail_celery.errors.UnserializableArgumentsError` for what it cannot carry."""
+    """What Celery's ``serializer`` makes of a value by the worker; ``UnserializableArgumentsError`` if it cannot."""
 
     def through(value: Any) -> Any:
         if serializer == "json" and is_json_plain(value):
@@ -93,8 +91,7 @@ class _ToldOf(type):
 
 
 class Reported(metaclass=_ToldOf):
-    """Matches (``isinstance``) an error whose outcome the library has logged already, other than
-    ``ledger_unavailable_gave_up``: in every task's ``throws``, so Celery logs it without a traceback."""
+    """Matches an error the library logged (but ``ledger_unavailable_gave_up``): in ``throws``, so no traceback."""
 
 
 _told: weakref.WeakSet[BaseException] = weakref.WeakSet()
@@ -102,32 +99,23 @@ _told: weakref.WeakSet[BaseException] = weakref.WeakSet()
 
 class IdempotentTask(Task):  # type: ignore[misc]
     """Base class for tasks whose side effect must happen once per intent: ``@app.task(base=IdempotentTask,
-    idempotency_key=("to", "order_id"))``. Task options (all optional):
+    idempotency_key=("to", "order_id"))``. Task options (all optional; see docs/guarantee.md):
 
-    ``idempotency_key``
-        Argument names that make up the intent, or a function ``(args, kwargs) -> str``. Default: every bound argument.
-    ``idempotency_tenant``
-        Argument whose value namespaces the key (or pass ``idempotency_tenant=`` to ``apply_async``).
-    ``idempotency_version``
-        Bump it (default 1) to deliberately send every intent again.
-    ``idempotency_must_match``
-        Arguments a duplicate must repeat exactly, else it raises :class:`IdempotencyKeyReuseError`.
-    ``idempotency_address_fields``
-        Arguments normalised as email addresses (default: ``to``, ``cc``, ``bcc``, ``reply_to``, ``from_``,
-        ``sender`` where present).
-    ``idempotency_carries_key``
-        True if the body passes ``self.request.idempotency_key`` downstream to a service that de-duplicates on
-        it: then a crashed or ambiguous attempt is safely retried instead of parked for review.
-    ``idempotency_redact_args``
-        True (the default) shows the intent key instead of the arguments in task events, Flower and worker logs.
+    * ``idempotency_key``: argument names making up the intent, or a function ``(args, kwargs) -> str`` (default:
+      every bound argument); ``idempotency_tenant``: the argument namespacing the key (or ``apply_async(...,
+      idempotency_tenant=)``); ``idempotency_version`` (1): bump it to send every intent again;
+    * ``idempotency_must_match``: arguments a duplicate must repeat exactly (else ``IdempotencyKeyReuseError``);
+      ``idempotency_address_fields``: arguments normalised as addresses (default ``to``, ``cc``, ``bcc``,
+      ``reply_to``, ``from_``, ``sender``);
+    * ``idempotency_carries_key``: the body passes ``self.request.idempotency_key`` to a service that de-duplicates
+      on it, so a crashed or ambiguous attempt is retried, not parked; ``idempotency_redact_args`` (True): task
+      events, Flower and logs show the key instead of the arguments;
+    * the settings in :data:`idemmail_celery.config.SETTINGS` (a transient failure is retried until
+      ``idempotency_retry_deadline_seconds``, not ``max_retries``) and Celery's ``retry_backoff``,
+      ``retry_backoff_max`` and ``retry_jitter``.
 
-    plus the per-task settings in :data:`idemmail_celery.config.SETTINGS` (a transient failure is retried until
-    ``idempotency_retry_deadline_seconds`` after the first enqueue, not for ``max_retries``), and Celery's own
-    ``retry_backoff``, ``retry_backoff_max`` and ``retry_jitter`` for the waits between those retries.
-
-    The body reads its key as ``self.request.idempotency_key``; callers may pass their own with ``apply_async(...,
-    idempotency_key="order-4821:confirm")``. Calling the task directly (``task(...)``) runs it without the ledger.
-    """
+    Callers may pass their own key (``apply_async(..., idempotency_key="order-4821:confirm")``); calling the task
+    directly (``task(...)``) runs it without the ledger."""
 
     abstract = True
     acks_late = True
@@ -166,8 +154,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @property
     def key_builder(self) -> IntentKeyBuilder:
-        """The :class:`~idemmail_celery.keys.IntentKeyBuilder` for this task. During a key-secret rotation its
-        first secret is the newest every live worker holds (:mod:`idemmail_celery.roster`): remade when that moves."""
+        """This task's key builder; its first secret is the newest every live worker holds (see ``roster``)."""
         builder = self._idem_builder
         secrets = self.idem_settings.key_secrets
         if len(secrets) > 1:
@@ -180,8 +167,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @property
     def seal_checker(self) -> IntentKeyBuilder:
-        """A builder that checks seals under every configured secret, never reading the roster (for the main
-        process). Not for making keys or seals."""
+        """A builder checking seals under every configured secret, never reading the roster (the main process)."""
         builder = self._idem_builder
         if builder is None:
             builder = self._idem_builder = self._new_builder(self.idem_settings.key_secrets)
@@ -269,19 +255,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return self.key_builder.derive(self.key_builder.payload(args, kwargs))
 
     def check_call(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        """Validate a call before it is accepted, raising a typed error (a hook: ``send_email`` checks the message
-        here). Runs before anything is enqueued, and again at the worker before the claim."""
+        """Hook: raise a typed error for a call not to accept, before enqueueing and again before the claim."""
 
     def intent_headers(self, args: Any = None, kwargs: Any = None, *, explicit: str | None = None,
                        tenant: str | None = None, due: float | None = None) -> dict[str, Any]:
-        """Validate a call and derive the headers ``apply_async`` sends it with (the outbox stores them with a row);
-        ``due``: when a countdown or ETA lets it run (epoch seconds). Raises as :meth:`validate_call` does."""
+        """Validate a call and derive the headers ``apply_async`` sends (the outbox stores them); ``due``: when a
+        countdown or ETA lets it run (epoch seconds). Raises as :meth:`validate_call`."""
         payload = self.validate_call(args, kwargs)
         return self.key_builder.intent_headers(payload, explicit=explicit, tenant=tenant, due=due)
 
     def key_headers(self, key: str, payload: Payload, older: Sequence[str] = ()) -> dict[str, Any]:
-        """The sealed headers that put a key the library derived (``older``: its forms under older key secrets) on a
-        message for the call ``payload``, sent and claimed under ``key`` as it is (retries, ``resolve --release``)."""
+        """Sealed headers putting a derived ``key`` (``older``: under older secrets) on a message for ``payload``."""
         return self.sealed(key_headers(key, older), payload)
 
     def sealed(self, headers: dict[str, Any], payload: Payload) -> dict[str, Any]:
@@ -307,8 +291,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return payload
 
     def max_argument_size(self) -> int | None:
-        """The most a call's arguments may hold (about their length as JSON), or None for no bound (the default).
-        Checked at ``delay()`` and in the worker's main process before the pool."""
+        """Bound on a call's arguments (about their JSON length; None: none), checked at ``delay()`` and pre-pool."""
         return None
 
     def accepted_delivery(self) -> bool:
@@ -340,12 +323,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
             redaction.register(name, redacts)
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        """Enqueue like Celery, with the call validated and its intent key derived first, sent as a header.
-
-        Extra options: ``idempotency_key`` (an explicit key, hashed like a derived one; a raw ``idempotency_key``
-        header is the same) and ``idempotency_tenant``. Raises :class:`~idemmail_celery.errors.IdempotencyKeyError`
-        (and subclasses) or :class:`~idemmail_celery.errors.ConfigurationError` before enqueueing.
-        """
+        """Enqueue like Celery, the call validated and its key sent as a header; extra options ``idempotency_key``
+        (explicit, hashed) and ``idempotency_tenant``; IdempotencyKeyError or ConfigurationError before enqueueing."""
         headers = self.key_builder.call_headers(
             args, kwargs, options.get("headers") or {}, validate=self.validate_call,
             explicit=options.pop("idempotency_key", None), tenant=options.pop("idempotency_tenant", None),
@@ -429,8 +408,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return Policy()
 
     def _trusted(self, headers: dict[str, Any], payload: Payload) -> dict[str, Any]:
-        """The headers this delivery may act on: all under a valid seal, else none the seal vouches for (the key
-        stays, as a caller's own), with one WARNING. A seal under an unknown key secret waits for a worker with it."""
+        """All headers under a valid seal, else less those it vouches for (one WARNING); an unknown secret's waits."""
         check = self.key_builder.check_seal(headers, payload)
         if check is Seal.VALID:
             return headers
@@ -544,18 +522,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return self.run(*payload.args, **payload.kwargs)
 
     def carries_key(self) -> bool:
-        """Does the side effect pass the key to a service that de-duplicates on it? True: a crashed or ambiguous
-        attempt is retried with the same key; False: parked for review. ``send_email`` asks its provider."""
+        """Does the side effect pass the key to a de-duplicating service (a crashed attempt is retried, not parked)?"""
         return self.idem_settings.carries_key
 
     def writes_ahead(self) -> bool:
-        """Does the body call :func:`~idemmail_celery.providers.base.about_to_send` before its side effect? Then a
-        holder that died before its mark is run again by the next claimer (see docs/guarantee.md)."""
+        """Does the body call :func:`~idemmail_celery.providers.base.about_to_send` first (docs/guarantee.md)?"""
         return False
 
     def reconcile(self, key: str, payload: Payload) -> Any | None:
-        """Ask the side effect's service whether this intent already happened, before it is parked for review: the
-        result to record as ``sent``, or None when it cannot be found (not proof it did not happen). Asks nobody."""
+        """Before parking: the service's result if this intent already happened, else None (not proof); default None."""
         return None
 
     def report(self, outcome: Outcome, key: str, **fields: Any) -> None:
@@ -564,8 +539,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
 
 def first_run_time(app: Any, countdown: Any = None, eta: Any = None) -> float | None:
-    """When a message with Celery's ``countdown`` or ``eta`` may run (epoch seconds; a naive ``eta`` is in the
-    app's timezone); None without either, or for one Celery itself would refuse."""
+    """When a message with Celery's ``countdown`` or ``eta`` (naive: app timezone) may run; None without or if bad."""
     try:
         if countdown is not None:
             return time.time() + float(countdown)

@@ -1,13 +1,6 @@
-"""Ledgers: where intent keys are claimed and outcomes recorded.
-
-Pick a backend by URL, as kombu picks a transport::
-
-    from idemmail_celery.ledger import from_url
-    ledger = from_url("redis://127.0.0.1:6379/0")
-    ledger = from_url("postgresql+psycopg://app@db/app", table="idemmail_ledger")
-
-A new backend subclasses :class:`Ledger` in its own module and registers its schemes with :func:`register_backend`.
-"""
+"""Ledgers: where intent keys are claimed and outcomes recorded, each picked by URL as kombu picks a transport
+(``from_url("redis://127.0.0.1:6379/0")``, ``from_url("postgresql+psycopg://app@db/app", table="idemmail_ledger")``).
+A new backend subclasses :class:`Ledger` in its own module and registers its schemes with :func:`register_backend`."""
 
 from __future__ import annotations
 
@@ -24,23 +17,16 @@ __all__ = [
     "backend_for", "from_url", "known_schemes", "passive_options", "register_backend", "shared",
 ]
 
-_BACKENDS: dict[str, str] = {
-    "redis": "idemmail_celery.ledger.redis:RedisLedger",
-    "rediss": "idemmail_celery.ledger.redis:RedisLedger",  # also redis+cluster:// and rediss+cluster://
-    "sentinel": "idemmail_celery.ledger.redis:RedisLedger",  # Celery's sentinel://h1:26379;sentinel://h2:26379
-    "sqlite": "idemmail_celery.ledger.sql:SQLLedger",
-    "postgresql": "idemmail_celery.ledger.sql:SQLLedger",
-    "postgres": "idemmail_celery.ledger.sql:SQLLedger",
-    "mysql": "idemmail_celery.ledger.sql:SQLLedger",
-    "mariadb": "idemmail_celery.ledger.sql:SQLLedger",
+_BACKENDS: dict[str, str] = {  # sentinel: Celery's sentinel://h1:26379;sentinel://h2:26379
+    **dict.fromkeys(("redis", "rediss", "sentinel"), "idemmail_celery.ledger.redis:RedisLedger"),
+    **dict.fromkeys(("sqlite", "postgresql", "postgres", "mysql", "mariadb"), "idemmail_celery.ledger.sql:SQLLedger"),
 }
 #: URL forms a scheme serves besides ``scheme://`` and ``scheme+driver://``, named when refusing an unknown one.
 _FORMS: dict[str, tuple[str, ...]] = {"redis": ("redis+cluster",), "rediss": ("rediss+cluster",)}
 
 
 def register_backend(scheme: str, target: str, *, forms: tuple[str, ...] = ()) -> None:
-    """Serve URLs starting ``scheme://`` (or ``scheme+driver://``) with ``"module:Class"``; ``forms``
-    (``"redis+cluster"``) are named with it where an unknown scheme is refused."""
+    """Serve ``scheme[+driver]://`` URLs with ``"module:Class"``; ``forms``: other URL forms, named in refusals."""
     _BACKENDS[scheme.lower()] = target
     if forms:
         _FORMS[scheme.lower()] = tuple(f.lower() for f in forms)
@@ -56,15 +42,13 @@ def backend_for(url: str) -> type[Ledger]:
     scheme = scheme_of(url, "ledger")
     target = _BACKENDS.get(scheme)
     if target is None:
-        known = ", ".join(known_schemes())
-        raise UnknownLedgerSchemeError(f"no ledger backend for {scheme!r}:// (known: {known})")
+        raise UnknownLedgerSchemeError(f"no ledger backend for {scheme!r}:// (known: {', '.join(known_schemes())})")
     cls: type[Ledger] = load(target, Ledger)
     return cls
 
 
 def from_url(url: str, **options: Any) -> Ledger:
-    """Build the ledger for ``url``; it connects on first use. ``payload_keys`` (Fernet keys; the first seals, all
-    open) seals stored payloads, results and errors (:mod:`idemmail_celery.ledger.sealed`)."""
+    """Build the ledger for ``url`` (connecting on first use); ``payload_keys`` seal what it stores (:mod:`.sealed`)."""
     if url.startswith("postgres://"):
         url = "postgresql" + url[len("postgres"):]
     keys = options.pop("payload_keys", None)

@@ -1,27 +1,13 @@
 """The ledger contract: records, states, and the transitions every backend implements.
 
-A ledger maps an intent key to one :class:`Record`. Its states::
-
-                claim (new key)
-                     |
-                     v
-    released --> claimed --(complete)--> sent     (final; result replayed)
-        ^          |  |  \\--(fail)-----> failed   (final; error replayed)
-        |          |  |   \\-(park)-----> review   (final until a person resolves it)
-        +-(release)+  |
-                      +-- lease expired: reclaimed by the next claimer (new token)
-                      +-- claimed by the caller's own earlier delivery: resumed (new token, new owner)
-
-``sent`` and ``failed`` records expire after the retention period; ``claimed``,
-``released`` and ``review`` never expire by time, because an expiring record
-would silently reopen its key.
+A ledger maps an intent key to one :class:`Record`; its states and moves are drawn in docs/guarantee.md ("The state
+machine"). ``sent`` and ``failed`` records expire after the retention period; the others never expire by time.
 
 Every transition out of ``claimed`` names the fencing token of its claim; a caller whose lease was taken over
 gets :class:`StaleTokenError`, except that a late holder that did complete may still record ``sent`` over a
 ``review`` or ``released`` record or an unfinished newer claim (never over another ``sent``).
 
-Backends implement the abstract methods with one atomic operation per transition; everything else lives here.
-"""
+Backends implement the abstract methods with one atomic operation per transition; everything else lives here."""
 
 from __future__ import annotations
 
@@ -78,10 +64,8 @@ class ClaimRequest:
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     #: The claimer promises a write-ahead mark (:meth:`Ledger.write_ahead`) before its side effect.
     writes_ahead: bool = False
-    #: The owner this delivery's own chain claimed under before (from the message's headers). A ``claimed``
-    #: record held by it, live or expired, is taken back as ``RESUMED``: new token, ``owner`` becomes
-    #: :attr:`owner`, ``reclaims`` unchanged. A delivery that only records a verdict claims with
-    #: ``owner == resume_owner``, so the claim stays with its holder even if this claim's reply is lost.
+    #: The owner this delivery's chain claimed under before: a ``claimed`` record it holds (live or expired) is
+    #: taken back as ``RESUMED`` (new token and owner, ``reclaims`` unchanged). A verdict's claim passes its owner.
     resume_owner: str | None = None
 
 
@@ -165,8 +149,7 @@ def check_roster_entry(member: str, secret_ids: Sequence[str]) -> str:
 
 @runtime_checkable
 class DetectsLoss(Protocol):
-    """A ledger that can tell when its store lost records (the Redis ledger's epoch markers); operator tools
-    open it ``passive`` (reading markers, never writing them)."""
+    """A ledger that can tell its store lost records (Redis epoch markers); operator tools open it ``passive``."""
 
     def loss_status(self) -> dict[str, Any]:
         """What the store's markers say (epoch, lost flags, acknowledgements)."""
@@ -179,8 +162,7 @@ class DetectsLoss(Protocol):
 
 
 class Ledger(ABC):
-    """Base class of every ledger backend; build one with :func:`idemmail_celery.ledger.from_url`. Instances are
-    safe to share between threads; after ``fork()`` a backend reconnects."""
+    """Base of every backend (:func:`idemmail_celery.ledger.from_url`); thread-safe, reconnects after ``fork()``."""
 
     def __init__(self, *, retention_seconds: float = DEFAULT_RETENTION_SECONDS, keep_payload: bool = False) -> None:
         self.retention_seconds = float(retention_seconds)
@@ -197,33 +179,27 @@ class Ledger(ABC):
         """Claim ``request.key``, or report what holds it. Never blocks on another holder."""
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        """Claim a batch of distinct keys, each as atomically as :meth:`claim`; one :class:`Claim` per request, in
-        order. Claim a batch just before sending it, or the leases run out."""
+        """Claim distinct keys as :meth:`claim` does, one :class:`Claim` each in order, just before sending them."""
         _check_unique(requests)
         return [self.claim(r) for r in requests]
 
     @abstractmethod
     def _finish(self, key: str, token: int, state: State, *, result: dict[str, Any] | None = None,
                 error: dict[str, Any] | None = None, mark: Mark | None = None) -> float | None:
-        """Move the claim held with ``token`` to ``state`` (sent/failed/review/released), atomically, under the
-        fencing rule of the module docstring.
+        """Move the claim held with ``token`` to ``state`` atomically, under the module docstring's fencing rule.
 
-        ``sent`` also erases the stored payload unless ``keep_payload``. Any move drops the record's mark; a
-        release may leave ``mark`` in its place. ``result``/``error`` of None keep what the record has.
-        Returns ``updated_at`` exactly as :meth:`get` reads it back, or None when it cannot say. Raises
-        :class:`StaleTokenError` when it refuses, :class:`RecordNotFoundError` without a record.
-        """
+        ``sent`` erases the payload unless ``keep_payload``; any move drops the mark (a release may leave ``mark``);
+        ``result``/``error`` of None keep the record's. Returns ``updated_at`` as :meth:`get` reads it, or None.
+        :class:`StaleTokenError` when it refuses, :class:`RecordNotFoundError` without a record."""
 
     @abstractmethod
     def renew(self, key: str, token: int, lease_seconds: float) -> bool:
         """Extend the lease of a claim still held with ``token``. False if it is not."""
 
     def withdraw(self, key: str, token: int) -> bool:
-        """Take back a ``claimed`` record held with ``token`` that never ran, as if never made (record and payload
-        go); False (nothing changed) otherwise. For a claim just ``acquired`` and not run (see
-        :meth:`~idemmail_celery.handler.Handler.cross_check`); never for one whose side effect may have begun.
-        This default raises :class:`NotImplementedError`: a backend must do it atomically or not at all.
-        """
+        """Delete a ``claimed`` record held with ``token`` that never ran (payload too); False if not held. For a claim
+        just ``acquired`` (:meth:`~idemmail_celery.handler.Handler.cross_check`). Default: NotImplementedError (never
+        done other than atomically)."""
         raise NotImplementedError(f"{type(self).__name__} cannot withdraw a claim")
 
     #: Does a reclaim from a holder with no write-ahead promise and no mark write ``Mark(UNKNOWN_STAGE, ...)``
@@ -231,13 +207,9 @@ class Ledger(ABC):
     marks_takeovers: bool = False
 
     def write_ahead(self, key: str, token: int, lease_seconds: float, stage: str, *, owner: str = "") -> bool:
-        """Before a side effect that carries no key: give the claim held with ``token`` the mark
-        ``Mark(stage, time, token, owner)`` and a fresh lease; False (nothing written) if ``token`` no longer holds
-        it. ``owner`` lets the holder's own chain know the mark (:func:`~idemmail_celery.handler.live_mark`).
-        The mark stays until the claim moves on; a reclaim keeps it.
-
-        This default takes three round trips (read, ``_force``, renew); the built-in backends one.
-        """
+        """Before a side effect carrying no key: mark the claim held with ``token`` ``Mark(stage, time, token, owner)``
+        and renew its lease; False if ``token`` no longer holds it. The mark stays until the claim moves (a reclaim
+        keeps it); ``owner`` lets the chain know it (:func:`~idemmail_celery.handler.live_mark`). Default: 3 trips."""
         record = self.get(key)
         if record is None or record.state is not State.CLAIMED or record.token != token:
             return False
@@ -246,25 +218,19 @@ class Ledger(ABC):
         return self._force(key, token, marked) and self.renew(key, token, lease_seconds)
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool | None:
-        """Note, once, that the reschedule ``hop`` of a copy of ``key`` is being published: True the first time
-        ``(key, hop)`` is marked, False for every later call within ``ttl_seconds`` (so copies of one broker
-        message never multiply), None when this backend keeps no marks. One round trip.
-        """
+        """Mark the reschedule ``hop`` of ``key`` as being published: True the first time, False for every later call
+        within ``ttl_seconds`` (copies of a message never multiply), None when this backend keeps no marks."""
         return None
 
     def hop_marked(self, key: str, hop: str) -> bool | None:
-        """Is ``(key, hop)`` marked (:meth:`mark_hop`) and the mark live? A read; None when this backend keeps no
-        marks. One round trip."""
+        """Is ``(key, hop)`` marked (:meth:`mark_hop`) and live? None when this backend keeps no marks."""
         return None
 
     # -- the key-secret roster: which secrets the live workers hold --
 
     def announce(self, member: str, secret_ids: Sequence[str], ttl_seconds: float) -> None:
-        """Put ``member`` (``host:pid``) in this ledger's roster, holding the key secrets ``secret_ids``, for
-        ``ttl_seconds`` unless announced again; 0 or less takes it out. One round trip; see
-        :mod:`idemmail_celery.roster`. ``ValueError`` for what no store holds (:func:`check_roster_entry`). This
-        default raises :class:`NotImplementedError` (without a roster a rotation takes two deploys).
-        """
+        """Put ``member`` (``host:pid``) holding ``secret_ids`` in the roster (:mod:`idemmail_celery.roster`) for
+        ``ttl_seconds`` (0 or less: take it out). ``ValueError``: :func:`check_roster_entry`. Default: not kept."""
         raise NotImplementedError(f"{type(self).__name__} keeps no key-secret roster")
 
     def roster(self) -> list[RosterEntry]:
@@ -286,12 +252,8 @@ class Ledger(ABC):
         """Replace the record if its token is still ``expected_token`` (operator changes)."""
 
     def forget(self, key: str) -> bool:
-        """Erase the personal data of ``key`` (a data-subject request); False if there is no record. Idempotent.
-
-        The stored payload and every free text go (see :func:`forgotten`); the record, its state and fingerprint
-        stay, so the key still protects against a resend. The erase lands only on the record as read (token and
-        state); a write-ahead mark is kept.
-        """
+        """Erase the payload and free text of ``key`` (:func:`forgotten`), idempotently; False without a record. The
+        record, state, fingerprint and mark stay, so the key still stops a resend; lands only on the record as read."""
         for _ in range(5):
             record = self._readable(key)
             if record is None:
@@ -335,11 +297,8 @@ class Ledger(ABC):
         return None
 
     def prepare(self) -> None:
-        """Check the store and read what a process must hold before its first claim (the Redis ledger's epoch).
-
-        A worker calls this before its pool forks, so every child inherits it. Raises
-        :class:`LedgerUnavailableError` when the store cannot be reached; the default does nothing.
-        """
+        """Check the store and read what a process holds before its first claim (the Redis epoch), before the pool
+        forks so every child inherits it. :class:`LedgerUnavailableError` when unreachable; default: nothing."""
         return None
 
     # -- transitions, in words --
@@ -362,10 +321,8 @@ class Ledger(ABC):
 
     def confirm_sent(self, key: str, result: dict[str, Any], *, note: str = "", actor: str = "",
                      expect: Record | None = None) -> Record:
-        """Evidence from outside (a provider webhook, a search) that the intent was delivered: any record but
-        ``sent`` (returned unchanged) moves to ``sent`` with ``result``; a live holder then finds its token stale.
-        With ``expect``, only that record as it was (state and token), else :class:`IllegalTransitionError`.
-        """
+        """Outside evidence (a webhook, a search) the intent went out: any record but ``sent`` (returned as is) moves to
+        ``sent`` with ``result``, the holder's token stale; with ``expect``, only that record (state and token)."""
         for _ in range(5):
             record = self.get(key)
             if record is None:
@@ -382,11 +339,8 @@ class Ledger(ABC):
 
     def resolve(self, key: str, state: State | str, *, result: dict[str, Any] | None = None, note: str = "",
                 actor: str = "") -> Record:
-        """Operator decision on a record that is not live (``review``, ``failed``, ``released``, an expired claim).
-
-        ``state`` is ``sent`` (it went out; ``result`` may carry the message id), ``failed`` (it did not and must
-        not) or ``released`` (let the next claim send it). Who, when and why go in :attr:`~Record.resolution`.
-        """
+        """Operator decision on a record not live: ``sent`` (it went out; ``result`` may carry the message id),
+        ``failed`` (it must not) or ``released`` (the next claim sends it); who, when, why: ``Record.resolution``."""
         target = State(state)
         if target not in (State.SENT, State.FAILED, State.RELEASED):
             raise IllegalTransitionError(f"cannot resolve to {target.value!r}")
@@ -397,9 +351,7 @@ class Ledger(ABC):
         live = record.state is State.CLAIMED and (record.lease_expires_at or 0) > now
         if record.state is State.SENT or live:
             raise IllegalTransitionError(
-                f"record {key} is {record.state.value}{' with a live lease' if live else ''}; "
-                "it cannot be resolved"
-            )
+                f"record {key} is {record.state.value}{' with a live lease' if live else ''}; it cannot be resolved")
         new = self._decided(record, target, result, note, actor, now)
         if not self._force(key, record.token, new):
             raise IllegalTransitionError(f"record {key} changed while resolving; look again")
@@ -420,9 +372,8 @@ class Ledger(ABC):
 
     def list_records(self, query: RecordQuery | None = None, *, cursor: str | None = None, offset: int = 0,
                      limit: int = 100) -> RecordPage:
-        """One page of the records ``query`` names, in its order: ``limit`` of them after ``cursor`` (a page's
-        ``next_cursor``, good while records come and go) and ``offset`` more. :class:`ValueError` for a cursor
-        not made for this query's order."""
+        """A page of ``query``'s records in its order: ``limit`` after ``cursor`` (a page's ``next_cursor``, good while
+        records come and go) and ``offset`` more; :class:`ValueError` for a cursor made for another order."""
         query = query or RecordQuery()
         if limit < 1 or offset < 0:
             raise ValueError("a page lists at least 1 record, from an offset of 0 or more")
@@ -458,7 +409,6 @@ class Ledger(ABC):
         return count_in_memory(self.iter_records(query.state), query, time.time())
 
     def _listing_window(self, query: RecordQuery, position: Position | None, want: int, skip: int) -> Selection:
-        """At least ``want`` records after ``position`` in ``query``'s order (fewer at the end), each with its
-        position: non-matching ones may be among them, no matching one left out. ``skip``: matching records the
-        store may leave out first, counted in :attr:`Selection.skipped`. This default sorts every record here."""
+        """At least ``want`` records after ``position`` in ``query``'s order (fewer at the end; non-matching ones may
+        be among them), less up to ``skip`` matching ones (:attr:`Selection.skipped`). Default: sorts every record."""
         return select_in_memory(self.iter_records(query.state), query, position, skip, time.time())

@@ -1,16 +1,7 @@
-"""Listing records a page at a time: what an operator's review queue asks a ledger.
-
-A :class:`RecordQuery` says which records and in which order: by the time each entered its state
-(``updated_at``), ties by key. ``Ledger.list_records`` answers a :class:`RecordPage` and a cursor to the next;
-``Ledger.summarize`` how many match and how they divide by reason, task and day.
-
-A search word must be found in the key's start, the task name, the message id or the record's :class:`Label`;
-never in a subject, a body or an address's local part.
-
-A backend answers through two hooks, each with a default that reads every record: ``_listing_window`` (a
-:class:`Selection` after a :class:`Position`, which may hold non-matching records, never miss a matching one)
-and ``count`` (the :class:`Counts` of a state and time range).
-"""
+"""Listing records a page at a time (an operator's review queue): a :class:`RecordQuery` says which, ordered by
+``updated_at`` then key; ``Ledger.list_records`` answers a :class:`RecordPage`, ``Ledger.summarize`` the counts.
+A search word is found in the key's start, task, message id or :class:`Label`, never in a subject, body or address.
+Backends answer through ``_listing_window`` and ``count``, whose defaults read every record."""
 
 from __future__ import annotations
 
@@ -81,19 +72,13 @@ class RecordQuery:
 
     def matches(self, record: Record, now: float | None = None) -> bool:
         """Does ``record`` answer this query (an expired ``sent``/``failed`` record never does, given ``now``)?"""
-        if self.state is not None and record.state is not self.state:
-            return False
-        if now is not None and record.state.expires and (record.expires_at or 0) <= now:
-            return False
-        if self.since is not None and record.updated_at < self.since:
-            return False
-        if self.until is not None and record.updated_at >= self.until:
-            return False
-        if self.task and record.task_name != self.task:
-            return False
-        if self.reason and reason_of(record) != self.reason:
-            return False
-        return searched(record, self.words)
+        return ((self.state is None or record.state is self.state)
+                and not (now is not None and record.state.expires and (record.expires_at or 0) <= now)
+                and (self.since is None or record.updated_at >= self.since)
+                and (self.until is None or record.updated_at < self.until)
+                and (not self.task or record.task_name == self.task)
+                and (not self.reason or reason_of(record) == self.reason)
+                and searched(record, self.words))
 
 
 def reason_of(record: Record) -> str:
@@ -110,8 +95,7 @@ def message_id_of(record: Record) -> str:
 
 @dataclass(frozen=True)
 class Label:
-    """Which send a record is, without personal data: the first payload's template, event id, tags (scrubbed)
-    and recipients' domains."""
+    """Which send a record is, without personal data: template, event id, tags (scrubbed), recipients' domains."""
 
     template: str = ""
     event_id: str = ""
@@ -245,32 +229,28 @@ Cell = tuple[str, str, int]
 
 @dataclass(frozen=True)
 class Counts:
-    """The records of one state and time range counted by reason, task and day: every :class:`Summary` of them,
-    whatever task and reason it asks for, follows from it (:meth:`summary`)."""
+    """Records of one state and time range counted by reason, task and day; every :class:`Summary` follows from it."""
 
     cells: dict[Cell, int]
     #: False when the store cannot read reasons (a sealed ledger counts every record under ``""``).
     reasons_known: bool = True
 
     def summary(self, query: RecordQuery) -> Summary:
-        reasons: dict[str, int] = {}
-        tasks: dict[str, int] = {}
-        days: dict[int, int] = {}
-        total = 0
+        reasons, tasks, days, total = Counter[str](), Counter[str](), Counter[int](), 0
         for (reason, task, day), n in self.cells.items():
             task_ok = not query.task or task == query.task
             reason_ok = not query.reason or reason == query.reason
             if task_ok:
-                reasons[reason] = reasons.get(reason, 0) + n
+                reasons[reason] += n
             if reason_ok:
-                tasks[task] = tasks.get(task, 0) + n
+                tasks[task] += n
                 if task_ok:
-                    days[day] = days.get(day, 0) + n
+                    days[day] += n
                     total += n
         if not self.reasons_known:
             return Summary(None if query.reason or query.words else total, None,
-                           *((None, None) if query.reason else (tasks, days)))
-        return Summary(None if query.words else total, reasons, tasks, days)
+                           *((None, None) if query.reason else (dict(tasks), dict(days))))
+        return Summary(None if query.words else total, dict(reasons), dict(tasks), dict(days))
 
 
 def cell_of(record: Record) -> Cell:

@@ -1,8 +1,7 @@
 """A ledger whose operations are timed and counted in :mod:`idemmail_celery.metrics`.
 
 Every ledger a task opens is wrapped (:func:`idemmail_celery.ledger.shared`), so metrics turned on later see it
-too; while they are off, an operation costs one attribute read more.
-"""
+too; while they are off, an operation costs one attribute read more."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ def _timed_call(wrapper: MeteredLedger, name: str, call: Callable[[], T]) -> T:
 
 
 class MeteredLedger(LedgerWrapper):
-    """Times the operations that matter on a task's path (``idemmail_ledger_operation_seconds``)
-    and counts the ones that raise (``idemmail_ledger_errors_total``), labelled ``op`` and ``backend``."""
+    """Times operations (``idemmail_ledger_operation_seconds``), counts failures (``idemmail_ledger_errors_total``)."""
 
     def __init__(self, inner: Ledger) -> None:
         super().__init__(inner)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -50,8 +50,7 @@ UNKNOWN_STAGE = "unknown"
 
 @dataclass(frozen=True)
 class Mark:
-    """A write-ahead mark: the holder of a claim was about to begin a side effect that carries no key (see
-    :meth:`Ledger.write_ahead <idemmail_celery.ledger.base.Ledger.write_ahead>`). No free text."""
+    """A write-ahead mark: the claim's holder was about to begin a side effect that carries no key. No free text."""
 
     #: What the holder was about to begin (``"sending"``, ...), or :data:`UNKNOWN_STAGE`.
     stage: str
@@ -107,15 +106,8 @@ class Record:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly view (for the CLI and logs); ``payload`` is left out."""
-        return {
-            "key": self.key, "task_name": self.task_name, "state": self.state.value,
-            "token": self.token, "owner": self.owner, "lease_expires_at": self.lease_expires_at,
-            "attempts": self.attempts, "reclaims": self.reclaims, "fingerprint": self.fingerprint,
-            "result": self.result, "error": self.error, "created_at": self.created_at,
-            "updated_at": self.updated_at, "expires_at": self.expires_at,
-            "mark": None if self.mark is None else self.mark.to_dict(), "resolution": self.resolution,
-            "writes_ahead": self.writes_ahead,
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "payload"}
+        return {**out, "state": self.state.value, "mark": None if self.mark is None else self.mark.to_dict()}
 
 
 @dataclass(frozen=True)

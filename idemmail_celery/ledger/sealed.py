@@ -1,11 +1,7 @@
-"""Payloads at rest: first payloads, results and errors sealed with Fernet, in any ledger.
-
-``from_url(url, payload_keys=[...])`` (the ``idemmail_payload_keys`` setting) wraps the backend in a
-:class:`SealedLedger`, which seals on the way in and opens on the way out: the first payload as
-``"fernet:" + token``, the result, error and resolution as ``{"$fernet": token}``. What the ledger decides on
-stays plain. The first key seals, every key opens (rotation: see docs/payloads.md). A record sealed with a key
-no longer configured raises :class:`PayloadKeyError`, and a claim that finds one parks it for review.
-"""
+"""Payloads at rest (docs/payloads.md): ``from_url(url, payload_keys=[...])`` wraps the backend in a
+:class:`SealedLedger`, sealing the first payload as ``"fernet:" + token`` and the result, error and resolution as
+``{"$fernet": token}``; what the ledger decides on stays plain. The first key seals, every key opens; a record sealed
+with a key no longer configured raises :class:`PayloadKeyError`, and a claim that finds one parks it for review."""
 
 from __future__ import annotations
 
@@ -37,10 +33,8 @@ def is_sealed(payload: str | None) -> bool:
 
 
 def park_unreadable(ledger: Ledger, claim: Claim) -> Claim:
-    """Settle a held claim whose first payload this process cannot open, never running it: park it as ``review``
-    (reason ``payload_key_unknown``) and return it ``done``; if the ledger refuses, return it ``busy`` (its lease
-    runs out). ``ledger`` is the backend itself: the note is written plain.
-    """
+    """Park a held claim whose payload this process cannot open (``payload_key_unknown``, written plain to the backend
+    ``ledger``) and return it ``done``, never run; ``busy`` if the ledger refuses (its lease runs out)."""
     record = claim.record
     error = {"type": "SendNeedsReview", "reason": PAYLOAD_KEY_UNKNOWN, "at": time.time(),
              "message": "sealed with a key that is not in idemmail_payload_keys; put it back and resolve"}
@@ -77,11 +71,8 @@ class PayloadCodec(Keyring):
         return loads_json(self.open(value[SEALED_FIELD]))
 
     def open_record(self, record: Record) -> Record:
-        return replace(
-            record, payload=self.open_payload(record.payload),
-            result=self.open_dict(record.result), error=self.open_dict(record.error),
-            resolution=self.open_dict(record.resolution),
-        )
+        return replace(record, payload=self.open_payload(record.payload), result=self.open_dict(record.result),
+                       error=self.open_dict(record.error), resolution=self.open_dict(record.resolution))
 
     def open_readable(self, record: Record) -> tuple[Record, bool]:
         """``record`` with the fields a configured key opens opened, the others None; and whether all opened."""
@@ -97,8 +88,7 @@ class PayloadCodec(Keyring):
 
 
 class SealedLedger(LedgerWrapper):
-    """A ledger whose payloads, results and errors are sealed before they reach ``inner``; everything else is the
-    backend's own. Build it with ``from_url(url, payload_keys=[...])``."""
+    """Seals payloads, results and errors before they reach ``inner``: ``from_url(url, payload_keys=[...])``."""
 
     def __init__(self, inner: Ledger, codec: PayloadCodec) -> None:
         super().__init__(inner)
@@ -110,20 +100,16 @@ class SealedLedger(LedgerWrapper):
         return replace(request, payload=self.codec.seal_payload(request.payload))
 
     def claim(self, request: ClaimRequest) -> Claim:
-        """As the backend's; a record sealed with an unknown key raises :class:`PayloadKeyError` (parked first if
-        this claim took it), unless it comes back ``busy``."""
+        """As the backend's; PayloadKeyError for a record sealed with an unknown key (parked if taken), unless busy."""
         claim, ok = self._opened(request, self.inner.claim(self._seal_request(request)))
         if not ok and claim.status is not ClaimStatus.BUSY:  # busy: not parked yet, come back later
-            raise PayloadKeyError(
-                f"ledger record {request.key} is sealed with a key that is not in idemmail_payload_keys"
-                + (" (parked for review)" if claim.record.state is State.REVIEW else "")
-                + "; put the old key back after the current one"
-            )
+            parked = " (parked for review)" if claim.record.state is State.REVIEW else ""
+            raise PayloadKeyError(f"ledger record {request.key} is sealed with a key that is not in "
+                                  f"idemmail_payload_keys{parked}; put the old key back after the current one")
         return claim
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Claim]:
-        """As the backend's; a record sealed with an unknown key never fails the batch: a taken one is parked, the
-        others come back with the unopened fields set to None."""
+        """As the backend's; an unknown key never fails the batch: a taken record is parked, others' fields None."""
         claims = self.inner.claim_many([self._seal_request(r) for r in requests])
         return [self._opened(r, c)[0] for r, c in zip(requests, claims, strict=True)]
 

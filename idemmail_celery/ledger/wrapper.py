@@ -1,8 +1,7 @@
 """A ledger that wraps another: the base of :class:`~.sealed.SealedLedger` and :class:`~.metered.MeteredLedger`.
 
 Every operation goes to ``inner`` unless the subclass overrides it; any other attribute is the inner backend's,
-read through. Wrappers compose: ``MeteredLedger(SealedLedger(RedisLedger(...)))``.
-"""
+read through. Wrappers compose: ``MeteredLedger(SealedLedger(RedisLedger(...)))``."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ class LedgerWrapper(Ledger):
         inner = self.inner
         return inner.backend if isinstance(inner, LedgerWrapper) else inner
 
-    # The store's own moves and reads; the derived operations (complete, resolve, forget, ...) are Ledger's own
-    # and run through these, so through a subclass's overrides.
+    # The store's own moves and reads; Ledger's derived operations (complete, forget, ...) run through these.
     claim = forwarded("claim")
     claim_many = forwarded("claim_many")
     _finish = forwarded("_finish")

@@ -1,6 +1,4 @@
-"""The Redis ledger's checks of its server: the eviction policy (``noeviction`` only), persistence (a warning
-without AOF or RDB) and version (7.0 or later). Where CONFIG or INFO is disabled, a check warns and moves on.
-"""
+"""The Redis ledger's server checks: eviction policy (``noeviction`` only), persistence (warned), version (7.0+)."""
 
 from __future__ import annotations
 
@@ -50,10 +48,8 @@ class StoreChecks(RedisBase):
         self._policy_due = time.monotonic() + self.policy_recheck_seconds
         bad = sorted({p for p in self._settings("maxmemory-policy", warn=warn) or [] if p != "noeviction"})
         if bad and not self.allow_eviction:
-            self._policy_refusal = (
-                f"Redis maxmemory-policy is {bad[0]!r}: evicted ledger records would reopen "
-                "their keys and re-send. Set it to 'noeviction' (or pass allow_eviction=True)."
-            )
+            self._policy_refusal = (f"Redis maxmemory-policy is {bad[0]!r}: evicted ledger records would reopen their "
+                                    "keys and re-send. Set it to 'noeviction' (or pass allow_eviction=True).")
             if self._checked:  # it changed at runtime
                 log.error("idemmail: Redis ledger %s refuses new claims: %s", self.prefix, self._policy_refusal)
             raise UnsafeLedgerError(self._policy_refusal)

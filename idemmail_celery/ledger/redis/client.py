@@ -1,6 +1,4 @@
-"""The Redis client a ledger talks through (:func:`connect`), the hot path's own connections (:class:`HotLine`),
-and what redis-py's errors mean to the ledger (:func:`ledger_error`).
-"""
+"""The Redis client (:func:`connect`), hot-path connections (:class:`HotLine`), and errors (:func:`ledger_error`)."""
 
 from __future__ import annotations
 
@@ -20,22 +18,18 @@ except ImportError:  # pragma: no cover - the test extras install hiredis
 from ...errors import ConfigurationError, LedgerError, LedgerUnavailableError
 
 #: Error replies meaning "not now", each refused before the script wrote anything.
-_UNAVAILABLE_REPLIES = frozenset({
-    "OOM", "READONLY", "NOREPLICAS", "MISCONF", "BUSY", "MASTERDOWN", "LOADING", "TRYAGAIN", "CLUSTERDOWN",
-})
+_UNAVAILABLE_REPLIES = frozenset(
+    {"OOM", "READONLY", "NOREPLICAS", "MISCONF", "BUSY", "MASTERDOWN", "LOADING", "TRYAGAIN", "CLUSTERDOWN"})
 # ... as redis-py raises those it knows (without their code), and the unreachable.
-_UNAVAILABLE_TYPES = (
-    redis_lib.ConnectionError, redis_lib.TimeoutError, redis_lib.exceptions.OutOfMemoryError,
-    redis_lib.exceptions.ReadOnlyError, redis_lib.exceptions.TryAgainError, redis_lib.exceptions.ClusterError,
-    redis_lib.exceptions.ClusterDownError,
-)
+_UNAVAILABLE_TYPES = (redis_lib.ConnectionError, redis_lib.TimeoutError, redis_lib.exceptions.OutOfMemoryError,
+                      redis_lib.exceptions.ReadOnlyError, redis_lib.exceptions.TryAgainError,
+                      redis_lib.exceptions.ClusterError, redis_lib.exceptions.ClusterDownError)
 # The code of an error reply: its first word, or (a Redis 6 script error) the word after a '-'.
 _REPLY_CODE = re.compile(r"^([A-Z]+)\b|\s-([A-Z]+)\s")
 
 
 def connect(url: str | None, client: Any, master_name: str | None, options: dict[str, Any]) -> tuple[Any, bool]:
-    """The ledger's client: the caller's ``client`` (which takes no options), else one built from ``url`` with
-    ``options`` (timeouts default to 5 s); and whether the ledger built it (then it closes it)."""
+    """The caller's ``client`` (no options), else one from ``url`` (timeouts 5 s); and whether the ledger built it."""
     if client is not None:
         if options or master_name:
             named = ", ".join(options) or "master_name"
@@ -109,12 +103,9 @@ def config_get(client: Any, name: str) -> list[str]:
 
 
 class HotLine:
-    """EVALSHA on connections of the ledger's own, past redis-py's command layer (which costs as much client CPU
-    as the round trip), for a plain single-server client the ledger built (:meth:`of` says None otherwise).
-
-    Each connection serves one call at a time, so threads never share one. NOSCRIPT and broken connections go
-    redis-py's way, which loads the script or reconnects.
-    """
+    """EVALSHA on the ledger's own connections, one call each at a time, past redis-py's command layer (as costly as the
+    round trip), for a plain single-server client the ledger built (else :meth:`of` says None); NOSCRIPT and broken
+    connections go redis-py's way, which loads the script or reconnects."""
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool

@@ -1,14 +1,9 @@
 """The Redis ledger's epoch markers: ledger-loss detection, and the record layout's version.
 
-Each bucket holds an epoch marker (``<prefix>:{bb}:epoch``, a hash). Every script is handed the epoch this
-process read at first use and refuses, writing nothing, when the bucket's marker is missing, different or flagged
-lost. The process then reads every marker again: an epoch an operator acknowledged (``ledger ack-loss``) is
-adopted; anything else raises :class:`LedgerLostError` and flags every marker lost. A process that has seen a
-loss accepts only an acknowledged epoch from then on. See docs/operations.md ("Ledger loss").
-
-The markers also fix the bucket count, shelves, retention and layout version (:data:`~.layout.LAYOUT`); a process
-configured otherwise refuses the store (:class:`UnsafeLedgerError`). A ``passive`` ledger never writes them.
-"""
+Every script gets the epoch this process read and refuses, writing nothing, when its bucket's marker
+(``<prefix>:{bb}:epoch``) is missing, different or flagged lost; the process then adopts an acknowledged epoch or
+raises :class:`LedgerLostError` and flags every marker (docs/operations.md, "Ledger loss"). The markers also fix the
+bucket count, shelves, retention and layout (:data:`~.layout.LAYOUT`): :class:`UnsafeLedgerError` otherwise."""
 
 from __future__ import annotations
 
@@ -40,11 +35,8 @@ class Epochs(RedisBase):
     _lost_reason = ""
 
     def loss_status(self) -> dict[str, Any]:
-        """What the markers say, read fresh: ``state`` is ``ok`` (every bucket has the same epoch), ``new`` (no
-        marker and no record: a new ledger, or one emptied while no process held its epoch) or ``lost``; also
-        ``epoch``, ``reason``, ``buckets`` and any acknowledgement. Markers of another bucket count or layout
-        raise :class:`UnsafeLedgerError`.
-        """
+        """The markers, read fresh: ``state`` ``ok`` (one epoch everywhere), ``new`` (no marker, no record) or ``lost``,
+        with ``epoch``, ``reason``, ``buckets``, any acknowledgement; UnsafeLedgerError for another shape or layout."""
         return self._status(None)
 
     def init_store(self, *, actor: str = "") -> dict[str, Any]:
@@ -57,10 +49,8 @@ class Epochs(RedisBase):
         return status
 
     def acknowledge_loss(self, *, note: str, actor: str = "") -> dict[str, Any]:
-        """An operator accepts the loss: every bucket gets a fresh, acknowledged epoch, which workers adopt on
-        their next claim (intents recorded before are forgotten; see ``recovered_at``).
-        :class:`IllegalTransitionError` when the markers show no loss.
-        """
+        """An operator accepts the loss: every bucket gets a fresh acknowledged epoch, adopted by workers at their next
+        claim (intents recorded before are forgotten: ``recovered_at``). IllegalTransitionError without a loss."""
         before = self._status(None)
         if before["state"] != "lost":
             raise IllegalTransitionError(f"the ledger is not lost (state {before['state']}): nothing to acknowledge")
@@ -174,10 +164,9 @@ class Epochs(RedisBase):
             raise self._lost_error()
 
     def _lost_error(self) -> LedgerLostError:
-        return LedgerLostError(
-            f"Redis ledger {self.prefix!r} is lost: {self._lost_reason or 'its epoch marker changed'}. "
-            "Nothing is claimed until an operator runs `idemmail ledger ack-loss --note ...`."
-        )
+        why = self._lost_reason or "its epoch marker changed"
+        return LedgerLostError(f"Redis ledger {self.prefix!r} is lost: {why}. Nothing is claimed until an operator "
+                               "runs `idemmail ledger ack-loss --note ...`.")
 
     # -- writing the markers --
 
@@ -218,32 +207,22 @@ def _verdict(markers: list[dict[str, str]], first: dict[str, str], expected: str
         return "lost", f"{flagged['lost']} (flagged by {flagged.get('lost_by')})"
     missing = [b for b, m in enumerate(markers) if not m.get("epoch")]
     epochs = {m["epoch"] for m in markers if m.get("epoch")}
-    if not missing and len(epochs) == 1:
-        return _agreed(first, expected)
-    if len(missing) == len(markers):
-        return _none(expected, has_records)
+    if not missing and len(epochs) == 1:  # ok, unless not the epoch held and nobody acknowledged it
+        if expected is not None and first["epoch"] != expected and not first.get("acked_at"):
+            return "lost", (f"the epoch changed from {expected} to {first['epoch']} without an acknowledgement: "
+                            "the store was emptied and a process that never saw it started afresh")
+        return "ok", ""
+    if len(missing) == len(markers):  # no bucket has an epoch marker
+        if expected is not None:
+            return "lost", f"every epoch marker is gone (this process held {expected})"
+        if has_records:
+            return "lost", "records exist but no bucket has an epoch marker"
+        return "new", "no marker and no record"
     if _being_created(markers, expected, has_records):
         return "new", "a new ledger's markers are being written"
     if missing:
         return "lost", f"buckets {_ranges(missing)} lost their epoch marker"
     return "lost", f"buckets disagree on the epoch ({', '.join(sorted(epochs))})"
-
-
-def _agreed(first: dict[str, str], expected: str | None) -> tuple[str, str]:
-    """Every bucket carries the same epoch: ok, unless it is not the one held and nobody acknowledged it."""
-    if expected is not None and first["epoch"] != expected and not first.get("acked_at"):
-        return "lost", (f"the epoch changed from {expected} to {first['epoch']} without an acknowledgement: "
-                        "the store was emptied and a process that never saw it started afresh")
-    return "ok", ""
-
-
-def _none(expected: str | None, has_records: bool) -> tuple[str, str]:
-    """No bucket has an epoch marker."""
-    if expected is not None:
-        return "lost", f"every epoch marker is gone (this process held {expected})"
-    if has_records:
-        return "lost", "records exist but no bucket has an epoch marker"
-    return "new", "no marker and no record"
 
 
 def _being_created(markers: list[dict[str, str]], expected: str | None, has_records: bool) -> bool:
@@ -257,8 +236,8 @@ def _being_created(markers: list[dict[str, str]], expected: str | None, has_reco
 
 
 def _remembered(status: dict[str, Any], dead: str | None) -> dict[str, Any]:
-    """``status`` for a process that saw the ledger lost (``dead``: the epoch it held, "" if none; None: never):
-    only an epoch acknowledged since is accepted, even if the flags went with the data."""
+    """``status`` for a process that saw the ledger lost holding ``dead`` ("": none; None: never saw it): only an
+    epoch acknowledged since is accepted, even if the flags went with the data."""
     if dead is None or status["state"] == "lost" or (status.get("acked_at") and status["epoch"] != dead):
         return status
     said = status["reason"] or f"epoch {status['epoch']}, not acknowledged since"

@@ -1,6 +1,5 @@
 """The Redis ledger's record layout (format version :data:`LAYOUT`): :class:`Names` spells every key, the functions
-below pack what goes into them and read it back. The Lua scripts (``prelude.lua``) write the same shapes.
-"""
+below pack what goes into them and read it back. The Lua scripts (``prelude.lua``) write the same shapes."""
 
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ def _body(result: dict[str, Any] | None, error: dict[str, Any] | None) -> str:
 
     ``m<id>``: the message id alone; ``v<json><id>``: it and a ``value`` repeating it (``send_email``'s);
     ``r<json><id>``: it and other fields; ``*[result, error]``: anything else; ``""``: neither. ``<id>``
-    (:func:`_message_id`) comes last. Whatever does not read back equal is stored the plain way.
-    """
+    (:func:`_message_id`) comes last. Whatever does not read back equal is stored the plain way."""
     if result is None or error is not None or not isinstance(result.get("message_id"), str):
         return _plain(result, error)
     mid = result["message_id"]
@@ -255,8 +253,7 @@ def _read_record(key: str, fields: list[str] | dict[str, str], payload: str | No
         error=loads_json(_joined(h, "e")), created_at=_seconds(h.get("k")) or 0.0, updated_at=updated,
         expires_at=updated + retention_seconds if state.expires else None,
         mark=Mark.from_dict(loads_json(_joined(h, "w"))), resolution=loads_json(_joined(h, "d")),
-        writes_ahead=h.get("p") == "1",
-    )
+        writes_ahead=h.get("p") == "1")
 
 
 def _read_entry(key: str, value: str, payload: str | None, retention_ms: int) -> Record:
@@ -278,8 +275,7 @@ def _read_entry(key: str, value: str, payload: str | None, retention_ms: int) ->
         key=key, task_name="", state=State.SENT, token=int(token, 36) if token else 1, owner="",
         lease_expires_at=None, attempts=int(attempts, 36) if attempts else 1,
         reclaims=int(reclaims, 36) if reclaims else 0, payload=payload or None, fingerprint=fp, result=result,
-        error=error, created_at=updated, updated_at=updated, expires_at=expires_ms / 1000,
-    )
+        error=error, created_at=updated, updated_at=updated, expires_at=expires_ms / 1000)
 
 
 def _glob_escape(text: str) -> str:
@@ -289,8 +285,7 @@ def _glob_escape(text: str) -> str:
 
 class Names:
     """The key names of one ledger (the list is in docs/ledgers.md), plus ``<prefix>:{00}:roster``, the live
-    workers' key-secret ids. ``bb``, the bucket, is CRC32 of the intent key in two hex digits.
-    """
+    workers' key-secret ids. ``bb``, the bucket, is CRC32 of the intent key in two hex digits."""
 
     def __init__(self, prefix: str, buckets: int, shelves: int) -> None:
         self.prefix, self.buckets = prefix, buckets

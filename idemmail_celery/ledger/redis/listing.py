@@ -2,8 +2,7 @@
 
 Indexed states are read from their per-bucket indexes (sorted sets by the time a record entered the state), walked
 in order across buckets (:class:`_Walk`), a filter checked in the store by ``listing.lua``. ``sent`` records are
-found by one SCAN and an HSCAN of each shelf, and counted by the per-bucket counters.
-"""
+found by one SCAN and an HSCAN of each shelf, and counted by the per-bucket counters."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ class Listing(RedisBase):
 
     def iter_records(self, state: State | None = None) -> Iterator[Record]:
         """Indexed states from their indexes; ``sent`` and all records by SCAN (records) and HSCAN (shelves)."""
-        if not self._checked:
-            self._check_store()
+        self._check_store()
         scanned = None if state in _INDEXED else self._names_by_bucket()
         for b in range(self.buckets):
             if scanned is None:
@@ -82,8 +80,7 @@ class Listing(RedisBase):
     def stats(self) -> dict[str, int]:
         """Records per state from the indexes and sent counters (one pipeline); expired ones excluded (a ``sent``
         record counts until its expiry's granule ends: at most 1% of the retention, or a minute, late)."""
-        if not self._checked:
-            self._check_store()
+        self._check_store()
         now_us = time.time() * 1_000_000
         commands: list[_Command] = []
         states: list[str] = []
@@ -107,8 +104,7 @@ class Listing(RedisBase):
         """The state's indexes walked across buckets (:class:`_Walk`); ``sent`` and all states: the base class's."""
         if query.state not in _INDEXED:
             return super()._listing_window(query, position, want, skip)
-        if not self._checked:
-            self._check_store()
+        self._check_store()
         failed_by_time = query.state is State.FAILED and (query.since is not None or query.until is not None)
         skip = skip if not (query.words or failed_by_time) else 0  # the store's matches are exact: skip there
         walk = _Walk(self, query, position)
@@ -130,13 +126,11 @@ class Listing(RedisBase):
         return names, [mode, query.state.value, query.task, query.reason, len(words), *words, starts]
 
     def count(self, query: RecordQuery | None = None) -> Counts:
-        """Counted by the listing script over the state's index; ``sent``, all states and ``failed`` in a time range
-        (its index is by expiry): the base class's scan."""
+        """The listing script's tally of the state's index; ``sent``, all states, ``failed`` by time: base scan."""
         query = query or RecordQuery()
         if query.state not in _INDEXED or (query.state is State.FAILED and (query.since, query.until) != (None, None)):
             return super().count(query)
-        if not self._checked:
-            self._check_store()
+        self._check_store()
         state = query.state
         assert state is not None
         plain = RecordQuery(state=state, since=query.since, until=query.until)
@@ -173,11 +167,9 @@ class Listing(RedisBase):
 
 
 class _Walk:
-    """The matches of one query in one state, in the listing's order, across every bucket's index.
-
-    Each index is read a stretch at a time (one pipeline), a filter checked by the listing script. A match is
-    handed out once every bucket still being read is past it, so none comes before an earlier one of another
-    bucket."""
+    """The matches of one query in one state, in the listing's order, across every bucket's index: each read a stretch
+    at a time (one pipeline), filtered by the listing script; a match is handed out once every bucket still being read
+    is past it, so none comes before an earlier one of another bucket."""
 
     def __init__(self, ledger: Listing, query: RecordQuery, position: Position | None) -> None:
         assert query.state is not None

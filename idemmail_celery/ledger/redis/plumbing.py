@@ -1,6 +1,4 @@
-"""What the Redis ledger's mixins share (:class:`RedisBase`): the client and the calls made through it (one
-command, a pipeline, a batch of scripts, a SCAN), the key names, the registered scripts, a record read back.
-"""
+"""What the Redis ledger's mixins share (:class:`RedisBase`): the client, its calls, key names, scripts, reads."""
 
 from __future__ import annotations
 
@@ -55,14 +53,12 @@ class RedisBase(Ledger):
 
     def _keys(self, key: str) -> list[str]:
         """A record script's KEYS (the store checked first: its shelves are the markers')."""
-        if not self._checked:
-            self._check_store()
+        self._check_store()
         return self.names.script_keys(key)
 
     def _claim_keys(self, key: str) -> list[str]:
         """The claim script's KEYS (the store checked first, as for :meth:`_keys`)."""
-        if not self._checked:
-            self._check_store()
+        self._check_store()
         return self.names.claim_keys(key)
 
     def _record(self, key: str, fields: list[str] | dict[str, str], payload: str | None) -> Record:
@@ -73,8 +69,7 @@ class RedisBase(Ledger):
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """One command (``fn``, a client method or script), the store checked first."""
-        if not self._checked:
-            self._check_store()
+        self._check_store()
         return raw(fn, *args, **kwargs)
 
     def _script(self, script: Any, keys: list[str], args: list[Any]) -> Any:
@@ -92,9 +87,8 @@ class RedisBase(Ledger):
 
     def _run_scripts(self, script: Any, calls: Sequence[tuple[list[str], list[Any]]], *,
                      partial: bool = False) -> list[Any]:
-        """EVALSHA every call in one pipeline; those refused with NOSCRIPT run again with EVAL (not SCRIPT LOAD,
-        which on a cluster fails if any node is down). Raises the first error, unless ``partial``: then errors
-        are returned in place."""
+        """EVALSHA every call in one pipeline, again by EVAL on NOSCRIPT (SCRIPT LOAD fails on a cluster with a node
+        down); raises the first error, unless ``partial``: then errors are returned in place."""
         def run(batch: Sequence[tuple[list[str], list[Any]]], command: str, body: str) -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
             for keys, args in batch:  # by name: a cluster pipeline refuses .evalsha(), not the command

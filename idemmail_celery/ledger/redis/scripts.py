@@ -1,6 +1,5 @@
 """The Lua scripts beside this module (``<name>.lua``), each one atomic transition or read; KEYS and ARGV are
-documented at the top of each. A record script runs after the parts of ``prelude.lua`` its first line names.
-"""
+documented at the top of each. A record script runs after the parts of ``prelude.lua`` its first line names."""
 
 from __future__ import annotations
 

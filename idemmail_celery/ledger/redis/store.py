@@ -1,6 +1,4 @@
-"""The Redis ledger's record moves: :class:`RedisLedger`, each transition one script (``<name>.lua``) run under
-this process's epoch, joined with the mixins of ``checks.py``, ``epochs.py`` and ``listing.py``.
-"""
+"""The Redis ledger's record moves (:class:`RedisLedger`), each one script run under this process's epoch."""
 
 from __future__ import annotations
 
@@ -52,23 +50,16 @@ _CLAIM_STATUS = {status.value: status for status in ClaimStatus}
 
 
 class RedisLedger(Listing, Epochs, StoreChecks):
-    """Ledger on Redis: one server (``redis://host:port/db``, ``rediss://`` for TLS), a
-    cluster (``redis+cluster://host:port[,host:port]``) or a Sentinel-managed primary
-    (``sentinel://host:26379;sentinel://host2:26379`` with ``master_name``).
+    """Ledger on Redis: one server (``redis://host:port/db``, ``rediss://``), a cluster
+    (``redis+cluster://host:port[,host:port]``) or a Sentinel primary (``sentinel://h1:26379;sentinel://h2:26379``).
 
-    Options: ``prefix`` (default ``"idemmail"``), ``buckets`` (default 16, fixed for the life of a ledger),
-    ``shelves`` (hashes per bucket holding ``sent`` records, default 64; the markers' value wins once the ledger
-    exists), ``retention_seconds``, ``auto_init`` (default True: a process finding no markers and no records
-    starts a new ledger; False requires ``idemmail ledger init``), ``passive`` (never write epoch markers: for
-    operator reads and metrics), ``allow_eviction`` (accept an evicting ``maxmemory-policy``; unsafe),
-    ``policy_recheck_seconds`` (default 30: how often the claim path reads the policy again), ``keep_payload``
-    (keep the first payload after ``sent``), ``master_name`` (Sentinel), and any redis-py client keyword
-    (timeouts default to 5 s).
-
-    ``client``: your own redis-py client (built with ``decode_responses=True``) instead of one from the URL,
-    so your pool limits and instrumentation apply to every command; it then takes no client keywords, and the
-    ledger neither closes nor bypasses it.
-    """
+    Options: ``prefix`` ("idemmail"), ``buckets`` (16, fixed for the ledger's life), ``shelves`` (hashes per bucket
+    holding ``sent`` records, 64; the markers' value wins once it exists), ``retention_seconds``, ``auto_init``
+    (True: no markers and no records starts a new ledger; False: ``idemmail ledger init`` first), ``passive`` (never
+    write markers: operator reads, metrics), ``allow_eviction`` (accept an evicting ``maxmemory-policy``; unsafe),
+    ``policy_recheck_seconds`` (30: how often claims re-read the policy), ``keep_payload``, ``master_name``
+    (Sentinel), any redis-py keyword (timeouts 5 s), or ``client``: your own redis-py client
+    (``decode_responses=True``: your pool and instrumentation apply; never closed nor bypassed)."""
 
     marks_takeovers = True  # a reclaim from a holder without the write-ahead promise marks it 'unknown'
 
@@ -92,7 +83,9 @@ class RedisLedger(Listing, Epochs, StoreChecks):
         _live.add(self)
 
     def _check_store(self) -> None:
-        """At first use: the server's checks, then the markers, settling this process's epoch."""
+        """Once, before the first command: the server's checks, then the markers, settling this process's epoch."""
+        if self._checked:
+            return
         with self._check_lock:
             if self._checked:
                 return
@@ -102,16 +95,14 @@ class RedisLedger(Listing, Epochs, StoreChecks):
 
     def prepare(self) -> None:
         """Check the store (eviction policy, persistence, version, markers) and read the epoch this process holds."""
-        if not self._checked:
-            self._check_store()
+        self._check_store()
 
     def ping(self) -> None:
         self._call(self.client.ping)
 
     def _eval(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         """Run a record script under this process's epoch; on a ``lost`` answer, look at the markers."""
-        if not self._checked:
-            self._check_store()
+        self._check_store()
         out = self._script(script, keys, [self._epoch or "", *args])
         if out[0] == "lost":
             self._confirm_loss()  # raises unless an acknowledged epoch was adopted
@@ -172,10 +163,8 @@ class RedisLedger(Listing, Epochs, StoreChecks):
         return [self._claim_result(r, out) for r, out in zip(requests, outs, strict=True)]
 
     def _release_held(self, requests: Sequence[ClaimRequest], outs: list[Any], epoch: str, reason: str) -> None:
-        """Hand back the claims a batch took before it gave up (nothing was sent under them): ``acquired`` and
-        ``reopened`` ones are released; a ``reclaimed`` one (its earlier holder may have sent) stays claimed with
-        its lease ended, for the reclaim rules to decide; a ``resumed`` one stays with its chain.
-        """
+        """Hand back a failed batch's claims (nothing sent under them): ``acquired`` and ``reopened`` are released, a
+        ``reclaimed`` one keeps its claim with the lease ended (reclaim rules decide), a ``resumed`` one its chain."""
         error = {"reason": reason, "at": time.time()}
         release: list[tuple[list[str], list[Any]]] = []
         expire: list[tuple[list[str], list[Any]]] = []
@@ -205,13 +194,10 @@ class RedisLedger(Listing, Epochs, StoreChecks):
         status = _CLAIM_STATUS[out[0]]
         if status is ClaimStatus.ACQUIRED:
             now, lease = int(out[1]) / 1_000_000, int(out[2]) / 1_000_000
-            record = Record(
-                key=request.key, task_name=request.task_name, state=State.CLAIMED, token=1,
-                owner=request.owner, lease_expires_at=lease, attempts=1, reclaims=0,
-                payload=request.payload, fingerprint=request.fingerprint,
-                created_at=now, updated_at=now, writes_ahead=request.writes_ahead,
-            )
-            return Claim(status, record)
+            return Claim(status, Record(
+                key=request.key, task_name=request.task_name, state=State.CLAIMED, token=1, owner=request.owner,
+                lease_expires_at=lease, attempts=1, reclaims=0, payload=request.payload,
+                fingerprint=request.fingerprint, created_at=now, updated_at=now, writes_ahead=request.writes_ahead))
         if status is ClaimStatus.DONE:
             if len(out) > 3:  # shelved
                 return Claim(status, self._entry_record(request.key, out[3], out[2]))
@@ -254,8 +240,7 @@ class RedisLedger(Listing, Epochs, StoreChecks):
         return bool(self._eval(self.scripts["renew"], self._keys(key), args)[0] == "ok")
 
     def get(self, key: str) -> Record | None:
-        if not self._checked:
-            self._check_store()
+        self._check_store()
         out = self._call(self.scripts["read"], keys=self._keys(key), args=[_field(key)])
         h = dict(zip(out[0][::2], out[0][1::2], strict=True))
         if h:
@@ -279,8 +264,7 @@ class RedisLedger(Listing, Epochs, StoreChecks):
         return bool(self._call(self.scripts["erase"], keys=self._keys(key), args=args))
 
     def mark_hop(self, key: str, hop: str, ttl_seconds: float) -> bool:
-        """A mark named by a digest of key and hop, set if absent, holding this call's nonce: a script sent again
-        after a lost reply still answers True (a plain SET NX would not)."""
+        """A mark set if absent holding this call's nonce: sent again after a lost reply, still True (unlike SET NX)."""
         nonce = secrets.token_hex(8)
         return bool(self._call(self.scripts["hop"], keys=[self._hop_name(key, hop)],
                                args=[nonce, max(1, int(ttl_seconds * 1000))]))
@@ -303,12 +287,9 @@ class RedisLedger(Listing, Epochs, StoreChecks):
                 for i in range(0, len(out), 3)]
 
     def purge_expired(self, now: float | None = None) -> int:
-        """Remove expired ``failed`` records' index entries and the sent counters' spent granules, and sweep every
-        shelf (the records themselves go by TTL or by the next completion's sweep). Returns the ``failed``
-        entries removed plus the ``sent`` records the spent granules counted.
-        """
-        if not self._checked:
-            self._check_store()
+        """Drop expired ``failed`` index entries and spent sent-counter granules (returns how many records they
+        held), and sweep every shelf (records go by TTL or by the next completion's sweep)."""
+        self._check_store()
         now_us = (time.time() if now is None else now) * 1_000_000
         gone = 0
         for b in range(self.buckets):

@@ -1,12 +1,8 @@
 """SQL ledger through SQLAlchemy 2: PostgreSQL, MariaDB/MySQL and SQLite.
 
-One row per intent. A claim is one upsert (the existing row returned), a takeover one conditional ``UPDATE``
-naming the token it saw, every transition one conditional ``UPDATE`` on key, state and token; all in
-autocommit. Lease times use the workers' clocks: keep them in sync (NTP).
-
-Modules: :mod:`.schema` (tables and migration scripts), :mod:`.connection` (engine, schema check, errors) and
-:mod:`.store` (:class:`SQLLedger`'s moves).
-"""
+One row per intent; a claim is one upsert, a takeover or transition one ``UPDATE`` fenced by state and token, in
+autocommit; lease times use the workers' clocks (keep them in sync). Modules: :mod:`.schema` (tables, migrations),
+:mod:`.connection` (engine, schema check, errors) and :mod:`.store` (:class:`SQLLedger`'s moves)."""
 
 from __future__ import annotations
 

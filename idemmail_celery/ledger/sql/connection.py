@@ -1,6 +1,5 @@
 """How the SQL ledger reaches its database (:class:`SQLConnections`): the engine, the schema checked on the first
-connection, one connection kept between calls, and every database error as ``LedgerUnavailableError``.
-"""
+connection, one connection kept between calls, and every database error as ``LedgerUnavailableError``."""
 
 from __future__ import annotations
 
@@ -51,9 +50,8 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 
 
 def _ensure_wal(cur: Any) -> None:
-    """Put the file in WAL mode, once. The switch needs an exclusive lock and SQLite refuses it at once, without
-    the busy timeout, while another connection writes (pool children opening a new file together), so it is
-    retried within the same busy window."""
+    """Put the file in WAL mode, once: the switch is refused at once, busy timeout or not, while another connection
+    writes (pool children opening a new file together), so it is retried within the busy window."""
     deadline = time.monotonic() + SQLITE_BUSY_SECONDS
     pause = 0.002
     while True:
@@ -71,11 +69,9 @@ def _ensure_wal(cur: Any) -> None:
 
 
 class SQLConnections(Ledger):
-    """A ledger's SQL database, as far as reaching it goes (the moves are :class:`.SQLLedger`'s).
-
-    ``url`` is SQLAlchemy's; ``table`` names the ledger table (and its marks and roster tables); ``create_table``
-    False leaves the schema to ``ledger/migrations/``; any other keyword goes to ``sqlalchemy.create_engine``.
-    """
+    """Reaching a ledger's SQL database (the moves are :class:`.SQLLedger`'s): ``url`` is SQLAlchemy's; ``table``
+    names the tables; ``create_table=False`` leaves the schema to ``ledger/migrations/``; other keywords go to
+    ``sqlalchemy.create_engine``."""
 
     def __init__(self, url: str, *, table: str = DEFAULT_TABLE, retention_seconds: float = DEFAULT_RETENTION_SECONDS,
                  create_table: bool = True, keep_payload: bool = False, **engine_options: Any) -> None:
@@ -120,11 +116,9 @@ class SQLConnections(Ledger):
         return self._engine
 
     def _make_engine(self) -> Engine:
-        options: dict[str, Any] = {
-            "isolation_level": "AUTOCOMMIT",
-            "pool_reset_on_return": None,  # autocommit: there is never anything to roll back
-            **self._engine_options,
-        }
+        # Autocommit: there is never anything to roll back.
+        options: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None,
+                                   **self._engine_options}
         if self.dialect == "sqlite":
             database = self.url.database or ""
             if database in ("", ":memory:"):
@@ -212,12 +206,9 @@ class SQLConnections(Ledger):
                     raise
 
     def _run(self, fn: Callable[[Connection], T]) -> T:
-        """Run ``fn(conn)`` on the one connection kept open between calls when it is free, else one from the pool
-        (a pool checkout cost more client CPU than the statement). A connection that saw an error is not kept.
-
-        Every database, driver or pool error comes out as :class:`LedgerUnavailableError`: in autocommit a
-        refused statement changed nothing, so the caller fails closed and retries.
-        """
+        """Run ``fn(conn)`` on the connection kept between calls when free (a pool checkout cost more CPU than the
+        statement), else a pooled one; kept unless it saw an error. Any database, driver or pool error comes out as
+        :class:`LedgerUnavailableError`: in autocommit a refused statement changed nothing (fail closed, retry)."""
         with self._spare_lock:
             conn, self._spare = self._spare, None
         if conn is None:

@@ -1,15 +1,10 @@
-"""The SQL ledger's schema through Alembic: upgrade, downgrade, and the revision a database is at.
+"""The SQL ledger's schema through Alembic (the ``migrations`` extra): each revision in ``revisions/versions/`` runs
+one step of :data:`~.schema.MIGRATIONS`, recorded in ``<table>_alembic``; a ledger made without Alembic is adopted
+at the revision its schema shows. ``celery -A proj idemmail ledger migrate [--to REV | --down-to REV]``, or::
 
-Each revision in ``revisions/versions/`` runs one step of :data:`~.schema.MIGRATIONS` with the definitions of
-:mod:`.schema`; the revision is kept in ``<table>_alembic``. A ledger made without Alembic is adopted: its
-revision is read off its schema. Needs the ``migrations`` extra::
-
-    from idemmail_celery.ledger.sql import migrate
     migrate.upgrade("postgresql+psycopg://.../app")            # to the newest revision
     migrate.downgrade("postgresql+psycopg://.../app", "0004")  # one step back: drops the step 5 columns
     migrate.current("postgresql+psycopg://.../app")            # "0005"
-
-or ``celery -A proj idemmail ledger migrate [--to REVISION]``.
 """
 
 from __future__ import annotations
@@ -70,20 +65,19 @@ def version_table(table: str = DEFAULT_TABLE) -> str:
 
 def upgrade(url: str | sa.Engine, revision: str = "head", *, table: str = DEFAULT_TABLE) -> str:
     """Bring the ledger ``table`` at ``url`` up to ``revision`` (the newest by default); returns the revision."""
-    alembic = _alembic()
-    with _connected(url) as conn:
-        _adopt(conn, table)
-        alembic.command.upgrade(_config(conn, table), revision)
-        return _current(conn, table) or "base"
+    return _move("upgrade", url, revision, table)
 
 
 def downgrade(url: str | sa.Engine, revision: str, *, table: str = DEFAULT_TABLE) -> str:
-    """Take the ledger ``table`` back to ``revision``, dropping what each step added and held (``"base"``: all,
-    records too); returns the revision."""
+    """Take ``table`` back to ``revision``, dropping what each step added (``"base"``: all, records too)."""
+    return _move("downgrade", url, revision, table)
+
+
+def _move(command: str, url: str | sa.Engine, revision: str, table: str) -> str:
     alembic = _alembic()
     with _connected(url) as conn:
         _adopt(conn, table)
-        alembic.command.downgrade(_config(conn, table), revision)
+        getattr(alembic.command, command)(_config(conn, table), revision)
         return _current(conn, table) or "base"
 
 
@@ -103,10 +97,6 @@ def _current(conn: Connection, table: str) -> str | None:
 def _made(step: int, table: str) -> Any:
     """What migration ``step`` makes for ``table``: a table, an index, or a table and the columns it adds."""
     return MIGRATIONS[step - 1][2](table)
-
-
-def _added_columns(names: list[str]) -> list[sa.Column[Any]]:
-    return [column for column in record_fields() if column.name in names]
 
 
 def applied_steps(conn: Connection, table: str = DEFAULT_TABLE) -> int:
@@ -139,8 +129,9 @@ def apply_step(step: int) -> None:
     table = context.config.attributes["idemmail_table"]
     made = _made(step, table)
     if isinstance(made, tuple):
-        for column in _added_columns(made[1]):
-            op.add_column(table, column)
+        for column in record_fields():
+            if column.name in made[1]:
+                op.add_column(table, column)
     else:
         made.create(op.get_bind())
 
@@ -153,8 +144,8 @@ def revert_step(step: int) -> None:
     made = _made(step, table)
     if isinstance(made, tuple):
         with op.batch_alter_table(table) as batch:  # SQLite: the table is rebuilt without the columns
-            for column in _added_columns(made[1]):
-                batch.drop_column(column.name)
+            for name in made[1]:
+                batch.drop_column(name)
     elif isinstance(made, sa.Index):
         op.drop_index(str(made.name), table_name=table)
     else:

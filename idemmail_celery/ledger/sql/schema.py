@@ -1,6 +1,5 @@
 """The SQL ledger's tables, as SQLAlchemy definitions and as the numbered migration scripts in
-``ledger/migrations/`` (one per step of :data:`MIGRATIONS`, written by :func:`schema_sql`).
-"""
+``ledger/migrations/`` (one per step of :data:`MIGRATIONS`, written by :func:`schema_sql`)."""
 
 from __future__ import annotations
 

@@ -41,21 +41,15 @@ _OWNER_NONCE_HEX = 6
 
 
 class SQLLedger(SQLConnections):
-    """Ledger in one SQL table (``postgresql+psycopg://``, ``mysql+pymysql://``, ``sqlite:///path``).
-
-    Options: ``table`` (default ``"idemmail_ledger"``), ``retention_seconds``, ``keep_payload`` (keep the first
-    payload after ``sent``), ``create_table`` (default True) and any ``sqlalchemy.create_engine`` keyword; see
-    :class:`~.connection.SQLConnections`.
-    """
+    """Ledger in one SQL table (``postgresql+psycopg://``, ``mysql+pymysql://``, ``sqlite:///path``); options as
+    :class:`~.connection.SQLConnections` (``table``, ``retention_seconds``, ``keep_payload``, ``create_table``)."""
 
     marks_takeovers = True  # a reclaim from a holder without the write-ahead promise marks it 'unknown'
 
     def _insert(self, table: sa.Table | None = None) -> Any:
         """The dialect's ``INSERT`` into ``table`` (the ledger's by default), which has its upsert clauses."""
-        table = self.table if table is None else table
-        if self.dialect == "postgresql":
-            return postgresql.insert(table)
-        return sqlite.insert(table) if self.dialect == "sqlite" else mysql.insert(table)
+        insert = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}.get(self.dialect, mysql.insert)
+        return insert(self.table if table is None else table)
 
     def _record(self, row: Any) -> Record:
         return self._from_row(row._mapping)
@@ -73,9 +67,7 @@ class SQLLedger(SQLConnections):
             out["insert"] = sa.union_all(
                 sa.select(new, sa.literal(True).label("inserted")),
                 sa.select(t, sa.literal(False).label("inserted")).where(
-                    t.c.intent_key == p["intent_key"], ~sa.exists(sa.select(new.c.intent_key))
-                ),
-            )
+                    t.c.intent_key == p["intent_key"], ~sa.exists(sa.select(new.c.intent_key))))
         elif self.dialect == "sqlite":
             out["insert"] = ins.on_conflict_do_nothing(index_elements=["intent_key"]).returning(t.c.token)
         else:
@@ -86,13 +78,11 @@ class SQLLedger(SQLConnections):
             "expires_at": sa.bindparam("exp", type_=sa.Double),
             "result": sa.func.coalesce(sa.bindparam("res", type_=LONG_TEXT), t.c.result),
             "error": sa.func.coalesce(sa.bindparam("err", type_=LONG_TEXT), t.c.error),
-            "mark": sa.bindparam("mark", type_=sa.Text),
-        }
+            "mark": sa.bindparam("mark", type_=sa.Text)}
         # Moving to sent erases the first payload in the same statement, unless kept for audit.
         sent_values = finish_values if self.keep_payload else {**finish_values, "payload": None}
-        mine = sa.update(t).where(
-            t.c.intent_key == sa.bindparam("k"), t.c.state == State.CLAIMED.value, t.c.token == sa.bindparam("tok")
-        )
+        mine = sa.update(t).where(t.c.intent_key == sa.bindparam("k"), t.c.state == State.CLAIMED.value,
+                                  t.c.token == sa.bindparam("tok"))
         out["finish_mine"] = mine.values(finish_values)
         out["finish_sent"] = mine.values(sent_values)
         out["finish_late"] = sa.update(t).where(
@@ -130,9 +120,8 @@ class SQLLedger(SQLConnections):
         return out
 
     def _execute(self, conn: Connection, name: str, params: dict[str, Any], *, returns_rows: bool) -> tuple[Any, int]:
-        """Run hot statement ``name`` on the DB-API cursor, past SQLAlchemy's execution layer (which doubled the
-        client CPU): (its first row or None, row count). Driver errors come out as ``execute()`` raises them; an
-        engine with statement listeners (tracing) gets ``execute()`` itself."""
+        """(First row or None, row count) of hot statement ``name`` run on the DB-API cursor, past SQLAlchemy's
+        execution layer (it doubled the client CPU), raising as ``execute()``, which listeners (tracing) get."""
         if conn._has_events or self.engine._has_events:
             result = conn.execute(self._stmts[name], params)
             return (result.first() if returns_rows else None), result.rowcount
@@ -226,8 +215,9 @@ class SQLLedger(SQLConnections):
             return Claim(ClaimStatus.DONE, seen)
         if expired_final:
             status, values = ClaimStatus.ACQUIRED, {**_fresh_row(request), "token": seen.token + 1}
-        else:
-            status = _takeover_status(seen, resume=resume)
+        else:  # a resumed claim is its own chain's: no takeover to count
+            status = ClaimStatus.RESUMED if resume else (
+                ClaimStatus.RECLAIMED if seen.state is State.CLAIMED else ClaimStatus.REOPENED)
             values = _takeover_values(seen, request, status, now)
         t = self.table
         as_seen = (t.c.intent_key == request.key, t.c.token == seen.token, t.c.state == seen.state.value)
@@ -244,32 +234,25 @@ class SQLLedger(SQLConnections):
         """Insert a new claim. Returns (inserted, the existing record when the store told us)."""
         params = {f"p_{name}": v for name, v in values.items()}
         row, _ = self._execute(conn, "insert", params, returns_rows=True)
+        if row is None or self.dialect == "sqlite":
+            return row is not None, None
         if self.dialect == "postgresql":  # the table's columns, then "inserted"
-            if row is None:
-                return False, None
             inserted = bool(row[-1])
             return inserted, None if inserted else self._from_row(dict(zip(self._columns, row[:-1], strict=True)))
-        if self.dialect == "sqlite":
-            return row is not None, None
-        # MariaDB: RETURNING gives the row that is there, ours (per-call owner nonce) or not; rows affected
-        # cannot tell (SQLAlchemy sets CLIENT_FOUND_ROWS).
-        if row is None:
-            return False, None
+        # MariaDB: RETURNING gives the row there, ours if it has our nonce (rows affected cannot: CLIENT_FOUND_ROWS).
         record = self._from_row(dict(zip(self._columns, row, strict=True)))
         mine = record.owner == values["owner"] and record.token == 1 and record.state is State.CLAIMED
         return mine, None if mine else record
 
     def _from_row(self, values: dict[str, Any]) -> Record:
+        v = values
         return Record(
-            key=values["intent_key"], task_name=values["task_name"], state=State(values["state"]),
-            token=int(values["token"]), owner=values["owner"], lease_expires_at=values["lease_expires_at"],
-            attempts=int(values["attempts"]), reclaims=int(values["reclaims"]), payload=values["payload"],
-            fingerprint=values["fingerprint"], result=loads_json(values["result"]),
-            error=loads_json(values["error"]), created_at=values["created_at"],
-            updated_at=values["updated_at"], expires_at=values["expires_at"],
-            mark=Mark.from_dict(loads_json(values["mark"])), resolution=loads_json(values["resolution"]),
-            writes_ahead=bool(values["writes_ahead"]),
-        )
+            key=v["intent_key"], task_name=v["task_name"], state=State(v["state"]), token=int(v["token"]),
+            owner=v["owner"], lease_expires_at=v["lease_expires_at"], attempts=int(v["attempts"]),
+            reclaims=int(v["reclaims"]), payload=v["payload"], fingerprint=v["fingerprint"],
+            result=loads_json(v["result"]), error=loads_json(v["error"]), created_at=v["created_at"],
+            updated_at=v["updated_at"], expires_at=v["expires_at"], mark=Mark.from_dict(loads_json(v["mark"])),
+            resolution=loads_json(v["resolution"]), writes_ahead=bool(v["writes_ahead"]))
 
     def _finish(self, key: str, token: int, state: State, *, result: dict[str, Any] | None = None,
                 error: dict[str, Any] | None = None, mark: Mark | None = None) -> float | None:
@@ -339,10 +322,8 @@ class SQLLedger(SQLConnections):
         t = self.table
         stmt = (sa.select(t.c.state, sa.func.count())
                 .where(sa.or_(t.c.expires_at.is_(None), t.c.expires_at > time.time())).group_by(t.c.state))
-        counts = {s.value: 0 for s in State}
-        for state, n in self._run(lambda conn: conn.execute(stmt).all()):
-            counts[state] = int(n)
-        return counts
+        rows = self._run(lambda conn: conn.execute(stmt).all())
+        return {s.value: 0 for s in State} | {str(state): int(n) for state, n in rows}
 
     def _force(self, key: str, expected_token: int, new: Record) -> bool:
         t = self.table
@@ -463,9 +444,7 @@ class SQLLedger(SQLConnections):
 
     def _exact(self, text: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
         """``text`` compared and grouped byte for byte (MariaDB's default collation ignores case)."""
-        if self.dialect in ("mysql", "mariadb"):
-            return text.collate("utf8mb4_bin")
-        return text
+        return text.collate("utf8mb4_bin") if self.dialect in ("mysql", "mariadb") else text
 
     def _where(self, query: RecordQuery, now: float, *, task: bool = True, reason: bool = True,
                search: bool = True) -> list[sa.ColumnElement[bool]]:
@@ -553,21 +532,12 @@ def _resumes(seen: Record, request: ClaimRequest) -> bool:
         or (request.resume_owner is not None and _owned_by(seen.owner, request.resume_owner)))
 
 
-def _takeover_status(seen: Record, *, resume: bool) -> ClaimStatus:
-    """What taking over ``seen`` (not a final record past retention) is called."""
-    if resume:
-        return ClaimStatus.RESUMED  # this delivery's own chain held it: no takeover to count
-    return ClaimStatus.RECLAIMED if seen.state is State.CLAIMED else ClaimStatus.REOPENED
-
-
 def _takeover_values(seen: Record, request: ClaimRequest, status: ClaimStatus, now: float) -> dict[str, Any]:
     """The columns a takeover of ``seen`` writes."""
     values: dict[str, Any] = {
-        "state": State.CLAIMED.value, "token": seen.token + 1, "owner": request.owner,
+        "state": State.CLAIMED.value, "token": seen.token + 1, "owner": request.owner, "updated_at": now,
         "lease_expires_at": now + request.lease_seconds, "attempts": seen.attempts + 1,
-        "reclaims": seen.reclaims + (1 if status is ClaimStatus.RECLAIMED else 0), "updated_at": now,
-        "writes_ahead": request.writes_ahead,
-    }
+        "reclaims": seen.reclaims + (1 if status is ClaimStatus.RECLAIMED else 0), "writes_ahead": request.writes_ahead}
     if status is ClaimStatus.RECLAIMED and not seen.writes_ahead and seen.mark is None:
         # No write-ahead promise and no mark: the holder may have run.
         values["mark"] = _mark_json(Mark(UNKNOWN_STAGE, int(now), seen.token))
@@ -576,9 +546,8 @@ def _takeover_values(seen: Record, request: ClaimRequest, status: ClaimStatus, n
 
 def _owned_by(stored: str, owner: str) -> bool:
     """Was the record claimed under ``owner``? A new claim stores it with a nonce appended."""
-    return stored == owner or (
-        len(stored) == len(owner) + 1 + _OWNER_NONCE_HEX and stored.startswith(owner) and stored[len(owner)] == "/"
-    )
+    nonced = len(stored) == len(owner) + 1 + _OWNER_NONCE_HEX and stored[len(owner)] == "/"
+    return stored == owner or (nonced and stored.startswith(owner))
 
 
 def _mark_json(mark: Mark | None) -> str | None:
@@ -587,10 +556,5 @@ def _mark_json(mark: Mark | None) -> str | None:
 
 
 def _row_of(record: Record) -> dict[str, Any]:
-    return {
-        "intent_key": record.key, "task_name": record.task_name, "state": record.state.value, "token": record.token,
-        "owner": record.owner, "lease_expires_at": record.lease_expires_at, "attempts": record.attempts,
-        "reclaims": record.reclaims, "payload": record.payload, "fingerprint": record.fingerprint,
-        "result": dumps_json(record.result), "error": dumps_json(record.error), "created_at": record.created_at,
-        "updated_at": record.updated_at, "expires_at": record.expires_at, "mark": _mark_json(record.mark),
-        "resolution": dumps_json(record.resolution), "writes_ahead": record.writes_ahead}
+    row = {**record.to_dict(), "intent_key": record.key, "payload": record.payload, "mark": _mark_json(record.mark)}
+    return {**row, **{name: dumps_json(row[name]) for name in ("result", "error", "resolution")}}
