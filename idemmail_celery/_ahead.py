@@ -1,16 +1,9 @@
-"""The write-ahead point: where a side effect without a key stops being "surely not done".
+"""The write-ahead point: where a side effect without a key stops being "surely not done" (docs/guarantee.md).
 
-A provider that carries no idempotency key (SMTP, the keyless HTTP APIs) calls
-:func:`about_to_send` right before the first byte that could make the message exist at the
-service: for SMTP, after the server accepted ``DATA`` and before the message itself; for an
-HTTP API, before the request. The handler running the send has installed a hook
-(:func:`writing_ahead`) that records this in the ledger (:meth:`Ledger.write_ahead`) and
-raises when it cannot, so nothing is sent without the mark. A worker killed before the mark
-is then known to have sent nothing: its intent is sent by the next claimer instead of being
-parked for review, and one killed after it is parked with the stage it had reached.
-
-The hook lives in a context variable: each thread and each greenlet (gevent gives every
-greenlet its own context) sees only the send it is running.
+A keyless provider calls :func:`about_to_send` right before the first byte that could make the message exist
+(SMTP: after ``DATA`` is accepted; HTTP: before the request); the handler's hook (:func:`writing_ahead`)
+records it (:meth:`Ledger.write_ahead`) or raises, so nothing is sent without the mark. The hook lives in a
+context variable: each thread and greenlet sees only the send it runs.
 """
 
 from __future__ import annotations
@@ -24,24 +17,17 @@ _hook: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.Contex
 
 
 def about_to_send(stage: str) -> None:
-    """Say that the side effect may happen from here on (``stage`` names the step, e.g. ``"message"``).
-
-    Call it once per send, right before the point of no return. Outside a send run by the
-    library (a provider used on its own) it does nothing. Raises
-    :class:`~idemmail_celery.errors.TransientSendError` when the ledger could not record it,
-    or the claim was lost: then the caller must send nothing.
-    """
+    """Say that the side effect may happen from here on (``stage`` names the step, e.g. ``"message"``): once
+    per send, right before the point of no return; a no-op outside a send the library runs. Raises
+    :class:`~idemmail_celery.errors.TransientSendError` when the mark could not be recorded: send nothing."""
     hook = _hook.get()
     if hook is not None:
         hook(stage)
 
 
 class writing_ahead:  # lower case: used as a function (``with writing_ahead(hook):``)
-    """Run the enclosed send with ``hook`` answering :func:`about_to_send` (None: nothing answers).
-
-    A class rather than a generator-based context manager: it wraps every send, and this costs
-    a third of what ``contextlib.contextmanager`` does.
-    """
+    """Run the enclosed send with ``hook`` answering :func:`about_to_send` (None: nothing answers); a class,
+    not ``contextlib.contextmanager``, at a third of the cost on every send."""
 
     __slots__ = ("_hook", "_token")
 

@@ -1,6 +1,4 @@
-"""Plumbing shared by the adapters: backoff, one after-fork registry, the broker's visibility timeout, log-safe text.
-
-Nothing here knows about ledgers or tasks (headers are in ``chain.py``); every other module may import it.
+"""Plumbing shared by the adapters (backoff, after-fork, the visibility timeout, log-safe text); no ledgers or tasks.
 """
 
 from __future__ import annotations
@@ -18,10 +16,8 @@ log = logging.getLogger("idemmail_celery")
 LIBRARY_TASKS = ("idemmail_celery.send_email", "idemmail_celery.send_campaign")
 
 def backoff(attempt: int, base: float, cap: float, *, jitter: bool = True) -> float:
-    """Exponential backoff: ``min(cap, base * 2**attempt)``, with jitter between half and all of it.
-
-    Celery's ``retry_backoff`` curve; unlike Celery's jitter, which may draw nothing, a retry is never immediate.
-    """
+    """Exponential backoff: ``min(cap, base * 2**attempt)``, with jitter between half and all of it (Celery's
+    ``retry_backoff`` curve, but never immediate)."""
     ceiling = min(cap, base * (2 ** min(max(attempt, 0), 30)))
     return float(ceiling * random.uniform(0.5, 1.0)) if jitter else float(ceiling)
 
@@ -33,10 +29,8 @@ _after_fork_lock = threading.Lock()
 
 
 def after_fork(callback: Callable[[], None]) -> Callable[[], None]:
-    """Run ``callback`` in every child right after ``fork()``, to reset sockets, threads and locks (a decorator too).
-
-    A callback that raises is logged and the others still run.
-    """
+    """Run ``callback`` in every child right after ``fork()`` to reset sockets, threads and locks (a decorator
+    too); one that raises is logged and the others still run."""
     with _after_fork_lock:
         _after_fork.append(callback)
     return callback

@@ -1,11 +1,6 @@
-"""Lease renewal while a side effect runs.
-
-One daemon thread per process (a greenlet under ``-P gevent``) renews every held claim each
-third of its lease, so a 30 s lease survives any send and a crashed holder's claim is free
-again within one lease. Side effects shorter than that never cause a renewal; tracking a
-claim costs a dict insert. The thread starts lazily in the process that needs it, again in
-a forked child, and survives any error of a renewal: a claim whose renewal fails is tried
-again within a couple of seconds, and dropped only when the ledger says another holder has it.
+"""Lease renewal while a side effect runs: one daemon thread per process (a greenlet under ``-P gevent``),
+started lazily and again in a forked child, renews every held claim each third of its lease; a failed
+renewal is tried again within seconds, and a claim dropped only when the ledger says another holder has it.
 """
 
 from __future__ import annotations
@@ -40,8 +35,7 @@ class LeaseKeeper:
     def _reset(self) -> None:
         # In a forked child: the parent's thread does not exist here and its lock may be held.
         self._held: dict[tuple[int, str, int], _Held] = {}
-        # hold() and drop() run on every send: they take the plain lock (a C call) rather than go
-        # through the Condition's Python methods; the Condition shares it for the thread's waits.
+        # hold() and drop() take the plain lock (cheaper on every send); the Condition shares it for the waits.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._running = False

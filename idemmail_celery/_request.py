@@ -1,9 +1,8 @@
 """The worker's request for idempotent tasks: a message that may not run is refused before the pool.
 
-Arguments nested too deep would overflow a prefork pool's pickler and stop the worker: :class:`CheckedRequest`
-checks them (and the task's ``max_argument_size``) first and ends such a message ``FAILURE`` with
-``PermanentSendError`` (``invalid_arguments``), nothing claimed or run (see docs/security.md). It also drops its
-message's copies early (:mod:`idemmail_celery._memory`).
+:class:`CheckedRequest` checks the arguments' depth (deep nesting would overflow a prefork pool's pickler) and the
+task's ``max_argument_size`` first, ending such a message ``FAILURE`` with ``PermanentSendError``
+(``invalid_arguments``), nothing claimed (docs/security.md); it also drops its message's copies early (``_memory``).
 """
 
 from __future__ import annotations

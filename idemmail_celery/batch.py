@@ -1,11 +1,7 @@
-"""Many deliveries at once: :meth:`Handler.handle_many <idemmail_celery.handler.Handler.handle_many>`.
-
-The same steps as one delivery (check, the key a rotation recorded it under, claim, take back, settle), with the
-claims of the batch made in one round trip (:meth:`Ledger.claim_many`) and every held claim's lease renewed while
-the batch runs, not only while its own send does. What differs is what a failure ends: a delivery's own failure
-(its settling raised) is that delivery's step, never the batch's; a failure of the batch's claim, or of a
-rotation's look-up before it, is raised to the caller (a campaign pass, which hands the list to the next pass)
-rather than made a step for each delivery. Campaigns (``bulk.py``) are its caller.
+"""Many deliveries at once: :meth:`Handler.handle_many <idemmail_celery.handler.Handler.handle_many>`, for
+campaigns (``bulk.py``). The steps of one delivery, with the batch's claims made in one round trip
+(:meth:`Ledger.claim_many`) and every held lease renewed while the batch runs. A delivery's own failure is its
+step; a failure of the batch's claim (or of a rotation's look-up before it) is raised to the caller.
 """
 
 from __future__ import annotations
@@ -23,15 +19,11 @@ log = logging.getLogger("idemmail_celery")
 
 
 def handle_many(h: Settling, deliveries: Sequence[Delivery], *, owner: str, last: bool = False) -> list[Step]:
-    """One step per delivery, in order (see the module's docstring); ``deliveries`` have distinct keys and claim as
-    ``owner``. On the ``last`` pass a caller makes, nothing is left held for a next one: a delivery whose settling
-    failed unexpectedly is parked for review.
+    """One step per delivery, in order; ``deliveries`` have distinct keys and claim as ``owner``. On the
+    ``last`` pass nothing is left held: a delivery whose settling failed unexpectedly is parked for review.
 
-    Raises :class:`LedgerError` when the batch claim itself fails, or a key-secret rotation's look-up of older keys
-    does: nothing was sent; the claims may have landed, and the caller's next batch takes them back (``owner``
-    among its deliveries' ``resume_owners``). During a rotation each new claim is checked before its send
-    (``Handler.cross_check``, in ``settle``): one claimed meanwhile under its other key is withdrawn and left
-    pending, as a busy one is.
+    Raises :class:`LedgerError` when the batch claim (or a rotation's look-up) fails: nothing was sent, and
+    the caller's next batch takes any landed claim back (``owner`` among its ``resume_owners``).
     """
     steps: dict[int, Step] = {}
     claimable = []
@@ -71,12 +63,9 @@ def _settled(h: Settling, d: Delivery, claim: Claim, *, last: bool) -> Step:
         return h.settle(d, claim)
     except Exception as exc:  # a defect must not cancel the batch
         log.exception("idemmail: settling a batch delivery failed (%s)", type(exc).__name__)
-        if not claim.status.holds or (h.effect.carries_key() and not last):
-            # Not ours, or running it again sends under the same key, which the provider de-duplicates:
-            # the next batch takes the claim back (or meets the holder's record).
+        if not claim.status.holds or (h.effect.carries_key() and not last):  # safe to run again: next batch
             return Step(Outcome.ERROR, Action.RESCHEDULE, d.key, error=exc)
-        # It may have been sent, and nothing downstream would de-duplicate a second try: never run
-        # it again. Parked now; if even that fails, the next batch records the verdict instead.
+        # It may have been sent, and nothing downstream de-duplicates: parked (or the next batch records that).
         error = error_record(exc, "unexpected_error", SendNeedsReview)
         try:
             return h.park_unknown(d, claim, "unexpected_error",

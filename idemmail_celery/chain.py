@@ -1,17 +1,9 @@
 """The chain protocol: what one message of an intent tells the next one, and the headers it travels under.
 
-An intent travels as a message; when a delivery cannot finish it (the ledger is down, another holder's
-claim is live, a transient failure), the adapter publishes the next message of its *chain*. What that
-message must know comes from here and nowhere else:
-
-* :class:`ChainState`: everything a message's sealed headers say, read once by the adapter
-  (:meth:`ChainState.from_headers`) and written back by :func:`next_headers`;
-* :class:`Carry`: what the handler hands to the next delivery of its chain (``Step.carry``): the
-  owners that may hold its claim, a :class:`Verdict` it could not record, its budgets, its hop;
-* :class:`Verdict`: a decision (sent, failed, review) waiting to be recorded.
-
-Every header name is spelled in this module only: the state machine (``handler.py``) works on these
-values, and only the adapters (``task.py``, ``bulk.py``) turn them into headers and back.
+:class:`ChainState` is what a message's sealed headers say (read once, :meth:`ChainState.from_headers`; written
+back by :func:`next_headers`); :class:`Carry` is what the handler hands the next delivery (``Step.carry``);
+:class:`Verdict` a decision waiting to be recorded. Every header name is spelled here only: the handler works on
+these values, and only the adapters (``task.py``, ``bulk.py``) turn them into headers and back.
 """
 
 from __future__ import annotations
@@ -25,23 +17,18 @@ from typing import Any, Literal
 
 #: The intent key (a keyed hash), set by ``apply_async`` before anything is enqueued.
 KEY_HEADER = "idempotency_key"
-#: The seal of the headers the worker acts on (:data:`SEALED_HEADERS`; ``IntentKeyBuilder.seal``): with a
-#: valid one the key is claimed as it is. Without it the key header is a caller's own key, checked and hashed.
+#: The seal of :data:`SEALED_HEADERS` (``IntentKeyBuilder.seal``); without a valid one the key is a caller's own.
 KEY_MARK_HEADER = "idemmail_key_mark"
-#: During a key-secret rotation: the keys the same call had under the older secrets (a claim finds
-#: records made before the rotation under them, so rotating never sends an intent again).
+#: During a key-secret rotation: the keys the same call had under the older secrets.
 OLDER_KEYS_HEADER = "idemmail_older_keys"
 #: The tenant that namespaces the key, when the caller named one.
 TENANT_HEADER = "idempotency_tenant"
 #: When the intent was first enqueued (caller's clock, epoch seconds).
 ENQUEUED_HEADER = "idemmail_enqueued"
-#: When a countdown or ETA first lets the message run (epoch seconds), set only when later than its enqueue:
-#: the retention rule and the retry deadline count from it; the ledger-loss rule counts from the enqueue, since
-#: another copy of the same intent, enqueued with it and due at once, may have been sent before a loss.
+#: When a countdown or ETA first lets the message run, if later than its enqueue: the retention rule and the
+#: retry deadline count from it (the ledger-loss rule from the enqueue: a copy due at once may have been sent).
 DUE_HEADER = "idemmail_due"
-#: When the outbox relay published the row this message stands for (epoch seconds), set only by the relay: the
-#: retry deadline counts from it when later than the enqueue and due times (a row relayed hours after it was
-#: written still has its whole budget); the other rules count from the row's own times, as written.
+#: When the outbox relay published the row this message stands for: the retry deadline counts from it if later.
 RELAYED_HEADER = "idemmail_relayed"
 #: How many times this chain was rescheduled because another holder's claim was live.
 INFLIGHT_HEADER = "idemmail_inflight"
@@ -59,20 +46,17 @@ CAMPAIGN_HEADER = "idemmail_campaign"
 NOT_BEFORE_HEADER = "idemmail_not_before"
 #: The version of the header format a message was written in (:data:`HEADER_FORMAT`), sealed with the rest.
 FORMAT_HEADER = "idemmail_format"
-#: The header format this release writes, and the ones it reads. A message in a format this worker does not
-#: read (written by a newer release, during a rolling upgrade) is requeued exactly as it came, for a worker
-#: that reads it: never guessed at (docs/upgrading.md). A message without the header is in format "1".
+#: The header format this release writes, and the ones it reads (none: "1"); any other is requeued as it came
+#: for a worker that reads it (docs/upgrading.md).
 HEADER_FORMAT = "1"
 READ_FORMATS = ("1",)
 #: The time a beat entry was due (ISO 8601, the app's timezone): the slot a digest is keyed by.
 SLOT_HEADER = "idemmail_slot"
-#: When a message sealed under a key secret its worker lacks first waited (epoch seconds). Not sealed: it
-#: only decides how loudly the wait is logged (a forged one makes a publisher's own message louder).
+#: When a message sealed under a key secret its worker lacks first waited; not sealed (it only sets the log level).
 SECRET_WAIT_HEADER = "idemmail_secret_wait"
 
-#: Headers the worker acts on: only a valid seal (``IntentKeyBuilder.seal``, in :data:`KEY_MARK_HEADER`) makes
-#: them count; without one they are ignored (the key is then a caller's own, hashed). The tenant is not among
-#: them: it only namespaces a key the worker hashes or derives itself.
+#: Headers the worker acts on only under a valid seal (:data:`KEY_MARK_HEADER`); not the tenant, which only
+#: namespaces a key the worker hashes or derives itself.
 SEALED_HEADERS = (KEY_HEADER, OLDER_KEYS_HEADER, ENQUEUED_HEADER, DUE_HEADER, RELAYED_HEADER, INFLIGHT_HEADER,
                   OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, CAMPAIGN_HEADER, NOT_BEFORE_HEADER,
                   FORMAT_HEADER)
@@ -81,8 +65,7 @@ CHAIN_HEADERS = (INFLIGHT_HEADER, OUTAGE_HEADER, OWNER_HEADER, VERDICT_HEADER, H
 #: The chain headers that hold for one message only: a reschedule keeps the budgets and drops these.
 ONE_SHOT_HEADERS = (OWNER_HEADER, VERDICT_HEADER, HOP_HEADER, NOT_BEFORE_HEADER)
 
-#: The name of the intent key in a provider's message metadata (Postmark Metadata, SendGrid custom_args,
-#: SES EmailTags): what a delivery webhook reads the key back from.
+#: The name of the intent key in a provider's message metadata, which delivery webhooks read it back from.
 KEY_TAG = "idemmail_key"
 #: A wait for an unknown key secret longer than this is logged at ERROR (the secret was removed too early).
 SECRET_WAIT_ERROR_SECONDS = 600.0
@@ -107,12 +90,8 @@ class Verdict:
     error: dict[str, Any] | None = None
 
     def to_header(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"state": self.state}
-        if self.result is not None:
-            out["result"] = self.result
-        if self.error is not None:
-            out["error"] = self.error
-        return out
+        out = {"state": self.state, "result": self.result, "error": self.error}
+        return {name: value for name, value in out.items() if value is not None}
 
     @classmethod
     def from_header(cls, header: Any) -> Verdict | None:
@@ -134,10 +113,9 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Carry:
-    """What a step hands to the next delivery of its chain (``Step.carry``, for RETRY and RESCHEDULE).
-
-    A reschedule keeps the chain's budgets unless the carry sets them, and a retry starts a new chain
-    without them (:func:`next_headers`); the one-shot parts (owners, verdict, hop) go unless carried again."""
+    """What a step hands to the next delivery of its chain (``Step.carry``, for RETRY and RESCHEDULE): a
+    reschedule keeps the chain's budgets unless set here, a retry starts a new chain; the one-shot parts
+    (owners, verdict, hop) go unless carried again (:func:`next_headers`)."""
 
     #: The owners that may hold this chain's claim, newest first: the next delivery takes it back.
     owners: tuple[str, ...] = ()
@@ -152,28 +130,16 @@ class Carry:
     enqueued_at: float | None = None
 
     def to_headers(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.owners:
-            out[OWNER_HEADER] = list(self.owners)
-        if self.verdict is not None:
-            out[VERDICT_HEADER] = self.verdict.to_header()
-        if self.inflight is not None:
-            out[INFLIGHT_HEADER] = self.inflight
-        if self.outage is not None:
-            out[OUTAGE_HEADER] = self.outage
-        if self.hop is not None:
-            out[HOP_HEADER] = self.hop
-        if self.enqueued_at is not None:
-            out[ENQUEUED_HEADER] = f"{self.enqueued_at:.3f}"
-        return out
+        out = {OWNER_HEADER: list(self.owners) or None, VERDICT_HEADER: self.verdict and self.verdict.to_header(),
+               INFLIGHT_HEADER: self.inflight, OUTAGE_HEADER: self.outage, HOP_HEADER: self.hop,
+               ENQUEUED_HEADER: None if self.enqueued_at is None else f"{self.enqueued_at:.3f}"}
+        return {name: value for name, value in out.items() if value is not None}
 
 
 @dataclass(frozen=True)
 class ChainState:
-    """What the headers of one message say about its intent and its chain, read once (``from_headers``).
-
-    Only headers under a valid seal are read (the adapter drops the others first); a malformed value
-    reads as absent, never as an error: a message is never lost to its own headers."""
+    """What the headers of one message say about its intent and its chain, read once (``from_headers``), only
+    from headers under a valid seal; a malformed value reads as absent: a message is never lost to its headers."""
 
     key: str = ""
     #: The older keys the caller sent (a rotation); None: it sent none, the worker works them out.
@@ -254,9 +220,8 @@ def key_headers(key: str, older: Iterable[str] = ()) -> dict[str, Any]:
 
 def next_headers(headers: Mapping[str, Any], carry: Carry | Mapping[str, Any], *, keep: bool) -> dict[str, Any]:
     """The headers of a chain's next message: ``headers`` less this one's chain state (all of it for a new
-    chain, ``keep=False``; the one-shot parts for a reschedule, ``keep=True``), plus ``carry``. Every adapter
-    writes chain state through here (single sends in ``task.py``, campaign passes in ``bulk.py``): one place
-    for a hook that signs or checks it."""
+    chain, ``keep=False``; the one-shot parts for a reschedule), plus ``carry``. Every adapter writes chain
+    state through here."""
     drop = set(ONE_SHOT_HEADERS if keep else CHAIN_HEADERS)
     out = {k: v for k, v in headers.items() if k not in drop}
     out.update(carry.to_headers() if isinstance(carry, Carry) else carry)

@@ -1,8 +1,5 @@
-"""Start-up and outage diagnostics: what an operator reads once, and what to do about it.
-
-A worker that cannot set a task up (a missing driver or API key, a broken install) or cannot reach its
-ledger says so at ERROR once per process and problem, with the fix; each delivery then reports at a
-lower level. The exceptions themselves are in ``errors.py``.
+"""Start-up and outage diagnostics: a set-up problem (a missing driver or API key, a broken install) or an
+unreachable ledger is said at ERROR once per process and problem, with the fix; each delivery then reports lower.
 """
 
 from __future__ import annotations

@@ -113,11 +113,8 @@ class LedgerUnavailableError(LedgerError):
 
 
 class LedgerLostError(LedgerUnavailableError):
-    """The ledger store lost records (flushed, or restarted without persistence).
-
-    Tasks fail closed (rescheduled, nothing sent) until an operator checks the store and runs
-    ``celery -A proj idemmail ledger ack-loss --note ...``; a duplicate of an intent recorded before then sends again.
-    """
+    """The ledger store lost records (flushed, or restarted without persistence): tasks fail closed until an
+    operator checks it and runs ``celery -A proj idemmail ledger ack-loss --note ...``."""
 
 
 class StaleTokenError(LedgerError):
@@ -182,11 +179,8 @@ class PermanentSendError(SendError):
 
 
 class TransientSendError(SendError):
-    """The side effect failed and it is known that nothing left the process.
-
-    Retried with backoff (at least ``retry_after``) until ``idemmail_retry_deadline_seconds`` after the first
-    enqueue, whatever ``max_retries`` says; then the intent ends ``failed``, reason ``retry_deadline``.
-    """
+    """The side effect failed and nothing left the process: retried with backoff (at least ``retry_after``)
+    until ``idemmail_retry_deadline_seconds`` after the first enqueue, then ``failed`` (``retry_deadline``)."""
 
 
 class AmbiguousSendError(SendError):

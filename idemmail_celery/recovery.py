@@ -1,9 +1,6 @@
 """What a held claim with a past decides: a dead holder behind it, a ledger loss since its message was
-enqueued, or a message older than what the ledger can vouch for.
-
-The handler's gates (:meth:`~idemmail_celery.handler.Handler.settle`) call these; each answers None (run
-the side effect) or the step that ends the delivery: the intent reconciled with the provider, parked for
-review, or (a key carried downstream, a holder that never began) run again. Never a guess.
+enqueued, or a message older than the ledger's retention. The handler's gates call these; each answers None
+(run) or the step that ends the delivery (reconciled, parked, never a guess).
 """
 
 from __future__ import annotations
@@ -18,14 +15,11 @@ from .steps import Delivery, Outcome, Settling, Step, live_mark
 
 log = logging.getLogger("idemmail_celery")
 
-#: After an acknowledged ledger loss, a message that does not say when it was enqueued (sent by
-#: name, or by an older version) counts as possibly older than the loss for this long.
+#: How long after an acknowledged ledger loss an undated message counts as possibly older than the loss.
 UNDATED_AFTER_LOSS_SECONDS = 24 * 3600.0
-#: The review reason of a new claim for a message older than the ledger's retention (see
-#: :func:`older_than_retention`).
+#: The review reason of a new claim for a message older than the ledger's retention.
 OLDER_THAN_RETENTION = "older_than_retention"
-#: What :func:`older_than_retention` allows for the caller's clock being behind the store's,
-#: at most (and at most a tenth of the retention).
+#: What :func:`older_than_retention` allows for the caller's clock being behind (at most a tenth of the retention).
 RETENTION_SKEW_SECONDS = 60.0
 
 
@@ -41,10 +35,8 @@ def after_crash(h: Settling, d: Delivery, claim: Claim) -> Step | None:
     elif not h.effect.carries_key():
         if mark is None and claim.previous_writes_ahead and (
                 claim.status is ClaimStatus.RECLAIMED or h.ledger.marks_takeovers):
-            # Its holder would have marked the ledger before sending, and did not: nothing left. A claim
-            # resumed after this chain's own reclaim: the holder it took over from left no mark, and the
-            # store marks a takeover from a holder that made no promise, so that one made it too (if this
-            # chain's reclaimer ran this release: an earlier one's owner has no ':ahead:' and wrote no mark).
+            # Its holder would have marked the ledger before sending, and did not (a takeover from a holder
+            # that made no promise is marked by the store, so a resumed claim without a mark is safe too).
             log.warning("idemmail: %s reclaimed after an expired lease; its holder had not begun the "
                         "send (no write-ahead mark): sending it now", logsafe(d.key))
             return None
@@ -74,11 +66,8 @@ def older_than_loss(h: Settling, d: Delivery) -> bool:
 
 
 def after_loss(h: Settling, d: Delivery, claim: Claim) -> Step | None:
-    """A new claim for a message enqueued before an acknowledged ledger loss.
-
-    The intent may have been sent and recorded in what was lost. With the key carried
-    downstream it is sent with that key (None: run); otherwise reconciled, or parked.
-    """
+    """A new claim for a message enqueued before an acknowledged ledger loss (its record may be what was lost):
+    with the key carried downstream, run (None); otherwise reconciled, or parked."""
     if h.effect.carries_key():
         return None
     found = h.reconciled(d, claim.record)
@@ -89,16 +78,9 @@ def after_loss(h: Settling, d: Delivery, claim: Claim) -> Step | None:
 
 
 def older_than_retention(h: Settling, d: Delivery) -> bool:
-    """Is this message older than what the ledger can vouch for?
-
-    A record of its intent made by this message was made no earlier than ``d.enqueued_at`` or
-    ``d.due_at``, the later (nothing claims a message before it is enqueued, or before its
-    countdown is due), and a final one is kept
-    for the retention after that (``claimed``, ``released`` and ``review`` ones for ever). So a new
-    claim for a message enqueued longer ago than the retention may be a copy of an intent sent and
-    expired: a message captured from the broker and published again, or one that waited out a ledger
-    outage longer than the retention. An undated message (sent by name) cannot be told: it is not.
-    """
+    """Is this message older than what the ledger can vouch for? A record it made is no older than its
+    enqueue or due time, and a final one is kept for the retention after that: a new claim for an older
+    message may be a copy of an intent sent and expired. An undated message cannot be told: it is not."""
     if d.enqueued_at is None:
         return False
     retention = h.ledger.retention_seconds
@@ -107,10 +89,8 @@ def older_than_retention(h: Settling, d: Delivery) -> bool:
 
 
 def after_retention(h: Settling, d: Delivery, claim: Claim) -> Step:
-    """A new claim for a message older than the retention: never sent again blind. Reconciled when the
-    side effect's service can say; else parked as ``review`` (reason ``older_than_retention``), its first
-    payload kept, for a person to release or fail. A key carried downstream does not make it safe: a
-    service de-duplicates for a day or so, less than the retention."""
+    """A new claim for a message older than the retention: reconciled, else parked (``older_than_retention``).
+    A key carried downstream does not make it safe (a service de-duplicates for a day or so)."""
     found = h.reconciled(d, claim.record)
     if found is not None:
         return h.record_sent(d, claim, found, reconciled=True)

@@ -1,24 +1,10 @@
-"""Key-secret rotation in one deploy: the roster of the secrets each live worker holds.
+"""Key-secret rotation in one deploy: the roster of the secrets each live worker holds (docs/security.md).
 
-A worker that only holds the old key secret cannot find a record made under a new one, nor check
-a seal made with it: while it runs, nobody may make keys under the new secret. Every worker
-therefore puts the ids of the secrets it holds (:func:`~idemmail_celery.keys.secret_ids`) into its
-ledger's roster (:meth:`Ledger.announce`) when it starts, again every :data:`ANNOUNCE_SECONDS`
-(a heartbeat; the entry lapses :data:`ENTRY_SECONDS` after the last one, so a killed worker drops
-out by itself), and takes it out at a warm shutdown. The first announcement is made in the
-background, never in the worker's start-up, and no process of the worker claims before it has landed
-(:meth:`Announcer.ensure`). A process configured with several secrets,
-a worker or a web process that only enqueues, makes keys and seals under the newest secret every
-live worker holds (:func:`active_order`), reading the roster at most every :data:`REFRESH_SECONDS`
-(:class:`RosterView`), never once per call. So ``[old]`` -> ``[new, old]`` in one rolling deploy
-goes on making keys under ``old`` until the last worker without ``new`` is gone, then moves to
-``new``: the two steps of a manual rotation, taken by the processes themselves.
-
-With one secret there is nothing to choose and the roster is never read. A ledger without a roster
-(:class:`NotImplementedError`: a third-party backend, a hand-managed SQL schema without migration
-003) leaves the secrets in their configured order: the rotation then takes two deploys. A roster
-that cannot be read before the first choice leaves it to the *oldest* secret, the one every process
-still holds.
+Every worker announces the ids of its secrets (:meth:`Ledger.announce`) at start, in the background, then
+every :data:`ANNOUNCE_SECONDS` (an entry lapses :data:`ENTRY_SECONDS` after the last), and leaves at a warm
+shutdown; no process claims before its announcement landed (:meth:`Announcer.ensure`). Keys and seals are
+made under the newest secret every live worker holds (:func:`active_order`), the roster read at most every
+:data:`REFRESH_SECONDS` (:class:`RosterView`).
 """
 
 from __future__ import annotations
@@ -49,12 +35,8 @@ Secrets = tuple[bytes | None, ...]
 
 
 def active_order(secrets: Secrets, entries: Sequence[RosterEntry] | None) -> Secrets:
-    """``secrets`` (newest first) with the one to make keys and seals under first: the newest one that
-    every live worker in ``entries`` holds; the others follow in their order (found under, checked).
-
-    No roster (``entries`` None): the oldest, which every process still holds. An empty roster (no live
-    worker): the newest. None held by all (workers with disjoint secrets, a misconfiguration): the oldest.
-    """
+    """``secrets`` (newest first) with the newest one every live worker in ``entries`` holds moved first (the
+    others follow in order). No roster (None), or none held by all: the oldest; an empty roster: the newest."""
     if len(secrets) < 2:
         return secrets
     held = [set(e.secret_ids) for e in entries] if entries is not None else None
@@ -147,15 +129,9 @@ def _forget_views() -> None:
 
 
 class Announcer:
-    """A worker's heartbeat into its ledgers' rosters: a daemon thread announcing ``member`` with the
-    secret ids each ledger's tasks hold, every :data:`ANNOUNCE_SECONDS`; :meth:`stop` takes it out.
-
-    Nothing waits for it at start: a ledger that is down or slow must not hold a worker's start-up (its
-    messages wait on the outage budget meanwhile). What the roster protects is kept by :meth:`ensure`
-    instead: no process of the worker claims in a ledger before its roster holds the worker. (A worker
-    lacking a secret the others hold is safe only once they see it: until then they may make keys under
-    that secret, and a key it derives itself would miss their records. Taking messages before that is
-    harmless; claiming is not.)"""
+    """A worker's heartbeat into its ledgers' rosters: a daemon thread announcing ``member`` every
+    :data:`ANNOUNCE_SECONDS`; :meth:`stop` takes it out. Nothing waits for it at start; :meth:`ensure` keeps
+    any process of the worker from claiming in a ledger before its roster holds the worker."""
 
     def __init__(self, member: str, ledgers: Sequence[tuple[Ledger, Sequence[str]]]) -> None:
         self.member, self.ledgers = member, list(ledgers)
@@ -188,10 +164,8 @@ class Announcer:
         return all(id(ledger) in self._landed for ledger, _ in self.ledgers)
 
     def ensure(self, ledger: Ledger) -> None:
-        """Return once ``ledger``'s roster holds this worker: at once when an announcement landed there (in
-        this process, or in the worker's main process before this pool child was forked), else after one
-        made now, in the calling thread. Raises what :meth:`Ledger.announce` raises (:class:`LedgerError`):
-        a delivery then claims nothing and waits on the outage budget, as for a ledger that does not answer."""
+        """Return once ``ledger``'s roster holds this worker (announcing now, in this thread, unless one landed
+    here or in the parent before the fork). Raises :class:`LedgerError` like :meth:`Ledger.announce`."""
         if id(ledger) in self._landed:
             return
         for known, ids in self.ledgers:
@@ -200,8 +174,7 @@ class Announcer:
                 return
 
     def start(self) -> Announcer:
-        """Start the heartbeat in a daemon thread, without waiting for it: it announces at once, then every
-        :data:`ANNOUNCE_SECONDS` (every :data:`FIRST_RETRY_SECONDS` until the first announcement lands)."""
+        """Start the heartbeat (every :data:`FIRST_RETRY_SECONDS` until the first announcement lands)."""
         self._thread = threading.Thread(target=self._beat, name="idemmail-roster", daemon=True)
         self._thread.start()
         return self
@@ -213,8 +186,7 @@ class Announcer:
             wait = ANNOUNCE_SECONDS if self.landed() else FIRST_RETRY_SECONDS
 
     def stop(self) -> None:
-        """Stop the heartbeat and leave every roster (a warm shutdown: the others need not wait for the entry
-        to lapse)."""
+        """Stop the heartbeat and leave every roster (a warm shutdown)."""
         self._stop.set()
         for ledger, ids in self.ledgers:
             try:

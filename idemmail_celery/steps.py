@@ -36,8 +36,7 @@ class Outcome(str, enum.Enum):
     COPY_DROPPED = "copy_dropped"              #: a second copy of a reschedule already published: dropped
     LEDGER_UNAVAILABLE = "ledger_unavailable"  #: fail closed: rescheduled until the ledger (or set-up) is back
     LEDGER_GAVE_UP = "ledger_unavailable_gave_up"  #: the outage budget ran out: the message fails
-    SETUP_ERROR = "setup_error"                #: this worker cannot set the call up (a missing API key or driver,
-                                               #: a broken install): rescheduled on the outage budget, nothing claimed
+    SETUP_ERROR = "setup_error"                #: a missing API key or driver, a broken install: as above
     RECLAIMED = "reclaimed"                    #: a dead holder's expired lease was taken over (a step)
     KEY_REUSE = "key_reuse"                    #: refused: the key came back with other must-match values
     FAIL_OPEN = "fail_open"                    #: the ledger was down and fail_open ran the body without a claim
@@ -69,15 +68,12 @@ class Step:
     value: Any = None
     error: BaseException | None = None
     countdown: float = 0.0
-    #: What the next delivery of this chain gets (RETRY and RESCHEDULE): the owners to take back, a verdict
-    #: to record, the chain's budgets (:class:`~idemmail_celery.chain.Carry`); the adapter writes it as headers.
+    #: What the next delivery of this chain gets (RETRY and RESCHEDULE; written as headers by the adapter).
     carry: Carry = field(default_factory=Carry)
-    #: RETRY only: does it spend one of the task's ``max_retries``? False for a retry on the time budget
-    #: (``Delivery.retry_from``), which the handler checked: the task's count must not refuse it.
+    #: RETRY only: does it spend one of the task's ``max_retries``? (Not a retry on the time budget.)
     counted: bool = True
-    #: RESCHEDULE only: the hop (``Delivery.hop``) this reschedule is the one publish of (see
-    #: :meth:`Handler.in_flight`). Once the adapter has published the step it calls
-    #: :meth:`Handler.published`, which says so in the ledger: later copies of that hop then drop.
+    #: RESCHEDULE only: the hop this reschedule is the one publish of; once published, the adapter calls
+    #: :meth:`Handler.published` so that the hop's later copies drop (:meth:`Handler.in_flight`).
     confirms_hop: str = ""
 
 
@@ -97,8 +93,7 @@ class Policy:
     retry_deadline_seconds: float = DEFAULTS["retry_deadline_seconds"]
     outage_max_retries: int | None = DEFAULTS["outage_max_retries"]
     fail_open: bool = DEFAULTS["fail_open"]
-    #: How long a reschedule's mark is kept (``Ledger.mark_hop``): longer than a copy of the message can
-    #: come back (the broker's visibility timeout and its restore delay), so a late copy still drops.
+    #: How long a reschedule's mark is kept (``Ledger.mark_hop``): longer than a copy of the message can come back.
     hop_ttl_seconds: float = 3600.0
 
 
@@ -114,40 +109,32 @@ class Delivery:
     #: ``retry()`` calls spent on this intent so far, and how many the task allows (None: no limit).
     retries: int = 0
     max_retries: int | None = 3
-    #: When the intent's retry deadline started (its first enqueue, or when a worker first saw it undated):
-    #: a failure that sent nothing (:class:`TransientSendError`) is retried for ``Policy.retry_deadline_seconds``
+    #: When the retry deadline started: a failure that sent nothing is retried for ``Policy.retry_deadline_seconds``
     #: from then, whatever ``max_retries`` says, then ends ``failed`` (``retry_deadline``). None: ``max_retries``.
     retry_from: float | None = None
     #: This chain's reschedules so far: because a claim was busy, and because something was unavailable.
     inflight: int = 0
     outage: int = 0
-    #: When the message was enqueued: the sealed ``idemmail_enqueued`` header, caller's clock. The
-    #: ledger-loss rule counts from it (a copy enqueued with it may have been sent before a loss).
-    #: None: not said.
+    #: When the message was enqueued (caller's clock; None: not said): the ledger-loss rule counts from it.
     enqueued_at: float | None = None
-    #: When its countdown or ETA first let it run, if later (sealed ``idemmail_due``): this message
-    #: cannot have been claimed before it, so the retention rule counts from it.
+    #: When its countdown or ETA first let it run, if later: the retention rule counts from it.
     due_at: float | None = None
-    #: The claim owners this chain may still hold its claim under, newest first (``ClaimRequest.resume_owner``:
-    #: a claim whose reply was lost may or may not have landed, so the one before it is kept too), and the
-    #: verdict it could not record.
+    #: The owners this chain may still hold its claim under, newest first (a lost reply may or may not have
+    #: landed, so the one before is kept too), and the verdict it could not record.
     resume_owners: tuple[str, ...] = ()
     verdict: Verdict | None = None
     #: The id of the published message this delivery is a copy of (``Ledger.mark_hop``).
     hop: str = ""
     #: The owner this delivery claims under (a new one is made when empty).
     owner: str = ""
-    #: During a key-secret rotation, the keys this intent had under the older secrets, newest first:
-    #: an intent recorded under one of them is claimed (and replayed) there, never sent again.
+    #: During a key-secret rotation: the intent's keys under the older secrets, newest first (one it is recorded
+    #: under is claimed there), and, once :meth:`Handler.recorded_key` chose, the others (:meth:`Handler.cross_check`).
     older_keys: tuple[str, ...] = ()
-    #: The intent's keys other than ``key`` once :meth:`Handler.recorded_key` has chosen the one to claim
-    #: (during a rotation only): read again after the claim, before anything runs (:meth:`Handler.cross_check`).
     other_keys: tuple[str, ...] = ()
 
     def held(self, owner: str | None = None) -> Carry:
-        """What this delivery, meeting an outage, hands to the next one: the owners that may hold its claim
-        (``owner``, the one it just claimed under, if any, first) and its verdict (dropped, the claim would
-        wait out its lease and be decided again)."""
+        """What this delivery hands the next one when it meets an outage: the owners that may hold its claim
+        (``owner``, the one it just claimed under, first) and its verdict."""
         return Carry(owners=held_by(owner, self.resume_owners), verdict=self.verdict)
 
 
@@ -155,10 +142,8 @@ class SideEffect(Protocol):
     """What an adapter lends the handler: the side effect and what it knows about it."""
 
     def check(self, payload: Payload) -> None:
-        """Refuse a call before anything is stored: raise :class:`InvalidEmail`,
-        :class:`IdempotencyKeyError` or ``TypeError`` for bad input (it ends ``failed``), or
-        :class:`ConfigurationError` when the side effect cannot be set up (it waits on the
-        outage budget)."""
+        """Refuse a call before anything is stored: bad input (:class:`InvalidEmail`, ``TypeError``, ...) ends
+        ``failed``; :class:`ConfigurationError` (no set-up) waits on the outage budget."""
 
     def perform(self, payload: Payload, key: str) -> Any:
         """Run the side effect once under ``key``; return what to record, raise a :class:`SendError`."""
@@ -167,8 +152,7 @@ class SideEffect(Protocol):
         """Does the side effect pass the key to a service that de-duplicates on it?"""
 
     def writes_ahead(self) -> bool:
-        """Does ``perform`` call :func:`~idemmail_celery.providers.base.about_to_send` before the side
-        effect can happen? Then a claim left without the mark is known not to have run it."""
+        """Does ``perform`` call :func:`~idemmail_celery.providers.base.about_to_send` before it can happen?"""
 
     def reconcile(self, key: str, payload: Payload) -> Any | None:
         """Ask the service whether the intent already happened: its result, or None (not proof)."""
@@ -178,9 +162,8 @@ class SideEffect(Protocol):
 
 
 class Settling(Protocol):
-    """What the handler's own modules (``rotation.py``, ``recovery.py``, ``batch.py``) use of the
-    :class:`~idemmail_celery.handler.Handler` whose steps they take: written down here, so that they
-    need not import the handler that calls them."""
+    """What ``rotation.py``, ``recovery.py`` and ``batch.py`` use of the
+    :class:`~idemmail_celery.handler.Handler` (so they need not import it)."""
 
     ledger: Ledger
     policy: Policy
@@ -204,40 +187,32 @@ class Settling(Protocol):
 # -- what a claim shows --
 
 def live_mark(claim: Claim, owners: tuple[str, ...] = ()) -> Mark | None:
-    """The write-ahead mark a claim came back with, unless it is void: a mark this chain wrote itself,
-    named by its owner among ``owners`` (``Delivery.resume_owners``), or a resumed claim's mark written
-    by the very claim it resumed (its token is the one before). That holder is an owner this chain
-    carried, so its delivery ended with a step, not a kill; having marked, it would have carried a
-    verdict had it sent, or might have ("sent", "review"). It carried none: it sent nothing (a
-    transient error, a mark whose reply was lost) and only its release failed."""
+    """The write-ahead mark a claim came back with, unless it is void: written by an owner of this chain
+    (``owners``), or, for a resumed claim, by the claim it resumed. Such a holder ended with a step: had it
+    sent, or maybe sent, it would have carried a verdict; it carried none, so it sent nothing."""
     mark = claim.record.mark
     if mark is None:
         return None
-    # Only a holder that promised its mark (a side effect without a key; only such a holder's mark names it): one
-    # that carries a key is retried with it after a maybe-send, so its step says nothing about whether it sent.
+    # Only a keyless holder's mark names its owner (a keyed one is retried with its key after a maybe-send).
     if mark.owner and owned_by(mark.owner, owners):
         return None
     if claim.status is not ClaimStatus.RESUMED:
         return mark
-    # The one before, or any earlier one while no holder was ever reclaimed: a claim that only ever
-    # passed between this chain's own deliveries (each ended with a step, several of whose replies
-    # may have been lost) was never held by a delivery that died after its mark.
+    # The one before, or any earlier one while never reclaimed (only ever passed between this chain's deliveries).
     if mark.token == claim.token - 1 or claim.record.reclaims == 0:
         return None
     return mark
 
 
 def first_of_its_tokens(claim: Claim) -> bool:
-    """Has this claim's record been held by this delivery's chain alone (``acquired``, or ``resumed`` and never
-    reclaimed)? Only then may it be withdrawn: the next claim of its key starts its tokens again, and a holder
-    it was taken over from, paused rather than dead, could act with one of them."""
+    """Has this claim's record been held by this chain alone (``acquired``, or ``resumed`` and never reclaimed)?
+    Only then may it be withdrawn: a holder it was taken from, only paused, could act with a restarted token."""
     return claim.status is ClaimStatus.ACQUIRED or (claim.status is ClaimStatus.RESUMED and claim.record.reclaims == 0)
 
 
 def may_have_run(claim: Claim) -> bool:
-    """Does a held claim show that its side effect may have run under its key? A write-ahead mark says so
-    (but the ``unknown`` one a takeover writes for a holder that wrote none: during a rotation every holder
-    marks before it runs, see :meth:`Handler.attempt`), and so does a release (a holder ran and let go)."""
+    """Does a held claim show its side effect may have run under its key: a release, or a write-ahead mark
+    other than the ``unknown`` one a takeover writes (during a rotation every holder marks before it runs)."""
     if claim.status is ClaimStatus.REOPENED:
         return True
     mark = claim.record.mark
@@ -245,14 +220,12 @@ def may_have_run(claim: Claim) -> bool:
 
 
 def owned_by(holder: str, owners: tuple[str, ...]) -> bool:
-    """Is ``holder`` (a record's owner) one of ``owners``? A store may keep an owner with a suffix of its
-    own (the SQL ledgers add a nonce to a new claim's)."""
+    """Is ``holder`` (a record's owner) one of ``owners``? (A store may add a suffix: the SQL ledgers' nonce.)"""
     return any(holder.startswith(o) for o in owners)
 
 
 def writes_ahead(effect: SideEffect) -> bool:
-    """Does ``effect`` mark the ledger before it can happen? Only a side effect without a key does (one
-    that carries it is sent again with it anyway); False when it cannot say (a provider not built yet)."""
+    """Does ``effect`` mark the ledger before it can happen (only a keyless one does)? False when it cannot say."""
     try:
         return not effect.carries_key() and effect.writes_ahead()
     except Exception:
