@@ -1,23 +1,7 @@
 """Agent tools as LangChain tools, for LangGraph's ``ToolNode`` and any LangChain agent (extra ``[langchain]``).
 
-::
-
-    from idemmail_celery.contrib.langchain import as_langchain_tool
-    from idemmail_celery.tools import IntentStateTool
-
-    tools = [as_langchain_tool(t) for t in (update_deal, reply)]
-    tools.append(as_langchain_tool(IntentStateTool([update_deal, reply])))
-    node = ToolNode(tools)                       # langgraph.prebuilt, unchanged
-    model = model.bind_tools(tools)              # the model sees each spec()'s schema
-
-A tool returns the outcome dict of :mod:`~idemmail_celery.tools` (``tool.invoke(args)``); given a
-whole tool call (what ``ToolNode`` passes), it answers a ``ToolMessage`` whose content is that dict
-as JSON, with ``status="error"`` for the outcomes in :data:`~idemmail_celery.tools.ERROR_STATUSES`
-(as MCP's ``isError``). Its ``args_schema`` is the JSON Schema ``spec()`` gives, so the model is
-shown exactly the arguments the tool accepts; anything else it sends comes back ``invalid``,
-with nothing enqueued. For a tool made with ``key="call_id"``, the tool call's ``id`` (the
-model's) is the intent: ``ToolNode`` re-running the same call is one side effect. Called with
-bare arguments, there is no call id, and the arguments are the intent.
+``ToolNode([as_langchain_tool(t) for t in tools])``: given a whole tool call, a tool answers a ``ToolMessage``
+holding its outcome dict as JSON, and the call's ``id`` is the ``call_id`` (docs/agent-tools.md).
 """
 
 from __future__ import annotations

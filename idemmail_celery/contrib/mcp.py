@@ -1,29 +1,9 @@
 """The app's agent tools over the Model Context Protocol (the official ``mcp`` SDK; extra ``[mcp]``).
 
-From the command line, with the app's settings (stdio for a client that starts the server,
-streamable HTTP on loopback for one that connects to it)::
-
-    celery -A proj idemmail mcp                       # stdio
-    celery -A proj idemmail mcp --http --port 8000    # http://127.0.0.1:8000/mcp
-    celery -A proj idemmail mcp --tools proj.agent:TOOLS
-
-or from Python: ``run_stdio(server(app))``, ``run_http(server(app), port=8000)``.
-
-It serves :func:`~idemmail_celery.tools.app_tools` (``email_tool`` and every
-``idempotent_tool`` made on the app) or the list given, each under its own name with the
-schema its ``spec()`` gives (bound arguments never shown) and its ``output_schema()``, plus
-``intent_state`` (:class:`~idemmail_celery.tools.IntentStateTool`, read only); the server
-reports the package's version. A call's result is the tool's outcome dict, as
-``structuredContent`` and as JSON text; ``isError`` is set for the outcomes in
-:data:`~idemmail_celery.tools.ERROR_STATUSES`. Each call waits in a thread of anyio's pool (40 at once by default;
-more calls queue) for its outcome, or for the tool's ``timeout`` and then answers ``pending``.
-
-**Call ids.** For a tool made with ``key="call_id"``, the intent is the client's tool-call
-id, sent in the request's ``_meta`` under :data:`CALL_ID_META`; without one, the call's
-arguments are. Tools keyed otherwise ignore it (see :mod:`~idemmail_celery.tools`).
-The JSON-RPC request id is never used: the client gives a retried call a new one, and
-numbers them afresh on each connection, so it would protect nothing and could join two
-clients' calls into one intent.
+``celery -A proj idemmail mcp [--http --port 8000] [--tools proj.agent:TOOLS]``, or from Python
+``run_stdio(server(app))``, ``run_http(server(app), port=8000)``. What it lists, what a call returns
+and which id is the intent: docs/agent-tools.md. The JSON-RPC request id is never the intent: clients
+renumber on each connection and give a retry a new one.
 """
 
 from __future__ import annotations
@@ -49,8 +29,7 @@ from ..tools import ERROR_STATUSES, IdempotentTool, IntentStateTool, app_tools
 
 __all__ = ["CALL_ID_META", "run_http", "run_stdio", "server"]
 
-#: The ``_meta`` key of a ``tools/call`` request that carries the client's tool-call id (the id the
-#: model gave the call): the intent of a ``key="call_id"`` tool.
+#: The ``_meta`` key of a ``tools/call`` request carrying the model's tool-call id: a ``key="call_id"`` tool's intent.
 CALL_ID_META = "idemmail/call_id"
 
 #: The hosts ``run_http`` listens on.
@@ -115,11 +94,7 @@ def run_stdio(mcp_server: Server[Any]) -> None:
 
 
 def run_http(mcp_server: Server[Any], *, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve streamable HTTP at ``http://host:port/mcp`` until interrupted; ``host`` must be loopback.
-
-    The server has no authentication of its own: whoever reaches it can send the app's email.
-    Put it behind an authenticating proxy on the same host to serve anyone else.
-    """
+    """Serve streamable HTTP at ``http://host:port/mcp`` until interrupted; ``host`` must be loopback (no login)."""
     import uvicorn  # the mcp SDK's own dependency
 
     if host not in LOOPBACK:

@@ -1,12 +1,6 @@
 """``python -m idemmail_celery.testing``: the fake Resend-compatible provider as a server of its own.
 
-A mail catcher for development stacks (``compose.yaml`` runs it): point
-``idemmail_provider_url`` at it, and read what it accepted with
-``GET /_fake/deliveries`` and ``GET /_fake/stats``. It keeps everything in memory.
-
-::
-
-    python -m idemmail_celery.testing --host 0.0.0.0 --port 8025 --api-key re_fake_test_key
+A mail catcher for development stacks (``compose.yaml`` runs it); it keeps everything in memory (docs/testing.md).
 """
 
 from __future__ import annotations

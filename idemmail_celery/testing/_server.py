@@ -1,11 +1,7 @@
-"""The HTTP plumbing of the fake providers (:mod:`.fake_provider`, :mod:`.fake_keyless`).
+"""The HTTP plumbing of the fakes (:mod:`.fake_provider`, :mod:`.fake_keyless`, :mod:`.fake_api`).
 
-:class:`FakeHTTPServer` is the base of a fake: a ``ThreadingHTTPServer`` on
-127.0.0.1 serving from a daemon thread, which tracks its open connections so that
-:meth:`~FakeHTTPServer.stop` can cut the keep-alive ones, and a queue of faults
-that the fake consumes one per send. A subclass answers each request in
-:meth:`~FakeHTTPServer._handle`, with a :class:`Reply` or with None to close the
-connection without an answer (the "dropped after accept" faults).
+A subclass of :class:`FakeHTTPServer` answers each request in :meth:`~FakeHTTPServer._handle`, with a
+:class:`Reply` or with None to close the connection unanswered (the "dropped after accept" faults).
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ import json
 import socket
 import sys
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -66,7 +62,17 @@ class FakeHTTPServer:
         self._stopping = threading.Event()
         self._connections: set[socket.socket] = set()
 
-    # -- lifecycle --
+    @property
+    def port(self) -> int:
+        """The TCP port (known once started)."""
+        if not self._port:
+            raise RuntimeError(f"the {self.thread_name} server is not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:54321``."""
+        return f"http://127.0.0.1:{self.port}"
 
     def start(self: _Fake) -> _Fake:
         """Listen and serve in a daemon thread; returns self. Starting a started fake does nothing."""
@@ -103,12 +109,9 @@ class FakeHTTPServer:
     def __enter__(self: _Fake) -> _Fake:
         return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.stop()
-
-    # -- faults --
 
     def fail_next(self, kind: str, times: int = 1) -> None:
         """Apply fault ``kind`` (one of :attr:`fault_kinds`) to the next ``times`` sends, after those queued."""
@@ -122,26 +125,26 @@ class FakeHTTPServer:
         with self._lock:
             return self._faults.popleft() if self._faults else None
 
-    # -- what subclasses provide, called by the handler threads --
-
     def _handle(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> Reply | None:
         """Answer one request (``headers`` with lower-case names); None closes the connection unanswered."""
         raise NotImplementedError
 
     def _length_required(self) -> Reply:
         """The answer to a POST without a usable Content-Length (the connection is closed after it)."""
-        raise NotImplementedError
+        return Reply(411, {"error": "send a Content-Length"})
 
     def _reply_headers(self) -> dict[str, str]:
         """Headers sent with every answer, before the answer's own."""
         return {}
 
+    def _count(self, counter: Counter[str | None], key: str | None) -> int:
+        """A counter's total, or its count for ``key``."""
+        with self._lock:
+            return sum(counter.values()) if key is None else counter[key]
+
     def _track(self, conn: socket.socket, open_: bool) -> None:
         with self._lock:
-            if open_:
-                self._connections.add(conn)
-            else:
-                self._connections.discard(conn)
+            (self._connections.add if open_ else self._connections.discard)(conn)
 
 
 class _Server(ThreadingHTTPServer):

@@ -1,12 +1,8 @@
-"""A fake JSON API that does *not* de-duplicate: a stand-in for a CRM, Slack or any webhook target in tests.
+"""A fake JSON API that does *not* de-duplicate: a stand-in for a CRM, Slack or any webhook target (docs/testing.md).
 
-Every ``POST`` (any path) is recorded and answered ``200 {"ok": true, "id": n}``,
-whatever its ``Idempotency-Key``: a second request is a second side effect, so a
-test counts side effects with :meth:`FakeAPI.requests`. Faults, one per POST, in
-order: ``slow`` (hold the request for ``slow_seconds``, then record it: a client
-with a shorter timeout sees a timeout although the effect happened) and the
-:data:`~._server.ACCEPT_FAULTS`. Another process reads the records with
-``GET /_fake/requests``.
+A second request is a second side effect, so a test counts side effects with :meth:`FakeAPI.requests`.
+A ``slow`` fault records the request after ``slow_seconds``: a client with a shorter timeout sees a
+timeout although the effect happened.
 """
 
 from __future__ import annotations
@@ -47,13 +43,6 @@ class FakeAPI(FakeHTTPServer):
         self.slow_seconds = slow_seconds
         self._requests: list[Request] = []
 
-    @property
-    def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:54321``."""
-        if not self._port:
-            raise RuntimeError("the fake API is not started")
-        return f"http://127.0.0.1:{self._port}"
-
     def requests(self, path: str | None = None) -> list[Request]:
         """The recorded POSTs, oldest first, all or to ``path``."""
         with self._lock:
@@ -82,6 +71,3 @@ class FakeAPI(FakeHTTPServer):
         if fault == "500_after_accept":
             return Reply(500, {"error": "internal error"})
         return Reply(200, {"ok": True, "id": number})
-
-    def _length_required(self) -> Reply:
-        return Reply(411, {"error": "send a Content-Length"})

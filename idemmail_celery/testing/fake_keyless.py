@@ -1,29 +1,7 @@
-"""A fake Postmark, SendGrid and Amazon SES: one real HTTP server on 127.0.0.1, for tests.
+"""A fake Postmark, SendGrid and Amazon SES on one HTTP server, none de-duplicating (routes: docs/testing.md).
 
-None of the three de-duplicates (a request sent twice is two deliveries), exactly
-like the real services. It speaks just enough of each API for the keyless
-providers (:mod:`idemmail_celery.providers.postmark`, ``.sendgrid``, ``.ses``):
-
-=============================================  ============================================================
-route                                          behaves like
-=============================================  ============================================================
-``POST /email``                                Postmark send (``X-Postmark-Server-Token``)
-``GET /messages/outbound?metadata_<name>=``    Postmark outbound search by metadata
-``POST /v3/mail/send``                         SendGrid v3 send (``Authorization: Bearer``), 202 +
-                                               ``X-Message-Id``
-``GET /v3/messages?query=unique_args[...]``    SendGrid Email Activity search by custom argument
-``POST /v2/email/outbound-emails``             SES v2 SendEmail, SigV4 checked: the Authorization header's
-                                               format, the access key id, and the signature itself
-=============================================  ============================================================
-
-**Search lags.** A message becomes searchable only ``search_lag_seconds`` after it
-was accepted, as a real search index does; ``clock`` (default
-:func:`time.monotonic`) is the time source, so a test can pass a manual clock and
-stay deterministic.
-
-**Faults** are queued with :meth:`FakeKeylessProvider.fail_next` and consumed one
-per send request (never by searches), in order; each answers in the shape of the
-provider that was called (see :data:`FAULT_KINDS`).
+It speaks just enough of each API for the keyless providers (:mod:`idemmail_celery.providers.postmark`,
+``.sendgrid``, ``.ses``); searches lag ``search_lag_seconds`` behind sends, on ``clock``.
 """
 
 from __future__ import annotations
@@ -124,27 +102,18 @@ _BEFORE_ACCEPT: dict[str, dict[str, tuple[int, str, str]]] = {
 class FakeKeylessProvider(FakeHTTPServer):
     """Postmark, SendGrid and SES on ``127.0.0.1``, started with :meth:`start` or ``with FakeKeylessProvider() as f:``.
 
-    Point a provider at it with ``base_url=fake.url`` and the matching credential
-    (:attr:`postmark_token`, :attr:`sendgrid_api_key`, :attr:`aws_credentials`, whose
-    ``api_key`` form is ``"ACCESS:SECRET"``). ``search_lag_seconds`` may be changed
-    while it runs. ``port`` 0 picks a free port, kept across stop/start.
+    Point a provider at it with ``base_url=fake.url`` and the matching credential (:attr:`postmark_token`,
+    :attr:`sendgrid_api_key`, :attr:`aws_credentials`, whose ``api_key`` form is ``"ACCESS:SECRET"``).
     """
 
     thread_name = "fake-keyless"
     fault_kinds = FAULT_KINDS
     cut_dropped_connections = True
 
-    def __init__(
-        self,
-        *,
-        postmark_token: str = DEFAULT_POSTMARK_TOKEN,
-        sendgrid_api_key: str = DEFAULT_SENDGRID_KEY,
-        aws_access_key_id: str = DEFAULT_AWS_ACCESS_KEY_ID,
-        aws_secret_access_key: str = DEFAULT_AWS_SECRET_ACCESS_KEY,
-        search_lag_seconds: float = 0.0,
-        clock: Callable[[], float] = time.monotonic,
-        port: int = 0,
-    ) -> None:
+    def __init__(self, *, postmark_token: str = DEFAULT_POSTMARK_TOKEN, sendgrid_api_key: str = DEFAULT_SENDGRID_KEY,
+                 aws_access_key_id: str = DEFAULT_AWS_ACCESS_KEY_ID,
+                 aws_secret_access_key: str = DEFAULT_AWS_SECRET_ACCESS_KEY, search_lag_seconds: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic, port: int = 0) -> None:
         self.postmark_token = postmark_token
         self.sendgrid_api_key = sendgrid_api_key
         self.aws_credentials = AWSCredentials(aws_access_key_id, aws_secret_access_key)
@@ -155,15 +124,6 @@ class FakeKeylessProvider(FakeHTTPServer):
         self._delivered: Counter[str | None] = Counter()
         self._requests: list[SeenRequest] = []
 
-    @property
-    def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:54321``: pass it as the providers' ``base_url``."""
-        if not self._port:
-            raise RuntimeError("the fake is not started")
-        return f"http://127.0.0.1:{self._port}"
-
-    # -- test API --
-
     def deliveries(self, provider: str | None = None) -> list[KeylessDelivery]:
         """Every accepted message (of one provider, if given), oldest first."""
         with self._lock:
@@ -171,18 +131,14 @@ class FakeKeylessProvider(FakeHTTPServer):
 
     def delivery_count(self, key: str | None = None) -> int:
         """Deliveries in all, or tagged with ``key``: 2 means the intent went out twice."""
-        with self._lock:
-            return sum(self._delivered.values()) if key is None else self._delivered[key]
+        return self._count(self._delivered, key)
 
     def requests(self) -> list[SeenRequest]:
         """Every request received (sends and searches), oldest first."""
         with self._lock:
             return list(self._requests)
 
-    # -- the APIs, called by handler threads --
-
     def _handle(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> Reply | None:
-        """Answer one request; None means "close the connection without a response"."""
         parts = urlsplit(target)
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
         reply = self._route(method, parts.path, query, headers, body)
@@ -197,9 +153,9 @@ class FakeKeylessProvider(FakeHTTPServer):
         if method == "POST" and provider is not None:
             return self._send(provider, path, headers, body)
         if method == "GET" and path == "/messages/outbound":
-            return self._postmark_search(headers, query)
+            return self._authenticate("postmark", path, headers, body) or self._postmark_search(query)
         if method == "GET" and path == "/v3/messages":
-            return self._sendgrid_search(headers, query)
+            return self._authenticate("sendgrid", path, headers, body) or self._sendgrid_search(query)
         return Reply(404, {"message": f"no route {method} {path}"})
 
     def _send(self, provider: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply | None:
@@ -219,7 +175,6 @@ class FakeKeylessProvider(FakeHTTPServer):
         problem = _PROBLEMS[provider](data)
         if problem:
             return _error(provider, 422 if provider == "postmark" else 400, "BadRequestException", problem)
-
         delivery = _DELIVERIES[provider](data, self.clock())
         with self._lock:
             self._deliveries.append(delivery)
@@ -273,9 +228,7 @@ class FakeKeylessProvider(FakeHTTPServer):
         with self._lock:
             return [d for d in reversed(self._deliveries) if d.provider == provider and d.at <= horizon]
 
-    def _postmark_search(self, headers: Mapping[str, str], query: Mapping[str, str]) -> Reply:
-        if not secrets.compare_digest(headers.get("x-postmark-server-token", ""), self.postmark_token):
-            return _error("postmark", 401, "Unauthorized", "Request does not contain a valid Server token.")
+    def _postmark_search(self, query: Mapping[str, str]) -> Reply:
         try:
             count, offset = int(query["count"]), int(query["offset"])
         except (KeyError, ValueError):
@@ -287,9 +240,7 @@ class FakeKeylessProvider(FakeHTTPServer):
             {"MessageID": d.message_id, "Subject": d.subject, "Status": "Sent", "Recipients": list(d.recipients),
              "Metadata": d.payload.get("Metadata", {})} for d in found[offset:offset + count]]})
 
-    def _sendgrid_search(self, headers: Mapping[str, str], query: Mapping[str, str]) -> Reply:
-        if not secrets.compare_digest(headers.get("authorization", ""), f"Bearer {self.sendgrid_api_key}"):
-            return _error("sendgrid", 401, "Unauthorized", "authorization required")
+    def _sendgrid_search(self, query: Mapping[str, str]) -> Reply:
         match = _ACTIVITY_QUERY.match(query.get("query", ""))
         if match is None:
             return _error("sendgrid", 400, "BadRequest", "invalid query")

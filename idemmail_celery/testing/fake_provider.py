@@ -1,25 +1,6 @@
-"""A fake Resend-compatible email API: a real HTTP server on 127.0.0.1, for tests and demos.
+"""A fake Resend-compatible email API that de-duplicates on ``Idempotency-Key``, for tests and demos.
 
-It behaves like a provider that de-duplicates on ``Idempotency-Key``:
-
-* ``POST /emails`` with ``Authorization: Bearer <api_key>`` accepts a message and
-  answers ``200 {"id": ...}``; a wrong or missing key gets ``401``.
-* The same key with the same body inside ``dedupe_window`` seconds replays the
-  first ``200`` and is *not* a new delivery (it counts as a suppressed duplicate).
-  The same key with another body gets ``409 invalid_idempotent_request``; the
-  same key while its first request is still being processed gets
-  ``409 concurrent_idempotent_requests``. ``dedupe=False`` plays a provider that
-  ignores keys: every accepted request is a delivery. Bodies are compared byte
-  for byte (by SHA-256), which is stricter than a real provider and so catches a
-  client whose retries are not byte-identical.
-* Faults are queued with :meth:`FakeProvider.fail_next` and consumed one per
-  ``POST /emails``, in order (see :data:`FAULT_KINDS`).
-
-Another process reads the counters with ``GET /_fake/stats``, the accepted messages
-(recipients, subject, key, message id, time) with ``GET /_fake/deliveries``, and queues faults
-with ``POST /_fake/faults`` (``{"kind": "slow", "times": 1}``; ``{"latency": 0.05}`` sets the
-time every send is held); ``POST /_fake/reset``
-forgets everything. These endpoints need no API key.
+Its routes, its de-duplication and the ``/_fake/*`` endpoints another process uses: docs/testing.md.
 """
 
 from __future__ import annotations
@@ -119,34 +100,18 @@ def _error(status: int, name: str, message: str, headers: dict[str, str] | None 
 
 
 class FakeProvider(FakeHTTPServer):
-    """A Resend-compatible API on ``127.0.0.1``, started with :meth:`start` or ``with FakeProvider() as fake:``.
+    """A Resend-compatible API on ``127.0.0.1``; ``with FakeProvider() as fake:`` (options: docs/testing.md).
 
-    ``api_key`` is the bearer token it expects (None accepts any non-empty one);
-    ``dedupe_window`` is how long a key is remembered (seconds); ``slow_seconds``
-    is how long a ``"slow"`` fault holds a request; ``latency`` is how long every send
-    is held before it is answered, as a real provider's processing time (seconds, default
-    0; with ``"slow"`` the two add up); ``port`` 0 picks a free one,
-    kept across :meth:`stop`/:meth:`start` so :attr:`url` stays valid; ``host`` is the
-    address to listen on (``0.0.0.0`` to serve other containers). At most
-    ``max_records`` deliveries and attempts are kept as records; the counters stay exact.
-    :meth:`stop` drops a request held by a ``"slow"`` fault, unrecorded.
+    ``dedupe_window``, ``slow_seconds`` (a ``"slow"`` fault's hold) and ``latency`` (every send's hold, as a
+    real provider's processing time; added to ``"slow"``) are in seconds.
     """
 
     thread_name = "fake-provider"
     fault_kinds = FAULT_KINDS
 
-    def __init__(
-        self,
-        *,
-        api_key: str | None = DEFAULT_API_KEY,
-        dedupe: bool = True,
-        dedupe_window: float = 24 * 3600.0,
-        slow_seconds: float = 2.0,
-        port: int = 0,
-        max_records: int = 10_000,
-        host: str = "127.0.0.1",
-        latency: float = 0.0,
-    ) -> None:
+    def __init__(self, *, api_key: str | None = DEFAULT_API_KEY, dedupe: bool = True,
+                 dedupe_window: float = 24 * 3600.0, slow_seconds: float = 2.0, port: int = 0,
+                 max_records: int = 10_000, host: str = "127.0.0.1", latency: float = 0.0) -> None:
         if latency < 0:
             raise ValueError("latency must not be negative")
         self.api_key = api_key
@@ -162,20 +127,6 @@ class FakeProvider(FakeHTTPServer):
         self._suppressed: Counter[str | None] = Counter()
         self._stored: dict[str, _Stored] = {}
         self._in_flight: dict[str, str] = {}
-
-    @property
-    def port(self) -> int:
-        """The TCP port (known once started)."""
-        if not self._port:
-            raise RuntimeError("the fake provider is not started")
-        return self._port
-
-    @property
-    def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:54321``; the HTTP provider POSTs to ``/emails`` under it."""
-        return f"http://127.0.0.1:{self.port}"
-
-    # -- test API --
 
     def fail_next(self, kind: str, times: int = 1) -> None:
         """Apply fault ``kind`` (one of :data:`FAULT_KINDS`) to the next ``times`` sends, after those already queued."""
@@ -196,48 +147,30 @@ class FakeProvider(FakeHTTPServer):
 
     def delivery_count(self, key: str | None = None) -> int:
         """Deliveries in all, or under ``key``."""
-        with self._lock:
-            return sum(self._delivered.values()) if key is None else self._delivered[key]
+        return self._count(self._delivered, key)
 
     def attempt_count(self, key: str | None = None) -> int:
         """Requests received in all, or with ``key``."""
-        with self._lock:
-            return sum(self._attempted.values()) if key is None else self._attempted[key]
+        return self._count(self._attempted, key)
 
     def duplicates_suppressed(self, key: str | None = None) -> int:
         """Requests answered by replaying an earlier delivery's response, in all or under ``key``."""
-        with self._lock:
-            return sum(self._suppressed.values()) if key is None else self._suppressed[key]
+        return self._count(self._suppressed, key)
 
     def stats(self) -> dict[str, Any]:
         """What ``GET /_fake/stats`` answers: totals, and per key counts."""
         with self._lock:
-            keys = {k for k in (*self._attempted, *self._delivered) if k is not None}
-            return {
-                "deliveries": sum(self._delivered.values()),
-                "attempts": sum(self._attempted.values()),
-                "suppressed": sum(self._suppressed.values()),
-                "pending_faults": list(self._faults),
-                "per_key": {
-                    k: {"deliveries": self._delivered[k], "attempts": self._attempted[k],
-                        "suppressed": self._suppressed[k]}
-                    for k in sorted(keys)
-                },
-            }
+            counters = {"deliveries": self._delivered, "attempts": self._attempted, "suppressed": self._suppressed}
+            keys = sorted({k for k in (*self._attempted, *self._delivered) if k is not None})
+            return {**{name: sum(c.values()) for name, c in counters.items()}, "pending_faults": list(self._faults),
+                    "per_key": {k: {name: c[k] for name, c in counters.items()} for k in keys}}
 
     def reset(self) -> None:
         """Forget deliveries, attempts, remembered keys and queued faults."""
         with self._lock:
-            self._faults.clear()
-            self._deliveries.clear()
-            self._attempts.clear()
-            self._delivered.clear()
-            self._attempted.clear()
-            self._suppressed.clear()
-            self._stored.clear()
-            self._in_flight.clear()
-
-    # -- the API, called by the handler threads --
+            for store in (self._faults, self._deliveries, self._attempts, self._delivered, self._attempted,
+                          self._suppressed, self._stored, self._in_flight):
+                store.clear()
 
     def _handle(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> Reply | None:
         path = urlsplit(target).path
@@ -263,8 +196,7 @@ class FakeProvider(FakeHTTPServer):
         return {"X-Request-Id": str(uuid.uuid4())}
 
     def _forget_expired(self, now: float) -> None:
-        """Drop remembered keys whose window has passed, oldest first (the dict keeps insertion order,
-        and a key is stored again only once forgotten): a request costs the same after 100,000 keys."""
+        """Drop remembered keys whose window has passed, oldest first (in insertion order): O(expired), not O(keys)."""
         while self._stored:
             oldest = next(iter(self._stored))
             if self._stored[oldest].expires > now:
@@ -282,9 +214,6 @@ class FakeProvider(FakeHTTPServer):
             self._attempts.append(attempt)
             self._attempted[request.key] += 1
         return reply
-
-    # Each step of a send answers (the reply, or None to drop the connection; the attempt's outcome), or None
-    # to go on to the next step.
 
     def _answer(self, request: _EmailRequest, fault: str | None) -> tuple[Reply | None, str]:
         refused = self._refusal(request, fault)
@@ -323,8 +252,7 @@ class FakeProvider(FakeHTTPServer):
         return None
 
     def _take_key(self, request: _EmailRequest) -> tuple[_Stored | None, tuple[Reply, str] | None]:
-        """The stored response this request replays (if any), or the 409 its key earns; a new key is marked
-        in flight."""
+        """The stored response this request replays (if any), or the 409 its key earns; marks a new key in flight."""
         key, sha = request.key, request.sha
         with self._lock:
             now = time.monotonic()

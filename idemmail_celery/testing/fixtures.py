@@ -1,19 +1,6 @@
-"""pytest fixtures for idemmail-celery users: a pytest plugin, loaded wherever the package is installed.
+"""pytest fixtures for idemmail-celery users, loaded through the ``pytest11`` entry point (docs/testing.md).
 
-The package registers this module under the ``pytest11`` entry point of the same name, so
-the fixtures need no ``conftest.py`` line::
-
-    def test_receipt_is_sent_once(fake_provider):
-        provider = HTTPProvider(fake_provider.url, api_key=fake_provider.api_key)
-        ...
-        assert fake_provider.delivery_count() == 1
-
-A ``conftest.py`` that also lists ``pytest_plugins = ["idemmail_celery.testing.fixtures"]``
-gets the same plugin, not a second one; ``-p no:idemmail_celery.testing.fixtures`` turns it
-off. Beside Celery's ``celery.contrib.pytest``: see docs/testing.md.
-
-This is the only module of the package that imports pytest, and nothing else
-imports it: pytest stays a test-time dependency.
+The only module of the package that imports pytest, and nothing imports it: pytest stays a test-time dependency.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """A redis-server of one test's (or chaos run's) own, which it stops and starts: :class:`RedisServer`.
 
-An outage of the ledger is a real one: the server's process is stopped (SIGTERM; clients then get
-"connection refused" at once) and started again on the same loopback port, with its data (an
-append-only file, fsync'd on every write), as a production ledger's would be. The shared Redis a
-whole test suite uses is never stopped. Needs the ``redis-server`` binary.
+A real outage: the process is stopped (SIGTERM: "connection refused" at once) and started again on the
+same port with its data (an append-only file, fsync'd on every write). Needs the ``redis-server`` binary.
 """
 
 from __future__ import annotations

@@ -1,49 +1,8 @@
-"""A real SMTP server for tests, with fault injection: :class:`SMTPSink`.
+"""A real SMTP server for tests, with fault injection: :class:`SMTPSink` (its faults and options: docs/testing.md).
 
-It listens on a free loopback port (``aiosmtpd``, in a thread of its own), records
-every message it accepts, and can be told to misbehave on the next commands, so a
-test can prove what a provider does when a server defers, refuses, or drops the
-connection after it has the whole message::
-
-    with SMTPSink() as sink:
-        provider = from_url(sink.url, timeout=2)
-        sink.fail_next("drop_after_data")
-        with pytest.raises(AmbiguousSendError):
-            provider.send(message, key=key)
-        assert sink.count() == 1          # it did arrive: this is why it is ambiguous
-
-Faults (``fail_next(kind, times=1)``), each consumed by the command it acts on, in
-the order they were queued:
-
-===========================  ==========================================================
-``"tempfail_mail"``          the next ``times`` MAIL commands get ``451``
-``"reject_mail"``            the next ``times`` MAIL commands get ``550``
-``"tempfail_rcpt"``          the next ``times`` RCPT commands get ``450``
-``"reject_rcpt"``            the next ``times`` RCPT commands get ``550``
-``"stall_rcpt"``             the next ``times`` RCPT commands get no reply until the client
-                             gives up (a server hung before it holds any message)
-``"tempfail_data_command"``  the next ``times`` DATA commands get ``451``, not ``354``
-``"reject_data_command"``    the next ``times`` DATA commands get ``554``, not ``354``
-``"tempfail_data"``          the next ``times`` messages get ``451`` after their data;
-                             nothing recorded
-``"reject_data"``            the next ``times`` messages get ``554`` after their data;
-                             nothing recorded
-``"drop_after_data"``        the next ``times`` messages are received in full and
-                             recorded as delivered, then the connection is closed
-                             without the final reply (the crash-after-DATA case)
-``"stall_after_data"``       like ``drop_after_data``, but the connection stays open
-                             with no reply until the client gives up (its timeout)
-``"slow_data"``              the next ``times`` messages are recorded as delivered, and
-                             the ``250`` comes ``slow_seconds`` (option, 1.0) later: a
-                             test can act while the client waits for the final reply
-===========================  ==========================================================
-
-:meth:`SMTPSink.applied` lists the faults that acted on a command (a queued one that never met its
-command is not there; :meth:`SMTPSink.faults_left` counts those).
-
-Options: ``credentials=("user", "password")`` offers AUTH (over plain text, tests
-only) and accepts only that pair; ``ssl_context`` (a server context) offers
-STARTTLS, or with ``implicit_tls=True`` serves TLS from the first byte (``smtps://``).
+It records every message it accepts and can be told to misbehave on the next commands, so a test
+can prove what a provider does when a server defers, refuses, or drops the connection after it has
+the whole message.
 """
 
 from __future__ import annotations
@@ -65,8 +24,7 @@ __all__ = ["AppliedFault", "FaultKind", "ReceivedMessage", "SMTPSink"]
 
 FaultKind = Literal[
     "tempfail_mail", "reject_mail", "tempfail_rcpt", "reject_rcpt", "stall_rcpt", "tempfail_data_command",
-    "reject_data_command",
-    "tempfail_data", "reject_data", "drop_after_data", "stall_after_data", "slow_data",
+    "reject_data_command", "tempfail_data", "reject_data", "drop_after_data", "stall_after_data", "slow_data",
 ]
 _MAIL_FAULTS: dict[str, str] = {
     "tempfail_mail": "451 4.3.0 Sender temporarily refused (injected)",
@@ -84,9 +42,7 @@ _DATA_COMMAND_FAULTS: dict[str, str] = {
 _DATA_FAULTS: dict[str, str] = {
     "tempfail_data": "451 4.3.0 Try again later (injected)",
     "reject_data": "554 5.6.0 Message rejected (injected)",
-    "drop_after_data": "",
-    "stall_after_data": "",
-    "slow_data": "",
+    **dict.fromkeys(("drop_after_data", "stall_after_data", "slow_data"), ""),  # answered in handle_DATA
 }
 
 
@@ -116,24 +72,15 @@ class AppliedFault:
 
 
 class SMTPSink:
-    """An SMTP server on 127.0.0.1 and a free port, recording what it receives.
+    """An SMTP server on 127.0.0.1, recording what it receives; ``with``, or :meth:`start` and :meth:`stop`.
 
-    Use as a context manager, or call :meth:`start` and :meth:`stop`. Thread-safe:
-    the server runs in its own thread and event loop. ``port`` 0 picks a free one, kept
-    across :meth:`stop`/:meth:`start`, so :attr:`url` stays valid while it is stopped (a
-    server that refuses connections for a while, then comes back).
+    Thread-safe: the server runs in its own thread and event loop. ``port`` 0 picks a free one, kept
+    across :meth:`stop`/:meth:`start`, so :attr:`url` stays valid while it is stopped.
     """
 
-    def __init__(
-        self,
-        *,
-        host: str = "127.0.0.1",
-        credentials: tuple[str, str] | None = None,
-        ssl_context: ssl.SSLContext | None = None,
-        implicit_tls: bool = False,
-        slow_seconds: float = 1.0,
-        port: int = 0,
-    ) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", credentials: tuple[str, str] | None = None,
+                 ssl_context: ssl.SSLContext | None = None, implicit_tls: bool = False, slow_seconds: float = 1.0,
+                 port: int = 0) -> None:
         if implicit_tls and ssl_context is None:
             raise ValueError("implicit_tls needs an ssl_context")
         self.host = host
@@ -159,10 +106,8 @@ class SMTPSink:
             smtp_kwargs.update(authenticator=self._authenticate, auth_require_tls=False)
         if self._ssl_context is not None and not self.implicit_tls:
             smtp_kwargs["tls_context"] = self._ssl_context
-        controller = _Controller(
-            _Handler(self), hostname=self.host, port=self._port or 0,
-            ssl_context=self._ssl_context if self.implicit_tls else None, **smtp_kwargs,
-        )
+        controller = _Controller(_Handler(self), hostname=self.host, port=self._port or 0,
+                                 ssl_context=self._ssl_context if self.implicit_tls else None, **smtp_kwargs)
         controller.start()
         self._controller = controller
         self._port = controller.port
@@ -219,7 +164,7 @@ class SMTPSink:
     # -- faults --
 
     def fail_next(self, kind: FaultKind, times: int = 1) -> None:
-        """Queue a fault for the next ``times`` commands it applies to (see the module docstring)."""
+        """Queue a fault for the next ``times`` commands it applies to (the faults: docs/testing.md)."""
         if kind not in get_args(FaultKind):
             raise ValueError(f"unknown fault {kind!r}; known: {', '.join(get_args(FaultKind))}")
         if times < 1:
@@ -233,8 +178,7 @@ class SMTPSink:
             return sum(times for _, times in self._faults)
 
     def _take_fault(self, kinds: dict[str, str], envelope: Envelope | None = None) -> str | None:
-        """The first queued fault of ``kinds``, taken off the queue and recorded as applied (``envelope``:
-        the message it hits, once its data is in), or None."""
+        """The first queued fault of ``kinds`` (None if none), taken off the queue and recorded as applied."""
         with self._lock:
             for entry in self._faults:
                 if entry[0] in kinds:
@@ -249,14 +193,9 @@ class SMTPSink:
     def _record(self, envelope: Envelope, session: Session, acknowledged: bool) -> int:
         raw = envelope.original_content or b""
         auth = session.auth_data
-        received = ReceivedMessage(
-            mail_from=envelope.mail_from or "",
-            rcpt_tos=tuple(envelope.rcpt_tos),
-            message_id=_message_id(raw),
-            raw=raw,
-            acknowledged=acknowledged,
-            login=auth.login.decode("utf-8", "replace") if isinstance(auth, LoginPassword) else None,
-        )
+        login = auth.login.decode("utf-8", "replace") if isinstance(auth, LoginPassword) else None
+        received = ReceivedMessage(envelope.mail_from or "", tuple(envelope.rcpt_tos), _message_id(raw), raw,
+                                   acknowledged, login)
         with self._lock:
             self._messages.append(received)
             return len(self._messages)
@@ -308,13 +247,11 @@ class _Handler:
                 server.transport.close()
             # Never answer: closing the connection (ours or the client's) cancels this coroutine.
             await asyncio.get_running_loop().create_future()
-        if fault == "slow_data":
-            n = self.sink._record(envelope, session, acknowledged=True)
-            await asyncio.sleep(self.sink.slow_seconds)
-            return f"250 2.0.0 OK: queued as SINK{n}"
-        if fault is not None:
+        if fault is not None and fault != "slow_data":
             return _DATA_FAULTS[fault]
         n = self.sink._record(envelope, session, acknowledged=True)
+        if fault == "slow_data":
+            await asyncio.sleep(self.sink.slow_seconds)
         return f"250 2.0.0 OK: queued as SINK{n}"
 
 

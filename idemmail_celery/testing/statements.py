@@ -1,10 +1,4 @@
-"""Counting the SQL statements a ledger sends, at the driver.
-
-A SQLAlchemy ``before_cursor_execute`` listener would count them too, but an engine
-with statement listeners makes :class:`~idemmail_celery.ledger.sql.SQLLedger` run its
-first-send statements through SQLAlchemy's ``execute()`` instead of the DB-API cursor
-(so that tracing sees them): the count would then be of a path workers do not take.
-Hook this into an engine's pool instead::
+"""Counting the SQL statements a ledger sends, at the driver (why not with a SQLAlchemy listener: docs/testing.md)::
 
     event.listen(ledger.engine, "connect", lambda conn, _record: count_statements(conn, bump))
 """
