@@ -1,22 +1,8 @@
 """The operator CLI: look at the ledger and resolve what a person must decide.
 
-As a Celery subcommand (the ``celery.commands`` entry point), with the app's settings (every command:
-docs/operations.md, "Resolving ambiguous sends")::
-
-    celery -A proj idemmail ledger list --state review
-    celery -A proj idemmail ledger resolve KEY --release --note "provider says not delivered"
-    celery -A proj idemmail mcp [--http --port 8000]   # agent tools over MCP (the [mcp] extra)
-    celery idemmail docs                               # where the documentation's pages are on this machine
-
-or without Celery's loader, with the same commands and help:
-``python -m idemmail_celery [-A proj] --ledger-url redis://... ledger stats``.
-
-``resolve --release`` publishes the stored first payload **before** it releases the record (why,
-and what each failure leaves: docs/security.md, "Operator commands"). Payloads (personal data) are
-printed only with ``show --payload``. Only ``init`` and ``ack-loss`` write the Redis ledger's epoch
-markers (docs/operations.md, "Ledger loss"): the other commands build the ledger ``passive``, so
-looking at an emptied store never starts a new epoch on it nor flags it lost.
-
+``celery -A proj idemmail ledger ...`` (the ``celery.commands`` entry point) or ``python -m idemmail_celery``:
+every command, and why ``resolve --release`` publishes before it releases, is in docs/operations.md and
+docs/security.md ("Operator commands"). Only ``init`` and ``ack-loss`` build the ledger non-``passive``.
 Exit codes: :data:`EXIT_CODES`, the one table of them (``--help`` and docs/operations.md are made from it).
 """
 
@@ -110,15 +96,19 @@ class _Ctx:
         if self._ledger is None:
             if not self.ledger_url and self.app is None:
                 raise click.UsageError("no ledger: pass --ledger-url, or -A for the app's")
-            try:  # the settings table, as the app's workers read it (the default ledger URL included)
-                settings = Settings.resolve(self.app.conf if self.app is not None else {}, None)
-            except ConfigurationError as exc:
-                raise click.UsageError(str(exc)) from exc
+            settings = _settings(self.app)  # as the app's workers read them (the default ledger URL included)
             url = self.ledger_url or settings.ledger_url
             # The app's retention, keep_payload and payload keys (to open sealed records), then --prefix/--table.
             options = {**settings.ledger_kwargs(), **self.overrides, **passive_options(url)}
             self._ledger = from_url(url, **options)
         return self._ledger
+
+
+def _settings(app: Any) -> Settings:
+    try:
+        return Settings.resolve(app.conf if app is not None else {}, None)
+    except ConfigurationError as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 def _fail(code: int, message: str) -> NoReturn:
@@ -439,10 +429,7 @@ def key_secrets(obj: _Ctx, as_json: bool) -> None:
         _fail(EXIT_UNREACHABLE, str(exc))
     mine: tuple[str, ...] = ()
     if obj.app is not None:
-        try:
-            configured = Settings.resolve(obj.app.conf, None).key_secrets
-        except ConfigurationError as exc:
-            raise click.UsageError(str(exc)) from exc
+        configured = _settings(obj.app).key_secrets
         mine = secret_ids(active_order(configured, entries) if configured else None)
     now = time.time()
     if as_json:

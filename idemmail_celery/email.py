@@ -134,13 +134,10 @@ class EmailMessage:
         max_bytes: int = DEFAULT_MAX_BYTES, max_recipients: int = DEFAULT_MAX_RECIPIENTS,
         allow_mixed_scripts: bool = False,
     ) -> EmailMessage:
-        """A validated message, or :class:`InvalidEmail` saying which field is wrong and why.
-
-        ``allow_mixed_scripts`` accepts domain labels that mix scripts (refused by default: look-alikes).
-        """
+        """A validated message, or :class:`InvalidEmail` saying which field is wrong and why (``allow_mixed_scripts``:
+        accept domain labels that mix scripts, look-alikes)."""
         attached = _attachments(attachments)
-        listed = {"to": _listed(to, "to", max_recipients), "cc": _listed(cc, "cc", max_recipients),
-                  "bcc": _listed(bcc, "bcc", max_recipients)}
+        listed = {where: _listed(v, where, max_recipients) for where, v in (("to", to), ("cc", cc), ("bcc", bcc))}
         total = 0
         for where, items in listed.items():
             total += len(items)
@@ -230,13 +227,8 @@ class EmailMessage:
         return total + sum(-(-len(a.content) // 3) * 4 + PART_OVERHEAD for a in self.attachments)
 
     def to_mime(self, *, message_id: str | None = None, date: str | None = None) -> MIMEMessage:
-        """The RFC 5322 message. No random boundary, no implicit Date: the same input gives the same bytes.
-
-        ``message_id`` (e.g. from :func:`message_id_for`) and ``date`` are set when given.
-        Bcc is never written into the headers; pass :meth:`recipients` as the envelope.
-        A header that would fold into a line of its own, or decode to a line break when read back,
-        raises :class:`InvalidEmail`, so a message made without :meth:`build` cannot add a header line either.
-        """
+        """The RFC 5322 message, the same bytes for the same input (no random boundary, no implicit Date), Bcc
+        left out (pass :meth:`recipients` as the envelope); a header that would add a line raises InvalidEmail."""
         msg = MIMEMessage(policy=email.policy.SMTP)
         msg["From"] = _mime_address(self.sender)
         msg["To"] = tuple(_mime_address(a) for a in self.to)
@@ -312,11 +304,8 @@ def _reads_back_a_line_break(policy: email.policy.Policy, folded: str) -> bool:
 
 
 def parse_address(value: Any, where: str = "address") -> tuple[str, str]:
-    """Exactly one address: ``(display name, addr-spec)``, or :class:`InvalidEmail` (``field=where``).
-
-    Takes ``local@domain`` or ``Display Name <local@domain>``; the addr-spec comes back normalised (domain
-    lower-case and in Unicode, local part NFC). Our own parser: the same on every Python, unlike the stdlib's.
-    """
+    """Exactly one ``local@domain`` or ``Name <local@domain>`` as ``(name, addr-spec)`` normalised (domain lower-case
+    Unicode, local part NFC), or :class:`InvalidEmail` (``field=where``); our own parser, the same on every Python."""
     text = _header_text(value, where).strip(" \t")
     if not text:
         raise InvalidEmail(f"{where} is empty", field=where)

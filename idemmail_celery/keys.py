@@ -1,12 +1,7 @@
 """Intent keys, must-match fingerprints and the seal on the library's own chain headers.
 
-An *intent* is what a task call means ("send the confirmation for order 4821 to ann@example.com"),
-whatever the messages and task ids that carry it. Its key is a digest of the call's chosen arguments,
-bound to the signature, after the serializer's round trip, addresses normalised, written as canonical
-JSON inside a namespace (task, tenant, version): HMAC-SHA256 under ``idemmail_key_secret``, plain
-SHA-256 without one. See docs/guarantee.md ("Intent keys") and, for rotation and seals,
-docs/security.md. Changing anything here changes keys, and would re-send everything in flight after an
-upgrade: ``tests/test_keys.py`` pins golden vectors.
+What a key is made of: docs/guarantee.md ("Intent keys"); rotation and seals: docs/security.md. Changing
+anything here changes keys and re-sends everything in flight: ``tests/test_keys.py`` pins golden vectors.
 """
 
 from __future__ import annotations
@@ -47,10 +42,7 @@ _BARE_ADDRESS = frozenset('<>",;:()[] \\\t')
 
 
 def normalize_address(text: str) -> str:
-    """The one form of an address keys and de-duplication compare: ``"Ann <Ann@Example.COM>"`` -> ``"Ann@example.com"``.
-
-    The local part keeps its case (RFC 5321); text that is not one valid address is read leniently.
-    """
+    """The form of an address keys compare: ``"Ann <Ann@Example.COM>"`` -> ``"Ann@example.com"`` (lenient if bad)."""
     if text.isascii() and text.count("@") == 1 and _BARE_ADDRESS.isdisjoint(text) and "xn--" not in text.lower():
         local, _, domain = text.partition("@")  # a bare ASCII address: nothing to parse or decode
         return f"{local}@{domain.lower()}"
@@ -350,10 +342,8 @@ class IntentKeyBuilder:
         return self._normalised(chosen)
 
     def derive(self, payload: Payload, *, explicit: str | None = None, tenant: str | None = None) -> str:
-        """The intent key for one call, under the first secret: of ``explicit`` (a caller's own key) if given.
-
-        ``tenant`` overrides the task's tenant argument (the ``idempotency_tenant`` option or header).
-        """
+        """The intent key of a call (or of a caller's ``explicit`` key) under the first secret; ``tenant`` overrides
+        the task's tenant argument."""
         return self._digest(self._material(payload, explicit, tenant))
 
     def older_keys(self, payload: Payload, *, explicit: str | None = None,
@@ -450,11 +440,8 @@ class IntentKeyBuilder:
     def call_headers(self, args: Any, kwargs: Any, headers: Mapping[str, Any], *,
                      validate: Callable[[Any, Any], Payload], explicit: str | None = None, tenant: str | None = None,
                      due: float | None = None) -> dict[str, Any]:
-        """The headers a call is enqueued with (``apply_async``), from the ones the caller passed.
-
-        A key the library sealed travels as it is; any other is the caller's own, like ``explicit``, and copied
-        chain headers are dropped. ``validate`` raises on bad input, else returns the worker's arguments.
-        """
+        """The headers ``apply_async`` enqueues a call with: a key the library sealed travels as it is, any other is
+        the caller's own (like ``explicit``) and copied chain headers are dropped; ``validate`` raises on bad input."""
         carried = headers.get(KEY_HEADER)
         if explicit is None and carried is not None:
             seal = self.check_seal(headers, self.payload(args, kwargs))
@@ -480,10 +467,7 @@ class IntentKeyBuilder:
         return self._digest(self._fingerprint_material(payload))
 
     def fingerprint_matches(self, stored: str, payload: Payload) -> bool:
-        """Does a record's ``stored`` fingerprint match this call's under any of the builder's secrets?
-
-        True for a task without must-match fields.
-        """
+        """Does a record's ``stored`` fingerprint match this call's under any secret (always, without must-match)?"""
         if not self.must_match:
             return True
         material = self._fingerprint_material(payload)

@@ -1,19 +1,6 @@
-"""Transactional outbox: a task call written inside your own database transaction.
+"""Transactional outbox: a task call written as a row in your own database transaction, published by a relay.
 
-The intent is a row written in the same transaction as your data (rolled back with it, never lost
-after a commit), and a relay moves committed rows to the broker; see docs/outbox-and-digests.md::
-
-    outbox_table(Base.metadata)                  # add the table to your metadata / migrations
-    with Session(engine) as session, session.begin():
-        session.add(order)
-        enqueue_email(session, app=app, to=order.email, subject="Your receipt",
-                      html=render(order), event_id=f"order-{order.id}", template="receipt")
-
-The same intent enqueued ten times is one row. The relay (:func:`relay`, :func:`drain`, or the task
-from :func:`register_relay` run by beat) claims rows with ``SELECT ... FOR UPDATE SKIP LOCKED``
-(SQLite: ``BEGIN IMMEDIATE``, so run one relay), publishes each under its stored key and marks it
-dispatched; a relay that dies before its commit leaves rows that the next one publishes again, which
-the task's ledger claim absorbs. Django writes through its own cursor: :func:`enqueue_sql`.
+How it works, the relay's locking per database and the Django path: docs/outbox-and-digests.md.
 """
 
 from __future__ import annotations
@@ -133,12 +120,10 @@ def schema_sql(dialect: str, name: str = DEFAULT_TABLE) -> str:
 def _dialect(name: str, paramstyle: str | None = None) -> sa.engine.Dialect:
     """A dialect to compile with (no driver is loaded); psycopg2's renders no casts into the SQL."""
     options: dict[str, Any] = {"paramstyle": paramstyle} if paramstyle else {}
-    if name == "postgresql":
-        return postgresql.psycopg2.dialect(**options)  # type: ignore[no-untyped-call]
-    if name in ("mysql", "mariadb"):
-        return mysql.pymysql.dialect(**options)
-    if name == "sqlite":
-        return sqlite.pysqlite.dialect(**options)
+    dialects = {"postgresql": postgresql.psycopg2.dialect, "mysql": mysql.pymysql.dialect,
+                "mariadb": mysql.pymysql.dialect, "sqlite": sqlite.pysqlite.dialect}
+    if name in dialects:
+        return dialects[name](**options)  # type: ignore[no-any-return]
     raise ConfigurationError(f"the outbox supports postgresql, mysql/mariadb and sqlite, not {name!r}")
 
 
@@ -193,10 +178,9 @@ def _row(task: Task, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | Non
 
 def _insert(dialect: str, table: sa.TableClause, row: dict[str, Any]) -> Any:
     """``INSERT`` that does nothing when the intent key is already there."""
-    if dialect == "postgresql":
-        return postgresql.insert(table).values(**row).on_conflict_do_nothing(index_elements=["intent_key"])
-    if dialect == "sqlite":
-        return sqlite.insert(table).values(**row).on_conflict_do_nothing(index_elements=["intent_key"])
+    if dialect in ("postgresql", "sqlite"):
+        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        return insert(table).values(**row).on_conflict_do_nothing(index_elements=["intent_key"])
     if dialect in ("mysql", "mariadb"):
         # Not INSERT IGNORE: that would also turn data errors (a too-long value) into warnings.
         ins = mysql.insert(table).values(**row)
@@ -212,15 +196,8 @@ def _dialect_name(bind: Bind) -> str:
 def enqueue(session_or_connection: Bind, task: Task, args: Sequence[Any] | None = None,
             kwargs: Mapping[str, Any] | None = None, *, idempotency_key: str | None = None,
             idempotency_tenant: str | None = None, table: sa.Table | str | None = None, **options: Any) -> str:
-    """Write ``task.apply_async(args, kwargs, **options)`` into the outbox, in the caller's transaction.
-
-    ``session_or_connection`` is an ORM ``Session`` or a Core ``Connection``; nothing is committed here.
-    ``task`` must be an :class:`~idemmail_celery.IdempotentTask`. The call is validated and its key
-    derived as ``apply_async`` would, so bad input raises (:class:`~idemmail_celery.IdemmailError`
-    subclasses, ``TypeError``) before anything is written. The same intent enqueued again is not a
-    second row. ``options``: those in :data:`ALLOWED_OPTIONS`; ``countdown`` and ``expires`` count from
-    now, not from the relay's publish. Returns the intent key.
-    """
+    """Write ``task.apply_async(args, kwargs, **options)`` (an ORM ``Session`` or a Core ``Connection``) into the
+    outbox, uncommitted; validated as ``apply_async`` would, before anything is written. Returns the intent key."""
     t = _table(table)
     row = _row(task, args, kwargs, idempotency_key, idempotency_tenant, options)
     session_or_connection.execute(_insert(_dialect_name(session_or_connection), t, row))
@@ -245,13 +222,8 @@ def _email_task(app: Celery | None, task: Task | None) -> Task:
 
 def enqueue_email(session_or_connection: Bind, *, app: Celery | None = None, task: Task | None = None,
                   options: Mapping[str, Any] | None = None, table: sa.Table | str | None = None, **email: Any) -> str:
-    """:func:`enqueue` a ``send_email`` call: ``enqueue_email(session, app=app, to=..., subject=..., ...)``.
-
-    ``email`` takes ``send_email``'s keywords; invalid mail raises
-    :class:`~idemmail_celery.errors.InvalidEmail` before anything is written. The task is ``task``, else
-    ``send_email`` on ``app`` (default: ``celery.current_app``). Publishing options go in ``options``
-    (``{"queue": "mail"}``), apart from the email's own ``headers``. Returns the intent key.
-    """
+    """:func:`enqueue` a ``send_email`` call (``task``, else ``app``'s, else ``current_app``'s) with ``email`` as
+    its keywords and publishing ``options`` (``{"queue": "mail"}``); returns the intent key."""
     return enqueue(session_or_connection, _email_task(app, task), (), email, table=table, **dict(options or {}))
 
 
@@ -326,10 +298,8 @@ def relay(engine: Engine, app: Celery, *, batch_size: int = 100, table: sa.Table
           before_commit: Callable[[Sequence[int]], None] | None = None) -> int:
     """Publish one batch of due pending rows and mark them dispatched; returns how many were published.
 
-    Safe to run in several processes at once. A row that cannot be published stays pending with
-    ``attempts + 1``, ``last_error`` and a ``next_attempt_at`` after a backoff (``retry_backoff`` doubling
-    up to ``retry_backoff_max`` seconds, with jitter); a broker error ends the batch. ``before_commit``
-    is called with the published row ids just before the commit (a seam for tests and metrics).
+    A row that cannot be published stays pending, retried after ``retry_backoff`` doubling up to
+    ``retry_backoff_max`` seconds; a broker error ends the batch. ``before_commit`` gets the published row ids.
     """
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
@@ -436,17 +406,8 @@ def _engine_for(url: str) -> Engine:
 
 def register_relay(app: Celery, url: str | None = None, *, name: str = RELAY_TASK, table: str | None = None,
                    batch_size: int | None = None, max_seconds: float | None = None) -> Task:
-    """Register the relay task on ``app`` and return it; schedule it on beat every few seconds::
-
-        register_relay(app, "postgresql+psycopg://app@db/shop")
-        app.conf.beat_schedule["idemmail-outbox"] = {
-            "task": "idemmail_celery.outbox_relay", "schedule": 2.0, "options": {"expires": 10},
-        }
-
-    Settings read at run time when not given here: ``idemmail_outbox_url`` (the database holding the
-    outbox), ``idemmail_outbox_table``, ``idemmail_outbox_batch_size`` (100), ``idemmail_outbox_max_seconds``
-    (10: one run drains for at most this long). The task returns the number of rows it published.
-    """
+    """Register the relay task on ``app`` and return it (run it from beat: docs/outbox-and-digests.md); what is
+    not given here is read at run time from the ``idemmail_outbox_*`` settings."""
 
     def outbox_relay() -> int:
         return run_relay(app, url, table=table, batch_size=batch_size, max_seconds=max_seconds)

@@ -1,9 +1,7 @@
 """Keep personal data (addresses, subjects, bodies) out of what Celery and the library show.
 
-Error texts: :func:`scrub`, :func:`scrub_error` and the provider decorator :func:`scrubbed`. Task arguments:
-:func:`on_before_publish`, Celery's ``before_task_publish`` handler, redacts ``argsrepr``/``kwargsrepr`` of
-every message of a redacting task (:func:`redacts`), whatever path publishes it. What is and is not covered:
-docs/security.md. No Celery import here: the Celery-free handler scrubs with it.
+Error texts: :func:`scrub`, :func:`scrub_error`, :func:`scrubbed`; task arguments: :func:`on_before_publish`.
+What is covered: docs/security.md. No Celery import here: the Celery-free handler scrubs with it.
 """
 
 from __future__ import annotations
@@ -294,10 +292,8 @@ def redacts(name: str | None, headers: dict[str, Any]) -> bool:
 
 def on_before_publish(sender: str | None = None, headers: dict[str, Any] | None = None, *, unsure: bool = False,
                       **_: Any) -> None:
-    """Celery's ``before_task_publish`` handler: redact ``headers`` (``argsrepr``/``kwargsrepr``) in place.
-
-    ``sender`` is the task name; ``unsure``: not :func:`known` yet (an app not finalized), redacted too.
-    """
+    """Celery's ``before_task_publish`` handler: redact ``argsrepr``/``kwargsrepr`` in place (``sender``: the task
+    name; ``unsure``: not :func:`known` yet, an app not finalized: redacted too)."""
     if not headers:
         return
     args_done = str(headers.get("argsrepr") or "").startswith("<redacted")
