@@ -36,6 +36,7 @@ from idemmail_celery.errors import (
     TransientSendError,
 )
 from idemmail_celery.providers import from_url
+from idemmail_celery.providers._http import MAX_ERROR_TEXT
 from idemmail_celery.providers.http import RESEND_API_URL, HTTPProvider
 from idemmail_celery.testing import FakeProvider
 
@@ -394,7 +395,7 @@ ODD_SUBJECT = "Your  test\tresults are ready, Ann"
 @pytest.mark.parametrize("quoted", [
     ODD_SUBJECT,  # as sent: the error text's white space is collapsed before it is shown
     " ".join(ODD_SUBJECT.split()),  # the provider collapsed it itself
-    "p" * (http_module.MAX_ERROR_TEXT - 21) + " " + ODD_SUBJECT,  # across the cut to MAX_ERROR_TEXT
+    "p" * (MAX_ERROR_TEXT - 21) + " " + ODD_SUBJECT,  # across the cut to MAX_ERROR_TEXT
 ], ids=["as-sent", "collapsed", "at-the-cut"])
 def test_a_refusal_quoting_the_subject_with_other_white_space_shows_none_of_it(quoted: str) -> None:
     class Quoting(BaseHTTPRequestHandler):

@@ -1,25 +1,5 @@
-"""Email providers, chosen by URL like ledgers and kombu transports.
-
-=====================  =====================================  ======================
-URL                    provider                               de-duplicates on key
-=====================  =====================================  ======================
-``https://host/path``  Resend-compatible HTTP API             yes (Idempotency-Key)
-``resend://``          the same, at Resend's API
-``smtp://``,           SMTP (STARTTLS with ``?starttls=1``),  no: Message-ID from the
-``smtps://``           with ``smtplib``                       key; crash after DATA
-                                                              -> review
-``console://``         prints each message (development)      n/a
-``file:///dir``        one ``.eml`` per message, named by key  yes (one file per key)
-``postmark://``        Postmark ``POST /email``               no: tagged with the key;
-                                                              searched by metadata
-``sendgrid://``        SendGrid v3 ``/v3/mail/send``          no: tagged with the key;
-                                                              Email Activity search
-``ses://REGION``       Amazon SES v2, SigV4-signed            no: tagged with the key;
-                                                              events via SNS webhook
-=====================  =====================================  ======================
-
-API keys never go inside URLs: pass ``api_key=`` (``idemmail_provider_api_key``)
-or set the environment variable the provider names.
+"""Email providers, chosen by URL like ledgers and kombu transports; the table of them, and which de-duplicate on
+the key: docs/providers.md. API keys never go inside URLs: pass ``api_key=`` or set the provider's variable.
 """
 
 from __future__ import annotations

@@ -1,33 +1,6 @@
-"""The provider contract: how a message leaves, and what a failure means.
-
-A provider sends one :class:`~idemmail_celery.email.EmailMessage` under one
-intent key and returns a :class:`SendResult`, or raises one of the outcomes the
-state machine understands (:mod:`idemmail_celery.errors`):
-
-==========================  ===================================================
-raise                       when
-==========================  ===================================================
-``TransientSendError``      nothing left the process (connect refused, 401/403,
-                            429, provider still processing the same key)
-``PermanentSendError``      the provider refused the message for good (400/422)
-``AmbiguousSendError``      it may have been accepted (5xx, read timeout, a
-                            connection dropped after the request was written)
-``SendNeedsReview``         the provider holds something else under this key
-==========================  ===================================================
-
-``accepts_idempotency_key`` says whether the provider de-duplicates on the key:
-when True, an ambiguous attempt is retried with the same key; when False it is
-parked for review (or reconciled, where the provider can be asked).
-
-``writes_ahead`` says that a provider without a key calls :func:`about_to_send` right before
-the first byte that could make the message exist at the service (see :mod:`idemmail_celery._ahead`):
-a worker killed before that point is then known to have sent nothing, and its intent is sent
-again instead of being parked for review.
-
-It also holds two helpers every kind of provider needs: :func:`is_loopback`
-(plain-text transports are allowed to loopback hosts only) and
-:func:`first_time` (for errors logged once per process, such as refused
-credentials).
+"""The provider contract (docs/architecture.md, "A provider"): :class:`Provider`, :class:`SendResult`, and helpers
+every provider needs: :func:`about_to_send` (the write-ahead mark), :func:`is_loopback` (the only hosts plain-text
+credentials may reach) and :func:`first_time` (errors logged once per process).
 """
 
 from __future__ import annotations
@@ -78,11 +51,7 @@ class Provider(ABC):
         """Send ``message`` once under ``key``; raise a ``SendError`` subclass on failure."""
 
     def find_sent(self, key: str) -> SendResult | None:
-        """Ask the provider whether a message tagged with ``key`` exists.
-
-        Providers without an idempotency key implement it where the provider can
-        be searched; None means "not found or cannot ask" (not proof of absence).
-        """
+        """The message tagged with ``key``, where the provider can be searched; None is no proof of absence."""
         return None
 
     def close(self) -> None:

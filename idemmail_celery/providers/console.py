@@ -1,14 +1,6 @@
 """Development providers: ``console://`` prints each message, ``file:///dir`` writes one ``.eml`` per key.
 
-Neither talks to a mail server. Both derive the Message-ID from the intent key
-(``<key@domain>``, domain from ``?domain=`` or the sender's), and both accept (and
-ignore) ``api_key=`` and ``timeout=`` so one ``from_url(url, api_key=..., timeout=...)``
-call works for every provider.
-
-* :class:`ConsoleProvider` does not de-duplicate: a message sent twice is printed twice.
-* :class:`FileProvider` de-duplicates on the key: the file is ``<key>.eml`` and is never
-  overwritten, so a second send with the same key writes nothing and returns the same
-  Message-ID, even when two workers race. It can also answer :meth:`FileProvider.find_sent`.
+What each does and guarantees: docs/providers.md, "Development providers".
 """
 
 from __future__ import annotations
@@ -41,13 +33,9 @@ _MAX_NAME = 200  # keep "<name>.eml" under the usual 255-byte file name limit
 
 
 class ConsoleProvider(Provider):
-    """Print a short summary (key, recipient count, subject, Message-ID) and the MIME text.
+    """Print a short summary and the MIME text to ``stream=`` or ``sys.stdout`` (looked up at each send).
 
-    ``console://`` writes to ``sys.stdout`` (looked up at each send); pass ``stream=``
-    to write elsewhere. In a Celery worker, whose stdout is redirected to its log at WARNING,
-    each message is logged at INFO instead (on ``idemmail_celery.providers.console``: run the
-    worker with ``-l info`` to see them). ``?domain=`` or ``domain=`` sets the Message-ID's domain.
-    Concurrent sends from threads of one process do not interleave.
+    In a worker, whose stdout Celery logs at WARNING, each message is logged at INFO instead.
     """
 
     name = "console"
@@ -108,21 +96,9 @@ def _redirected(stream: object) -> bool:
 
 
 class FileProvider(Provider):
-    """Write each message to ``<dir>/<key>.eml`` (wire format, CRLF), at most once per key.
+    """Write each message to ``<dir>/<key>.eml`` at most once per key (created on first send).
 
-    ``file:///absolute/dir[?domain=example.com]``; the directory is created on first
-    send. A key with characters unsafe in a file name is percent-encoded; a very long
-    one is hashed. The file appears atomically (written to a temporary file, then
-    hard-linked into place, which fails if the name exists), so readers never see a
-    partial message and a concurrent second writer cannot overwrite the first. Files are
-    created readable by their owner only (mail holds personal data). On a
-    file system without hard links it falls back to an exclusive create, which still
-    never overwrites but may expose a partial file to a reader while it is written.
-
-    Returns ``SendResult(message_id, provider="file", extra={"path": ..., "created": bool})``;
-    ``created`` is False when the file already existed, and ``message_id`` is then the
-    one stored in that file. A write that fails (disk full, permissions) raises
-    :class:`~idemmail_celery.errors.TransientSendError` (reason ``"io"``): nothing was published.
+    ``extra`` holds ``path`` and ``created`` (False, with the stored Message-ID, when the file existed).
     """
 
     name = "file"
@@ -159,7 +135,6 @@ class FileProvider(Provider):
 
     @scrubbed
     def send(self, message: EmailMessage, *, key: str) -> SendResult:
-        """Write ``<key>.eml`` unless it exists; see the class docstring."""
         target = self.path_for(key)
         message_id = message_id_for(key, message_id_domain(message, self.domain))
         raw = message.to_mime(message_id=message_id).as_bytes()

@@ -1,29 +1,13 @@
-"""The Resend-compatible HTTP provider: ``resend://`` and ``https://host/path``.
+"""The Resend-compatible HTTP provider (``resend://``, ``https://host/path``), de-duplicated by ``Idempotency-Key``.
 
-One ``POST`` of JSON per send, carrying the intent key as ``Idempotency-Key``,
-so the provider drops a copy sent again under the same key: an ambiguous
-attempt (a timeout, a dropped connection, a 5xx) is safe to retry with the same
-key and the same bytes. The body is built deterministically from
-:meth:`EmailMessage.to_payload`, so a retry is byte-identical and the provider
-never sees "same key, other payload" from us.
-
-Every failure is mapped onto the provider contract
-(:mod:`idemmail_celery.providers.base`): :class:`TransientSendError` when
-nothing was accepted, :class:`PermanentSendError` when the message was refused
-for good, :class:`AmbiguousSendError` when it may have been accepted, and
-:class:`SendNeedsReview` when the provider holds another payload under the key.
-
-The API key comes from ``api_key=`` (``idemmail_provider_api_key``), else the
-environment variables ``IDEMMAIL_PROVIDER_API_KEY`` or ``RESEND_API_KEY``. It is
-never accepted inside the URL and never written to a repr, a log line or an
-exception.
+The body is built deterministically, so a retry under the same key is byte-identical; the status mapping, and
+where the API key comes from (never the URL, never a log line): docs/providers.md.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import SplitResult, urlunsplit
@@ -40,7 +24,18 @@ from ..errors import (
 )
 from ..redaction import scrub as redact
 from ..redaction import scrubbed
-from ._http import MAX_ERROR_TEXT, HTTPClientProvider, netloc, retry_after, scrub, split_url, transport_error, unbound
+from ._http import (
+    HTTPClientProvider,
+    describe_answer,
+    find_secret,
+    json_body,
+    netloc,
+    retry_after,
+    scrub,
+    split_url,
+    transport_error,
+    unbound,
+)
 from .base import SendResult, first_time, is_loopback
 
 __all__ = ["RESEND_API_URL", "HTTPProvider", "build_request_body"]
@@ -51,10 +46,6 @@ RESEND_API_URL = "https://api.resend.com/emails"
 API_KEY_ENV_VARS = ("IDEMMAIL_PROVIDER_API_KEY", "RESEND_API_KEY")
 #: Wait suggested to a caller when the provider says the same key is still being processed.
 IN_FLIGHT_RETRY_AFTER = 1.0
-#: How much of an answer is scrubbed before it is cut to ``MAX_ERROR_TEXT`` (a proxy's 5xx page can be large).
-SCRUB_WINDOW = 64 * 1024
-
-# "Once per process", also in forked workers: remember which pid logged.
 
 
 def build_request_body(message: EmailMessage) -> bytes:
@@ -84,14 +75,9 @@ def build_request_body(message: EmailMessage) -> bytes:
 
 
 class HTTPProvider(HTTPClientProvider):
-    """Sends through a Resend-compatible HTTP API, de-duplicated by ``Idempotency-Key``.
+    """Sends through a Resend-compatible HTTP API; ``http://`` only to loopback, an empty path means ``/emails``.
 
-    ``url`` is ``resend://`` (Resend's own API) or ``https://host[:port]/path``
-    (an empty path means ``/emails``); ``http://`` is accepted only for loopback
-    hosts, for tests. ``timeout`` bounds reading and writing, ``connect_timeout``
-    bounds connecting and waiting for a pooled connection. Raises
-    :class:`ConfigurationError` for a bad URL, an API key inside the URL, or no
-    API key at all. Safe to share between threads and across ``fork()``.
+    ``timeout`` bounds reading and writing, ``connect_timeout`` connecting and waiting for a pooled connection.
     """
 
     name = "resend"
@@ -107,7 +93,7 @@ class HTTPProvider(HTTPClientProvider):
         **_: Any,
     ) -> None:
         self.url = _endpoint(url)
-        key = api_key or next((os.environ[v] for v in API_KEY_ENV_VARS if os.environ.get(v)), None)
+        key = find_secret(api_key, API_KEY_ENV_VARS)
         if not key:
             raise ConfigurationError(
                 "the HTTP email provider needs an API key: set idemmail_provider_api_key (api_key=) "
@@ -121,20 +107,9 @@ class HTTPProvider(HTTPClientProvider):
 
     __str__ = __repr__
 
-    # -- sending --
-
     @scrubbed
     def send(self, message: EmailMessage, *, key: str) -> SendResult:
-        """POST ``message`` once under ``key``; a retry with the same key sends the same bytes.
-
-        Returns the provider's message id. Raises ``TransientSendError`` (connect
-        failed, auth refused, rate limited, the key still in flight),
-        ``PermanentSendError`` (rejected), ``AmbiguousSendError`` (5xx, timeout or
-        connection lost after the request was written: retry with the same key)
-        or ``SendNeedsReview`` (the provider holds another payload under the key).
-        Error texts hold no address, display name or subject of the message (a 422 often
-        quotes them): :func:`~idemmail_celery.redaction.scrubbed`.
-        """
+        """POST ``message`` once under ``key``; a retry with the same key sends the same bytes."""
         if not key:
             raise PermanentSendError("the HTTP provider needs the intent key to send", "missing_key")
         body = build_request_body(message)
@@ -155,9 +130,9 @@ class HTTPProvider(HTTPClientProvider):
     def _outcome(self, response: httpx.Response, key: str, personal: tuple[str, ...] = ()) -> SendResult:
         status = response.status_code
         if 200 <= status < 300:
-            return self._result(response, personal)
+            return self._result(response, key, personal)
         name, text = self._error_detail(response, personal)
-        detail = f"{self.url} answered {status}" + (f" ({name})" if name else "") + (f": {text}" if text else "")
+        detail = describe_answer(self.url, status, name, text)
         if status in (400, 422):
             raise PermanentSendError(detail, "rejected", key)
         if status in (401, 403):
@@ -183,30 +158,16 @@ class HTTPProvider(HTTPClientProvider):
         # 5xx, and anything else unexpected: the request was delivered and we cannot tell what became of it.
         raise AmbiguousSendError(detail, f"http_{status}", key)
 
-    def _result(self, response: httpx.Response, personal: tuple[str, ...] = ()) -> SendResult:
-        request_id = self._request_id(response)
-        try:
-            data = response.json()
-        except ValueError:
-            data = None
+    def _result(self, response: httpx.Response, key: str, personal: tuple[str, ...] = ()) -> SendResult:
+        data = json_body(response)
         message_id = data.get("id") if isinstance(data, Mapping) else None
         if isinstance(message_id, str) and message_id:
-            return SendResult(message_id=message_id, provider=self.name, request_id=request_id)
-        # Accepted all the same: raising would make the caller retry something that went out.
-        logger.warning("%s accepted the message but its response has no id (HTTP %s)", self.url, response.status_code)
-        text = self._scrub(response.text[:SCRUB_WINDOW], personal)[:MAX_ERROR_TEXT]
-        return SendResult(message_id="", provider=self.name, request_id=request_id, extra={"response": text})
+            return SendResult(message_id=message_id, provider=self.name, request_id=self._request_id(response))
+        return self._accepted_without_id(response, key, personal)
 
     def _error_detail(self, response: httpx.Response, personal: tuple[str, ...] = ()) -> tuple[str, str]:
-        """The provider's error name (``name`` or ``type``) and message, scrubbed of the API key and ``personal``.
-
-        Scrubbed before white space is collapsed and the text is cut: a subject quoted with its
-        two spaces or TAB, or cut in the middle, would no longer match.
-        """
-        try:
-            data = response.json()
-        except ValueError:
-            data = None
+        """The provider's error name (``name`` or ``type``) and message, scrubbed (see :meth:`_clip`)."""
+        data = json_body(response)
         if isinstance(data, Mapping):
             error = data.get("error")
             source: Mapping[str, Any] = error if isinstance(error, Mapping) else data
@@ -214,8 +175,7 @@ class HTTPProvider(HTTPClientProvider):
             text = source.get("message") or (error if isinstance(error, str) else "") or ""
         else:
             name, text = "", response.text
-        clean = self._scrub(str(text)[:SCRUB_WINDOW], personal)
-        return self._scrub(str(name), personal)[:100], " ".join(clean.split())[:MAX_ERROR_TEXT]
+        return self._clip(name, text, personal)
 
     def _scrub(self, text: str, personal: tuple[str, ...] = ()) -> str:
         return redact(scrub(text, (self.__api_key,), "<api key>"), personal)

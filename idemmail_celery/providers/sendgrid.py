@@ -1,31 +1,6 @@
 """SendGrid (``sendgrid://``): v3 ``POST /v3/mail/send``, reconciled through the Email Activity API.
 
-**SendGrid has no idempotency key**: two requests are two emails. Each message is
-tagged with the intent key, as the header ``X-Idemmail-Key`` and as the custom
-argument ``idemmail_key`` of its personalization, which SendGrid returns in every
-Event Webhook event (top-level, next to ``sg_message_id``) and lets the Email
-Activity API filter on. See :mod:`.postmark` for the whole approach.
-
-**Which layer protects you** with SendGrid: the ledger (one claim per intent, at
-most one send); then :meth:`SendGridProvider.find_sent`, which searches the Email
-Activity API, *only if your account has it* (a paid add-on; without it the
-search answers 403/404 and every ambiguous send is parked for review); then the
-Event Webhook (``processed``/``delivered``, see :mod:`idemmail_celery.webhooks`).
-SendGrid itself de-duplicates nothing.
-
-URL and options::
-
-    sendgrid://[?base_url=https://api.sendgrid.com&timeout=10&connect_timeout=5]
-
-The API key comes from ``api_key=`` (``idemmail_provider_api_key``) or the
-environment variable ``SENDGRID_API_KEY``, is sent as a bearer token, and never
-appears in a repr, a log line or an exception.
-
-SendGrid answers a send with ``202 Accepted``, an empty body and the header
-``X-Message-Id``; that id is what :class:`~idemmail_celery.providers.base.SendResult`
-carries. The per-recipient ``sg_message_id`` of webhook events and activity
-records *starts with* it. Errors map as in :mod:`.postmark` (SendGrid uses 400,
-not 422, for a message it refuses: ``PermanentSendError``, reason ``rejected``).
+URL, credentials and error mapping: docs/providers.md, "Postmark, SendGrid and SES".
 """
 
 from __future__ import annotations
@@ -35,8 +10,9 @@ from typing import Any
 
 import httpx
 
+from ..chain import KEY_TAG
 from ..email import EmailMessage, split_address
-from ._keyless import KEY_TAG, KeylessHTTPProvider, tagged_headers
+from ._http import KeylessHTTPProvider, tagged_headers
 from .base import SendResult
 
 __all__ = ["SENDGRID_API_URL", "SendGridProvider", "activity_query"]
@@ -55,12 +31,7 @@ def _address(text: str) -> dict[str, str]:
 
 
 class SendGridProvider(KeylessHTTPProvider):
-    """Sends through SendGrid's v3 Mail Send API; searches the Email Activity API by custom argument.
-
-    ``url`` is ``sendgrid://`` (``base_url=``, ``timeout=``, ``connect_timeout=`` as
-    query options or keywords). Raises :class:`ConfigurationError` for a bad URL or
-    no API key.
-    """
+    """Sends through SendGrid's v3 Mail Send API; searches the Email Activity API by custom argument."""
 
     name = "sendgrid"
     schemes = ("sendgrid",)
@@ -108,13 +79,10 @@ class SendGridProvider(KeylessHTTPProvider):
         return self._accepted_without_id(response, key, personal)
 
     def find_sent(self, key: str) -> SendResult | None:
-        """The first activity record tagged ``idemmail_key == key``, or None when there is none (yet).
+        """The first activity record tagged ``idemmail_key == key``, or None (no proof of absence).
 
-        Uses ``GET /v3/messages?query=unique_args['idemmail_key']="<key>"&limit=1``.
-        The Email Activity API is a paid add-on, lags the send, and is rate limited
-        (a handful of requests a minute): None is not proof of absence. Raises
-        ``TransientSendError`` when SendGrid cannot be asked (no add-on: ``auth``/
-        ``search_failed``; throttled: ``rate_limited``; connect).
+        The Email Activity API (a paid add-on) lags the send and allows a handful of requests a minute;
+        ``TransientSendError`` when SendGrid cannot be asked.
         """
         data = self._search("/v3/messages", key, {"query": activity_query(key), "limit": "1"})
         messages = data.get("messages") if isinstance(data, Mapping) else None

@@ -1,37 +1,7 @@
-"""Amazon SES (``ses://REGION``): the SES v2 HTTP API, signed with AWS Signature Version 4.
+"""Amazon SES (``ses://REGION``): the SES v2 HTTP API, signed with AWS Signature Version 4 (:func:`sign_v4`).
 
-**SES has no idempotency key**: two ``SendEmail`` calls are two emails. Each
-message is tagged with the intent key, as the header ``X-Idemmail-Key`` and as the
-message tag (``EmailTags``) ``idemmail_key``, which SES repeats in every event it
-publishes (``mail.tags.idemmail_key``). See :mod:`.postmark` for the approach.
-
-**SES cannot be searched**: there is no API that finds a sent message by tag, so
-:meth:`SESProvider.find_sent` always returns None and every ambiguous send is
-parked for review. **Which layer protects you** with SES: the ledger (one claim
-per intent, at most one send), then the event path: a configuration set
-(``?configuration_set=``) that publishes ``Send``/``Delivery`` events to an SNS
-topic, whose HTTPS subscription posts them to
-:func:`idemmail_celery.webhooks.webhook_app` (``provider="ses"``), which moves
-the parked record to ``sent``. Without a configuration set publishing events, a
-person resolves every ambiguous SES send.
-
-URL and options::
-
-    ses://eu-west-1[?configuration_set=transactional&base_url=https://email.eu-west-1.amazonaws.com&timeout=10]
-
-The region is the URL's host, else ``AWS_REGION`` / ``AWS_DEFAULT_REGION``.
-Credentials come from ``api_key="ACCESS_KEY_ID:SECRET_ACCESS_KEY"`` (optionally
-``":SESSION_TOKEN"`` appended) or the environment variables
-``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and ``AWS_SESSION_TOKEN``. No
-instance-profile or SSO lookup: pass the credentials explicitly. The secret key
-and token never appear in a repr, a log line or an exception.
-
-Every request is signed with :func:`sign_v4` (AWS Signature Version 4,
-``hmac``/``hashlib`` only; it reproduces AWS's published test-suite vectors).
-SES answers 403 to a bad signature, an unknown key or a clock more than five
-minutes off (``TransientSendError``, ``auth``), 400 to a refused message
-(``PermanentSendError``, ``rejected``) or, with a throttling error type,
-``TransientSendError`` (``rate_limited``).
+SES cannot be searched, so :meth:`SESProvider.find_sent` returns None and events confirm parked sends.
+URL, credentials and error mapping: docs/providers.md, "Postmark, SendGrid and SES".
 """
 
 from __future__ import annotations
@@ -48,9 +18,10 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import httpx
 
+from ..chain import KEY_TAG
 from ..email import EmailMessage
 from ..errors import ConfigurationError, PermanentSendError
-from ._keyless import KEY_TAG, KeylessHTTPProvider, tagged_headers
+from ._http import KeylessHTTPProvider, json_body, tagged_headers
 from .base import SendResult
 
 __all__ = ["AWSCredentials", "SESProvider", "sign_v4"]
@@ -100,10 +71,8 @@ def sign_v4(
 ) -> str:
     """The ``Authorization`` header value for a request, by AWS Signature Version 4.
 
-    ``headers`` are the headers to sign, and must include ``host`` and
-    ``x-amz-date`` (``YYYYMMDDTHHMMSSZ``, UTC) with the values actually sent. Every
-    header given is signed; the body is hashed into the signature, so the server
-    can tell if either changed on the way.
+    Every header in ``headers`` is signed, and they must include ``host`` and ``x-amz-date``
+    (``YYYYMMDDTHHMMSSZ``, UTC) as sent; the body is hashed into the signature.
     """
     parts = urlsplit(url)
     lowered = {name.lower(): " ".join(str(value).split()) for name, value in headers.items()}
@@ -131,12 +100,7 @@ def sign_v4(
 
 
 class SESProvider(KeylessHTTPProvider):
-    """Sends through SES v2 ``POST /v2/email/outbound-emails`` (a Simple message), signed with SigV4.
-
-    ``url`` is ``ses://REGION`` (``configuration_set=``, ``base_url=``,
-    ``timeout=``, ``connect_timeout=`` as query options or keywords). Raises
-    :class:`ConfigurationError` for a bad URL or region, or no credentials.
-    """
+    """Sends through SES v2 ``POST /v2/email/outbound-emails`` (a Simple message), signed with SigV4."""
 
     name = "ses"
     schemes = ("ses",)
@@ -214,10 +178,7 @@ class SESProvider(KeylessHTTPProvider):
         return "/v2/email/outbound-emails", body
 
     def _result(self, response: httpx.Response, key: str, personal: tuple[str, ...] = ()) -> SendResult:
-        try:
-            data = response.json()
-        except ValueError:
-            data = None
+        data = json_body(response)
         message_id = data.get("MessageId") if isinstance(data, Mapping) else None
         if isinstance(message_id, str) and message_id:
             return SendResult(message_id=message_id, provider=self.name, request_id=self._request_id(response))

@@ -1,77 +1,5 @@
-"""SMTP provider: ``smtp://`` and ``smtps://``, with the standard library's :mod:`smtplib`.
-
-**SMTP has no idempotency key.** A server cannot be told "this is the same message
-as before, drop it", so :attr:`SMTPProvider.accepts_idempotency_key` is False. The
-Message-ID is derived from the intent key (``<key@domain>``), which lets a person
-(or a reconciler searching the mailbox) recognise a copy, but nothing de-duplicates
-on it.
-
-**The window after DATA is physically ambiguous.** Once the server has answered
-``354`` and the message bytes are on the wire, the server may have queued the
-message even if the final ``250`` never reaches us (the connection drops, the
-reply times out, the worker dies). That case raises
-:class:`~idemmail_celery.errors.AmbiguousSendError` (reason ``"after_data"``), and
-the library **parks such sends for review rather than resend them**: you get at
-most one message, and a person decides the rare ambiguous case. Everything that
-fails before the message bytes are written is known to have sent nothing and is
-retried.
-
-URL::
-
-    smtp://[user@]host[:port][?starttls=1&timeout=10&domain=example.com&local_hostname=worker1.example.com]
-    smtps://[user@]host[:port][?...]            implicit TLS, port 465 by default (smtp: 25)
-
-The password never goes in the URL (that raises
-:class:`~idemmail_celery.errors.ConfigurationError`): pass ``password=`` (or
-``api_key=``, the name ``from_url`` callers use for every provider), or set
-``IDEMMAIL_SMTP_PASSWORD``. It is never logged and never shown in ``repr()``.
-Credentials are refused over an unencrypted connection to anything but loopback:
-use ``smtps://`` or ``?starttls=1``.
-
-Each :meth:`SMTPProvider.send` opens a fresh connection (connect, EHLO, STARTTLS,
-AUTH, one transaction, QUIT). That costs a few round trips per message and keeps
-every send independent: no connection state shared between threads or leaking
-between a failed send and the next one. ``timeout`` (default 30 s) applies to each
-socket operation, so one send can take several timeouts in the worst case: keep
-the task's lease well above it.
-
-How SMTP replies map to the outcomes the state machine understands:
-
-========================================================  =======================================
-what happened                                             raised (``reason``)
-========================================================  =======================================
-refused, timed out, TLS failure, lost before DATA         ``TransientSendError`` (``connect``)
-authentication failed (logged at ERROR once per process)  ``TransientSendError`` (``auth``)
-4xx to MAIL, to any RCPT, or to the DATA command          ``TransientSendError`` (``tempfail``)
-5xx to MAIL or the DATA command, every RCPT refused       ``PermanentSendError`` (``rejected``)
-some RCPT refused with 5xx, others accepted               sent to the accepted ones; the result's
-                                                          ``extra["refused"]`` lists the others
-lost or timed out from the first message byte on        ``AmbiguousSendError`` (``after_data``)
-interrupted (a soft time limit) before the message bytes  ``TransientSendError`` (``interrupted``)
-interrupted from the first message byte on                ``AmbiguousSendError`` (``after_data``)
-final reply 4xx / 5xx                                     ``TransientSendError`` (``tempfail``) /
-                                                          ``PermanentSendError`` (``rejected``)
-final reply 2xx                                           ``SendResult``
-any other reply before DATA (not 2xx/4xx/5xx)             ``TransientSendError`` (``protocol``)
-a non-ASCII address and a server without SMTPUTF8         ``PermanentSendError`` (``rejected``)
-========================================================  =======================================
-
-A 4xx to any RCPT fails the whole send before DATA (nothing was sent, the retry goes
-to every recipient), even if other recipients were accepted or refused for good.
-
-Every error names the stage the conversation reached (``at RCPT TO``, ``after the message
-was written``), and so does the ``review`` record of an ``after_data`` send (``ledger show``).
-A send interrupted by an exception of the worker's own (Celery's ``SoftTimeLimitExceeded``)
-is told apart the same way: before the message was written the server holds nothing, so it is
-retried, never parked; only from the first message byte on is it parked for review. A worker
-killed outright (SIGKILL) cannot say anything, so the provider says it beforehand: once the
-server has accepted ``DATA``, and before the first message byte, it writes a mark into the ledger
-(:func:`~idemmail_celery.providers.base.about_to_send`; no mark, no message). A worker killed
-before the mark sent nothing the server keeps: the next claimer sends the intent once. One killed
-after it is parked as ``lease_expired`` with ``stage: message`` (it may have been queued); the
-server's log tells, by the Message-ID ``<key@domain>``.
-
-A provider holds no connection between sends, so one instance can be shared by threads.
+"""SMTP provider (``smtp://``, ``smtps://``) with :mod:`smtplib`: no idempotency key, so a send that may have
+reached the server after DATA is parked for review. URL, options and error table: docs/providers.md, "SMTP".
 """
 
 from __future__ import annotations
@@ -83,6 +11,8 @@ import os
 import re
 import smtplib
 import ssl
+from collections.abc import Callable
+from functools import partial
 from typing import Any, NoReturn
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
@@ -135,13 +65,9 @@ def message_id_domain(message: EmailMessage, domain: str | None = None) -> str:
 
 
 class SMTPProvider(Provider):
-    """Send through an SMTP server, one connection per message; see the module docstring.
+    """Send through an SMTP server, one connection per message; keyword arguments override the URL's options.
 
-    ``url`` is ``smtp://`` or ``smtps://`` as above. Keyword arguments override the URL's
-    options: ``password``/``api_key`` (else ``IDEMMAIL_SMTP_PASSWORD``), ``timeout``
-    (seconds per socket operation), ``starttls``, ``domain`` (for the Message-ID),
-    ``local_hostname`` (the EHLO name; default the machine's FQDN) and ``ssl_context``
-    (default: the system's trusted CAs, hostname checked).
+    ``ssl_context`` defaults to the system's trusted CAs, hostname checked.
     """
 
     name = "smtp"
@@ -173,18 +99,14 @@ class SMTPProvider(Provider):
         self.domain = domain or query.get("domain") or None
         self.local_hostname = local_hostname or query.get("local_hostname") or None
         self._ssl_context = ssl_context
-        self._check_connection_options()
-        self._password = self._choose_password(password, api_key)
-        if self._password is not None and not (self.implicit_tls or self.starttls or is_loopback(self.host)):
-            raise ConfigurationError(
-                f"refusing to send SMTP credentials unencrypted to {self.host}: use smtps:// or ?starttls=1")
-
-    def _check_connection_options(self) -> None:
-        """:class:`ConfigurationError` for a timeout or a TLS choice that cannot work."""
         if self.timeout <= 0:
             raise ConfigurationError("timeout must be a positive number of seconds")
         if self.implicit_tls and self.starttls:
             raise ConfigurationError("smtps:// is already TLS from the first byte; drop ?starttls=1")
+        self._password = self._choose_password(password, api_key)
+        if self._password is not None and not (self.implicit_tls or self.starttls or is_loopback(self.host)):
+            raise ConfigurationError(
+                f"refusing to send SMTP credentials unencrypted to {self.host}: use smtps:// or ?starttls=1")
 
     def _choose_password(self, password: str | None, api_key: str | None) -> str | None:
         if password is not None and api_key is not None and password != api_key:
@@ -208,21 +130,12 @@ class SMTPProvider(Provider):
         tls = "implicit" if self.implicit_tls else "starttls" if self.starttls else "none"
         return f"SMTPProvider('{self.scheme}://{user}{self.host}:{self.port}', tls={tls}, timeout={self.timeout:g})"
 
-    # -- sending --
-
     @scrubbed
     def send(self, message: EmailMessage, *, key: str) -> SendResult:
-        """Send ``message`` in one SMTP transaction; Message-ID ``<key@domain>``, Date now.
+        """Send ``message`` in one transaction (Message-ID ``<key@domain>``, Bcc only in the envelope).
 
-        Envelope recipients are ``message.recipients()`` (Bcc only in the envelope).
-        Returns ``SendResult(message_id=<the Message-ID>, provider="smtp",
-        extra={"smtp_reply": "250 ...", "refused": [...]})``; ``refused`` (present only
-        when some recipients were refused for good while others were accepted) lists
-        ``{"index", "code", "reply"}``: ``index`` is the recipient's place (from 1) in
-        ``message.recipients()`` (to, cc, bcc), never the address, since the result is
-        stored in the ledger and replayed to duplicates. No error message carries an
-        address either (server replies are scrubbed): they reach logs, Flower and the
-        ledger. Raises as in the module's table.
+        ``extra`` holds ``smtp_reply`` and, when some recipients were refused for good, ``refused``:
+        ``{"index", "code", "reply"}`` by place, never address (results and errors reach the ledger and logs).
         """
         message_id = message_id_for(key, message_id_domain(message, self.domain))
         sender = split_address(message.sender)[1]
@@ -237,11 +150,11 @@ class SMTPProvider(Provider):
             conn = self._open(key)
             options = self._mail_options(conn, raw, international, key)
             stage = "MAIL FROM"
-            self._mail_from(conn, sender, options, key)
+            self._expect(stage, 250, key, partial(conn.mail, sender, options))
             stage = "RCPT TO"
             refused = self._rcpt_to(conn, recipients, key)
-            stage = "DATA"
-            self._data_command(conn, key)
+            stage = "DATA"  # the verb alone: until 354 the server holds no message, so a failure is safe to retry
+            self._expect(stage, 354, key, partial(conn.docmd, "data"))
             # The server stores nothing before the message's end: the write-ahead mark goes here, the
             # last moment before bytes that may make it exist. Refused (no mark): hang up mid-DATA, so
             # the server discards what it has, and send nothing.
@@ -274,8 +187,8 @@ class SMTPProvider(Provider):
         """What an interruption at ``stage`` means: before the message bytes the server holds nothing."""
         why = _describe(exc)
         if stage != "message":
-            return _transient(f"interrupted at {stage} with {self._where()} ({why}); nothing was sent: the server "
-                              "holds no message before DATA", "interrupted", key)
+            return TransientSendError(f"interrupted at {stage} with {self._where()} ({why}); nothing was sent: "
+                                      "the server holds no message before DATA", "interrupted", key)
         return AmbiguousSendError(f"interrupted after the message was written to {self._where()} ({why}): the server "
                                   "may have queued it", reason="after_data", key=key)
 
@@ -291,13 +204,13 @@ class SMTPProvider(Provider):
             conn.ehlo_or_helo_if_needed()
             if self.starttls:
                 if not conn.has_extn("starttls"):
-                    raise _transient(f"{self._where()} does not offer STARTTLS (required by ?starttls=1)",
-                                     "connect", key)
+                    raise TransientSendError(f"{self._where()} does not offer STARTTLS (required by ?starttls=1)",
+                                             "connect", key)
                 conn.starttls(context=self._tls_context())
                 conn.ehlo()
         except (OSError, ValueError) as exc:  # smtplib's errors, ssl.SSLError and socket errors are OSErrors
             _close(conn)
-            raise _transient(f"cannot connect to {self._where()}: {_describe(exc)}", "connect", key) from exc
+            raise TransientSendError(f"cannot connect to {self._where()}: {_describe(exc)}", "connect", key) from exc
         except TransientSendError:
             _close(conn)
             raise
@@ -310,17 +223,18 @@ class SMTPProvider(Provider):
             conn.login(username, password)
         except smtplib.SMTPServerDisconnected as exc:
             _close(conn)
-            raise _transient(f"{self._where()} dropped the connection during AUTH: {exc}", "connect", key) from None
+            where = self._where()
+            raise TransientSendError(f"{where} dropped the connection during AUTH: {exc}", "connect", key) from None
         except smtplib.SMTPException as exc:
             _close(conn)
             text = _describe(exc).replace(password, "***")
             message = f"SMTP authentication at {self._where()} failed: {text}"  # the user name is often an address
             _log_auth_failure_once(message)
             # from None: the server's reply is already in the message, scrubbed; nothing more to chain.
-            raise _transient(message, "auth", key) from None
+            raise TransientSendError(message, "auth", key) from None
         except OSError as exc:
             _close(conn)
-            raise _transient(f"lost {self._where()} during AUTH: {_describe(exc)}", "connect", key) from None
+            raise TransientSendError(f"lost {self._where()} during AUTH: {_describe(exc)}", "connect", key) from None
 
     def _mail_options(self, conn: smtplib.SMTP, raw: bytes, international: bool, key: str) -> list[str]:
         options: list[str] = []
@@ -336,23 +250,24 @@ class SMTPProvider(Provider):
             options.append("SMTPUTF8")
         return options
 
-    def _mail_from(self, conn: smtplib.SMTP, sender: str, options: list[str], key: str) -> None:
+    def _command(self, stage: str, key: str, call: Callable[[], tuple[int, bytes]]) -> tuple[int, bytes]:
+        """One command before DATA and its reply; a lost connection there sent nothing."""
         try:
-            code, reply = conn.mail(sender, options)
+            return call()
         except OSError as exc:
-            raise _transient(f"lost {self._where()} at MAIL FROM: {_describe(exc)}", "connect", key) from exc
-        if code != 250:
-            _refuse_before_data("MAIL FROM", code, reply, key)  # not the address: messages reach logs
+            raise TransientSendError(f"lost {self._where()} at {stage}: {_describe(exc)}", "connect", key) from exc
+
+    def _expect(self, stage: str, expected: int, key: str, call: Callable[[], tuple[int, bytes]]) -> None:
+        code, reply = self._command(stage, key, call)
+        if code != expected:
+            _refuse_before_data(stage, code, reply, key)  # names the stage, not the address: messages reach logs
 
     def _rcpt_to(self, conn: smtplib.SMTP, recipients: list[str], key: str) -> list[dict[str, Any]]:
         refused: list[dict[str, Any]] = []
         deferred: list[str] = []
         # Recipients are named by their place (#1 = the first of message.recipients()), never their address.
         for index, address in enumerate(recipients, 1):
-            try:
-                code, reply = conn.rcpt(address)
-            except OSError as exc:
-                raise _transient(f"lost {self._where()} at RCPT TO: {_describe(exc)}", "connect", key) from exc
+            code, reply = self._command("RCPT TO", key, partial(conn.rcpt, address))
             if code in (250, 251):
                 continue
             if code == 421 or not 500 <= code <= 599:  # 421: the server is closing the channel
@@ -362,23 +277,13 @@ class SMTPProvider(Provider):
             else:
                 refused.append({"index": index, "code": code, "reply": _text(reply)})
         if deferred:
-            raise _transient(f"{len(deferred)} of {len(recipients)} recipient(s) temporarily refused: "
-                             f"{'; '.join(deferred)}", "tempfail", key)
+            raise TransientSendError(f"{len(deferred)} of {len(recipients)} recipient(s) temporarily refused: "
+                                     f"{'; '.join(deferred)}", "tempfail", key)
         if len(refused) == len(recipients):
             details = "; ".join(f"#{r['index']}: {r['code']} {r['reply']}" for r in refused)
             raise PermanentSendError(f"every recipient ({len(refused)}) was refused: {details}", reason="rejected",
                                      key=key)
         return refused
-
-    def _data_command(self, conn: smtplib.SMTP, key: str) -> None:
-        # The DATA verb alone: until 354 arrives the server holds no message, so a failure is safe to retry.
-        try:
-            conn.putcmd("data")
-            code, reply = conn.getreply()
-        except OSError as exc:
-            raise _transient(f"lost {self._where()} at DATA: {_describe(exc)}", "connect", key) from exc
-        if code != 354:
-            _refuse_before_data("DATA", code, reply, key)
 
     def _transmit(self, conn: smtplib.SMTP, raw: bytes, key: str) -> str:
         """Write the message and read the final reply: from here on a lost connection is ambiguous."""
@@ -392,7 +297,7 @@ class SMTPProvider(Provider):
         if 200 <= code <= 299:
             return _reply(code, reply)
         if 400 <= code <= 499:
-            raise _transient(f"{self._where()} deferred the message: {_reply(code, reply)}", "tempfail", key)
+            raise TransientSendError(f"{self._where()} deferred the message: {_reply(code, reply)}", "tempfail", key)
         if 500 <= code <= 599:
             raise PermanentSendError(f"{self._where()} rejected the message: {_reply(code, reply)}",
                                      reason="rejected", key=key)
@@ -406,9 +311,6 @@ class SMTPProvider(Provider):
 
     def _where(self) -> str:
         return f"{self.host}:{self.port}"
-
-
-# -- helpers --
 
 
 def _parse_query(query: str) -> dict[str, str]:
@@ -443,16 +345,12 @@ def _number(value: str | None, name: str) -> float:
         raise ConfigurationError(f"SMTP URL option {name} must be a number, not {value!r}") from None
 
 
-def _transient(message: str, reason: str, key: str) -> TransientSendError:
-    return TransientSendError(message, reason=reason, key=key)
-
-
 def _refuse_before_data(command: str, code: int, reply: bytes, key: str) -> NoReturn:
     """A reply refusing MAIL or DATA: nothing was sent, so only 5xx is final."""
     if 500 <= code <= 599:
         raise PermanentSendError(f"{command} refused: {_reply(code, reply)}", reason="rejected", key=key)
     reason = "tempfail" if 400 <= code <= 499 else "protocol"
-    raise _transient(f"{command} refused: {_reply(code, reply)}", reason, key)
+    raise TransientSendError(f"{command} refused: {_reply(code, reply)}", reason, key)
 
 
 def _log_auth_failure_once(message: str) -> None:
