@@ -686,7 +686,9 @@ def test_ledger_secrets_shows_the_roster_of_live_workers(cli_ledger: Ledger) -> 
     cli_ledger.announce("worker-b:22", ["ba9876543210", "0123456789ab"], 30.0)
     out = run(cli_ledger, "ledger", "secrets")
     assert out.exit_code == 0, out.output
-    assert re.search(r"worker-a:11\s+0123456789ab\s+lapses in (29|30) s", out.output), out.output
+    # Counted down from the 30 s announced; a loaded machine (CI beside make chaos) took 4 s to get here.
+    lapse = re.search(r"worker-a:11\s+0123456789ab\s+lapses in (\d+) s", out.output)
+    assert lapse and 15 <= int(lapse.group(1)) <= 30, out.output
     shown = json.loads(run(cli_ledger, "ledger", "secrets", "--json").output)
     assert [(w["member"], w["secret_ids"]) for w in shown["workers"]] == [
         ("worker-a:11", ["0123456789ab"]), ("worker-b:22", ["ba9876543210", "0123456789ab"])]
