@@ -193,8 +193,16 @@ class Handler:
         """Another holder's claim is live: waited for (:meth:`in_flight`)."""
         return self.check_reuse(d, claim.record) or self.in_flight(d, claim.record)
 
+    def settle_new(self, d: Delivery, claim: Claim) -> Step:
+        """A key claimed for the first time (the common send): only the gates a new claim can meet (a verdict, a
+        rotation, a ledger loss, the retention; never a sealed payload, a crash or a reused key), then the run."""
+        step = (self.pending_verdict(d, claim) or self.cross_check(d, claim) or self.loss_gate(d, claim)
+                or self.retention_gate(d, claim))
+        return step or self.run(d, claim, d.payload)
+
     def settle_held(self, d: Delivery, claim: Claim) -> Step:
-        """A claim this delivery holds: the first gate that answers ends it; else the side effect runs."""
+        """A claim held before (reopened, reclaimed, resumed): the first gate that answers ends it; else the side
+        effect runs."""
         gates = (self.pending_verdict, self.cross_check, self.sealed_gate, self.crash_gate, self.loss_gate,
                  self.retention_gate, self.reuse_gate)
         for gate in gates:
@@ -205,7 +213,7 @@ class Handler:
 
     #: :meth:`settle`'s table.
     SETTLE: ClassVar[dict[ClaimStatus, Callable[[Handler, Delivery, Claim], Step]]] = {
-        ClaimStatus.DONE: settle_done, ClaimStatus.BUSY: settle_busy, ClaimStatus.ACQUIRED: settle_held,
+        ClaimStatus.DONE: settle_done, ClaimStatus.BUSY: settle_busy, ClaimStatus.ACQUIRED: settle_new,
         ClaimStatus.REOPENED: settle_held, ClaimStatus.RECLAIMED: settle_held, ClaimStatus.RESUMED: settle_held,
     }
 
