@@ -201,6 +201,7 @@ class Prototype:
         except redis.ResponseError:
             self.ifeq = False
         self.cas, self.shelve = self.client.register_script(_CAS), self.client.register_script(_SHELVE)
+        self.client.script_load(_SHELVE)  # the hybrid calls it by its digest alone
         self.client.hset(f"{ns}:epoch", mapping={"epoch": "e1"})
         # The hybrid's sent records are the ledger's own (layout 1): its shelves, fields, entries and epoch marker.
         self.shelf_ledger = RedisLedger(url, prefix=f"{ns}.hyb")
@@ -249,14 +250,20 @@ class Prototype:
         led = self.shelf_ledger
         keys = led._claim_keys(r.key)  # record, claimed, released, epoch marker, payload, shelf
         k, marker_key, shelf, field = keys[0] + ":c", keys[3], keys[-1], _field(r.key)
-        claim = f"c|1|{int(time.time() * 1000) + 300_000}|{r.fingerprint}|{r.owner}"
+        fp = _pack_fp(r.fingerprint)  # packed once, at the claim, as the ledger's claim packs it
+        claim = f"c|1|{int(time.time() * 1000) + 300_000}|{fp}|{r.owner}"
         marker, shelved, held = self._transaction(("HMGET", marker_key, "epoch", "lost"), ("HGET", shelf, field),
                                                   ("SET", k, claim, "NX", "GET", "PX", "300000"))
         if marker[0] != led._epoch.encode() or marker[1] is not None or held is not None or shelved is not None:
             raise RuntimeError("the prototype's claim met a record or a lost epoch")
         expires = int(time.time() * 1000) + 86_400_000
-        entry = f"{_b36(-(-expires // 100))}.{_pack_fp(r.fingerprint)}{_body(result, None)}"
-        if not self.shelve(keys=[k, shelf], args=[claim, field, entry, expires]):
+        entry = f"{_b36(-(-expires // 100))}.{fp}{_body(result, None)}"
+        # EVALSHA on the connection the claim used, as the ledger's hot line calls its scripts (not redis-py's
+        # Script, whose call costs more client CPU than the command).
+        conn = self.conn
+        conn.send_packed_command(conn.pack_command("EVALSHA", self.shelve.sha, 2, k, shelf, claim, field, entry,
+                                                   expires))
+        if not conn.read_response():
             raise RuntimeError("the prototype's completion lost its claim")
 
 
