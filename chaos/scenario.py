@@ -89,7 +89,7 @@ class Scenario:
 
     name: str
     broker: str = "redis"  # redis | rabbitmq
-    ledger: str = "redis"  # redis | postgresql
+    ledger: str = "redis"  # redis | postgresql | valkey (a Valkey 9 server of the run's own)
     provider: str = "http"  # http (dedupes on the key) | http-keyless (dedupe off) | smtp
     intents: int = 300
     copies: int = 3
@@ -815,7 +815,8 @@ class Run:
         self.messages = 0
         self.enqueued_at: dict[str, float] = {}  # task id -> when the orchestrator published it
         # A ledger of the run's own to stop and start (the blips), and one restart of a worker at a time.
-        self.ledger_server = RedisServer(log_dir / "ledger-redis") if s.ledger_blips else None
+        self.ledger_server = (RedisServer(log_dir / f"ledger-{s.ledger}", server=s.ledger)
+                              if s.ledger_blips or s.ledger == "valkey" else None)
         self.restart_lock = threading.Lock()
         self.blips = 0
         self.rotated = False
@@ -1088,7 +1089,7 @@ class Run:
                 targets.append(("kills", self._planned(self.kill_things)))
             if s.drill:
                 targets.append(("flush", lambda: self.flush_ledger(view)))
-            if self.ledger_server is not None:
+            if s.ledger_blips:
                 targets.append(("blips", self._planned(self.blip_ledger)))
             if s.rotate_secret_at is not None:
                 targets.append(("rotation", self._planned(self.rotate_secret)))

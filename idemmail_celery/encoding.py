@@ -90,9 +90,20 @@ def _typed_hook(o: dict[str, Any]) -> Any:
     return o  # an envelope of a type registered with kombu only stays a dict
 
 
+# Built once (json.dumps() with options builds a new encoder per call); an encoder keeps no state between calls.
+_TYPED = _TypedEncoder()
+_TYPED_SORTED = _TypedEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def typed_json_dumps(value: Any) -> str:
     """``value`` as kombu's JSON writes it (typed values in ``__type__`` envelopes); ``TypeError`` otherwise."""
-    return json.dumps(value, cls=_TypedEncoder)
+    return _TYPED.encode(value)
+
+
+def sorted_typed_json(value: Any) -> str:
+    """``value`` in kombu's typed JSON with keys sorted, no whitespace, UTF-8 (what a seal digests); ``TypeError``
+    or ``ValueError`` for what it cannot hold."""
+    return _TYPED_SORTED.encode(value)
 
 
 def typed_json_loads(text: str | bytes) -> Any:

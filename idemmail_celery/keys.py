@@ -11,7 +11,6 @@ import functools
 import hashlib
 import hmac
 import inspect
-import json
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -20,7 +19,14 @@ from typing import Any
 
 from .chain import KEY_HEADER, KEY_MARK_HEADER, SEALED_HEADERS, intent_headers
 from .email import parse_address
-from .encoding import RoundTrip, _TypedEncoder, canonical_json, json_round_trip, typed_json_dumps, typed_json_loads
+from .encoding import (
+    RoundTrip,
+    canonical_json,
+    json_round_trip,
+    sorted_typed_json,
+    typed_json_dumps,
+    typed_json_loads,
+)
 from .errors import ConfigurationError, IdempotencyKeyError, InvalidEmail, UnserializableArgumentsError
 
 #: What a task may declare as ``idempotency_key``: nothing (all bound arguments), argument names, or a
@@ -172,8 +178,7 @@ class Seal(enum.Enum):
 def args_digest(payload: Payload) -> str:
     """SHA-256 of a call's arguments as the worker receives them (kombu's typed JSON, keys sorted)."""
     try:
-        text = json.dumps({"args": payload.args, "kwargs": payload.kwargs}, cls=_TypedEncoder, sort_keys=True,
-                          separators=(",", ":"), ensure_ascii=False)
+        text = sorted_typed_json({"args": payload.args, "kwargs": payload.kwargs})
     except (TypeError, ValueError, RecursionError) as exc:
         raise UnserializableArgumentsError(f"task arguments have no JSON form to seal: {exc}") from exc
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
