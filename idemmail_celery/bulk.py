@@ -128,8 +128,9 @@ def _send_campaign(self: Task, *, campaign_id: str, recipients: list[str], subje
     policy = sender.policy_or_default()
     try:
         sender.check_call((), {**base, "to": recipients[0]} if recipients else base)  # fail the whole run early
+        sender.ensure_announced()  # no key or claim before this worker is in the roster and has read it
+        builder = sender.key_builder  # again: the order of several secrets follows the roster just read
         handler = Handler(sender.ledger, builder, policy, CampaignEffect(sender, self))
-        sender.ensure_announced()  # no claim before this worker is in the ledger's key-secret roster
     except INVALID_INPUT:
         raise
     except Exception as exc:  # the ledger does not answer, or this worker cannot send now: wait on the outage budget

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 
 from ._common import after_fork
-from .errors import LedgerError
+from .errors import LedgerError, LedgerUnavailableError
 from .keys import secret_ids
 from .ledger import Ledger
 from .ledger.base import RosterEntry
@@ -60,6 +60,7 @@ class RosterView:
         self._read_at: float | None = None  # monotonic; None: never read
         self._said = False
         self.kept = True  # False: this ledger keeps no roster
+        self._known = False  # a read has answered (or said the ledger keeps no roster)
         self._memo: tuple[list[RosterEntry] | None, Secrets, bool, Secrets] | None = None
 
     def entries(self) -> list[RosterEntry] | None:
@@ -81,15 +82,29 @@ class RosterView:
     def _refresh(self) -> None:
         try:
             self._entries = self.ledger.roster()
-            self._said = False
+            self._said, self._known = False, True
         except NotImplementedError:
-            self._entries, self.kept = None, False
+            self._entries, self.kept, self._known = None, False, True
         except Exception as exc:  # the ledger, its driver: the last answer stands until it answers
             if not self._said:
                 self._said = True
                 log.warning("idemmail: the key-secret roster could not be read (%s); keys are made as "
                             "last decided", type(exc).__name__)
         self._read_at = time.monotonic()
+
+    def ensure_read(self) -> None:
+        """Return once this process has read the roster (or learnt that the ledger keeps none), reading it now if
+        no read has answered yet; :class:`LedgerUnavailableError` if it cannot. A worker calls it before it makes a
+        key: until a read answers, :meth:`order` can only take the last secret configured, and in the first step
+        of a two-step rotation (``[old, new]``) that is ``new``, which a worker still on ``[old]`` cannot find."""
+        if self._known:
+            return
+        with self._lock:
+            if not self._known:
+                self._refresh()
+        if not self._known:
+            raise LedgerUnavailableError("the ledger's key-secret roster could not be read: no key is made before it "
+                                         "is (docs/security.md, rotation)")
 
     def order(self, secrets: Secrets) -> Secrets:
         """:func:`active_order` of ``secrets`` by this roster (no read at all with one secret); as configured

@@ -362,13 +362,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     f"message header format {chain.format!r} is newer than this worker reads "
                     f"({', '.join(READ_FORMATS)}): upgrade this worker"), self)
             state.rescheduled = chain.rescheduled or bool(request.retries)
+            self.ensure_announced()  # before a key is made: a key made on an unread roster may be one not all hold
             key, older = self._claim_key(payload, headers.get(KEY_HEADER), chain)
             # Whatever it publishes next carries this key; not sealed here: every publish point seals last.
             state.key_headers = key_headers(key, older)
             headers.update(state.key_headers)
             Republisher(self).wait_until_due(headers, chain.not_before)
-            handler = self.handler  # opens the ledger: its driver is imported here
-            self.ensure_announced()
+            handler = self.handler
         except (PermanentSendError, Retry, Ignore):
             raise  # a key that cannot be made of the call (refused by name), or the next hop of a wait
         except Exception as exc:
@@ -395,10 +395,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return self._carry_out(step, headers)
 
     def ensure_announced(self) -> None:
-        """In a worker: return once the ledger's key-secret roster holds this worker (raises :class:`LedgerError`)."""
+        """In a worker: return once the ledger's key-secret roster holds this worker and, with several key secrets,
+        this process has read it (raises :class:`LedgerError`): no key is made or claimed on a guess."""
         found = roster.running.get(id(self.app))
         if found is not None:
             found.ensure(self.ledger)
+            if len(self.idem_settings.key_secrets) > 1:
+                roster.view(self.ledger).ensure_read()
 
     def policy_or_default(self) -> Policy:
         """:attr:`policy`, or the defaults when the settings cannot be read (for paths that must go on anyway)."""

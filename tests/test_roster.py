@@ -142,3 +142,42 @@ def test_the_first_announcement_holds_no_start_up_and_a_claim_waits_for_it(
     finally:
         gate.set()
         beat.stop()
+
+
+def test_a_worker_makes_no_key_before_a_roster_read_has_answered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``make chaos`` (campaign-blips-rotate, 2026-11-29) found it: a worker in the first step of a two-step rotation
+    (``[old, new]``) whose first roster read failed (the ledger just back from an outage) took the last secret,
+    ``new``, for its keys while a worker still on ``[old]`` ran: 23 recipients were sent under both keys. A worker
+    now reads the roster before it makes a key (``ensure_announced``), and its delivery waits while it cannot."""
+    from idemmail_celery.errors import LedgerUnavailableError
+    from idemmail_celery.worker import announcer
+
+    send = sender(tmp_path, [OLD, NEW])  # step 1 of two: keys under `old`, records under `new` found
+    ledger = send.ledger
+    ledger.announce("old-worker:1", [OLD_ID], 30.0)  # a worker not redeployed yet
+    real_roster, reads = ledger.backend.roster, []
+
+    def down() -> list[RosterEntry]:
+        reads.append("down")
+        raise LedgerUnavailableError("down")
+
+    monkeypatch.setattr(ledger.backend, "roster", down)
+    beat = announcer(send.app)
+    beat.ensure(ledger)  # this worker's own entry landed: the announcement is not the read
+    monkeypatch.setitem(roster.running, id(send.app), beat)
+    try:
+        # What an unread roster gives (the last secret): a key no worker on [old] can find.
+        guessed = send.key_builder.derive(send.key_builder.payload(("ann@example.com",), {}))
+        with pytest.raises(LedgerUnavailableError, match="roster could not be read"):
+            send.ensure_announced()
+        assert len(reads) == 2  # the cached failed read was not taken for an answer: read again, at once
+        monkeypatch.setattr(ledger.backend, "roster", real_roster)
+        send.ensure_announced()  # the ledger answers: read now, not after the refresh interval
+        made = send.key_builder.derive(send.key_builder.payload(("ann@example.com",), {}))
+        old_only = sender(tmp_path, [OLD])
+        assert made == old_only.key_builder.derive(old_only.key_builder.payload(("ann@example.com",), {}))
+        assert made != guessed
+        send.ensure_announced()  # read once: no round trip per delivery
+        assert len(reads) == 2
+    finally:
+        beat.stop()
