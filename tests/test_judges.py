@@ -122,6 +122,28 @@ def test_verdict_bounds_the_copies_one_ambiguous_fault_explains(keyed: HTTPFake)
     assert any(f"at most {DEDUPED_PER_FAULT} each" in p for p in verdict(r)), verdict(r)
 
 
+def test_a_request_delivered_just_before_the_provider_stopped_explains_its_resend(keyed: HTTPFake) -> None:
+    """provider-outage (2026-11-29): the stop cut one delivered request's connection before its answer, the library
+    resent it under its key after the outage, and the provider answered from its memory. That resend is explained
+    by the stop (``cut``), not by a planned fault; one outside the stop's span is not."""
+    import time
+
+    sender = HTTPProvider(keyed.url, api_key=keyed.api_key, timeout=5.0)
+    cut_key, other_key = key_of(0), key_of(1)
+    try:
+        sender.send(message(1), key=other_key)
+        time.sleep(0.05)
+        start = time.time()
+        sender.send(message(0), key=cut_key)  # delivered as the stop began
+        cut = (start, time.time())
+        for i, key in enumerate((cut_key, other_key)):
+            sender.send(message(i), key=key)  # each resent under its key: answered from the provider's memory
+    finally:
+        sender.close()
+    assert keyed.deduped() == (2, 2, 0)
+    assert keyed.deduped(cut=cut) == (2, 1, 1)  # the cut request's resend explained, the other's not
+
+
 def test_verdict_fails_a_run_whose_planned_disturbances_did_not_happen() -> None:
     s = Scenario(name="planned", intents=100, kills=6, fault_rate=0.05, ledger_blips=3, rotate_secret_at=0.25)
     assert verdict(clean_run(s)) == []
