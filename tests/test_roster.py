@@ -144,7 +144,9 @@ def test_the_first_announcement_holds_no_start_up_and_a_claim_waits_for_it(
         beat.stop()
 
 
-def test_a_worker_makes_no_key_before_a_roster_read_has_answered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_worker_makes_no_key_before_a_roster_read_has_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``make chaos`` (campaign-blips-rotate, 2026-11-29) found it: a worker in the first step of a two-step rotation
     (``[old, new]``) whose first roster read failed (the ledger just back from an outage) took the last secret,
     ``new``, for its keys while a worker still on ``[old]`` ran: 23 recipients were sent under both keys. A worker
