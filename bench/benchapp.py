@@ -37,7 +37,7 @@ from celery.signals import task_postrun, task_prerun, worker_ready
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
-from chaos.procs import cpu_ticks, tree_cpu_seconds
+from chaos.procs import cpu_seconds, tree_cpu_seconds
 from idemmail_celery import IdempotentTask
 from idemmail_celery.bulk import CAMPAIGN_TASK
 from idemmail_celery.mail import TASK_NAME as SEND_EMAIL
@@ -305,7 +305,7 @@ if _window:
 def _cpu_at_ready(**_: Any) -> None:
     # Start of the drain: the worker's own CPU so far (imports, pool start-up) is left out.
     _r.hset(keys(RUN)["times"], mapping={"cpu_ready": tree_cpu_seconds(os.getpid()),
-                                         "cpu_ready_main": cpu_ticks(os.getpid()) / os.sysconf("SC_CLK_TCK")})
+                                         "cpu_ready_main": cpu_seconds(os.getpid())})
 
 
 if os.environ.get("BENCH_POSTRUN"):

@@ -46,10 +46,14 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` alone (0 if it is gone)."""
+    return cpu_ticks(pid) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds (user + system) of ``pid`` and its live children."""
-    ticks = cpu_ticks(pid) + sum(cpu_ticks(c) for c in children_of(pid))
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return cpu_seconds(pid) + sum(cpu_seconds(c) for c in children_of(pid))
 
 
 class WorkerProcess:
@@ -115,7 +119,7 @@ class WorkerProcess:
     def main_cpu_seconds(self) -> float:
         """CPU seconds of the worker's main process alone (the consumer: fetch, dispatch, acknowledgement)."""
         pid = self.pid
-        return cpu_ticks(pid) / os.sysconf("SC_CLK_TCK") if pid else 0.0
+        return cpu_seconds(pid) if pid else 0.0
 
     def kill(self) -> None:
         """SIGKILL the whole worker (main process and pool children) and reap it."""

@@ -110,8 +110,7 @@ def _send_campaign(self: Task, *, campaign_id: str, recipients: list[str], subje
     as the state ``PROGRESS``) counts by outcome and ``total``; pending ones get more passes (``MAX_PASSES``)."""
     sender: SendEmailTask = self.app.tasks[SEND_EMAIL]
     try:
-        builder = sender.key_builder
-        request_headers = _trusted(self, sender)
+        request_headers = _trusted(self, sender)  # its seal check raises what the key builder's settings raise
     except IdemmailError as exc:  # no key secret, bad settings: its pass state cannot be read here, nor kept
         sender.wait_as_received(exc, running=self)
     base = {"subject": subject, "text": text, "html": html, "from_": from_, "event_id": campaign_id,
@@ -129,7 +128,7 @@ def _send_campaign(self: Task, *, campaign_id: str, recipients: list[str], subje
     try:
         sender.check_call((), {**base, "to": recipients[0]} if recipients else base)  # fail the whole run early
         sender.ensure_announced()  # no key or claim before this worker is in the roster and has read it
-        builder = sender.key_builder  # again: the order of several secrets follows the roster just read
+        builder = sender.key_builder  # after the roster's read: the order of several secrets follows it
         handler = Handler(sender.ledger, builder, policy, CampaignEffect(sender, self))
     except INVALID_INPUT:
         raise

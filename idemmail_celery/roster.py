@@ -60,7 +60,6 @@ class RosterView:
         self._read_at: float | None = None  # monotonic; None: never read
         self._said = False
         self.kept = True  # False: this ledger keeps no roster
-        self._known = False  # a read has answered (or said the ledger keeps no roster)
         self._memo: tuple[list[RosterEntry] | None, Secrets, bool, Secrets] | None = None
 
     def entries(self) -> list[RosterEntry] | None:
@@ -82,9 +81,9 @@ class RosterView:
     def _refresh(self) -> None:
         try:
             self._entries = self.ledger.roster()
-            self._said, self._known = False, True
+            self._said = False
         except NotImplementedError:
-            self._entries, self.kept, self._known = None, False, True
+            self._entries, self.kept = None, False
         except Exception as exc:  # the ledger, its driver: the last answer stands until it answers
             if not self._said:
                 self._said = True
@@ -92,17 +91,22 @@ class RosterView:
                             "last decided", type(exc).__name__)
         self._read_at = time.monotonic()
 
+    @property
+    def known(self) -> bool:
+        """Has a read answered: the entries (a list, maybe empty), or that the ledger keeps no roster?"""
+        return self._entries is not None or not self.kept
+
     def ensure_read(self) -> None:
         """Return once this process has read the roster (or learnt that the ledger keeps none), reading it now if
         no read has answered yet; :class:`LedgerUnavailableError` if it cannot. A worker calls it before it makes a
         key: until a read answers, :meth:`order` can only take the last secret configured, and in the first step
         of a two-step rotation (``[old, new]``) that is ``new``, which a worker still on ``[old]`` cannot find."""
-        if self._known:
+        if self.known:
             return
         with self._lock:
-            if not self._known:
+            if not self.known:
                 self._refresh()
-        if not self._known:
+        if not self.known:
             raise LedgerUnavailableError("the ledger's key-secret roster could not be read: no key is made before it "
                                          "is (docs/security.md, rotation)")
 
